@@ -1,0 +1,134 @@
+"""Torch reference for paged append-attention and the KV write.
+
+These are the twins of the CUDA kernels (same signatures); the CPU path and CI run them.
+
+Terms: a *block* holds `block_size` consecutive tokens' keys and values of one sequence; a
+sequence's *block table* lists its blocks in order; a token's *slot* is
+`block_id * block_size + offset`. Each sequence in a step contributes a *query* of one or more new
+tokens (a prefill chunk, a decode token, or 1 + k tokens to verify) that attends causally to the
+sequence's whole context, cached tokens first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's query tokens sit in the flat batch and in the paged cache."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cu_num_query_tokens
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def all_single_token(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+    value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def append_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its paged context (GQA aware).
+
+    A query token at position `p` sees context positions `c` with `c <= p` and, under a sliding
+    window `w`, `p - c < w`.
+    """
+    if meta.all_single_token:
+        return _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        start = starts[i]
+        keys, values = _gather_context(key_cache, value_cache, meta.block_tables[i], seq_len)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)  # [query_len, seq_len]
+        seq_query = query[start : start + query_len].unsqueeze(0)
+        attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
+        out[start : start + query_len] = attended[0]
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """All sequences have one query token: one padded batched call instead of a loop."""
+    max_len = max(meta.seq_lens_cpu)
+    block_size = key_cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[:, :num_blocks].long()
+    keys = key_cache[tables].flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, num_kv_heads, head_dim]
+    values = value_cache[tables].flatten(1, 2)[:, :max_len]
+    k_pos = torch.arange(max_len, device=query.device)[None, :]
+    q_pos = (meta.seq_lens.long() - 1)[:, None]
+    mask = _visible(q_pos, k_pos, sliding_window)[:, None, :]  # [num_seqs, 1, max_len]
+    return _sdpa(query.unsqueeze(1), keys, values, mask, scale)[:, 0]
+
+
+def _gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    block_size = key_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+    values = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return keys, values
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
+def _sdpa(
+    query: torch.Tensor,  # [batch, query_len, num_heads, head_dim]
+    keys: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
+    values: torch.Tensor,
+    mask: torch.Tensor,  # [batch or 1, query_len, kv_len] bool
+    scale: float,
+) -> torch.Tensor:  # [batch, query_len, num_heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,91 @@
+"""Per-request detokenization and stop checks, one token at a time.
+
+Tokens are checked one by one even when a step yields several (speculative decoding), so a stop
+inside accepted drafts ends the request at exactly the right token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.sequence import FinishReason, Sequence
+from shared.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class TextState:
+    decoder: IncrementalDecoder
+    text: str = ""
+    num_emitted_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, TextState] = {}
+
+    def start(self, seq: Sequence) -> None:
+        decoder = self.tokenizer.decode_stream(seq.prompt_token_ids, seq.params.skip_special_tokens)
+        self.states[seq.request_id] = TextState(decoder)
+
+    def release(self, request_id: str) -> TextState | None:
+        return self.states.pop(request_id, None)
+
+    def text(self, request_id: str) -> str:
+        return self.states[request_id].text
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Appends tokens to `seq` until one ends it; returns how many were kept."""
+        state = self.states[seq.request_id]
+        for n, token_id in enumerate(token_ids, start=1):
+            seq.append_token(token_id)
+            reason = self._token_stop(seq, token_id)
+            if reason is None:
+                checked = len(state.text)
+                state.text += state.decoder.step([token_id])
+                reason = self._string_stop(seq, state, checked)
+            if reason is None and seq.num_output_tokens >= seq.params.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                seq.finish_reason = reason
+                return n
+        return len(token_ids)
+
+    def take_delta(self, seq: Sequence) -> str:
+        """New text since the last call, holding back a tail that could still begin a stop string."""
+        state = self.states[seq.request_id]
+        end = len(state.text)
+        if seq.finish_reason is None and seq.params.stop:
+            end = max(state.num_emitted_chars, end - (max(len(s) for s in seq.params.stop) - 1))
+        delta = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = end
+        return delta
+
+    @staticmethod
+    def _token_stop(seq: Sequence, token_id: int) -> FinishReason | None:
+        if seq.num_output_tokens < seq.params.min_tokens:
+            return None
+        if not seq.params.ignore_eos and token_id in seq.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in seq.params.stop_token_ids:
+            seq.stop_reason = token_id
+            return FinishReason.STOP
+        return None
+
+    @staticmethod
+    def _string_stop(seq: Sequence, state: TextState, checked: int) -> FinishReason | None:
+        """Finds the earliest stop string that ends in the new text (`text[checked:]`) and cuts it off."""
+        if not seq.params.stop or seq.num_output_tokens < seq.params.min_tokens:
+            return None
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, checked - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in seq.params.stop:
+            at = state.text.find(stop, window_start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        state.text = state.text[: best[0]]
+        seq.stop_reason = best[1]
+        return FinishReason.STOP

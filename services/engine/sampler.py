@@ -1,0 +1,148 @@
+"""Turns target logits into tokens, per request: penalties, temperature, min_p, top_k, top_p, sample.
+
+Sampling uses the exponential-race form of the Gumbel-max trick: with `q ~ Exp(1)` i.i.d. per
+token, `argmax(probs / q)` is a sample from `probs`. Each seeded request draws `q` from its own
+generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sequence import TokenLogprobs
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling inputs of the rows that produce a token this step, one entry per row."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    suppressed_token_ids: list[list[int]]
+    """Ids that must not be sampled now (EOS and stop ids before `min_tokens`)."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator, logprobs_mode: str = "processed"):
+        self.default_generator = default_generator
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # logits: [num_rows, vocab_size] float32
+        raw_logits = logits
+        logits = apply_penalties(logits, batch)
+        scaled = apply_temperature(logits, batch.params)
+        probs = truncated_probs(scaled, batch.params)
+        token_ids = self._sample(probs, logits, batch)
+        logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
+        if any(p.logprobs is not None for p in batch.params):
+            source = raw_logits if self.logprobs_mode == "raw" else scaled
+            logprobs = gather_logprobs(torch.log_softmax(source, dim=-1), token_ids, batch.params)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _sample(self, probs: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """probs: [num_rows, vocab]; greedy rows take the argmax of the penalised logits."""
+        noise = torch.empty_like(probs).exponential_(generator=self.default_generator)
+        for i, generator in enumerate(batch.generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in batch.params], device=probs.device)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Suppressed ids, then repetition (prompt + output), frequency and presence (output) penalties."""
+    logits = logits.clone()
+    for i, ids in enumerate(batch.suppressed_token_ids):
+        if ids:
+            logits[i, ids] = float("-inf")
+    rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+    if not rows:
+        return logits
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    counts = torch.zeros(len(rows), vocab_size, device=device)
+    seen_in_prompt = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for r, i in enumerate(rows):
+        out = torch.tensor(batch.output_token_ids[i], dtype=torch.long, device=device)
+        counts[r].index_add_(0, out, torch.ones(len(out), device=device))
+        seen_in_prompt[r, torch.tensor(batch.prompt_token_ids[i], dtype=torch.long, device=device)] = True
+    params = [batch.params[i] for i in rows]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    sub = logits[rows]
+    seen = seen_in_prompt | (counts > 0)
+    penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalised, sub)
+    sub = sub - frequency * counts - presence * (counts > 0).float()
+    logits[rows] = sub
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Divides each row by its temperature; greedy rows (temperature 0) are left at temperature 1."""
+    temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    return logits / torch.tensor(temperatures, device=logits.device)[:, None]
+
+
+def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax, then min_p, top_k and top_p masks; returns the renormalised distribution."""
+    probs = torch.softmax(logits, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]
+    if (min_p > 0).any():
+        keep &= probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+    if any(top_k) or (top_p < 1).any():
+        keep &= _top_k_top_p_mask(probs.masked_fill(~keep, 0.0), top_k, top_p)
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _top_k_top_p_mask(probs: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the top_k most likely tokens, then the smallest prefix of them whose mass reaches top_p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    k = torch.tensor([t if t > 0 else probs.shape[-1] for t in top_k], device=probs.device)[:, None]
+    keep_sorted = rank < k
+    sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
+    mass = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = mass.cumsum(dim=-1) - mass
+    keep_sorted &= mass_before < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """logprobs: [num_rows, vocab]; the sampled token's value and the top-n of each requesting row."""
+    out: list[TokenLogprobs | None] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        token = int(token_ids[i])
+        top = torch.topk(logprobs[i], p.logprobs) if p.logprobs else None
+        alternatives = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        out.append(TokenLogprobs(token, float(logprobs[i, token]), alternatives))
+    return out

@@ -1,0 +1,125 @@
+"""The worker's batch scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+Every step it spends a token budget first on running sequences, oldest first (a decode token or
+the next prefill chunk each), then admits waiting sequences first-come-first-served. When the KV
+cache cannot hold a running sequence's next tokens, the newest running sequence is preempted: its
+blocks are freed and it goes back to the head of the queue, to be recomputed (prompt plus the
+tokens it already produced) when room returns. Preemption never changes a greedy token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    """Tokens each sequence computes this step (1 for a decode, a chunk for a prefill)."""
+    num_preempted: int = 0
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if batch.num_preempted == 0:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends `seq` and returns its blocks (full ones stay in the prefix cache)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_new, batch):
+                break  # seq itself was preempted; everything after it already was
+            self.block_manager.append_slots(seq, num_new)
+            batch.add(seq, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempts the newest running sequences until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_append(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.match_prefix(seq)
+            remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.block_manager.can_allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, cached)
+            self.block_manager.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new

@@ -1,0 +1,80 @@
+"""Engine configuration shared by every worker role (mixed, prefill, decode) and the offline API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_CHUNKED_PREFILL_TOKENS = 2048
+
+
+class EngineConfig(BaseModel):
+    """What a worker loads and how it batches. Unset sizes are derived from the model and device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV cache dtype; auto is float32 on CPU, bfloat16 on GPU."""
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N`, or auto (cuda when available)."""
+    max_model_len: int | None = Field(default=None, ge=2)
+    """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
+    block_size: int = Field(default=16, ge=1, le=256)
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    """Fixed number of KV-cache blocks; overrides the memory-based sizing."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory the worker may use for weights, activations and KV cache."""
+    cpu_kv_cache_space_gib: float = Field(default=2.0, gt=0.0)
+    """KV-cache budget on CPU in GiB (the CPU analogue of gpu_memory_utilization)."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Most sequences decoded together in one step."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens (prefill chunks + decodes) in one forward; defaults to 2048 with chunked prefill."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps, mixed with decodes."""
+    enable_prefix_caching: bool = True
+    """Share KV blocks of equal prompt prefixes across requests."""
+    seed: int = Field(default=0, ge=0)
+    """Seed for requests that do not set their own."""
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    """`processed`: log-probabilities after penalties and temperature (the distribution sampled
+    from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        return self
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget; without chunked prefill it must hold a whole prompt."""
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({max_model_len}) with chunked prefill off; raise it, lower max_model_len, "
+                    "or enable chunked prefill"
+                )
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return DEFAULT_CHUNKED_PREFILL_TOKENS
+        return max(max_model_len, DEFAULT_CHUNKED_PREFILL_TOKENS)

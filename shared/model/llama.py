@@ -1,0 +1,126 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+
+The model is pure: it takes flat token ids of every sequence in the step, their positions, the
+attention metadata and the per-layer KV caches, and returns hidden states. Only the rows that need
+logits go through `compute_logits`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import AttentionMetadata
+from shared.model.config import ModelConfig
+from shared.model.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""(key_cache, value_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.rotary = rotary
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = kernels.append_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for every supported architecture: they differ only in config-driven details
+    (qkv bias, sliding windows, RoPE scaling, tied embeddings)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary, window) for window in config.sliding_windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head when the checkpoint ties them (again after
+        materialising from meta, which unties parameters)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,91 @@
+"""Per-request sampling parameters, validated once where the request enters the system."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+"""Upper bound on `logprobs` (top-n alternatives returned per generated token)."""
+
+
+class SamplingParams(BaseModel):
+    """How one request turns the target model's logits into tokens, and when it stops.
+
+    Processing order per step (as vLLM v1): repetition / frequency / presence penalties →
+    temperature → min_p → top_k → top_p → sample. `temperature == 0` means greedy (argmax of the
+    penalised logits; the truncation settings are then irrelevant).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    """Softmax temperature; 0 selects greedy decoding."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Keep the smallest set of most likely tokens whose probability mass reaches `top_p`."""
+    top_k: int = Field(default=0, ge=-1)
+    """Keep the `top_k` most likely tokens; 0 or -1 disables."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Drop tokens whose probability is below `min_p` times the most likely token's."""
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    """CTRL-style penalty on tokens of prompt and output: positive logits divided, negative multiplied."""
+    max_tokens: int = Field(default=16, ge=1)
+    """Most tokens to generate."""
+    min_tokens: int = Field(default=0, ge=0)
+    """EOS and stop token ids are suppressed, and stop strings ignored, until this many tokens exist."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings; the text ends just before the first one (it is not returned)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end the request (kept in `token_ids`, left out of the text)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Return the sampled token's log-probability and the top-n alternatives of each step."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the text."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_non_negative(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

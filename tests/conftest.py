@@ -1,0 +1,94 @@
+"""Shared fixtures: small random Hugging Face checkpoints that transformers itself writes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB_SIZE = 384
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé tëxt ✓ 你好\n",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[EOS, "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE
+    return tokenizer
+
+
+CheckpointFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer: Tokenizer) -> CheckpointFactory:
+    """Writes a random checkpoint with `transformers.save_pretrained` plus a tokenizer; cached by arguments."""
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{arch}-ckpt")
+            _write_checkpoint(path, arch, seed, overrides, byte_level_tokenizer)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+def _write_checkpoint(path: Path, arch: str, seed: int, overrides: dict[str, Any], tokenizer: Tokenizer) -> None:
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    eos_id = tokenizer.token_to_id(EOS)
+    settings: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**settings)).eval()
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE, "model_max_length": 512})
+    )
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
