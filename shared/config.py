@@ -63,7 +63,8 @@ class EngineConfig(BaseModel):
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget; without chunked prefill it must hold a whole prompt."""

@@ -73,9 +73,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _check_ranges(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
     @property
@@ -84,8 +82,4 @@ class SamplingParams(BaseModel):
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

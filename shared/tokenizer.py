@@ -79,7 +79,9 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer, prefix_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=prefix_ids[-self.PRIME_TOKENS :], skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(
+            ids=prefix_ids[-self.PRIME_TOKENS :], skip_special_tokens=skip_special_tokens
+        )
 
     def step(self, token_ids: list[int]) -> str:
         """Feeds new ids; returns the text they complete ('' while a character is still partial)."""
@@ -108,7 +110,9 @@ def _ids(value: object) -> set[int]:
         return set()
     if isinstance(value, int):
         return {value}
-    return {int(v) for v in value}  # type: ignore[union-attr]
+    if isinstance(value, list | tuple):
+        return {int(v) for v in value}
+    raise ModelConfigError(f"eos_token_id must be an int or a list of ints, not {value!r}")
 
 
 def _raise_template_error(message: str) -> None:

@@ -46,7 +46,9 @@ CheckpointFactory = Callable[..., Path]
 
 
 @pytest.fixture(scope="session")
-def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer: Tokenizer) -> CheckpointFactory:
+def make_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer: Tokenizer
+) -> CheckpointFactory:
     """Writes a random checkpoint with `transformers.save_pretrained` plus a tokenizer; cached by arguments."""
     made: dict[str, Path] = {}
 
@@ -61,7 +63,9 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, byte_level_tokeniz
     return make
 
 
-def _write_checkpoint(path: Path, arch: str, seed: int, overrides: dict[str, Any], tokenizer: Tokenizer) -> None:
+def _write_checkpoint(
+    path: Path, arch: str, seed: int, overrides: dict[str, Any], tokenizer: Tokenizer
+) -> None:
     import transformers
 
     config_cls, model_cls = {

@@ -1,8 +1,8 @@
 """The engine every worker runs: schedule a batch, run it, turn sampled tokens into outputs.
 
-    batch = scheduler.schedule()
-    sampled = model_runner.execute(batch)
-    outputs = postprocess(batch, sampled)
+batch = scheduler.schedule()
+sampled = model_runner.execute(batch)
+outputs = postprocess(batch, sampled)
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class LLMEngine:
         requested_len = config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, requested_len)
         self.max_model_len = self._fit_max_model_len(requested_len)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -69,8 +71,12 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-            self.model_config.architecture, self.runner.device, self.runner.dtype,
-            self.runner.num_kv_blocks, config.block_size, self.max_model_len,
+            self.model_config.architecture,
+            self.runner.device,
+            self.runner.dtype,
+            self.runner.num_kv_blocks,
+            config.block_size,
+            self.max_model_len,
         )
 
     # ---- requests ---------------------------------------------------------------------------------

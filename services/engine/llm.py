@@ -46,7 +46,9 @@ class LLM:
                         progress.update(1)
         return [finished[request_id] for request_id in request_ids]
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate(prompt_token_ids=[ids], sampling_params=sampling_params)[0]

@@ -78,7 +78,10 @@ class ModelRunner:
             end = start + num_new
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            slots += [
+                seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)
+            ]
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
@@ -157,7 +160,10 @@ class ModelRunner:
         c = self.model_config
         shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(c.num_hidden_layers)
         ]
 

@@ -143,4 +143,6 @@ def _as_ids(value: object) -> tuple[int, ...]:
         return ()
     if isinstance(value, int):
         return (value,)
-    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    raise ModelConfigError(f"eos_token_id must be an int or a list of ints, not {value!r}")

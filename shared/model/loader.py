@@ -91,14 +91,18 @@ def _copy_into(
     with torch.no_grad():
         if part is None:
             if param.shape != tensor.shape:
-                raise ModelConfigError(f"{target}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                raise ModelConfigError(
+                    f"{target}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                )
             param.copy_(tensor)
             return
         sizes = _part_sizes(model, target)
         offset = sum(sizes[:part])
         rows = param.narrow(0, offset, sizes[part])
         if rows.shape != tensor.shape:
-            raise ModelConfigError(f"{target}[{part}]: checkpoint shape {tuple(tensor.shape)} != {tuple(rows.shape)}")
+            raise ModelConfigError(
+                f"{target}[{part}]: checkpoint shape {tuple(tensor.shape)} != {tuple(rows.shape)}"
+            )
         rows.copy_(tensor)
 
 

@@ -31,7 +31,10 @@ def expected(checkpoint) -> list[list[int]]:
     with torch.inference_mode():
         for ids in prompts():
             generated = model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
                 pad_token_id=0,
             )
             outputs.append(generated[0, len(ids) :].tolist())
@@ -41,9 +44,13 @@ def expected(checkpoint) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 ENGINE_VARIANTS = {
-    "chunked+prefix": dict(enable_chunked_prefill=True, enable_prefix_caching=True, max_num_batched_tokens=32),
+    "chunked+prefix": dict(
+        enable_chunked_prefill=True, enable_prefix_caching=True, max_num_batched_tokens=32
+    ),
     "no-chunk": dict(enable_chunked_prefill=False, enable_prefix_caching=False),
-    "chunked-no-prefix": dict(enable_chunked_prefill=True, enable_prefix_caching=False, max_num_batched_tokens=20),
+    "chunked-no-prefix": dict(
+        enable_chunked_prefill=True, enable_prefix_caching=False, max_num_batched_tokens=20
+    ),
     # 12 blocks of 8 tokens: fewer than the batch needs, so sequences are preempted and recomputed
     "preemption": dict(num_kv_blocks=12, block_size=8, max_num_batched_tokens=40),
     "one-seq-at-a-time": dict(max_num_seqs=1),

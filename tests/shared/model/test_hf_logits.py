@@ -42,7 +42,9 @@ def run_prefill(model, token_ids: list[int], block_size: int = 4) -> torch.Tenso
     logits = []
     for start, end in ((0, split), (split, len(token_ids))):
         positions = torch.arange(start, end)
-        slots = torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(start, end)])
+        slots = torch.tensor(
+            [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        )
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
@@ -84,8 +86,13 @@ def test_unsupported_rope_type_is_refused() -> None:
     from shared.model import ModelConfigError
 
     raw = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
     }
     with pytest.raises(ModelConfigError, match="yarn"):
         ModelConfig.from_dict(raw)

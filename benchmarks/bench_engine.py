@@ -1,0 +1,91 @@
+"""Offline engine throughput: output tokens per second at several batch sizes.
+
+    python -m benchmarks.bench_engine --shape llama-tiny --batch-sizes 1 32
+
+Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
+tokens each (greedy, EOS ignored), after one warm-up run. Results are printed as a table and
+written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.random_model import SHAPES, write_random_checkpoint
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+
+
+def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(batch)
+    prompts = [
+        torch.randint(1, vocab_size, (prompt_len,), generator=generator).tolist() for _ in range(batch)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=params.model_copy(update={"max_tokens": 4}))
+    started = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - started
+    num_out = sum(len(o.token_ids) for o in outputs)
+    return {
+        "batch": batch,
+        "output_tokens": num_out,
+        "seconds": elapsed,
+        "output_tok_per_s": num_out / elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="llama-tiny", choices=sorted(SHAPES))
+    parser.add_argument("--model", help="an existing model directory instead of a random --shape")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine.json"))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or str(
+            write_random_checkpoint(args.shape, Path(tmp) / args.shape, torch.float32)
+        )
+        llm = LLM(
+            model_dir,
+            dtype=args.dtype,
+            max_model_len=args.prompt_len + args.output_len + 8,
+            max_num_seqs=max(args.batch_sizes),
+        )
+        vocab = llm.engine.model_config.vocab_size
+        rows = [run(llm, b, args.prompt_len, args.output_len, vocab) for b in args.batch_sizes]
+    result = {
+        "model": args.model or args.shape,
+        "device": str(llm.engine.runner.device),
+        "dtype": str(llm.engine.runner.dtype),
+        "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(
+        f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
+    )
+    print("| batch | output tokens | seconds | output tok/s |\n|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tok_per_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The sampler's logit processing equals a plain per-row reference, and seeded sampling is reproducible."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    apply_temperature,
+    truncated_probs,
+)
+from shared.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def batch_of(params: list[SamplingParams], prompts=None, outputs=None, suppressed=None) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch(
+        params=params,
+        generators=[None] * n,
+        prompt_token_ids=prompts or [[] for _ in range(n)],
+        output_token_ids=outputs or [[] for _ in range(n)],
+        suppressed_token_ids=suppressed or [[] for _ in range(n)],
+    )
+
+
+def reference_distribution(
+    logits: list[float], p: SamplingParams, prompt: list[int], output: list[int]
+) -> list[float]:
+    """Plain-Python statement of the documented order: penalties, temperature, min_p, top_k, top_p."""
+    logits = list(logits)
+    for t in set(prompt) | set(output):
+        if p.repetition_penalty != 1.0:
+            logits[t] = (
+                logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+            )
+    for t in set(output):
+        logits[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    temperature = p.temperature if p.temperature > 0 else 1.0
+    logits = [x / temperature for x in logits]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    keep = [pr >= p.min_p * max(probs) for pr in probs]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    ranked = [i for i in order if keep[i]]
+    if p.top_k > 0:
+        ranked = ranked[: p.top_k]
+    mass = sum(probs[i] for i in ranked)
+    kept, before = [], 0.0
+    for i in ranked:
+        if before < p.top_p:
+            kept.append(i)
+        before += probs[i] / mass
+    result = [0.0] * len(probs)
+    kept_mass = sum(probs[i] for i in kept)
+    for i in kept:
+        result[i] = probs[i] / kept_mass
+    return result
+
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=5),
+    SamplingParams(top_p=0.6),
+    SamplingParams(min_p=0.2),
+    SamplingParams(temperature=1.3, top_k=8, top_p=0.8, min_p=0.05),
+    SamplingParams(repetition_penalty=1.5),
+    SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+    SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.1, top_k=10),
+]
+
+
+def test_processing_matches_plain_reference() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(PARAMS), VOCAB, generator=generator) * 2
+    prompts = [torch.randint(0, VOCAB, (12,), generator=generator).tolist() for _ in PARAMS]
+    outputs = [torch.randint(0, VOCAB, (9,), generator=generator).tolist() for _ in PARAMS]
+    batch = batch_of(PARAMS, prompts, outputs)
+
+    probs = truncated_probs(apply_temperature(apply_penalties(logits, batch), PARAMS), PARAMS)
+
+    for i, p in enumerate(PARAMS):
+        expected = reference_distribution(logits[i].tolist(), p, prompts[i], outputs[i])
+        assert probs[i].tolist() == pytest.approx(expected, abs=1e-6), p
+
+
+def test_suppressed_ids_are_never_sampled() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 4] = 50.0  # overwhelmingly likely, but suppressed
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    out = Sampler(torch.Generator().manual_seed(0))(logits, batch_of(params, suppressed=[[4], [4]]))
+    assert 4 not in out.token_ids
+
+
+def test_sampled_frequencies_follow_the_processed_distribution() -> None:
+    p = SamplingParams(temperature=0.9, top_k=6, top_p=0.9)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    expected = torch.tensor(reference_distribution(logits[0].tolist(), p, [], []))
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    num_samples = 4000
+    counts = torch.zeros(VOCAB)
+    rows = logits.expand(num_samples, VOCAB)
+    tokens = sampler(rows, batch_of([p] * num_samples)).token_ids
+    counts.index_add_(0, torch.tensor(tokens), torch.ones(num_samples))
+    total_variation = 0.5 * (counts / num_samples - expected).abs().sum().item()
+    assert total_variation < 0.05
+    assert counts[expected == 0].sum() == 0
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    p = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(9))
+
+    def sample(rows: list[int]) -> list[int]:
+        generators = [torch.Generator().manual_seed(1234) if r == 0 else None for r in rows]
+        batch = batch_of([p if r == 0 else SamplingParams() for r in rows])
+        batch.generators = generators
+        return Sampler(torch.Generator().manual_seed(len(rows)))(logits[rows], batch).token_ids
+
+    alone = [sample([0])[0] for _ in range(3)]
+    in_batch = [sample(list(range(32)))[0] for _ in range(3)]
+    assert alone == in_batch
+
+
+def test_logprobs_report_sampled_token_and_top_n() -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=0.0, logprobs=3)
+    out = Sampler(torch.Generator())(logits, batch_of([p]))
+    entry = out.logprobs[0]
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert entry.token_id == int(logits[0].argmax())
+    assert entry.logprob == pytest.approx(expected.max().item(), abs=1e-6)
+    assert list(entry.top) == expected.topk(3).indices.tolist()
