@@ -56,9 +56,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or str(
-            write_random_checkpoint(args.shape, Path(tmp) / args.shape, torch.float32)
-        )
+        model_dir = args.model or str(write_random_checkpoint(args.shape, Path(tmp) / args.shape))
         llm = LLM(
             model_dir,
             dtype=args.dtype,

@@ -59,6 +59,26 @@ class Attention(nn.Module):
         out = kernels.append_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.flatten(1))
 
+    def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path without a KV cache: hidden [batch, seq, hidden], causal."""
+        batch, seq_len, _ = hidden.shape
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch * seq_len, self.num_heads, self.head_dim)
+        k = k.view(batch * seq_len, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions.repeat(batch), q, k)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        mask = None
+        if self.sliding_window is not None:
+            pos = torch.arange(seq_len, device=hidden.device)
+            distance = pos[:, None] - pos[None, :]
+            mask = (distance >= 0) & (distance < self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -84,6 +104,10 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn.forward_dense(positions, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -119,6 +143,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [batch, seq] -> final-normed hidden [batch, seq, hidden]; for training and scoring."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer.forward_dense(positions, hidden)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

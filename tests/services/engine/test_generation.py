@@ -59,7 +59,7 @@ ENGINE_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
 def test_greedy_matches_transformers(checkpoint, expected, variant: str) -> None:
-    llm = LLM(str(checkpoint), max_model_len=96, **ENGINE_VARIANTS[variant])
+    llm = LLM(str(checkpoint), device="cpu", max_model_len=96, **ENGINE_VARIANTS[variant])
     outputs = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == expected
     if variant == "preemption":
@@ -67,7 +67,7 @@ def test_greedy_matches_transformers(checkpoint, expected, variant: str) -> None
 
 
 def test_prefix_cache_reuses_blocks_and_keeps_output(checkpoint, expected) -> None:
-    llm = LLM(str(checkpoint), max_model_len=96, block_size=4)
+    llm = LLM(str(checkpoint), device="cpu", max_model_len=96, block_size=4)
     first = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
     again = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in again] == [o.token_ids for o in first] == expected

@@ -12,7 +12,9 @@ from shared.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(make_checkpoint) -> LLM:
-    return LLM(str(make_checkpoint("qwen2", num_hidden_layers=2)), max_model_len=128, block_size=8)
+    return LLM(
+        str(make_checkpoint("qwen2", num_hidden_layers=2)), device="cpu", max_model_len=128, block_size=8
+    )
 
 
 def random_prompts(count: int, seed: int = 0) -> list[list[int]]:

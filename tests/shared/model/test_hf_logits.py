@@ -96,3 +96,17 @@ def test_unsupported_rope_type_is_refused() -> None:
     }
     with pytest.raises(ModelConfigError, match="yarn"):
         ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("case", ["llama3-rope", "qwen2", "mistral-window"])
+@torch.inference_mode()
+def test_dense_forward_matches_paged_forward(make_checkpoint, case: str) -> None:
+    arch, overrides = CASES[case]
+    model = load_model(
+        make_checkpoint(arch, **overrides), torch.float32, torch.device("cpu"), max_positions=512
+    )
+    token_ids = torch.randint(0, 384, (2, 30), generator=torch.Generator().manual_seed(4))
+    dense = model.compute_logits(model.forward_dense(token_ids))
+    for row in range(2):
+        paged = run_prefill(model, token_ids[row].tolist())
+        assert (dense[row] - paged).abs().max().item() < 1e-4
