@@ -7,6 +7,8 @@ logits go through `compute_logits`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [batch, seq] -> final-normed hidden [batch, seq, hidden]; for training and scoring."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in cast(list[DecoderLayer], self.layers):
             hidden = layer.forward_dense(positions, hidden)
         return self.norm(hidden)
 
