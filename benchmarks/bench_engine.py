@@ -42,6 +42,29 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
     }
 
 
+def profile_decode(llm: LLM, batch: int, prompt_len: int, vocab_size: int) -> None:
+    """Prints where 8 decode steps of a full batch spend their time (CPU and device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(
+            f"profile-{i}", prompt_token_ids=[1 + i % (vocab_size - 1)] * prompt_len, params=params
+        )
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values()):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(8):
+            engine.step()
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=25))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -53,6 +76,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine.json"))
+    parser.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table of 8 decode steps"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,6 +91,8 @@ def main() -> None:
         )
         vocab = llm.engine.model_config.vocab_size
         rows = [run(llm, b, args.prompt_len, args.output_len, vocab) for b in args.batch_sizes]
+        if args.profile:
+            profile_decode(llm, max(args.batch_sizes), args.prompt_len, vocab)
     result = {
         "model": args.model or args.shape,
         "device": str(llm.engine.runner.device),

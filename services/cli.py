@@ -14,6 +14,7 @@ from shared.config import EngineConfig
 from shared.errors import describe_validation_error
 from shared.model import ModelConfigError
 from shared.sampling_params import SamplingParams
+from training.train_mtp import add_train_mtp_parser
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--request-seed", type=int, help="per-request sampling seed")
     generate.add_argument("--ignore-eos", action="store_true")
     generate.set_defaults(handler=cmd_generate)
+    add_train_mtp_parser(sub)
     return parser
 
 

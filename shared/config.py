@@ -7,6 +7,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.speculative_config import SpeculativeConfig
+
 DEFAULT_CHUNKED_PREFILL_TOKENS = 2048
 
 
@@ -41,6 +43,8 @@ class EngineConfig(BaseModel):
     """Share KV blocks of equal prompt prefixes across requests."""
     seed: int = Field(default=0, ge=0)
     """Seed for requests that do not set their own."""
+    speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Draft method and verification; the default, naive, runs the speculative path with no drafts."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.speculative_config import SpeculativeOverride
+
 MAX_LOGPROBS = 20
 """Upper bound on `logprobs` (top-n alternatives returned per generated token)."""
 
@@ -48,6 +50,8 @@ class SamplingParams(BaseModel):
     """Return the sampled token's log-probability and the top-n alternatives of each step."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
+    speculative: SpeculativeOverride | None = None
+    """This request's own speculative method / k, or speculation off (within the server's limits)."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.block_manager import BlockManager
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, StepOutput
 from services.engine.output_processor import OutputProcessor
-from services.engine.sampler import SamplerOutput
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from services.engine.spec_decode.drafter import Drafter, SpeculationError
+from services.engine.spec_decode.mtp import VerifiedSpan
 from shared.config import EngineConfig
 from shared.model import ModelConfig
 from shared.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_prompt_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    spec_stats: dict[str, object] = field(default_factory=dict)
+    """Draft and accepted tokens, mean accepted length (bonus included), per-position acceptance."""
 
 
 class LLMEngine:
@@ -55,7 +58,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
         requested_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(config, self.model_config, requested_len)
+        self.runner = ModelRunner(config, self.model_config, requested_len, config.speculative_config)
         self.max_model_len = self._fit_max_model_len(requested_len)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -65,6 +68,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
             enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.drafter = Drafter(
+            config.speculative_config, self.runner, self.block_manager, self.runner.verifier.default_generator
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
@@ -94,6 +100,10 @@ class LLMEngine:
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
         self._validate(token_ids, params)
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids)
+        try:
+            self.drafter.configure(seq)
+        except SpeculationError as exc:
+            raise RequestError(str(exc)) from None
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device)
             seq.generator.manual_seed(params.seed)
@@ -106,7 +116,9 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish_reason = FinishReason.ABORT
-        return self._finish(seq, [])
+        output = self._output(seq, [])
+        self._release(seq)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -117,34 +129,52 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled = self.runner.execute(batch)
-        return self._postprocess(batch, sampled)
-
-    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput | None) -> list[RequestOutput]:
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-        if sampled is None:
-            return []
-        sampled_seqs = [seq for seq in batch.seqs if seq.num_computed_tokens == seq.num_tokens]
-        outputs = []
-        for seq, token_id, logprobs in zip(sampled_seqs, sampled.token_ids, sampled.logprobs):
-            self.outputs.append(seq, [token_id])
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            if seq.finish_reason is not None:
-                outputs.append(self._finish(seq, [token_id]))
-            else:
-                outputs.append(self._output(seq, [token_id]))
+        started = time.perf_counter()
+        step = self.runner.execute(batch)
+        self.drafter.adaptive.cost.record(len(step.inputs.input_ids), time.perf_counter() - started)
+        outputs, spans = self._postprocess(batch, step)
+        self.drafter.catch_up(spans, step.hidden)
+        for seq in [span.seq for span in spans if span.seq.finish_reason is not None]:
+            self._release(seq)
+        decoding = [s.seq for s in spans if s.seq.is_decoding]
+        self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
         return outputs
 
-    def _finish(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    def _postprocess(
+        self, batch: ScheduledBatch, step: StepOutput
+    ) -> tuple[list[RequestOutput], list[VerifiedSpan]]:
+        """Appends accepted tokens, rolls KV back past the first rejected draft (by length), checks
+        stops; returns the outputs and what each sequence had verified (for model-based drafters)."""
+        results = {seq.request_id: r for seq, r in zip(step.inputs.sampled_seqs, step.results)}
+        outputs, spans = [], []
+        hidden_row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            result = results.get(seq.request_id)
+            if result is None:  # a prefill chunk that is not the last
+                seq.num_computed_tokens += num_new
+            else:
+                num_drafts = len(seq.spec.draft_token_ids)
+                kept = self.outputs.append(seq, result.token_ids)
+                seq.logprobs += [lp for lp in result.logprobs[:kept] if lp is not None]
+                seq.num_computed_tokens = min(
+                    start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1
+                )
+                self.drafter.accepted(seq, result.token_ids[:kept], num_drafts, result.num_accepted)
+                seq.spec.draft_token_ids, seq.spec.draft_probs = [], None
+                outputs.append(self._output(seq, result.token_ids[:kept]))
+            self.block_manager.cache_full_blocks(seq)
+            spans.append(VerifiedSpan(seq, start, seq.num_computed_tokens - start, hidden_row))
+            hidden_row += num_new
+        return outputs, spans
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees a finished request's blocks and per-request state (full blocks stay cached)."""
         assert seq.finish_reason is not None
         self.scheduler.finish(seq, seq.finish_reason)
-        output = self._output(seq, new_token_ids)
+        self.drafter.finish(seq)
         self.outputs.release(seq.request_id)
         del self.sequences[seq.request_id]
-        return output
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         finished = seq.finish_reason is not None
@@ -166,6 +196,7 @@ class LLMEngine:
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             metrics=metrics,
+            spec_stats=seq.spec.stats(),
         )
 
     # ---- validation -------------------------------------------------------------------------------

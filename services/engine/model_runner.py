@@ -6,18 +6,22 @@ for a step, so the fused GPU kernels replace the torch references here and nowhe
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels import AttentionMetadata
-from services.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from services.engine.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
+from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from shared.config import EngineConfig
-from shared.model import LlamaForCausalLM, ModelConfig, load_model
+from shared.model import LlamaForCausalLM, ModelConfig, ModelConfigError, load_model
 from shared.model.llama import KVCache
+from shared.model.mtp import MTPHead, load_mtp_head
+from shared.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,81 +33,135 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] rows of the flat batch whose next token is sampled
+    logits_indices: torch.Tensor  # [num_logit_rows] rows of the flat batch that reach the LM head
     sampled_seqs: list[Sequence]
+    """Sequences that get a token this step (their last real token and drafts are all in the batch)."""
+
+
+@dataclass
+class StepOutput:
+    inputs: StepInputs
+    results: list[VerifyResult]
+    """One per sampled sequence: accepted drafts plus the recovered / bonus token."""
+    hidden: torch.Tensor  # [num_tokens, hidden_size] final-normed target hidden states of the step
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
+    ):
         self.config = config
+        self.spec = spec
         self.model_config = model_config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.model: LlamaForCausalLM = load_model(config.model, self.dtype, self.device, max_model_len)
+        self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
+        self.mtp_head: MTPHead | None = None
+        if spec.method == "mtp":
+            assert spec.model is not None
+            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device).eval()
         self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config)
+        self.draft_kv_caches = (
+            self._allocate_kv_cache(self.num_kv_blocks, self.draft_model.config) if self.draft_model else []
+        )
+        self.mtp_kv_caches = (
+            self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
+        )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator, config.logprobs_mode)
+        self.verifier = RejectionSampler(
+            generator, spec.verify_strategy, spec.accept_policy, config.logprobs_mode
+        )
 
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.model_config
+        """Bytes one block takes in every cache that shares the block tables (target, draft, MTP)."""
+        configs = [self.model_config]
+        configs += [self.draft_model.config] if self.draft_model else []
+        configs += [self.mtp_head.config] if self.mtp_head else []
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+        return sum(
+            2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+            for c in configs
+        )
+
+    def _load_draft_model(self) -> LlamaForCausalLM:
+        assert self.spec.model is not None
+        draft = load_model(self.spec.model, self.dtype, self.device, self.max_model_len)
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ModelConfigError(
+                f"draft model {self.spec.model} has vocab_size {draft.config.vocab_size}, the target "
+                f"{self.model_config.vocab_size}; a draft model must share the target's tokenizer"
+            )
+        return draft
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Runs the batch forward; samples the next token of every sequence whose tokens are all
-        computed after this step (partial prefill chunks sample nothing)."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """One target forward over every scheduled token (prefill chunks, decode tokens and drafts);
+        only the last real token and the drafts of each finishing sequence reach the LM head, and
+        the rejection sampler turns those rows into tokens (partial prefill chunks get none)."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampled_seqs:
-            return None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler(logits, sampling_batch(inputs.sampled_seqs))
+        results: list[VerifyResult] = []
+        if inputs.sampled_seqs:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            requests = [verify_request(seq) for seq in inputs.sampled_seqs]
+            results = self.verifier(logits, row_batch(inputs.sampled_seqs), requests)
+        return StepOutput(inputs, results, hidden)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        positions, meta = self.metadata(batch.seqs, starts, batch.num_new_tokens)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
+        for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
+            row = len(input_ids)
             end = start + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [
-                seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, end)
-            ]
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
-            if end == seq.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
+            input_ids += (seq.token_ids + seq.spec.draft_token_ids)[start:end]
+            if end >= seq.num_tokens:  # the last real token is in: its row and every draft row are scored
+                logits_indices += range(row + seq.num_tokens - 1 - start, row + num_new)
                 sampled.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            query_lens_cpu=list(batch.num_new_tokens),
-            seq_lens_cpu=seq_lens,
-        )
         return StepInputs(
             input_ids=self._tensor(input_ids, torch.long),
-            positions=self._tensor(positions, torch.long),
+            positions=positions,
             meta=meta,
             logits_indices=self._tensor(logits_indices, torch.long),
             sampled_seqs=sampled,
         )
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slots of positions [start, end) of `seq`."""
+        size = self.block_size
+        return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
+
+    def metadata(
+        self, seqs: list[Sequence], starts: list[int], lens: list[int]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions [sum(lens)] and attention metadata for `lens[i]` new tokens of `seqs[i]` from
+        position `starts[i]`, over the shared block tables (drafting models use this)."""
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, start, n in zip(seqs, starts, lens):
+            positions += range(start, start + n)
+            slots += self.slots(seq, start, start + n)
+        seq_lens = [start + n for start, n in zip(starts, lens)]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.long),
+            query_start_loc=self._tensor([0, *itertools.accumulate(lens)], torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], torch.int32
+            ),
+            query_lens_cpu=list(lens),
+            seq_lens_cpu=seq_lens,
+        )
+        return self._tensor(positions, torch.long), meta
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -140,7 +198,7 @@ class ModelRunner:
     def _profile_forward(self) -> None:
         num_tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        kv_caches = self._allocate_kv_cache(num_blocks)
+        kv_caches = self._allocate_kv_cache(num_blocks, self.model_config)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
@@ -156,8 +214,7 @@ class ModelRunner:
         del kv_caches, hidden
         torch.cuda.synchronize(self.device)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        c = self.model_config
+    def _allocate_kv_cache(self, num_blocks: int, c: ModelConfig) -> list[KVCache]:
         shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         return [
             (
@@ -168,18 +225,27 @@ class ModelRunner:
         ]
 
 
-def sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-    return SamplingBatch(
-        params=[seq.params for seq in seqs],
-        generators=[seq.generator for seq in seqs],
-        prompt_token_ids=[seq.prompt_token_ids if seq.params.has_penalties else [] for seq in seqs],
-        output_token_ids=[seq.output_token_ids if seq.params.has_penalties else [] for seq in seqs],
-        suppressed_token_ids=[_suppressed(seq) for seq in seqs],
-    )
+def verify_request(seq: Sequence) -> VerifyRequest:
+    return VerifyRequest(seq.params, seq.generator, list(seq.spec.draft_token_ids), seq.spec.draft_probs)
 
 
-def _suppressed(seq: Sequence) -> list[int]:
-    if seq.num_output_tokens >= seq.params.min_tokens:
+def row_batch(seqs: list[Sequence]) -> SamplingBatch:
+    """Sampling inputs per logit row: row j of a sequence sees its output plus its first j drafts,
+    so penalties and min_tokens apply to each draft position as they would in plain decoding."""
+    batch = SamplingBatch(params=[], prompt_token_ids=[], output_token_ids=[], suppressed_token_ids=[])
+    for seq in seqs:
+        drafts = seq.spec.draft_token_ids
+        penalties = seq.params.has_penalties
+        for j in range(len(drafts) + 1):
+            batch.params.append(seq.params)
+            batch.prompt_token_ids.append(seq.prompt_token_ids if penalties else [])
+            batch.output_token_ids.append(seq.output_token_ids + drafts[:j] if penalties else [])
+            batch.suppressed_token_ids.append(_suppressed(seq, seq.num_output_tokens + j))
+    return batch
+
+
+def _suppressed(seq: Sequence, num_output_tokens: int) -> list[int]:
+    if num_output_tokens >= seq.params.min_tokens:
         return []
     eos = [] if seq.params.ignore_eos else list(seq.eos_token_ids)
     return eos + list(seq.params.stop_token_ids)

@@ -1,8 +1,9 @@
-"""Turns target logits into tokens, per request: penalties, temperature, min_p, top_k, top_p, sample.
+"""Per-request logit processing: penalties, temperature, min_p, top_k, top_p.
 
-Sampling uses the exponential-race form of the Gumbel-max trick: with `q ~ Exp(1)` i.i.d. per
-token, `argmax(probs / q)` is a sample from `probs`. Each seeded request draws `q` from its own
-generator, so its tokens do not depend on what else is in the batch.
+The rejection sampler turns the processed distribution into tokens with the exponential-race form
+of the Gumbel-max trick: with `e ~ Exp(1)` i.i.d. per token, `argmax(probs / e)` is a sample from
+`probs`. Each seeded request draws `e` from its own generator, so its tokens do not depend on what
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ class SamplingBatch:
     """The sampling inputs of the rows that produce a token this step, one entry per row."""
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     suppressed_token_ids: list[list[int]]
@@ -29,41 +29,6 @@ class SamplingBatch:
     @property
     def num_rows(self) -> int:
         return len(self.params)
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-
-
-class Sampler:
-    def __init__(self, default_generator: torch.Generator, logprobs_mode: str = "processed"):
-        self.default_generator = default_generator
-        self.logprobs_mode = logprobs_mode
-
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        # logits: [num_rows, vocab_size] float32
-        raw_logits = logits
-        logits = apply_penalties(logits, batch)
-        scaled = apply_temperature(logits, batch.params)
-        probs = truncated_probs(scaled, batch.params)
-        token_ids = self._sample(probs, logits, batch)
-        logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
-        if any(p.logprobs is not None for p in batch.params):
-            source = raw_logits if self.logprobs_mode == "raw" else scaled
-            logprobs = gather_logprobs(torch.log_softmax(source, dim=-1), token_ids, batch.params)
-        return SamplerOutput(token_ids.tolist(), logprobs)
-
-    def _sample(self, probs: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """probs: [num_rows, vocab]; greedy rows take the argmax of the penalised logits."""
-        noise = torch.empty_like(probs).exponential_(generator=self.default_generator)
-        for i, generator in enumerate(batch.generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([p.greedy for p in batch.params], device=probs.device)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -79,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._fit_drafts(seq, budget)
             if not self._make_room(seq, num_new, batch):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.append_slots(seq, num_new)
@@ -87,6 +87,18 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: its uncomputed tokens plus the drafts that fit the budget
+        and the free blocks (drafts are dropped before anyone is preempted)."""
+        num_drafts = len(seq.spec.draft_token_ids)
+        num_new = min(seq.num_uncomputed_tokens + num_drafts, budget)
+        if num_drafts and not self.block_manager.can_append(seq, num_new):
+            num_new = min(seq.num_uncomputed_tokens, budget)
+        keep = max(0, num_new - seq.num_uncomputed_tokens)
+        if keep < num_drafts:
+            drop_drafts(seq, keep)
+        return num_new
 
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Preempts the newest running sequences until `seq` fits; False if `seq` itself went."""
@@ -101,6 +113,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        drop_drafts(seq, 0)
+        seq.spec.draft_num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -123,3 +137,11 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+
+
+def drop_drafts(seq: Sequence, keep: int) -> None:
+    """Keeps the first `keep` drafts of `seq` (and their draft probabilities)."""
+    spec = seq.spec
+    spec.draft_token_ids = spec.draft_token_ids[:keep]
+    if spec.draft_probs is not None:
+        spec.draft_probs = spec.draft_probs[:keep] if keep else None

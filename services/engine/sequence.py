@@ -33,6 +33,61 @@ class TokenLogprobs:
 
 
 @dataclass
+class SpecState:
+    """A request's speculative decoding state and statistics."""
+
+    method: str = "naive"
+    max_k: int = 0
+    """The most drafts this request may get per step (engine limit or the request's override)."""
+    k: int = 0
+    """Drafts to ask for next step (adaptive, at most max_k)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Drafts proposed for the next step; not part of token_ids until verified."""
+    draft_probs: torch.Tensor | None = None
+    """[len(draft_token_ids), vocab_size] draft distribution (model-based drafts); None: one-hot."""
+    draft_num_computed: int = 0
+    """Tokens whose KV the draft model's cache holds (draft_model method)."""
+    acceptance: float = 0.7
+    """Running estimate of the chance that one draft is accepted."""
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Books one verify step with `num_drafts` drafts of which the first `num_accepted` passed."""
+        if num_drafts == 0:
+            return
+        self.num_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        grow = num_drafts - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(num_drafts):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    def stats(self) -> dict[str, object]:
+        """Draft / accepted counts, mean accepted length (bonus token included), per-position acceptance."""
+        steps = max(self.num_steps, 1)
+        return {
+            "method": self.method,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_verify_steps": self.num_steps,
+            "mean_accepted_length": (self.num_accepted_tokens + self.num_steps) / steps
+            if self.num_steps
+            else 1.0,
+            "acceptance_per_position": [
+                a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
+        }
+
+
+@dataclass
 class Sequence:
     """Tokens of one request and their KV-cache bookkeeping.
 
@@ -60,6 +115,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    spec: SpecState = field(default_factory=SpecState)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +139,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the last sampled one are in the cache: the next step is a decode."""
+        return self.num_uncomputed_tokens == 1 and self.finish_reason is None
 
     @property
     def is_finished(self) -> bool:

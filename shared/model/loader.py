@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import LlamaForCausalLM
@@ -22,6 +23,11 @@ _FUSED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+_UNFUSED = {
+    # fused parameter -> checkpoint projections, in the order they are stacked
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
 
@@ -57,20 +63,51 @@ def load_model(
 
 
 def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
-    params = dict(model.named_parameters())
+    ignored = frozenset({"lm_head.weight"}) if model.config.tie_word_embeddings else frozenset()
+    load_named_tensors(model, model.config, iter_checkpoint(model_dir), str(model_dir), ignored)
+
+
+def load_named_tensors(
+    module: nn.Module,
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+    ignored: frozenset[str] = frozenset(),
+) -> None:
+    """Fills every parameter of `module` (whose layers are shaped by `config`) from Hugging Face
+    named tensors, stacking q/k/v_proj and gate/up_proj into the fused parameters; parameters
+    named in `ignored` are neither loaded nor required."""
+    params = dict(module.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in tensors:
         target, part = _target_name(name)
-        if target is None or (target == "lm_head.weight" and model.config.tie_word_embeddings):
+        if target is None or target in ignored:
             continue
         if target not in params:
             raise ModelConfigError(f"checkpoint tensor {name!r} has no place in the model")
-        _copy_into(model, params[target], target, part, tensor)
+        _copy_into(config, params[target], target, part, tensor)
         loaded.add(target if part is None else f"{target}#{part}")
-    expected = _expected_parts(model, params)
-    missing = sorted(expected - loaded)
+    missing = sorted(_expected_parts(params) - ignored - loaded)
     if missing:
-        raise ModelConfigError(f"checkpoint in {model_dir} is missing weights: {', '.join(missing[:8])}")
+        raise ModelConfigError(f"checkpoint in {source} is missing weights: {', '.join(missing[:8])}")
+
+
+def unfused_state_dict(module: nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `load_named_tensors`: `module`'s persistent state under Hugging Face names,
+    fused qkv_proj / gate_up_proj split back into q/k/v_proj and gate/up_proj (contiguous copies,
+    ready for `safetensors.torch.save_file`)."""
+    unfused = {}
+    for name, tensor in module.state_dict().items():
+        for fused, projections in _UNFUSED.items():
+            marker = f".{fused}."
+            if marker in name:
+                parts = tensor.split(fused_part_sizes(config, name), dim=0)
+                for proj, part in zip(projections, parts):
+                    unfused[name.replace(marker, f".{proj}.")] = part.detach().clone().contiguous()
+                break
+        else:
+            unfused[name] = tensor.detach().clone().contiguous()
+    return unfused
 
 
 def _target_name(name: str) -> tuple[str | None, int | None]:
@@ -86,7 +123,7 @@ def _target_name(name: str) -> tuple[str | None, int | None]:
 
 
 def _copy_into(
-    model: LlamaForCausalLM, param: torch.nn.Parameter, target: str, part: int | None, tensor: torch.Tensor
+    config: ModelConfig, param: torch.nn.Parameter, target: str, part: int | None, tensor: torch.Tensor
 ) -> None:
     with torch.no_grad():
         if part is None:
@@ -96,7 +133,7 @@ def _copy_into(
                 )
             param.copy_(tensor)
             return
-        sizes = _part_sizes(model, target)
+        sizes = fused_part_sizes(config, target)
         offset = sum(sizes[:part])
         rows = param.narrow(0, offset, sizes[part])
         if rows.shape != tensor.shape:
@@ -106,15 +143,16 @@ def _copy_into(
         rows.copy_(tensor)
 
 
-def _part_sizes(model: LlamaForCausalLM, target: str) -> list[int]:
-    config = model.config
+def fused_part_sizes(config: ModelConfig, target: str) -> list[int]:
+    """Row counts of the parts stacked in fused parameter `target`: [q, k, v] or [gate, up]."""
     if ".qkv_proj." in target:
         kv = config.num_key_value_heads * config.head_dim
         return [config.num_attention_heads * config.head_dim, kv, kv]
     return [config.intermediate_size, config.intermediate_size]
 
 
-def _expected_parts(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[str]:
+def _expected_parts(params: dict[str, torch.nn.Parameter]) -> set[str]:
+    # a tied lm_head.weight is absent here: named_parameters() de-duplicates it under embed_tokens.weight
     expected = set()
     for name in params:
         if ".qkv_proj." in name:
@@ -123,7 +161,4 @@ def _expected_parts(model: LlamaForCausalLM, params: dict[str, torch.nn.Paramete
             expected |= {f"{name}#{i}" for i in range(2)}
         else:
             expected.add(name)
-    if model.config.tie_word_embeddings:
-        # named_parameters() de-duplicates the tied weight under embed_tokens.weight
-        expected.discard("lm_head.weight")
     return expected

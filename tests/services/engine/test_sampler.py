@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import (
-    Sampler,
     SamplingBatch,
     apply_penalties,
     apply_temperature,
@@ -23,11 +23,18 @@ def batch_of(params: list[SamplingParams], prompts=None, outputs=None, suppresse
     n = len(params)
     return SamplingBatch(
         params=params,
-        generators=[None] * n,
         prompt_token_ids=prompts or [[] for _ in range(n)],
         output_token_ids=outputs or [[] for _ in range(n)],
         suppressed_token_ids=suppressed or [[] for _ in range(n)],
     )
+
+
+def sample(logits, batch: SamplingBatch, generator: torch.Generator, generators=None):
+    """Plain sampling: the rejection sampler with no drafts."""
+    generators = generators or [None] * batch.num_rows
+    requests = [VerifyRequest(p, g, []) for p, g in zip(batch.params, generators)]
+    results = RejectionSampler(generator)(logits, batch, requests)
+    return [r.token_ids[0] for r in results], [r.logprobs[0] for r in results]
 
 
 def reference_distribution(
@@ -97,19 +104,18 @@ def test_suppressed_ids_are_never_sampled() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 4] = 50.0  # overwhelmingly likely, but suppressed
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
-    out = Sampler(torch.Generator().manual_seed(0))(logits, batch_of(params, suppressed=[[4], [4]]))
-    assert 4 not in out.token_ids
+    token_ids, _ = sample(logits, batch_of(params, suppressed=[[4], [4]]), torch.Generator().manual_seed(0))
+    assert 4 not in token_ids
 
 
 def test_sampled_frequencies_follow_the_processed_distribution() -> None:
     p = SamplingParams(temperature=0.9, top_k=6, top_p=0.9)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
     expected = torch.tensor(reference_distribution(logits[0].tolist(), p, [], []))
-    sampler = Sampler(torch.Generator().manual_seed(1))
     num_samples = 4000
     counts = torch.zeros(VOCAB)
     rows = logits.expand(num_samples, VOCAB)
-    tokens = sampler(rows, batch_of([p] * num_samples)).token_ids
+    tokens, _ = sample(rows, batch_of([p] * num_samples), torch.Generator().manual_seed(1))
     counts.index_add_(0, torch.tensor(tokens), torch.ones(num_samples))
     total_variation = 0.5 * (counts / num_samples - expected).abs().sum().item()
     assert total_variation < 0.05
@@ -120,22 +126,21 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     p = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(9))
 
-    def sample(rows: list[int]) -> list[int]:
+    def sample_rows(rows: list[int]) -> list[int]:
         generators = [torch.Generator().manual_seed(1234) if r == 0 else None for r in rows]
         batch = batch_of([p if r == 0 else SamplingParams() for r in rows])
-        batch.generators = generators
-        return Sampler(torch.Generator().manual_seed(len(rows)))(logits[rows], batch).token_ids
+        return sample(logits[rows], batch, torch.Generator().manual_seed(len(rows)), generators)[0]
 
-    alone = [sample([0])[0] for _ in range(3)]
-    in_batch = [sample(list(range(32)))[0] for _ in range(3)]
+    alone = [sample_rows([0])[0] for _ in range(3)]
+    in_batch = [sample_rows(list(range(32)))[0] for _ in range(3)]
     assert alone == in_batch
 
 
 def test_logprobs_report_sampled_token_and_top_n() -> None:
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
     p = SamplingParams(temperature=0.0, logprobs=3)
-    out = Sampler(torch.Generator())(logits, batch_of([p]))
-    entry = out.logprobs[0]
+    _, logprobs = sample(logits, batch_of([p]), torch.Generator())
+    entry = logprobs[0]
     expected = torch.log_softmax(logits[0], dim=-1)
     assert entry.token_id == int(logits[0].argmax())
     assert entry.logprob == pytest.approx(expected.max().item(), abs=1e-6)

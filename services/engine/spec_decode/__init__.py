@@ -1,0 +1,1 @@
+"""Draft proposers and the pieces of the speculative loop: propose, verify, accept, adapt."""

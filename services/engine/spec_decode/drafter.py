@@ -1,0 +1,146 @@
+"""Routes each request to its draft method and keeps every proposer in step with the requests.
+
+Requests in one batch may use different methods (a request can override the server's method and
+k); each method proposes for its own requests, and the adaptive controller decides each request's
+k first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.adaptive import AdaptiveSpeculation
+from services.engine.spec_decode.draft_model import DraftModelProposer
+from services.engine.spec_decode.mtp import MTPProposer, VerifiedSpan
+from services.engine.spec_decode.ngram import NgramProposer
+from services.engine.spec_decode.proposer import Drafts, ModelDrafterContext
+from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from shared.sampling_params import SamplingParams
+from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
+
+
+class SpeculationError(ValueError):
+    """A request's speculative override the server cannot honour."""
+
+
+class Drafter:
+    def __init__(
+        self, config: SpeculativeConfig, runner, block_manager: BlockManager, generator: torch.Generator
+    ):
+        self.config = config
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.suffix = SuffixProposer(
+            SuffixConfig(
+                max_tree_depth=config.suffix_decoding_max_tree_depth,
+                max_cached_requests=config.suffix_decoding_max_cached_requests,
+                max_spec_factor=config.suffix_decoding_max_spec_factor,
+                min_token_prob=config.suffix_decoding_min_token_prob,
+            )
+        )
+        ctx = ModelDrafterContext(runner, block_manager, generator)
+        self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
+        self.draft_model = DraftModelProposer(ctx) if runner.draft_model is not None else None
+        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance)
+
+    # ---- request lifecycle ------------------------------------------------------------------------
+
+    def configure(self, seq: Sequence) -> None:
+        """Resolves the request's method and k from the server config and its override."""
+        method, max_k = self.resolve(seq.params)
+        seq.spec.method, seq.spec.max_k, seq.spec.k = method, max_k, max_k
+        if method == "suffix":
+            self.suffix.start_request(seq.request_id, seq.prompt_token_ids)
+
+    def resolve(self, params: SamplingParams) -> tuple[str, int]:
+        override = params.speculative
+        method, k = self.config.method, self.config.k
+        if override is None:
+            return method, k
+        if not self.config.allow_request_override:
+            raise SpeculationError("this server does not allow per-request speculative settings")
+        if not override.enabled:
+            return "naive", 0
+        if override.method is not None:
+            if override.method in MODEL_BASED_METHODS and override.method != self.config.method:
+                raise SpeculationError(
+                    f"speculative method {override.method!r} is not loaded on this server (it runs {self.config.method!r}); "
+                    "use ngram, suffix or naive"
+                )
+            method = override.method
+        if method == "naive":
+            return "naive", 0
+        if override.num_speculative_tokens is not None:
+            limit = self.config.k if self.config.enabled else 0
+            if override.num_speculative_tokens > limit:
+                raise SpeculationError(
+                    f"num_speculative_tokens {override.num_speculative_tokens} exceeds this server's limit of {limit}"
+                )
+            k = override.num_speculative_tokens
+        if k == 0:
+            return "naive", 0
+        return method, k
+
+    def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
+        """Books a verify step: statistics, acceptance estimate, suffix tree."""
+        seq.spec.record(num_drafts, num_accepted)
+        self.adaptive.observe(seq, num_drafts, num_accepted)
+        if seq.spec.method == "suffix" and token_ids:
+            self.suffix.add_tokens(seq.request_id, token_ids)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.spec.method == "suffix":
+            self.suffix.stop_request(seq.request_id)
+        if self.mtp is not None:
+            self.mtp.forget(seq.request_id)
+
+    # ---- each step --------------------------------------------------------------------------------
+
+    def catch_up(self, spans: list[VerifiedSpan], target_hidden: torch.Tensor) -> None:
+        """Model-based drafters that read the target's hidden states consume this step's."""
+        if self.mtp is not None:
+            self.mtp.catch_up([s for s in spans if s.seq.spec.method == "mtp"], target_hidden)
+
+    def propose(self, seqs: list[Sequence], num_other_tokens: int) -> None:
+        """Sets `seq.spec.draft_token_ids` (and draft probs) for the next step of each sequence."""
+        seqs = [seq for seq in seqs if seq.spec.method != "naive"]
+        if not seqs:
+            return
+        ks = self.adaptive.choose(seqs, num_other_tokens)
+        # a step emits at most k + 1 tokens: never draft past the request's max_tokens
+        ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1) for seq, k in zip(seqs, ks)]
+        for method in {seq.spec.method for seq in seqs}:
+            group = [(seq, k) for seq, k in zip(seqs, ks) if seq.spec.method == method]
+            drafts = self._propose(method, [s for s, _ in group], [k for _, k in group])
+            for (seq, _), draft in zip(group, drafts):
+                seq.spec.k = len(draft.token_ids)
+                seq.spec.draft_token_ids = draft.token_ids
+                seq.spec.draft_probs = draft.probs
+
+    def _propose(self, method: str, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
+        if method == "ngram":
+            return [Drafts(self.ngram.propose(seq.token_ids, k)) for seq, k in zip(seqs, ks)]
+        if method == "suffix":
+            batch = [(seq.request_id, seq.token_ids, k) for seq, k in zip(seqs, ks)]
+            return [Drafts(ids) for ids in self.suffix.propose_batch(batch)]
+        if method == "draft_model":
+            assert self.draft_model is not None
+            return self.draft_model.propose(seqs, ks)
+        assert self.mtp is not None
+        drafts = self.mtp.propose(seqs, ks)
+        if self.config.mtp_strategy == "with_ngram":
+            self._append_ngram(seqs, ks, drafts)
+        return drafts
+
+    def _append_ngram(self, seqs: list[Sequence], ks: list[int], drafts: list[Drafts]) -> None:
+        """Fills the slots the MTP chain leaves free with n-gram drafts continuing after the MTP ones."""
+        for seq, k, draft in zip(seqs, ks, drafts):
+            extra = self.ngram.propose(seq.token_ids + draft.token_ids, k - len(draft.token_ids))
+            if not extra:
+                continue
+            if draft.probs is not None:
+                one_hot = torch.zeros(len(extra), draft.probs.shape[1], device=draft.probs.device)
+                one_hot[torch.arange(len(extra)), torch.tensor(extra)] = 1.0
+                draft.probs = torch.cat([draft.probs, one_hot])
+            draft.token_ids = draft.token_ids + extra

@@ -1,0 +1,125 @@
+"""SuffixDecoding drafts: continue a request with what followed its context in earlier text.
+
+SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) keeps two suffix trees (see `suffix_tree`):
+a *per-request* tree over the request's own prompt and output, which catches a request repeating
+itself (code edits, lists, agent loops), and a *global* tree over the outputs of earlier requests,
+which catches requests repeating each other. Each step, both are matched against the end of the
+request's tokens and the draft with the higher score (expected accepted tokens) is proposed. The
+draft length follows the match length: at most `floor(max_spec_factor * match_len)` tokens.
+
+Cost per `propose`: O(k * D) worst case on the per-request tree (no matching: its active suffixes
+are kept as tokens arrive, O(D) per token), O(D log D + D * k) typical on the global tree, with
+`D = max_tree_depth` and `k` draft tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.spec_decode.suffix_tree import (
+    DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_TREE_DEPTH,
+    GlobalSuffixIndex,
+    IndexedSequence,
+    SuffixDraft,
+    SuffixTree,
+    check_spec_params,
+    check_tree_params,
+)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH
+    """Longest path the trees hold, and so the longest match (>= 1)."""
+    max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
+    """Finished requests the global tree keeps, oldest evicted first (>= 0; 0 disables it)."""
+    max_spec_factor: float = 1.0
+    """A match of m tokens drafts at most floor(max_spec_factor * m) tokens (> 0)."""
+    min_token_prob: float = 0.1
+    """A draft stops before its cumulative probability falls below this (in [0, 1])."""
+    cache_prompts: bool = False
+    """Index prompts as well as outputs in the global tree."""
+
+    def __post_init__(self) -> None:
+        check_tree_params(self.max_tree_depth, self.max_cached_requests)
+        check_spec_params(0, self.max_spec_factor, self.min_token_prob)
+
+
+@dataclass
+class _RequestState:
+    tree: SuffixTree
+    seq: IndexedSequence
+    num_prompt_tokens: int
+
+
+class SuffixProposer:
+    """Drafts for running requests from their own tokens and from finished requests' outputs."""
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self.global_index = GlobalSuffixIndex(self.config.max_tree_depth, self.config.max_cached_requests)
+        self._requests: dict[str, _RequestState] = {}
+
+    def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already started")
+        tree = SuffixTree(self.config.max_tree_depth)
+        seq = tree.new_sequence()
+        tree.extend(seq, prompt_token_ids)
+        self._requests[request_id] = _RequestState(tree, seq, len(prompt_token_ids))
+
+    def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Appends accepted output tokens to the request's tree."""
+        state = self._state(request_id)
+        state.tree.extend(state.seq, token_ids)
+
+    def stop_request(self, request_id: str) -> None:
+        """Moves the request's output (and prompt, with `cache_prompts`) into the global tree."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        token_ids = state.seq.token_ids
+        if not self.config.cache_prompts:
+            token_ids = token_ids[state.num_prompt_tokens :]
+        if token_ids:
+            self.global_index.add_sequence(request_id, token_ids)
+
+    def propose(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> list[int]:
+        """Up to `max_spec_tokens` draft ids after `token_ids` (the request's prompt and output)."""
+        return self.propose_draft(request_id, token_ids, max_spec_tokens).token_ids
+
+    def propose_batch(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """`propose` for each (request_id, token_ids, max_spec_tokens)."""
+        return [self.propose(*request) for request in requests]
+
+    def propose_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
+        """The better-scored of the per-request and the global draft; the per-request one on ties."""
+        state = self._state(request_id)
+        self._catch_up(state, token_ids)
+        cfg = self.config
+        check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
+        local = state.tree.speculate_sequence(
+            state.seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob
+        )
+        if not len(self.global_index):
+            return local
+        shared = self.global_index.tree.speculate(
+            token_ids, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob
+        )
+        return shared if shared.score > local.score else local
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id!r} was not started (or already stopped)")
+        return state
+
+    def _catch_up(self, state: _RequestState, token_ids: list[int]) -> None:
+        """Indexes tokens the caller has but `add_tokens` did not bring, so both ways of feeding work."""
+        num_indexed = len(state.seq.token_ids)
+        if len(token_ids) < num_indexed:
+            raise ValueError(
+                f"token_ids has {len(token_ids)} tokens but the request already indexed {num_indexed}"
+            )
+        state.tree.extend(state.seq, token_ids[num_indexed:])

@@ -1,0 +1,379 @@
+"""Depth-bounded suffix trees over token ids, the index behind SuffixDecoding drafts.
+
+SuffixDecoding (Oliaro et al. 2024, "SuffixDecoding: A Model-Free Approach to Speeding Up Large
+Language Model Inference", arXiv:2411.04975) drafts tokens by matching the end of a request's
+context against earlier text and proposing what followed there.
+
+Terms used throughout:
+
+- *path*: a token sequence read from the root; the tree holds every substring of the indexed
+  sequences up to `max_depth` tokens long.
+- *count* of a path: how many times it occurs (as a substring) in the indexed sequences.
+- *match length* `m`: the length of a suffix of the context that is a path of the tree.
+- *draft*: the tokens grown greedily from a matched path, each the most frequent continuation.
+  A token's *probability* is `count(path + token) / count(path)`; its *cumulative probability*
+  is the product of the probabilities from the match to it. The *score* of a draft is the sum of
+  its cumulative probabilities (the expected number of accepted tokens, as in the paper).
+
+A plain trie of all substrings holds about `n * max_depth` nodes for `n` tokens, nearly all of
+them on count-1 chains (text that occurred once). So a path that occurred once is not stored
+node by node: a *leaf* stands for the whole rest of its single occurrence, `seq[start:]` cut at
+`max_depth`, and is turned into an ordinary node (*materialised*) when a second occurrence
+arrives. Nodes with count >= 2 are *explicit*; memory is O(explicit nodes + n).
+
+Complexity, with `D = max_depth`, `k` draft tokens:
+- appending a token to a sequence: O(K + 1) dict operations, where `K < D` is the length of the
+  longest suffix of the sequence that occurred before (its *active* suffixes are kept);
+- removing a sequence of `n` tokens: O(n * (K + 1)), walking each start down to its leaf;
+- speculating from a context: O(D log D) to find the longest match by binary search, then
+  O(m + k) per candidate match length, longest first, until no shorter match can score higher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_TREE_DEPTH = 64
+DEFAULT_MAX_CACHED_REQUESTS = 1000
+
+
+class SuffixNode:
+    """A path of the tree: explicit (`children` is a dict) or a leaf (`seq` is set, count 1).
+
+    A leaf stands for the single occurrence `seq[start:]` of its path: the token after depth `d`
+    is `seq[start + d]`, and the chain grows with `seq` up to the tree's depth bound.
+    """
+
+    __slots__ = ("best_token", "children", "count", "seq", "start")
+
+    def __init__(self, seq: list[int] | None = None, start: int = 0) -> None:
+        self.count = 1 if seq is not None else 0
+        self.children: dict[int, SuffixNode] | None = None if seq is not None else {}
+        self.best_token: int | None = None
+        """The child token with the highest count (ties: smallest id); None when not yet known."""
+        self.seq = seq
+        self.start = start
+
+
+@dataclass
+class SuffixDraft:
+    """A drafted continuation; plain lists so that it serialises as it is (msgpack, JSON)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    """Per-token probability `count(path + token) / count(path)`, not cumulative."""
+    match_len: int = 0
+    score: float = 0.0
+    """Sum of the cumulative probabilities along the draft."""
+
+
+@dataclass
+class IndexedSequence:
+    """A sequence held by a tree; its leaves refer to `token_ids`, so it only ever grows."""
+
+    token_ids: list[int]
+    active: list[SuffixNode]
+    """The explicit nodes of the sequence's suffixes, indexed by suffix length (0: the root)."""
+
+
+def check_tree_params(max_tree_depth: int, max_cached_requests: int = 0) -> None:
+    if max_tree_depth < 1:
+        raise ValueError(f"max_tree_depth must be >= 1, got {max_tree_depth}")
+    if max_cached_requests < 0:
+        raise ValueError(
+            f"max_cached_requests must be >= 0 (0 disables the cache), got {max_cached_requests}"
+        )
+
+
+def check_spec_params(max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> None:
+    if max_spec_tokens < 0:
+        raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
+    if not max_spec_factor > 0:
+        raise ValueError(f"max_spec_factor must be > 0, got {max_spec_factor}")
+    if not 0.0 <= min_token_prob <= 1.0:
+        raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
+
+
+def draft_limit(match_len: int, max_spec_tokens: int, max_spec_factor: float) -> int:
+    """Most draft tokens after a match of `match_len`: longer matches earn longer drafts."""
+    return min(max_spec_tokens, math.floor(max_spec_factor * match_len))
+
+
+class SuffixTree:
+    """All substrings (up to `max_depth` tokens) of the sequences it indexes, with counts."""
+
+    def __init__(self, max_depth: int = DEFAULT_MAX_TREE_DEPTH) -> None:
+        check_tree_params(max_depth)
+        self.max_depth = max_depth
+        self.root = SuffixNode()
+        """Explicit; its count is the number of indexed tokens."""
+
+    def new_sequence(self) -> IndexedSequence:
+        return IndexedSequence(token_ids=[], active=[self.root])
+
+    def extend(self, seq: IndexedSequence, token_ids: Iterable[int]) -> None:
+        """Appends tokens to `seq`, counting every new substring; O(K + 1) per token."""
+        for token_id in token_ids:
+            self._append(seq, token_id)
+
+    def remove(self, seq: IndexedSequence) -> None:
+        """Uncounts every substring of `seq`; paths left with count 0 are deleted, so removal is exact."""
+        for start in range(len(seq.token_ids)):
+            self._remove_occurrence(seq.token_ids, start)
+        self.root.count -= len(seq.token_ids)
+
+    def speculate(
+        self, context: list[int], max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> SuffixDraft:
+        """The best-scored draft over every suffix of `context` that is a path."""
+        context = context[-self.max_depth :]
+        longest = self.longest_match(context)
+        candidates = ((m, self.find(context[-m:])) for m in range(longest, 0, -1))
+        return self._best_draft(candidates, max_spec_tokens, max_spec_factor, min_token_prob)
+
+    def speculate_sequence(
+        self, seq: IndexedSequence, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> SuffixDraft:
+        """`speculate` on a sequence of this tree, from its kept active suffixes (no matching).
+
+        Longer suffixes are leaves whose only occurrence is the sequence's end: nothing follows them.
+        """
+        candidates = ((m, seq.active[m]) for m in range(len(seq.active) - 1, 0, -1))
+        return self._best_draft(candidates, max_spec_tokens, max_spec_factor, min_token_prob)
+
+    def find(self, path: list[int]) -> SuffixNode | None:
+        """The explicit node of `path`, or the leaf whose chain contains it; None if absent."""
+        node = self.root
+        for depth, token_id in enumerate(path):
+            if node.children is None:
+                return node if _leaf_continues(node, depth, path[depth:]) else None
+            child = node.children.get(token_id)
+            if child is None:
+                return None
+            node = child
+        return node
+
+    def longest_match(self, context: list[int]) -> int:
+        """Largest `m` with `context[-m:]` a path; binary search, as every shorter suffix is a path too."""
+        lo, hi = 0, min(len(context), self.max_depth)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.find(context[-mid:]) is None:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
+    def path_counts(self) -> dict[tuple[int, ...], int]:
+        """Every path with its count, leaves expanded; O(paths), for tests and debugging."""
+        counts: dict[tuple[int, ...], int] = {}
+        stack: list[tuple[tuple[int, ...], SuffixNode]] = [((), self.root)]
+        while stack:
+            path, node = stack.pop()
+            if node.children is None:
+                counts.update(dict.fromkeys(self._leaf_paths(path, node), 1))
+                continue
+            if path:
+                counts[path] = node.count
+            stack.extend((path + (t,), child) for t, child in node.children.items())
+        return counts
+
+    def _append(self, seq: IndexedSequence, token_id: int) -> None:
+        seq.token_ids.append(token_id)
+        self.root.count += 1
+        end = len(seq.token_ids)
+        active = [self.root]
+        for length, node in enumerate(seq.active):
+            assert node.children is not None
+            child = node.children.get(token_id)
+            if child is None:
+                # a new path, so are all longer ones: each gets a leaf for this occurrence
+                node.children[token_id] = SuffixNode(seq.token_ids, end - length - 1)
+                _bump_best(node, token_id)
+                continue
+            if child.children is None:
+                self._materialise(child, length + 1)
+            child.count += 1
+            _bump_best(node, token_id)
+            if length + 1 < self.max_depth:
+                active.append(child)
+        seq.active = active
+
+    def _materialise(self, leaf: SuffixNode, depth: int) -> None:
+        """Turns a leaf at `depth` into an explicit node whose one child continues its occurrence."""
+        assert leaf.seq is not None
+        seq, next_index = leaf.seq, leaf.start + depth
+        leaf.seq, leaf.children = None, {}
+        if depth < self.max_depth and next_index < len(seq):
+            leaf.children[seq[next_index]] = SuffixNode(seq, leaf.start)
+            leaf.best_token = seq[next_index]
+
+    def _remove_occurrence(self, token_ids: list[int], start: int) -> None:
+        node = self.root
+        for token_id in token_ids[start : start + self.max_depth]:
+            assert node.children is not None
+            child = node.children[token_id]
+            if child.count == 1:
+                # this occurrence was the path's last: drop it with everything below it
+                assert child.children is not None or (child.seq is token_ids and child.start == start)
+                del node.children[token_id]
+                _forget_best(node, token_id)
+                return
+            child.count -= 1
+            _forget_best(node, token_id)
+            node = child
+
+    def _best_draft(
+        self,
+        candidates: Iterable[tuple[int, SuffixNode | None]],
+        max_spec_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+    ) -> SuffixDraft:
+        """The best-scored draft among `candidates` (match length, node), longest match first.
+
+        Branch and bound: a draft's score is at most its length, so once the best score reaches
+        the length limit of the next (shorter) match, no shorter match can beat it. Ties keep the
+        longer match.
+        """
+        best = SuffixDraft()
+        for match_len, node in candidates:
+            max_len = draft_limit(match_len, max_spec_tokens, max_spec_factor)
+            if max_len <= best.score:
+                break
+            assert node is not None
+            draft = self._grow_draft(node, match_len, max_len, min_token_prob)
+            if draft.score > best.score:
+                best = draft
+        return best
+
+    def _grow_draft(self, node: SuffixNode, depth: int, max_len: int, min_token_prob: float) -> SuffixDraft:
+        """Greedy draft from the path `node` at `depth`: the most frequent continuation each step."""
+        draft = SuffixDraft(match_len=depth)
+        cum_prob = 1.0
+        for token_id, prob, _ in self._greedy_path(node, depth):
+            cum_prob *= prob
+            if len(draft.token_ids) == max_len or cum_prob < min_token_prob:
+                break
+            draft.token_ids.append(token_id)
+            draft.probs.append(prob)
+            draft.score += cum_prob
+        return draft
+
+    def _greedy_path(self, node: SuffixNode, depth: int) -> Iterator[tuple[int, float, SuffixNode]]:
+        """(token, probability, node after it) along the most frequent continuation of a path."""
+        while depth < self.max_depth:
+            if node.children is None:
+                assert node.seq is not None
+                if node.start + depth >= len(node.seq):
+                    return
+                yield node.seq[node.start + depth], 1.0, node
+            else:
+                token_id = _best_token(node)
+                if token_id is None:
+                    return
+                child = node.children[token_id]
+                yield token_id, child.count / node.count, child
+                node = child
+            depth += 1
+
+    def _leaf_paths(self, path: tuple[int, ...], leaf: SuffixNode) -> Iterator[tuple[int, ...]]:
+        assert leaf.seq is not None
+        end = min(leaf.start + self.max_depth, len(leaf.seq))
+        for stop in range(leaf.start + len(path), end + 1):
+            yield tuple(leaf.seq[leaf.start : stop])
+
+
+class GlobalSuffixIndex:
+    """The suffix tree over whole earlier sequences (request outputs), shared by all requests.
+
+    Holds at most `max_cached_requests` sequences, evicting the oldest whole sequence (exactly:
+    every count it added is taken back). Inputs and outputs are plain ids, lists and floats, so a
+    separate suffix-cache process can serve it. A sequence is indexed whole, in one call: a leaf
+    of a sequence still growing would miss continuations another sequence made explicit meanwhile.
+    """
+
+    def __init__(
+        self,
+        max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
+        max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
+    ) -> None:
+        check_tree_params(max_tree_depth, max_cached_requests)
+        self.max_cached_requests = max_cached_requests
+        self.tree = SuffixTree(max_tree_depth)
+        self._sequences: dict[str, IndexedSequence] = {}
+        """In insertion order, which is eviction order."""
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._sequences
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        """Indexes `token_ids` under `seq_id` (replacing an earlier one), evicting the oldest if full."""
+        if self.max_cached_requests == 0:
+            return
+        self.remove_sequence(seq_id)
+        seq = self.tree.new_sequence()
+        self.tree.extend(seq, token_ids)
+        self._sequences[seq_id] = seq
+        while len(self._sequences) > self.max_cached_requests:
+            self.remove_sequence(next(iter(self._sequences)))
+
+    def remove_sequence(self, seq_id: str) -> bool:
+        """Uncounts a sequence; False if it is not (or no longer) indexed."""
+        seq = self._sequences.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.tree.remove(seq)
+        return True
+
+    def speculate(
+        self,
+        context: list[int],
+        max_spec_tokens: int,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> SuffixDraft:
+        """The best-scored draft continuing `context` (only its last `max_tree_depth` tokens matter)."""
+        check_spec_params(max_spec_tokens, max_spec_factor, min_token_prob)
+        return self.tree.speculate(context, max_spec_tokens, max_spec_factor, min_token_prob)
+
+
+def _leaf_continues(leaf: SuffixNode, depth: int, rest: list[int]) -> bool:
+    """Whether the leaf's occurrence goes on with `rest` after its first `depth` tokens."""
+    assert leaf.seq is not None
+    begin = leaf.start + depth
+    return leaf.seq[begin : begin + len(rest)] == rest
+
+
+def _best_token(node: SuffixNode) -> int | None:
+    """The most frequent child token (ties: smallest id), recomputed only after it went stale."""
+    children = node.children
+    if node.best_token is None and children:
+        node.best_token = min(children, key=lambda t: (-children[t].count, t))
+    return node.best_token
+
+
+def _bump_best(node: SuffixNode, token_id: int) -> None:
+    """Keeps `best_token` exact after the child `token_id` gained one count; O(1)."""
+    assert node.children is not None
+    best = node.best_token
+    if best == token_id:
+        return
+    if best is None:
+        if len(node.children) == 1:
+            node.best_token = token_id
+        return
+    count, best_count = node.children[token_id].count, node.children[best].count
+    if count > best_count or (count == best_count and token_id < best):
+        node.best_token = token_id
+
+
+def _forget_best(node: SuffixNode, token_id: int) -> None:
+    """The child `token_id` lost counts: if it was the best, the best is unknown until asked."""
+    if node.best_token == token_id:
+        node.best_token = None

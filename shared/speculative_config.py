@@ -1,0 +1,149 @@
+"""Speculative decoding configuration, FastDeploy-style (`--speculative-config '{json}'`).
+
+Terms used across specmesh: a *draft* token is proposed by a cheap method; the *target* model
+verifies all drafts of a request in one forward over `1 + k` tokens. *Accepted* drafts are kept,
+the first rejected one is replaced by a *recovered* token sampled from the target, and when all
+`k` are accepted a *bonus* token comes from the target's last row.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shared.errors import describe_validation_error
+
+Method = Literal["naive", "ngram", "suffix", "mtp", "draft_model"]
+MODEL_FREE_METHODS: tuple[str, ...] = ("naive", "ngram", "suffix")
+MODEL_BASED_METHODS: tuple[str, ...] = ("mtp", "draft_model")
+MAX_MODEL_FREE_TOKENS = 15
+MAX_MODEL_BASED_TOKENS = 5
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"naive": 0, "ngram": 5, "suffix": 8, "mtp": 1, "draft_model": 3}
+
+
+class SpeculativeConfig(BaseModel):
+    """How drafts are proposed and verified. Every field is checked; bad combinations say what to change."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    method: Method = "naive"
+    """naive (the speculative path with no drafts), ngram, suffix, mtp or draft_model."""
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_MODEL_FREE_TOKENS)
+    """k: most draft tokens per request per step (model-based methods: at most 5). Defaults per
+    method: naive 0, ngram 5, suffix 8, mtp 1, draft_model 3."""
+    num_model_steps: int | None = Field(default=None, ge=1, le=MAX_MODEL_BASED_TOKENS)
+    """mtp: how many times the MTP head is chained per step (defaults to k)."""
+    mtp_strategy: Literal["default", "with_ngram"] = "default"
+    """with_ngram: after the MTP drafts, n-gram drafts fill the remaining slots up to k."""
+    model: str | None = None
+    """Checkpoint directory of the MTP head or the draft model."""
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_max", "max_ngram_size")
+    )
+    """ngram: longest suffix (in tokens) tried first."""
+    prompt_lookup_min: int = Field(
+        default=1, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_min", "min_ngram_size")
+    )
+    """ngram: shortest suffix tried before giving up."""
+    suffix_decoding_max_tree_depth: int = Field(default=64, ge=1, le=1024)
+    suffix_decoding_max_cached_requests: int = Field(default=10000, ge=0)
+    """Requests whose outputs stay in the global suffix tree (0: per-request trees only)."""
+    suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0.0)
+    """Draft length is at most this times the matched suffix length."""
+    suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Drafts stop where the estimated probability of the path falls below this."""
+    verify_strategy: Literal["rejection", "greedy", "topp", "target_match"] = "rejection"
+    """rejection (lossless, Leviathan et al. 2023), greedy, target_match, or topp (lossy)."""
+    accept_policy: Literal["normal", "accept_all", "reject_all"] = "normal"
+    """Debugging bounds: accept_all keeps every draft, reject_all keeps none."""
+    adaptive: bool = True
+    """Per-request k follows observed acceptance; speculation shrinks when the batch makes it a loss."""
+    adaptive_min_acceptance: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Below this estimated acceptance rate a request stops drafting (it probes again now and then)."""
+    allow_request_override: bool = True
+    """Whether a request may choose its own method / k / turn speculation off (never above k)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.method])
+        k = self.k
+        if self.method == "naive" and k:
+            raise ValueError(
+                "method 'naive' proposes no drafts: set num_speculative_tokens to 0 or pick a method"
+            )
+        if self.method != "naive" and k == 0:
+            raise ValueError(f"method {self.method!r} needs num_speculative_tokens >= 1")
+        if self.method in MODEL_BASED_METHODS:
+            if k > MAX_MODEL_BASED_TOKENS:
+                raise ValueError(
+                    f"method {self.method!r} allows at most {MAX_MODEL_BASED_TOKENS} speculative tokens, not {k}"
+                )
+            if not self.model:
+                raise ValueError(
+                    f"method {self.method!r} needs 'model': the checkpoint directory of the {_what(self.method)}"
+                )
+        elif self.model:
+            raise ValueError(f"'model' is only used by mtp and draft_model, not by {self.method!r}")
+        if self.num_model_steps is not None and self.method != "mtp":
+            raise ValueError("num_model_steps applies to method 'mtp' only")
+        if self.mtp_strategy != "default" and self.method != "mtp":
+            raise ValueError("mtp_strategy applies to method 'mtp' only")
+        if self.num_model_steps is not None and self.num_model_steps > k:
+            raise ValueError(
+                f"num_model_steps ({self.num_model_steps}) cannot exceed num_speculative_tokens ({k})"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+    @property
+    def k(self) -> int:
+        """num_speculative_tokens, resolved."""
+        return self.num_speculative_tokens or 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "naive"
+
+    @property
+    def mtp_steps(self) -> int:
+        """MTP chain length: num_model_steps, or k (with_ngram fills the rest of k with n-gram drafts)."""
+        return self.num_model_steps or self.k
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SpeculativeConfig:
+        """Parses `--speculative-config`; errors name the field and what is wrong."""
+        if not text:
+            return cls()
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(f"--speculative-config: {describe_validation_error(exc)}") from None
+
+
+class SpeculativeOverride(BaseModel):
+    """What one request may change about speculation (within the operator's limits)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    """False turns speculation off for this request."""
+    method: Method | None = None
+    """Another method among those the server has loaded (model-free methods are always available)."""
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_MODEL_FREE_TOKENS)
+    """A smaller k (never above the server's)."""
+
+
+def _what(method: str) -> str:
+    return "MTP head" if method == "mtp" else "draft model"

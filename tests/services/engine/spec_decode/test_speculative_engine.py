@@ -1,0 +1,225 @@
+"""The speculative loop end to end: lossless methods never change greedy output, policies bound
+acceptance, stops / penalties / logprobs behave as in plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.engine import RequestError
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+from shared.speculative_config import SpeculativeOverride
+
+MAX_TOKENS = 40
+
+
+def repetitive_prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a span, so n-gram and suffix drafts get accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        span = torch.randint(3, 384, (6 + i,), generator=generator).tolist()
+        tail = torch.randint(3, 384, (i * 3,), generator=generator).tolist()
+        prompts.append(tail + span * 3 + span[:2])
+    return prompts
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(make_checkpoint):
+    return str(make_checkpoint("llama", num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def naive_tokens(target) -> list[list[int]]:
+    llm = LLM(target, device="cpu", max_model_len=192)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)]
+
+
+def spec_llm(target: str, **spec) -> LLM:
+    return LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+
+
+METHODS = {
+    "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),
+    "suffix": dict(method="suffix", num_speculative_tokens=6),
+}
+
+
+@pytest.mark.parametrize("strategy", ["rejection", "greedy", "target_match"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_model_free_methods_keep_greedy_output(target, naive_tokens, method: str, strategy: str) -> None:
+    llm = spec_llm(target, verify_strategy=strategy, **METHODS[method])
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+
+
+def test_draft_model_keeps_greedy_output_and_accepts_itself(target, naive_tokens) -> None:
+    """With the target as its own draft model every greedy draft must pass: a check that the
+    draft cache stays aligned with the target's through acceptance and rollback."""
+    llm = spec_llm(target, method="draft_model", model=target, num_speculative_tokens=3)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    for o in outputs:
+        assert o.spec_stats["acceptance_per_position"] == [1.0, 1.0, 1.0]
+
+
+def test_small_draft_model_keeps_greedy_output(make_checkpoint, target, naive_tokens) -> None:
+    draft = str(
+        make_checkpoint(
+            "llama",
+            seed=3,
+            num_hidden_layers=1,
+            hidden_size=48,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            intermediate_size=64,
+        )
+    )
+    llm = spec_llm(target, method="draft_model", model=draft, num_speculative_tokens=2)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+
+
+def test_preemption_under_speculation_keeps_greedy_output(target, naive_tokens) -> None:
+    llm = LLM(
+        target,
+        device="cpu",
+        max_model_len=96,
+        num_kv_blocks=14,
+        block_size=8,
+        speculative_config=dict(method="ngram", num_speculative_tokens=5),
+    )
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_mixed_methods_in_one_batch(target, naive_tokens) -> None:
+    llm = spec_llm(target, method="ngram", num_speculative_tokens=5)
+    overrides = [
+        SpeculativeOverride(method="suffix"),
+        SpeculativeOverride(enabled=False),
+        None,
+        SpeculativeOverride(num_speculative_tokens=2),
+        SpeculativeOverride(method="naive"),
+        SpeculativeOverride(method="suffix", num_speculative_tokens=3),
+    ]
+    params = [GREEDY.model_copy(update={"speculative": o}) for o in overrides]
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert [o.spec_stats["method"] for o in outputs] == [
+        "suffix",
+        "naive",
+        "ngram",
+        "ngram",
+        "naive",
+        "suffix",
+    ]
+    assert outputs[1].spec_stats["num_draft_tokens"] == 0
+
+
+def test_accept_all_accepts_every_draft_and_reject_all_emits_one_token_per_step(target) -> None:
+    prompts = repetitive_prompts(3)
+    accept_all = spec_llm(
+        target, method="ngram", num_speculative_tokens=4, accept_policy="accept_all", adaptive=False
+    )
+    for o in accept_all.generate(prompt_token_ids=prompts, sampling_params=GREEDY):
+        stats = o.spec_stats
+        assert stats["num_draft_tokens"] > 0
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    reject_all = spec_llm(
+        target, method="ngram", num_speculative_tokens=4, accept_policy="reject_all", adaptive=False
+    )
+    engine = reject_all.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert len(out.new_token_ids) == 1
+            assert out.spec_stats["num_accepted_tokens"] == 0
+
+
+def test_stop_token_inside_accepted_drafts_ends_at_that_token(target, naive_tokens) -> None:
+    prompts = repetitive_prompts()
+    llm = spec_llm(target, method="draft_model", model=target, num_speculative_tokens=4)
+    for prompt, expected in zip(prompts, naive_tokens):
+        stop_id = expected[9]
+        first = expected.index(stop_id)
+        params = GREEDY.model_copy(update={"stop_token_ids": [stop_id]})
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        assert out.token_ids == expected[: first + 1]
+        assert out.finish_reason == "stop"
+    short = llm.generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY.model_copy(update={"max_tokens": 7})
+    )
+    assert [o.token_ids for o in short] == [t[:7] for t in naive_tokens]
+
+
+def test_penalties_min_tokens_and_logprobs_equal_naive(target) -> None:
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=30,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        min_tokens=10,
+        stop_token_ids=[7],
+        logprobs=3,
+    )
+    prompts = repetitive_prompts(4, seed=5)
+    naive = LLM(target, device="cpu", max_model_len=192).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    spec = spec_llm(target, method="draft_model", model=target, num_speculative_tokens=3)
+    drafted = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    for a, b in zip(naive, drafted):
+        assert a.token_ids == b.token_ids
+        assert b.spec_stats["num_accepted_tokens"] > 0
+        assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert list(x.top) == list(y.top)
+
+
+def test_seeded_sampling_is_reproducible_under_speculation(target) -> None:
+    llm = spec_llm(target, method="ngram", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=30, ignore_eos=True)
+    prompts = repetitive_prompts(3)
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    second = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+def test_request_overrides_beyond_server_limits_are_refused(target) -> None:
+    llm = spec_llm(target, method="ngram", num_speculative_tokens=3)
+    with pytest.raises(RequestError, match="limit of 3"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY.model_copy(
+                update={"speculative": SpeculativeOverride(num_speculative_tokens=9)}
+            ),
+        )
+    with pytest.raises(RequestError, match="not loaded"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY.model_copy(update={"speculative": SpeculativeOverride(method="mtp")}),
+        )
+    locked = spec_llm(target, method="ngram", num_speculative_tokens=3, allow_request_override=False)
+    with pytest.raises(RequestError, match="does not allow"):
+        locked.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY.model_copy(update={"speculative": SpeculativeOverride(enabled=False)}),
+        )
+
+
+def test_bad_speculative_configs_say_what_to_change(target) -> None:
+    with pytest.raises(ValueError, match="needs 'model'"):
+        spec_llm(target, method="draft_model")
+    with pytest.raises(ValueError, match="at most 5"):
+        spec_llm(target, method="draft_model", model=target, num_speculative_tokens=8)

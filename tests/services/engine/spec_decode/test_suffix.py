@@ -1,0 +1,283 @@
+"""SuffixDecoding: tree counts equal brute-force substring counts, drafts equal a plain reference."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixTree
+
+Path = tuple[int, ...]
+
+
+def substring_counts(seqs: list[list[int]], depth: int) -> dict[Path, int]:
+    """Occurrences of every substring of 1..depth tokens."""
+    counts: Counter[Path] = Counter()
+    for seq in seqs:
+        for start in range(len(seq)):
+            for stop in range(start + 1, min(start + depth, len(seq)) + 1):
+                counts[tuple(seq[start:stop])] += 1
+    return dict(counts)
+
+
+def reference_draft(
+    counts: dict[Path, int], context: list[int], depth: int, k: int, factor: float, min_prob: float
+) -> tuple[list[int], float]:
+    """Greedy draft from every matching suffix; the best score wins, the longer match on ties."""
+    best: tuple[list[int], float] = ([], 0.0)
+    for m in range(min(len(context), depth), 0, -1):
+        path = tuple(context[-m:])
+        if path not in counts:
+            continue
+        token_ids, score = greedy_from(counts, path, depth, min(k, math.floor(factor * m)), min_prob)
+        if score > best[1]:
+            best = (token_ids, score)
+    return best
+
+
+def greedy_from(
+    counts: dict[Path, int], path: Path, depth: int, max_len: int, min_prob: float
+) -> tuple[list[int], float]:
+    token_ids: list[int] = []
+    cum_prob, score = 1.0, 0.0
+    while len(token_ids) < max_len and len(path) < depth:
+        children = {p[-1]: c for p, c in counts.items() if len(p) == len(path) + 1 and p[:-1] == path}
+        if not children:
+            break
+        token_id = min(children, key=lambda t: (-children[t], t))
+        cum_prob *= children[token_id] / counts[path]
+        if cum_prob < min_prob:
+            break
+        token_ids.append(token_id)
+        score += cum_prob
+        path += (token_id,)
+    return token_ids, score
+
+
+def random_seq(rng: random.Random, vocab: int, max_len: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
+
+
+def occurs_in(needle: list[int], seqs: list[list[int]]) -> bool:
+    n = len(needle)
+    return any(seq[i : i + n] == needle for seq in seqs for i in range(len(seq) - n + 1))
+
+
+# --- the tree against brute force ---
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_counts_equal_brute_force_under_chunked_growth(seed: int) -> None:
+    rng = random.Random(seed)
+    depth = rng.randint(1, 6)
+    tree = SuffixTree(depth)
+    seqs = [random_seq(rng, vocab=3, max_len=30) for _ in range(3)]
+    for i, tokens in enumerate(seqs):
+        seq = tree.new_sequence()
+        while len(seq.token_ids) < len(tokens):
+            chunk = rng.randint(1, 5)
+            tree.extend(seq, tokens[len(seq.token_ids) : len(seq.token_ids) + chunk])
+            assert tree.path_counts() == substring_counts([*seqs[:i], seq.token_ids], depth)
+    assert tree.root.count == sum(map(len, seqs))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_removal_is_exact(seed: int) -> None:
+    rng = random.Random(seed)
+    index = GlobalSuffixIndex(max_tree_depth=rng.randint(1, 6), max_cached_requests=100)
+    live: dict[str, list[int]] = {}
+    for step in range(30):
+        if live and rng.random() < 0.4:
+            seq_id = rng.choice(sorted(live))
+            assert index.remove_sequence(seq_id)
+            del live[seq_id]
+        else:
+            live[f"r{step}"] = random_seq(rng, vocab=3, max_len=20)
+            index.add_sequence(f"r{step}", live[f"r{step}"])
+        assert index.tree.path_counts() == substring_counts(list(live.values()), index.tree.max_depth)
+    for seq_id in list(live):
+        index.remove_sequence(seq_id)
+    assert index.tree.root.children == {} and index.tree.root.count == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_drafts_equal_reference_and_occur_in_data(seed: int) -> None:
+    rng = random.Random(seed)
+    depth = rng.randint(2, 7)
+    seqs = [random_seq(rng, vocab=3, max_len=25) for _ in range(4)]
+    index = GlobalSuffixIndex(max_tree_depth=depth, max_cached_requests=10)
+    for i, seq in enumerate(seqs):
+        index.add_sequence(f"r{i}", seq)
+    counts = substring_counts(seqs, depth)
+    for _ in range(20):
+        context = random_seq(rng, vocab=3, max_len=10)
+        k, factor, min_prob = rng.randint(0, 6), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4])
+        draft = index.speculate(context, k, factor, min_prob)
+        assert (draft.token_ids, draft.score) == reference_draft(counts, context, depth, k, factor, min_prob)
+        if draft.token_ids:
+            matched = context[len(context) - draft.match_len :]
+            assert occurs_in(matched + draft.token_ids, seqs)
+            assert draft.match_len + len(draft.token_ids) <= depth
+            for i, prob in enumerate(draft.probs):
+                path = tuple(matched + draft.token_ids[:i])
+                assert prob == counts[path + (draft.token_ids[i],)] / counts[path]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_request_tree_drafts_equal_matching_from_scratch(seed: int) -> None:
+    """The kept active suffixes give the same draft as matching the whole context anew."""
+    rng = random.Random(seed)
+    depth = rng.randint(2, 8)
+    tree = SuffixTree(depth)
+    seq = tree.new_sequence()
+    for _ in range(40):
+        tree.extend(seq, [rng.randrange(3)])
+        args = (rng.randint(1, 6), 1.0, 0.1)
+        draft = tree.speculate_sequence(seq, *args)
+        assert draft == tree.speculate(seq.token_ids, *args)
+        counts = substring_counts([seq.token_ids], depth)
+        assert (draft.token_ids, draft.score) == reference_draft(counts, seq.token_ids, depth, *args)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_length_is_bounded(seed: int) -> None:
+    rng = random.Random(seed)
+    index = GlobalSuffixIndex(max_tree_depth=16)
+    for i in range(5):
+        index.add_sequence(f"r{i}", random_seq(rng, vocab=2, max_len=60))
+    for _ in range(50):
+        k, factor = rng.randint(0, 10), rng.uniform(0.1, 3.0)
+        draft = index.speculate(random_seq(rng, vocab=2, max_len=20), k, factor, min_token_prob=0.0)
+        assert len(draft.token_ids) <= min(k, math.floor(factor * draft.match_len))
+        assert len(draft.token_ids) == len(draft.probs)
+
+
+def test_min_token_prob_prunes_rare_continuations() -> None:
+    index = GlobalSuffixIndex(max_tree_depth=8)
+    index.add_sequence("a", [1, 2, 3, 4])
+    index.add_sequence("b", [1, 2, 3, 5])
+    for i in range(8):
+        index.add_sequence(f"other{i}", [1, 2, 10 + i])
+    # count(1 2) = 10, count(1 2 3) = 2: the best continuation has probability 0.2
+    assert index.speculate([1, 2], 4, 2.0, min_token_prob=0.25).token_ids == []
+    draft = index.speculate([1, 2], 4, 2.0, min_token_prob=0.15)
+    # then 4 and 5 tie at 1/2: the cumulative probability 0.1 is below 0.15, so the draft stops
+    assert draft.token_ids == [3] and draft.probs == [0.2]
+    assert index.speculate([1, 2], 4, 2.0, min_token_prob=0.1).token_ids == [3, 4]
+
+
+def test_eviction_forgets_the_oldest_request_exactly() -> None:
+    requests = {"r1": [7, 8, 9, 1, 2], "r2": [3, 4, 5, 1, 2], "r3": [3, 4, 6, 7, 8]}
+    index = GlobalSuffixIndex(max_tree_depth=4, max_cached_requests=2)
+    for seq_id, tokens in requests.items():
+        index.add_sequence(seq_id, tokens)
+        if seq_id == "r1":
+            assert index.speculate([7, 8], 3).token_ids == [9, 1]
+    assert "r1" not in index and len(index) == 2
+    assert index.speculate([7, 8], 3).token_ids == []
+    reference = GlobalSuffixIndex(max_tree_depth=4)
+    reference.add_sequence("r2", requests["r2"])
+    reference.add_sequence("r3", requests["r3"])
+    assert index.tree.path_counts() == reference.tree.path_counts()
+    assert index.tree.root.count == reference.tree.root.count
+
+
+# --- the proposer ---
+
+
+def test_request_drafts_its_own_repetition() -> None:
+    proposer = SuffixProposer()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    proposer.start_request("r", prompt)
+    proposer.add_tokens("r", [9, 1, 2, 3])
+    draft = proposer.propose_draft("r", prompt + [9, 1, 2, 3], max_spec_tokens=8)
+    assert draft.match_len == 3 and draft.token_ids == [4, 5, 6]
+    assert draft.probs == [0.5, 1.0, 1.0]  # (1 2 3) occurs twice, once followed by 4
+    assert proposer.propose("r", prompt + [9, 1, 2, 3], max_spec_tokens=2) == [4, 5]
+
+
+def test_second_request_drafts_from_a_finished_request() -> None:
+    proposer = SuffixProposer()
+    proposer.start_request("first", [100, 101])
+    proposer.add_tokens("first", [7, 8, 9, 10, 11, 12])
+    proposer.start_request("second", [50, 7, 8, 9])
+    assert proposer.propose("second", [50, 7, 8, 9], 5) == []  # outputs are shared once finished
+    proposer.stop_request("first")
+    assert proposer.propose("second", [50, 7, 8, 9], 5) == [10, 11, 12]
+    assert proposer.propose("second", [50, 7, 8, 9], 2) == [10, 11]
+
+
+def test_prompts_are_shared_only_when_asked() -> None:
+    for cache_prompts, expected in [(False, []), (True, [4])]:
+        proposer = SuffixProposer(SuffixConfig(cache_prompts=cache_prompts))
+        proposer.start_request("a", [1, 2, 3, 4])
+        proposer.add_tokens("a", [5])
+        proposer.stop_request("a")
+        proposer.start_request("b", [2, 3])
+        assert proposer.propose("b", [2, 3], 1) == expected
+
+
+def test_zero_cached_requests_disables_the_global_tree() -> None:
+    proposer = SuffixProposer(SuffixConfig(max_cached_requests=0))
+    proposer.start_request("a", [1])
+    proposer.add_tokens("a", [2, 3, 4])
+    proposer.stop_request("a")
+    proposer.start_request("b", [2, 3])
+    assert len(proposer.global_index) == 0
+    assert proposer.propose("b", [2, 3], 2) == []
+
+
+def test_tokens_passed_to_propose_are_indexed_once() -> None:
+    """Feeding outputs through `add_tokens` or only through `propose` builds the same tree."""
+    rng = random.Random(0)
+    tokens = random_seq(rng, vocab=3, max_len=40)
+    fed, caught_up = SuffixProposer(), SuffixProposer()
+    for proposer in (fed, caught_up):
+        proposer.start_request("r", tokens[:5])
+    for n in range(6, len(tokens) + 1):
+        fed.add_tokens("r", tokens[n - 1 : n])
+        assert fed.propose("r", tokens[:n], 4) == caught_up.propose("r", tokens[:n], 4)
+    assert fed._requests["r"].tree.path_counts() == caught_up._requests["r"].tree.path_counts()
+    with pytest.raises(ValueError, match="already indexed"):
+        fed.propose("r", tokens[:3], 4)
+
+
+def test_propose_batch_and_request_lifecycle() -> None:
+    proposer = SuffixProposer()
+    proposer.start_request("a", [1, 2, 1, 2, 1])
+    proposer.start_request("b", [5, 6])
+    assert proposer.propose_batch([("a", [1, 2, 1, 2, 1], 2), ("b", [5, 6], 2)]) == [[2, 1], []]
+    with pytest.raises(ValueError, match="already started"):
+        proposer.start_request("a", [])
+    proposer.stop_request("a")
+    proposer.stop_request("a")  # stopping twice is harmless
+    with pytest.raises(KeyError):
+        proposer.propose("a", [1], 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tree_depth", 0),
+        ("max_cached_requests", -1),
+        ("max_spec_factor", 0.0),
+        ("min_token_prob", -0.1),
+        ("min_token_prob", 1.5),
+    ],
+)
+def test_bad_config_names_the_field(field: str, value: float) -> None:
+    kwargs: dict[str, Any] = {field: value}
+    with pytest.raises(ValueError, match=field):
+        SuffixConfig(**kwargs)
+
+
+def test_negative_max_spec_tokens_is_rejected() -> None:
+    proposer = SuffixProposer()
+    proposer.start_request("r", [1, 2])
+    with pytest.raises(ValueError, match="max_spec_tokens"):
+        proposer.propose("r", [1, 2], -1)
