@@ -14,6 +14,7 @@ from shared.config import EngineConfig
 from shared.errors import describe_validation_error
 from shared.model import ModelConfigError
 from shared.sampling_params import SamplingParams
+from shared.speculative_config import SpeculativeConfig
 from training.train_mtp import add_train_mtp_parser
 
 Command = Callable[[argparse.Namespace], int]
@@ -37,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--speculative-config",
+        help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -54,6 +59,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )
 
 
@@ -84,10 +90,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert final is not None
     num_generated = len(final.token_ids)
     decode_s = finished - loaded
+    stats = final.spec_stats
+    spec = ""
+    if stats.get("num_verify_steps"):
+        spec = (
+            f" | {stats['method']}: {stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts accepted, "
+            f"mean accepted length {stats['mean_accepted_length']:.2f}"
+        )
     print(
         f"load {loaded - started:.2f} s | prompt {len(final.prompt_token_ids)} tokens | "
         f"generated {num_generated} tokens in {decode_s:.2f} s ({num_generated / decode_s:.1f} tok/s) | "
-        f"TTFT {final.metrics.get('ttft_s', 0.0) * 1000:.0f} ms | finish {final.finish_reason}",
+        f"TTFT {final.metrics.get('ttft_s', 0.0) * 1000:.0f} ms | finish {final.finish_reason}{spec}",
         file=sys.stderr,
     )
     return 0

@@ -69,11 +69,10 @@ class LLMEngine:
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.drafter = Drafter(
-            config.speculative_config, self.runner, self.block_manager, self.runner.verifier.default_generator
-        )
+        self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
+        self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -104,12 +103,14 @@ class LLMEngine:
             self.drafter.configure(seq)
         except SpeculationError as exc:
             raise RequestError(str(exc)) from None
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device)
-            seq.generator.manual_seed(params.seed)
+        seq.seed = params.seed if params.seed is not None else self._draw_seed()
         self.sequences[request_id] = seq
         self.outputs.start(seq)
         self.scheduler.add(seq)
+
+    def _draw_seed(self) -> int:
+        """A seed for a request that brought none; the engine's own seed makes the draw repeatable."""
+        return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.sequences.get(request_id)

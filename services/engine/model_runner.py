@@ -71,11 +71,7 @@ class ModelRunner:
         self.mtp_kv_caches = (
             self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
         )
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.seed)
-        self.verifier = RejectionSampler(
-            generator, spec.verify_strategy, spec.accept_policy, config.logprobs_mode
-        )
+        self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -226,7 +222,9 @@ class ModelRunner:
 
 
 def verify_request(seq: Sequence) -> VerifyRequest:
-    return VerifyRequest(seq.params, seq.generator, list(seq.spec.draft_token_ids), seq.spec.draft_probs)
+    return VerifyRequest(
+        seq.params, seq.seed, seq.num_output_tokens, list(seq.spec.draft_token_ids), seq.spec.draft_probs
+    )
 
 
 def row_batch(seqs: list[Sequence]) -> SamplingBatch:

@@ -14,7 +14,10 @@ Strategies (per request; requests at temperature 0 always verify greedily):
   probability min(1, p(x) / q(x)), p the target distribution. At the first rejection the
   *recovered* token is sampled from the residual norm(max(0, p - q)); if all k are accepted, the
   *bonus* token is sampled from the last row. The output is distributed exactly as p. Model-free
-  drafts have a one-hot q.
+  drafts have a one-hot q, for which this is the same as `target_match`.
+
+Randomness is keyed by (request seed, output position) (kernels/sampling_noise_ref.py), so a seeded
+request's tokens do not depend on the batch, and with model-free drafts not on speculation either.
 
 Accept policies `accept_all` / `reject_all` bound acceptance from above and below for debugging.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.sampling_noise_ref import STREAM_ACCEPT, STREAM_TARGET, exponential_noise_ref, uniform_ref
 from services.engine.sampler import (
     SamplingBatch,
     apply_penalties,
@@ -39,7 +43,10 @@ from shared.sampling_params import SamplingParams
 @dataclass
 class VerifyRequest:
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
+    """The request's sampling seed (its own, or drawn for it at admission)."""
+    position: int
+    """Output position of the request's first row (tokens it has generated so far)."""
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None = None  # [k, vocab_size]; None: one-hot drafts
 
@@ -58,13 +65,8 @@ class VerifyResult:
 
 class RejectionSampler:
     def __init__(
-        self,
-        default_generator: torch.Generator,
-        strategy: str = "rejection",
-        accept_policy: str = "normal",
-        logprobs_mode: str = "processed",
+        self, strategy: str = "rejection", accept_policy: str = "normal", logprobs_mode: str = "processed"
     ):
-        self.default_generator = default_generator
         self.strategy = strategy
         self.accept_policy = accept_policy
         self.logprobs_mode = logprobs_mode
@@ -77,11 +79,12 @@ class RejectionSampler:
         scaled = apply_temperature(penalised, rows.params)
         target_probs = truncated_probs(scaled, rows.params)  # [num_rows, vocab_size]
         greedy_ids = penalised.argmax(dim=-1)
-        noise, uniforms = self._random(target_probs, requests)
-        sampled_ids = (target_probs / noise).argmax(dim=-1)
+        seeds, positions = _row_keys(requests, logits.device)
+        noise = _target_noise(seeds, positions, rows.params, logits.shape[-1])
+        sampled_ids = greedy_ids if noise is None else (target_probs / noise).argmax(dim=-1)
         draft_ids, draft_probs = self._drafts(requests, target_probs)
         accepted = self._accepted_rows(
-            target_probs, greedy_ids, sampled_ids, draft_ids, draft_probs, uniforms, requests
+            target_probs, greedy_ids, sampled_ids, draft_ids, draft_probs, seeds, positions, requests
         )
         recovered_ids = self._recovered(target_probs, draft_ids, draft_probs, noise, sampled_ids)
         want_logprobs = any(p.logprobs is not None for p in rows.params)
@@ -94,32 +97,12 @@ class RejectionSampler:
             requests, accepted, greedy_ids, sampled_ids, recovered_ids, logprobs, rows.params
         )
 
-    def _random(
-        self, target_probs: torch.Tensor, requests: list[VerifyRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exponential noise per row (Gumbel-max sampling) and one uniform per draft row, drawn from
-        each seeded request's own generator in a fixed order."""
-        noise = torch.empty_like(target_probs).exponential_(generator=self.default_generator)
-        uniforms = torch.rand(
-            target_probs.shape[0], device=target_probs.device, generator=self.default_generator
-        )
-        start = 0
-        for request in requests:
-            end = start + request.num_rows
-            if request.generator is not None:
-                noise[start:end].exponential_(generator=request.generator)
-                if request.draft_token_ids and self.strategy == "rejection":
-                    uniforms[start : end - 1] = torch.rand(
-                        end - 1 - start, device=uniforms.device, generator=request.generator
-                    )
-            start = end
-        return noise, uniforms
-
     @staticmethod
     def _drafts(
         requests: list[VerifyRequest], target_probs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft id per row (-1 on bonus rows) and, if any request has them, dense draft probs."""
+        """Draft id per row (-1 on bonus rows) and, if any request has them, dense draft probs
+        (rows of requests with one-hot drafts stay zero: they are verified by coupling, below)."""
         ids: list[int] = []
         for request in requests:
             ids += request.draft_token_ids + [-1]
@@ -129,14 +112,9 @@ class RejectionSampler:
         draft_probs = torch.zeros_like(target_probs)
         start = 0
         for request in requests:
-            k = len(request.draft_token_ids)
             if request.draft_probs is not None:
-                draft_probs[start : start + k] = request.draft_probs
-            else:
-                draft_probs[
-                    start + torch.arange(k), torch.tensor(request.draft_token_ids, dtype=torch.long)
-                ] = 1.0
-            start += k + 1
+                draft_probs[start : start + len(request.draft_token_ids)] = request.draft_probs
+            start += request.num_rows
         return draft_ids, draft_probs
 
     def _accepted_rows(
@@ -146,55 +124,78 @@ class RejectionSampler:
         sampled_ids: torch.Tensor,
         draft_ids: torch.Tensor,
         draft_probs: torch.Tensor | None,
-        uniforms: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
         requests: list[VerifyRequest],
     ) -> torch.Tensor:
-        """[num_rows] bool: whether each draft row passes on its own (bonus rows: False)."""
+        """[num_rows] bool: whether each draft row passes on its own (bonus rows: False).
+
+        A one-hot draft d has q(d) = 1, so rejection sampling accepts it with probability p(d): the
+        same as accepting when d equals the target's own sample at that position, which is what is
+        done (the coupled form keeps seeded outputs identical with and without speculation)."""
         is_draft = draft_ids >= 0
-        safe_ids = draft_ids.clamp(min=0)[:, None]
         if self.accept_policy == "accept_all":
             return is_draft
         if self.accept_policy == "reject_all":
             return torch.zeros_like(is_draft)
-        greedy_rows = torch.tensor(
-            [r.params.greedy for r in requests for _ in range(r.num_rows)], device=target_probs.device
-        )
-        target_of_draft = target_probs.gather(1, safe_ids)[:, 0]
+        greedy_rows = _per_row([r.params.greedy for r in requests], requests, target_probs.device)
         if self.strategy == "greedy":
             passes = draft_ids == greedy_ids
-        elif self.strategy == "target_match":
-            passes = draft_ids == sampled_ids
         elif self.strategy == "topp":
-            passes = target_of_draft > 0
+            passes = target_probs.gather(1, draft_ids.clamp(min=0)[:, None])[:, 0] > 0
         else:
-            draft_of_draft = (
-                draft_probs.gather(1, safe_ids)[:, 0]
-                if draft_probs is not None
-                else torch.ones_like(target_of_draft)
-            )
-            passes = uniforms * draft_of_draft < target_of_draft
+            passes = draft_ids == sampled_ids
+            if self.strategy == "rejection" and draft_probs is not None:
+                passes = torch.where(
+                    self._has_draft_probs(requests, target_probs.device),
+                    self._rejection_test(target_probs, draft_ids, draft_probs, seeds, positions),
+                    passes,
+                )
         passes = torch.where(greedy_rows, draft_ids == greedy_ids, passes)
         return passes & is_draft
+
+    @staticmethod
+    def _has_draft_probs(requests: list[VerifyRequest], device: torch.device) -> torch.Tensor:
+        return _per_row([r.draft_probs is not None for r in requests], requests, device)
+
+    @staticmethod
+    def _rejection_test(
+        target_probs: torch.Tensor,
+        draft_ids: torch.Tensor,
+        draft_probs: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Leviathan et al.: accept draft x with probability min(1, p(x) / q(x))."""
+        index = draft_ids.clamp(min=0)[:, None]
+        target_of_draft = target_probs.gather(1, index)[:, 0]
+        draft_of_draft = draft_probs.gather(1, index)[:, 0]
+        uniforms = uniform_ref(seeds, positions, STREAM_ACCEPT)
+        return uniforms * draft_of_draft < target_of_draft
 
     def _recovered(
         self,
         target_probs: torch.Tensor,
         draft_ids: torch.Tensor,
         draft_probs: torch.Tensor | None,
-        noise: torch.Tensor,
+        noise: torch.Tensor | None,
         sampled_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """[num_rows] the token emitted when a row's draft is rejected (rejection: from the residual)."""
-        if self.strategy != "rejection" or self.accept_policy == "reject_all":
+        """[num_rows] the token emitted when a row's draft is rejected. With a one-hot draft the
+        coupled sample already differs from the draft and is distributed as the residual; with
+        draft probabilities it is drawn from the residual norm(max(0, p - q))."""
+        if (
+            self.strategy != "rejection"
+            or self.accept_policy == "reject_all"
+            or draft_probs is None
+            or noise is None
+        ):
             return sampled_ids
-        if draft_probs is None:
-            draft_probs = torch.zeros_like(target_probs)
-            rows = torch.nonzero(draft_ids >= 0)[:, 0]
-            draft_probs[rows, draft_ids[rows]] = 1.0
+        has_draft = draft_probs.sum(dim=-1) > 0
         residual = (target_probs - draft_probs).clamp(min=0.0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, target_probs, residual)
-        return (residual / noise).argmax(dim=-1)
+        return torch.where(has_draft, (residual / noise).argmax(dim=-1), sampled_ids)
 
     @staticmethod
     def _results(
@@ -234,3 +235,26 @@ class RejectionSampler:
             results.append(VerifyResult(token_ids, num_accepted, token_logprobs))
             start += k + 1
         return results
+
+
+def _per_row(values: list[bool], requests: list[VerifyRequest], device: torch.device) -> torch.Tensor:
+    """Repeats one flag per request over its rows."""
+    return torch.tensor([v for v, r in zip(values, requests) for _ in range(r.num_rows)], device=device)
+
+
+def _row_keys(requests: list[VerifyRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_rows] seed and output position of every row."""
+    seeds = [r.seed for r in requests for _ in range(r.num_rows)]
+    positions = [r.position + j for r in requests for j in range(r.num_rows)]
+    return torch.tensor(seeds, dtype=torch.long, device=device), torch.tensor(
+        positions, dtype=torch.long, device=device
+    )
+
+
+def _target_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, params: list[SamplingParams], vocab_size: int
+) -> torch.Tensor | None:
+    """Exponential noise for the rows that sample (None when every row is greedy)."""
+    if all(p.greedy for p in params):
+        return None
+    return exponential_noise_ref(seeds, positions, vocab_size, STREAM_TARGET)

@@ -2,8 +2,8 @@
 
 The rejection sampler turns the processed distribution into tokens with the exponential-race form
 of the Gumbel-max trick: with `e ~ Exp(1)` i.i.d. per token, `argmax(probs / e)` is a sample from
-`probs`. Each seeded request draws `e` from its own generator, so its tokens do not depend on what
-else is in the batch.
+`probs`; `e` is keyed by the request's seed and the token's output position
+(kernels/sampling_noise_ref.py), so a seeded request's tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ class Sequence:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int = 0
+    """Sampling seed: the request's own, or drawn for it at admission."""
     first_token_time: float | None = None
     spec: SpecState = field(default_factory=SpecState)
 

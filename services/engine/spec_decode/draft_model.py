@@ -47,7 +47,9 @@ class DraftModelProposer:
         rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while True:
-            ids, probs = choose_drafts(logits, [seqs[i] for i in active], self.ctx.generator)
+            ids, probs = choose_drafts(
+                logits, [seqs[i] for i in active], [len(drafts[i].token_ids) for i in active]
+            )
             for i, token, prob in zip(active, ids, probs):
                 drafts[i].token_ids.append(token)
                 rows[i].append(prob)

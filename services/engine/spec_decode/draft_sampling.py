@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.sampling_noise_ref import STREAM_DRAFT, exponential_noise_ref
 from services.engine.sampler import apply_temperature, truncated_probs
 from services.engine.sequence import Sequence
 
@@ -16,18 +17,21 @@ from services.engine.sequence import Sequence
 def choose_drafts(
     logits: torch.Tensor,  # [num_seqs, vocab_size] float32, one row per sequence
     seqs: list[Sequence],
-    default_generator: torch.Generator,
+    draft_index: list[int],
 ) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft token per sequence, and its draft distribution ([vocab_size]) where sampled."""
+    """One draft token per sequence (its `draft_index[i]`-th draft), and its draft distribution
+    ([vocab_size]) where sampled. Sampling noise is keyed by the request's seed and the draft's
+    output position, like the target's."""
     params = [seq.params for seq in seqs]
     greedy_ids = logits.argmax(dim=-1).tolist()
     if all(p.greedy for p in params):
         return greedy_ids, [None] * len(seqs)
     probs = truncated_probs(apply_temperature(logits, params), params)
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
-    for i, seq in enumerate(seqs):
-        if seq.generator is not None and not seq.params.greedy:
-            noise[i].exponential_(generator=seq.generator)
+    seeds = torch.tensor([seq.seed for seq in seqs], dtype=torch.long, device=logits.device)
+    positions = torch.tensor(
+        [seq.num_output_tokens + j for seq, j in zip(seqs, draft_index)], device=logits.device
+    )
+    noise = exponential_noise_ref(seeds, positions, logits.shape[-1], STREAM_DRAFT)
     sampled_ids = (probs / noise).argmax(dim=-1).tolist()
     ids = [g if p.greedy else s for g, s, p in zip(greedy_ids, sampled_ids, params)]
     return ids, [None if p.greedy else probs[i] for i, p in enumerate(params)]

@@ -7,6 +7,8 @@ k first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.engine.block_manager import BlockManager
@@ -20,15 +22,16 @@ from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
+if TYPE_CHECKING:
+    from services.engine.model_runner import ModelRunner
+
 
 class SpeculationError(ValueError):
     """A request's speculative override the server cannot honour."""
 
 
 class Drafter:
-    def __init__(
-        self, config: SpeculativeConfig, runner, block_manager: BlockManager, generator: torch.Generator
-    ):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, block_manager: BlockManager):
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.suffix = SuffixProposer(
@@ -39,7 +42,7 @@ class Drafter:
                 min_token_prob=config.suffix_decoding_min_token_prob,
             )
         )
-        ctx = ModelDrafterContext(runner, block_manager, generator)
+        ctx = ModelDrafterContext(runner, block_manager)
         self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
         self.draft_model = DraftModelProposer(ctx) if runner.draft_model is not None else None
         self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance)

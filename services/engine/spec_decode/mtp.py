@@ -73,7 +73,9 @@ class MTPProposer:
         step = 0
         while active:
             ids, probs = choose_drafts(
-                self.head.logits(hidden), [seqs[i] for i in active], self.ctx.generator
+                self.head.logits(hidden),
+                [seqs[i] for i in active],
+                [len(drafts[i].token_ids) for i in active],
             )
             for i, token, prob in zip(active, ids, probs):
                 drafts[i].token_ids.append(token)

@@ -23,11 +23,10 @@ class Drafts:
 
 @dataclass
 class ModelDrafterContext:
-    """The runner (models, caches, metadata), the block manager and the sampling generator."""
+    """The runner (models, caches, metadata) and the block manager."""
 
     runner: ModelRunner
     block_manager: BlockManager
-    generator: torch.Generator
 
     def reserve_lookahead(self, seqs: list[Sequence], ks: list[int], lookahead: list[int]) -> list[int]:
         """Makes sure each sequence's blocks cover `lookahead[i]` positions past its computed

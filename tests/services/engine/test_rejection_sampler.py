@@ -31,7 +31,8 @@ def run(k: int, draft_probs: torch.Tensor | None, strategy: str = "rejection", s
     requests = [
         VerifyRequest(
             params,
-            None,
+            seed * NUM_REQUESTS + i,
+            0,
             drafts[i].tolist(),
             draft_probs.expand(k, VOCAB) if draft_probs is not None else None,
         )
@@ -40,7 +41,7 @@ def run(k: int, draft_probs: torch.Tensor | None, strategy: str = "rejection", s
     num_rows = NUM_REQUESTS * (k + 1)
     rows = SamplingBatch([params] * num_rows, [[]] * num_rows, [[]] * num_rows, [[]] * num_rows)
     logits = TARGET_LOGITS.expand(num_rows, VOCAB).contiguous()
-    return RejectionSampler(generator, strategy)(logits, rows, requests)
+    return RejectionSampler(strategy)(logits, rows, requests)
 
 
 TARGET = torch.softmax(TARGET_LOGITS, dim=-1)

@@ -29,11 +29,10 @@ def batch_of(params: list[SamplingParams], prompts=None, outputs=None, suppresse
     )
 
 
-def sample(logits, batch: SamplingBatch, generator: torch.Generator, generators=None):
+def sample(logits, batch: SamplingBatch, seeds: list[int], position: int = 0):
     """Plain sampling: the rejection sampler with no drafts."""
-    generators = generators or [None] * batch.num_rows
-    requests = [VerifyRequest(p, g, []) for p, g in zip(batch.params, generators)]
-    results = RejectionSampler(generator)(logits, batch, requests)
+    requests = [VerifyRequest(p, seed, position, []) for p, seed in zip(batch.params, seeds)]
+    results = RejectionSampler()(logits, batch, requests)
     return [r.token_ids[0] for r in results], [r.logprobs[0] for r in results]
 
 
@@ -104,7 +103,7 @@ def test_suppressed_ids_are_never_sampled() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 4] = 50.0  # overwhelmingly likely, but suppressed
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
-    token_ids, _ = sample(logits, batch_of(params, suppressed=[[4], [4]]), torch.Generator().manual_seed(0))
+    token_ids, _ = sample(logits, batch_of(params, suppressed=[[4], [4]]), [0, 1])
     assert 4 not in token_ids
 
 
@@ -115,7 +114,7 @@ def test_sampled_frequencies_follow_the_processed_distribution() -> None:
     num_samples = 4000
     counts = torch.zeros(VOCAB)
     rows = logits.expand(num_samples, VOCAB)
-    tokens, _ = sample(rows, batch_of([p] * num_samples), torch.Generator().manual_seed(1))
+    tokens, _ = sample(rows, batch_of([p] * num_samples), list(range(num_samples)))
     counts.index_add_(0, torch.tensor(tokens), torch.ones(num_samples))
     total_variation = 0.5 * (counts / num_samples - expected).abs().sum().item()
     assert total_variation < 0.05
@@ -126,20 +125,20 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     p = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(9))
 
-    def sample_rows(rows: list[int]) -> list[int]:
-        generators = [torch.Generator().manual_seed(1234) if r == 0 else None for r in rows]
+    def first_token(rows: list[int], position: int) -> int:
         batch = batch_of([p if r == 0 else SamplingParams() for r in rows])
-        return sample(logits[rows], batch, torch.Generator().manual_seed(len(rows)), generators)[0]
+        return sample(logits[rows], batch, [1234] + [len(rows) + r for r in rows[1:]], position)[0][0]
 
-    alone = [sample_rows([0])[0] for _ in range(3)]
-    in_batch = [sample_rows(list(range(32)))[0] for _ in range(3)]
+    alone = [first_token([0], position) for position in range(20)]
+    in_batch = [first_token(list(range(32)), position) for position in range(20)]
     assert alone == in_batch
+    assert len(set(alone)) > 1  # positions draw different noise
 
 
 def test_logprobs_report_sampled_token_and_top_n() -> None:
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
     p = SamplingParams(temperature=0.0, logprobs=3)
-    _, logprobs = sample(logits, batch_of([p]), torch.Generator())
+    _, logprobs = sample(logits, batch_of([p]), [0])
     entry = logprobs[0]
     expected = torch.log_softmax(logits[0], dim=-1)
     assert entry.token_id == int(logits[0].argmax())

@@ -187,13 +187,24 @@ def test_penalties_min_tokens_and_logprobs_equal_naive(target) -> None:
             assert list(x.top) == list(y.top)
 
 
-def test_seeded_sampling_is_reproducible_under_speculation(target) -> None:
-    llm = spec_llm(target, method="ngram", num_speculative_tokens=4)
-    params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=30, ignore_eos=True)
-    prompts = repetitive_prompts(3)
-    first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    second = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_seeded_sampling_is_identical_with_and_without_model_free_speculation(target, method: str) -> None:
+    """Randomness is keyed by (seed, output position) and a model-free draft is accepted exactly
+    when it equals the target's own sample, so speculation cannot change a seeded output."""
+    params = SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=30, ignore_eos=True)
+    prompts = repetitive_prompts(4)
+    naive = LLM(target, device="cpu", max_model_len=192).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    llm = spec_llm(target, **METHODS[method])
+    for _ in range(2):  # the second round drafts from the first round's outputs (suffix: global tree)
+        drafted = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in naive]
+    if method == "suffix":
+        stats = [o.spec_stats for o in drafted]
+        assert (
+            sum(s["num_accepted_tokens"] for s in stats) > 0.8 * sum(s["num_draft_tokens"] for s in stats) > 0
+        )
 
 
 def test_request_overrides_beyond_server_limits_are_refused(target) -> None:
@@ -223,3 +234,86 @@ def test_bad_speculative_configs_say_what_to_change(target) -> None:
         spec_llm(target, method="draft_model")
     with pytest.raises(ValueError, match="at most 5"):
         spec_llm(target, method="draft_model", model=target, num_speculative_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def mtp_head(target, tmp_path_factory) -> str:
+    """An MTP head trained for a few seconds on the target's own greedy continuations."""
+    from training.train_mtp import TrainMTPConfig, train_mtp
+
+    llm = LLM(target, device="cpu", max_model_len=192)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(8, seed=9), sampling_params=GREEDY)
+    corpus = torch.tensor([t for o in outputs for t in o.prompt_token_ids + o.token_ids] * 4)
+    out = tmp_path_factory.mktemp("mtp")
+    torch.save(corpus, out / "corpus.pt")
+    train_mtp(
+        TrainMTPConfig(
+            base=target,
+            out=out / "head",
+            data_tokens=out / "corpus.pt",
+            steps=150,
+            batch_size=8,
+            seq_len=32,
+            lr=1e-2,
+            warmup_steps=10,
+            eval_every=1000,
+            device="cpu",
+            progress=False,
+        )
+    )
+    return str(out / "head")
+
+
+@pytest.mark.parametrize("strategy", ["default", "with_ngram"])
+def test_mtp_keeps_greedy_output(target, naive_tokens, mtp_head, strategy: str) -> None:
+    llm = spec_llm(
+        target,
+        method="mtp",
+        model=mtp_head,
+        num_speculative_tokens=3,
+        mtp_strategy=strategy,
+        num_model_steps=2 if strategy == "with_ngram" else None,
+    )
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert all(o.spec_stats["num_draft_tokens"] > 0 for o in outputs)
+
+
+def test_mtp_cache_follows_the_accepted_tokens(target, mtp_head) -> None:
+    """After every step (accepting, rejecting, rolling back), the head's state for a request equals
+    a from-scratch dense pass of the head over the request's verified tokens."""
+    llm = spec_llm(
+        target, method="mtp", model=mtp_head, num_speculative_tokens=3, num_model_steps=3, adaptive=False
+    )
+    engine = llm.engine
+    head, proposer = engine.runner.mtp_head, engine.drafter.mtp
+    engine.add_request("r", prompt_token_ids=repetitive_prompts(1, seed=4)[0], params=GREEDY)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        seq = engine.sequences.get("r")
+        if seq is None:
+            break
+        tokens = torch.tensor([seq.token_ids])
+        n = seq.num_computed_tokens
+        with torch.inference_mode():
+            target_hidden = engine.runner.model.forward_dense(tokens[:, :n])
+            expected = head.forward_dense(tokens[:, 1 : n + 1], target_hidden)[0, -1]
+        torch.testing.assert_close(proposer.last_hidden["r"], expected, rtol=1e-4, atol=1e-3)
+        checked += 1
+    assert checked > 5
+
+
+def test_mtp_under_preemption_and_sampling(target, mtp_head) -> None:
+    llm = LLM(
+        target,
+        device="cpu",
+        max_model_len=96,
+        num_kv_blocks=14,
+        block_size=8,
+        speculative_config=dict(method="mtp", model=mtp_head, num_speculative_tokens=2),
+    )
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(len(o.token_ids) == 40 for o in first)

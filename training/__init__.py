@@ -1,0 +1,1 @@
+"""Offline training jobs for the reference model family (run as `specmesh` subcommands)."""
