@@ -73,3 +73,24 @@ def test_acceptance_rate_matches_theory() -> None:
 def test_target_match_is_lossless_too() -> None:
     results = run(k=1, draft_probs=None, strategy="target_match", seed=3)
     assert total_variation([r.token_ids[0] for r in results], TARGET) < TOLERANCE
+
+
+def test_topp_accepts_drafts_inside_the_nucleus_only() -> None:
+    """topp (lossy, FastDeploy's): a draft passes when it is in the target's top-p set."""
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    logits = TARGET_LOGITS.expand(2, VOCAB).contiguous()  # nucleus at 0.7: tokens 0 and 3
+    rows = SamplingBatch([params] * 2, [[]] * 2, [[]] * 2, [[]] * 2)
+    inside = RejectionSampler("topp")(logits, rows, [VerifyRequest(params, 1, 0, [3])])
+    outside = RejectionSampler("topp")(logits, rows, [VerifyRequest(params, 1, 0, [1])])
+    assert inside[0].num_accepted == 1 and inside[0].token_ids[0] == 3
+    assert outside[0].num_accepted == 0 and outside[0].token_ids[0] in (0, 3)
+
+
+def test_greedy_requests_verify_greedily_under_every_strategy() -> None:
+    params = SamplingParams(temperature=0.0)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0, 0.0, 0.0]])
+    rows = SamplingBatch([params] * 2, [[]] * 2, [[]] * 2, [[]] * 2)
+    for strategy in ("rejection", "greedy", "target_match", "topp"):
+        accepted = RejectionSampler(strategy)(logits, rows, [VerifyRequest(params, 0, 0, [1])])[0]
+        rejected = RejectionSampler(strategy)(logits, rows, [VerifyRequest(params, 0, 0, [2])])[0]
+        assert accepted.token_ids == [1, 3] and rejected.token_ids == [1]

@@ -317,3 +317,19 @@ def test_mtp_under_preemption_and_sampling(target, mtp_head) -> None:
     first = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert all(len(o.token_ids) == 40 for o in first)
+
+
+def test_verification_scores_only_the_last_token_and_drafts(target) -> None:
+    """One forward over 1 + k tokens per request; only those k + 1 rows reach the LM head."""
+    llm = spec_llm(target, method="ngram", num_speculative_tokens=4, adaptive=False)
+    engine = llm.engine
+    for i, prompt in enumerate(repetitive_prompts(3)):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
+    engine.step()  # prefill: one row per request
+    drafts = {seq.request_id: len(seq.spec.draft_token_ids) for seq in engine.scheduler.running}
+    assert sum(drafts.values()) > 0
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.prepare_inputs(batch)
+    assert batch.num_new_tokens == [1 + drafts[s.request_id] for s in batch.seqs]
+    assert len(inputs.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
+    assert len(inputs.input_ids) == len(inputs.logits_indices)
