@@ -1,0 +1,191 @@
+"""The Redis bus every role talks over: settings, connect-with-retry, streams with consumer groups.
+
+Delivery is at-least-once: a message is acknowledged only after its handler ran, a consumer that
+died leaves its messages pending, and XAUTOCLAIM hands them to a live consumer of the same group
+once they have been idle for `claim_idle_ms`. Handlers are idempotent by request id. A message that
+cannot be decoded goes to the dead-letter stream with the reason, and is acknowledged, so it never
+blocks the stream or crashes a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from shared.keys import Keys
+from shared.protocol import PAYLOAD_FIELD, AnyMessage, Message, ProtocolError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLAIM_IDLE_MS = 30_000
+OUTPUT_TTL_S = 600
+"""How long a finished request's output stream stays readable (for reconnecting clients)."""
+DEAD_LETTER_MAXLEN = 10_000
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where the bus is; flags as FastDeploy names them (--scheduler-host/-port/-password/-topic)."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    password: str | None = None
+    topic: str = "default"
+    db: int = 0
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.topic)
+
+    def describe(self) -> str:
+        return f"redis://{self.host}:{self.port}/{self.db} topic {self.topic!r}"
+
+
+async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 0.2) -> aioredis.Redis:
+    """A client that answered PING, retrying while Redis starts; a clear error if it never does."""
+    client = aioredis.Redis(
+        host=settings.host,
+        port=settings.port,
+        password=settings.password,
+        db=settings.db,
+        health_check_interval=30,
+    )
+    last_error: Exception | None = None
+    for _ in range(attempts):
+        try:
+            await client.ping()
+            return client
+        except RedisConnectionError as exc:
+            last_error = exc
+            await asyncio.sleep(delay_s)
+        except ResponseError as exc:  # wrong password and the like: retrying will not help
+            await client.aclose()
+            raise ConnectionError(f"Redis at {settings.describe()} refused us: {exc}") from None
+    await client.aclose()
+    raise ConnectionError(
+        f"cannot reach Redis at {settings.describe()} after {attempts} attempts ({last_error}); "
+        "check --scheduler-host / --scheduler-port / --scheduler-password"
+    )
+
+
+@dataclass
+class Delivery:
+    stream: str
+    entry_id: str
+    message: AnyMessage
+
+
+class Bus:
+    def __init__(self, client: aioredis.Redis, keys: Keys):
+        self.client = client
+        self.keys = keys
+
+    async def publish(self, stream: str, message: Message, maxlen: int | None = None) -> str:
+        entry_id = await self.client.xadd(
+            stream, {PAYLOAD_FIELD: encode(message)}, maxlen=maxlen, approximate=True
+        )
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def publish_many(self, items: Sequence[tuple[str, Message]]) -> None:
+        """Several messages in one round trip (a pipeline, not a transaction)."""
+        if not items:
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for stream, message in items:
+                pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
+            await pipe.execute()
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        try:
+            await self.client.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        count: int = 64,
+        block_ms: int = 1000,
+        claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
+    ) -> list[Delivery]:
+        """Messages for `consumer`: first those other (dead) consumers left pending for longer than
+        `claim_idle_ms`, then new ones. Undecodable entries are dead-lettered and acknowledged."""
+        entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+        if not entries:
+            response = await self.client.xreadgroup(
+                group, consumer, {stream: ">"}, count=count, block=block_ms
+            )
+            entries = response[0][1] if response else []
+        return await self._decode_entries(stream, group, entries)
+
+    async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
+        if entry_ids:
+            await self.client.xack(stream, group, *entry_ids)
+
+    async def read_stream(
+        self, stream: str, last_id: str, block_ms: int = 1000, count: int = 256
+    ) -> list[Delivery]:
+        """Plain (group-less) read after `last_id`: how the gateway follows a request's output and
+        resumes after a reconnect."""
+        response = await self.client.xread({stream: last_id}, count=count, block=block_ms)
+        entries = response[0][1] if response else []
+        return await self._decode_entries(stream, None, entries)
+
+    async def dead_letter(self, stream: str, entry_id: str, raw: bytes | None, reason: str) -> None:
+        logger.error("dead-lettered %s %s: %s", stream, entry_id, reason)
+        await self.client.xadd(
+            self.keys.dead_letters,
+            {
+                b"stream": stream,
+                b"entry_id": entry_id,
+                b"reason": reason,
+                b"payload": raw or b"",
+                b"at": str(time.time()),
+            },
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
+        )
+
+    async def _claim_stale(
+        self, stream: str, group: str, consumer: str, count: int, idle_ms: int
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        try:
+            result = await self.client.xautoclaim(
+                stream, group, consumer, min_idle_time=idle_ms, start_id="0-0", count=count
+            )
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                await self.ensure_group(stream, group)
+                return []
+            raise
+        claimed = result[1]
+        if claimed:
+            logger.warning("%s took over %d pending message(s) on %s", consumer, len(claimed), stream)
+        return [entry for entry in claimed if entry[1]]  # entries deleted meanwhile come back empty
+
+    async def _decode_entries(
+        self, stream: str, group: str | None, entries: list[tuple[bytes, dict[bytes, bytes]]]
+    ) -> list[Delivery]:
+        deliveries = []
+        for raw_id, fields in entries:
+            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            payload = fields.get(PAYLOAD_FIELD)
+            try:
+                if payload is None:
+                    raise ProtocolError(f"entry has no {PAYLOAD_FIELD.decode()!r} field")
+                deliveries.append(Delivery(stream, entry_id, decode(payload)))
+            except ProtocolError as exc:
+                await self.dead_letter(stream, entry_id, payload, str(exc))
+                if group is not None:
+                    await self.ack(stream, group, entry_id)
+        return deliveries

@@ -1,0 +1,98 @@
+"""Every Redis key specmesh uses, namespaced by the scheduler topic so deployments can share a Redis.
+
+Streams carry control messages (msgpack, schemas in shared/protocol.py); plain keys with a TTL
+carry liveness. Bulk KV data never goes through Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "specmesh"
+
+SCHEDULER_GROUP = "scheduler"
+"""Consumer group of the scheduler replicas on the requests stream."""
+WORKER_GROUP = "worker"
+"""Consumer group on each worker's inbox (one consumer: the worker; a restarted one reclaims)."""
+SUFFIX_GROUP = "suffix-cache"
+"""Consumer group of the suffix-cache service on its update and lookup streams."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    topic: str = "default"
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((PREFIX, self.topic, *parts))
+
+    # ---- streams ------------------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> str:
+        """Gateway -> scheduler: new requests and cancellations."""
+        return self._key("requests")
+
+    def inbox(self, instance_id: str) -> str:
+        """Scheduler -> one worker: dispatched work, reservations, cancellations."""
+        return self._key("inbox", instance_id)
+
+    @property
+    def scheduler_replies(self) -> str:
+        """Workers -> scheduler: block reservations answered, work finished or failed."""
+        return self._key("scheduler-replies")
+
+    def output(self, request_id: str) -> str:
+        """Worker -> gateway: one request's token events, in order; readable again after a reconnect."""
+        return self._key("out", request_id)
+
+    @property
+    def dead_letters(self) -> str:
+        """Messages that could not be decoded or handled, with the reason."""
+        return self._key("dead-letters")
+
+    @property
+    def suffix_updates(self) -> str:
+        """Decode workers -> suffix-cache: finished requests' prompts and outputs."""
+        return self._key("suffix", "updates")
+
+    @property
+    def suffix_lookups(self) -> str:
+        """Decode workers -> suffix-cache: batched draft look-ups."""
+        return self._key("suffix", "lookups")
+
+    def suffix_replies(self, instance_id: str) -> str:
+        """Suffix-cache -> one decode worker: answers to its look-ups."""
+        return self._key("suffix", "replies", instance_id)
+
+    # ---- liveness and state -------------------------------------------------------------------------
+
+    @property
+    def instances(self) -> str:
+        """Set of instance ids that have registered (live or not: liveness is the heartbeat key)."""
+        return self._key("instances")
+
+    def heartbeat(self, instance_id: str) -> str:
+        """An instance's load report; expires after --scheduler-ttl unless refreshed."""
+        return self._key("heartbeat", instance_id)
+
+    def request_state(self, request_id: str) -> str:
+        """Hash: where a request runs and what it needs to be re-dispatched."""
+        return self._key("request", request_id)
+
+    def assignments(self, instance_id: str) -> str:
+        """Set of request ids running on an instance (re-dispatched if it dies)."""
+        return self._key("assigned", instance_id)
+
+    @property
+    def queue_depth(self) -> str:
+        """Number of admitted requests not yet finished (backpressure)."""
+        return self._key("queue-depth")
+
+    @property
+    def suffix_cache_heartbeat(self) -> str:
+        return self._key("heartbeat", "suffix-cache")
+
+    @property
+    def pattern(self) -> str:
+        """Glob matching every key of this topic (tests and cleanup)."""
+        return self._key("*")
