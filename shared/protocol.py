@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from shared.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
+"""Bumped on any incompatible schema change; `Message.version` must equal it."""
 
 
 class ProtocolError(ValueError):
@@ -24,7 +25,7 @@ class ProtocolError(ValueError):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: Literal[1] = PROTOCOL_VERSION
+    version: Literal[1] = 1
 
 
 # ---- gateway -> scheduler ----------------------------------------------------------------------------
