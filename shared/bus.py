@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -122,7 +123,7 @@ class Bus:
         `claim_idle_ms`, then new ones. Undecodable entries are dead-lettered and acknowledged."""
         entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
         if not entries:
-            response = await self.client.xreadgroup(
+            response: Any = await self.client.xreadgroup(
                 group, consumer, {stream: ">"}, count=count, block=block_ms
             )
             entries = response[0][1] if response else []
@@ -137,7 +138,7 @@ class Bus:
     ) -> list[Delivery]:
         """Plain (group-less) read after `last_id`: how the gateway follows a request's output and
         resumes after a reconnect."""
-        response = await self.client.xread({stream: last_id}, count=count, block=block_ms)
+        response: Any = await self.client.xread({stream: last_id}, count=count, block=block_ms)
         entries = response[0][1] if response else []
         return await self._decode_entries(stream, None, entries)
 
@@ -158,9 +159,9 @@ class Bus:
 
     async def _claim_stale(
         self, stream: str, group: str, consumer: str, count: int, idle_ms: int
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    ) -> list[Any]:
         try:
-            result = await self.client.xautoclaim(
+            result: Any = await self.client.xautoclaim(
                 stream, group, consumer, min_idle_time=idle_ms, start_id="0-0", count=count
             )
         except ResponseError as exc:
@@ -173,9 +174,7 @@ class Bus:
             logger.warning("%s took over %d pending message(s) on %s", consumer, len(claimed), stream)
         return [entry for entry in claimed if entry[1]]  # entries deleted meanwhile come back empty
 
-    async def _decode_entries(
-        self, stream: str, group: str | None, entries: list[tuple[bytes, dict[bytes, bytes]]]
-    ) -> list[Delivery]:
+    async def _decode_entries(self, stream: str, group: str | None, entries: list[Any]) -> list[Delivery]:
         deliveries = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
