@@ -17,7 +17,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.model_runner import ModelRunner, StepOutput
 from services.engine.output_processor import OutputProcessor
 from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from services.engine.spec_decode.drafter import Drafter, SpeculationError
 from services.engine.spec_decode.mtp import VerifiedSpan
 from shared.config import EngineConfig
@@ -30,6 +30,20 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine refuses, with a message meant for the client."""
+
+
+@dataclass
+class KVExport:
+    """A prefilled request's KV, ready to send to its decode instance."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens whose KV is included (prompt, plus any resumed output)."""
+    first_token_id: int
+    """The token sampled after them (already streamed to the client)."""
+    layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    """(cache name, layer index, key, value), each [num_blocks, block_size, kv_heads, head_dim]."""
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -50,6 +64,13 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     spec_stats: dict[str, object] = field(default_factory=dict)
     """Draft and accepted tokens, mean accepted length (bonus included), per-position acceptance."""
+
+
+def reblock(cache_blocks: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
+    """[n, other_block_size, h, d] holding `num_tokens` tokens -> [m, block_size, h, d]."""
+    flat = cache_blocks.flatten(0, 1)[:num_tokens]
+    pad = flat.new_zeros(-num_tokens % block_size, *flat.shape[1:])
+    return torch.cat([flat, pad]).view(-1, block_size, *flat.shape[1:])
 
 
 class LLMEngine:
@@ -73,6 +94,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self.seed_generator = torch.Generator().manual_seed(config.seed)
+        self.reserved: dict[str, Sequence] = {}
+        """Decode side of a split deployment: requests holding blocks while their KV arrives."""
+        self.handoffs: list[KVExport] = []
+        """Prefill side: KV of requests whose prefill finished this step, for the worker to send."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -92,21 +117,41 @@ class LLMEngine:
         prompt: str | None = None,
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        resumed_token_ids: list[int] | None = None,
+        handoff: bool = False,
     ) -> None:
-        params = params or SamplingParams()
+        """Queues a request. `resumed_token_ids`: output an earlier instance already delivered (the
+        request continues after them). `handoff`: prefill only; the KV then goes to a decode instance."""
+        seq = self._new_sequence(
+            request_id, prompt, params or SamplingParams(), prompt_token_ids, resumed_token_ids
+        )
+        seq.handoff = handoff
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None,
+        resumed_token_ids: list[int] | None,
+    ) -> Sequence:
         if request_id in self.sequences:
             raise RequestError(f"request id {request_id!r} is already running")
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        self._validate(token_ids, params)
+        resumed = list(resumed_token_ids or [])
+        self._validate(token_ids + resumed, params, num_resumed=len(resumed))
         seq = Sequence(request_id, token_ids, params, self.eos_token_ids)
         try:
             self.drafter.configure(seq)
         except SpeculationError as exc:
             raise RequestError(str(exc)) from None
         seq.seed = params.seed if params.seed is not None else self._draw_seed()
+        seq.token_ids += resumed
         self.sequences[request_id] = seq
         self.outputs.start(seq)
-        self.scheduler.add(seq)
+        self.outputs.prime(seq, resumed)
+        return seq
 
     def _draw_seed(self) -> int:
         """A seed for a request that brought none; the engine's own seed makes the draw repeatable."""
@@ -124,6 +169,70 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- split deployment: the decode side -------------------------------------------------------------
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resumed_token_ids: list[int] | None = None,
+    ) -> None:
+        """Holds blocks for a request being prefilled elsewhere; its KV then arrives by `import_kv`."""
+        seq = self._new_sequence(request_id, None, params, prompt_token_ids, resumed_token_ids)
+        if not self.block_manager.can_allocate(seq, seq.num_tokens, []):
+            self.sequences.pop(request_id)
+            self.outputs.release(request_id)
+            self.drafter.finish(seq)
+            raise RequestError(f"no free KV blocks for {seq.num_tokens} tokens on this instance")
+        self.block_manager.allocate(seq, [])
+        self.block_manager.append_slots(seq, seq.num_tokens)
+        self.reserved[request_id] = seq
+
+    def import_kv(
+        self, request_id: str, cache: str, index: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Writes one received layer ([num_blocks, block_size, kv_heads, head_dim], the sender's block
+        size) into the reserved blocks."""
+        seq = self.reserved[request_id]
+        if key.shape[1] != self.config.block_size:
+            key, value = (reblock(t, self.config.block_size, seq.num_tokens) for t in (key, value))
+        blocks = torch.tensor(seq.block_table[: key.shape[0]], device=self.runner.device)
+        key_cache, value_cache = self.runner.caches(cache)[index]
+        key_cache[blocks] = key.to(key_cache.device, key_cache.dtype)
+        value_cache[blocks] = value.to(value_cache.device, value_cache.dtype)
+
+    def activate(self, request_id: str, first_token_id: int, mtp_hidden: torch.Tensor | None = None) -> None:
+        """All KV arrived: the request joins the running batch after its first token (which the
+        prefill instance already streamed)."""
+        seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens
+        self.outputs.append(seq, [first_token_id])
+        self.outputs.take_delta(seq)
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        if mtp_hidden is not None and self.drafter.mtp is not None:
+            self.drafter.mtp.last_hidden[request_id] = mtp_hidden.to(self.runner.device, self.runner.dtype)
+        self.drafter.propose([seq], num_other_tokens=len(self.scheduler.running))
+
+    # ---- split deployment: the prefill side -------------------------------------------------------------
+
+    def _export(self, seq: Sequence) -> KVExport:
+        """Copies out the KV of a request whose prefill finished here (target layers, and the MTP
+        head's layer and last hidden state; a draft model recomputes its own cache)."""
+        num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
+        blocks = torch.tensor(seq.block_table[:num_blocks], device=self.runner.device)
+        layers = [
+            (cache, i, key_cache[blocks], value_cache[blocks])
+            for cache in ("target", "mtp")
+            for i, (key_cache, value_cache) in enumerate(self.runner.caches(cache))
+        ]
+        tensors = {}
+        if self.drafter.mtp is not None and seq.request_id in self.drafter.mtp.last_hidden:
+            tensors["mtp_hidden"] = self.drafter.mtp.last_hidden[seq.request_id]
+        return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, tensors)
+
     # ---- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -136,6 +245,8 @@ class LLMEngine:
         outputs, spans = self._postprocess(batch, step)
         self.drafter.catch_up(spans, step.hidden)
         for seq in [span.seq for span in spans if span.seq.finish_reason is not None]:
+            if seq.finish_reason is FinishReason.HANDOFF:
+                self.handoffs.append(self._export(seq))
             self._release(seq)
         decoding = [s.seq for s in spans if s.seq.is_decoding]
         self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
@@ -157,6 +268,8 @@ class LLMEngine:
             else:
                 num_drafts = len(seq.spec.draft_token_ids)
                 kept = self.outputs.append(seq, result.token_ids)
+                if seq.handoff and seq.finish_reason is None:
+                    seq.finish_reason = FinishReason.HANDOFF
                 seq.logprobs += [lp for lp in result.logprobs[:kept] if lp is not None]
                 seq.num_computed_tokens = min(
                     start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1
@@ -172,6 +285,7 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """Frees a finished request's blocks and per-request state (full blocks stay cached)."""
         assert seq.finish_reason is not None
+        self.reserved.pop(seq.request_id, None)
         self.scheduler.finish(seq, seq.finish_reason)
         self.drafter.finish(seq)
         self.outputs.release(seq.request_id)
@@ -210,7 +324,7 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         return token_ids
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, num_resumed: int = 0) -> None:
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -218,11 +332,13 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad_stop:
             raise RequestError(f"stop_token_ids out of range [0, {vocab_size}): {bad_stop[:5]}")
-        total = len(token_ids) + params.max_tokens
+        if num_resumed >= params.max_tokens:
+            raise RequestError(f"{num_resumed} tokens already delivered, max_tokens is {params.max_tokens}")
+        total = len(token_ids) - num_resumed + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"needs {total} ({len(token_ids)} in the prompt, {params.max_tokens} to generate); "
+                f"needs {total} ({len(token_ids) - num_resumed} in the prompt, {params.max_tokens} to generate); "
                 "shorten the prompt or lower max_tokens"
             )
 

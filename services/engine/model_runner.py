@@ -130,6 +130,13 @@ class ModelRunner:
             sampled_seqs=sampled,
         )
 
+    def caches(self, name: str) -> list[KVCache]:
+        """The per-layer KV caches that share the block tables: target, draft or mtp."""
+        caches = {"target": self.kv_caches, "draft": self.draft_kv_caches, "mtp": self.mtp_kv_caches}
+        if name not in caches:
+            raise ValueError(f"unknown KV cache {name!r}; known: {', '.join(caches)}")
+        return caches[name]
+
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of positions [start, end) of `seq`."""
         size = self.block_size

@@ -28,6 +28,13 @@ class OutputProcessor:
         decoder = self.tokenizer.decode_stream(seq.prompt_token_ids, seq.params.skip_special_tokens)
         self.states[seq.request_id] = TextState(decoder)
 
+    def prime(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Counts tokens already delivered (a resumed request's earlier output) into the text,
+        so stop strings spanning them are found, without emitting them again."""
+        state = self.states[seq.request_id]
+        state.text += state.decoder.step(token_ids) if token_ids else ""
+        state.num_emitted_chars = len(state.text)
+
     def release(self, request_id: str) -> TextState | None:
         return self.states.pop(request_id, None)
 

@@ -21,6 +21,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client or the operator
+    HANDOFF = "handoff"  # prefill done here; decoding continues on another instance (internal)
 
 
 @dataclass
@@ -117,6 +118,8 @@ class Sequence:
     """Sampling seed: the request's own, or drawn for it at admission."""
     first_token_time: float | None = None
     spec: SpecState = field(default_factory=SpecState)
+    handoff: bool = False
+    """Prefill-only: after the first token, the request's KV moves to a decode instance."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

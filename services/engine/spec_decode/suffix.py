@@ -10,11 +10,18 @@ draft length follows the match length: at most `floor(max_spec_factor * match_le
 Cost per `propose`: O(k * D) worst case on the per-request tree (no matching: its active suffixes
 are kept as tokens arrive, O(D) per token), O(D log D + D * k) typical on the global tree, with
 `D = max_tree_depth` and `k` draft tokens.
+
+The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
+default) or in the `suffix-cache` service that every decode worker shares
+(`services.suffix_cache.client.RemoteSuffixIndex`), so a request drafts from outputs that any
+worker produced. It is asked once per step for the whole batch, and may answer None for a query
+(a remote index that did not answer in time): that request then drafts from its own tree only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.engine.spec_decode.suffix_tree import (
     DEFAULT_MAX_CACHED_REQUESTS,
@@ -26,6 +33,22 @@ from services.engine.spec_decode.suffix_tree import (
     check_spec_params,
     check_tree_params,
 )
+
+
+class GlobalIndex(Protocol):
+    """The global suffix tree over finished requests' outputs, shared by every request.
+
+    Implementations apply their own draft limits (`max_spec_factor`, `min_token_prob`) and tree
+    depth. Both methods are called from the engine step and must return promptly.
+    """
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        """Indexes a finished sequence; adding `seq_id` again replaces it."""
+        ...
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        """The best draft for each (context, max_spec_tokens); None where there is no answer in time."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -54,11 +77,21 @@ class _RequestState:
 
 
 class SuffixProposer:
-    """Drafts for running requests from their own tokens and from finished requests' outputs."""
+    """Drafts for running requests from their own tokens and from finished requests' outputs.
 
-    def __init__(self, config: SuffixConfig | None = None) -> None:
-        self.config = config or SuffixConfig()
-        self.global_index = GlobalSuffixIndex(self.config.max_tree_depth, self.config.max_cached_requests)
+    `global_index` defaults to an in-process `GlobalSuffixIndex` sized and limited by `config`; a
+    given one (e.g. the suffix-cache client) brings its own size and limits.
+    """
+
+    def __init__(self, config: SuffixConfig | None = None, global_index: GlobalIndex | None = None) -> None:
+        self.config = cfg = config or SuffixConfig()
+        self.global_index: GlobalIndex = (
+            global_index
+            if global_index is not None
+            else GlobalSuffixIndex(
+                cfg.max_tree_depth, cfg.max_cached_requests, cfg.max_spec_factor, cfg.min_token_prob
+            )
+        )
         self._requests: dict[str, _RequestState] = {}
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
@@ -82,7 +115,7 @@ class SuffixProposer:
         token_ids = state.seq.token_ids
         if not self.config.cache_prompts:
             token_ids = token_ids[state.num_prompt_tokens :]
-        if token_ids:
+        if token_ids and self.config.max_cached_requests:
             self.global_index.add_sequence(request_id, token_ids)
 
     def propose(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> list[int]:
@@ -90,24 +123,43 @@ class SuffixProposer:
         return self.propose_draft(request_id, token_ids, max_spec_tokens).token_ids
 
     def propose_batch(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """`propose` for each (request_id, token_ids, max_spec_tokens)."""
-        return [self.propose(*request) for request in requests]
+        """`propose` for each (request_id, token_ids, max_spec_tokens), one global look-up for all."""
+        return [draft.token_ids for draft in self.propose_drafts(requests)]
 
     def propose_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
         """The better-scored of the per-request and the global draft; the per-request one on ties."""
+        return self.propose_drafts([(request_id, token_ids, max_spec_tokens)])[0]
+
+    def propose_drafts(self, requests: list[tuple[str, list[int], int]]) -> list[SuffixDraft]:
+        """`propose_draft` for each (request_id, token_ids, max_spec_tokens).
+
+        The per-request drafts come first; the global index is then asked only for the requests
+        whose draft it could still beat (a score is at most the draft length, so a per-request
+        draft scoring `max_spec_tokens` is final), in one batched call.
+        """
+        drafts = [self._request_draft(*request) for request in requests]
+        to_ask = [
+            i
+            for i, (draft, (_, _, max_spec_tokens)) in enumerate(zip(drafts, requests))
+            if draft.score < max_spec_tokens
+        ]
+        if not to_ask or not self.config.max_cached_requests:
+            return drafts
+        depth = self.config.max_tree_depth
+        queries = [(requests[i][1][-depth:], requests[i][2]) for i in to_ask]
+        for i, shared in zip(to_ask, self.global_index.speculate_batch(queries)):
+            if shared is not None and shared.score > drafts[i].score:
+                drafts[i] = shared
+        return drafts
+
+    def _request_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
         state = self._state(request_id)
         self._catch_up(state, token_ids)
         cfg = self.config
         check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
-        local = state.tree.speculate_sequence(
+        return state.tree.speculate_sequence(
             state.seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob
         )
-        if not len(self.global_index):
-            return local
-        shared = self.global_index.tree.speculate(
-            token_ids, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob
-        )
-        return shared if shared.score > local.score else local
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)

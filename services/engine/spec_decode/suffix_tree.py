@@ -109,6 +109,8 @@ class SuffixTree:
         self.max_depth = max_depth
         self.root = SuffixNode()
         """Explicit; its count is the number of indexed tokens."""
+        self.num_nodes = 0
+        """Nodes below the root, explicit and leaves (the tree's memory, for metrics)."""
 
     def new_sequence(self) -> IndexedSequence:
         return IndexedSequence(token_ids=[], active=[self.root])
@@ -191,6 +193,7 @@ class SuffixTree:
             if child is None:
                 # a new path, so are all longer ones: each gets a leaf for this occurrence
                 node.children[token_id] = SuffixNode(seq.token_ids, end - length - 1)
+                self.num_nodes += 1
                 _bump_best(node, token_id)
                 continue
             if child.children is None:
@@ -209,6 +212,7 @@ class SuffixTree:
         if depth < self.max_depth and next_index < len(seq):
             leaf.children[seq[next_index]] = SuffixNode(seq, leaf.start)
             leaf.best_token = seq[next_index]
+            self.num_nodes += 1
 
     def _remove_occurrence(self, token_ids: list[int], start: int) -> None:
         node = self.root
@@ -220,6 +224,7 @@ class SuffixTree:
                 assert child.children is not None or (child.seq is token_ids and child.start == start)
                 del node.children[token_id]
                 _forget_best(node, token_id)
+                self.num_nodes -= _chain_length(child)
                 return
             child.count -= 1
             _forget_best(node, token_id)
@@ -293,15 +298,23 @@ class GlobalSuffixIndex:
     every count it added is taken back). Inputs and outputs are plain ids, lists and floats, so a
     separate suffix-cache process can serve it. A sequence is indexed whole, in one call: a leaf
     of a sequence still growing would miss continuations another sequence made explicit meanwhile.
+
+    This is the in-process `GlobalIndex` of `suffix.SuffixProposer`; `max_spec_factor` and
+    `min_token_prob` are the draft limits `speculate_batch` applies.
     """
 
     def __init__(
         self,
         max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH,
         max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
     ) -> None:
         check_tree_params(max_tree_depth, max_cached_requests)
+        check_spec_params(0, max_spec_factor, min_token_prob)
         self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
         self.tree = SuffixTree(max_tree_depth)
         self._sequences: dict[str, IndexedSequence] = {}
         """In insertion order, which is eviction order."""
@@ -335,12 +348,28 @@ class GlobalSuffixIndex:
         self,
         context: list[int],
         max_spec_tokens: int,
-        max_spec_factor: float = 1.0,
-        min_token_prob: float = 0.1,
+        max_spec_factor: float | None = None,
+        min_token_prob: float | None = None,
     ) -> SuffixDraft:
-        """The best-scored draft continuing `context` (only its last `max_tree_depth` tokens matter)."""
-        check_spec_params(max_spec_tokens, max_spec_factor, min_token_prob)
-        return self.tree.speculate(context, max_spec_tokens, max_spec_factor, min_token_prob)
+        """The best-scored draft continuing `context` (only its last `max_tree_depth` tokens matter);
+        the limits default to the index's own."""
+        factor = self.max_spec_factor if max_spec_factor is None else max_spec_factor
+        min_prob = self.min_token_prob if min_token_prob is None else min_token_prob
+        check_spec_params(max_spec_tokens, factor, min_prob)
+        return self.tree.speculate(context, max_spec_tokens, factor, min_prob)
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        """`speculate` for each (context, max_spec_tokens), with the index's limits; never None here."""
+        return [self.speculate(context, max_spec_tokens) for context, max_spec_tokens in queries]
+
+
+def _chain_length(node: SuffixNode) -> int:
+    """Nodes from `node` down; a path of count 1 has one occurrence, so below it is a chain."""
+    length = 1
+    while node.children:
+        (node,) = node.children.values()
+        length += 1
+    return length
 
 
 def _leaf_continues(leaf: SuffixNode, depth: int, rest: list[int]) -> bool:

@@ -337,3 +337,31 @@ def test_verification_scores_only_the_last_token_and_drafts(target) -> None:
     assert batch.num_new_tokens == [1 + drafts[s.request_id] for s in batch.seqs]
     assert len(inputs.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
     assert len(inputs.input_ids) == len(inputs.logits_indices)
+
+
+def test_split_prefill_decode_with_mtp_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
+    """The prefill instance hands over the MTP head's KV and last hidden state with the target's."""
+    from services.engine.engine import LLMEngine
+    from shared.config import EngineConfig
+
+    spec = dict(method="mtp", model=mtp_head, num_speculative_tokens=2)
+    prefill = LLMEngine(EngineConfig(model=target, device="cpu", max_model_len=192, speculative_config=spec))
+    decode = LLMEngine(EngineConfig(model=target, device="cpu", max_model_len=192, speculative_config=spec))
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(repetitive_prompts()):
+        decode.reserve(f"r{i}", prompt, GREEDY)
+        prefill.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY, handoff=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+        for export in prefill.handoffs:
+            assert "mtp_hidden" in export.tensors
+            assert {cache for cache, *_ in export.layers} == {"target", "mtp"}
+            for cache, index, key, value in export.layers:
+                decode.import_kv(export.request_id, cache, index, key, value)
+            decode.activate(export.request_id, export.first_token_id, export.tensors["mtp_hidden"])
+            tokens[export.request_id] = [export.first_token_id]
+        prefill.handoffs.clear()
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[f"r{i}"] for i in range(len(naive_tokens))] == naive_tokens
