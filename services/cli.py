@@ -10,57 +10,16 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from shared.config import EngineConfig
+from services.engine.args import add_engine_args, engine_config
+from services.scheduler.main import add_scheduler_parser
+from services.serve import add_serve_parser
+from services.worker.main import add_worker_parsers
 from shared.errors import describe_validation_error
 from shared.model import ModelConfigError
 from shared.sampling_params import SamplingParams
-from shared.speculative_config import SpeculativeConfig
 from training.train_mtp import add_train_mtp_parser
 
 Command = Callable[[argparse.Namespace], int]
-
-
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """Flags that size and shape a worker's engine; names follow vLLM / FastDeploy."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=model_required, help="Hugging Face model directory")
-    group.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"
-    )
-    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    group.add_argument("--num-kv-blocks", type=int, help="fixed KV-cache size in blocks")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--cpu-kv-cache-space-gib", type=float, default=2.0)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int)
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument(
-        "--speculative-config",
-        help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cpu_kv_cache_space_gib=args.cpu_kv_cache_space_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        seed=args.seed,
-        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -123,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.set_defaults(handler=cmd_generate)
     add_train_mtp_parser(sub)
+    add_serve_parser(sub)
+    add_scheduler_parser(sub)
+    add_worker_parsers(sub)
     return parser
 
 
@@ -138,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"specmesh {args.command}: error: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
-    except (ModelConfigError, ValueError) as exc:
+    except (ModelConfigError, ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"specmesh {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -76,6 +76,15 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
     )
 
 
+def as_text(value: bytes | str) -> str:
+    """Redis replies are bytes (this client does not decode them)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
 @dataclass
 class Delivery:
     stream: str

@@ -36,6 +36,10 @@ class Keys:
         """Scheduler -> one worker: dispatched work, reservations, cancellations."""
         return self._key("inbox", instance_id)
 
+    def reservation_replies(self, scheduler: str) -> str:
+        """Workers -> one scheduler replica: answers to its block reservations."""
+        return self._key("reservations", scheduler)
+
     @property
     def scheduler_replies(self) -> str:
         """Workers -> scheduler: block reservations answered, work finished or failed."""

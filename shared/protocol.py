@@ -76,6 +76,9 @@ class Reserve(Message):
     kind: Literal["reserve"] = "reserve"
     request: GenerateRequest
     timeout_s: float = Field(gt=0)
+    """How long to hold the blocks waiting for the KV."""
+    reply_to: str
+    """Stream of the scheduler replica waiting for the answer."""
 
 
 class ReserveReply(Message):

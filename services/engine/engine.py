@@ -20,6 +20,7 @@ from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from services.engine.spec_decode.drafter import Drafter, SpeculationError
 from services.engine.spec_decode.mtp import VerifiedSpan
+from services.engine.spec_decode.suffix import GlobalIndex
 from shared.config import EngineConfig
 from shared.model import ModelConfig
 from shared.sampling_params import SamplingParams
@@ -74,7 +75,9 @@ def reblock(cache_blocks: torch.Tensor, block_size: int, num_tokens: int) -> tor
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, suffix_index: GlobalIndex | None = None):
+        """`suffix_index`: where the global suffix tree lives (default: in this process; a worker
+        passes the shared suffix-cache service's client)."""
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
@@ -90,7 +93,7 @@ class LLMEngine:
             max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager)
+        self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self.seed_generator = torch.Generator().manual_seed(config.seed)

@@ -85,6 +85,8 @@ class SpecState:
             "acceptance_per_position": [
                 a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
             ],
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
         }
 
 

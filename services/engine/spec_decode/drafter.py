@@ -18,7 +18,7 @@ from services.engine.spec_decode.draft_model import DraftModelProposer
 from services.engine.spec_decode.mtp import MTPProposer, VerifiedSpan
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import Drafts, ModelDrafterContext
-from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
@@ -31,7 +31,13 @@ class SpeculationError(ValueError):
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        suffix_index: GlobalIndex | None = None,
+    ):
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.suffix = SuffixProposer(
@@ -40,7 +46,8 @@ class Drafter:
                 max_cached_requests=config.suffix_decoding_max_cached_requests,
                 max_spec_factor=config.suffix_decoding_max_spec_factor,
                 min_token_prob=config.suffix_decoding_min_token_prob,
-            )
+            ),
+            global_index=suffix_index,
         )
         ctx = ModelDrafterContext(runner, block_manager)
         self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None

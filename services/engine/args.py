@@ -1,0 +1,56 @@
+"""Engine flags shared by every command that runs an engine (generate, worker roles, serve)."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.config import EngineConfig
+from shared.reference import default_model
+from shared.speculative_config import SpeculativeConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = False) -> None:
+    """Flags that size and shape a worker's engine; names follow vLLM / FastDeploy."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        required=model_required,
+        help="Hugging Face model directory (default: the shipped reference model)",
+    )
+    group.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"
+    )
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    group.add_argument("--num-kv-blocks", type=int, help="fixed KV-cache size in blocks")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--cpu-kv-cache-space-gib", type=float, default=2.0)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--speculative-config",
+        help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model or default_model(),
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_space_gib=args.cpu_kv_cache_space_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
+    )

@@ -1,0 +1,123 @@
+"""What every specmesh process shares: logging, Redis flags, signals, the /health + /metrics server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from shared.bus import RedisSettings
+
+HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
+PASSWORD_ENV = "SPECMESH_SCHEDULER_PASSWORD"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any `extra=` fields."""
+
+    _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in self._STANDARD})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(level: str, role: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger(__name__).debug("logging ready", extra={"role": role})
+
+
+def add_redis_args(parser: argparse.ArgumentParser) -> None:
+    """The bus flags, named as FastDeploy names them."""
+    group = parser.add_argument_group("bus (Redis)")
+    group.add_argument("--scheduler-host", default="127.0.0.1")
+    group.add_argument("--scheduler-port", type=int, default=6379)
+    group.add_argument(
+        "--scheduler-password",
+        default=os.environ.get(PASSWORD_ENV),
+        help=f"Redis AUTH password (or set {PASSWORD_ENV}, which keeps it off the process list)",
+    )
+    group.add_argument(
+        "--scheduler-topic", default="default", help="namespace of every key: deployments can share a Redis"
+    )
+    group.add_argument(
+        "--scheduler-ttl", type=float, default=5.0, help="seconds before a silent instance counts as dead"
+    )
+
+
+def redis_settings(args: argparse.Namespace) -> RedisSettings:
+    return RedisSettings(
+        host=args.scheduler_host,
+        port=args.scheduler_port,
+        password=args.scheduler_password,
+        topic=args.scheduler_topic,
+    )
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT: the process drains and exits."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def start_status_server(
+    host: str, port: int, registry: CollectorRegistry, health: HealthCheck
+) -> web.AppRunner:
+    """`/health` (200 or 503 with the reason) and `/metrics` (Prometheus text) on host:port."""
+
+    async def health_handler(_: web.Request) -> web.Response:
+        ok, reason = await health()
+        return web.json_response(
+            {"status": "ok" if ok else "unavailable", "reason": reason}, status=200 if ok else 503
+        )
+
+    async def metrics_handler(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The port a status server listens on (useful when started on port 0)."""
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
+    raise RuntimeError("status server is not listening")
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started

@@ -1,0 +1,1 @@
+"""The splitwise scheduler role."""

@@ -1,0 +1,375 @@
+"""The splitwise scheduler: admits requests, places them on instances by load, heals after deaths.
+
+    receive  (requests: Submit / Cancel;  scheduler-replies: ReserveReply / Finished)
+    place    (mixed instance, or a decode reservation then a prefill dispatch)
+    watch    (heartbeats; re-dispatch the work of instances that stopped beating)
+
+All state a replacement scheduler needs lives in Redis (request hashes, assignment sets), and every
+handler is idempotent by request id, so scheduler replicas can share the consumer group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.registry import Registry
+from shared.bus import OUTPUT_TTL_S, Bus, Delivery, as_bytes, as_text
+from shared.keys import SCHEDULER_GROUP
+from shared.protocol import (
+    PAYLOAD_FIELD,
+    Cancel,
+    Dispatch,
+    ErrorInfo,
+    Finished,
+    GenerateRequest,
+    ProtocolError,
+    Reserve,
+    ReserveReply,
+    Submit,
+    TokenEvent,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+"""Placements of one request (first try plus re-dispatches) before it fails."""
+REGISTRY_REFRESH_S = 0.25
+
+
+@dataclass
+class SchedulerOptions:
+    consumer: str
+    max_queue_len: int = 1024
+    reserve_timeout_s: float = 10.0
+    """How long a decode instance may take to reserve blocks for a split request."""
+    kv_timeout_s: float = 60.0
+    """How long a decode instance waits for the KV of a request it reserved blocks for."""
+    dispatch_timeout_s: float = 30.0
+    """How long a request may wait for any instance to be live before it fails (503)."""
+
+
+class SplitwiseScheduler:
+    def __init__(self, bus: Bus, options: SchedulerOptions, metrics: SchedulerMetrics):
+        self.bus = bus
+        self.keys = bus.keys
+        self.options = options
+        self.metrics = metrics
+        self.registry = Registry()
+        self.reservations: dict[str, asyncio.Future[ReserveReply]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        for stream in (self.keys.requests, self.keys.scheduler_replies):
+            await self.bus.ensure_group(stream, SCHEDULER_GROUP)
+        await self.registry.refresh(self.bus)
+        loops = [
+            asyncio.create_task(self._consume(self.keys.requests, stop)),
+            asyncio.create_task(self._consume(self.keys.scheduler_replies, stop)),
+            asyncio.create_task(self._watch(stop)),
+            asyncio.create_task(self._follow_reservations(stop)),
+        ]
+        logger.info("scheduler ready", extra={"consumer": self.options.consumer})
+        await stop.wait()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=5)
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+
+    # ---- receive ------------------------------------------------------------------------------------------
+
+    async def _consume(self, stream: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                deliveries = await self.bus.read_group(
+                    stream, SCHEDULER_GROUP, self.options.consumer, block_ms=200
+                )
+            except RedisError as exc:
+                logger.warning("bus read failed, retrying", extra={"error": str(exc)})
+                await asyncio.sleep(0.5)
+                continue
+            for delivery in deliveries:
+                self._spawn(self._handle(delivery))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _handle(self, delivery: Delivery) -> None:
+        """Handles one message and acknowledges it afterwards (so a crash leaves it pending)."""
+        message = delivery.message
+        try:
+            if isinstance(message, Submit):
+                await self._admit(message.request)
+            elif isinstance(message, Cancel):
+                await self._cancel(message.request_id)
+            elif isinstance(message, Finished):
+                await self._finished(message)
+            else:
+                await self.bus.dead_letter(
+                    delivery.stream,
+                    delivery.entry_id,
+                    None,
+                    f"the scheduler does not handle {message.kind!r}",
+                )
+        except Exception as exc:
+            logger.exception("handling %s failed", message.kind)
+            await self.bus.dead_letter(
+                delivery.stream, delivery.entry_id, encode(message), f"{message.kind}: {exc}"
+            )
+        await self.bus.ack(delivery.stream, SCHEDULER_GROUP, delivery.entry_id)
+
+    async def _follow_reservations(self, stop: asyncio.Event) -> None:
+        """Answers to this replica's reservations (its own stream: replicas never see each other's)."""
+        # an explicit start id (not "$"), so replies arriving between two reads are never skipped
+        stream, last_id = self.keys.reservation_replies(self.options.consumer), f"{int(time.time() * 1000)}-0"
+        while not stop.is_set():
+            try:
+                deliveries = await self.bus.read_stream(stream, last_id, block_ms=200)
+            except RedisError as exc:
+                logger.warning("bus read failed, retrying", extra={"error": str(exc)})
+                await asyncio.sleep(0.5)
+                continue
+            for delivery in deliveries:
+                last_id = delivery.entry_id
+                reply = delivery.message
+                waiter = self.reservations.get(reply.request_id) if isinstance(reply, ReserveReply) else None
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reply)  # type: ignore[arg-type]
+
+    # ---- admission and placement --------------------------------------------------------------------------
+
+    async def _admit(self, request: GenerateRequest) -> None:
+        state = self.keys.request_state(request.request_id)
+        if not await self.bus.client.hsetnx(state, "request", encode(Submit(request=request))):
+            return  # a redelivered Submit: already admitted
+        depth = await self.bus.client.incr(self.keys.queue_depth)
+        if depth > self.options.max_queue_len:
+            await self.bus.client.decr(self.keys.queue_depth)
+            await self.bus.client.delete(state)
+            self.metrics.rejected.inc()
+            await self._fail(
+                request.request_id,
+                429,
+                f"server is busy: {self.options.max_queue_len} requests already queued",
+            )
+            return
+        await self.bus.client.hset(state, mapping={"slot": 1, "attempts": 0})
+        await self._place(request)
+
+    async def _place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> None:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.options.dispatch_timeout_s
+        while True:
+            if not await self.bus.client.exists(self.keys.request_state(request.request_id)):
+                return  # cancelled while waiting
+            mixed = self.registry.pick_least_loaded("mixed", exclude)
+            if mixed is not None:
+                await self._dispatch_mixed(request, mixed.instance_id)
+                break
+            split_possible = self.registry.count("prefill") and self.registry.count("decode")
+            if split_possible and await self._dispatch_split(request, exclude):
+                break
+            if time.monotonic() > deadline:
+                await self._give_up(
+                    request.request_id, 503, "no worker instance is available to run the request"
+                )
+                return
+            await asyncio.sleep(REGISTRY_REFRESH_S)
+        self.metrics.placement_seconds.observe(time.perf_counter() - started)
+
+    async def _dispatch_mixed(self, request: GenerateRequest, instance_id: str) -> None:
+        await self._assign(request.request_id, instance_id)
+        await self.bus.publish(self.keys.inbox(instance_id), Dispatch(role="mixed", request=request))
+        self.registry.note_dispatch(instance_id)
+        self.metrics.dispatched.labels(role="mixed").inc()
+
+    async def _dispatch_split(self, request: GenerateRequest, exclude: frozenset[str]) -> bool:
+        """Reserve blocks on a decode instance first, then send the prefill there; False to retry."""
+        num_tokens = len(request.prompt_token_ids) + len(request.resumed_token_ids) + 1
+        decode_info = self.registry.pick_decode(num_tokens, exclude)
+        prefill_info = self.registry.pick_least_loaded("prefill", exclude)
+        if decode_info is None or prefill_info is None:
+            return False
+        reply = await self._reserve(request, decode_info.instance_id)
+        if reply is None or not reply.ok:
+            return False
+        await self._assign(request.request_id, decode_info.instance_id, prefill_info.instance_id)
+        dispatch = Dispatch(
+            role="prefill",
+            request=request,
+            decode_instance=decode_info.instance_id,
+            decode_kv_address=reply.kv_address,
+        )
+        await self.bus.publish(self.keys.inbox(prefill_info.instance_id), dispatch)
+        self.registry.note_dispatch(prefill_info.instance_id)
+        self.registry.note_dispatch(decode_info.instance_id)
+        self.metrics.dispatched.labels(role="split").inc()
+        return True
+
+    async def _reserve(self, request: GenerateRequest, decode_id: str) -> ReserveReply | None:
+        waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
+        self.reservations[request.request_id] = waiter
+        try:
+            reserve = Reserve(
+                request=request,
+                timeout_s=self.options.kv_timeout_s,
+                reply_to=self.keys.reservation_replies(self.options.consumer),
+            )
+            await self.bus.publish(self.keys.inbox(decode_id), reserve)
+            return await asyncio.wait_for(waiter, self.options.reserve_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.reserve_timeouts.inc()
+            logger.warning(
+                "reservation timed out", extra={"request_id": request.request_id, "decode": decode_id}
+            )
+            await self.bus.publish(
+                self.keys.inbox(decode_id),
+                Cancel(request_id=request.request_id, reason="reservation timed out"),
+            )
+            await self._give_up(
+                request.request_id,
+                504,
+                f"decode instance {decode_id} did not reserve KV blocks within {self.options.reserve_timeout_s:g} s",
+            )
+            return None
+        finally:
+            self.reservations.pop(request.request_id, None)
+
+    async def _assign(self, request_id: str, *instance_ids: str) -> None:
+        async with self.bus.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.request_state(request_id), "instances", ",".join(instance_ids))
+            for instance_id in instance_ids:
+                pipe.sadd(self.keys.assignments(instance_id), request_id)
+            await pipe.execute()
+
+    # ---- completion, cancellation, failure ----------------------------------------------------------------
+
+    async def _finished(self, message: Finished) -> None:
+        await self.bus.client.srem(self.keys.assignments(message.instance_id), message.request_id)
+        if message.outcome == "handed_off":
+            return
+        if message.outcome == "failed":
+            await self._retry(message.request_id, {message.instance_id}, message.error or "failed")
+            return
+        await self._release(message.request_id)
+
+    async def _cancel(self, request_id: str) -> None:
+        instances = await self._instances_of(request_id)
+        for instance_id in instances:
+            await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id))
+        await self._release(request_id)
+
+    async def _retry(self, request_id: str, exclude: set[str], reason: str) -> None:
+        """Places a request again (after its instance failed or died), resuming after the tokens the
+        client already has; gives up after MAX_ATTEMPTS."""
+        state = self.keys.request_state(request_id)
+        raw = await self.bus.client.hget(state, "request")
+        if raw is None:
+            return
+        attempts = await self.bus.client.hincrby(state, "attempts", 1)
+        delivered, finished = await self._delivered_tokens(request_id)
+        if finished:
+            await self._release(request_id)
+            return
+        if attempts >= MAX_ATTEMPTS:
+            await self._give_up(request_id, 500, f"request failed {attempts} times; last error: {reason}")
+            return
+        for instance_id in set(await self._instances_of(request_id)) - exclude:
+            await self.bus.publish(
+                self.keys.inbox(instance_id), Cancel(request_id=request_id, reason="re-dispatched")
+            )
+            await self.bus.client.srem(self.keys.assignments(instance_id), request_id)
+        message = decode(as_bytes(raw))
+        assert isinstance(message, Submit)
+        request = message.request.model_copy(update={"resumed_token_ids": delivered})
+        self.metrics.redispatched.inc()
+        logger.warning(
+            "re-dispatching", extra={"request_id": request_id, "reason": reason, "resumed": len(delivered)}
+        )
+        await self._place(request, exclude=frozenset(exclude))
+
+    async def _delivered_tokens(self, request_id: str) -> tuple[list[int], bool]:
+        """Tokens already in the request's output stream, and whether it already ended."""
+        entries: Any = await self.bus.client.xrange(self.keys.output(request_id))
+        tokens: list[int] = []
+        for _, fields in entries:
+            try:
+                event = decode(fields[PAYLOAD_FIELD])
+            except (ProtocolError, KeyError):
+                continue
+            if isinstance(event, TokenEvent):
+                tokens += event.token_ids
+                if event.finished:
+                    return tokens, True
+        return tokens, False
+
+    async def _instances_of(self, request_id: str) -> list[str]:
+        raw = await self.bus.client.hget(self.keys.request_state(request_id), "instances")
+        return [i for i in (as_text(raw) if raw else "").split(",") if i]
+
+    async def _release(self, request_id: str) -> None:
+        """Frees the request's queue slot exactly once and forgets it."""
+        state = self.keys.request_state(request_id)
+        if await self.bus.client.hdel(state, "slot"):
+            await self.bus.client.decr(self.keys.queue_depth)
+        await self.bus.client.delete(state)
+
+    async def _give_up(self, request_id: str, code: int, message: str) -> None:
+        await self._fail(request_id, code, message)
+        await self._release(request_id)
+
+    async def _fail(self, request_id: str, code: int, message: str) -> None:
+        kind = {429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}.get(code, "server_error")
+        event = TokenEvent(
+            request_id=request_id,
+            finished=True,
+            finish_reason="error",
+            error=ErrorInfo(code=code, type=kind, message=message),
+        )
+        await self.bus.publish(self.keys.output(request_id), event)
+        await self.bus.client.expire(self.keys.output(request_id), OUTPUT_TTL_S)
+
+    # ---- watching instances -------------------------------------------------------------------------------
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.registry.refresh(self.bus)
+                self.metrics.observe_registry(self.registry)
+                self.metrics.queue_depth.set(int(await self.bus.client.get(self.keys.queue_depth) or 0))
+                for instance_id in self.registry.dead:
+                    await self._bury(instance_id)
+            except RedisError as exc:
+                logger.warning("registry refresh failed", extra={"error": str(exc)})
+            await asyncio.sleep(REGISTRY_REFRESH_S)
+
+    async def _bury(self, instance_id: str) -> None:
+        """An instance stopped heart-beating: one scheduler (holding the lock) re-dispatches its work."""
+        lock = self.keys.request_state(f"bury:{instance_id}")
+        if not await self.bus.client.set(lock, self.options.consumer, nx=True, ex=60):
+            return
+        request_ids = [as_text(r) for r in await self.bus.client.smembers(self.keys.assignments(instance_id))]
+        logger.warning("instance died", extra={"instance": instance_id, "requests": len(request_ids)})
+        await self.bus.client.srem(self.keys.instances, instance_id)
+        await self.bus.client.delete(self.keys.assignments(instance_id))
+        for request_id in request_ids:
+            self._spawn(self._retry(request_id, {instance_id}, f"instance {instance_id} stopped responding"))
+
+    async def health(self) -> tuple[bool, str]:
+        try:
+            await self.bus.client.ping()
+        except RedisError as exc:
+            return False, f"redis: {exc}"
+        return True, f"{len(self.registry.live)} live instances"

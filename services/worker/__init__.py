@@ -1,0 +1,1 @@
+"""The worker roles (mixed, prefill, decode): an engine on the bus."""
