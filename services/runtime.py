@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -18,6 +19,7 @@ from shared.bus import RedisSettings
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PASSWORD_ENV = "SPECMESH_SCHEDULER_PASSWORD"
+STATUS_PORT_FILE_ENV = "SPECMESH_STATUS_PORT_FILE"
 
 
 class JsonFormatter(logging.Formatter):
@@ -102,6 +104,9 @@ async def start_status_server(
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    port_file = os.environ.get(STATUS_PORT_FILE_ENV)
+    if port_file:  # lets a supervisor (tests, `specmesh serve`) find a port picked by the OS
+        Path(port_file).write_text(str(bound_port(runner)))
     return runner
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import uuid
 from pathlib import Path
@@ -95,7 +94,6 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> N
     )
     worker = Worker(engine, bus, options, metrics)
     status = await start_status_server(args.metrics_host, args.metrics_port, metrics.registry, worker.health)
-    _announce_status_port(status, instance_id)
     try:
         await worker.run(stop)
     finally:
@@ -115,13 +113,3 @@ async def _suffix_index(args: argparse.Namespace, bus: Bus, instance_id: str, me
     )
     await client.start()
     return client
-
-
-def _announce_status_port(status: Any, instance_id: str) -> None:
-    from services.runtime import bound_port
-
-    port = bound_port(status)
-    logger.info("status server", extra={"instance": instance_id, "port": port})
-    port_file = os.environ.get("SPECMESH_STATUS_PORT_FILE")
-    if port_file:
-        Path(port_file).write_text(str(port))

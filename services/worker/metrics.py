@@ -76,7 +76,8 @@ class WorkerMetrics:
         self.labels = labels
 
     def observe_step(self, result: StepResult, load: EngineLoad | None) -> None:
-        self.step_seconds.observe(result.step_s)
+        if result.step_s:
+            self.step_seconds.observe(result.step_s)
         if load is not None:
             self.running.set(load.num_running)
             self.waiting.set(load.num_waiting)

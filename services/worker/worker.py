@@ -252,17 +252,19 @@ class Worker:
         await self._report(request_id, "failed", f"KV transfer failed: {error}")
 
     async def _cancel(self, request_id: str) -> None:
+        """Aborts the request (its blocks are freed at once); its final event follows its earlier ones."""
         if self.transport is not None:
             self.transport.cancel(request_id)
-        if await self._abort(request_id):
-            await self._report(request_id, "cancelled")
+        output = await self._abort(request_id)
+        if output is not None:
+            self._on_step(StepResult([output], [], 0.0))
 
-    async def _abort(self, request_id: str) -> bool:
+    async def _abort(self, request_id: str) -> RequestOutput | None:
         assert self.thread is not None
         output = await self.thread.call(lambda e: e.abort_request(request_id))
         self.requests.pop(request_id, None)
         self.handoff_targets.pop(request_id, None)
-        return output is not None
+        return output
 
     # ---- emit ------------------------------------------------------------------------------------------------
 

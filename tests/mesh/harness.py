@@ -1,0 +1,173 @@
+"""Real deployments for the mesh tests: redis-server plus specmesh roles as separate processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    handle: BinaryIO
+    status_port: int | None = None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+@dataclass
+class LocalMesh:
+    """One deployment. `start_role` launches `python -m services.cli <role> ...` with the bus flags."""
+
+    workdir: Path
+    topic: str = "test"
+    redis_port: int = field(default_factory=free_port)
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def bus_flags(self) -> list[str]:
+        return [
+            "--scheduler-port",
+            str(self.redis_port),
+            "--scheduler-topic",
+            self.topic,
+            "--scheduler-ttl",
+            "2",
+        ]
+
+    def start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/test.sh installs it)")
+        self._spawn(
+            "redis",
+            [
+                binary,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+        )
+        self._wait(lambda: _tcp_open(self.redis_port), "redis")
+
+    def start_role(self, name: str, role: str, *flags: str, wait_for_status: bool = True) -> Process:
+        port_file = self.workdir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        env = {**os.environ, "SPECMESH_STATUS_PORT_FILE": str(port_file), "PYTHONUNBUFFERED": "1"}
+        process = self._spawn(
+            name, [sys.executable, "-m", "services.cli", role, *flags, *self.bus_flags], env=env
+        )
+        if wait_for_status and role != "gateway":
+            self._wait(lambda: port_file.is_file() and port_file.read_text().strip() != "", name)
+            process.status_port = int(port_file.read_text())
+        return process
+
+    def start_gateway(self, model: str, *flags: str) -> int:
+        port = free_port()
+        self.start_role(
+            "gateway", "gateway", "--model", model, "--port", str(port), *flags, wait_for_status=False
+        )
+        self._wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), "gateway")
+        return port
+
+    def metrics(self, name: str) -> str:
+        process = self.processes[name]
+        with urllib.request.urlopen(f"http://127.0.0.1:{process.status_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        process.popen.send_signal(sig)
+        process.popen.wait(timeout=30)
+        process.handle.close()
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.alive():
+                process.popen.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.popen.wait()
+            process.handle.close()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        log = self.workdir / f"{name}.log"
+        handle = open(log, "wb")  # noqa: SIM115 - owned by the child
+        popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        process = Process(name, popen, log, handle)
+        self.processes[name] = process
+        return process
+
+    def _wait(self, ready, name: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for process in self.processes.values():
+                if not process.alive() and process.name != "killed":
+                    raise RuntimeError(
+                        f"{process.name} exited ({process.popen.returncode}):\n{process.tail()}"
+                    )
+            if ready():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.processes[name].tail()}")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample (labels must match those given; others are ignored)."""
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if "=" in part)
+        if all(json.loads(found.get(k, "null")) == v for k, v in labels.items()):
+            return float(value)
+    raise KeyError(f"no sample {name} {labels}")
+
+
+def _tcp_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except Exception:
+        return False
