@@ -11,7 +11,7 @@ Output under --out:
     specmesh-code-draft/    the draft model, same tokenizer
     specmesh-code-15m-mtp/  the MTP head for the base
     manifest.json           settings, per-phase wall time, data statistics, every file's SHA-256
-    data_split.json         the files of each split
+    data_split.json.gz      the files of each split
     tokenizer/, corpus/     intermediate files (not packed)
 
 The shipped family comes from one GPU command (an estimated 7.5 minutes on an H100), then, here:
@@ -28,6 +28,7 @@ last resort, stops; the MTP phase gets fewer steps. The log, the manifest and th
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
 import shlex
@@ -65,7 +66,7 @@ LM_DIRS = {"base": BASE_DIR, "draft": DRAFT_DIR}
 TOKENIZER_DIR = "tokenizer"
 CORPUS_DIR = "corpus"
 MANIFEST = "manifest.json"
-DATA_SPLIT = "data_split.json"
+DATA_SPLIT = "data_split.json.gz"
 PACKED_PATHS = [*MODEL_DIRS, MANIFEST, DATA_SPLIT]
 MAX_MODELS_BYTES = 40 << 20
 """The three model directories together must fit in 40 MiB (they are committed to the repository)."""
@@ -300,7 +301,10 @@ def build_reference(options: BuildOptions) -> dict[str, Any]:
 def split_sources(out: Path, options: BuildOptions, preset: Preset) -> DataSplit:
     """The package split of the roots; its file lists go to data_split.json."""
     split = split_corpus(options.roots or default_roots(), options.seed, preset.validation_fraction)
-    (out / DATA_SPLIT).write_text(json.dumps(split.file_lists(), indent=0) + "\n")
+    # gzip, with a fixed mtime so the bytes only depend on the split
+    (out / DATA_SPLIT).write_bytes(
+        gzip.compress((json.dumps(split.file_lists(), indent=0) + "\n").encode(), mtime=0)
+    )
     _say(f"data: {json.dumps(split.summary()['train'])} train, held out {_held_out_summary(split)}")
     return split
 

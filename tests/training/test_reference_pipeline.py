@@ -5,6 +5,7 @@ for byte, and that a second run with the same seed reproduces exactly."""
 from __future__ import annotations
 
 import hashlib
+import gzip
 import json
 import random
 import shutil
@@ -165,7 +166,7 @@ def test_the_tokenizer_round_trips_code(builds: Builds) -> None:
 
 
 def test_held_out_packages_never_reach_training(builds: Builds) -> None:
-    split = json.loads((builds.first / DATA_SPLIT).read_text())
+    split = json.loads(gzip.decompress((builds.first / DATA_SPLIT).read_bytes()))
     train = [entry.split(":", 1) for entry in split["train"]]
     held_out = [entry.split(":", 1) for entry in split["held_out"]]
     assert not {package for package, _ in train} & set(HELD_OUT_PACKAGES)
