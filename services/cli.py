@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from services.engine.args import add_engine_args, engine_config
+from services.gateway.main import add_gateway_parser
 from services.scheduler.main import add_scheduler_parser
 from services.serve import add_serve_parser
 from services.worker.main import add_worker_parsers
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_mtp_parser(sub)
     add_serve_parser(sub)
     add_scheduler_parser(sub)
+    add_gateway_parser(sub)
     add_worker_parsers(sub)
     return parser
 

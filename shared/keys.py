@@ -49,6 +49,10 @@ class Keys:
         """Worker -> gateway: one request's token events, in order; readable again after a reconnect."""
         return self._key("out", request_id)
 
+    def gateway_wake(self, gateway_id: str) -> str:
+        """A gateway's own stream: a submit wakes the gateway's blocked output reader through it."""
+        return self._key("gateway-wake", gateway_id)
+
     @property
     def dead_letters(self) -> str:
         """Messages that could not be decoded or handled, with the reason."""

@@ -4,8 +4,8 @@ for byte, and that a second run with the same seed reproduces exactly."""
 
 from __future__ import annotations
 
-import hashlib
 import gzip
+import hashlib
 import json
 import random
 import shutil

@@ -1,0 +1,322 @@
+"""The gateway's HTTP application: routes, handlers and middlewares.
+
+A generation request goes: parse (pydantic, strict) → prepare (template, tokenize, check; one
+`GenerateRequest` per choice) → submit every choice to the mesh → collect the events into one
+response, or stream them as SSE chunks. Middlewares, outermost first: `observe` (stats, metrics,
+one log line per request), `openai_errors` (every failure as OpenAI's error body), `authenticate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from services.gateway.backend import MeshBackend
+from services.gateway.errors import APIError
+from services.gateway.fanout import FanOut
+from services.gateway.metrics import GatewayMetrics, RequestStats, request_log
+from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.gateway.prepare import Job, ServedModel, chat_job, completion_job
+from services.gateway.render import ChoiceState, Renderer, TokenText
+from services.gateway.streaming import EventStream
+from shared.protocol import TokenEvent
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 2**20
+OFFLOAD_BODY_BYTES = 32 * 2**10
+"""Bodies larger than this are tokenized on a worker thread, not on the event loop."""
+HEALTH_TTL_S = 1.0
+"""How long a health answer is reused when admitting requests."""
+CLIENT_CLOSED = 499
+"""Status recorded (never sent) when the client went away mid-request, as nginx logs it."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    api_keys: frozenset[str] = frozenset()
+    """Accepted `Authorization: Bearer` keys on /v1/*; empty: no auth."""
+    health_ttl_s: float = HEALTH_TTL_S
+
+
+class HealthGate:
+    """Refuses new requests fast (503) while the mesh has no live worker, asking at most every ttl."""
+
+    def __init__(self, backend: MeshBackend, ttl_s: float):
+        self.backend = backend
+        self.ttl_s = ttl_s
+        self._answer: tuple[bool, str] = (False, "not checked yet")
+        self._checked_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def check(self) -> None:
+        if time.monotonic() - self._checked_at > self.ttl_s:
+            async with self._lock:
+                if time.monotonic() - self._checked_at > self.ttl_s:
+                    self._answer = await self.backend.health()
+                    self._checked_at = time.monotonic()
+        ok, reason = self._answer
+        if not ok:
+            raise APIError(503, f"no worker can take the request: {reason}")
+
+
+SERVED = web.AppKey("served", ServedModel)
+BACKEND: web.AppKey[MeshBackend] = web.AppKey("backend")
+SETTINGS = web.AppKey("settings", GatewaySettings)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+HEALTH_GATE = web.AppKey("health_gate", HealthGate)
+TOKEN_TEXT = web.AppKey("token_text", TokenText)
+STATS = web.RequestKey("stats", RequestStats)
+
+
+def create_app(
+    served: ServedModel,
+    backend: MeshBackend,
+    settings: GatewaySettings | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> web.Application:
+    settings = settings or GatewaySettings()
+    app = web.Application(middlewares=[observe, openai_errors, authenticate], client_max_size=MAX_BODY_BYTES)
+    app[SERVED] = served
+    app[BACKEND] = backend
+    app[SETTINGS] = settings
+    app[METRICS] = metrics or GatewayMetrics()
+    app[HEALTH_GATE] = HealthGate(backend, settings.health_ttl_s)
+    app[TOKEN_TEXT] = TokenText(served.tokenizer)
+    app.cleanup_ctx.append(backend_ctx)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    return app
+
+
+async def backend_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The mesh connection lives as long as the app; closed after in-flight requests ended."""
+    backend = app[BACKEND]
+    await backend.start()
+    yield
+    await backend.close()
+
+
+# ---- middlewares -----------------------------------------------------------------------------------------
+
+
+@web.middleware
+async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+    endpoint = (
+        request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    )
+    stats = request[STATS] = RequestStats(endpoint)
+    try:
+        response = await handler(request)
+        stats.status = stats.status or response.status  # a stream's own outcome wins over its 200
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        stats.status = CLIENT_CLOSED
+        raise
+    finally:
+        stats.status = stats.status or 500
+        stats.finished_at = time.perf_counter()
+        request.app[METRICS].observe(stats)
+        if stats.request_id is not None:
+            request_log.info(
+                "%s %s %d", stats.request_id, stats.endpoint, stats.status, extra=stats.log_fields()
+            )
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(_from_http_exception(request, exc), exc.headers.get("Allow"))
+    except ConnectionResetError:  # the client is gone: nobody to answer
+        raise
+    except Exception:
+        stats = request[STATS]
+        logger.exception(
+            "internal error serving %s %s (request %s)", request.method, request.path, stats.request_id
+        )
+        return error_response(
+            APIError(500, f"internal error (request {stats.request_id or '-'}); see the gateway log")
+        )
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[SETTINGS].api_keys
+    if keys and request.path.startswith("/v1/"):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(
+                401, "missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in keys):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+    return await handler(request)
+
+
+def error_response(error: APIError, allow: str | None = None) -> web.Response:
+    headers = dict(error.headers)
+    if allow:
+        headers["Allow"] = allow
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIError:
+    if isinstance(exc, web.HTTPNotFound):
+        return APIError(404, f"no such route: {request.method} {request.path}", code="not_found")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return APIError(
+            405,
+            f"{request.method} is not allowed on {request.path} (allowed: {allowed})",
+            code="method_not_allowed",
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    return APIError(exc.status, exc.reason)
+
+
+# ---- generation ------------------------------------------------------------------------------------------
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    body = await _parse(request, CompletionRequest)
+    return await _generate(request, await _prepare(request, completion_job, body))
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    body = await _parse(request, ChatCompletionRequest)
+    return await _generate(request, await _prepare(request, chat_job, body))
+
+
+async def _parse(request: web.Request, model: type[RequestT]) -> RequestT:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise APIError.from_validation(exc) from None
+
+
+async def _prepare(
+    request: web.Request, make_job: Callable[[RequestT, ServedModel], Job], body: RequestT
+) -> Job:
+    served = request.app[SERVED]
+    if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
+        return await asyncio.to_thread(make_job, body, served)
+    return make_job(body, served)
+
+
+async def _generate(request: web.Request, job: Job) -> web.StreamResponse:
+    app = request.app
+    stats = request[STATS]
+    stats.request_id = job.request_id
+    stats.num_prompt_tokens = job.num_prompt_tokens
+    await app[HEALTH_GATE].check()
+    choices = [ChoiceState(i) for i in range(len(job.requests))]
+    stats.choices = choices
+    renderer = Renderer(job, app[SERVED].name, app[TOKEN_TEXT])
+    app[METRICS].in_flight.inc()
+    try:
+        async with FanOut(app[BACKEND], job.requests) as fanout:
+            if job.stream:
+                return await _stream(request, job, renderer, fanout, choices)
+            return await _collect(renderer, fanout, choices)
+    finally:
+        app[METRICS].in_flight.dec()
+
+
+async def _collect(renderer: Renderer, fanout: FanOut, choices: list[ChoiceState]) -> web.Response:
+    while (item := await fanout.next()) is not None:
+        index, event = item
+        _raise_if_failed(fanout, event)
+        choices[index].add(event)
+    return _json(renderer.response(choices))
+
+
+async def _stream(
+    request: web.Request, job: Job, renderer: Renderer, fanout: FanOut, choices: list[ChoiceState]
+) -> web.StreamResponse:
+    """SSE. The 200 goes out once every choice has its first event, so a request the mesh refuses
+    at once (busy, no worker, invalid) still gets its own HTTP status."""
+    early: deque[tuple[int, TokenEvent]] = deque()
+    waiting = set(range(len(job.requests)))
+    while waiting and (item := await fanout.next()) is not None:
+        _raise_if_failed(fanout, item[1])
+        early.append(item)
+        waiting.discard(item[0])
+    sse = EventStream(job.include_usage)
+    try:
+        await sse.start(request)
+        for opening in renderer.first_chunks():
+            await sse.send(opening)
+        while (item := early.popleft() if early else await fanout.next()) is not None:
+            index, event = item
+            if event.error is not None:
+                fanout.cancel_reason = f"another choice failed: {event.error.message}"
+                request[STATS].status = event.error.code
+                await sse.send_error(APIError.from_mesh(event.error))
+                break
+            choices[index].add(event)
+            chunk = renderer.chunk(choices[index], event)
+            if chunk is not None:
+                await sse.send(chunk)
+        else:
+            if job.include_usage:
+                await sse.send(renderer.usage_chunk(choices))
+        await sse.done()
+    except ConnectionResetError:  # the client went away; leaving the FanOut cancels the rest
+        request[STATS].status = CLIENT_CLOSED
+    return sse.response
+
+
+def _raise_if_failed(fanout: FanOut, event: TokenEvent) -> None:
+    if event.error is not None:
+        fanout.cancel_reason = f"another choice failed: {event.error.message}"
+        raise APIError.from_mesh(event.error)
+
+
+# ---- the rest ----------------------------------------------------------------------------------------
+
+
+async def list_models(request: web.Request) -> web.Response:
+    served = request.app[SERVED]
+    card = ModelCard(
+        id=served.name, created=served.created, root=served.name, max_model_len=served.max_model_len
+    )
+    return _json(ModelList(data=[card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    ok, reason = await request.app[BACKEND].health()
+    return web.json_response(
+        {"status": "ok" if ok else "unavailable", "reason": reason}, status=200 if ok else 503
+    )
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _json(body: BaseModel) -> web.Response:
+    return web.Response(body=body.model_dump_json().encode(), content_type="application/json")

@@ -1,0 +1,80 @@
+"""One HTTP request's choices as one stream: its sub-requests' events merged in arrival order.
+
+Each sub-request (one per choice) is followed by its own pump task; events reach the handler
+tagged with the choice index, in order within a choice. Leaving the `async with` (normally, on an
+error, or because the client went away and the handler was cancelled) cancels, in the mesh, every
+sub-request that has not finished, so workers free their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+
+from services.gateway.backend import MeshBackend, error_event
+from shared.protocol import GenerateRequest, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+class FanOut:
+    """`async with FanOut(backend, requests) as fanout:` then `await fanout.next()` until None."""
+
+    def __init__(self, backend: MeshBackend, requests: list[GenerateRequest]):
+        self.backend = backend
+        self.requests = requests
+        self.cancel_reason = "client disconnected"
+        self._queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task[None]] = []
+        self._unfinished = set(range(len(requests)))
+
+    async def __aenter__(self) -> FanOut:
+        self._pumps = [
+            asyncio.create_task(self._pump(index, request), name=f"follow-{request.request_id}")
+            for index, request in enumerate(self.requests)
+        ]
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Shielded: the handler may itself be being cancelled (client gone); the cancels must go out.
+        await asyncio.shield(self._close())
+
+    async def next(self) -> tuple[int, TokenEvent] | None:
+        """The next (choice index, event), in order within a choice; None once every choice has
+        finished or failed."""
+        if not self._unfinished:
+            return None
+        index, event = await self._queue.get()
+        if event.finished or event.error is not None:
+            self._unfinished.discard(index)
+        return index, event
+
+    async def _pump(self, index: int, request: GenerateRequest) -> None:
+        """Follows one sub-request to its end (the backend's iterator ends after the last event;
+        a cancelled pump raises inside it, so it stops following)."""
+        ended = False
+        try:
+            async for event in self.backend.submit(request):
+                self._queue.put_nowait((index, event))
+                ended = event.finished or event.error is not None
+            message = "the mesh ended the request's event stream before it finished"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("following %s failed", request.request_id)
+            message = f"following the request failed: {type(exc).__name__}"
+        if not ended:
+            self._queue.put_nowait((index, error_event(request.request_id, 500, "server_error", message)))
+
+    async def _close(self) -> None:
+        """Stops following every choice, and cancels in the mesh those that have not finished."""
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await asyncio.gather(
+            *(self.backend.cancel(self.requests[i].request_id, self.cancel_reason) for i in self._unfinished),
+            return_exceptions=True,
+        )

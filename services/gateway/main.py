@@ -1,0 +1,128 @@
+"""`specmesh gateway`: the OpenAI-compatible HTTP front of the mesh.
+
+    specmesh gateway --model DIR --port 8000 --scheduler-host 127.0.0.1 --scheduler-port 6379
+
+SIGTERM / SIGINT: the listener closes, in-flight requests and streams get `--shutdown-timeout-s`
+to finish, then the bus connection closes and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.app import GatewaySettings, create_app
+from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
+from services.gateway.prepare import ServedModel
+from services.runtime import add_redis_args, redis_settings, setup_logging
+from shared.reference import default_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds the `gateway` subcommand to `specmesh`'s subparsers."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "gateway", help="OpenAI-compatible HTTP gateway in front of the mesh"
+    )
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        default=[],
+        help="accepted 'Authorization: Bearer' key on /v1/* (repeatable; none: no auth)",
+    )
+    http.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="end a request with 504 after this long without an event from the mesh",
+    )
+    http.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, how long in-flight requests may still run",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        help="Hugging Face model directory: tokenizer, config.json (default: the shipped reference model)",
+    )
+    model.add_argument(
+        "--served-model-name", help="name clients use in 'model' (default: the directory name)"
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output in tokens (default: config.json max_position_embeddings)",
+    )
+    add_redis_args(parser)  # --scheduler-host/-port/-password/-topic (and -ttl, unused here)
+    parser.add_argument(
+        "--log-level", dest="gateway_log_level", default="INFO", help="INFO: one line per request"
+    )
+    parser.set_defaults(handler=cmd_gateway)
+    return parser
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    setup_logging(args.gateway_log_level, "gateway")
+    if args.request_timeout_s <= 0:
+        raise ValueError("--request-timeout-s must be positive")
+    served = ServedModel.load(args.model or default_model(), args.served_model_name, args.max_model_len)
+    settings = redis_settings(args)
+    backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
+    app = create_app(served, backend, GatewaySettings(api_keys=frozenset(args.api_keys)))
+    logger.warning(
+        "gateway serving %r (max_model_len %d) on http://%s:%d, bus %s",
+        served.name,
+        served.max_model_len,
+        args.host,
+        args.port,
+        settings.describe(),
+    )
+    try:
+        web.run_app(
+            app,
+            host=args.host,
+            port=args.port,
+            shutdown_timeout=args.shutdown_timeout_s,
+            handler_cancellation=True,  # a client that goes away cancels its handler: the mesh hears Cancel
+            access_log=None,  # one structured line per request comes from the app itself
+            print=None,
+            loop=_new_event_loop(),
+        )
+    except ConnectionError as exc:  # Redis unreachable at start: the message says which flags to check
+        print(f"specmesh gateway: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m services.gateway.main --model DIR ...`)."""
+    parser = argparse.ArgumentParser(prog="specmesh")
+    add_gateway_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""OpenAI's request and response bodies for /v1/completions, /v1/chat/completions and /v1/models.
+
+Requests are validated strictly (JSON types as OpenAI documents them: a string where a number
+belongs is an error, not coerced); fields OpenAI or vLLM define that specmesh does not act on are
+accepted and ignored, as vLLM does; unknown fields are ignored. Ranges of the sampling fields are
+checked once, by `shared.sampling_params.SamplingParams`, when the request is turned into one.
+Responses follow OpenAI's shapes field for field, plus two specmesh extensions: `usage.speculative`
+and `choices[].stop_reason` (as vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+from shared.sampling_params import MAX_LOGPROBS
+from shared.speculative_config import SpeculativeOverride
+
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's limit)."""
+
+# ---- requests ------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send a last chunk with `usage` (and `choices: []`) before `[DONE]`."""
+
+
+class SamplingFields(_Request):
+    """What completions and chat requests share: model, sampling, stops, fan-out, streaming."""
+
+    model: str | None = None
+    """Must name the served model; absent means the served model (as vLLM)."""
+    max_tokens: int | None = None
+    """Most tokens to generate; absent: whatever the context has left after the prompt."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    """Independent choices for the prompt; seeded requests use seeds seed, seed + 1, ..."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted and ignored."""
+    logit_bias: dict[str, float] | None = None
+    """Refused when not empty: the engine has no logit bias."""
+    speculative: SpeculativeOverride | None = None
+    """specmesh extension: this request's own speculative method / k, or `{"enabled": false}`."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: object) -> object:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """A string, a list of strings, a list of token ids, or a list of token-id lists; each list
+    item is a separate prompt (OpenAI's batch form), its choices indexed prompt-major."""
+    logprobs: int | None = None
+    """Return the log-probability of each generated token and of the `logprobs` most likely ones."""
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: object) -> object:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(p, str) for p in value)
+            or all(_is_token_ids(p) for p in value)
+            or all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+        ):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+
+
+class TextPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    """Takes precedence over the older `max_tokens`."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    """vLLM extension: end the rendered prompt with the assistant's turn marker."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+
+class SpeculativeUsage(BaseModel):
+    """specmesh extension: how speculation went for this request, summed over its choices."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    mean_accepted_length: float = 1.0
+    """Tokens produced per verify step, the bonus token included."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpeculativeUsage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    """Only the fields a chunk carries: `role` in the first, `content` after."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specmesh"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,292 @@
+"""From token events to OpenAI bodies: whole responses, stream chunks, usage and logprobs.
+
+Text is passed through as the workers send it: each `TokenEvent.text` is a delta already decoded
+at UTF-8 character boundaries (the worker's incremental detokenizer holds back a partial
+character), so the gateway never re-splits or re-decodes it. Token strings for logprobs are the
+tokenizer's own decoding of each token id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from services.gateway.openai_api import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    SpeculativeUsage,
+    TopLogprob,
+    Usage,
+)
+from services.gateway.prepare import Job
+from shared.protocol import TokenEvent, TokenLogprob
+from shared.tokenizer import Tokenizer
+
+OpenAIBody = Completion | ChatCompletion | ChatCompletionChunk
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    spec_stats: dict[str, Any] = field(default_factory=dict)
+    text_offset: int = 0
+    """Characters of token strings given in completion logprobs so far (their `text_offset`)."""
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    """time.perf_counter() of the first token and of the end (TTFT and TPOT)."""
+
+    def add(self, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None and (event.token_ids or event.text):
+            self.first_token_at = now
+        self.text_parts.append(event.text)
+        self.logprobs.extend(event.logprobs)
+        self.num_output_tokens = max(self.num_output_tokens + len(event.token_ids), event.num_output_tokens)
+        if event.spec_stats:  # cumulative per request; the latest wins
+            self.spec_stats = event.spec_stats
+        if event.finished:
+            self.finished_at = now
+            self.finish_reason = event.finish_reason
+            self.stop_reason = event.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class TokenText:
+    """Token strings and bytes for logprobs, cached per token id.
+
+    For byte-level BPE vocabularies the bytes are a token's true bytes (a token holding half of a
+    UTF-8 character has bytes, not U+FFFD's); for others, the UTF-8 of its decoded string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._byte_level = _decoder_type(tokenizer) == "ByteLevel"
+        self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_to_text(token_id)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        if self._byte_level:
+            piece = self.tokenizer.backend.id_to_token(token_id)
+            if piece is not None and all(ch in _BYTE_OF_CHAR for ch in piece):
+                return [_BYTE_OF_CHAR[ch] for ch in piece]
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def usage(job: Job, choices: list[ChoiceState]) -> Usage:
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return Usage(
+        prompt_tokens=job.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=job.num_prompt_tokens + completion_tokens,
+        speculative=speculative_usage(choices),
+    )
+
+
+def speculative_usage(choices: list[ChoiceState]) -> SpeculativeUsage | None:
+    """Draft and accepted tokens summed over the choices; None when no choice reported any."""
+    stats = [c.spec_stats for c in choices if c.spec_stats]
+    if not stats:
+        return None
+    num_drafts = sum(int(s.get("num_draft_tokens", 0)) for s in stats)
+    num_accepted = sum(int(s.get("num_accepted_tokens", 0)) for s in stats)
+    num_steps = sum(int(s.get("num_verify_steps", 0)) for s in stats)
+    return SpeculativeUsage(
+        num_draft_tokens=num_drafts,
+        num_accepted_tokens=num_accepted,
+        num_verify_steps=num_steps,
+        mean_accepted_length=(num_accepted + num_steps) / num_steps if num_steps else 1.0,
+    )
+
+
+class Renderer:
+    """Builds one job's bodies; `completion` and `chat` differ in shapes and logprobs format."""
+
+    def __init__(self, job: Job, model: str, token_text: TokenText):
+        self.job = job
+        self.model = model
+        self.token_text = token_text
+
+    def response(self, choices: list[ChoiceState]) -> Completion | ChatCompletion:
+        job = self.job
+        if job.kind == "completion":
+            return Completion(
+                id=job.request_id,
+                created=job.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=c.index,
+                        text=c.text,
+                        logprobs=self._completion_logprobs(c, c.logprobs),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in choices
+                ],
+                usage=usage(job, choices),
+            )
+        return ChatCompletion(
+            id=job.request_id,
+            created=job.created,
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessageOut(content=c.text),
+                    logprobs=self._chat_logprobs(c.logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in choices
+            ],
+            usage=usage(job, choices),
+        )
+
+    def first_chunks(self) -> list[OpenAIBody]:
+        """Chat streams open each choice with a chunk carrying `role: assistant`."""
+        if self.job.kind == "completion":
+            return []
+        return [
+            self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+            for i in range(len(self.job.requests))
+        ]
+
+    def chunk(self, choice: ChoiceState, event: TokenEvent) -> OpenAIBody | None:
+        """The chunk for one event of `choice` (already added to it); None when it carries nothing."""
+        if not (event.text or event.logprobs or event.finished):
+            return None
+        finish_reason = event.finish_reason if event.finished else None
+        stop_reason = event.stop_reason if event.finished else None
+        if self.job.kind == "completion":
+            return Completion(
+                id=self.job.request_id,
+                created=self.job.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=choice.index,
+                        text=event.text,
+                        logprobs=self._completion_logprobs(choice, event.logprobs),
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                ],
+            )
+        return self._chat_chunk(
+            ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(content=event.text) if event.text else ChatDelta(),
+                logprobs=self._chat_logprobs(event.logprobs),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+            )
+        )
+
+    def usage_chunk(self, choices: list[ChoiceState]) -> OpenAIBody:
+        if self.job.kind == "completion":
+            return Completion(
+                id=self.job.request_id,
+                created=self.job.created,
+                model=self.model,
+                choices=[],
+                usage=usage(self.job, choices),
+            )
+        return ChatCompletionChunk(
+            id=self.job.request_id,
+            created=self.job.created,
+            model=self.model,
+            choices=[],
+            usage=usage(self.job, choices),
+        )
+
+    def _chat_chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=[choice]
+        )
+
+    def _completion_logprobs(
+        self, choice: ChoiceState, logprobs: list[TokenLogprob]
+    ) -> CompletionLogprobs | None:
+        """OpenAI's legacy format; `text_offset` runs on across the chunks of a stream."""
+        if self.job.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            token = self.token_text.text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text.text(t): v for t, v in lp.top})
+            out.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return out
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
+        if self.job.logprobs is None:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=self.token_text.text(lp.token_id),
+                    logprob=lp.logprob,
+                    bytes=self.token_text.bytes(lp.token_id),
+                    top_logprobs=[
+                        TopLogprob(token=self.token_text.text(t), logprob=v, bytes=self.token_text.bytes(t))
+                        for t, v in lp.top
+                    ],
+                )
+                for lp in logprobs
+            ]
+        )
+
+
+def _decoder_type(tokenizer: Tokenizer) -> str | None:
+    try:
+        decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return None
+    return decoder.get("type")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte <-> printable character table of byte-level BPE."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}

@@ -1,0 +1,46 @@
+"""Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from services.gateway.errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+class EventStream:
+    """One SSE response; each chunk is written whole, so a chunk is never split across writes."""
+
+    def __init__(self, include_usage: bool):
+        self.include_usage = include_usage
+        """OpenAI puts `usage: null` in every chunk only when the client asked for usage."""
+        self.response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+            }
+        )
+
+    async def start(self, request: web.Request) -> None:
+        await self.response.prepare(request)
+
+    async def send(self, body: BaseModel) -> None:
+        exclude = None if self.include_usage else {"usage"}
+        await self.response.write(b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n")
+
+    async def send_error(self, error: APIError) -> None:
+        """A failure after the 200 went out: an error event (the OpenAI SDK raises on it)."""
+        await self.response.write(b"data: " + _json(error.body()) + b"\n\n")
+
+    async def done(self) -> None:
+        await self.response.write(DONE)
+        await self.response.write_eof()
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()

@@ -1,0 +1,125 @@
+"""`specmesh gateway`: its flags, and the real process: serving, then draining a stream on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from gateway_fake_backend import free_port, sse_data
+
+from services.gateway.main import add_gateway_parser, cmd_gateway
+from services.gateway.prepare import ServedModel
+from shared.bus import Bus, RedisSettings, connect
+from shared.protocol import Submit, TokenEvent
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specmesh")
+    add_gateway_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(list(argv))
+
+
+def test_flags_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECMESH_SCHEDULER_PASSWORD", raising=False)
+    args = parse("gateway", "--model", "m")
+    assert args.handler is cmd_gateway
+    assert (args.host, args.port, args.api_keys, args.request_timeout_s) == ("127.0.0.1", 8000, [], 600.0)
+    assert (args.scheduler_host, args.scheduler_port, args.scheduler_password, args.scheduler_topic) == (
+        "127.0.0.1",
+        6379,
+        None,
+        "default",
+    )
+    assert args.gateway_log_level == "INFO"
+    args = parse("gateway", "--model", "m", "--api-key", "a", "--api-key", "b", "--log-level", "DEBUG")
+    assert args.api_keys == ["a", "b"] and args.gateway_log_level == "DEBUG"
+    assert parse("gateway", "--model", "m", "--scheduler-ttl", "2").scheduler_ttl == 2.0  # accepted, unused
+
+
+def test_served_model_name_and_context(make_checkpoint: Any) -> None:
+    model_dir = make_checkpoint("llama")
+    served = ServedModel.load(model_dir)
+    assert (served.name, served.max_model_len, served.vocab_size) == (model_dir.name, 512, 384)
+    assert ServedModel.load(model_dir, "x", max_model_len=128).max_model_len == 128
+
+
+@pytest.fixture
+async def bus(redis_port: int) -> AsyncIterator[Bus]:
+    settings = RedisSettings(port=redis_port, topic=f"main{os.getpid()}{time.monotonic_ns()}")
+    client = await connect(settings)
+    yield Bus(client, settings.keys)
+    await client.aclose()
+
+
+async def test_process_serves_and_drains_a_stream_on_sigterm(
+    make_checkpoint: Any, redis_port: int, bus: Bus
+) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "services.gateway.main", "--model", str(make_checkpoint("llama"))]
+    command += ["--port", str(port), "--scheduler-port", str(redis_port), "--scheduler-topic", bus.keys.topic]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _wait_until_serving(session, f"{url}/v1/models", process)
+            assert (await session.get(f"{url}/health")).status == 503  # no worker yet
+            await bus.client.sadd(bus.keys.instances, "w1")
+            await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
+            stream = asyncio.create_task(
+                session.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 2})
+            )
+            submit = await _first_submit(bus)
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)  # the listener closes; the open stream keeps going
+            request_id = submit.request.request_id
+            for i, text in enumerate(["Hé", "llo"]):
+                event = TokenEvent(
+                    request_id=request_id, token_ids=[i], text=text, finished=i == 1, finish_reason="length"
+                )
+                await bus.publish(bus.keys.output(request_id), event)
+            response = await asyncio.wait_for(stream, 10)
+            chunks = sse_data(await response.text())
+            assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Héllo" and chunks[-1] == "[DONE]"
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+async def _wait_until_serving(
+    session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]
+) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else "gateway exited"
+        try:
+            if (await session.get(url)).status == 200:
+                return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.1)
+    pytest.fail("the gateway did not start serving in 30 s")
+
+
+async def _first_submit(bus: Bus) -> Submit:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for delivery in await bus.read_stream(bus.keys.requests, "0-0", block_ms=50):
+            if isinstance(delivery.message, Submit):
+                return delivery.message
+    pytest.fail("no Submit on the requests stream")

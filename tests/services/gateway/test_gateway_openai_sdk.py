@@ -1,0 +1,106 @@
+"""The official `openai` SDK talks to the gateway: it parses every body and chunk we send."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from gateway_fake_backend import MODEL_NAME, REPLY, ClientFactory, InProcessBackend, error_script
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "sk-gateway-test"
+MESSAGES: list[Any] = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture
+async def sdk(make_client: ClientFactory) -> AsyncIterator[Any]:
+    client = await make_client(api_keys=frozenset({API_KEY}))
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=API_KEY, max_retries=0, timeout=10)
+    yield sdk
+    await sdk.close()
+
+
+async def test_completion(sdk: Any) -> None:
+    completion = await sdk.completions.create(model=MODEL_NAME, prompt="def add(", max_tokens=100, logprobs=2)
+    [choice] = completion.choices
+    assert choice.text == REPLY and choice.finish_reason == "stop"
+    assert (
+        len(choice.logprobs.tokens)
+        == len(choice.logprobs.token_logprobs)
+        == completion.usage.completion_tokens
+    )
+    # Legacy format: alternatives keyed by token text (two ids of the same text share one key).
+    assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert (
+        completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
+    assert completion.usage.model_extra["speculative"]["num_accepted_tokens"] == 7
+
+
+async def test_completion_stream(sdk: Any) -> None:
+    stream = await sdk.completions.create(
+        model=MODEL_NAME,
+        prompt="def add(",
+        max_tokens=100,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        else:
+            usage = chunk.usage
+    assert text == REPLY
+    assert usage is not None and usage.completion_tokens > 0
+
+
+async def test_chat_with_n_and_logprobs(sdk: Any) -> None:
+    chat = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=100, n=2, seed=3, logprobs=True, top_logprobs=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice in chat.choices:
+        assert choice.message.role == "assistant" and choice.message.content == REPLY
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert all(len(entry.top_logprobs) == 2 and entry.bytes for entry in choice.logprobs.content)
+
+
+async def test_chat_stream(sdk: Any) -> None:
+    stream = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=100, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REPLY
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_models(sdk: Any) -> None:
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+async def test_errors_raise_the_sdks_exceptions(sdk: Any, backend: InProcessBackend) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await sdk.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError) as bad:
+        await sdk.completions.create(model=MODEL_NAME, prompt="x", temperature=-1)
+    assert bad.value.param == "temperature"
+    wrong_key = openai.AsyncOpenAI(base_url=str(sdk.base_url), api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong_key.models.list()
+    await wrong_key.close()
+    backend.script = error_script(429)
+    with pytest.raises(openai.RateLimitError):
+        await sdk.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
+
+
+async def test_error_mid_stream_raises_in_the_sdk(sdk: Any, backend: InProcessBackend) -> None:
+    backend.script = error_script(500, "worker died", after=1)
+    stream = await sdk.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5, stream=True)
+    with pytest.raises(openai.APIError, match="worker died"):
+        async for _ in stream:
+            pass

@@ -1,0 +1,254 @@
+"""`RedisBackend` against a real redis-server: submissions, the one multiplexed reader, timeouts,
+cancels, health, resuming after a dropped connection, and the gateway end to end over Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from gateway_fake_backend import sse_data
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from services.gateway.app import GatewaySettings, create_app
+from services.gateway.backend import RedisBackend
+from services.gateway.prepare import ServedModel
+from shared.bus import Bus, RedisSettings, connect
+from shared.protocol import Cancel, GenerateRequest, Submit, TokenEvent
+from shared.sampling_params import SamplingParams
+
+
+@pytest.fixture
+async def bus(redis_settings: RedisSettings) -> AsyncIterator[Bus]:
+    client = await connect(redis_settings)
+    yield Bus(client, redis_settings.keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def backend(redis_settings: RedisSettings) -> AsyncIterator[RedisBackend]:
+    backend = RedisBackend(redis_settings, request_timeout_s=5.0)
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+def generate_request(request_id: str, max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id, prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=max_tokens)
+    )
+
+
+def token_event(request_id: str, i: int, last: bool = False) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        token_ids=[i],
+        text=f"<{request_id}:{i}>",
+        finished=last,
+        finish_reason="stop" if last else None,
+        num_output_tokens=i + 1,
+    )
+
+
+async def collect(events: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
+    return [event async for event in events]
+
+
+async def requests_on_bus(bus: Bus, count: int, timeout_s: float = 5.0) -> list[Any]:
+    """The first `count` messages on the requests stream."""
+    deadline = time.monotonic() + timeout_s
+    messages: list[Any] = []
+    while len(messages) < count:
+        assert time.monotonic() < deadline, f"only {len(messages)} of {count} messages on the requests stream"
+        messages = [
+            d.message for d in await bus.read_stream(bus.keys.requests, "0-0", block_ms=50, count=10_000)
+        ]
+    return messages
+
+
+class FakeWorker:
+    """Answers every Submit on the requests stream with `num_events` events, interleaving requests."""
+
+    def __init__(
+        self, bus: Bus, num_events: int, events: Callable[[str, int, bool], TokenEvent] = token_event
+    ):
+        self.bus = bus
+        self.num_events = num_events
+        self.events = events
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        last_id = "0-0"
+        while True:
+            deliveries = await self.bus.read_stream(self.bus.keys.requests, last_id, block_ms=50)
+            submitted = [d.message.request.request_id for d in deliveries if isinstance(d.message, Submit)]
+            if deliveries:
+                last_id = deliveries[-1].entry_id
+            for i in range(self.num_events):
+                last = i == self.num_events - 1
+                await self.bus.publish_many(
+                    [(self.bus.keys.output(rid), self.events(rid, i, last)) for rid in submitted]
+                )
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+
+
+async def test_events_published_by_hand_reach_the_submitter_in_order(backend: RedisBackend, bus: Bus) -> None:
+    events = asyncio.create_task(collect(backend.submit(generate_request("r1"))))
+    [submit] = await requests_on_bus(bus, 1)
+    assert isinstance(submit, Submit) and submit.request == generate_request("r1").model_copy(
+        update={"arrival_time": submit.request.arrival_time}
+    )
+    for i in range(5):
+        await bus.publish(bus.keys.output("r1"), token_event("r1", i, last=i == 4))
+    received = await asyncio.wait_for(events, 5)
+    assert [e.text for e in received] == [f"<r1:{i}>" for i in range(5)]
+    assert received[-1].finished
+
+
+async def test_64_concurrent_requests_each_get_their_own_events_in_order(
+    backend: RedisBackend, bus: Bus
+) -> None:
+    worker = FakeWorker(bus, num_events=20)
+    ids = [f"req-{i}" for i in range(64)]
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(backend.submit(generate_request(rid))) for rid in ids)), 15
+        )
+    finally:
+        await worker.stop()
+    for rid, events in zip(ids, results):
+        assert [e.request_id for e in events] == [rid] * 20
+        assert [e.text for e in events] == [f"<{rid}:{i}>" for i in range(20)]
+        assert [e.finished for e in events] == [False] * 19 + [True]
+    assert backend._follows == {}
+
+
+async def test_a_new_request_wakes_the_blocked_reader(redis_settings: RedisSettings, bus: Bus) -> None:
+    """The reader blocks on the open requests' streams for up to 3 s here; a request that starts
+    meanwhile still hears its first event at once."""
+    backend = RedisBackend(redis_settings, read_block_ms=3000)
+    await backend.start()
+    try:
+        waiting = asyncio.create_task(collect(backend.submit(generate_request("slow"))))
+        await requests_on_bus(bus, 1)
+        await asyncio.sleep(0.2)  # the reader is now blocked on out:slow alone
+        started = time.monotonic()
+        fast = backend.submit(generate_request("fast"))
+        first = asyncio.ensure_future(anext(fast))
+        await requests_on_bus(bus, 2)
+        await bus.publish(bus.keys.output("fast"), token_event("fast", 0, last=True))
+        event = await asyncio.wait_for(first, 5)
+        assert event.text == "<fast:0>"
+        assert time.monotonic() - started < 1.0
+        await bus.publish(bus.keys.output("slow"), token_event("slow", 0, last=True))
+        assert [e.text for e in await asyncio.wait_for(waiting, 5)] == ["<slow:0>"]
+    finally:
+        await backend.close()
+
+
+async def test_reader_resumes_after_its_connection_is_killed(backend: RedisBackend, bus: Bus) -> None:
+    events = asyncio.create_task(collect(backend.submit(generate_request("r"))))
+    await requests_on_bus(bus, 1)
+    for i in range(3):
+        await bus.publish(bus.keys.output("r"), token_event("r", i))
+    await asyncio.sleep(0.2)
+    killed = await bus.client.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    for i in range(3, 6):
+        await bus.publish(bus.keys.output("r"), token_event("r", i, last=i == 5))
+    received = await asyncio.wait_for(events, 10)
+    assert [e.text for e in received] == [f"<r:{i}>" for i in range(6)]
+
+
+async def test_silent_request_times_out_with_504_and_is_cancelled(
+    redis_settings: RedisSettings, bus: Bus
+) -> None:
+    backend = RedisBackend(redis_settings, request_timeout_s=0.3)
+    await backend.start()
+    try:
+        [event] = await asyncio.wait_for(collect(backend.submit(generate_request("quiet"))), 5)
+    finally:
+        await backend.close()
+    assert event.finished and event.error is not None and event.error.code == 504
+    submit, cancel = await requests_on_bus(bus, 2)
+    assert isinstance(submit, Submit) and isinstance(cancel, Cancel)
+    assert cancel.request_id == "quiet" and "timeout" in cancel.reason
+
+
+async def test_cancel_publishes_on_the_requests_stream(backend: RedisBackend, bus: Bus) -> None:
+    await backend.cancel("gone", reason="client disconnected")
+    [cancel] = await requests_on_bus(bus, 1)
+    assert cancel == Cancel(request_id="gone", reason="client disconnected")
+
+
+async def test_health_needs_a_live_worker_heartbeat(backend: RedisBackend, bus: Bus) -> None:
+    ok, reason = await backend.health()
+    assert not ok and "no worker has registered" in reason
+    await bus.client.sadd(bus.keys.instances, "w1")
+    ok, reason = await backend.health()
+    assert not ok and "expired" in reason
+    await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=10)
+    assert await backend.health() == (True, "1 live worker(s)")
+
+
+async def test_redis_gone_is_unhealthy_and_503(redis_server: Callable[[], Any]) -> None:
+    server, settings = redis_server()
+    backend = RedisBackend(settings)
+    await backend.start()
+    backend.client.set_retry(Retry(NoBackoff(), 1))  # fail in ms, not after redis-py's ~3 s of retries
+    server.terminate()
+    server.wait(timeout=10)
+    try:
+        ok, reason = await backend.health()
+        assert not ok and "does not answer" in reason
+        [event] = await collect(backend.submit(generate_request("x")))
+        assert event.error is not None and event.error.code == 503
+        assert "cannot reach the request bus" in event.error.message
+    finally:
+        await backend.close()
+
+
+# ---- the gateway end to end over Redis -------------------------------------------------------------------
+
+
+async def test_gateway_streams_over_redis_and_cancels_on_disconnect(
+    served: ServedModel, redis_settings: RedisSettings, bus: Bus
+) -> None:
+    await bus.client.sadd(bus.keys.instances, "w1")
+    await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
+    worker = FakeWorker(bus, num_events=4)
+    app = create_app(served, RedisBackend(redis_settings), GatewaySettings())
+    async with TestClient(TestServer(app)) as client:
+        try:
+            response = await client.post(
+                "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 4}
+            )
+            assert response.status == 200
+            chunks = sse_data(await response.text())
+            request_id = chunks[0]["id"]
+            assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "".join(
+                f"<{request_id}:{i}>" for i in range(4)
+            )
+        finally:
+            await worker.stop()
+        # No worker answers now: the client gives up mid-request, the gateway cancels in the mesh.
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.create_task(
+                session.post(client.make_url("/v1/completions"), json={"prompt": "y"})
+            )
+            await requests_on_bus(bus, 2)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        messages = await requests_on_bus(bus, 3)
+        assert isinstance(messages[1], Submit) and isinstance(messages[2], Cancel)
+        assert messages[2].request_id == messages[1].request.request_id
