@@ -14,6 +14,7 @@ from services.engine.args import add_engine_args, engine_config
 from services.gateway.main import add_gateway_parser
 from services.scheduler.main import add_scheduler_parser
 from services.serve import add_serve_parser
+from services.suffix_cache.service import add_suffix_cache_parser
 from services.worker.main import add_worker_parsers
 from shared.errors import describe_validation_error
 from shared.model import ModelConfigError
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_scheduler_parser(sub)
     add_gateway_parser(sub)
+    add_suffix_cache_parser(sub)
     add_worker_parsers(sub)
     return parser
 

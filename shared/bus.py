@@ -144,12 +144,15 @@ class Bus:
 
     async def read_stream(
         self, stream: str, last_id: str, block_ms: int = 1000, count: int = 256
-    ) -> list[Delivery]:
-        """Plain (group-less) read after `last_id`: how the gateway follows a request's output and
-        resumes after a reconnect."""
+    ) -> tuple[list[Delivery], str]:
+        """Plain (group-less) read after `last_id`: how a request's output is followed and resumed
+        after a reconnect. Returns the decoded messages and the id to read after next time (past
+        any undecodable entries, which are dead-lettered, so they are never read twice)."""
         response: Any = await self.client.xread({stream: last_id}, count=count, block=block_ms)
         entries = response[0][1] if response else []
-        return await self._decode_entries(stream, None, entries)
+        if entries:
+            last_id = as_text(entries[-1][0])
+        return await self._decode_entries(stream, None, entries), last_id
 
     async def dead_letter(self, stream: str, entry_id: str, raw: bytes | None, reason: str) -> None:
         logger.error("dead-lettered %s %s: %s", stream, entry_id, reason)

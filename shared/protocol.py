@@ -88,6 +88,8 @@ class ReserveReply(Message):
     ok: bool
     kv_address: str | None = None
     error: str | None = None
+    code: int | None = None
+    """On refusal: 400 when the request itself is invalid (no instance would take it), 503 otherwise."""
 
 
 class Finished(Message):

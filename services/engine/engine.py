@@ -33,6 +33,10 @@ class RequestError(ValueError):
     """A request the engine refuses, with a message meant for the client."""
 
 
+class CapacityError(RequestError):
+    """A valid request this instance has no room for right now (another instance may)."""
+
+
 @dataclass
 class KVExport:
     """A prefilled request's KV, ready to send to its decode instance."""
@@ -187,7 +191,7 @@ class LLMEngine:
             self.sequences.pop(request_id)
             self.outputs.release(request_id)
             self.drafter.finish(seq)
-            raise RequestError(f"no free KV blocks for {seq.num_tokens} tokens on this instance")
+            raise CapacityError(f"no free KV blocks for {seq.num_tokens} tokens on this instance")
         self.block_manager.allocate(seq, [])
         self.block_manager.append_slots(seq, seq.num_tokens)
         self.reserved[request_id] = seq

@@ -136,13 +136,12 @@ class SplitwiseScheduler:
         stream, last_id = self.keys.reservation_replies(self.options.consumer), f"{int(time.time() * 1000)}-0"
         while not stop.is_set():
             try:
-                deliveries = await self.bus.read_stream(stream, last_id, block_ms=200)
+                deliveries, last_id = await self.bus.read_stream(stream, last_id, block_ms=200)
             except RedisError as exc:
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
                 await asyncio.sleep(0.5)
                 continue
             for delivery in deliveries:
-                last_id = delivery.entry_id
                 reply = delivery.message
                 waiter = self.reservations.get(reply.request_id) if isinstance(reply, ReserveReply) else None
                 if waiter is not None and not waiter.done():
@@ -203,6 +202,9 @@ class SplitwiseScheduler:
         if decode_info is None or prefill_info is None:
             return False
         reply = await self._reserve(request, decode_info.instance_id)
+        if reply is not None and not reply.ok and reply.code == 400:
+            await self._give_up(request.request_id, 400, reply.error or "invalid request")
+            return True
         if reply is None or not reply.ok:
             return False
         await self._assign(request.request_id, decode_info.instance_id, prefill_info.instance_id)

@@ -97,6 +97,8 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> N
     try:
         await worker.run(stop)
     finally:
+        if suffix_index is not None:
+            await suffix_index.close()
         await status.cleanup()
         await client.aclose()
 

@@ -73,7 +73,18 @@ class WorkerMetrics:
         self.kv_transfer_seconds = histogram(
             "specmesh_worker_kv_transfer_seconds", "Time to send one request's KV"
         ).labels(**labels)
+        self._suffix_cache = gauge(
+            "specmesh_worker_suffix_cache", "Shared suffix-cache client: look-ups answered / late / skipped, "
+            "round-trip p50 / p99 seconds, service up", "stat",
+        )
         self.labels = labels
+
+    def observe_suffix_cache(self, stats: dict[str, object]) -> None:
+        """Exports the suffix-cache client's counters and latency (a decode step never waits longer
+        than its deadline: late look-ups count here instead)."""
+        for name, value in stats.items():
+            if isinstance(value, bool | int | float):
+                self._suffix_cache.labels(**self.labels, stat=name).set(float(value))
 
     def observe_step(self, result: StepResult, load: EngineLoad | None) -> None:
         if result.step_s:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from redis.exceptions import RedisError
 
-from services.engine.engine import KVExport, LLMEngine, RequestError, RequestOutput
+from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
 from services.kv_transport import (
     KVHeader,
     KVTransferError,
@@ -203,6 +203,7 @@ class Worker:
             reply.ok, reply.kv_address = True, self.kv_address
         elif self.draining or self.transport is None:
             reply.error = "instance is draining" if self.draining else "this instance does not decode"
+            reply.code = 503
         else:
             reply = await self._reserve_blocks(request, message.timeout_s, reply)
         await self.bus.publish(message.reply_to, reply, maxlen=10_000)
@@ -219,6 +220,7 @@ class Worker:
             )
         except RequestError as exc:
             reply.error = str(exc)
+            reply.code = 503 if isinstance(exc, CapacityError) else 400
             return reply
         self.requests[request.request_id] = request
         request_id = request.request_id
@@ -376,6 +378,9 @@ class Worker:
                 logger.warning("heartbeat failed", extra={"error": str(exc)})
 
     async def _heartbeat(self) -> None:
+        suffix_index = self.engine.drafter.suffix.global_index
+        if hasattr(suffix_index, "stats"):
+            self.metrics.observe_suffix_cache(suffix_index.stats())
         load = self.thread.load if self.thread else None
         info = InstanceInfo(
             instance_id=self.options.instance_id,

@@ -144,8 +144,9 @@ class LocalMesh:
         raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.processes[name].tail()}")
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """The value of one Prometheus sample (labels must match those given; others are ignored)."""
+def metric_value(text: str, name: str, default: float | None = None, **labels: str) -> float:
+    """The value of one Prometheus sample (labels must match those given; others are ignored);
+    `default` when there is no such sample yet, else KeyError."""
     for line in text.splitlines():
         if not line.startswith(name) or line.startswith("#"):
             continue
@@ -156,6 +157,8 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if "=" in part)
         if all(json.loads(found.get(k, "null")) == v for k, v in labels.items()):
             return float(value)
+    if default is not None:
+        return default
     raise KeyError(f"no sample {name} {labels}")
 
 

@@ -23,8 +23,8 @@ async def follow(
     tokens: list[int] = []
     last_id, deadline = "0-0", time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for delivery in await bus.read_stream(bus.keys.output(request_id), last_id, block_ms=200):
-            last_id = delivery.entry_id
+        deliveries, last_id = await bus.read_stream(bus.keys.output(request_id), last_id, block_ms=200)
+        for delivery in deliveries:
             event = delivery.message
             assert isinstance(event, TokenEvent)
             tokens += event.token_ids

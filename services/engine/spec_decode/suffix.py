@@ -133,9 +133,9 @@ class SuffixProposer:
     def propose_drafts(self, requests: list[tuple[str, list[int], int]]) -> list[SuffixDraft]:
         """`propose_draft` for each (request_id, token_ids, max_spec_tokens).
 
-        The per-request drafts come first; the global index is then asked only for the requests
-        whose draft it could still beat (a score is at most the draft length, so a per-request
-        draft scoring `max_spec_tokens` is final), in one batched call.
+        The per-request drafts come first; then one batched call asks the global index for the
+        requests whose draft it could still beat (a score is at most the draft length: none when
+        `max_spec_tokens` is 0), with the context cut to the `max_tree_depth` tokens that can match.
         """
         drafts = [self._request_draft(*request) for request in requests]
         to_ask = [

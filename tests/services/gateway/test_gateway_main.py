@@ -119,7 +119,8 @@ async def _wait_until_serving(
 async def _first_submit(bus: Bus) -> Submit:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        for delivery in await bus.read_stream(bus.keys.requests, "0-0", block_ms=50):
+        deliveries, _ = await bus.read_stream(bus.keys.requests, "0-0", block_ms=50)
+        for delivery in deliveries:
             if isinstance(delivery.message, Submit):
                 return delivery.message
     pytest.fail("no Submit on the requests stream")

@@ -65,9 +65,8 @@ async def requests_on_bus(bus: Bus, count: int, timeout_s: float = 5.0) -> list[
     messages: list[Any] = []
     while len(messages) < count:
         assert time.monotonic() < deadline, f"only {len(messages)} of {count} messages on the requests stream"
-        messages = [
-            d.message for d in await bus.read_stream(bus.keys.requests, "0-0", block_ms=50, count=10_000)
-        ]
+        deliveries, _ = await bus.read_stream(bus.keys.requests, "0-0", block_ms=50, count=10_000)
+        messages = [d.message for d in deliveries]
     return messages
 
 
@@ -85,10 +84,8 @@ class FakeWorker:
     async def _run(self) -> None:
         last_id = "0-0"
         while True:
-            deliveries = await self.bus.read_stream(self.bus.keys.requests, last_id, block_ms=50)
+            deliveries, last_id = await self.bus.read_stream(self.bus.keys.requests, last_id, block_ms=50)
             submitted = [d.message.request.request_id for d in deliveries if isinstance(d.message, Submit)]
-            if deliveries:
-                last_id = deliveries[-1].entry_id
             for i in range(self.num_events):
                 last = i == self.num_events - 1
                 await self.bus.publish_many(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixTree
+from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft, SuffixTree
 
 Path = tuple[int, ...]
 
@@ -281,3 +281,109 @@ def test_negative_max_spec_tokens_is_rejected() -> None:
     proposer.start_request("r", [1, 2])
     with pytest.raises(ValueError, match="max_spec_tokens"):
         proposer.propose("r", [1, 2], -1)
+
+
+# --- the global index behind an interface ---
+
+
+class RecordingIndex:
+    """A `GlobalIndex` that answers from a local index, or not at all, and records each call."""
+
+    def __init__(self, answer: bool = True) -> None:
+        self.local = GlobalSuffixIndex(max_tree_depth=4)
+        self.answer = answer
+        self.calls: list[list[tuple[list[int], int]]] = []
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        self.local.add_sequence(seq_id, token_ids)
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        self.calls.append(queries)
+        return self.local.speculate_batch(queries) if self.answer else [None] * len(queries)
+
+
+def test_the_global_index_is_asked_once_per_step_for_requests_it_could_improve() -> None:
+    index = RecordingIndex()
+    proposer = SuffixProposer(SuffixConfig(max_tree_depth=4), index)
+    proposer.start_request("done", [0])
+    proposer.add_tokens("done", [7, 8, 9, 10])
+    proposer.stop_request("done")
+    assert list(index.local._sequences) == ["done"]
+    proposer.start_request("repeats", [1, 2, 1, 2, 1])
+    proposer.start_request("fresh", [30, 31, 32, 33, 6, 7, 8])
+    drafts = proposer.propose_batch(
+        [("repeats", [1, 2, 1, 2, 1], 2), ("fresh", [30, 31, 32, 33, 6, 7, 8], 3)]
+    )
+    assert drafts == [[2, 1], [9, 10]]
+    # one call for the batch, each context cut to the max_tree_depth tokens a match can use
+    assert index.calls == [[([2, 1, 2, 1], 2), ([33, 6, 7, 8], 3)]]
+    # k = 0: nothing to improve on, nothing asked
+    assert proposer.propose_batch([("repeats", [1, 2, 1, 2, 1], 0)]) == [[]]
+    assert len(index.calls) == 1
+
+
+def test_without_a_global_answer_requests_draft_from_their_own_tree() -> None:
+    index = RecordingIndex(answer=False)
+    proposer = SuffixProposer(SuffixConfig(max_tree_depth=4), index)
+    proposer.start_request("done", [0])
+    proposer.add_tokens("done", [7, 8, 9])
+    proposer.stop_request("done")
+    proposer.start_request("r", [5, 7, 8, 5, 7])
+    assert proposer.propose("r", [5, 7, 8, 5, 7], 3) == [8, 5]
+    index.answer = True
+    assert proposer.propose("r", [5, 7, 8, 5, 7], 3) == [8, 5]  # own: [8 5] scores 2 > global [8] scores 1
+    assert proposer.propose_batch([("r", [5, 7, 8, 5, 7, 8], 3)]) == [[5, 7]]
+    assert len(index.calls) == 3
+
+
+def test_a_given_empty_index_is_used_and_zero_cached_requests_bypasses_it() -> None:
+    given = GlobalSuffixIndex(max_tree_depth=8)
+    proposer = SuffixProposer(global_index=given)
+    assert proposer.global_index is given
+    proposer.start_request("a", [1])
+    proposer.add_tokens("a", [2, 3])
+    proposer.stop_request("a")
+    assert "a" in given
+    bypassed = RecordingIndex()
+    proposer = SuffixProposer(SuffixConfig(max_cached_requests=0), bypassed)
+    proposer.start_request("a", [1])
+    proposer.add_tokens("a", [2, 3])
+    proposer.stop_request("a")
+    proposer.start_request("b", [2])
+    assert proposer.propose("b", [2], 2) == [] and bypassed.calls == [] and len(bypassed.local) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_speculate_batch_uses_the_index_limits(seed: int) -> None:
+    rng = random.Random(seed)
+    factor, min_prob = rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4])
+    index = GlobalSuffixIndex(max_tree_depth=6, max_spec_factor=factor, min_token_prob=min_prob)
+    for i in range(4):
+        index.add_sequence(f"r{i}", random_seq(rng, vocab=3, max_len=25))
+    queries = [(random_seq(rng, vocab=3, max_len=10), rng.randint(0, 6)) for _ in range(10)]
+    expected = [index.tree.speculate(context, k, factor, min_prob) for context, k in queries]
+    assert index.speculate_batch(queries) == expected
+    assert [index.speculate(context, k) for context, k in queries] == expected
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        GlobalSuffixIndex(max_spec_factor=0.0)
+
+
+def count_nodes(tree: SuffixTree) -> int:
+    stack, count = [tree.root], -1  # the root is not counted
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend((node.children or {}).values())
+    return count
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_node_count_follows_adds_and_removals(seed: int) -> None:
+    rng = random.Random(seed)
+    index = GlobalSuffixIndex(max_tree_depth=rng.randint(1, 6), max_cached_requests=4)
+    for step in range(40):
+        if rng.random() < 0.2 and len(index):
+            index.remove_sequence(rng.choice(sorted(index._sequences)))
+        else:
+            index.add_sequence(f"r{rng.randrange(8)}", random_seq(rng, vocab=3, max_len=20))
+        assert index.tree.num_nodes == count_nodes(index.tree), step

@@ -1,0 +1,168 @@
+"""The official OpenAI SDK against real deployments: a mixed worker, and one prefill + one decode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import openai
+import pytest
+
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+from tests.mesh.harness import LocalMesh, metric_value
+
+WORKER_FLAGS = ("--device", "cpu", "--max-model-len", "1024", "--no-suffix-cache")
+PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "The quick brown fox"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def offline(mesh_model) -> LLM:
+    return LLM(mesh_model, device="cpu", max_model_len=1024)
+
+
+def expected_text(llm: LLM, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompt, params)[0].text
+
+
+def expected_chat(llm: LLM, content: str) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.chat([{"role": "user", "content": content}], params).text
+
+
+def deploy(tmp_path_factory, mesh_model: str, split: bool, *worker_flags: str) -> LocalMesh:
+    mesh = LocalMesh(tmp_path_factory.mktemp("split" if split else "mixed"))
+    mesh.start_redis()
+    mesh.start_role("scheduler", "scheduler")
+    roles = ("prefill", "decode") if split else ("mixed",)
+    for role in roles:
+        mesh.start_role(
+            role, role, "--model", mesh_model, "--instance-id", role, *WORKER_FLAGS, *worker_flags
+        )
+    mesh.gateway_port = mesh.start_gateway(mesh_model, "--served-model-name", "tiny")  # type: ignore[attr-defined]
+    return mesh
+
+
+@pytest.fixture(scope="module", params=["mixed", "split"])
+def deployment(request, tmp_path_factory, mesh_model) -> Iterator[LocalMesh]:
+    mesh = deploy(tmp_path_factory, mesh_model, request.param == "split")
+    yield mesh
+    mesh.stop()
+
+
+def client(mesh: LocalMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.gateway_port}/v1", api_key="none", max_retries=0)  # type: ignore[attr-defined]
+
+
+def async_client(mesh: LocalMesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{mesh.gateway_port}/v1", api_key="none", max_retries=0, timeout=120
+    )  # type: ignore[attr-defined]
+
+
+GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+
+
+def test_completions_match_the_offline_engine(deployment, offline) -> None:
+    sdk = client(deployment)
+    for prompt in PROMPTS[:3]:
+        response = sdk.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert response.choices[0].text == expected_text(offline, prompt)
+        assert response.usage.completion_tokens == MAX_TOKENS
+        stream = sdk.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected_text(
+            offline, prompt
+        )
+
+
+def test_chat_matches_the_offline_engine(deployment, offline) -> None:
+    sdk = client(deployment)
+    messages = [{"role": "user", "content": "hi there"}]
+    response = sdk.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert response.choices[0].message.content == expected_chat(offline, "hi there")
+    stream = sdk.chat.completions.create(model="tiny", messages=messages, stream=True, **GREEDY)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == expected_chat(offline, "hi there")
+
+
+def test_64_concurrent_streams_arrive_intact_and_in_order(deployment, offline) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(64)]
+    want = {p: expected_text(offline, p, 12) for p in prompts}
+
+    async def one(sdk: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await sdk.completions.create(
+            model="tiny",
+            prompt=prompt,
+            stream=True,
+            temperature=0.0,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def all_of_them() -> list[str]:
+        sdk = async_client(deployment)
+        try:
+            return await asyncio.gather(*(one(sdk, p) for p in prompts))
+        finally:
+            await sdk.close()
+
+    got = asyncio.run(all_of_them())
+    assert got == [want[p] for p in prompts]
+
+
+def test_bad_requests_get_openai_errors(deployment) -> None:
+    sdk = client(deployment)
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model="tiny", prompt="x", temperature=-1)
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        sdk.completions.create(model="tiny", prompt="x " * 1100, max_tokens=10)
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="not-served", prompt="x")
+
+    async def post_garbage() -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{deployment.gateway_port}/v1/completions"  # type: ignore[attr-defined]
+            async with http.post(
+                url, data=b"{not json", headers={"Content-Type": "application/json"}
+            ) as response:
+                return response.status, await response.json()
+
+    status, body = asyncio.run(post_garbage())
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_frees_the_blocks(deployment) -> None:
+    worker = "decode" if "decode" in deployment.processes else "mixed"
+    total = metric_value(deployment.metrics(worker), "specmesh_worker_kv_free_blocks")
+    url = f"http://127.0.0.1:{deployment.gateway_port}/v1/completions"  # type: ignore[attr-defined]
+    body = {
+        "model": "tiny",
+        "prompt": "def add(a, b):",
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    async def leave_mid_stream() -> None:
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as response:
+            lines = 0
+            async for _ in response.content:
+                lines += 1
+                if lines >= 6:
+                    break  # leave mid-stream: the connection closes with the session
+
+    asyncio.run(leave_mid_stream())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = deployment.metrics(worker)
+        if metric_value(text, "specmesh_worker_requests_finished_total", default=0.0, reason="abort") >= 1:
+            break
+        time.sleep(0.2)
+    assert metric_value(text, "specmesh_worker_requests_finished_total", reason="abort") >= 1
+    assert metric_value(deployment.metrics(worker), "specmesh_worker_kv_free_blocks") >= total
