@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CORPUS
+from tests.conftest import CORPUS
 
 from services.cli import main
 from shared.model import load_model

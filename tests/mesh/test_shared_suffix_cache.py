@@ -1,0 +1,47 @@
+"""One suffix cache for the fleet: a request on worker B drafts from what worker A generated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+from shared.protocol import GenerateRequest, Submit
+from shared.sampling_params import SamplingParams
+from tests.mesh.harness import LocalMesh
+from tests.mesh.test_bus_recovery import bus_of, follow
+
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
+FLAGS = ("--device", "cpu", "--max-model-len", "1024", "--speculative-config", SUFFIX, "--suffix-cache-deadline-ms", "200")
+
+
+def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
+    mesh: LocalMesh = mesh_factory("suffix")
+    mesh.start_role("scheduler", "scheduler")
+    mesh.start_role("suffix-cache", "suffix-cache")
+    mesh.start_role("a", "mixed", "--model", mesh_model, "--instance-id", "a", *FLAGS)
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    prompt = "def parse_config(path):\n    "
+
+    async def scenario() -> tuple[list[int], list[int], dict, str]:
+        bus = await bus_of(mesh)
+        from shared.tokenizer import Tokenizer
+
+        ids = Tokenizer(mesh_model).encode(prompt)
+        await bus.publish(bus.keys.requests, Submit(request=GenerateRequest(request_id="on-a", prompt_token_ids=ids, params=params)))
+        first, _ = await follow(bus, "on-a")
+        mesh.kill("a", signal.SIGTERM)  # worker A leaves; B is the only place the next request can go
+        mesh.start_role("b", "mixed", "--model", mesh_model, "--instance-id", "b", *FLAGS)
+        await asyncio.sleep(1.5)
+        await bus.publish(bus.keys.requests, Submit(request=GenerateRequest(request_id="on-b", prompt_token_ids=ids, params=params)))
+        second, last = await follow(bus, "on-b")
+        where = (await bus.client.hget(bus.keys.request_state("on-b"), "instances") or b"").decode()
+        await bus.client.aclose()
+        return first, second, last.spec_stats, where
+
+    first, second, stats, where = asyncio.run(scenario())
+    assert second == first
+    assert where in ("", "b")
+    assert stats["num_draft_tokens"] > 40
+    assert stats["num_accepted_tokens"] > 0.9 * stats["num_draft_tokens"]
+    assert stats["mean_accepted_length"] > 4
