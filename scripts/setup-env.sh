@@ -9,6 +9,6 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0"
 fi
 if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
-    python -m pip install -q -e ".[test]"
+    python -m pip install -q -e ".[test,train]"
     touch .venv/.installed
 fi

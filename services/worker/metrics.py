@@ -74,8 +74,10 @@ class WorkerMetrics:
             "specmesh_worker_kv_transfer_seconds", "Time to send one request's KV"
         ).labels(**labels)
         self._suffix_cache = gauge(
-            "specmesh_worker_suffix_cache", "Shared suffix-cache client: look-ups answered / late / skipped, "
-            "round-trip p50 / p99 seconds, service up", "stat",
+            "specmesh_worker_suffix_cache",
+            "Shared suffix-cache client: look-ups answered / late / skipped, "
+            "round-trip p50 / p99 seconds, service up",
+            "stat",
         )
         self.labels = labels
 
