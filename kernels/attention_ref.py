@@ -90,9 +90,10 @@ def _decode_attention(
     max_len = max(meta.seq_lens_cpu)
     block_size = key_cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[:, :num_blocks].long()
-    keys = key_cache[tables].flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, num_kv_heads, head_dim]
-    values = value_cache[tables].flatten(1, 2)[:, :max_len]
+    tables = meta.block_tables[:, :num_blocks].long().flatten()
+    # index_select, not key_cache[tables]: 2-D advanced indexing is orders of magnitude slower on CPU
+    keys = key_cache.index_select(0, tables).view(meta.num_seqs, -1, *key_cache.shape[2:])[:, :max_len]
+    values = value_cache.index_select(0, tables).view(meta.num_seqs, -1, *value_cache.shape[2:])[:, :max_len]
     k_pos = torch.arange(max_len, device=query.device)[None, :]
     q_pos = (meta.seq_lens.long() - 1)[:, None]
     mask = _visible(q_pos, k_pos, sliding_window)[:, None, :]  # [num_seqs, 1, max_len]
@@ -104,8 +105,8 @@ def _gather_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = key_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-    values = value_cache[blocks].flatten(0, 1)[:seq_len]
+    keys = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+    values = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     return keys, values
 
 
@@ -123,11 +124,13 @@ def _sdpa(
     mask: torch.Tensor,  # [batch or 1, query_len, kv_len] bool
     scale: float,
 ) -> torch.Tensor:  # [batch, query_len, num_heads, head_dim]
+    # an additive float mask: with a boolean one, grouped-query SDPA takes a slow path on CPU
+    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1),
+        attn_mask=bias.unsqueeze(1),
         scale=scale,
         enable_gqa=True,
     )

@@ -31,6 +31,8 @@ class Process:
     log: Path
     handle: BinaryIO
     status_port: int | None = None
+    killed: bool = False
+    """Stopped on purpose by the test (its exit is not a failure)."""
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -106,6 +108,7 @@ class LocalMesh:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes[name]
+        process.killed = True
         process.popen.send_signal(sig)
         process.popen.wait(timeout=30)
         process.handle.close()
@@ -134,7 +137,7 @@ class LocalMesh:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for process in self.processes.values():
-                if not process.alive() and process.name != "killed":
+                if not process.alive() and not process.killed:
                     raise RuntimeError(
                         f"{process.name} exited ({process.popen.returncode}):\n{process.tail()}"
                     )

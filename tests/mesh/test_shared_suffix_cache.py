@@ -34,6 +34,12 @@ def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
 
     async def scenario() -> tuple[list[int], list[int], dict, str]:
         bus = await bus_of(mesh)
+        try:
+            return await run(bus)
+        finally:
+            await bus.client.aclose()
+
+    async def run(bus) -> tuple[list[int], list[int], dict, str]:  # type: ignore[no-untyped-def]
         from shared.tokenizer import Tokenizer
 
         ids = Tokenizer(mesh_model).encode(prompt)
@@ -51,7 +57,6 @@ def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
         )
         second, last = await follow(bus, "on-b")
         where = (await bus.client.hget(bus.keys.request_state("on-b"), "instances") or b"").decode()
-        await bus.client.aclose()
         return first, second, last.spec_stats, where
 
     first, second, stats, where = asyncio.run(scenario())
