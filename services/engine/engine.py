@@ -86,6 +86,12 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
         requested_len = config.max_model_len or self.model_config.max_position_embeddings
+        if requested_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {requested_len} exceeds the model's max_position_embeddings "
+                f"({self.model_config.max_position_embeddings}): positions past it were never trained; "
+                "lower --max-model-len"
+            )
         self.runner = ModelRunner(config, self.model_config, requested_len, config.speculative_config)
         self.max_model_len = self._fit_max_model_len(requested_len)
         self.block_manager = BlockManager(

@@ -198,3 +198,8 @@ def test_abort_frees_blocks(llm: LLM) -> None:
 def test_unknown_model_directory_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
+
+
+def test_max_model_len_beyond_the_trained_positions_is_refused(make_checkpoint) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(str(make_checkpoint("qwen2", num_hidden_layers=2)), device="cpu", max_model_len=4096)
