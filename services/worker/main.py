@@ -46,6 +46,7 @@ def add_worker_parsers(subparsers: Any) -> None:
         group.add_argument("--kv-transport", default="tcp", help="how KV moves between prefill and decode")
         group.add_argument("--kv-host", default="127.0.0.1", help="address the decode role listens on for KV")
         group.add_argument("--kv-port", type=int, default=0, help="0 picks a free port")
+        group.add_argument("--kv-advertise-host", help="address prefill workers connect to (default: --kv-host)")
         group.add_argument("--metrics-host", default="127.0.0.1")
         group.add_argument(
             "--metrics-port", type=int, default=0, help="/health and /metrics (0 picks a free port)"
@@ -90,6 +91,7 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> N
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
+        kv_advertise_host=args.kv_advertise_host,
         drain_timeout_s=args.drain_timeout_s,
     )
     worker = Worker(engine, bus, options, metrics)

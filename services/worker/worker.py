@@ -62,6 +62,7 @@ class WorkerOptions:
     kv_transport: str = "tcp"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
+    kv_advertise_host: str | None = None
     drain_timeout_s: float = 60.0
 
 
@@ -93,7 +94,9 @@ class Worker:
         if self.options.role in ("prefill", "decode"):
             self.transport = make_transport(self.options.kv_transport)
             if self.options.role == "decode":
-                self.kv_address = await self.transport.start(self.options.kv_host, self.options.kv_port)
+                self.kv_address = await self.transport.start(
+                    self.options.kv_host, self.options.kv_port, advertise_host=self.options.kv_advertise_host
+                )
         await self.bus.ensure_group(self.inbox, WORKER_GROUP)
         await self._heartbeat()
         tasks = [
