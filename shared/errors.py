@@ -5,6 +5,11 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 
+class ModelConfigError(ValueError):
+    """A checkpoint specmesh cannot serve, with the reason (defined here, not in shared.model, so
+    torch-free processes such as the gateway can raise and catch it)."""
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     """`field: what is wrong (got value)` for each problem, joined by '; '."""
     parts = []

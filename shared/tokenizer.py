@@ -10,7 +10,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from shared.model.config import ModelConfigError
+from shared.errors import ModelConfigError
 
 
 class Tokenizer:

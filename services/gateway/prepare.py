@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from services.gateway.errors import APIError
 from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest, SamplingFields
-from shared.model.config import ModelConfigError
+from shared.errors import ModelConfigError
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer

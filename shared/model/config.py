@@ -7,12 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.errors import ModelConfigError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelConfigError(ValueError):
-    """A checkpoint the engine cannot serve, with the reason."""
 
 
 @dataclass(frozen=True)
