@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import unfuse_tensor
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(
@@ -101,23 +102,9 @@ def write_random_checkpoint(
 
 
 def _unfuse(name: str, value: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Splits fused parameters back into the checkpoint's q/k/v and gate/up tensors."""
+    """Checkpoint names (`model.` prefix, q/k/v and gate/up split) for one model parameter."""
     prefix = "" if name.startswith("lm_head") else "model."
-    if ".qkv_proj." in name:
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        parts = value.split([q, kv, kv])
-        return {
-            f"{prefix}{name.replace('qkv_proj', p)}": t.contiguous()
-            for p, t in zip(("q_proj", "k_proj", "v_proj"), parts)
-        }
-    if ".gate_up_proj." in name:
-        parts = value.split(config.intermediate_size)
-        return {
-            f"{prefix}{name.replace('gate_up_proj', p)}": t.contiguous()
-            for p, t in zip(("gate_proj", "up_proj"), parts)
-        }
-    return {f"{prefix}{name}": value.contiguous()}
+    return {prefix + key: tensor for key, tensor in unfuse_tensor(name, value, config).items()}
 
 
 def main() -> None:

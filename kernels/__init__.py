@@ -1,12 +1,123 @@
 """Fused kernels of the decode loop and their torch reference twins.
 
-The engine calls kernels only through the names exported here, so the CUDA versions (CuPy
-RawModule, compiled with NVRTC) replace the references in one place when a GPU is present.
+The engine calls kernels only through the names exported here. Each dispatches to the CUDA kernel
+(CuPy RawKernel, compiled with NVRTC; `kernels/_cuda.py`) when its tensors are on a CUDA device and
+CuPy works there, and to the torch reference (`*_ref`, same signature) otherwise; CuPy is imported
+only then, so CPU-only machines and CI never import it. `SPECMESH_KERNELS=ref` forces the references.
 """
 
+from __future__ import annotations
+
+import torch
+
+from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
+from kernels.ngram import TokenHistory
+from kernels.ngram_ref import ngram_match_ref
+from kernels.post_step_ref import post_step_update_ref
+from kernels.verify_ref import verify_sample_ref
 
-append_attention = append_attention_ref
-write_kv = write_kv_ref
 
-__all__ = ["AttentionMetadata", "append_attention", "write_kv"]
+def cuda_available(*tensors: torch.Tensor) -> bool:
+    """True when the CUDA kernels run for these tensors (all on CUDA, CuPy importable)."""
+    return _cuda.available(*tensors)
+
+
+def append_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    if _cuda.available(query):
+        from kernels.attention import append_attention_cuda
+
+        return append_attention_cuda(query, key_cache, value_cache, meta, scale, sliding_window)
+    return append_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if _cuda.available(key):
+        from kernels.attention import write_kv_cuda
+
+        write_kv_cuda(key, value, key_cache, value_cache, slot_mapping)
+        return
+    write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def ngram_match(
+    history: torch.Tensor,
+    lengths: torch.Tensor,
+    min_n: int,
+    max_n: int,
+    k: int | torch.Tensor,
+    budget: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _cuda.available(history):
+        from kernels.ngram import ngram_match_cuda
+
+        return ngram_match_cuda(history, lengths, min_n, max_n, k, budget)
+    return ngram_match_ref(history, lengths, min_n, max_n, k, budget)
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    draft_ids: torch.Tensor,
+    cu_num_rows: torch.Tensor,
+    strategy: int,
+    policy: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _cuda.available(logits):
+        from kernels.verify import verify_sample_cuda
+
+        return verify_sample_cuda(
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seeds,
+            positions,
+            draft_ids,
+            cu_num_rows,
+            strategy,
+            policy,
+        )
+    return verify_sample_ref(
+        logits, temperature, top_k, top_p, min_p, seeds, positions, draft_ids, cu_num_rows, strategy, policy
+    )
+
+
+def post_step_update(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `post_step_update_ref` for the arguments."""
+    if _cuda.available(args[0]):
+        from kernels.post_step import post_step_update_cuda
+
+        return post_step_update_cuda(*args)
+    return post_step_update_ref(*args)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "TokenHistory",
+    "append_attention",
+    "cuda_available",
+    "ngram_match",
+    "post_step_update",
+    "verify_sample",
+    "write_kv",
+]

@@ -20,6 +20,10 @@ Randomness is keyed by (request seed, output position) (kernels/sampling_noise_r
 request's tokens do not depend on the batch, and with model-free drafts not on speculation either.
 
 Accept policies `accept_all` / `reject_all` bound acceptance from above and below for debugging.
+
+On a GPU, batches with one-hot drafts and no logprobs are verified and sampled by one fused kernel
+(`kernels.verify_sample`, the same numbers as the torch path below); draft distributions (rejection
+against a draft model's probabilities) and logprobs take the torch path.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from kernels.sampling_noise_ref import STREAM_ACCEPT, STREAM_TARGET, exponential_noise_ref, uniform_ref
 from services.engine.sampler import (
     SamplingBatch,
@@ -75,6 +80,8 @@ class RejectionSampler:
         self, logits: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest]
     ) -> list[VerifyResult]:
         # logits: [num_rows, vocab_size] float32; rows: per-row sampling inputs (penalties see the drafts before)
+        if self._fused(logits, rows, requests):
+            return self._verify_fused(apply_penalties(logits, rows), rows, requests)
         penalised = apply_penalties(logits, rows)
         scaled = apply_temperature(penalised, rows.params)
         target_probs = truncated_probs(scaled, rows.params)  # [num_rows, vocab_size]
@@ -96,6 +103,63 @@ class RejectionSampler:
         return self._results(
             requests, accepted, greedy_ids, sampled_ids, recovered_ids, logprobs, rows.params
         )
+
+    @staticmethod
+    def _fused(logits: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest]) -> bool:
+        return (
+            kernels.cuda_available(logits)
+            and all(r.draft_probs is None for r in requests)
+            and all(p.logprobs is None for p in rows.params)
+        )
+
+    def _verify_fused(
+        self, penalised: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest]
+    ) -> list[VerifyResult]:
+        """One launch for the batch; one device-to-host copy of the emitted tokens."""
+        from kernels.verify import verify_sample_cuda
+        from kernels.verify_ref import POLICIES, STRATEGIES
+
+        device = penalised.device
+        params = rows.params
+        num_rows = len(params)
+        floats = torch.tensor(
+            [0.0 if p.greedy else p.temperature for p in params]
+            + [p.top_p for p in params]
+            + [p.min_p for p in params],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        draft_ids: list[int] = []
+        request_of_row: list[int] = []
+        cu_num_rows = [0]
+        for i, request in enumerate(requests):
+            draft_ids += request.draft_token_ids + [-1]
+            request_of_row += [i] * request.num_rows
+            cu_num_rows.append(cu_num_rows[-1] + request.num_rows)
+        ints = torch.tensor(
+            [max(p.top_k, 0) for p in params] + draft_ids + request_of_row + cu_num_rows, dtype=torch.int32
+        ).to(device, non_blocking=True)
+        seeds, positions = _row_keys(requests, device)
+        token_ids, num_accepted, *_ = verify_sample_cuda(
+            penalised.contiguous(),
+            floats[:num_rows],
+            ints[:num_rows],
+            floats[num_rows : 2 * num_rows],
+            floats[2 * num_rows :],
+            seeds,
+            positions,
+            ints[num_rows : 2 * num_rows],
+            ints[3 * num_rows :],
+            STRATEGIES[self.strategy],
+            POLICIES[self.accept_policy],
+            max_rows=max(r.num_rows for r in requests),
+            request_of_row=ints[2 * num_rows : 3 * num_rows],
+        )
+        packed = torch.cat([num_accepted[:, None], token_ids], dim=1).cpu().tolist()
+        results = []
+        for row in packed:
+            tokens = row[1 : row[0] + 2]
+            results.append(VerifyResult(tokens, row[0], [None] * len(tokens)))
+        return results
 
     @staticmethod
     def _drafts(

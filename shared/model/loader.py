@@ -98,16 +98,20 @@ def unfused_state_dict(module: nn.Module, config: ModelConfig) -> dict[str, torc
     ready for `safetensors.torch.save_file`)."""
     unfused = {}
     for name, tensor in module.state_dict().items():
-        for fused, projections in _UNFUSED.items():
-            marker = f".{fused}."
-            if marker in name:
-                parts = tensor.split(fused_part_sizes(config, name), dim=0)
-                for proj, part in zip(projections, parts):
-                    unfused[name.replace(marker, f".{proj}.")] = part.detach().clone().contiguous()
-                break
-        else:
-            unfused[name] = tensor.detach().clone().contiguous()
+        unfused.update(unfuse_tensor(name, tensor.detach().clone(), config))
     return unfused
+
+
+def unfuse_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """One parameter under Hugging Face names: a fused qkv_proj / gate_up_proj split into its parts."""
+    for fused, projections in _UNFUSED.items():
+        marker = f".{fused}."
+        if marker in name:
+            parts = tensor.split(fused_part_sizes(config, name), dim=0)
+            return {
+                name.replace(marker, f".{proj}."): part.contiguous() for proj, part in zip(projections, parts)
+            }
+    return {name: tensor.contiguous()}
 
 
 def _target_name(name: str) -> tuple[str | None, int | None]:

@@ -39,7 +39,9 @@ class Drafter:
         suffix_index: GlobalIndex | None = None,
     ):
         self.config = config
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(
+            config.prompt_lookup_min, config.prompt_lookup_max, device=getattr(runner, "device", None)
+        )
         self.suffix = SuffixProposer(
             SuffixConfig(
                 max_tree_depth=config.suffix_decoding_max_tree_depth,
@@ -100,6 +102,8 @@ class Drafter:
             self.suffix.add_tokens(seq.request_id, token_ids)
 
     def finish(self, seq: Sequence) -> None:
+        if seq.spec.method == "ngram":
+            self.ngram.forget(seq.request_id)
         if seq.spec.method == "suffix":
             self.suffix.stop_request(seq.request_id)
         if self.mtp is not None:
@@ -130,7 +134,8 @@ class Drafter:
 
     def _propose(self, method: str, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
         if method == "ngram":
-            return [Drafts(self.ngram.propose(seq.token_ids, k)) for seq, k in zip(seqs, ks)]
+            batch = [(seq.request_id, seq.token_ids, k) for seq, k in zip(seqs, ks)]
+            return [Drafts(ids) for ids in self.ngram.propose_batch(batch)]
         if method == "suffix":
             batch = [(seq.request_id, seq.token_ids, k) for seq, k in zip(seqs, ks)]
             return [Drafts(ids) for ids in self.suffix.propose_batch(batch)]

@@ -36,3 +36,89 @@ def test_bfloat16_on_gpu_runs_and_sizes_kv_from_memory(make_checkpoint) -> None:
         sampling_params=SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
     )
     assert all(len(o.token_ids) == 16 for o in out)
+
+
+def repetitive_prompts(count: int = 6) -> list[list[int]]:
+    """Prompts that repeat a span, so that model-free drafts get accepted."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = []
+    for i in range(count):
+        span = torch.randint(3, 384, (6 + i,), generator=generator).tolist()
+        prompts.append(torch.randint(3, 384, (i * 3,), generator=generator).tolist() + span * 3 + span[:2])
+    return prompts
+
+
+SPEC_METHODS = {
+    "naive": dict(method="naive"),
+    "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),
+    "suffix": dict(method="suffix", num_speculative_tokens=6),
+    "draft_model": dict(method="draft_model", num_speculative_tokens=3),
+    "mtp": dict(method="mtp", num_speculative_tokens=2),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_target(make_checkpoint) -> str:
+    return str(make_checkpoint("llama", num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def untrained_mtp_head(parity_target, tmp_path_factory) -> str:
+    """An MTP head after a handful of training steps: drafts need not be good to check parity."""
+    from training.train_mtp import TrainMTPConfig, train_mtp
+
+    out = tmp_path_factory.mktemp("gpu-mtp")
+    torch.save(torch.randint(3, 384, (4096,)), out / "corpus.pt")
+    config = TrainMTPConfig(
+        base=parity_target,
+        out=out / "head",
+        data_tokens=out / "corpus.pt",
+        steps=5,
+        batch_size=4,
+        seq_len=32,
+        lr=1e-3,
+        warmup_steps=1,
+        eval_every=1000,
+        device="cpu",
+        progress=False,
+    )
+    train_mtp(config)
+    return str(out / "head")
+
+
+@pytest.mark.parametrize("method", sorted(SPEC_METHODS))
+def test_greedy_every_method_on_gpu_float32_matches_cpu(
+    parity_target, untrained_mtp_head, method: str
+) -> None:
+    spec = dict(SPEC_METHODS[method])
+    if method == "draft_model":
+        spec["model"] = parity_target
+    if method == "mtp":
+        spec["model"] = untrained_mtp_head
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = repetitive_prompts()
+    cpu = LLM(parity_target, device="cpu", max_model_len=192, speculative_config=spec).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    gpu = LLM(
+        parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec
+    ).generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    if method in ("ngram", "suffix", "draft_model"):
+        assert sum(o.spec_stats["num_accepted_tokens"] for o in gpu) > 0
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram"])
+def test_seeded_sampling_on_gpu_float32_matches_cpu(parity_target, method: str) -> None:
+    """The fused sampling kernel draws the reference's noise, so seeded outputs agree across devices
+    (up to a float32 near-tie between the two best candidates, vanishingly rare)."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3, max_tokens=30, ignore_eos=True)
+    spec = SPEC_METHODS[method]
+    prompts = repetitive_prompts(4)
+    cpu = LLM(parity_target, device="cpu", max_model_len=192, speculative_config=spec).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    gpu = LLM(
+        parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec
+    ).generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]

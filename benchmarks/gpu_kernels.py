@@ -1,0 +1,387 @@
+"""GPU timings of the fused kernels and the decode step (one device visit; see scripts/gpu_check.sh).
+
+    python -m benchmarks.gpu_kernels --out results.json
+
+Measures, on the card it runs on (named in the output):
+- device copy bandwidth (bytes read + written), the ceiling the memory-bound numbers are compared with;
+- paged append-attention achieved bandwidth on long contexts (KV bytes read / kernel time);
+- the n-gram kernel at batch 256 with 8k-token histories; the fused verify + sample kernel;
+- the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
+  Qwen2.5-7B-shaped models at batch 1 / 16 / 64 with k = 0..5 drafts per sequence, eager (what the
+  engine runs now, host overhead included) and replayed from a CUDA graph (device time), against the
+  weight + KV read floor; the torch-reference path is rerun in the same process as the baseline.
+Timings use CUDA events or synchronised host clocks, warm-up first, medians of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.random_model import SHAPES
+from kernels import _cuda
+from kernels.attention_ref import AttentionMetadata
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaForCausalLM
+
+
+def device_time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Device time of fn alone: captured once in a CUDA graph, replays timed (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = device_time_ms(graph.replay, reps=reps)
+    del graph
+    return ms
+
+
+def wall_time_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.randn(512 * 2**20, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = device_time_ms(functools.partial(dst.copy_, src), reps=10)
+    return 2 * 512 * 2**20 * 4 / ms / 1e6
+
+
+def paged_batch(
+    batch: int,
+    ctx: int,
+    q_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    seq_len = ctx + q_len
+    blocks = -(-seq_len // block_size)
+    num_blocks = batch * blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    tables = torch.randperm(num_blocks, device="cuda").int().view(batch, blocks)
+    query = torch.randn(batch * q_len, num_heads, head_dim, device="cuda", dtype=dtype)
+    positions = torch.arange(ctx, seq_len, device="cuda").repeat(batch)
+    rows = torch.arange(batch, device="cuda").repeat_interleave(q_len)
+    slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32),
+        seq_lens=torch.full((batch,), seq_len, device="cuda", dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[q_len] * batch,
+        seq_lens_cpu=[seq_len] * batch,
+    )
+    return query, key_cache, value_cache, meta
+
+
+def attention_rows(copy_gbs: float) -> list[dict[str, Any]]:
+    from kernels.attention import append_attention_cuda
+
+    rows = []
+    for name, heads, kv_heads, head_dim in [("llama-3.2-1b", 32, 8, 64), ("qwen2.5-7b", 28, 4, 128)]:
+        for batch, ctx in [(1, 8192), (1, 32768), (16, 8192), (64, 4096), (64, 8192)]:
+            for q_len in (1, 6):
+                query, key_cache, value_cache, meta = paged_batch(
+                    batch, ctx, q_len, heads, kv_heads, head_dim, torch.bfloat16
+                )
+                call = functools.partial(
+                    append_attention_cuda, query, key_cache, value_cache, meta, head_dim**-0.5
+                )
+                call_ms = device_time_ms(call)
+                ms = graph_time_ms(call)
+                kv_bytes = 2 * batch * (ctx + q_len) * kv_heads * head_dim * 2
+                gbs = kv_bytes / ms / 1e6
+                rows.append(
+                    dict(
+                        shape=name,
+                        batch=batch,
+                        context=ctx,
+                        query_len=q_len,
+                        us=1e3 * ms,
+                        call_us=1e3 * call_ms,
+                        gb_per_s=gbs,
+                        fraction_of_copy=gbs / copy_gbs,
+                    )
+                )
+    return rows
+
+
+def ngram_row() -> dict[str, Any]:
+    from kernels.ngram import ngram_match_cuda
+
+    batch, length = 256, 8192
+    history = torch.randint(0, 50, (batch, length), device="cuda", dtype=torch.int32)
+    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    ks = torch.full((batch,), 5, device="cuda", dtype=torch.int32)
+    out = {}
+    for min_n, max_n in [(1, 3), (3, 8)]:
+        call = functools.partial(ngram_match_cuda, history, lengths, min_n, max_n, ks, budget=512, max_k=5)
+        out[f"n{min_n}-{max_n}_us"] = 1e3 * graph_time_ms(call, reps=50)
+        out[f"n{min_n}-{max_n}_call_us"] = 1e3 * device_time_ms(call, reps=50)
+    return dict(batch=batch, history_len=length, **out)
+
+
+def verify_rows() -> list[dict[str, Any]]:
+    from kernels.verify import verify_sample_cuda
+
+    rows = []
+    vocab = 128_256
+    for batch, k in [(1, 0), (1, 5), (16, 5), (64, 0), (64, 5)]:
+        num_rows = batch * (k + 1)
+        logits = torch.randn(num_rows, vocab, device="cuda") * 3
+        for label, temp, top_k, top_p in [
+            ("greedy", 0.0, 0, 1.0),
+            ("temperature", 0.8, 0, 1.0),
+            ("top_k_top_p", 0.8, 50, 0.9),
+        ]:
+            args = dict(
+                temperature=torch.full((num_rows,), temp, device="cuda"),
+                top_k=torch.full((num_rows,), top_k, device="cuda", dtype=torch.int32),
+                top_p=torch.full((num_rows,), top_p, device="cuda"),
+                min_p=torch.zeros(num_rows, device="cuda"),
+                seeds=torch.arange(num_rows, device="cuda"),
+                positions=torch.arange(num_rows, device="cuda"),
+                draft_ids=torch.randint(0, vocab, (num_rows,), device="cuda", dtype=torch.int32),
+                cu_num_rows=torch.arange(0, num_rows + 1, k + 1, device="cuda", dtype=torch.int32),
+                request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(k + 1),
+            )
+            call = functools.partial(verify_sample_cuda, logits, **args, strategy=1, max_rows=k + 1)
+            rows.append(
+                dict(
+                    batch=batch,
+                    k=k,
+                    mode=label,
+                    vocab=vocab,
+                    us=1e3 * graph_time_ms(call),
+                    call_us=1e3 * device_time_ms(call),
+                )
+            )
+    return rows
+
+
+def random_model(shape: str, max_positions: int) -> LlamaForCausalLM:
+    raw = {**SHAPES[shape], "hidden_act": "silu", "rms_norm_eps": 1e-5}
+    config = ModelConfig.from_dict(raw)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    model.tie_weights()
+    model.rotary.build(torch.device("cuda"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def step_rows(
+    shape: str, copy_gbs: float, batches: list[int], ks: list[int], ref_batches: list[int]
+) -> list[dict[str, Any]]:
+    """Target step (forward over B x (1 + k) tokens at context 256, LM head rows, verify) per batch."""
+    ctx, block_size = 256, 16
+    model = random_model(shape, ctx + 32)
+    c = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for batch in batches:
+        blocks = -(-(ctx + 16) // block_size)
+        num_blocks = batch * blocks
+        kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        caches = [
+            (
+                torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16),
+                torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
+        tables = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
+        for k in ks:
+            q_len = 1 + k
+            seq_len = ctx + q_len
+            positions = torch.arange(ctx, seq_len, device="cuda").repeat(batch)
+            seq_rows = torch.arange(batch, device="cuda").repeat_interleave(q_len)
+            meta = AttentionMetadata(
+                slot_mapping=tables[seq_rows, positions // block_size].long() * block_size
+                + positions % block_size,
+                query_start_loc=torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32),
+                seq_lens=torch.full((batch,), seq_len, device="cuda", dtype=torch.int32),
+                block_tables=tables,
+                query_lens_cpu=[q_len] * batch,
+                seq_lens_cpu=[seq_len] * batch,
+            )
+            input_ids = torch.randint(0, c.vocab_size, (batch * q_len,), device="cuda")
+            num_rows = batch * q_len
+            verify_args = dict(
+                temperature=torch.zeros(num_rows, device="cuda"),
+                top_k=torch.zeros(num_rows, device="cuda", dtype=torch.int32),
+                top_p=torch.ones(num_rows, device="cuda"),
+                min_p=torch.zeros(num_rows, device="cuda"),
+                seeds=torch.zeros(num_rows, device="cuda", dtype=torch.long),
+                positions=torch.zeros(num_rows, device="cuda", dtype=torch.long),
+                draft_ids=torch.randint(0, c.vocab_size, (num_rows,), device="cuda", dtype=torch.int32),
+                cu_num_rows=torch.arange(0, num_rows + 1, q_len, device="cuda", dtype=torch.int32),
+                request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(q_len),
+            )
+
+            step = functools.partial(
+                _target_step, model, input_ids, positions, caches, meta, verify_args, q_len
+            )
+
+            kv_bytes = 2 * c.num_hidden_layers * batch * seq_len * c.num_key_value_heads * c.head_dim * 2
+            floor_ms = (weight_bytes + kv_bytes) / copy_gbs / 1e6
+            row: dict[str, Any] = dict(shape=shape, batch=batch, k=k, floor_ms=floor_ms)
+            row["eager_ms"] = wall_time_ms(step)
+            try:
+                graph = torch.cuda.CUDAGraph()
+                step()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    step()
+                row["graph_ms"] = device_time_ms(graph.replay)
+                del graph
+            except Exception as exc:  # noqa: BLE001 - report, keep timing the rest
+                row["graph_error"] = repr(exc)[:200]
+            if batch in ref_batches and k in (0, 5):
+                real = _cuda.available
+                _cuda.available = lambda *t: False  # type: ignore[assignment]
+                try:
+                    row["ref_eager_ms"] = wall_time_ms(
+                        functools.partial(_forward, model, input_ids, positions, caches, meta), reps=5
+                    )
+                finally:
+                    _cuda.available = real  # type: ignore[assignment]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del caches
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+@torch.inference_mode()
+def _forward(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    return model.compute_logits(model(input_ids, positions, caches, meta))
+
+
+def _target_step(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list,
+    meta: AttentionMetadata,
+    verify_args: dict[str, torch.Tensor],
+    q_len: int,
+) -> torch.Tensor:
+    """Target forward, LM head over every row, fused greedy verification."""
+    from kernels.verify import verify_sample_cuda
+
+    logits = _forward(model, input_ids, positions, caches, meta)
+    return verify_sample_cuda(logits, **verify_args, strategy=0, max_rows=q_len)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_kernels.json"))
+    parser.add_argument("--skip-steps", action="store_true")
+    args = parser.parse_args()
+    result: dict[str, Any] = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["copy_gb_per_s"] = copy_bandwidth_gbs()
+    print("card", result["card"], "copy GB/s", round(result["copy_gb_per_s"]), flush=True)
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("attention", lambda: attention_rows(result["copy_gb_per_s"])),
+        ("ngram", ngram_row),
+        ("verify", verify_rows),
+    ]
+    if not args.skip_steps:
+        sections += [
+            (
+                "step_llama",
+                lambda: step_rows(
+                    "llama-3.2-1b", result["copy_gb_per_s"], [1, 16, 64], [0, 1, 2, 3, 4, 5], [1, 16, 64]
+                ),
+            ),
+            ("step_qwen", lambda: step_rows("qwen2.5-7b", result["copy_gb_per_s"], [1, 16, 64], [0, 5], [1])),
+        ]
+    for name, run in sections:
+        try:
+            result[name] = run()
+        except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+            result[name] = {"error": repr(exc)[:500]}
+        print(name, json.dumps(result[name])[:3000], flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    summarize(result)
+
+
+def summarize(result: dict[str, Any]) -> None:
+    print(f"\n== {result['card']}: copy {result['copy_gb_per_s']:.0f} GB/s")
+    for row in result.get("attention", []) if isinstance(result.get("attention"), list) else []:
+        print(
+            f"attention {row['shape']:13s} B={row['batch']:3d} ctx={row['context']:6d} q={row['query_len']} "
+            f"{row['us']:8.1f} us {row['gb_per_s']:7.0f} GB/s ({100 * row['fraction_of_copy']:.0f}% of copy)"
+            f" call {row['call_us']:.1f} us"
+        )
+    print("ngram", result.get("ngram"))
+    for row in result.get("verify", []) if isinstance(result.get("verify"), list) else []:
+        print(
+            f"verify B={row['batch']:3d} k={row['k']} {row['mode']:12s} {row['us']:8.1f} us (call {row['call_us']:.1f} us)"
+        )
+    for key in ("step_llama", "step_qwen"):
+        for row in result.get(key, []) if isinstance(result.get(key), list) else []:
+            print(
+                f"step {row['shape']:13s} B={row['batch']:3d} k={row['k']} floor {row['floor_ms']:.3f} ms "
+                f"eager {row['eager_ms']:.2f} ms graph {row.get('graph_ms', float('nan')):.3f} ms "
+                f"ref-eager {row.get('ref_eager_ms', float('nan')):.2f} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,666 @@
+"""CUDA paged append-attention and KV write (CuPy RawKernel, NVRTC); twins of `attention_ref`.
+
+`append_attention`: each sequence's `1 + k` (or any short run of) query tokens attend causally to
+the sequence's paged context, with GQA (one kv head serves `num_heads / num_kv_heads` query heads)
+and an optional sliding window. One thread block takes one (sequence, query tile, kv head, context
+split): the query rows of every head sharing the kv head are processed together, so each key and
+value is read once per kv head, not once per query head — verification does not expand the batch.
+Long contexts are split across blocks (flash-decoding, Dao et al. 2023): each split keeps an online
+softmax (running max and sum) and writes an unnormalised partial output, and a second kernel merges
+the splits. Keys and values stream through shared memory in tiles of 64 tokens, double-buffered with
+`cp.async`, which zero-fills slots past the context so no stale value reaches the sum.
+
+Sequences with more than `MAX_KERNEL_QUERY_LEN` query tokens (long prefill chunks, compute-bound)
+go through the torch reference instead, in the same call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kernels import _cuda
+from kernels.attention_ref import AttentionMetadata, _gather_context, _sdpa, _visible
+
+BLOCK_N = 64
+THREADS = 128
+MAX_ROWS = 64
+"""Query rows (tokens x heads per kv head) one thread block holds."""
+MAX_KERNEL_QUERY_LEN = 256
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 256
+
+SOURCE = (
+    _cuda.CONVERSIONS
+    + r"""
+#define ROW_STRIDE (HEAD_DIM + VEC)          /* padded shared-memory row, in elements */
+#define CHUNKS (HEAD_DIM / VEC)              /* 16-byte chunks per row */
+#define ROW_GROUPS (THREADS / CHUNKS)
+#define KEY_PARALLEL (RMAX <= 8 && THREADS % CHUNKS == 0)
+#define PV_ROWS (KEY_PARALLEL ? RMAX : (RMAX + ROW_GROUPS - 1) / ROW_GROUPS)
+#define S_STRIDE (BLOCK_N + 1)
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Copies the keys and values of context positions [tile_start, tile_start + BLOCK_N) of one kv
+   head into shared memory (positions >= limit are zero-filled). Block-table reads and address
+   arithmetic come first, so the table loads are in flight together. */
+#define CHUNKS_PER_THREAD (BLOCK_N * CHUNKS / THREADS)
+__device__ __forceinline__ void load_tile(
+    scalar_t* ks, scalar_t* vs, const scalar_t* __restrict__ key_cache,
+    const scalar_t* __restrict__ value_cache, const int* __restrict__ table, int tile_start, int limit,
+    int block_size, int num_kv_heads, int kv_head)
+{
+    long long offset[CHUNKS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
+        const int id = threadIdx.x + j * THREADS;
+        const int n = id / CHUNKS, c = id - n * CHUNKS;
+        const int pos = tile_start + n;
+        offset[j] = -1;
+        if (pos < limit) {
+            const long long block = __ldg(table + pos / block_size);
+            offset[j] = ((block * block_size + pos % block_size) * num_kv_heads + kv_head) * HEAD_DIM + c * VEC;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
+        const int id = threadIdx.x + j * THREADS;
+        const int n = id / CHUNKS, c = id - n * CHUNKS;
+        const bool valid = offset[j] >= 0;
+        const long long o = valid ? offset[j] : 0;
+        cp_async16(ks + n * ROW_STRIDE + c * VEC, key_cache + o, valid);
+        cp_async16(vs + n * ROW_STRIDE + c * VEC, value_cache + o, valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
+    const scalar_t* __restrict__ query,        /* [num_tokens, num_heads, HEAD_DIM] */
+    const scalar_t* __restrict__ key_cache,    /* [num_blocks, block_size, num_kv_heads, HEAD_DIM] */
+    const scalar_t* __restrict__ value_cache,
+    const int* __restrict__ block_tables,      /* [num_seqs, max_blocks] */
+    const int* __restrict__ seq_lens,          /* [num_seqs] */
+    const int* __restrict__ query_start_loc,   /* [num_seqs + 1] */
+    scalar_t* __restrict__ out,                /* [num_tokens, num_heads, HEAD_DIM] */
+    float* __restrict__ part_out,              /* [num_splits, num_tokens, num_heads, HEAD_DIM] */
+    float* __restrict__ part_ml,               /* [num_splits, num_tokens, num_heads, 2] */
+    int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
+    int tile_tokens, int max_tiles, int num_splits, int max_query_len, float scale_log2,
+    int sliding_window)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* qs = reinterpret_cast<float*>(smem);                       /* [RMAX][HEAD_DIM] */
+    float* ss = qs + RMAX * HEAD_DIM;                                 /* [RMAX][S_STRIDE] */
+    float* m_s = ss + RMAX * S_STRIDE;
+    float* l_s = m_s + RMAX;
+    float* alpha_s = l_s + RMAX;
+    scalar_t* kv = reinterpret_cast<scalar_t*>(alpha_s + RMAX + 4 - (RMAX % 4));
+    /* kv: 2 stages x (K tile, V tile), each [BLOCK_N][ROW_STRIDE] */
+
+    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    const int kv_head = blockIdx.y, split = blockIdx.z;
+    const int q_begin = query_start_loc[seq];
+    const int q_len = query_start_loc[seq + 1] - q_begin;
+    if (q_len > max_query_len) return;
+    const int t0 = tile * tile_tokens;
+    if (t0 >= q_len) return;
+    const int nt = min(tile_tokens, q_len - t0);
+    const int group = num_heads / num_kv_heads;
+    const int rows = nt * group;
+    const int seq_len = seq_lens[seq];
+    const int first_pos = seq_len - q_len + t0;
+    const int kv_end = first_pos + nt;
+    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
+    const int span = kv_end - kv_begin;
+    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    const int s_begin = kv_begin + split * per_split;
+    const int s_end = min(kv_end, s_begin + per_split);
+    const int num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
+    const int* table = block_tables + (long long)seq * max_blocks;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    if (num_kv_tiles > 0)
+        load_tile(kv, kv + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table, s_begin, s_end,
+                  block_size, num_kv_heads, kv_head);
+    cp_async_commit();
+
+    for (int i = tid; i < RMAX * HEAD_DIM; i += THREADS) {
+        const int r = i / HEAD_DIM, d = i - r * HEAD_DIM;
+        float v = 0.f;
+        if (r < rows) {
+            const long long token = q_begin + t0 + r / group;
+            const int head = kv_head * group + r % group;
+            v = to_float(query[(token * num_heads + head) * HEAD_DIM + d]) * scale_log2;
+        }
+        qs[i] = v;
+    }
+    for (int r = tid; r < RMAX; r += THREADS) { m_s[r] = NEG_INF; l_s[r] = 0.f; alpha_s[r] = 1.f; }
+    __syncthreads();  /* an empty split has no loop barrier before the epilogue reads m_s / l_s */
+
+    /* P V mapping. KEY_PARALLEL (few rows, as in decode): thread -> (16-byte chunk of head_dim, key
+       group) accumulating every row; the key groups are summed at the end. Otherwise thread ->
+       (chunk, row group) over all keys. */
+    const int pv_chunk = tid % CHUNKS, pv_group = tid / CHUNKS;
+    float acc[PV_ROWS][VEC];
+#pragma unroll
+    for (int i = 0; i < PV_ROWS; ++i)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[i][v] = 0.f;
+
+    for (int it = 0; it < num_kv_tiles; ++it) {
+        const int stage = it & 1;
+        scalar_t* ks = kv + stage * 2 * BLOCK_N * ROW_STRIDE;
+        scalar_t* vs = ks + BLOCK_N * ROW_STRIDE;
+        const int tile_start = s_begin + it * BLOCK_N;
+        if (it + 1 < num_kv_tiles) {
+            scalar_t* next = kv + (stage ^ 1) * 2 * BLOCK_N * ROW_STRIDE;
+            load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
+                      tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
+            cp_async_commit();
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+
+        /* scores: thread -> key n, rows rg, rg + 2, ... (a warp shares its rows: Q reads broadcast) */
+        {
+            const int n = tid & (BLOCK_N - 1), rg = tid / BLOCK_N;
+            float s[RMAX / 2];
+#pragma unroll
+            for (int i = 0; i < RMAX / 2; ++i) s[i] = 0.f;
+#pragma unroll 4
+            for (int c = 0; c < CHUNKS; ++c) {
+                float k[VEC];
+                load_vec(ks + n * ROW_STRIDE + c * VEC, k);
+#pragma unroll
+                for (int i = 0; i < RMAX / 2; ++i) {
+                    const int r = rg + 2 * i;
+                    if (r < rows) {
+                        const float* q = qs + r * HEAD_DIM + c * VEC;
+#pragma unroll
+                        for (int v = 0; v < VEC; v += 4) {
+                            const float4 q4 = *reinterpret_cast<const float4*>(q + v);
+                            s[i] += q4.x * k[v] + q4.y * k[v + 1] + q4.z * k[v + 2] + q4.w * k[v + 3];
+                        }
+                    }
+                }
+            }
+            const int pos_k = tile_start + n;
+#pragma unroll
+            for (int i = 0; i < RMAX / 2; ++i) {
+                const int r = rg + 2 * i;
+                if (r < rows) {
+                    const int pos_q = first_pos + r / group;
+                    const bool visible = pos_k < s_end && pos_k <= pos_q &&
+                                         (sliding_window <= 0 || pos_q - pos_k < sliding_window);
+                    ss[r * S_STRIDE + n] = visible ? s[i] : NEG_INF;
+                }
+            }
+        }
+        __syncthreads();
+
+        /* online softmax, one warp per row */
+        for (int r = warp; r < rows; r += THREADS / 32) {
+            float* srow = ss + r * S_STRIDE;
+            const float s0 = srow[lane], s1 = srow[lane + 32];
+            const float m_old = m_s[r];
+            const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+            float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+            if (m_new != NEG_INF) {
+                p0 = exp2f(s0 - m_new);
+                p1 = exp2f(s1 - m_new);
+                alpha = exp2f(m_old - m_new);
+            }
+            srow[lane] = p0;
+            srow[lane + 32] = p1;
+            const float sum = warp_sum(p0 + p1);
+            if (lane == 0) { m_s[r] = m_new; l_s[r] = l_s[r] * alpha + sum; alpha_s[r] = alpha; }
+        }
+        __syncthreads();
+
+        /* acc = acc * alpha + P V (slots past the context hold zero values and zero weights) */
+        if (pv_group < ROW_GROUPS) {
+#pragma unroll
+            for (int i = 0; i < PV_ROWS; ++i) {
+                const int r = KEY_PARALLEL ? i : pv_group + i * ROW_GROUPS;
+                if (r < rows) {
+                    const float a = alpha_s[r];
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[i][v] *= a;
+                }
+            }
+            const int n_first = KEY_PARALLEL ? pv_group : 0, n_step = KEY_PARALLEL ? ROW_GROUPS : 1;
+#pragma unroll 4
+            for (int n = n_first; n < BLOCK_N; n += n_step) {
+                float vv[VEC];
+                load_vec(vs + n * ROW_STRIDE + pv_chunk * VEC, vv);
+#pragma unroll
+                for (int i = 0; i < PV_ROWS; ++i) {
+                    const int r = KEY_PARALLEL ? i : pv_group + i * ROW_GROUPS;
+                    if (r < rows) {
+                        const float p = ss[r * S_STRIDE + n];
+#pragma unroll
+                        for (int v = 0; v < VEC; ++v) acc[i][v] += p * vv[v];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#if KEY_PARALLEL
+    /* sum the key groups' partial outputs through shared memory (the KV tiles are free now) */
+    float* red = reinterpret_cast<float*>(kv);   /* [ROW_GROUPS][RMAX][HEAD_DIM] */
+    if (pv_group < ROW_GROUPS) {
+#pragma unroll
+        for (int i = 0; i < PV_ROWS; ++i)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) red[(pv_group * RMAX + i) * HEAD_DIM + pv_chunk * VEC + v] = acc[i][v];
+    }
+    __syncthreads();
+    for (int e = tid; e < rows * HEAD_DIM; e += THREADS) {
+        const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
+        float o = 0.f;
+        for (int g = 0; g < ROW_GROUPS; ++g) o += red[(g * RMAX + r) * HEAD_DIM + d];
+        const long long token = q_begin + t0 + r / group;
+        const int head = kv_head * group + r % group;
+        const long long row = token * num_heads + head;
+        if (num_splits == 1) {
+            const float l = l_s[r];
+            out[row * HEAD_DIM + d] = from_float(l > 0.f ? o / l : 0.f);
+        } else {
+            const long long base = (long long)split * num_tokens * num_heads + row;
+            part_out[base * HEAD_DIM + d] = o;
+            if (d == 0) { part_ml[base * 2] = m_s[r]; part_ml[base * 2 + 1] = l_s[r]; }
+        }
+    }
+    return;
+#endif
+    if (pv_group >= ROW_GROUPS) return;
+#pragma unroll
+    for (int i = 0; i < PV_ROWS; ++i) {
+        const int r = pv_group + i * ROW_GROUPS;
+        if (r >= rows) continue;
+        const long long token = q_begin + t0 + r / group;
+        const int head = kv_head * group + r % group;
+        const long long row = token * num_heads + head;
+        if (num_splits == 1) {
+            const float l = l_s[r];
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) out[row * HEAD_DIM + pv_chunk * VEC + v] = from_float(acc[i][v] * inv);
+        } else {
+            const long long base = (long long)split * num_tokens * num_heads + row;
+            float* dst = part_out + base * HEAD_DIM + pv_chunk * VEC;
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) dst[v] = acc[i][v];
+            if (pv_chunk == 0) { part_ml[base * 2] = m_s[r]; part_ml[base * 2 + 1] = l_s[r]; }
+        }
+    }
+}
+
+/* Merges the splits of one (token, head): out = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. */
+extern "C" __global__ void merge_splits(
+    const float* __restrict__ part_out, const float* __restrict__ part_ml,
+    const int* __restrict__ query_start_loc, scalar_t* __restrict__ out,
+    int num_seqs, int num_tokens, int num_heads, int num_splits, int max_query_len)
+{
+    const long long row = blockIdx.x;                 /* token * num_heads + head */
+    const int token = (int)(row / num_heads);
+    int lo = 0, hi = num_seqs;                        /* the sequence holding `token` */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (query_start_loc[mid] <= token) lo = mid; else hi = mid;
+    }
+    if (query_start_loc[lo + 1] - query_start_loc[lo] > max_query_len) return;
+    const long long stride = (long long)num_tokens * num_heads;
+    float m = NEG_INF;
+    for (int j = 0; j < num_splits; ++j) m = fmaxf(m, part_ml[(j * stride + row) * 2]);
+    float total = 0.f;
+    for (int j = 0; j < num_splits; ++j) {
+        const float l = part_ml[(j * stride + row) * 2 + 1];
+        if (l > 0.f) total += exp2f(part_ml[(j * stride + row) * 2] - m) * l;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float o = 0.f;
+        for (int j = 0; j < num_splits; ++j) {
+            const float l = part_ml[(j * stride + row) * 2 + 1];
+            if (l > 0.f) o += exp2f(part_ml[(j * stride + row) * 2] - m) * part_out[(j * stride + row) * HEAD_DIM + d];
+        }
+        out[row * HEAD_DIM + d] = from_float(o * inv);
+    }
+}
+
+/* One thread per 16-byte chunk of a token's keys (and values); slot < 0 skips the token. */
+extern "C" __global__ void write_kv(
+    const scalar_t* __restrict__ key, const scalar_t* __restrict__ value,
+    scalar_t* __restrict__ key_cache, scalar_t* __restrict__ value_cache,
+    const long long* __restrict__ slot_mapping, int num_tokens, int row_chunks,
+    long long key_stride, long long value_stride)
+{
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)num_tokens * row_chunks) return;
+    const long long t = id / row_chunks;
+    const int c = (int)(id - t * row_chunks);
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;
+    const long long dst = slot * row_chunks * VEC + c * VEC;
+    *reinterpret_cast<uint4*>(key_cache + dst) =
+        *reinterpret_cast<const uint4*>(key + t * key_stride + c * VEC);
+    *reinterpret_cast<uint4*>(value_cache + dst) =
+        *reinterpret_cast<const uint4*>(value + t * value_stride + c * VEC);
+}
+"""
+)
+
+LOG2E = 1.4426950408889634
+
+
+def _rmax(rows: int) -> int:
+    return max(8, 1 << math.ceil(math.log2(rows)))
+
+
+def smem_bytes(rmax: int, head_dim: int, elem_size: int) -> int:
+    vec = 16 // elem_size
+    chunks = head_dim // vec
+    floats = rmax * head_dim + rmax * (BLOCK_N + 1) + 3 * rmax
+    floats += 4 - rmax % 4
+    tiles = 2 * 2 * BLOCK_N * (head_dim + vec) * elem_size
+    key_parallel = rmax <= 8 and THREADS % chunks == 0
+    reduction = (THREADS // chunks) * rmax * head_dim * 4 if key_parallel else 0
+    return floats * 4 + max(tiles, reduction)
+
+
+def _check_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    device = query.device
+    dtypes = list(_cuda.DTYPE_IDS)
+    _cuda.check_cuda_tensor("query", query, dtypes, 3, device)
+    _cuda.check_cuda_tensor("key_cache", key_cache, [query.dtype], 4, device)
+    _cuda.check_cuda_tensor("value_cache", value_cache, [query.dtype], 4, device)
+    _cuda.check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
+    _cuda.check(key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous")
+    head_dim = key_cache.shape[-1]
+    vec = 16 // query.element_size()
+    _cuda.check(
+        head_dim % (2 * vec) == 0 and head_dim <= 256,
+        f"head_dim {head_dim} must be a multiple of {2 * vec} and at most 256",
+    )
+
+
+def append_attention_cuda(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same contract as `append_attention_ref`. `num_splits` overrides the context split count
+    (None: enough thread blocks to fill the GPU)."""
+    _check_cache(query, key_cache, value_cache)
+    device = query.device
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _cuda.check(cache_head_dim == head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    _cuda.check(num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    _cuda.check(group <= MAX_ROWS, f"{group} query heads per kv head; at most {MAX_ROWS} supported")
+    _cuda.check(query.is_contiguous(), "query must be contiguous")
+    for name, t in (
+        ("block_tables", meta.block_tables),
+        ("seq_lens", meta.seq_lens),
+        ("query_start_loc", meta.query_start_loc),
+    ):
+        _cuda.check(
+            t.dtype == torch.int32 and t.is_contiguous() and t.device == device,
+            f"{name} must be a contiguous int32 tensor on {device}",
+        )
+    out = torch.empty_like(query)
+    num_seqs = meta.num_seqs
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    query_lens = meta.query_lens_cpu
+    short = [n for n in query_lens if n <= MAX_KERNEL_QUERY_LEN]
+    if short:
+        _launch_attention(
+            query, key_cache, value_cache, meta, scale, sliding_window, out, max(short), group, num_splits
+        )
+    long_seqs = [i for i, n in enumerate(query_lens) if n > MAX_KERNEL_QUERY_LEN]
+    if long_seqs:
+        _reference_rows(query, key_cache, value_cache, meta, scale, sliding_window, out, long_seqs)
+    return out
+
+
+def _launch_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    max_query_len: int,
+    group: int,
+    num_splits: int | None,
+) -> None:
+    device = query.device
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    tile_tokens = max(1, min(max_query_len, MAX_ROWS // group))
+    max_tiles = -(-max_query_len // tile_tokens)
+    rmax = _rmax(tile_tokens * group)
+    num_seqs = meta.num_seqs
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max(meta.seq_lens_cpu), device)
+    dtype_id = _cuda.DTYPE_IDS[query.dtype]
+    smem = smem_bytes(rmax, head_dim, query.element_size())
+    kernel = _cuda.function(
+        SOURCE,
+        "append_attention",
+        device,
+        DTYPE=dtype_id,
+        HEAD_DIM=head_dim,
+        RMAX=rmax,
+        BLOCK_N=BLOCK_N,
+        THREADS=THREADS,
+    )
+    _cuda.set_max_dynamic_shared(kernel, smem)
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=device
+        )
+        part_ml = torch.empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=device)
+    else:
+        part_out = part_ml = out  # unused
+    i32 = np.int32
+    _cuda.launch(
+        kernel,
+        (num_seqs * max_tiles, num_kv_heads, num_splits),
+        (THREADS,),
+        (
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            out,
+            part_out,
+            part_ml,
+            i32(num_tokens),
+            i32(num_heads),
+            i32(num_kv_heads),
+            i32(block_size),
+            i32(meta.block_tables.shape[1]),
+            i32(tile_tokens),
+            i32(max_tiles),
+            i32(num_splits),
+            i32(max_query_len),
+            np.float32(scale * LOG2E),
+            i32(sliding_window or 0),
+        ),
+        device,
+        shared_mem=smem,
+    )
+    if num_splits > 1:
+        merge = _cuda.function(
+            SOURCE,
+            "merge_splits",
+            device,
+            DTYPE=dtype_id,
+            HEAD_DIM=head_dim,
+            RMAX=rmax,
+            BLOCK_N=BLOCK_N,
+            THREADS=THREADS,
+        )
+        _cuda.launch(
+            merge,
+            (num_tokens * num_heads,),
+            (min(head_dim, 128),),
+            (
+                part_out,
+                part_ml,
+                meta.query_start_loc,
+                out,
+                i32(num_seqs),
+                i32(num_tokens),
+                i32(num_heads),
+                i32(num_splits),
+                i32(max_query_len),
+            ),
+            device,
+        )
+
+
+def choose_splits(num_blocks: int, max_seq_len: int, device: torch.device) -> int:
+    """Context splits per sequence so that about two thread blocks per SM exist, each with at
+    least MIN_KEYS_PER_SPLIT keys."""
+    target = 2 * _cuda.num_sms(device.index or 0)
+    if num_blocks >= target:
+        return 1
+    by_occupancy = -(-target // num_blocks)
+    by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _reference_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    seqs: list[int],
+) -> None:
+    """The reference computation for the given sequences only (long prefill chunks)."""
+    starts = meta.query_start_loc.tolist()
+    for i in seqs:
+        query_len, seq_len, start = meta.query_lens_cpu[i], meta.seq_lens_cpu[i], starts[i]
+        keys, values = _gather_context(key_cache, value_cache, meta.block_tables[i], seq_len)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
+        seq_query = query[start : start + query_len].unsqueeze(0)
+        attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
+        out[start : start + query_len] = attended[0]
+
+
+def write_kv_cuda(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: skip the token
+) -> None:
+    """Same contract as `write_kv_ref` (keys and values may be row-strided views, e.g. of a fused
+    QKV projection, as long as each token's heads are contiguous)."""
+    device = key.device
+    dtypes = list(_cuda.DTYPE_IDS)
+    _cuda.check_cuda_tensor("key", key, dtypes, 3, device)
+    _cuda.check_cuda_tensor("value", value, [key.dtype], 3, device)
+    _cuda.check_cuda_tensor("key_cache", key_cache, [key.dtype], 4, device)
+    _cuda.check_cuda_tensor("value_cache", value_cache, [key.dtype], 4, device)
+    _cuda.check_cuda_tensor("slot_mapping", slot_mapping, [torch.int64], 1, device)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _cuda.check(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    _cuda.check(key_cache.shape[2:] == key.shape[1:], "cache [.., num_kv_heads, head_dim] must match key")
+    _cuda.check(key_cache.is_contiguous() and value_cache.is_contiguous(), "KV caches must be contiguous")
+    _cuda.check(
+        slot_mapping.shape[0] == num_tokens and slot_mapping.is_contiguous(),
+        "slot_mapping must be contiguous with one slot per token",
+    )
+    vec = 16 // key.element_size()
+    _cuda.check(head_dim % vec == 0, f"head_dim {head_dim} must be a multiple of {vec}")
+    if num_tokens == 0:
+        return
+    key, value = _rows_aligned(key), _rows_aligned(value)
+    row_chunks = num_kv_heads * head_dim // vec
+    kernel = _cuda.function(
+        SOURCE,
+        "write_kv",
+        device,
+        DTYPE=_cuda.DTYPE_IDS[key.dtype],
+        HEAD_DIM=head_dim,
+        RMAX=8,
+        BLOCK_N=BLOCK_N,
+        THREADS=THREADS,
+    )
+    total = num_tokens * row_chunks
+    _cuda.launch(
+        kernel,
+        (-(-total // 256),),
+        (256,),
+        (
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            np.int32(num_tokens),
+            np.int32(row_chunks),
+            np.int64(key.stride(0)),
+            np.int64(value.stride(0)),
+        ),
+        device,
+    )
+
+
+def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    """x itself when each token's heads are contiguous and 16-byte aligned, else a contiguous copy."""
+    es = x.element_size()
+    ok = (
+        x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * es) % 16 == 0
+    )
+    return x if ok else x.contiguous()

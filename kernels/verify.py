@@ -1,0 +1,425 @@
+"""CUDA fused verify + accept + sample for a whole batch in one launch; twin of `verify_sample_ref`.
+
+One thread block per logit row reads the row a few times from L2 and computes: the argmax (greedy
+id); for sampling rows the temperature softmax, the min_p / top_k / top_p cut (radix selection on
+the probabilities' bit patterns: the k-th largest, and the smallest top set whose mass reaches
+top_p), and the sample argmax(probs / e) with e ~ Exp(1) from the counter-based generator of
+`sampling_noise_ref` computed in registers (float64 log, then float32: the same numbers as the
+reference); and whether the row's draft passes. The last block of a request to finish (an atomic
+counter per request) walks the request's rows, accepts the leading passing drafts and writes the
+emitted tokens, so acceptance needs no second launch and no host round trip.
+
+Covered: one-hot drafts (model-free methods, greedy model drafts) with every strategy and accept
+policy. Rows whose drafts carry a draft distribution (rejection sampling against a draft model's
+probabilities) and requests that want logprobs stay on the torch path (RejectionSampler).
+Ties at a top_k / top_p boundary keep every tied token (the reference's sort keeps an arbitrary
+subset of them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels import _cuda
+from kernels.verify_ref import NORMAL
+
+THREADS = 512
+
+SOURCE = r"""
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define GOLDEN 0x9E3779B97F4A7C15ull
+#define MIX1 0xBF58476D1CE4E5B9ull
+#define MIX2 0x94D049BB133111EBull
+#define STREAM_TARGET 0
+#define S_GREEDY 0
+#define S_TOPP 2
+#define P_ACCEPT_ALL 1
+#define P_REJECT_ALL 2
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+    unsigned long long z = x + GOLDEN;
+    z = (z ^ (z >> 30)) * MIX1;
+    z = (z ^ (z >> 27)) * MIX2;
+    return z ^ (z >> 31);
+}
+
+/* Calls f(value, index) for every logit of a row, 16-byte loads when the row allows. */
+template <class F>
+__device__ __forceinline__ void scan_row(const float* __restrict__ row, int vocab, F f) {
+    if ((vocab & 3) == 0) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+        const int n4 = vocab >> 2;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < n4; j += THREADS) {
+            const float4 v = __ldg(row4 + j);
+            f(v.x, 4 * j); f(v.y, 4 * j + 1); f(v.z, 4 * j + 2); f(v.w, 4 * j + 3);
+        }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += THREADS) f(__ldg(row + i), i);
+    }
+}
+
+/* Block-wide reductions over THREADS threads; `scratch` holds 32 entries per array. */
+__device__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < THREADS / 32 ? scratch[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* argmax with the lowest index among equal values (torch.argmax's rule) */
+__device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i) || (v != v && ov == ov)) { v = ov; i = oi; }
+}
+__device__ void block_argmax(float& v, int& i, float* sv, int* si) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        better(v, i, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    if (lane < THREADS / 32) { v = sv[lane]; i = si[lane]; } else { v = NEG_INF; i = 0x7fffffff; }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        better(v, i, ov, oi);
+    }
+}
+
+/* Radix step: given candidates (bits >= lower and bits matching prefix under mask), returns the
+   digit at `shift` where the running count (COUNT) or mass (!COUNT) from the top reaches `target`;
+   `above` accumulates what lies in higher digits. Returns -1 if the target is never reached. */
+/* The target probability of token i, computed as the reference does: exp(l / t - max) / sum. */
+__device__ __forceinline__ float prob(const float* __restrict__ row, int i, float t, float m, float z) {
+    return expf(row[i] / t - m) / z;
+}
+
+template <bool COUNT>
+__device__ int radix_digit(const float* __restrict__ row, int vocab, float t, float m, float z,
+                           unsigned lower, unsigned prefix, unsigned mask, int shift, float target,
+                           float* above, float* hist)
+{
+    for (int b = threadIdx.x; b < 256; b += THREADS) hist[b] = 0.f;
+    __syncthreads();
+    scan_row(row, vocab, [&](float x, int) {
+        const float q = expf(x / t - m) / z;
+        const unsigned bits = __float_as_uint(q);
+        if (bits >= lower && (bits & mask) == prefix)
+            atomicAdd(&hist[(bits >> shift) & 255], COUNT ? 1.f : q);
+    });
+    __syncthreads();
+    __shared__ int digit;
+    if (threadIdx.x == 0) {
+        float acc = *above;
+        digit = -1;
+        for (int b = 255; b >= 0; --b) {
+            if (acc + hist[b] >= target) { digit = b; break; }
+            acc += hist[b];
+        }
+        if (digit >= 0) *above = acc;
+    }
+    __syncthreads();
+    const int d = digit;
+    __syncthreads();
+    return d;
+}
+
+/* Smallest bit pattern kept: the k-th largest (COUNT, target = k) or the last element of the
+   shortest top set whose mass reaches target (!COUNT); `lower` if the target is never reached. */
+template <bool COUNT>
+__device__ unsigned radix_select(const float* __restrict__ row, int vocab, float t, float m, float z,
+                                 unsigned lower, float target, float* hist, float* above_s)
+{
+    if (threadIdx.x == 0) *above_s = 0.f;
+    __syncthreads();
+    unsigned prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        const int d = radix_digit<COUNT>(row, vocab, t, m, z, lower, prefix, mask, shift, target,
+                                         above_s, hist);
+        if (d < 0) return lower;
+        prefix |= ((unsigned)d) << shift;
+        mask |= 255u << shift;
+    }
+    return prefix > lower ? prefix : lower;
+}
+
+__device__ float kept_sum(const float* __restrict__ row, int vocab, float t, float m, float z,
+                          unsigned lower, float* scratch)
+{
+    float s = 0.f;
+    scan_row(row, vocab, [&](float x, int) {
+        const float q = expf(x / t - m) / z;
+        if (__float_as_uint(q) >= lower) s += q;
+    });
+    return block_sum(s, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
+    const float* __restrict__ logits,          /* [num_rows, vocab] */
+    const float* __restrict__ temperature,     /* [num_rows] */
+    const int* __restrict__ top_k,
+    const float* __restrict__ top_p,
+    const float* __restrict__ min_p,
+    const long long* __restrict__ seeds,
+    const long long* __restrict__ positions,
+    const int* __restrict__ draft_ids,         /* [num_rows], -1 on bonus rows */
+    const int* __restrict__ request_of_row,    /* [num_rows] */
+    const int* __restrict__ cu_num_rows,       /* [num_reqs + 1] */
+    int* __restrict__ row_greedy, int* __restrict__ row_sampled, int* __restrict__ row_pass,
+    int* __restrict__ counters,                /* [num_reqs], zero; left zero */
+    int* __restrict__ token_ids,               /* [num_reqs, max_rows] */
+    int* __restrict__ num_accepted,            /* [num_reqs] */
+    int vocab, int max_rows, int strategy, int policy)
+{
+    __shared__ float hist[256];
+    __shared__ float scratch[32];
+    __shared__ int scratch_i[32];
+    __shared__ float above_s;
+    __shared__ int is_last;
+    const int r = blockIdx.x;
+    const float* row = logits + (long long)r * vocab;
+    const float t = temperature[r];
+    const int draft = draft_ids[r];
+
+    /* pass 1: argmax of the logits (greedy id) */
+    float best = NEG_INF; int best_i = 0x7fffffff;
+    scan_row(row, vocab, [&](float x, int i) { better(best, best_i, x, i); });
+    block_argmax(best, best_i, scratch, scratch_i);
+    const int greedy_id = best_i;
+    int sampled_id = greedy_id;
+    bool pass = draft >= 0 && draft == greedy_id;
+
+    if (t > 0.f) {
+        /* max(l / t) = max(l) / t exactly: division by t > 0 is monotone */
+        const float m = best / t;
+        float z = 0.f;
+        scan_row(row, vocab, [&](float x, int) { z += expf(x / t - m); });
+        z = block_sum(z, scratch);
+        /* candidates: bits(q) >= lower */
+        unsigned lower = 1u;  /* q > 0 */
+        const float mp = min_p[r];
+        if (mp > 0.f) lower = max(lower, __float_as_uint(mp * (1.f / z)));
+        const int k = top_k[r];
+        if (k > 0 && k < vocab) lower = radix_select<true>(row, vocab, t, m, z, lower, (float)k, hist, &above_s);
+        const float tp = top_p[r];
+        if (tp < 1.f) {
+            const float s2 = kept_sum(row, vocab, t, m, z, lower, scratch);
+            lower = radix_select<false>(row, vocab, t, m, z, lower, tp * s2, hist, &above_s);
+        }
+        const float total = kept_sum(row, vocab, t, m, z, lower, scratch);
+        /* sample: argmax over kept tokens of (q / total) / e, e = -log(u) keyed by (seed, position, column) */
+        const unsigned long long key = splitmix64((unsigned long long)seeds[r] ^
+            splitmix64((unsigned long long)positions[r] * 4ull + STREAM_TARGET));
+        float sbest = NEG_INF; int sbest_i = 0x7fffffff;
+        scan_row(row, vocab, [&](float x, int i) {
+            const float q = expf(x / t - m) / z;
+            if (__float_as_uint(q) < lower) return;
+            const float p = q / total;
+            const unsigned long long bits = splitmix64(key + (unsigned long long)i * GOLDEN);
+            const unsigned long long mant = bits >> 11;
+            /* cheap estimate first: -log(u) = -log1p(-(1 - u)), 1 - u exact from the integer */
+            const float one_minus_u = ((float)((1ull << 53) - 1ull - mant) + 0.5f) * 1.1102230246251565e-16f;
+            const float e_est = -log1pf(-one_minus_u);
+            const float est = p / e_est;
+            if (!(est >= sbest * 0.9999f) && sbest != NEG_INF) return;
+            const double u = ((double)mant + 0.5) * 1.1102230246251565e-16;
+            const float e = (float)(-log(u));
+            better(sbest, sbest_i, p / e, i);
+        });
+        block_argmax(sbest, sbest_i, scratch, scratch_i);
+        sampled_id = sbest_i;
+        if (strategy == S_TOPP) {
+            bool kept = false;
+            if (draft >= 0) {
+                const float q = prob(row, draft, t, m, z);
+                kept = __float_as_uint(q) >= lower && q / total > 0.f;
+            }
+            pass = kept;
+        } else if (strategy != S_GREEDY) {
+            pass = draft >= 0 && draft == sampled_id;
+        }
+    }
+    if (policy == P_ACCEPT_ALL) pass = draft >= 0;
+    if (policy == P_REJECT_ALL) pass = false;
+
+    if (threadIdx.x == 0) {
+        row_greedy[r] = greedy_id;
+        row_sampled[r] = sampled_id;
+        row_pass[r] = pass ? 1 : 0;
+        __threadfence();
+        const int req = request_of_row[r];
+        const int n = cu_num_rows[req + 1] - cu_num_rows[req];
+        is_last = atomicAdd(&counters[req], 1) == n - 1;
+    }
+    __syncthreads();
+    if (!is_last || threadIdx.x != 0) return;
+    __threadfence();
+    const int req = request_of_row[r];
+    const int start = cu_num_rows[req], end = cu_num_rows[req + 1];
+    const bool greedy_req = temperature[start] == 0.f;
+    const volatile int* vpass = row_pass;
+    const volatile int* vgreedy = row_greedy;
+    const volatile int* vsampled = row_sampled;
+    int n = 0;
+    while (start + n < end - 1 && vpass[start + n]) ++n;
+    int* out = token_ids + (long long)req * max_rows;
+    for (int j = 0; j < n; ++j) out[j] = draft_ids[start + j];
+    out[n] = greedy_req ? vgreedy[start + n] : vsampled[start + n];
+    for (int j = n + 1; j < max_rows; ++j) out[j] = -1;
+    num_accepted[req] = n;
+    counters[req] = 0;
+}
+"""
+
+NOISE_SOURCE = (
+    SOURCE.split("/* Block-wide")[0]
+    + r"""
+/* The noise the sampler uses, materialised (for tests): uniforms [num_rows] and Exp(1) [num_rows, vocab]. */
+extern "C" __global__ void sampling_noise(const long long* __restrict__ seeds, const long long* __restrict__ positions,
+                                          int stream, int vocab, float* __restrict__ uniforms,
+                                          float* __restrict__ exponentials)
+{
+    const int r = blockIdx.y;
+    const unsigned long long key = splitmix64((unsigned long long)seeds[r] ^
+        splitmix64((unsigned long long)positions[r] * 4ull + (unsigned long long)stream));
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) uniforms[r] = (float)(((double)(splitmix64(key) >> 11) + 0.5) * 1.1102230246251565e-16);
+    if (i >= vocab) return;
+    const unsigned long long bits = splitmix64(key + (unsigned long long)i * GOLDEN);
+    exponentials[(long long)r * vocab + i] = (float)(-log(((double)(bits >> 11) + 0.5) * 1.1102230246251565e-16));
+}
+"""
+)
+
+
+def sampling_noise_cuda(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, stream: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniforms [num_rows], exponentials [num_rows, vocab_size]) as computed inside the kernel;
+    the twins of `uniform_ref` and `exponential_noise_ref`."""
+    device = seeds.device
+    _cuda.check_cuda_tensor("seeds", seeds, [torch.int64], 1, device)
+    _cuda.check_cuda_tensor("positions", positions, [torch.int64], 1, device)
+    num_rows = seeds.shape[0]
+    uniforms = torch.empty(num_rows, dtype=torch.float32, device=device)
+    exponentials = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    if num_rows:
+        kernel = _cuda.function(NOISE_SOURCE, "sampling_noise", device)
+        _cuda.launch(
+            kernel,
+            (-(-vocab_size // 256), num_rows),
+            (256,),
+            (
+                seeds.contiguous(),
+                positions.contiguous(),
+                np.int32(stream),
+                np.int32(vocab_size),
+                uniforms,
+                exponentials,
+            ),
+            device,
+        )
+    return uniforms, exponentials
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(num_reqs: int, device: torch.device) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < num_reqs:
+        counters = torch.zeros(max(num_reqs, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def verify_sample_cuda(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    temperature: torch.Tensor,  # [num_rows] float32
+    top_k: torch.Tensor,  # [num_rows] int32
+    top_p: torch.Tensor,  # [num_rows] float32
+    min_p: torch.Tensor,  # [num_rows] float32
+    seeds: torch.Tensor,  # [num_rows] int64
+    positions: torch.Tensor,  # [num_rows] int64
+    draft_ids: torch.Tensor,  # [num_rows] int32
+    cu_num_rows: torch.Tensor,  # [num_reqs + 1] int32
+    strategy: int,
+    policy: int = NORMAL,
+    max_rows: int | None = None,
+    request_of_row: torch.Tensor | None = None,  # [num_rows] int32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `verify_sample_ref`. `max_rows` (the most rows of one request) and
+    `request_of_row` may be given to skip a host read of `cu_num_rows`."""
+    device = logits.device
+    _cuda.check_cuda_tensor("logits", logits, [torch.float32], 2, device)
+    _cuda.check(logits.is_contiguous(), "logits must be contiguous")
+    num_rows, vocab = logits.shape
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32),
+        ("top_k", top_k, torch.int32),
+        ("top_p", top_p, torch.float32),
+        ("min_p", min_p, torch.float32),
+        ("seeds", seeds, torch.int64),
+        ("positions", positions, torch.int64),
+        ("draft_ids", draft_ids, torch.int32),
+    ):
+        _cuda.check_cuda_tensor(name, t, [dtype], 1, device)
+        _cuda.check(t.shape[0] == num_rows and t.is_contiguous(), f"{name} must be contiguous [num_rows]")
+    _cuda.check_cuda_tensor("cu_num_rows", cu_num_rows, [torch.int32], 1, device)
+    num_reqs = cu_num_rows.shape[0] - 1
+    if max_rows is None or request_of_row is None:
+        counts = cu_num_rows.diff().cpu()
+        max_rows = int(counts.max()) if num_reqs else 1
+        request_of_row = torch.repeat_interleave(torch.arange(num_reqs, dtype=torch.int32), counts.long()).to(
+            device
+        )
+    _cuda.check(
+        request_of_row.dtype == torch.int32 and request_of_row.shape == (num_rows,),
+        "request_of_row must be int32 [num_rows]",
+    )
+    row_greedy = torch.empty(num_rows, dtype=torch.int32, device=device)
+    row_sampled = torch.empty_like(row_greedy)
+    row_pass = torch.empty_like(row_greedy)
+    token_ids = torch.empty(num_reqs, max_rows, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    if num_rows == 0:
+        return token_ids, num_accepted, row_greedy, row_sampled, row_pass
+    kernel = _cuda.function(SOURCE, "verify_sample", device, THREADS=THREADS)
+    i32 = np.int32
+    _cuda.launch(
+        kernel,
+        (num_rows,),
+        (THREADS,),
+        (
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seeds,
+            positions,
+            draft_ids,
+            request_of_row,
+            cu_num_rows,
+            row_greedy,
+            row_sampled,
+            row_pass,
+            _counters(num_reqs, device),
+            token_ids,
+            num_accepted,
+            i32(vocab),
+            i32(max_rows),
+            i32(strategy),
+            i32(policy),
+        ),
+        device,
+    )
+    return token_ids, num_accepted, row_greedy, row_sampled, row_pass

@@ -1,0 +1,116 @@
+"""Torch reference of the fused verify + accept + sample kernel (one-hot drafts).
+
+Every request contributes `k + 1` rows of logits (row `j < k` scores draft `j`, row `k` is the bonus
+row); `cu_num_rows` holds their prefix sums. Per row: temperature (0 = greedy), top_k (0 = off),
+top_p, min_p, and the (seed, position) that key its noise (kernels/sampling_noise_ref.py).
+
+Strategies (services/engine/rejection_sampler.py explains them): GREEDY accepts a draft equal to
+the argmax; TARGET_MATCH and REJECTION (one-hot drafts, where Leviathan et al.'s test reduces to
+it) accept a draft equal to the target's own sample at that row; TOPP accepts a draft inside the
+truncated set. Greedy requests always verify greedily. The emitted tokens are the accepted drafts
+and then the argmax (greedy requests) or the sample at the first rejected row or the bonus row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling_noise_ref import STREAM_TARGET, exponential_noise_ref
+
+GREEDY, TARGET_MATCH, TOPP, REJECTION = 0, 1, 2, 3
+STRATEGIES = {"greedy": GREEDY, "target_match": TARGET_MATCH, "topp": TOPP, "rejection": REJECTION}
+NORMAL, ACCEPT_ALL, REJECT_ALL = 0, 1, 2
+POLICIES = {"normal": NORMAL, "accept_all": ACCEPT_ALL, "reject_all": REJECT_ALL}
+
+
+def truncated_probs_ref(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    temperature: torch.Tensor,  # [num_rows] float32; 0 rows are left at temperature 1
+    top_k: torch.Tensor,  # [num_rows] int32, 0 = off
+    top_p: torch.Tensor,  # [num_rows] float32
+    min_p: torch.Tensor,  # [num_rows] float32
+) -> torch.Tensor:  # [num_rows, vocab_size] renormalised target distribution
+    """Temperature, softmax, then min_p, top_k, top_p masks (as services/engine/sampler.py)."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    probs = torch.softmax(logits / t[:, None], dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    probs_kept = probs.masked_fill(~keep, 0.0)
+    sorted_probs, order = probs_kept.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))[:, None]
+    keep_sorted = rank < k
+    sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
+    mass = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    keep_sorted &= (mass.cumsum(dim=-1) - mass) < top_p[:, None]
+    keep &= torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def verify_sample_ref(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, penalties already applied
+    temperature: torch.Tensor,  # [num_rows] float32
+    top_k: torch.Tensor,  # [num_rows] int32
+    top_p: torch.Tensor,  # [num_rows] float32
+    min_p: torch.Tensor,  # [num_rows] float32
+    seeds: torch.Tensor,  # [num_rows] int64
+    positions: torch.Tensor,  # [num_rows] int64: output position of each row
+    draft_ids: torch.Tensor,  # [num_rows] int32, -1 on bonus rows
+    cu_num_rows: torch.Tensor,  # [num_reqs + 1] int32
+    strategy: int,
+    policy: int = NORMAL,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (token_ids [num_reqs, max_rows] int32 padded with -1, num_accepted [num_reqs] int32,
+    and per row: greedy_ids, sampled_ids, passes [num_rows] int32)."""
+    greedy_rows = temperature == 0
+    greedy_ids = logits.argmax(dim=-1)
+    probs = truncated_probs_ref(logits, temperature, top_k, top_p, min_p)
+    noise = exponential_noise_ref(seeds, positions, logits.shape[-1], STREAM_TARGET)
+    sampled_ids = torch.where(greedy_rows, greedy_ids, (probs / noise).argmax(dim=-1))
+    drafts = draft_ids.long()
+    is_draft = drafts >= 0
+    if strategy == GREEDY:
+        passes = drafts == greedy_ids
+    elif strategy == TOPP:
+        passes = probs.gather(1, drafts.clamp(min=0)[:, None])[:, 0] > 0
+    else:
+        passes = drafts == sampled_ids
+    passes = torch.where(greedy_rows, drafts == greedy_ids, passes)
+    if policy == ACCEPT_ALL:
+        passes = is_draft
+    elif policy == REJECT_ALL:
+        passes = torch.zeros_like(is_draft)
+    passes &= is_draft
+    return (
+        *_accept(cu_num_rows, drafts, greedy_rows, greedy_ids, sampled_ids, passes),
+        greedy_ids.int(),
+        sampled_ids.int(),
+        passes.int(),
+    )
+
+
+def _accept(
+    cu_num_rows: torch.Tensor,
+    drafts: torch.Tensor,
+    greedy_rows: torch.Tensor,
+    greedy_ids: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    passes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepts each request's leading passing drafts, then its argmax / sample at the next row."""
+    cu = cu_num_rows.tolist()
+    num_reqs = len(cu) - 1
+    max_rows = max((cu[i + 1] - cu[i] for i in range(num_reqs)), default=1)
+    token_ids = torch.full((num_reqs, max_rows), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
+    passes_cpu, drafts_cpu = passes.tolist(), drafts.tolist()
+    last_ids = torch.where(greedy_rows, greedy_ids, sampled_ids).tolist()
+    for i in range(num_reqs):
+        start, end = cu[i], cu[i + 1]
+        n = 0
+        while start + n < end - 1 and passes_cpu[start + n]:
+            n += 1
+        token_ids[i, :n] = torch.tensor(drafts_cpu[start : start + n], dtype=torch.int32)
+        token_ids[i, n] = last_ids[start + n]
+        num_accepted[i] = n
+    return token_ids.to(cu_num_rows.device), num_accepted.to(cu_num_rows.device)

@@ -1,0 +1,88 @@
+"""Batched n-gram match: CUDA kernel vs reference vs the engine's per-request proposer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.ngram_ref import ngram_match_ref
+from services.engine.spec_decode.ngram import NgramProposer
+from tests.kernels.helpers import needs_cuda, poison_allocator
+
+
+def random_histories(
+    num_reqs: int, max_len: int, vocab: int, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [rng.randrange(0, max_len + 1) for _ in range(num_reqs)]
+    lengths[0] = max_len
+    history = torch.full((num_reqs, max_len + 3), -5, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        history[b, :n] = torch.tensor([rng.randrange(vocab) for _ in range(n)], dtype=torch.int32)
+    return history, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 3), (2, 5)])
+def test_reference_matches_proposer(min_n: int, max_n: int) -> None:
+    rng = random.Random(min_n * 10 + max_n)
+    history, lengths = random_histories(40, 60, 4, rng)
+    ks = torch.tensor([rng.randrange(0, 6) for _ in range(40)], dtype=torch.int32)
+    drafts, num_drafts = ngram_match_ref(history, lengths, min_n, max_n, ks)
+    proposer = NgramProposer(min_n, max_n)
+    for b in range(40):
+        expected = proposer.propose(history[b, : lengths[b]].tolist(), int(ks[b]))
+        assert drafts[b, : num_drafts[b]].tolist() == expected
+        assert (drafts[b, num_drafts[b] :] == -1).all()
+
+
+def test_reference_budget_grants_in_request_order() -> None:
+    history = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]] * 3, dtype=torch.int32)
+    lengths = torch.tensor([8, 8, 8], dtype=torch.int32)
+    _, unlimited = ngram_match_ref(history, lengths, 1, 3, 3)
+    assert unlimited.tolist() == [3, 3, 3]
+    _, num = ngram_match_ref(history, lengths, 1, 3, 3, budget=5)
+    assert num.tolist() == [3, 2, 0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_reqs,max_len", [(1, 10), (7, 100), (64, 2000), (256, 8192)])
+@pytest.mark.parametrize("min_n,max_n", [(1, 3), (2, 2), (3, 8)])
+def test_cuda_ngram_matches_reference(num_reqs: int, max_len: int, min_n: int, max_n: int) -> None:
+    from kernels.ngram import ngram_match_cuda
+
+    rng = random.Random(num_reqs + max_len + min_n + max_n)
+    for vocab in (3, 50):
+        history, lengths = random_histories(num_reqs, max_len, vocab, rng)
+        ks = torch.tensor([rng.randrange(0, 9) for _ in range(num_reqs)], dtype=torch.int32)
+        for budget in (None, 3 * num_reqs, 7):
+            expected = ngram_match_ref(history, lengths, min_n, max_n, ks, budget)
+            poison_allocator((num_reqs, int(ks.max()) or 1), torch.int32, torch.device("cuda"))
+            got = ngram_match_cuda(history.cuda(), lengths.cuda(), min_n, max_n, ks.cuda(), budget)
+            assert torch.equal(got[1].cpu(), expected[1]), (
+                f"num_drafts differ (vocab {vocab}, budget {budget})"
+            )
+            assert torch.equal(got[0].cpu(), expected[0]), f"drafts differ (vocab {vocab}, budget {budget})"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_token_history_proposals_match_host_proposer() -> None:
+    rng = random.Random(4)
+    gpu = NgramProposer(1, 4, device=torch.device("cuda"))
+    assert gpu.history is not None
+    cpu = NgramProposer(1, 4)
+    sequences = {f"r{i}": [rng.randrange(6) for _ in range(rng.randrange(1, 40))] for i in range(80)}
+    for step in range(30):
+        batch = [(rid, tokens, rng.randrange(0, 6)) for rid, tokens in sequences.items()]
+        assert gpu.propose_batch(batch) == [cpu.propose(tokens, k) for _, tokens, k in batch]
+        for rid in list(sequences):
+            if rng.random() < 0.05:
+                gpu.forget(rid)
+                del sequences[rid]
+            elif rng.random() < 0.05:
+                sequences[rid] = sequences[rid][: len(sequences[rid]) // 2 + 1]  # re-queued: shorter
+            else:
+                sequences[rid] += [rng.randrange(6) for _ in range(rng.randrange(0, 7))]
+        sequences[f"new{step}"] = [rng.randrange(6) for _ in range(rng.randrange(1, 3000))]
