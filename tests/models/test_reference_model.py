@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import AttentionMetadata
 from services import cli
 from shared.model import LlamaForCausalLM, load_model
 from shared.model.mtp import load_mtp_head
 from shared.reference import DRAFT_MODEL, MTP_HEAD, reference_dir
 from shared.tokenizer import Tokenizer
+from tests.paged import prefill_logits
 
 CPU = torch.device("cpu")
 PROMPTS = (
@@ -61,29 +61,9 @@ def held_out_window(tokenizer: Tokenizer, num_tokens: int = 384) -> list[int]:
         return tokenizer.encode(source.read())[:num_tokens]
 
 
-def paged_prefill(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """The serving path: prefill in two chunks through a paged KV cache whose blocks are out of
-    order; returns [len(token_ids), vocab_size] logits."""
-    config = model.config
-    num_used = -(-len(token_ids) // block_size)
-    block_table = list(reversed(range(num_used + 1)))[:num_used]
-    shape = (num_used + 1, block_size, config.num_key_value_heads, config.head_dim)
-    kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
-    split = len(token_ids) // 2
-    logits = []
-    for start, end in ((0, split), (split, len(token_ids))):
-        slots = [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            block_tables=torch.tensor([block_table], dtype=torch.int32),
-            query_lens_cpu=[end - start],
-            seq_lens_cpu=[end],
-        )
-        hidden = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), kv_caches, meta)
-        logits.append(model.compute_logits(hidden))
-    return torch.cat(logits)
+def paged_prefill(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """The serving path: two chunks through a paged cache with out-of-order blocks."""
+    return prefill_logits(model, token_ids, block_size=16)
 
 
 @torch.inference_mode()

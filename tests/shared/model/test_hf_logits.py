@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata
 from shared.model import ModelConfig, load_model
+from tests.paged import prefill_logits as run_prefill
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -28,34 +28,6 @@ CASES = {
     "mistral": ("mistral", {"head_dim": 24}),
     "mistral-window": ("mistral", {"sliding_window": 7}),
 }
-
-
-def run_prefill(model, token_ids: list[int], block_size: int = 4) -> torch.Tensor:
-    """Prefills one sequence in two chunks through the paged cache; returns [len, vocab] logits."""
-    config: ModelConfig = model.config
-    num_blocks = -(-len(token_ids) // block_size) + 2
-    # scatter the sequence over non-contiguous blocks to exercise the block table
-    block_table = list(reversed(range(num_blocks)))[: -(-len(token_ids) // block_size)]
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_hidden_layers)]
-    split = len(token_ids) // 2
-    logits = []
-    for start, end in ((0, split), (split, len(token_ids))):
-        positions = torch.arange(start, end)
-        slots = torch.tensor(
-            [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        )
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            block_tables=torch.tensor([block_table], dtype=torch.int32),
-            query_lens_cpu=[end - start],
-            seq_lens_cpu=[end],
-        )
-        hidden = model(torch.tensor(token_ids[start:end]), positions, kv, meta)
-        logits.append(model.compute_logits(hidden))
-    return torch.cat(logits)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import AttentionMetadata
 from shared.model import LlamaForCausalLM, ModelConfigError, load_model
 from shared.model.mtp import MTPHead, load_mtp_head, save_mtp_head
+from tests.paged import empty_cache, two_chunks
 
 CPU = torch.device("cpu")
 
@@ -36,24 +36,12 @@ def paged_forward(
 ) -> torch.Tensor:
     """Runs one sequence through the head in two chunks over non-contiguous cache blocks."""
     config = head.config
-    num_used = -(-len(input_ids) // block_size)
-    block_table = list(reversed(range(num_used + 2)))[:num_used]
-    shape = (num_used + 2, block_size, config.num_key_value_heads, config.head_dim)
-    kv_cache = (torch.zeros(shape), torch.zeros(shape))
-    split = len(input_ids) // 2
+    kv_cache = empty_cache(len(input_ids), block_size, config.num_key_value_heads, config.head_dim)
     chunks = []
-    for start, end in ((0, split), (split, len(input_ids))):
-        slots = [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            block_tables=torch.tensor([block_table], dtype=torch.int32),
-            query_lens_cpu=[end - start],
-            seq_lens_cpu=[end],
-        )
-        ids = torch.tensor(input_ids[start:end])
-        chunks.append(head(ids, torch.arange(start, end), previous_hidden[start:end], kv_cache, meta))
+    for chunk in two_chunks(len(input_ids), block_size):
+        ids = torch.tensor(input_ids[chunk.start : chunk.end])
+        hidden = previous_hidden[chunk.start : chunk.end]
+        chunks.append(head(ids, chunk.positions, hidden, kv_cache, chunk.meta))
     return torch.cat(chunks)
 
 
