@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.conftest import CORPUS
 
 from services.cli import main
 from shared.model import load_model
 from shared.model.mtp import load_mtp_head
+from tests.conftest import CORPUS
 from training.train_mtp import (
     TrainMTPConfig,
     collect_files,
