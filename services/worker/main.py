@@ -46,7 +46,9 @@ def add_worker_parsers(subparsers: Any) -> None:
         group.add_argument("--kv-transport", default="tcp", help="how KV moves between prefill and decode")
         group.add_argument("--kv-host", default="127.0.0.1", help="address the decode role listens on for KV")
         group.add_argument("--kv-port", type=int, default=0, help="0 picks a free port")
-        group.add_argument("--kv-advertise-host", help="address prefill workers connect to (default: --kv-host)")
+        group.add_argument(
+            "--kv-advertise-host", help="address prefill workers connect to (default: --kv-host)"
+        )
         group.add_argument("--metrics-host", default="127.0.0.1")
         group.add_argument(
             "--metrics-port", type=int, default=0, help="/health and /metrics (0 picks a free port)"
