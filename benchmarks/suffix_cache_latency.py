@@ -1,7 +1,7 @@
 """Suffix-cache look-up round trips as deployed: redis-server, the service in its own process, a
 worker's uvloop in one thread and its engine thread calling `speculate_batch` in another.
 
-    python tests/services/suffix_cache/latency_bench.py [--sequences 1000] [--tokens 500]
+    python -m benchmarks.suffix_cache_latency [--sequences 1000] [--tokens 500]
 
 Not a test (absolute times belong to a quiet machine); prints p50/p99 per batch size and how many
 look-ups a 2 ms deadline would have answered.
@@ -23,7 +23,7 @@ from typing import Any
 
 import uvloop
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from services.suffix_cache.client import RemoteSuffixIndex  # noqa: E402

@@ -1,0 +1,127 @@
+"""A local mesh for one benchmark cell, started and stopped the way `specmesh serve` does it.
+
+The processes and their flags come from `services/serve.py` (its `Mesh` supervisor, Redis lookup,
+free ports, engine flags and readiness wait); what differs is that the worker's metrics port is
+chosen here, so the benchmark can read the worker's per-position acceptance counters, and that the
+context manager hands the mesh back to the caller instead of serving until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.runtime import PASSWORD_ENV
+from services.serve import Mesh, _engine_flags, _wait_ready, find_redis_server, free_port
+
+TOPIC = "bench"
+WORKER_INSTANCE = "bench-mixed"
+WORKER_STATS_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchedMesh:
+    url: str
+    worker_metrics_url: str
+    log_dir: Path
+
+    def worker_spec_counts(self, num_finished: int) -> dict[str, list[int]]:
+        """Drafted / accepted per draft position, summed over every request the worker finished
+        (the gateway's usage carries totals only), once it has counted `num_finished` requests: it
+        counts a request just after sending its last event, so a client can be a moment ahead."""
+        deadline = time.monotonic() + WORKER_STATS_TIMEOUT_S
+        text = self._worker_metrics()
+        while _total(text, "specmesh_worker_requests_finished_total") < num_finished:
+            if time.monotonic() > deadline:
+                print(
+                    f"warning: the worker counted fewer than {num_finished} finished requests",
+                    file=sys.stderr,
+                )
+                break
+            time.sleep(0.1)
+            text = self._worker_metrics()
+        return {
+            "drafted_per_position": _per_position(text, "specmesh_worker_drafted_per_position_total"),
+            "accepted_per_position": _per_position(text, "specmesh_worker_accepted_per_position_total"),
+        }
+
+    def _worker_metrics(self) -> str:
+        with urllib.request.urlopen(self.worker_metrics_url, timeout=5) as response:
+            return str(response.read().decode())
+
+
+@contextmanager
+def launch_mesh(
+    engine_args: argparse.Namespace,
+    model: str,
+    speculative_config: dict[str, Any],
+    log_dir: Path | None = None,
+    torch_threads: int | None = None,
+) -> Iterator[LaunchedMesh]:
+    """Redis, scheduler, suffix-cache, one mixed worker and the gateway, each its own process, with
+    the engine flags of `engine_args` (as `specmesh serve` takes them); stopped on exit.
+    `torch_threads`: OMP_NUM_THREADS of the processes (the worker's torch threads)."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specmesh-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    mesh = Mesh(log_dir)
+    redis_port, password = free_port(), secrets.token_hex(16)
+    env = {**os.environ, PASSWORD_ENV: password}  # the children's password, off every command line
+    if torch_threads:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
+    bus = ["--scheduler-host", "127.0.0.1", "--scheduler-port", str(redis_port), "--scheduler-topic", TOPIC]
+    me = [sys.executable, "-m", "services.cli"]
+    gateway_port, metrics_port = free_port(), free_port()
+    try:
+        mesh.start("redis", [find_redis_server(), str(_redis_conf(log_dir, redis_port, password))])
+        mesh.start("scheduler", [*me, "scheduler", *bus], env)
+        mesh.start("suffix-cache", [*me, "suffix-cache", *bus], env)
+        engine = _engine_flags(engine_args, model, json.dumps(speculative_config))
+        worker = ["--instance-id", WORKER_INSTANCE, "--metrics-port", str(metrics_port)]
+        mesh.start("mixed", [*me, "mixed", *engine, *bus, *worker], env)
+        mesh.start("gateway", [*me, "gateway", "--model", model, "--port", str(gateway_port), *bus], env)
+        url = f"http://127.0.0.1:{gateway_port}"
+        _wait_ready(mesh, f"{url}/health", lambda: False)
+        yield LaunchedMesh(url, f"http://127.0.0.1:{metrics_port}/metrics", log_dir)
+    finally:
+        mesh.stop()
+
+
+def _redis_conf(log_dir: Path, port: int, password: str) -> Path:
+    """The password goes in a file only we can read, as `specmesh serve` keeps it."""
+    conf = log_dir / "redis.conf"
+    conf.write_text(f'port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave ""\nappendonly no\n')
+    conf.chmod(0o600)
+    return conf
+
+
+def _total(text: str, metric: str) -> float:
+    """The sum of every sample of `metric` (all label sets)."""
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(metric + "{") or line.startswith(metric + " ")
+    )
+
+
+def _per_position(text: str, metric: str) -> list[int]:
+    """Samples `metric{...,position="i"} value` of a Prometheus page, as a list indexed by i."""
+    counts: dict[int, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(metric + "{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        position = labels.partition('position="')[2].partition('"')[0]
+        if position.isdigit():
+            counts[int(position)] = counts.get(int(position), 0.0) + float(value)
+    return [int(counts.get(i, 0.0)) for i in range(max(counts, default=-1) + 1)]

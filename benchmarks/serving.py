@@ -1,0 +1,264 @@
+"""Online benchmark: an OpenAI-style streaming client against the gateway, under load.
+
+    python -m benchmarks.serving --launch --workload code_editing --num-requests 16 --concurrency 4
+    python -m benchmarks.serving --url http://127.0.0.1:8000 --workload agentic --request-rate 4
+
+With `--launch`, every cell (method x workload x concurrency) gets a fresh local mesh — Redis,
+scheduler, suffix-cache, one mixed worker, gateway, each its own process, as `specmesh serve` starts
+them, with the engine flags given here — so no method inherits another's caches; `naive` runs first
+and the methods one after the other, so speedups are ratios of side-by-side runs. With `--url`, the
+methods are asked for per request (the `speculative` request field; the server must have them), and
+all of them meet the one server's caches, warmed by the methods before them: use `--launch` for
+side-by-side figures.
+
+Each request streams `/v1/completions`; the client stamps every chunk: TTFT, TPOT, ITL, e2e
+(p50 / p90 / p99), output tokens/s, requests/s, goodput under `--slo-ttft-ms` / `--slo-tpot-ms`,
+mean accepted length from `usage.speculative` (summed) and, with `--launch`, per-position acceptance
+from the worker's counters. Writes a JSON result file and PNG plots next to it, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from benchmarks.client import CompletionClient, Sampling, drive
+from benchmarks.compare import Cell, add_speedups, print_result, result_header, write_result
+from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct
+from benchmarks.launch import launch_mesh
+from benchmarks.methods import request_override
+from benchmarks.metrics import RequestRecord, SpecCounts, run_duration_s, summarize
+from benchmarks.offline import add_common_args, cell_requests, finish_args, median_run, settings
+from services.engine.args import add_engine_args
+
+NUM_WARMUP = 2
+"""Short requests each server gets before the measured ones."""
+
+
+# ---- one server, one set of requests ------------------------------------------------------------------
+
+
+async def run_online(
+    url: str,
+    requests: list[BenchRequest],
+    sampling: Sampling,
+    concurrency: int | None,
+    request_rate: float | None = None,
+    seed: int = 0,
+    speculative: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    progress: tqdm | None = None,
+    warmup: bool = True,
+) -> list[RequestRecord]:
+    """Warms the server up with two short requests (unless told not to), then measures `requests`."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        client = CompletionClient(session, url, sampling, model, speculative, api_key)
+        if warmup:
+            first = BenchRequest("warmup", "warmup", WARMUP_PROMPT, 8)
+            await asyncio.gather(*(client.send(first) for _ in range(NUM_WARMUP)))
+        return await drive(requests, client.send, concurrency, request_rate, seed, progress)
+
+
+def with_worker_positions(records: list[RequestRecord], positions: dict[str, list[int]]) -> SpecCounts:
+    """Totals from the gateway's usage, per-position counts from the worker."""
+    total = SpecCounts()
+    for record in records:
+        total.add(record.spec)
+    total.drafted_per_position = positions["drafted_per_position"]
+    total.accepted_per_position = positions["accepted_per_position"]
+    return total
+
+
+def _minus(after: dict[str, list[int]], before: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {
+        key: [x - (before[key][i] if i < len(before[key]) else 0) for i, x in enumerate(values)]
+        for key, values in after.items()
+    }
+
+
+# ---- cells ----------------------------------------------------------------------------------------------
+
+
+def online_cell(
+    label: str,
+    spec: dict[str, Any],
+    requests: list[BenchRequest],
+    concurrency: int | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    desc = f"{label} c={concurrency or '-'}" + (f" rate={args.request_rate}" if args.request_rate else "")
+    with tqdm(desc=desc, total=len(requests), unit="req", disable=not args.progress, leave=False) as progress:
+        if args.launch:
+            records, spec_counts = launched_cell(spec, requests, concurrency, args, progress)
+        else:
+            records = asyncio.run(
+                run_online(
+                    args.url,
+                    requests,
+                    args.sampling,
+                    concurrency,
+                    args.request_rate,
+                    args.seed,
+                    request_override(spec),
+                    args.api_key,
+                    args.served_model_name,
+                    progress,
+                )
+            )
+            spec_counts = None
+    summary = summarize(records, run_duration_s(records), args.slo)
+    if spec_counts is not None:
+        summary["speculative"] = {**spec_counts.summary(), "per_position_source": "worker metrics"}
+    return {"summary": summary, "records": [r.compact() for r in records]}
+
+
+def launched_cell(
+    spec: dict[str, Any],
+    requests: list[BenchRequest],
+    concurrency: int | None,
+    args: argparse.Namespace,
+    progress: tqdm,
+) -> tuple[list[RequestRecord], SpecCounts]:
+    log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
+    with launch_mesh(args, args.model, spec, log_dir, args.torch_threads) as mesh:
+        args.log_dirs.append(str(mesh.log_dir))
+        asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
+        before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
+        records = asyncio.run(
+            run_online(
+                mesh.url,
+                requests,
+                args.sampling,
+                concurrency,
+                args.request_rate,
+                args.seed,
+                progress=progress,
+                warmup=False,
+            )
+        )
+        after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
+    return records, with_worker_positions(records, _minus(after, before))
+
+
+def method_cells(
+    workload: str, requests: list[BenchRequest], concurrency: int | None, args: argparse.Namespace
+) -> list[Cell]:
+    """Every method on the same requests, naive first; repeats interleave the methods."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in args.method_configs}
+    for _ in range(args.repeats):
+        for label, spec in args.method_configs.items():
+            runs[label].append(online_cell(label, spec, requests, concurrency, args))
+    return [
+        {
+            "method": label,
+            "backend": "mesh" if args.launch else "server",
+            "speculative_config": spec,
+            "workload": workload,
+            "concurrency": concurrency,
+            "effective_concurrency": min(concurrency or len(requests), len(requests)),
+            "num_distinct_prompts": num_distinct(requests),
+            "request_rate": args.request_rate,
+            **median_run(runs[label]),
+        }
+        for label, spec in args.method_configs.items()
+    ]
+
+
+def wait_until_healthy(url: str, timeout_s: float) -> None:
+    """Polls `/health` until the server says 200 (a gateway answers 503 until a worker registers)."""
+    deadline = time.monotonic() + timeout_s
+    reason = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            reason = exc.read().decode(errors="replace")[:200]
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            reason = str(exc)
+        time.sleep(0.5)
+    raise SystemExit(f"{url} is not healthy after {timeout_s:.0f} s: {reason}")
+
+
+# ---- command ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(parser)
+    add_common_args(parser)
+    group = parser.add_argument_group("online")
+    where = group.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running gateway, e.g. http://127.0.0.1:8000")
+    where.add_argument(
+        "--launch", action="store_true", help="start a local mesh per cell (needs redis-server)"
+    )
+    group.add_argument(
+        "--concurrency", type=int, nargs="+", default=[None], help="most requests in flight (default: no cap)"
+    )
+    group.add_argument("--api-key", help="bearer key for --url")
+    group.add_argument(
+        "--ready-timeout-s", type=float, default=300.0, help="--url: how long to wait for /health to say 200"
+    )
+    group.add_argument(
+        "--served-model-name", help="the `model` field to send (default: none, the served model)"
+    )
+    group.add_argument("--log-dir", type=Path, help="--launch: keep each cell's process logs here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every cell; the result file is rewritten after each group of cells (a run cut short keeps
+    what it measured)."""
+    args.log_dirs = []
+    cells: list[Cell] = []
+    extra = {
+        "concurrency": args.concurrency,
+        "target": "launched mesh (mixed worker)" if args.launch else args.url,
+        "log_dirs": args.log_dirs,
+    }
+
+    def result(complete: bool) -> dict[str, Any]:
+        header = result_header("serving", args.model, settings(args, extra))
+        return {**header, "complete": complete, "skipped": args.skipped, "cells": add_speedups(cells)}
+
+    for workload in args.workload:
+        for concurrency in args.concurrency:
+            requests = cell_requests(workload, concurrency, args)
+            cells += method_cells(requests[0].workload, requests, concurrency, args)
+            write_result(result(complete=False), args.out, plot=False)
+    return result(complete=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    finish_args(args)
+    if args.request_rate is None and args.concurrency == [None]:
+        args.concurrency = [1]  # no rate and no cap would send everything at once; say what we do
+    args.out = args.out or Path("benchmarks/results/serving.json")
+    if args.url:
+        wait_until_healthy(args.url, args.ready_timeout_s)
+    result = run(args)
+    pngs = write_result(result, args.out, plot=not args.no_plots)
+    print_result(result)
+    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs))
+
+
+if __name__ == "__main__":
+    main()
