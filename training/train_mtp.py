@@ -428,7 +428,7 @@ def train_step(
     config: TrainMTPConfig,
 ) -> float:
     head.train()
-    with _autocast(token_ids.device):
+    with bf16_autocast(token_ids.device):
         target_hidden, target_logits = target_pass(target, token_ids)
         head_logits = head_pass(head, token_ids, target_hidden)
         loss = training_loss(head_logits, target_logits, token_ids, config.hard_label_weight)
@@ -444,14 +444,30 @@ def evaluate(
     head: MTPHead, target: LlamaForCausalLM, windows: torch.Tensor, config: TrainMTPConfig, step: int
 ) -> EvalStats:
     """Mean KL and top-1 agreement over the first `eval_batches` batches of held-out windows."""
-    head.eval()
     windows = windows[: config.eval_batches * config.batch_size]
+    return score_windows(head, target, windows, config.batch_size, config.torch_device, step)
+
+
+@torch.no_grad()
+def score_windows(
+    head: MTPHead,
+    target: LlamaForCausalLM,
+    windows: torch.Tensor,  # [num_windows, seq_len]
+    batch_size: int,
+    device: torch.device,
+    step: int,
+    first_row: int = 0,
+) -> EvalStats:
+    """Mean KL and top-1 agreement of the draft rows from `first_row` on (row i drafts t_{i+2}),
+    e.g. only the rows of a generated continuation after its prompt."""
+    head.eval()
     kl_sum, agreements, num_rows = 0.0, 0, 0
-    for batch in windows.split(config.batch_size):
-        token_ids = batch.to(config.torch_device)
-        with _autocast(token_ids.device):
+    for batch in windows.split(batch_size):
+        token_ids = batch.to(device)
+        with bf16_autocast(token_ids.device):
             target_hidden, target_logits = target_pass(target, token_ids)
             head_logits = head_pass(head, token_ids, target_hidden)
+        head_logits, target_logits = head_logits[:, first_row:], target_logits[:, first_row:]
         rows = head_logits.shape[0] * head_logits.shape[1]
         kl_sum += float(distillation_kl(head_logits, target_logits)) * rows
         agreements += num_agreements(head_logits, target_logits)
@@ -459,7 +475,7 @@ def evaluate(
     return EvalStats(step=step, kl=kl_sum / num_rows, agreement=agreements / num_rows, num_rows=num_rows)
 
 
-def _autocast(device: torch.device) -> torch.autocast:
+def bf16_autocast(device: torch.device) -> torch.autocast:
     """bf16 autocast on CUDA (the head's weights stay float32); plain float32 on CPU."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
