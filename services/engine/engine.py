@@ -249,12 +249,11 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        started = time.perf_counter()
         step = self.runner.execute(batch)
-        self.drafter.adaptive.cost.record(len(step.inputs.input_ids), time.perf_counter() - started)
         outputs, spans = self._postprocess(batch, step)
         self.drafter.catch_up(spans, step.hidden)
         for seq in [span.seq for span in spans if span.seq.finish_reason is not None]:
@@ -263,6 +262,9 @@ class LLMEngine:
             self._release(seq)
         decoding = [s.seq for s in spans if s.seq.is_decoding]
         self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
+        # the whole step, drafting and verification included: what a draft really costs (on a GPU the
+        # forward grows little with tokens, but the host work of drafting and verifying does)
+        self.drafter.adaptive.cost.record(len(step.inputs.input_ids), time.perf_counter() - started)
         return outputs
 
     def _postprocess(
