@@ -8,7 +8,8 @@ Drafts are granted greedily, most valuable first, while they raise the batch's t
 sum(E) / T(n); a lightly loaded GPU step is nearly flat in n, so requests get their full k, while
 a saturated one grows with n, so k shrinks and speculation pauses when it would cost more than it
 saves. A request whose acceptance stays below `min_acceptance` stops drafting and is probed with
-one draft now and then so it can recover.
+one draft now and then so it can recover. One step in EXPLORE_EVERY_STEPS runs without drafts so
+that the fit always sees steps of different sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from services.engine.sequence import Sequence
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
 COST_WINDOW = 256
+EXPLORE_EVERY_STEPS = 32
+"""Every this many steps nobody drafts: a step of another size, so the cost slope stays measurable
+even when a busy server otherwise runs the same number of tokens every step."""
 
 
 class StepCostModel:
@@ -68,6 +72,8 @@ class AdaptiveSpeculation:
         caps = [self._cap(seq) for seq in seqs]
         if not self.enabled:
             return caps
+        if self.step % EXPLORE_EVERY_STEPS == 0:
+            return [0] * len(seqs)
         fixed, per_token = self.cost.fit()
         num_tokens = num_other_tokens
         expected = float(len(seqs))
@@ -92,4 +98,4 @@ class AdaptiveSpeculation:
         """The request's own limit: max_k, or none while its acceptance is too low (with probes)."""
         if not self.enabled or seq.spec.acceptance >= self.min_acceptance:
             return seq.spec.max_k
-        return min(1, seq.spec.max_k) if self.step % PROBE_EVERY_STEPS == 0 else 0
+        return min(1, seq.spec.max_k) if self.step % PROBE_EVERY_STEPS == 1 else 0

@@ -89,3 +89,12 @@ def test_acceptance_estimate_tracks_verify_results() -> None:
 def test_disabled_always_uses_max_k() -> None:
     adaptive = AdaptiveSpeculation(enabled=False, min_acceptance=0.2)
     assert adaptive.choose(seqs([0.0, 0.9], max_k=3), num_other_tokens=2) == [3, 3]
+
+
+def test_a_step_without_drafts_now_and_then_keeps_the_cost_slope_measurable() -> None:
+    from services.engine.spec_decode.adaptive import EXPLORE_EVERY_STEPS
+
+    adaptive = with_cost(fixed_s=0.010, per_token_s=1e-9)
+    ks = [adaptive.choose(seqs([0.8, 0.8]), num_other_tokens=2) for _ in range(EXPLORE_EVERY_STEPS)]
+    assert ks[-1] == [0, 0]
+    assert all(k == [5, 5] for k in ks[:-1])
