@@ -32,12 +32,15 @@ class SamplingBatch:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Suppressed ids, then repetition (prompt + output), frequency and presence (output) penalties."""
+    """Suppressed ids, then repetition (prompt + output), frequency and presence (output) penalties.
+    Returns `logits` itself, uncopied, when no row has either (the common case on the hot path)."""
+    rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+    if not rows and not any(batch.suppressed_token_ids):
+        return logits
     logits = logits.clone()
     for i, ids in enumerate(batch.suppressed_token_ids):
         if ids:
             logits[i, ids] = float("-inf")
-    rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
     if not rows:
         return logits
     vocab_size = logits.shape[-1]
