@@ -1,10 +1,15 @@
-"""Offline engine throughput: output tokens per second at several batch sizes.
+"""Offline engine throughput and decode step time at several batch sizes.
 
     python -m benchmarks.bench_engine --shape llama-tiny --batch-sizes 1 32
+    python -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 --batch-sizes 1 16 64  # GPU
+    python -m benchmarks.bench_engine ... --enforce-eager   # the same without CUDA graphs
 
 Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
-tokens each (greedy, EOS ignored), after one warm-up run. Results are printed as a table and
-written as JSON.
+tokens each (greedy, EOS ignored), after one warm-up run. The decode step time is the mean of the
+engine steps after every prompt is in (the whole step: scheduling, inputs, forward, sampling,
+outputs). On a GPU it is set against the weight-read floor: (weight bytes + the KV bytes a step
+reads) / device-to-device copy bandwidth, the least time any engine needs to read them once.
+Results are printed as a table and written as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from benchmarks.random_model import SHAPES, write_random_checkpoint
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
+from shared.speculative_config import SpeculativeConfig
 
 
 def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int) -> dict[str, float]:
@@ -30,16 +36,51 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params.model_copy(update={"max_tokens": 4}))
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{batch}-{i}", prompt_token_ids=prompt, params=params)
     started = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    num_out = 0
+    step_times: list[float] = []
+    while engine.has_unfinished_requests():
+        prefilling = any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values())
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        if not prefilling:
+            step_times.append(time.perf_counter() - step_started)
+        num_out += sum(len(o.new_token_ids) for o in outputs)
     elapsed = time.perf_counter() - started
-    num_out = sum(len(o.token_ids) for o in outputs)
     return {
         "batch": batch,
         "output_tokens": num_out,
         "seconds": elapsed,
         "output_tok_per_s": num_out / elapsed,
+        "decode_step_ms": 1e3 * sum(step_times) / max(1, len(step_times)),
     }
+
+
+def floor_ms(llm: LLM, batch: int, context: int, copy_gbs: float) -> float:
+    """(weights + KV read by one decode step at this context) / copy bandwidth, in ms."""
+    runner = llm.engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    c = runner.model_config
+    kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    kv_bytes *= torch.tensor([], dtype=runner.dtype).element_size()
+    return (weight_bytes + kv_bytes) / (copy_gbs * 1e9) * 1e3
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    src = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 10 * 2 * src.numel() * 4 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def profile_decode(llm: LLM, batch: int, prompt_len: int, vocab_size: int) -> None:
@@ -79,6 +120,8 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of 8 decode steps"
     )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--speculative-config", help="JSON, as for `specmesh serve` (default: naive)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,9 +131,18 @@ def main() -> None:
             dtype=args.dtype,
             max_model_len=args.prompt_len + args.output_len + 8,
             max_num_seqs=max(args.batch_sizes),
+            enforce_eager=args.enforce_eager,
+            speculative_config=SpeculativeConfig.from_json(args.speculative_config),
         )
         vocab = llm.engine.model_config.vocab_size
         rows = [run(llm, b, args.prompt_len, args.output_len, vocab) for b in args.batch_sizes]
+        if llm.engine.runner.device.type == "cuda":
+            copy_gbs = copy_bandwidth_gbs()
+            for row in rows:  # mean context over the decode: prompt + half the output
+                row["floor_ms"] = floor_ms(
+                    llm, row["batch"], args.prompt_len + args.output_len // 2, copy_gbs
+                )
+                row["step_over_floor"] = row["decode_step_ms"] / row["floor_ms"]
         if args.profile:
             profile_decode(llm, max(args.batch_sizes), args.prompt_len, vocab)
     result = {
@@ -99,6 +151,8 @@ def main() -> None:
         "dtype": str(llm.engine.runner.dtype),
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        "cuda_graphs": llm.engine.runner.graphs is not None,
+        "speculative_config": args.speculative_config,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "rows": rows,
@@ -108,9 +162,15 @@ def main() -> None:
     print(
         f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
     )
-    print("| batch | output tokens | seconds | output tok/s |\n|---:|---:|---:|---:|")
+    print(f"CUDA graphs: {result['cuda_graphs']}, speculative config: {args.speculative_config or 'naive'}")
+    print("| batch | output tokens | seconds | output tok/s | decode step ms | floor ms | step / floor |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tok_per_s']:.1f} |")
+        floor = f"{r['floor_ms']:.3f} | {r['step_over_floor']:.2f}x" if "floor_ms" in r else "- | -"
+        print(
+            f"| {r['batch']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tok_per_s']:.1f} "
+            f"| {r['decode_step_ms']:.3f} | {floor} |"
+        )
 
 
 if __name__ == "__main__":

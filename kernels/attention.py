@@ -447,6 +447,24 @@ def append_attention_cuda(
     num_seqs = meta.num_seqs
     if num_seqs == 0 or num_tokens == 0:
         return out
+    if meta.max_query_len is not None:  # launch bounds fixed for a CUDA graph
+        _cuda.check(
+            meta.max_query_len <= MAX_KERNEL_QUERY_LEN,
+            f"max_query_len {meta.max_query_len} exceeds the kernel's {MAX_KERNEL_QUERY_LEN}",
+        )
+        _launch_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window,
+            out,
+            meta.max_query_len,
+            group,
+            num_splits,
+        )
+        return out
     query_lens = meta.query_lens_cpu
     short = [n for n in query_lens if n <= MAX_KERNEL_QUERY_LEN]
     if short:
@@ -479,7 +497,8 @@ def _launch_attention(
     rmax = _rmax(tile_tokens * group)
     num_seqs = meta.num_seqs
     if num_splits is None:
-        num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max(meta.seq_lens_cpu), device)
+        max_seq_len = meta.max_seq_len if meta.max_seq_len is not None else max(meta.seq_lens_cpu)
+        num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max_seq_len, device)
     dtype_id = _cuda.DTYPE_IDS[query.dtype]
     smem = smem_bytes(rmax, head_dim, query.element_size())
     kernel = _cuda.function(

@@ -27,6 +27,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    max_query_len: int | None = None
+    """Launch bound for a CUDA graph: the longest query any replay may bring (None: the longest
+    of `query_lens_cpu`). A graph is captured once and replayed with new tensor contents, so the
+    launch shape must cover every batch it will see."""
+    max_seq_len: int | None = None
+    """Launch bound for a CUDA graph: the longest context any replay may bring (None: the longest
+    of `seq_lens_cpu`); it sets how many splits the context is cut into."""
 
     @property
     def num_seqs(self) -> int:
@@ -42,9 +49,13 @@ def write_kv_ref(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    slot_mapping: torch.Tensor,  # [num_tokens]; negative: skip the token (padding)
 ) -> None:
     num_kv_heads, head_dim = key_cache.shape[-2:]
+    skipped = slot_mapping < 0
+    if skipped.any():
+        keep = ~skipped
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
     value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 

@@ -2,8 +2,8 @@
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
 #   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine ...]   (default: all three)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
-# engine.json / engine-ref.json + engine.log (benchmarks.bench_engine with the CUDA kernels and, as the
-# baseline in the same visit, with SPECMESH_KERNELS=ref).
+# engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine with CUDA graphs, eagerly, and, as the
+# baseline in the same visit, eagerly with the torch references: SPECMESH_KERNELS=ref).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -20,18 +20,23 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 status=0
 if [[ " $stages " == *" tests "* ]]; then
     timeout 360 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
-        tests/kernels tests/services/engine/test_gpu_parity.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+        tests/kernels tests/services/engine/test_gpu_parity.py tests/services/engine/test_cuda_graph.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
     status=$?
 fi
 if [[ " $stages " == *" bench "* ]]; then
     timeout 240 python3 -m benchmarks.gpu_kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -60
 fi
 if [[ " $stages " == *" engine "* ]]; then
-    for mode in cuda ref; do
-        suffix=$([ "$mode" = ref ] && echo "-ref" || echo "")
-        SPECMESH_KERNELS=$mode timeout 150 python3 -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 \
-            --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine$suffix.json" 2>&1 \
-            | tee -a "$OUT/engine.log" | tail -8
+    # decode step vs the weight-read floor: CUDA graphs (default), eager, and the torch references
+    for shape in llama-3.2-1b qwen2.5-7b; do
+        python3 -m benchmarks.random_model $shape /tmp/specmesh-$shape  # once per shape: 7B is 15 GB
+        for mode in graphs eager ref; do
+            flags=$([ "$mode" = graphs ] && echo "" || echo "--enforce-eager")
+            kernels=$([ "$mode" = ref ] && echo ref || echo cuda)
+            SPECMESH_KERNELS=$kernels timeout 200 python3 -m benchmarks.bench_engine --model /tmp/specmesh-$shape --dtype bfloat16 \
+                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/engine-$shape-$mode.json" 2>&1 \
+                | tee -a "$OUT/engine.log" | tail -6
+        done
     done
 fi
 exit $status

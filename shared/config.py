@@ -45,6 +45,11 @@ class EngineConfig(BaseModel):
     """Seed for requests that do not set their own."""
     speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Draft method and verification; the default, naive, runs the speculative path with no drafts."""
+    enforce_eager: bool = False
+    """Run every step eagerly; by default a GPU replays decode steps from CUDA graphs."""
+    cuda_graph_max_tokens: int = Field(default=512, ge=1, le=8192)
+    """Largest decode step (tokens: sequences x (1 + drafts)) captured in a CUDA graph; larger
+    steps run eagerly. Graphs are captured for token counts up to it at start-up."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

@@ -32,6 +32,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: run every GPU step eagerly"
+    )
+    group.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=512,
+        help="largest decode step (sequences x (1 + drafts)) replayed from a CUDA graph",
+    )
+    group.add_argument(
         "--speculative-config",
         help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
@@ -52,5 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )

@@ -264,7 +264,7 @@ class LLMEngine:
         self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
         # the whole step, drafting and verification included: what a draft really costs (on a GPU the
         # forward grows little with tokens, but the host work of drafting and verifying does)
-        self.drafter.adaptive.cost.record(len(step.inputs.input_ids), time.perf_counter() - started)
+        self.drafter.adaptive.cost.record(step.inputs.host.num_tokens, time.perf_counter() - started)
         return outputs
 
     def _postprocess(

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from kernels import AttentionMetadata
+from services.engine.cuda_graph import DecodeGraphs, HostBatch
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
@@ -30,10 +32,7 @@ GIB = 1 << 30
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_logit_rows] rows of the flat batch that reach the LM head
+    host: HostBatch
     sampled_seqs: list[Sequence]
     """Sequences that get a token this step (their last real token and drafts are all in the batch)."""
 
@@ -72,6 +71,27 @@ class ModelRunner:
             self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
         )
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
+        self.graphs = self._capture_graphs() if self._use_graphs() else None
+
+    def _use_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and kernels.cuda_available(torch.empty(0, device=self.device))
+        )
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        max_query_len = 1 + self.spec.k if self.spec.enabled else 1
+        max_tokens = min(
+            self.config.cuda_graph_max_tokens,
+            self.config.max_num_seqs * max_query_len,
+            self.config.resolved_max_num_batched_tokens(self.max_model_len),
+        )
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_tokens, [1, max_query_len], self.max_model_len, self.block_size
+        )
+        graphs.capture()
+        return graphs
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -101,34 +121,39 @@ class ModelRunner:
         only the last real token and the drafts of each finishing sequence reach the LM head, and
         the rejection sampler turns those rows into tokens (partial prefill chunks get none)."""
         inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        host = inputs.host
+        key = (
+            self.graphs.lookup(host.num_tokens, max(host.query_lens))
+            if self.graphs and host.is_decode
+            else None
+        )
+        if key is not None:
+            hidden, logits = self.graphs.replay(host, key)  # type: ignore[union-attr]
+        else:
+            positions, meta = self._device_metadata(host)
+            hidden = self.model(self._tensor(host.input_ids, torch.long), positions, self.kv_caches, meta)
+            logits = None
+            if inputs.sampled_seqs:
+                logits = self.model.compute_logits(hidden[self._tensor(host.logits_indices, torch.long)])
         results: list[VerifyResult] = []
-        if inputs.sampled_seqs:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if logits is not None:
             requests = [verify_request(seq) for seq in inputs.sampled_seqs]
             results = self.verifier(logits, row_batch(inputs.sampled_seqs), requests)
         return StepOutput(inputs, results, hidden)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         starts = [seq.num_computed_tokens for seq in batch.seqs]
-        positions, meta = self.metadata(batch.seqs, starts, batch.num_new_tokens)
-        input_ids: list[int] = []
-        logits_indices: list[int] = []
+        host = self.host_batch(batch.seqs, starts, batch.num_new_tokens)
         sampled: list[Sequence] = []
+        row = 0
         for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
-            row = len(input_ids)
             end = start + num_new
-            input_ids += (seq.token_ids + seq.spec.draft_token_ids)[start:end]
+            host.input_ids += (seq.token_ids + seq.spec.draft_token_ids)[start:end]
             if end >= seq.num_tokens:  # the last real token is in: its row and every draft row are scored
-                logits_indices += range(row + seq.num_tokens - 1 - start, row + num_new)
+                host.logits_indices += range(row + seq.num_tokens - 1 - start, row + num_new)
                 sampled.append(seq)
-        return StepInputs(
-            input_ids=self._tensor(input_ids, torch.long),
-            positions=positions,
-            meta=meta,
-            logits_indices=self._tensor(logits_indices, torch.long),
-            sampled_seqs=sampled,
-        )
+            row += num_new
+        return StepInputs(host, sampled)
 
     def caches(self, name: str) -> list[KVCache]:
         """The per-layer KV caches that share the block tables: target, draft or mtp."""
@@ -142,29 +167,44 @@ class ModelRunner:
         size = self.block_size
         return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
 
-    def metadata(
-        self, seqs: list[Sequence], starts: list[int], lens: list[int]
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Positions [sum(lens)] and attention metadata for `lens[i]` new tokens of `seqs[i]` from
-        position `starts[i]`, over the shared block tables (drafting models use this)."""
+    def host_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> HostBatch:
+        """Positions, slots and block tables of `lens[i]` new tokens of `seqs[i]` from position
+        `starts[i]` (input ids and logit rows are left for the caller)."""
         positions: list[int] = []
         slots: list[int] = []
         for seq, start, n in zip(seqs, starts, lens):
             positions += range(start, start + n)
             slots += self.slots(seq, start, start + n)
-        seq_lens = [start + n for start, n in zip(starts, lens)]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.long),
-            query_start_loc=self._tensor([0, *itertools.accumulate(lens)], torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], torch.int32
-            ),
-            query_lens_cpu=list(lens),
-            seq_lens_cpu=seq_lens,
+        return HostBatch(
+            input_ids=[],
+            positions=positions,
+            slots=slots,
+            query_lens=list(lens),
+            seq_lens=[start + n for start, n in zip(starts, lens)],
+            block_tables=[seq.block_table for seq in seqs],
+            logits_indices=[],
         )
-        return self._tensor(positions, torch.long), meta
+
+    def metadata(
+        self, seqs: list[Sequence], starts: list[int], lens: list[int]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions [sum(lens)] and attention metadata for `lens[i]` new tokens of `seqs[i]` from
+        position `starts[i]`, over the shared block tables (drafting models use this)."""
+        return self._device_metadata(self.host_batch(seqs, starts, lens))
+
+    def _device_metadata(self, host: HostBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        max_blocks = max(len(table) for table in host.block_tables)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(host.slots, torch.long),
+            query_start_loc=self._tensor([0, *itertools.accumulate(host.query_lens)], torch.int32),
+            seq_lens=self._tensor(host.seq_lens, torch.int32),
+            block_tables=self._tensor(
+                [table + [0] * (max_blocks - len(table)) for table in host.block_tables], torch.int32
+            ),
+            query_lens_cpu=host.query_lens,
+            seq_lens_cpu=host.seq_lens,
+        )
+        return self._tensor(host.positions, torch.long), meta
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

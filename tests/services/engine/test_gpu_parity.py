@@ -100,10 +100,11 @@ def test_greedy_every_method_on_gpu_float32_matches_cpu(
     cpu = LLM(parity_target, device="cpu", max_model_len=192, speculative_config=spec).generate(
         prompt_token_ids=prompts, sampling_params=params
     )
-    gpu = LLM(
-        parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec
-    ).generate(prompt_token_ids=prompts, sampling_params=params)
+    gpu_llm = LLM(parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec)
+    gpu = gpu_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    graphs = gpu_llm.engine.runner.graphs
+    assert graphs is not None and graphs.num_replays > 0  # decode steps ran from CUDA graphs
     if method in ("ngram", "suffix", "draft_model"):
         assert sum(o.spec_stats["num_accepted_tokens"] for o in gpu) > 0
 

@@ -335,8 +335,9 @@ def test_verification_scores_only_the_last_token_and_drafts(target) -> None:
     batch = engine.scheduler.schedule()
     inputs = engine.runner.prepare_inputs(batch)
     assert batch.num_new_tokens == [1 + drafts[s.request_id] for s in batch.seqs]
-    assert len(inputs.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
-    assert len(inputs.input_ids) == len(inputs.logits_indices)
+    assert len(inputs.host.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
+    assert inputs.host.num_tokens == len(inputs.host.logits_indices)
+    assert inputs.host.is_decode
 
 
 def test_split_prefill_decode_with_mtp_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
