@@ -6,6 +6,8 @@ Measures, on the card it runs on (named in the output):
 - device copy bandwidth (bytes read + written), the ceiling the memory-bound numbers are compared with;
 - paged append-attention achieved bandwidth on long contexts (KV bytes read / kernel time);
 - the n-gram kernel at batch 256 with 8k-token histories; the fused verify + sample kernel;
+- the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
+  Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
   Qwen2.5-7B-shaped models at batch 1 / 16 / 64 with k = 0..5 drafts per sequence, eager (what the
   engine runs now, host overhead included) and replayed from a CUDA graph (device time), against the
@@ -29,6 +31,7 @@ import torch
 from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
+from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
@@ -196,6 +199,73 @@ def verify_rows() -> list[dict[str, Any]]:
     return rows
 
 
+FUSED_LAYER_SHAPES = {
+    # name: (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim)
+    "llama-3.2-1b": (2048, 8192, 32, 8, 64),
+    "qwen2.5-7b": (3584, 18944, 28, 4, 128),
+}
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Device time of one call among `calls` back to back in one CUDA graph, as inside a captured
+    model step (a graph of one small kernel would time the graph launch instead)."""
+    return 1e3 * graph_time_ms(lambda: [fn() for _ in range(calls)], reps=20) / calls
+
+
+def fused_layer_rows() -> list[dict[str, Any]]:
+    """Each fused kernel vs its torch twin (the plain ops the model ran before, bit for bit), bf16,
+    device time per call from CUDA-graph replays."""
+    from kernels.fused_layers import fused_add_rms_norm_cuda, rotary_embedding_cuda, silu_and_mul_cuda
+
+    rows = []
+    dtype, eps = torch.bfloat16, 1e-5
+    for name, (hidden, inter, heads, kv_heads, head_dim) in FUSED_LAYER_SHAPES.items():
+        cos = torch.randn(4096, head_dim // 2, device="cuda")
+        sin = torch.randn(4096, head_dim // 2, device="cuda")
+        weight = torch.rand(hidden, device="cuda", dtype=dtype)
+        for num_tokens in (1, 16, 64, 384):
+            x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+            residual = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+            gate_up = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=dtype)
+            qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype)
+            query = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+            key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                num_tokens, kv_heads, head_dim
+            )
+            positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+
+            pairs: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
+                (
+                    "add_rms_norm",
+                    functools.partial(fused_add_rms_norm_cuda, x, residual, weight, eps),
+                    functools.partial(fused_add_rms_norm_ref, x, residual, weight, eps),
+                ),
+                (
+                    "silu_and_mul",
+                    functools.partial(silu_and_mul_cuda, gate_up),
+                    functools.partial(silu_and_mul_ref, gate_up),
+                ),
+                (
+                    "rotary",
+                    functools.partial(rotary_embedding_cuda, positions, query, key, cos, sin),
+                    functools.partial(rotary_embedding_ref, positions, query, key, cos, sin),
+                ),
+            ]
+            for op, fused, plain in pairs:
+                fused_us, torch_us = per_call_us(fused), per_call_us(plain)
+                rows.append(
+                    dict(
+                        shape=name,
+                        op=op,
+                        tokens=num_tokens,
+                        us=fused_us,
+                        torch_us=torch_us,
+                        speedup=torch_us / fused_us,
+                    )
+                )
+    return rows
+
+
 def random_model(shape: str, max_positions: int) -> LlamaForCausalLM:
     raw = {**SHAPES[shape], "hidden_act": "silu", "rms_norm_eps": 1e-5}
     config = ModelConfig.from_dict(raw)
@@ -331,6 +401,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_kernels.json"))
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections")
     args = parser.parse_args()
     result: dict[str, Any] = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["copy_gb_per_s"] = copy_bandwidth_gbs()
@@ -339,6 +410,7 @@ def main() -> None:
         ("attention", lambda: attention_rows(result["copy_gb_per_s"])),
         ("ngram", ngram_row),
         ("verify", verify_rows),
+        ("fused_layers", fused_layer_rows),
     ]
     if not args.skip_steps:
         sections += [
@@ -350,6 +422,8 @@ def main() -> None:
             ),
             ("step_qwen", lambda: step_rows("qwen2.5-7b", result["copy_gb_per_s"], [1, 16, 64], [0, 5], [1])),
         ]
+    if args.only:
+        sections = [(name, run) for name, run in sections if name in args.only]
     for name, run in sections:
         try:
             result[name] = run()
@@ -373,6 +447,11 @@ def summarize(result: dict[str, Any]) -> None:
     for row in result.get("verify", []) if isinstance(result.get("verify"), list) else []:
         print(
             f"verify B={row['batch']:3d} k={row['k']} {row['mode']:12s} {row['us']:8.1f} us (call {row['call_us']:.1f} us)"
+        )
+    for row in result.get("fused_layers", []) if isinstance(result.get("fused_layers"), list) else []:
+        print(
+            f"fused {row['shape']:13s} {row['op']:13s} tokens={row['tokens']:4d} {row['us']:7.1f} us "
+            f"(torch ops {row['torch_us']:7.1f} us, {row['speedup']:.1f}x)"
         )
     for key in ("step_llama", "step_qwen"):
         for row in result.get(key, []) if isinstance(result.get(key), list) else []:

@@ -12,6 +12,7 @@ import torch
 
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
+from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from kernels.ngram import TokenHistory
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref
@@ -51,6 +52,42 @@ def write_kv(
         write_kv_cuda(key, value, key_cache, value_cache, slot_mapping)
         return
     write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    residual: torch.Tensor | None,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new_residual)
+    if _cuda.available(x):
+        from kernels.fused_layers import fused_add_rms_norm_cuda
+
+        return fused_add_rms_norm_cuda(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
+    if _cuda.available(gate_up):
+        from kernels.fused_layers import silu_and_mul_cuda
+
+        return silu_and_mul_cuda(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated (query, key), new contiguous tensors
+    if _cuda.available(query):
+        from kernels.fused_layers import rotary_embedding_cuda
+
+        return rotary_embedding_cuda(positions, query, key, cos, sin)
+    return rotary_embedding_ref(positions, query, key, cos, sin)
 
 
 def ngram_match(
@@ -116,8 +153,11 @@ __all__ = [
     "TokenHistory",
     "append_attention",
     "cuda_available",
+    "fused_add_rms_norm",
     "ngram_match",
     "post_step_update",
+    "rotary_embedding",
+    "silu_and_mul",
     "verify_sample",
     "write_kv",
 ]

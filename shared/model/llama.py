@@ -3,6 +3,13 @@
 The model is pure: it takes flat token ids of every sequence in the step, their positions, the
 attention metadata and the per-layer KV caches, and returns hidden states. Only the rows that need
 logits go through `compute_logits`.
+
+The serving path (`forward`) carries the residual stream as vLLM does: a layer returns its MLP
+output and the stream *before* that output is added (`(hidden, residual)`), and the next norm adds
+the two in the same kernel that normalises them (`kernels.fused_add_rms_norm`). SiLU-and-mul and
+the rotary embedding are fused kernels too. On CPU the kernels' torch twins run, with the rounding
+of the plain formulas, so outputs are bit-identical to an unfused model. `forward_dense` (training,
+scoring) runs the same twins directly: they are differentiable, the CUDA kernels are not.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.fused_layers_ref import fused_add_rms_norm_ref, silu_and_mul_ref
 from shared.model.config import ModelConfig
 from shared.model.rope import RotaryEmbedding
 
@@ -29,9 +37,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """weight * RMSNorm(x) in plain torch ops (differentiable)."""
+        return fused_add_rms_norm_ref(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None: x starts the stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new_residual)
+        """new_residual = x + residual, normed = weight * RMSNorm(new_residual); one kernel on CUDA."""
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -67,7 +82,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch * seq_len, self.num_heads, self.head_dim)
         k = k.view(batch * seq_len, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions.repeat(batch), q, k)
+        q, k = self.rotary.forward_dense(positions.repeat(batch), q, k)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -90,8 +105,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # x: [num_tokens, hidden_size]; gate_up_proj gives the gate half, then the up half
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -103,14 +121,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]: the stream before it; None: first layer
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the stream before it)
+        """The layer's output stream is the sum of the two returned tensors; the next norm adds them."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
     def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn.forward_dense(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp.forward_dense(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,9 +169,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [batch, seq] -> final-normed hidden [batch, seq, hidden]; for training and scoring."""

@@ -93,7 +93,10 @@ class MTPHead(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]: h'_i, before the target's final norm
-        return self.layer(positions, self._combine(input_ids, previous_hidden), kv_cache, meta)
+        hidden, residual = self.layer(
+            positions, self._combine(input_ids, previous_hidden), None, kv_cache, meta
+        )
+        return hidden + residual
 
     def forward_dense(
         self,

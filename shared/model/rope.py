@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+import kernels
+from kernels.fused_layers_ref import rotary_embedding_ref
+
 
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device
@@ -54,16 +57,18 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (query, key) as new contiguous tensors; query and key may be views of a fused
+        QKV projection. One fused kernel on CUDA, which has no backward: inference only. The
+        kernel takes float32 tables, so `build` runs after the model is cast."""
+        return kernels.rotary_embedding(positions, query, key, self.cos, self.sin)
+
+    def forward_dense(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (GPT-NeoX) layout, as Hugging Face Llama checkpoints are stored."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
+        """The same in plain torch ops, differentiable (training and scoring)."""
+        return rotary_embedding_ref(positions, query, key, self.cos, self.sin)

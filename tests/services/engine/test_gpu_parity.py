@@ -91,6 +91,8 @@ def test_greedy_every_method_on_gpu_float32_matches_cpu(
     parity_target, untrained_mtp_head, method: str
 ) -> None:
     spec = dict(SPEC_METHODS[method])
+    if method in ("ngram", "suffix", "draft_model"):
+        spec["adaptive"] = False  # always draft, so that acceptance below does not hang on step timings
     if method == "draft_model":
         spec["model"] = parity_target
     if method == "mtp":

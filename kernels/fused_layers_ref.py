@@ -1,0 +1,57 @@
+"""Torch references for the fused per-layer kernels: residual add + RMSNorm, SiLU-and-mul, rotary.
+
+These are the twins of `kernels/fused_layers.py` (same signatures); the CPU path, CI and the
+autograd (training) paths run them. Their rounding is the model's: the residual sum and every
+activation are rounded to the model dtype where the unfused model code rounded them, so the CPU
+outputs are bit-identical to the plain formulas they replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new_residual), each [num_tokens, hidden_size]
+    """new_residual = x + residual (x when residual is None), in x's dtype;
+    normed = weight * RMSNorm(new_residual) (Zhang & Sennrich 2019), the norm in float32 and cast
+    back to x's dtype before the weight multiplies it, as Hugging Face Llama does."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype), x
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * intermediate_size] (gate half, then up half) ->
+    silu(gate) * up [num_tokens, intermediate_size]; silu's output is rounded to the dtype before
+    the product (SwiGLU, Shazeer 2020)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,  # [max_positions, head_dim / 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated (query, key), new contiguous tensors
+    """Rotary position embedding (Su et al. 2021) of each token at its position; out of place."""
+    cos_t = cos[positions].unsqueeze(1)
+    sin_t = sin[positions].unsqueeze(1)
+    return rotate_half_split(query, cos_t, sin_t), rotate_half_split(key, cos_t, sin_t)
+
+
+def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (GPT-NeoX) layout, as Hugging Face Llama checkpoints are stored: element i pairs
+    with element i + head_dim / 2. Float32 math, cast back to x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
