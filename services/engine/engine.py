@@ -262,9 +262,9 @@ class LLMEngine:
             self._release(seq)
         decoding = [s.seq for s in spans if s.seq.is_decoding]
         self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
-        # the whole step, drafting and verification included: what a draft really costs (on a GPU the
-        # forward grows little with tokens, but the host work of drafting and verifying does)
-        self.drafter.adaptive.cost.record(step.inputs.host.num_tokens, time.perf_counter() - started)
+        # the whole step: the drafter books its timed drafting as drafting cost, the rest (forward,
+        # verification, host work per token) as the step cost a draft adds to
+        self.drafter.record_step(step.inputs.host.num_tokens, time.perf_counter() - started)
         return outputs
 
     def _postprocess(

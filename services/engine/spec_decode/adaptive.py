@@ -1,62 +1,294 @@
-"""Adaptive speculation: how many drafts each request gets, from acceptance and measured step cost.
+"""Adaptive speculation: how many drafts each request gets, from its acceptance and the measured
+costs of verifying and of drafting.
 
-With a per-draft acceptance rate a, a request verifying k drafts emits on average
-E(k) = 1 + a + a^2 + ... + a^k tokens per step (Leviathan et al. 2023, eq. 1), so its k-th draft
-is worth a^k tokens. Every draft also adds one query token to the target forward, whose time
-T(n) for n batched tokens is learned online from the engine's own steps as T(n) = fixed + n * per_token.
-Drafts are granted greedily, most valuable first, while they raise the batch's tokens per second
-sum(E) / T(n); a lightly loaded GPU step is nearly flat in n, so requests get their full k, while
-a saturated one grows with n, so k shrinks and speculation pauses when it would cost more than it
-saves. A request whose acceptance stays below `min_acceptance` stops drafting and is probed with
-one draft now and then so it can recover. One step in EXPLORE_EVERY_STEPS runs without drafts so
-that the fit always sees steps of different sizes.
+*Value.* With a per-draft acceptance rate a, a request verifying k drafts emits on average
+E(k) = 1 + a + ... + a^k tokens per step (Leviathan et al. 2023, eq. 1): its drafts are worth
+g(k) = a + ... + a^k tokens beyond the one every step emits.
+
+*Cost*, learned online from the engine's own steps by nonnegative least squares:
+
+- verifying: each draft is one more query token in the target forward. The step's time less its
+  drafting is fitted as T(n) = step_fixed + verify_s * n for n tokens in the forward;
+- drafting: each method's `propose()` is timed apart and fitted as
+      D = fixed_s + per_request_s * R + per_draft_s * K + per_forward_s * F + per_context_token_s * C
+  for R requests drafting K drafts in all, in F chained forwards (a drafting model runs one per
+  draft position, for the whole batch at once), after reading C tokens the drafter had not seen
+  (a draft model catching up; the whole prompt at a request's first draft). The terms are what the
+  methods pay: a kernel launch per step (n-gram on a GPU), host work per request (suffix-tree
+  look-ups, host n-gram matching), work per draft, forwards, catch-up. A fit of the whole step
+  against its tokens sees none of the per-request cost, which at high concurrency can exceed what
+  the accepted drafts save.
+
+*Choice.* The ks maximise the batch's tokens per second
+
+    rate(k) = (N + sum_i g_i(k_i)) / (T(n_0) + sum_i c_i(k_i) + sum_m chain_m(L_m))
+
+for N requests and n_0 tokens that are not drafts, where a request drafting k > 0 costs
+c_i(k) = per_request_s + (verify_s + per_draft_s) * k + per_context_token_s * (1 + g_i(k)), and
+method m, whose longest k is L_m, pays chain_m(L) = fixed_s + per_forward_s * forwards_m(L) once
+(chain_m(0) = 0). A drafting request's drafter catches up next step on the 1 + g tokens it emits;
+the backlog of one that has not drafted for a while is paid once and left out of the choice.
+These per-request and per-method costs make draft-by-draft greedy granting wrong (a first draft
+carries its request's whole cost); Dinkelbach's method solves the ratio exactly: rate(k) >= lambda
+iff sum_i [g_i(k_i) - lambda c_i(k_i)] - lambda sum_m chain_m(L_m) >= lambda T(n_0) - N, and for a
+given lambda the left side is maximised per method by trying each L, every request taking its
+best k <= L (or none). From lambda = rate(no drafts), lambda is set to the rate of each new choice
+until none beats it: that choice is the optimum. In words, a request's j-th draft pays when
+a^j > lambda * (verify_s + per_draft_s) (the tokens it adds against those its time yields at the
+batch's rate), and its drafts must also pay its per-request cost. A lightly loaded GPU with cheap
+drafting gets full k; a saturated step or costly drafting gets k = 0. Drafts' costs are counted
+DRAFT_COST_MARGIN above the fits: the choice that looks best on noisy estimates tends to be one
+whose gain was overestimated, and speculation should not lose to plain decoding.
+
+*Exploration*: the estimates only see what is tried.
+- Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
+- Every PROBE_EVERY_STEPS steps, requests left at k = 0 (acceptance below `min_acceptance`, or
+  drafting not worth it) draft anyway, those idle longest first, as many as the predicted loss
+  allows within PROBE_SHARE of the time until the next probe (at least one). Their results refresh
+  their acceptance and the drafting cost, so drafting resumes once it pays again.
+- Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
+  the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
+  all drafted for as many requests) goes to the fixed cost: the next choice may then try drafting
+  at full scale, which measures it.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
 
 from services.engine.sequence import Sequence
 
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
+PROBE_SHARE = 0.02
+"""Share of the time between probe steps that probes may lose (predicted), beyond the first probe."""
 COST_WINDOW = 256
+DRAFT_COST_WINDOW = 64
+DRAFT_COST_MAX_AGE_STEPS = 256
 EXPLORE_EVERY_STEPS = 32
 """Every this many steps nobody drafts: a step of another size, so the cost slope stays measurable
 even when a busy server otherwise runs the same number of tokens every step."""
+DRAFT_COST_MARGIN = 0.1
+"""Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
+MAX_DINKELBACH_ITERATIONS = 32
+COLLINEAR = 1e-4
+"""A term is told apart from those already fitted only if they leave more than this share of its
+squared norm over the samples unexplained (1 - R^2 of the term on them)."""
+TIE = 1e-3
+"""Terms whose claims to enter the fit differ by less than this (relative) tie; the earlier enters."""
+
+
+def nonnegative_least_squares(features: np.ndarray, targets: np.ndarray) -> list[float]:
+    """argmin ||features @ coef - targets|| over coef >= 0, for [num_samples, num_terms] features,
+    by Lawson and Hanson's active-set method ("Solving Least Squares Problems", 1974, ch. 23).
+
+    Terms enter the fit one at a time, the one whose residual correlation (gradient over its norm)
+    is largest first, and a term whose coefficient would turn negative steps back out. A term the
+    samples cannot tell apart from those already in (COLLINEAR) stays out, and ties go to the
+    earlier term: with the intercept first, a count that never varied leaves its cost in the
+    fixed term.
+    """
+    num_terms = features.shape[1]
+    gram = (features.T @ features).tolist()  # [num_terms][num_terms]
+    moments = (features.T @ targets).tolist()  # [num_terms]
+    norms = [gram[t][t] ** 0.5 for t in range(num_terms)]
+    tolerance = 1e-9 * float(targets @ targets) ** 0.5
+    coef = [0.0] * num_terms
+    fitted: list[int] = []
+    left_out: set[int] = set()
+    for _ in range(4 * num_terms):
+        claims = {
+            t: (moments[t] - sum(gram[t][f] * coef[f] for f in fitted)) / norms[t]
+            for t in range(num_terms)
+            if t not in fitted and t not in left_out and norms[t] > 0  # a term always 0 gets 0
+        }
+        if not claims or max(claims.values()) <= tolerance:
+            break
+        top = max(claims.values())
+        entering = min(t for t, claim in claims.items() if claim >= top * (1 - TIE))
+        solution = _least_squares(gram, moments, [*fitted, entering])
+        if solution is None or solution[-1] <= 0:
+            left_out.add(entering)  # collinear with the fitted terms, or numerically no help
+            continue
+        fitted.append(entering)
+        while solution and min(solution) <= 0:  # move toward it until a coefficient reaches 0: drop that
+            step = min(coef[t] / (coef[t] - x) for t, x in zip(fitted, solution) if x <= 0)
+            for t, x in zip(fitted, solution):
+                coef[t] += step * (x - coef[t])
+            dropped = [t for t in fitted if coef[t] <= tolerance / norms[t]]
+            fitted = [t for t in fitted if t not in dropped]
+            for t in dropped:
+                coef[t] = 0.0
+            left_out.clear()  # with fewer terms in, one left out may be told apart again
+            solution = _least_squares(gram, moments, fitted) or []
+        for t, x in zip(fitted, solution):
+            coef[t] = x
+    return coef
+
+
+def _least_squares(gram: list[list[float]], moments: list[float], terms: list[int]) -> list[float] | None:
+    """Solves the normal equations on `terms` by Cholesky; None where a term's pivot (the part of
+    its squared norm the earlier terms leave unexplained) is at most COLLINEAR of its squared norm."""
+    n = len(terms)
+    lower = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1):
+            rest = gram[terms[i]][terms[j]] - sum(lower[i][m] * lower[j][m] for m in range(j))
+            if i > j:
+                lower[i][j] = rest / lower[j][j]
+            elif rest <= COLLINEAR * gram[terms[i]][terms[i]]:
+                return None
+            else:
+                lower[i][i] = rest**0.5
+    forward: list[float] = []
+    for i in range(n):
+        forward.append((moments[terms[i]] - sum(lower[i][m] * forward[m] for m in range(i))) / lower[i][i])
+    coef = [0.0] * n
+    for i in reversed(range(n)):
+        coef[i] = (forward[i] - sum(lower[m][i] * coef[m] for m in range(i + 1, n))) / lower[i][i]
+    return coef
+
+
+class SampleWindow:
+    """The last `window` samples (step, terms, seconds), each at most `max_age_steps` old when fitted."""
+
+    def __init__(self, num_terms: int, window: int, max_age_steps: int | None = None):
+        self.rows = np.zeros((window, num_terms + 3))  # [window, (step, 1, terms..., seconds)]
+        self.num_recorded = 0
+        self.max_age_steps = max_age_steps
+
+    def record(self, step: int, terms: tuple[float, ...], seconds: float) -> None:
+        self.rows[self.num_recorded % len(self.rows)] = (step, 1.0, *terms, max(seconds, 0.0))
+        self.num_recorded += 1
+
+    def fit(self, step: int = 0) -> list[float] | None:
+        """(fixed, per term...) seconds; None without samples."""
+        rows = self.rows[: min(self.num_recorded, len(self.rows))]
+        if self.max_age_steps is not None:
+            rows = rows[rows[:, 0] > step - self.max_age_steps]
+        if not len(rows):
+            return None
+        return nonnegative_least_squares(rows[:, 1:-1], rows[:, -1])
 
 
 class StepCostModel:
-    """Least-squares fit of step time against the number of tokens in the target forward."""
+    """The step's time less its drafting against the tokens in the target forward:
+    T(n) = fixed + per_token * n."""
 
     def __init__(self, window: int = COST_WINDOW):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples = SampleWindow(num_terms=1, window=window)
 
     def record(self, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_tokens, seconds))
+        self.samples.record(0, (num_tokens,), seconds)
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token); per-token cost 0 until two distinct sizes are seen."""
-        if not self.samples:
+        coef = self.samples.fit()
+        if coef is None:
             return 1.0, 0.0
-        n = len(self.samples)
-        mean_x = sum(x for x, _ in self.samples) / n
-        mean_y = sum(y for _, y in self.samples) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in self.samples)
-        if var_x == 0:
-            return max(mean_y, 1e-9), 0.0
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in self.samples) / var_x
-        slope = max(slope, 0.0)
-        return max(mean_y - slope * mean_x, 1e-9), slope
+        return max(float(coef[0]), 1e-9), float(coef[1])
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """One method's drafting time (zero until measured) for R requests drafting K drafts in all,
+    in F chained forwards, after reading C context tokens:
+    fixed_s + per_request_s * R + per_draft_s * K + per_forward_s * F + per_context_token_s * C."""
+
+    fixed_s: float = 0.0
+    per_request_s: float = 0.0
+    per_draft_s: float = 0.0
+    per_forward_s: float = 0.0
+    per_context_token_s: float = 0.0
+
+
+class DraftCostModel:
+    """A method's `propose()` times against what each call drafted."""
+
+    def __init__(self) -> None:
+        self.samples = SampleWindow(4, DRAFT_COST_WINDOW, DRAFT_COST_MAX_AGE_STEPS)
+
+    def record(
+        self,
+        step: int,
+        num_requests: int,
+        num_drafts: int,
+        num_forwards: int,
+        num_context_tokens: int,
+        seconds: float,
+    ) -> None:
+        self.samples.record(step, (num_requests, num_drafts, num_forwards, num_context_tokens), seconds)
+
+    def fit(self, step: int) -> DraftCost:
+        coef = self.samples.fit(step)
+        return DraftCost() if coef is None else DraftCost(*(float(c) for c in coef))
+
+
+@dataclass
+class DraftChoices:
+    """What k drafts would bring and cost each request (row i, column k; column 0: no drafts),
+    what a method's chain of L drafts costs per step, and the step without drafts."""
+
+    gain: np.ndarray  # [num_seqs, max_k + 1] g_i(k): expected tokens beyond the step's one
+    cost_s: np.ndarray  # [num_seqs, max_k + 1] c_i(k) in seconds; inf past the request's max_k
+    method: np.ndarray  # [num_seqs] the request's index into the rows of chain_cost_s
+    chain_cost_s: np.ndarray  # [num_methods, max_k + 1] fixed + per-forward cost when the longest k is L
+    base_tokens: float
+    """N: tokens the step emits without drafts."""
+    base_s: float
+    """T(n_0): the step's time without drafts."""
+
+    def rate(self, ks: np.ndarray) -> tuple[float, float]:
+        """(tokens per second, step seconds) with ks[i] drafts for request i."""
+        rows = np.arange(len(ks))
+        chains = np.zeros(len(self.chain_cost_s), dtype=np.int64)
+        np.maximum.at(chains, self.method, ks)
+        tokens = self.base_tokens + self.gain[rows, ks].sum()
+        seconds = (
+            self.base_s
+            + self.cost_s[rows, ks].sum()
+            + self.chain_cost_s[np.arange(len(chains)), chains].sum()
+        )
+        return float(tokens / seconds), float(seconds)
+
+    def best(self, limits: np.ndarray) -> tuple[np.ndarray, float]:
+        """The ks (each at most limits[i]) of the highest rate, and that rate (Dinkelbach's method).
+
+        For a given rate, each method's chain length L is the one that maximises what its requests
+        are worth, each with its best k <= L (or none), less the chain's cost; then each request
+        takes its best k within its method's L."""
+        ks = np.zeros(len(limits), dtype=np.int64)
+        rate, _ = self.rate(ks)
+        columns = np.arange(self.gain.shape[1])
+        allowed = columns[None, :] <= limits[:, None]  # [num_seqs, max_k + 1]
+        one_hot = (self.method[None, :] == np.arange(len(self.chain_cost_s))[:, None]).astype(float)
+        for _ in range(MAX_DINKELBACH_ITERATIONS):
+            value = np.where(allowed, self.gain - rate * self.cost_s, -np.inf)  # tokens net of their time
+            best_within = np.maximum.accumulate(value, axis=1)  # [num_seqs, L]: best with k <= L, >= 0
+            chains = (one_hot @ best_within - rate * self.chain_cost_s).argmax(axis=1)  # [num_methods]
+            within = columns[None, :] <= chains[self.method][:, None]
+            candidate = np.where(within, value, -np.inf).argmax(axis=1)
+            candidate_rate, _ = self.rate(candidate)
+            if candidate_rate <= rate * (1 + 1e-12):
+                break
+            ks, rate = candidate, candidate_rate
+        return ks, rate
 
 
 class AdaptiveSpeculation:
-    def __init__(self, enabled: bool, min_acceptance: float):
+    def __init__(self, enabled: bool, min_acceptance: float, max_forwards: dict[str, int] | None = None):
+        """`max_forwards`: per method, the most chained forwards one step's drafting runs (a draft
+        model one per draft, MTP up to its head steps); methods not named run none."""
         self.enabled = enabled
         self.min_acceptance = min_acceptance
+        self.max_forwards = max_forwards or {}
         self.cost = StepCostModel()
+        self.draft_cost: dict[str, DraftCostModel] = {}
         self.step = 0
+        self.last_drafted: dict[str, int] = {}
+        """Per request: the last step it drafted (probes go to the requests idle longest)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -66,36 +298,98 @@ class AdaptiveSpeculation:
         rate = num_accepted / trials
         seq.spec.acceptance += ACCEPTANCE_SMOOTHING * (rate - seq.spec.acceptance)
 
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's time less its drafting, with `num_tokens` in the target forward."""
+        self.cost.record(num_tokens, seconds)
+
+    def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
+        """One `propose()` of `method` for requests drafting ks (all > 0), after reading
+        `num_context_tokens` tokens the drafter had not seen."""
+        model = self.draft_cost.setdefault(method, DraftCostModel())
+        forwards = min(max(ks), self.max_forwards.get(method, 0))
+        model.record(self.step, len(ks), sum(ks), forwards, num_context_tokens, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.last_drafted.pop(request_id, None)
+
     def choose(self, seqs: list[Sequence], num_other_tokens: int) -> list[int]:
         """k per sequence; `num_other_tokens` are the batch's tokens that are not drafts."""
         self.step += 1
-        caps = [self._cap(seq) for seq in seqs]
         if not self.enabled:
-            return caps
-        if self.step % EXPLORE_EVERY_STEPS == 0:
+            return [seq.spec.max_k for seq in seqs]
+        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
             return [0] * len(seqs)
-        fixed, per_token = self.cost.fit()
-        num_tokens = num_other_tokens
-        expected = float(len(seqs))
-        ks = [0] * len(seqs)
-        heap = [(-seq.spec.acceptance, i) for i, seq in enumerate(seqs) if caps[i] > 0]
-        heapq.heapify(heap)
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
-            if (expected + gain) / (fixed + per_token * (num_tokens + 1)) <= expected / (
-                fixed + per_token * num_tokens
-            ):
-                break
-            ks[i] += 1
-            expected += gain
-            num_tokens += 1
-            if ks[i] < caps[i]:
-                heapq.heappush(heap, (-(gain * seqs[i].spec.acceptance), i))
-        return ks
+        choices = self._choices(seqs, num_other_tokens)
+        trusted = np.array([seq.spec.acceptance >= self.min_acceptance for seq in seqs])
+        max_ks = np.array([seq.spec.max_k for seq in seqs])
+        ks, rate = choices.best(np.where(trusted, max_ks, 0))
+        if self.step % PROBE_EVERY_STEPS == 1:
+            self._probe(seqs, choices, ks, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
+        for seq, k in zip(seqs, ks):
+            if k > 0:
+                self.last_drafted[seq.request_id] = self.step
+        return ks.tolist()
 
-    def _cap(self, seq: Sequence) -> int:
-        """The request's own limit: max_k, or none while its acceptance is too low (with probes)."""
-        if not self.enabled or seq.spec.acceptance >= self.min_acceptance:
-            return seq.spec.max_k
-        return min(1, seq.spec.max_k) if self.step % PROBE_EVERY_STEPS == 1 else 0
+    def _choices(self, seqs: list[Sequence], num_other_tokens: int) -> DraftChoices:
+        """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""
+        fixed_s, verify_s = self.cost.fit()
+        names = sorted({seq.spec.method for seq in seqs})
+        costs = [self.draft_cost[m].fit(self.step) if m in self.draft_cost else DraftCost() for m in names]
+        method = np.array([names.index(seq.spec.method) for seq in seqs])
+        acceptance = np.clip([seq.spec.acceptance for seq in seqs], 0.0, 1.0)
+        max_ks = np.array([seq.spec.max_k for seq in seqs])
+        num_drafts = np.arange(int(max_ks.max()) + 1)  # [max_k + 1]
+        gain = np.cumsum(acceptance[:, None] ** num_drafts, axis=1) - 1.0  # a^0 is the step's own token
+        per_request_s = np.array([c.per_request_s for c in costs])[method]
+        per_draft_s = verify_s + np.array([c.per_draft_s for c in costs])[method]
+        per_context_token_s = np.array([c.per_context_token_s for c in costs])[method]
+        cost_s = (
+            per_request_s[:, None]
+            + per_draft_s[:, None] * num_drafts
+            + per_context_token_s[:, None] * (1.0 + gain)
+        )
+        cost_s[:, 0] = 0.0
+        cost_s[num_drafts[None, :] > max_ks[:, None]] = np.inf
+        forwards = np.minimum(num_drafts[None, :], [[self.max_forwards.get(m, 0)] for m in names])
+        chain_cost_s = (
+            np.array([[c.fixed_s] for c in costs]) + np.array([[c.per_forward_s] for c in costs]) * forwards
+        )
+        chain_cost_s[:, 0] = 0.0
+        return DraftChoices(
+            gain=gain,
+            cost_s=cost_s * (1 + DRAFT_COST_MARGIN),
+            method=method,
+            chain_cost_s=chain_cost_s * (1 + DRAFT_COST_MARGIN),
+            base_tokens=float(len(seqs)),
+            base_s=fixed_s + verify_s * num_other_tokens,
+        )
+
+    def _probe(
+        self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float, limits: np.ndarray
+    ) -> None:
+        """Drafts for requests left at k = 0, idle longest first, while the predicted loss fits in
+        PROBE_SHARE of the time until the next probe step (the first probe always goes). A probe
+        drafts the k that would be best for it if its drafting were worth its fixed costs (one draft
+        for a request below `min_acceptance`); its loss is the time it adds (its own cost and any
+        longer chain it makes its method run) less the time its expected tokens are worth at the
+        batch's rate."""
+        _, step_s = choices.rate(ks)
+        budget_s = PROBE_SHARE * PROBE_EVERY_STEPS * step_s
+        chains = np.zeros(len(choices.chain_cost_s), dtype=np.int64)
+        np.maximum.at(chains, choices.method, ks)
+        idle = [i for i in range(len(seqs)) if ks[i] == 0 and limits[i] > 0]
+        idle.sort(key=lambda i: self.last_drafted.get(seqs[i].request_id, -1))
+        for n, i in enumerate(idle):
+            gain, cost_s = choices.gain[i, : limits[i] + 1], choices.cost_s[i, : limits[i] + 1]
+            k = 1 + int((gain[1:] - rate * cost_s[1:]).argmax())
+            method = int(choices.method[i])
+            chain = max(int(chains[method]), k)
+            longer_chain_s = (
+                choices.chain_cost_s[method, chain] - choices.chain_cost_s[method, chains[method]]
+            )
+            loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
+            if n > 0 and loss_s > budget_s:
+                break
+            ks[i] = k
+            budget_s -= max(loss_s, 0.0)
+            chains[method] = chain

@@ -2,11 +2,13 @@
 
 Requests in one batch may use different methods (a request can override the server's method and
 k); each method proposes for its own requests, and the adaptive controller decides each request's
-k first.
+k first. Requests at k = 0 skip their proposer, and each method's drafting is timed apart: the
+controller weighs drafting's own cost against what the drafts save.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +42,10 @@ class Drafter:
     ):
         self.config = config
         self.ngram = NgramProposer(
-            config.prompt_lookup_min, config.prompt_lookup_max, device=getattr(runner, "device", None)
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            device=getattr(runner, "device", None),
+            history=getattr(runner, "token_history", None),
         )
         self.suffix = SuffixProposer(
             SuffixConfig(
@@ -54,7 +59,13 @@ class Drafter:
         ctx = ModelDrafterContext(runner, block_manager)
         self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
         self.draft_model = DraftModelProposer(ctx) if runner.draft_model is not None else None
-        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance)
+        # a draft model runs one forward per draft, the MTP head up to its steps (with_ngram fills
+        # the rest of k without forwards)
+        max_forwards = {"draft_model": config.k, "mtp": config.mtp_steps}
+        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, max_forwards)
+        self.device: torch.device | None = getattr(runner, "device", None)
+        self.drafting_s = 0.0
+        """Seconds the last `propose` spent in the proposers (the controller's own choice excluded)."""
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
@@ -108,6 +119,7 @@ class Drafter:
             self.suffix.stop_request(seq.request_id)
         if self.mtp is not None:
             self.mtp.forget(seq.request_id)
+        self.adaptive.forget(seq.request_id)
 
     # ---- each step --------------------------------------------------------------------------------
 
@@ -118,19 +130,48 @@ class Drafter:
 
     def propose(self, seqs: list[Sequence], num_other_tokens: int) -> None:
         """Sets `seq.spec.draft_token_ids` (and draft probs) for the next step of each sequence."""
+        self.drafting_s = 0.0
         seqs = [seq for seq in seqs if seq.spec.method != "naive"]
         if not seqs:
             return
         ks = self.adaptive.choose(seqs, num_other_tokens)
         # a step emits at most k + 1 tokens: never draft past the request's max_tokens
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1) for seq, k in zip(seqs, ks)]
-        for method in {seq.spec.method for seq in seqs}:
-            group = [(seq, k) for seq, k in zip(seqs, ks) if seq.spec.method == method]
+        for seq in seqs:
+            seq.spec.k, seq.spec.draft_token_ids, seq.spec.draft_probs = 0, [], None
+        drafting = [(seq, k) for seq, k in zip(seqs, ks) if k > 0]
+        for method in dict.fromkeys(seq.spec.method for seq, _ in drafting):
+            group = [(seq, k) for seq, k in drafting if seq.spec.method == method]
+            context_tokens = self._context_tokens(method, [seq for seq, _ in group])
+            started = self._now(method)
             drafts = self._propose(method, [s for s, _ in group], [k for _, k in group])
+            seconds = time.perf_counter() - started
+            self.drafting_s += seconds
+            self.adaptive.record_drafting(method, [k for _, k in group], context_tokens, seconds)
             for (seq, _), draft in zip(group, drafts):
                 seq.spec.k = len(draft.token_ids)
                 seq.spec.draft_token_ids = draft.token_ids
                 seq.spec.draft_probs = draft.probs
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """Books an engine step's time: its drafting went to each method's drafting cost in
+        `propose`; the rest (target forward, verification, host work) is the step cost."""
+        self.adaptive.record_step(num_tokens, seconds - self.drafting_s)
+
+    @staticmethod
+    def _context_tokens(method: str, seqs: list[Sequence]) -> int:
+        """Tokens the proposer reads before drafting: a draft model first catches up on every token
+        since its last draft (the whole prompt at the first); the others read nothing new."""
+        if method != "draft_model":
+            return 0
+        return sum(seq.num_tokens - seq.spec.draft_num_computed for seq in seqs)
+
+    def _now(self, method: str) -> float:
+        """The time, once the device is idle: a drafting model's timing must not include kernels
+        still in flight from the target step or the MTP catch-up."""
+        if method in MODEL_BASED_METHODS and self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _propose(self, method: str, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
         if method == "ngram":

@@ -1,30 +1,129 @@
-"""Adaptive speculation: k follows acceptance, and speculation backs off when verifying costs more than it saves."""
+"""Adaptive speculation: k follows acceptance, and speculation backs off when verifying or drafting
+costs more than the drafts save."""
 
 from __future__ import annotations
 
 import itertools
+import random
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from services.engine.sequence import Sequence
-from services.engine.spec_decode.adaptive import PROBE_EVERY_STEPS, AdaptiveSpeculation, StepCostModel
+from services.engine.spec_decode.adaptive import (
+    DRAFT_COST_MARGIN,
+    DRAFT_COST_MAX_AGE_STEPS,
+    EXPLORE_EVERY_STEPS,
+    PROBE_EVERY_STEPS,
+    AdaptiveSpeculation,
+    DraftCost,
+    DraftCostModel,
+    StepCostModel,
+    nonnegative_least_squares,
+)
 from shared.sampling_params import SamplingParams
 
 
-def seqs(acceptances: list[float], max_k: int = 5) -> list[Sequence]:
+def seqs(acceptances: list[float], max_k: int = 5, methods: list[str] | None = None) -> list[Sequence]:
     out = []
     for i, a in enumerate(acceptances):
         seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(), frozenset())
         seq.spec.max_k, seq.spec.acceptance = max_k, a
+        seq.spec.method = methods[i] if methods else "suffix"
         out.append(seq)
     return out
 
 
+MAX_FORWARDS = {"draft_model": 8}
+
+
 def with_cost(fixed_s: float, per_token_s: float) -> AdaptiveSpeculation:
-    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2)
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2, max_forwards=MAX_FORWARDS)
     for n in (1, 64, 256, 1024):
         adaptive.cost.record(n, fixed_s + per_token_s * n)
     return adaptive
+
+
+def draft_seconds(cost: DraftCost, method: str, ks: list[int], num_context_tokens: float) -> float:
+    """What `cost` says one propose() of `method` takes for requests drafting ks."""
+    return (
+        cost.fixed_s
+        + cost.per_request_s * len(ks)
+        + cost.per_draft_s * sum(ks)
+        + cost.per_forward_s * min(max(ks), MAX_FORWARDS.get(method, 0))
+        + cost.per_context_token_s * num_context_tokens
+    )
+
+
+SAMPLES = [([1], 2), ([3] * 4, 3), ([1] * 16, 500), ([5] * 64, 64), ([3] * 32, 4000), ([1] * 8, 20)]
+SAMPLES += [([2] * 6 + [4] * 2, 100), ([1, 2], 7)]
+"""(ks, context tokens) of drafting calls whose counts tell every term of the drafting cost apart."""
+
+
+def with_draft_cost(adaptive: AdaptiveSpeculation, method: str, cost: DraftCost) -> AdaptiveSpeculation:
+    """Drafting samples of `method` that follow `cost` exactly."""
+    for ks, context in SAMPLES:
+        adaptive.record_drafting(method, ks, context, draft_seconds(cost, method, ks, context))
+    return adaptive
+
+
+def steady(adaptive: AdaptiveSpeculation, batch: list[Sequence], num_other_tokens: int) -> list[int]:
+    """The choice on a step that neither probes nor explores."""
+    while (adaptive.step + 1) % PROBE_EVERY_STEPS == 1 or (adaptive.step + 1) % EXPLORE_EVERY_STEPS == 0:
+        adaptive.step += 1
+    return adaptive.choose(batch, num_other_tokens)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    return sum(acceptance**j for j in range(k + 1))
+
+
+@dataclass
+class Case:
+    """A batch and its true costs: step time fixed_s + per_token_s * n, drafting costs per method."""
+
+    acceptances: list[float]
+    methods: list[str]
+    fixed_s: float
+    per_token_s: float
+    costs: dict[str, DraftCost]
+
+    def rate(self, ks: tuple[int, ...]) -> float:
+        """Expected tokens per second with ks[i] drafts for request i, the drafts' time counted
+        with the controller's margin; a drafting request's context tokens are those it emits (a
+        draft model catches up on them)."""
+        emitted = [expected_tokens(a, k) for a, k in zip(self.acceptances, ks)]
+        drafts_s = self.per_token_s * sum(ks)
+        for name, cost in self.costs.items():
+            mine = [i for i, (k, m) in enumerate(zip(ks, self.methods)) if m == name and k > 0]
+            if mine:
+                context = sum(emitted[i] for i in mine)
+                drafts_s += draft_seconds(cost, name, [ks[i] for i in mine], context)
+        seconds = self.fixed_s + self.per_token_s * len(ks) + (1 + DRAFT_COST_MARGIN) * drafts_s
+        return sum(emitted) / seconds
+
+
+def random_case(rng: random.Random) -> Case:
+    return Case(
+        acceptances=[rng.uniform(0.2, 0.98) for _ in range(4)],
+        methods=[rng.choice(["draft_model", "suffix"]) for _ in range(4)],
+        fixed_s=10 ** rng.uniform(-3, -2),
+        per_token_s=10 ** rng.uniform(-6, -3),
+        costs={
+            m: DraftCost(
+                fixed_s=10 ** rng.uniform(-5, -2.3),
+                per_request_s=10 ** rng.uniform(-5, -2.5),
+                per_draft_s=10 ** rng.uniform(-6, -3),
+                per_forward_s=rng.choice([0.0, 10 ** rng.uniform(-5, -2.5)]),
+                per_context_token_s=rng.choice([0.0, 10 ** rng.uniform(-6, -3.5)]),
+            )
+            for m in ("draft_model", "suffix")
+        },
+    )
+
+
+# ---- the fits -------------------------------------------------------------------------------------
 
 
 def test_cost_model_recovers_a_linear_step_time() -> None:
@@ -35,37 +134,203 @@ def test_cost_model_recovers_a_linear_step_time() -> None:
     assert abs(fixed - 0.010) < 1e-9 and abs(per_token - 0.0002) < 1e-12
 
 
+def test_nonnegative_least_squares_matches_brute_force_over_a_grid() -> None:
+    """On noisy data whose plain least-squares fit has a negative term, the fit is nonnegative and
+    no point of a dense grid of the nonnegative orthant fits better."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 64, size=(40, 2)).astype(float)
+    features = np.column_stack([np.ones(40), counts])
+    targets = 0.002 + 0.0005 * counts[:, 0] - 0.00002 * counts[:, 1] + rng.normal(0, 1e-4, 40)
+    assert (np.linalg.lstsq(features, targets, rcond=None)[0] < 0).any()
+    coef = np.array(nonnegative_least_squares(features, targets))
+    assert (coef >= 0).all()
+    error = float(np.sum((features @ coef - targets) ** 2))
+    grid = itertools.product(np.linspace(0, 0.004, 41), np.linspace(0, 0.001, 41), np.linspace(0, 1e-4, 11))
+    assert all(error <= float(np.sum((features @ np.array(c) - targets) ** 2)) + 1e-15 for c in grid)
+
+
+def best_nonnegative_subset_fit(features: np.ndarray, targets: np.ndarray) -> float:
+    """The least error of a nonnegative least-squares fit, by trying every subset of terms."""
+    best = float(targets @ targets)
+    for size in range(1, features.shape[1] + 1):
+        for terms in itertools.combinations(range(features.shape[1]), size):
+            coef = np.linalg.lstsq(features[:, terms], targets, rcond=None)[0]
+            if (coef >= 0).all():
+                best = min(best, float(np.sum((features[:, terms] @ coef - targets) ** 2)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_nonnegative_least_squares_reaches_the_optimum(seed: int) -> None:
+    """Five terms like the drafting fit's (intercept, requests, drafts, forwards, context tokens),
+    random true costs of either sign, noise: the active-set fit is as good as the best subset."""
+    rng = np.random.default_rng(seed)
+    num_requests = rng.integers(1, 64, 30).astype(float)
+    forwards = rng.integers(1, 4, 30).astype(float)
+    features = np.column_stack(
+        [np.ones(30), num_requests, num_requests * forwards, forwards, rng.integers(0, 3000, 30)]
+    )
+    truth = rng.uniform(-0.3, 1, 5) * np.array([1e-3, 1e-4, 3e-5, 1e-3, 1e-6])
+    targets = features @ truth + rng.normal(0, 2e-4, 30)
+    coef = np.array(nonnegative_least_squares(features, targets))
+    assert (coef >= 0).all()
+    error = float(np.sum((features @ coef - targets) ** 2))
+    assert error <= best_nonnegative_subset_fit(features, targets) * (1 + 1e-6) + 1e-18
+
+
+def test_draft_cost_model_tells_its_terms_apart() -> None:
+    truth = DraftCost(
+        fixed_s=0.0015,
+        per_request_s=0.0002,
+        per_draft_s=0.00003,
+        per_forward_s=0.001,
+        per_context_token_s=2e-6,
+    )
+    adaptive = with_draft_cost(with_cost(fixed_s=0.010, per_token_s=1e-5), "draft_model", truth)
+    fitted = adaptive.draft_cost["draft_model"].fit(adaptive.step)
+    assert fitted == DraftCost(
+        *(pytest.approx(getattr(truth, f), rel=1e-6) for f in truth.__dataclass_fields__)
+    )
+
+
+def test_an_unvaried_request_count_leaves_its_cost_in_the_fixed_term() -> None:
+    """Samples at one request count cannot say whether drafting scales with requests; the fit
+    then assumes it does not, so the next choice tries drafting for everyone and measures it."""
+    model = DraftCostModel()
+    for step in range(10):
+        model.record(step, num_requests=2, num_drafts=10, num_forwards=0, num_context_tokens=0, seconds=0.004)
+    assert model.fit(10) == DraftCost(fixed_s=pytest.approx(0.004))
+
+
+def test_drafting_samples_expire() -> None:
+    model = DraftCostModel()
+    model.record(step=1, num_requests=8, num_drafts=40, num_forwards=0, num_context_tokens=0, seconds=0.050)
+    assert model.fit(step=2).fixed_s > 0
+    assert model.fit(step=1 + DRAFT_COST_MAX_AGE_STEPS) == DraftCost()
+
+
+# ---- the choice -----------------------------------------------------------------------------------
+
+
 def test_flat_step_cost_grants_the_full_k() -> None:
     """A memory-bound step (time barely grows with tokens): every useful draft is worth it."""
     adaptive = with_cost(fixed_s=0.010, per_token_s=1e-9)
-    assert adaptive.choose(seqs([0.8, 0.5, 0.3]), num_other_tokens=3) == [5, 5, 5]
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    return sum(acceptance**j for j in range(k + 1))
+    assert steady(adaptive, seqs([0.8, 0.5, 0.3]), num_other_tokens=3) == [5, 5, 5]
 
 
 @pytest.mark.parametrize(("fixed_s", "per_token_s"), [(0.001, 0.001), (0.01, 0.0005), (0.002, 0.0001)])
 def test_choice_maximises_tokens_per_second(fixed_s: float, per_token_s: float) -> None:
-    """The greedy allocation equals the brute-force best k vector for sum(E_i(k_i)) / T(n)."""
-    acceptances = [0.9, 0.5, 0.25]
-    adaptive = with_cost(fixed_s, per_token_s)
-    chosen = adaptive.choose(seqs(acceptances), num_other_tokens=3)
-
-    def rate(ks: tuple[int, ...]) -> float:
-        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks))
-        return tokens / (fixed_s + per_token_s * (3 + sum(ks)))
-
-    best = max(itertools.product(range(6), repeat=3), key=rate)
-    assert rate(tuple(chosen)) == pytest.approx(rate(best), rel=1e-9)
+    """Without drafting costs, the allocation equals the brute-force best k vector for
+    sum(E_i(k_i)) / T(n) (drafts' verify time counted with the margin)."""
+    case = Case([0.9, 0.5, 0.25], ["ngram"] * 3, fixed_s, per_token_s, costs={})
+    chosen = steady(with_cost(fixed_s, per_token_s), seqs(case.acceptances), num_other_tokens=3)
+    best = max(itertools.product(range(6), repeat=3), key=case.rate)
+    assert case.rate(tuple(chosen)) == pytest.approx(case.rate(best), rel=1e-9)
     assert chosen[0] >= chosen[1] >= chosen[2]
+    assert 0 < sum(chosen) < 15  # the step cost matters here
+
+
+def test_costly_drafting_stops_it() -> None:
+    """Verifying is nearly free, but a drafting request costs 1 ms against the ~0.3 ms its drafts
+    save (1.9 expected tokens at ~6000 tokens/s): k = 0 for everyone, though the verify cost alone
+    says draft everything."""
+    batch = seqs([0.7] * 64)
+    adaptive = with_cost(fixed_s=0.010, per_token_s=1e-5)
+    assert steady(adaptive, batch, num_other_tokens=64) == [5] * 64
+    with_draft_cost(adaptive, "suffix", DraftCost(per_request_s=0.001))
+    assert steady(adaptive, batch, num_other_tokens=64) == [0] * 64
+
+
+def test_cheap_drafting_keeps_it() -> None:
+    adaptive = with_draft_cost(
+        with_cost(fixed_s=0.010, per_token_s=1e-5), "suffix", DraftCost(fixed_s=0.0002, per_request_s=2e-5)
+    )
+    assert steady(adaptive, seqs([0.7] * 64), num_other_tokens=64) == [5] * 64
+
+
+def test_per_draft_cost_shortens_k_before_stopping() -> None:
+    """A drafting model's chain costs per draft: the later, less likely drafts go first."""
+    adaptive = with_draft_cost(
+        with_cost(fixed_s=0.010, per_token_s=1e-5), "draft_model", DraftCost(per_draft_s=0.00005)
+    )
+    ks = steady(adaptive, seqs([0.7] * 64, methods=["draft_model"] * 64), num_other_tokens=64)
+    assert ks == [ks[0]] * 64 and 0 < ks[0] < 5
+
+
+def test_a_chained_forward_is_shared_by_the_drafting_requests() -> None:
+    """A draft model's forward costs 2 ms whether it drafts for 1 request or 64, so the 64 share
+    one chain: all draft the same k, the chain length that maximises the rate (2 forwards:
+    64 * 2.19 tokens in 16.5 ms, against 64 * 2.53 in 19.4 ms with 3)."""
+    adaptive = with_draft_cost(
+        with_cost(fixed_s=0.010, per_token_s=1e-5), "draft_model", DraftCost(per_forward_s=0.002)
+    )
+    ks = steady(adaptive, seqs([0.7] * 64, methods=["draft_model"] * 64), num_other_tokens=64)
+    assert ks == [2] * 64
+
+
+def test_a_fixed_drafting_cost_is_shared_by_the_drafting_requests() -> None:
+    """A cost per step for the method (one forward, whoever drafts): 5 ms is more than any one
+    request's drafts save (~0.3 ms) but less than all 64 save together, so all draft; 25 ms is
+    more than all save, so none do."""
+    batch = seqs([0.7] * 64, methods=["mtp"] * 64)
+    cheap = with_draft_cost(with_cost(fixed_s=0.010, per_token_s=1e-5), "mtp", DraftCost(fixed_s=0.005))
+    assert steady(cheap, batch, num_other_tokens=64) == [5] * 64
+    costly = with_draft_cost(with_cost(fixed_s=0.010, per_token_s=1e-5), "mtp", DraftCost(fixed_s=0.025))
+    assert steady(costly, batch, num_other_tokens=64) == [0] * 64
+
+
+def test_a_draft_models_catch_up_on_prompts_does_not_stop_drafting() -> None:
+    """A draft model's first drafts read whole prompts (64 x 300 tokens: 99 ms); later steps read
+    what the last step emitted (3 ms). Fitted against those context tokens, the one-time catch-up
+    does not make steady drafting look costly; lumped into the fixed term, it would."""
+    cost = DraftCost(fixed_s=0.003, per_context_token_s=5e-6)
+    contexts = [64 * 300] + [64 * 3 + i for i in range(3)]
+    batch = seqs([0.7] * 64, max_k=3, methods=["draft_model"] * 64)
+    seen = with_cost(fixed_s=0.010, per_token_s=1e-5)
+    blind = with_cost(fixed_s=0.010, per_token_s=1e-5)
+    for context in contexts:
+        seconds = draft_seconds(cost, "draft_model", [3] * 64, context)
+        seen.record_drafting("draft_model", [3] * 64, context, seconds)
+        blind.record_drafting("draft_model", [3] * 64, 0, seconds)
+    assert steady(seen, batch, num_other_tokens=64) == [3] * 64
+    assert steady(blind, batch, num_other_tokens=64) == [0] * 64
+
+
+def test_mixed_methods_draft_where_it_pays() -> None:
+    """Costly suffix look-ups stop while cheap n-gram drafting in the same batch goes on."""
+    adaptive = with_cost(fixed_s=0.010, per_token_s=1e-5)
+    with_draft_cost(adaptive, "suffix", DraftCost(per_request_s=0.001))
+    with_draft_cost(adaptive, "ngram", DraftCost(fixed_s=0.0001, per_request_s=1e-6))
+    batch = seqs([0.7] * 64, methods=["suffix", "ngram"] * 32)
+    assert steady(adaptive, batch, num_other_tokens=64) == [0, 5] * 32
+
+
+def test_choice_is_the_brute_force_optimum_with_drafting_costs() -> None:
+    """Random batches of four requests over two methods, random step and drafting costs: the
+    choice reaches the best rate of all (max_k + 1)^4 k vectors, with each method's fixed cost
+    paid once if any of its requests drafts and its per-request cost per drafting request."""
+    rng = random.Random(0)
+    num_partial = 0
+    for _ in range(150):
+        case = random_case(rng)
+        adaptive = with_cost(case.fixed_s, case.per_token_s)
+        for method, cost in case.costs.items():
+            with_draft_cost(adaptive, method, cost)
+        chosen = steady(adaptive, seqs(case.acceptances, max_k=4, methods=case.methods), num_other_tokens=4)
+        best = max(itertools.product(range(5), repeat=4), key=case.rate)
+        assert case.rate(tuple(chosen)) == pytest.approx(case.rate(best), rel=1e-9), case
+        num_partial += 0 < sum(k > 0 for k in best) < 4
+    assert num_partial >= 10  # the cases include ones where only some requests should draft
 
 
 def test_saturated_batch_pauses_speculation() -> None:
     """A compute-bound step (time proportional to tokens) gains nothing from drafts that pass
     less than always."""
     adaptive = with_cost(fixed_s=1e-6, per_token_s=0.001)
-    assert adaptive.choose(seqs([0.6] * 64), num_other_tokens=64) == [0] * 64
+    assert steady(adaptive, seqs([0.6] * 64), num_other_tokens=64) == [0] * 64
+
+
+# ---- exploration ----------------------------------------------------------------------------------
 
 
 def test_low_acceptance_stops_drafting_but_probes() -> None:
@@ -73,6 +338,54 @@ def test_low_acceptance_stops_drafting_but_probes() -> None:
     batch = seqs([0.05])
     ks = [adaptive.choose(batch, num_other_tokens=1)[0] for _ in range(PROBE_EVERY_STEPS * 2)]
     assert ks.count(1) == 2 and ks.count(0) == len(ks) - 2
+
+
+def test_probes_are_few_when_drafting_is_costly_and_rotate() -> None:
+    """Costly drafting stays off for most of a big batch on a probe step; the next probe steps
+    go to requests not probed yet."""
+    adaptive = with_draft_cost(
+        with_cost(fixed_s=0.010, per_token_s=1e-5), "suffix", DraftCost(per_request_s=0.001)
+    )
+    batch = seqs([0.7] * 256)
+    probed: list[set[int]] = []
+    for _ in range(4 * PROBE_EVERY_STEPS):
+        ks = adaptive.choose(batch, num_other_tokens=256)
+        if adaptive.step % PROBE_EVERY_STEPS == 1:
+            probed.append({i for i, k in enumerate(ks) if k > 0})
+        else:
+            assert ks == [0] * 256
+    assert all(1 <= len(p) <= 16 for p in probed)
+    assert len(set().union(*probed)) == sum(len(p) for p in probed)
+
+
+def simulate(
+    adaptive: AdaptiveSpeculation, batch: list[Sequence], per_request_s: float, num_steps: int
+) -> list[int]:
+    """Steps with a synthetic clock: 10 ms + 10 us a token, and `per_request_s` per drafting
+    request; the number of drafting requests per step."""
+    drafting = []
+    for _ in range(num_steps):
+        ks = adaptive.choose(batch, num_other_tokens=len(batch))
+        num_requests = sum(k > 0 for k in ks)
+        if num_requests:
+            adaptive.record_drafting("suffix", [k for k in ks if k], 0, per_request_s * num_requests)
+        adaptive.record_step(len(batch) + sum(ks), 0.010 + 1e-5 * (len(batch) + sum(ks)))
+        drafting.append(num_requests)
+    return drafting
+
+
+def test_exploration_resumes_drafting_once_it_is_cheap_again() -> None:
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2)
+    batch = seqs([0.7] * 64)
+    costly = simulate(adaptive, batch, per_request_s=0.002, num_steps=2 * DRAFT_COST_MAX_AGE_STEPS + 40)
+    later = costly[DRAFT_COST_MAX_AGE_STEPS // 2 :]
+    assert sum(later) <= 0.05 * 64 * len(later)  # nearly off: probes and a rare retrial
+    assert sum(n > 0 for n in later) >= len(later) // PROBE_EVERY_STEPS  # but it keeps probing
+    cheap = simulate(adaptive, batch, per_request_s=1e-5, num_steps=2 * DRAFT_COST_MAX_AGE_STEPS)
+    resumed = cheap.index(64)
+    assert resumed <= DRAFT_COST_MAX_AGE_STEPS + 2 * PROBE_EVERY_STEPS
+    after = [n for step, n in enumerate(cheap[resumed:], start=resumed) if (step + 1) % EXPLORE_EVERY_STEPS]
+    assert after.count(64) >= 0.95 * len(after)
 
 
 def test_acceptance_estimate_tracks_verify_results() -> None:
@@ -92,8 +405,6 @@ def test_disabled_always_uses_max_k() -> None:
 
 
 def test_a_step_without_drafts_now_and_then_keeps_the_cost_slope_measurable() -> None:
-    from services.engine.spec_decode.adaptive import EXPLORE_EVERY_STEPS
-
     adaptive = with_cost(fixed_s=0.010, per_token_s=1e-9)
     ks = [adaptive.choose(seqs([0.8, 0.8]), num_other_tokens=2) for _ in range(EXPLORE_EVERY_STEPS)]
     assert ks[-1] == [0, 0]

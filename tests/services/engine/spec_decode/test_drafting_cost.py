@@ -1,0 +1,89 @@
+"""The engine times drafting apart from the step, and the controller's choice on that cost never
+changes greedy output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.engine.llm import LLM
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.adaptive import AdaptiveSpeculation, DraftCost, DraftCostModel, StepCostModel
+from shared.sampling_params import SamplingParams
+from tests.services.engine.spec_decode.test_speculative_engine import repetitive_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+CHOOSE = AdaptiveSpeculation.choose
+
+
+@pytest.fixture(scope="module")
+def target(make_checkpoint):
+    return str(make_checkpoint("llama", num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def naive_tokens(target) -> list[list[int]]:
+    llm = LLM(target, device="cpu", max_model_len=192)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)]
+
+
+def generate(target: str, method: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], int]:
+    """Greedy output with adaptive speculation, and the drafts the controller asked for in all."""
+    asked = []
+
+    def counting_choose(self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int) -> list[int]:
+        ks = CHOOSE(self, seqs, num_other_tokens)
+        asked.append(sum(ks))
+        return ks
+
+    monkeypatch.setattr(AdaptiveSpeculation, "choose", counting_choose)
+    spec = dict(method=method, num_speculative_tokens=3, adaptive_min_acceptance=0.0)
+    if method == "draft_model":
+        spec["model"] = target  # its own draft model: every greedy draft passes
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    return [o.token_ids for o in outputs], sum(asked)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
+    target, naive_tokens, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a flat step cost, drafting priced at nothing is asked for nearly every step, and
+    drafting priced at 1 s a request only on probes; both give naive's tokens (the draft model's
+    cache catching up on the steps it skipped)."""
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 0.0))
+    monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost())
+    free_tokens, free_drafts = generate(target, method, monkeypatch)
+    monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost(per_request_s=1.0))
+    costly_tokens, costly_drafts = generate(target, method, monkeypatch)
+    assert free_tokens == costly_tokens == naive_tokens
+    assert free_drafts > 100
+    assert costly_drafts <= free_drafts // 4
+
+
+def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monkeypatch) -> None:
+    """On a clock that only the suffix proposer advances (1 ms a request), every drafting sample
+    is exactly that time and every step sample is zero: the drafter took its drafting out."""
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
+    drafter = llm.engine.drafter
+    clock = [0.0]
+    propose_batch = drafter.suffix.propose_batch
+
+    def slow_propose_batch(requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        clock[0] += 0.001 * len(requests)
+        return propose_batch(requests)
+
+    monkeypatch.setattr(drafter.suffix, "propose_batch", slow_propose_batch)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+
+    drafting = drafter.adaptive.draft_cost["suffix"].samples
+    rows = drafting.rows[: min(drafting.num_recorded, len(drafting.rows))]
+    assert len(rows) > 0
+    assert rows[:, -1] == pytest.approx(0.001 * rows[:, 2])  # seconds == 1 ms x requests
+    steps = drafter.adaptive.cost.samples
+    step_seconds = steps.rows[: min(steps.num_recorded, len(steps.rows)), -1]
+    assert len(step_seconds) > 0 and max(abs(step_seconds)) < 1e-12
