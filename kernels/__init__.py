@@ -97,12 +97,13 @@ def ngram_match(
     max_n: int,
     k: int | torch.Tensor,
     budget: int | None = None,
+    row_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _cuda.available(history):
         from kernels.ngram import ngram_match_cuda
 
-        return ngram_match_cuda(history, lengths, min_n, max_n, k, budget)
-    return ngram_match_ref(history, lengths, min_n, max_n, k, budget)
+        return ngram_match_cuda(history, lengths, min_n, max_n, k, budget, row_ids=row_ids)
+    return ngram_match_ref(history, lengths, min_n, max_n, k, budget, row_ids)
 
 
 def verify_sample(

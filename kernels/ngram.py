@@ -23,8 +23,9 @@ MAX_NGRAM = 32
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(THREADS) ngram_match(
-    const int* __restrict__ history,   /* [num_reqs, row_stride] */
+    const int* __restrict__ history,   /* [num_rows, row_stride] */
     long long row_stride,
+    const long long* __restrict__ row_ids,  /* [num_reqs] history row of each request; null: row b */
     const int* __restrict__ lengths,   /* [num_reqs] */
     const int* __restrict__ ks,        /* [num_reqs] */
     int num_reqs, int min_n, int max_n, int max_k, int budget,
@@ -38,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ngram_match(
     const int b = blockIdx.x;
     const int len = lengths[b];
     const int k = min(ks[b], max_k);
-    const int* tokens = history + (long long)b * row_stride;
+    const int* tokens = history + (row_ids ? row_ids[b] : (long long)b) * row_stride;
     const bool active = k > 0 && len >= min_n + 1;
     if (active && threadIdx.x < max_n && threadIdx.x < len) suffix[threadIdx.x] = tokens[len - 1 - threadIdx.x];
     __syncthreads();
@@ -113,13 +114,14 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def ngram_match_cuda(
-    history: torch.Tensor,  # [num_reqs, max_len] int32 (rows may be longer than their length)
+    history: torch.Tensor,  # [num_rows, max_len] int32 (rows may be longer than their length)
     lengths: torch.Tensor,  # [num_reqs] int32
     min_n: int,
     max_n: int,
     k: int | torch.Tensor,  # one k for all, or [num_reqs] int32
     budget: int | None = None,
     max_k: int | None = None,
+    row_ids: torch.Tensor | None = None,  # [num_reqs] int64; None: request b is row b
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ngram_match_ref`; `max_k` (the largest k) skips a host read of `k`."""
     device = history.device
@@ -127,6 +129,10 @@ def ngram_match_cuda(
     _cuda.check(history.stride(1) == 1, "history rows must be contiguous")
     _cuda.check_cuda_tensor("lengths", lengths, [torch.int32], 1, device)
     num_reqs = history.shape[0]
+    if row_ids is not None:
+        _cuda.check_cuda_tensor("row_ids", row_ids, [torch.int64], 1, device)
+        _cuda.check(row_ids.is_contiguous(), "row_ids must be contiguous")
+        num_reqs = row_ids.shape[0]
     _cuda.check(lengths.shape[0] == num_reqs and lengths.is_contiguous(), "lengths must be [num_reqs]")
     _cuda.check(1 <= min_n <= max_n <= MAX_NGRAM, f"need 1 <= min_n <= max_n <= {MAX_NGRAM}")
     if isinstance(k, int):
@@ -153,6 +159,7 @@ def ngram_match_cuda(
         (
             history,
             np.int64(history.stride(0)),
+            np.uint64(0) if row_ids is None else row_ids,
             lengths,
             ks,
             i32(num_reqs),
@@ -172,40 +179,65 @@ def ngram_match_cuda(
 class TokenHistory:
     """Each request's tokens (prompt + output) in a row of one device buffer; a step sends only the
     tokens new since the last one (token lists only grow while a request runs; a shorter list, as
-    after a preemption that re-queued it, rewrites the row)."""
+    after a preemption that re-queued it, rewrites the row).
 
-    def __init__(self, device: torch.device, num_rows: int = 64, capacity: int = 1024):
+    `fixed`: the buffer never moves (a CUDA graph holds its address): rows are then a cache, a
+    request that needs one when none is free takes the row of a request not in the current call
+    (which is rewritten when that request comes back), and the last row is scratch for padding.
+    The CUDA-graph step appends its emitted tokens on the device and leaves the next drafts in
+    `precomputed`, so `propose` needs no launch for those requests.
+    """
+
+    def __init__(self, device: torch.device, num_rows: int = 64, capacity: int = 1024, fixed: bool = False):
         self.device = device
+        self.fixed = fixed
         self.tokens = torch.zeros(num_rows, capacity, dtype=torch.int32, device=device)
         self.row_of: dict[str, int] = {}
         self.synced: list[int] = [0] * num_rows
         """Tokens of each row already on the device."""
-        self.free = list(range(num_rows - 1, -1, -1))
+        usable = num_rows - 1 if fixed else num_rows
+        self.free = list(range(usable - 1, -1, -1))
+        self.precomputed: dict[str, tuple[int, list[int]]] = {}
+        """request id -> (its token count, drafts matched on the device for that many tokens)."""
 
     def forget(self, request_id: str) -> None:
+        self.precomputed.pop(request_id, None)
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.synced[row] = 0
             self.free.append(row)
 
     def propose(self, requests: list[tuple[str, list[int], int]], min_n: int, max_n: int) -> list[list[int]]:
-        """Syncs the requests' rows and matches them in one launch; drafts per request."""
+        """Drafts per request: those the graph step matched, cut to k, and the rest matched in one
+        launch after syncing their rows."""
+        drafts: list[list[int] | None] = []
+        for request_id, token_ids, k in requests:
+            ready = self.precomputed.pop(request_id, None)
+            drafts.append(ready[1][: max(k, 0)] if ready is not None and ready[0] == len(token_ids) else None)
+        missing = [i for i, d in enumerate(drafts) if d is None]
+        if missing:
+            for i, found in zip(missing, self._match([requests[i] for i in missing], min_n, max_n)):
+                drafts[i] = found
+        return [d or [] for d in drafts]
+
+    def _match(self, requests: list[tuple[str, list[int], int]], min_n: int, max_n: int) -> list[list[int]]:
         rows = self.sync([(request_id, token_ids) for request_id, token_ids, _ in requests])
         lengths = [len(token_ids) for _, token_ids, _ in requests]
         ks = [max(k, 0) for _, _, k in requests]
         meta = torch.tensor(rows + lengths + ks, dtype=torch.int32).to(self.device, non_blocking=True)
         num = len(requests)
         row_ids, lengths_gpu, ks_gpu = meta[:num].long(), meta[num : 2 * num], meta[2 * num :]
-        max_len = max(lengths)
-        history = self.tokens[row_ids, :max_len] if max_len > 0 else self.tokens[row_ids, :1]
-        drafts, num_drafts = ngram_match_cuda(history, lengths_gpu, min_n, max_n, ks_gpu, max_k=max(ks))
+        drafts, num_drafts = ngram_match_cuda(
+            self.tokens, lengths_gpu, min_n, max_n, ks_gpu, max_k=max(ks), row_ids=row_ids
+        )
         counts = num_drafts.cpu().tolist()
         drafts_cpu = drafts.cpu().tolist()
         return [row[:n] for row, n in zip(drafts_cpu, counts)]
 
     def sync(self, requests: list[tuple[str, list[int]]]) -> list[int]:
         """Appends what each request gained since the last sync; returns the requests' rows."""
-        rows = [self._row(request_id) for request_id, _ in requests]
+        protected = {request_id for request_id, _ in requests}
+        rows = [self._row(request_id, protected) for request_id, _ in requests]
         self._reserve(len(self.row_of), max(len(token_ids) for _, token_ids in requests))
         flat_rows: list[int] = []
         flat_cols: list[int] = []
@@ -225,11 +257,14 @@ class TokenHistory:
             )
         return rows
 
-    def _row(self, request_id: str) -> int:
+    def _row(self, request_id: str, protected: set[str]) -> int:
         row = self.row_of.get(request_id)
         if row is None:
             if not self.free:
-                self._reserve(len(self.row_of) * 2, 0)
+                if self.fixed:
+                    self.forget(next(r for r in self.row_of if r not in protected))
+                else:
+                    self._reserve(len(self.row_of) * 2, 0)
             row = self.free.pop()
             self.row_of[request_id] = row
             self.synced[row] = 0
@@ -242,6 +277,10 @@ class TokenHistory:
         cols = old_capacity if capacity <= old_capacity else max(capacity, 2 * old_capacity)
         if (rows, cols) == (old_rows, old_capacity):
             return
+        if self.fixed:
+            raise ValueError(
+                f"token history of {old_rows} rows x {old_capacity} tokens cannot grow to {rows} x {cols}"
+            )
         grown = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
         grown[:old_rows, :old_capacity] = self.tokens
         self.tokens = grown

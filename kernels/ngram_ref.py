@@ -35,8 +35,11 @@ def ngram_match_ref(
     max_n: int,
     k: int | torch.Tensor,  # drafts per request: one for all, or [num_reqs] int32
     budget: int | None = None,
+    row_ids: torch.Tensor | None = None,  # [num_reqs] int64: history row of each request (None: row b)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (drafts [num_reqs, max_k] int32 padded with -1, num_drafts [num_reqs] int32)."""
+    if row_ids is not None:
+        history = history[row_ids]
     num_reqs = history.shape[0]
     ks = [k] * num_reqs if isinstance(k, int) else k.tolist()
     max_k = max(ks, default=0)

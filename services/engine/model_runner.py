@@ -14,7 +14,9 @@ import torch
 
 import kernels
 from kernels import AttentionMetadata
-from services.engine.cuda_graph import DecodeGraphs, HostBatch
+from kernels.ngram import TokenHistory
+from kernels.verify_ref import POLICIES, STRATEGIES
+from services.engine.cuda_graph import DecodeGraphs, HostBatch, TailInputs, TailSpec
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
@@ -71,6 +73,8 @@ class ModelRunner:
             self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
         )
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
+        self.token_history: TokenHistory | None = None
+        """Device token rows of n-gram requests, shared by the CUDA-graph step and the proposer."""
         self.graphs = self._capture_graphs() if self._use_graphs() else None
 
     def _use_graphs(self) -> bool:
@@ -87,8 +91,26 @@ class ModelRunner:
             self.config.max_num_seqs * max_query_len,
             self.config.resolved_max_num_batched_tokens(self.max_model_len),
         )
+        if self.spec.method == "ngram":
+            self.token_history = TokenHistory(
+                self.device, self.config.max_num_seqs + 1, self.max_model_len + max_query_len, fixed=True
+            )
+        tail = TailSpec(
+            STRATEGIES[self.spec.verify_strategy],
+            POLICIES[self.spec.accept_policy],
+            self.token_history,
+            self.spec.prompt_lookup_min,
+            self.spec.prompt_lookup_max,
+            self.spec.k if self.token_history is not None else 0,
+        )
         graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_tokens, [1, max_query_len], self.max_model_len, self.block_size
+            self.model,
+            self.kv_caches,
+            max_tokens,
+            [1, max_query_len],
+            self.max_model_len,
+            self.block_size,
+            tail,
         )
         graphs.capture()
         return graphs
@@ -122,24 +144,65 @@ class ModelRunner:
         the rejection sampler turns those rows into tokens (partial prefill chunks get none)."""
         inputs = self.prepare_inputs(batch)
         host = inputs.host
-        key = (
-            self.graphs.lookup(host.num_tokens, max(host.query_lens))
-            if self.graphs and host.is_decode
-            else None
-        )
+        seqs = inputs.sampled_seqs
+        key = None
+        if self.graphs is not None and host.is_decode:
+            key = self.graphs.lookup(host.num_tokens, max(host.query_lens))
         if key is not None:
-            hidden, logits = self.graphs.replay(host, key)  # type: ignore[union-attr]
+            assert self.graphs is not None
+            hidden, logits = self.graphs.replay(host, key)
         else:
             positions, meta = self._device_metadata(host)
             hidden = self.model(self._tensor(host.input_ids, torch.long), positions, self.kv_caches, meta)
-            logits = None
-            if inputs.sampled_seqs:
-                logits = self.model.compute_logits(hidden[self._tensor(host.logits_indices, torch.long)])
-        results: list[VerifyResult] = []
-        if logits is not None:
-            requests = [verify_request(seq) for seq in inputs.sampled_seqs]
-            results = self.verifier(logits, row_batch(inputs.sampled_seqs), requests)
-        return StepOutput(inputs, results, hidden)
+            if not seqs:  # only partial prefill chunks: no token to sample
+                return StepOutput(inputs, [], hidden)
+            logits = self.model.compute_logits(hidden[self._tensor(host.logits_indices, torch.long)])
+        rows = row_batch(seqs)
+        requests = [verify_request(seq) for seq in seqs]
+        if key is not None and self.verifier.fusable(logits, rows, requests):
+            return StepOutput(inputs, self._replay_tail(inputs, key, requests), hidden)
+        return StepOutput(inputs, self.verifier(logits, rows, requests), hidden)
+
+    def _replay_tail(
+        self, inputs: StepInputs, key: tuple[int, int], requests: list[VerifyRequest]
+    ) -> list[VerifyResult]:
+        """Verify, sample and (n-gram) draft the next step in the tail graph; the drafts wait in the
+        token history for the proposer."""
+        assert self.graphs is not None
+        seqs = inputs.sampled_seqs
+        history = self.token_history
+        ngram = [seq for seq in seqs if history is not None and seq.spec.method == "ngram"]
+        row_of = (
+            dict(
+                zip((s.request_id for s in ngram), history.sync([(s.request_id, s.token_ids) for s in ngram]))
+            )
+            if history and ngram
+            else {}
+        )
+        scratch = history.tokens.shape[0] - 1 if history is not None else 0
+        tail = TailInputs([], [], [], [], [], [], [], [], [], [])
+        for seq, request in zip(seqs, requests):
+            p = seq.params
+            for j in range(request.num_rows):
+                tail.temperature.append(0.0 if p.greedy else p.temperature)
+                tail.top_k.append(max(p.top_k, 0))
+                tail.top_p.append(p.top_p)
+                tail.min_p.append(p.min_p)
+                tail.seeds.append(request.seed)
+                tail.positions.append(request.position + j)
+            tail.draft_ids += request.draft_token_ids + [-1]
+            row = row_of.get(seq.request_id)
+            tail.history_rows.append(scratch if row is None else row)
+            tail.history_lens.append(0 if row is None else seq.num_tokens)
+            tail.num_drafts.append(0 if row is None else seq.spec.max_k)
+        outputs = self.graphs.replay_tail(inputs.host, key, tail)
+        for seq, out in zip(seqs, outputs):
+            row = row_of.get(seq.request_id)
+            if row is not None and history is not None:  # the device row now ends with the emitted tokens
+                num_tokens = seq.num_tokens + len(out.token_ids)
+                history.synced[row] = num_tokens
+                history.precomputed[seq.request_id] = (num_tokens, out.drafts)
+        return [VerifyResult(out.token_ids, out.num_accepted, [None] * len(out.token_ids)) for out in outputs]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         starts = [seq.num_computed_tokens for seq in batch.seqs]

@@ -112,6 +112,15 @@ class RejectionSampler:
             and all(p.logprobs is None for p in rows.params)
         )
 
+    def fusable(self, logits: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest]) -> bool:
+        """Whether the fused kernel alone verifies this batch (nothing to apply to the logits first):
+        what the CUDA-graph step's tail needs."""
+        return (
+            self._fused(logits, rows, requests)
+            and not any(p.has_penalties for p in rows.params)
+            and not any(rows.suppressed_token_ids)
+        )
+
     def _verify_fused(
         self, penalised: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest]
     ) -> list[VerifyResult]:

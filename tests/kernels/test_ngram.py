@@ -45,6 +45,34 @@ def test_reference_budget_grants_in_request_order() -> None:
     assert num.tolist() == [3, 2, 0]
 
 
+def test_reference_row_ids_pick_history_rows() -> None:
+    rng = random.Random(3)
+    history, lengths = random_histories(10, 30, 3, rng)
+    row_ids = torch.tensor([7, 2, 2, 9], dtype=torch.long)
+    by_row = ngram_match_ref(history, lengths[row_ids], 1, 3, 4, row_ids=row_ids)
+    gathered = ngram_match_ref(history[row_ids], lengths[row_ids], 1, 3, 4)
+    assert all(torch.equal(a, b) for a, b in zip(by_row, gathered))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_ngram_row_ids_match_reference() -> None:
+    """Requests read their own rows of a larger history (as the CUDA-graph step does)."""
+    from kernels.ngram import ngram_match_cuda
+
+    rng = random.Random(8)
+    history, lengths = random_histories(300, 500, 4, rng)
+    row_ids = torch.tensor(rng.sample(range(300), 64), dtype=torch.long)
+    ks = torch.tensor([rng.randrange(0, 7) for _ in range(64)], dtype=torch.int32)
+    expected = ngram_match_ref(history, lengths[row_ids], 1, 4, ks, row_ids=row_ids)
+    poison_allocator((64, 6), torch.int32, torch.device("cuda"))
+    got = ngram_match_cuda(
+        history.cuda(), lengths[row_ids].cuda(), 1, 4, ks.cuda(), max_k=6, row_ids=row_ids.cuda()
+    )
+    assert torch.equal(got[1].cpu(), expected[1])
+    assert torch.equal(got[0].cpu()[:, : expected[0].shape[1]], expected[0])
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_reqs,max_len", [(1, 10), (7, 100), (64, 2000), (256, 8192)])

@@ -20,14 +20,23 @@ import kernels
 
 
 class NgramProposer:
-    def __init__(self, min_n: int, max_n: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        min_n: int,
+        max_n: int,
+        device: torch.device | None = None,
+        history: kernels.TokenHistory | None = None,
+    ):
+        """`history`: the device token history to use (the CUDA-graph step's, which it appends to
+        and drafts in); by default one of its own on a GPU."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min ({min_n}) <= prompt_lookup_max ({max_n})")
         self.min_n = min_n
         self.max_n = max_n
-        self.history: kernels.TokenHistory | None = None
+        self.history: kernels.TokenHistory | None = history
         if (
-            device is not None
+            history is None
+            and device is not None
             and device.type == "cuda"
             and kernels.cuda_available(torch.empty(0, device=device))
         ):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, TokenHistory
 from services.engine.cuda_graph import BUCKETS, DecodeGraphs, HostBatch, pad_decode_batch
 from services.engine.llm import LLM
 from shared.model import load_model
@@ -118,24 +118,57 @@ def test_graphs_are_off_on_cpu(make_checkpoint) -> None:
     assert llm.engine.runner.graphs is None
 
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+def test_fixed_token_history_rows_are_a_cache() -> None:
+    """The graph step's history never moves: a request needing a row when none is free takes the row
+    of one not in the current call, and that one's row is rewritten when it comes back."""
+    history = TokenHistory(torch.device("cpu"), num_rows=3, capacity=16, fixed=True)  # 2 rows + scratch
+    a, b, c = [1, 2, 3], [4, 5], [6, 7, 8, 9]
+    rows = history.sync([("a", a), ("b", b)])
+    assert sorted(rows) == [0, 1]
+    history.precomputed["a"] = (3, [9])
+    [row_c] = history.sync([("c", c)])  # a or b gives its row up; the scratch row stays free
+    assert row_c in (0, 1) and len(history.row_of) == 2
+    evicted = "a" if "a" not in history.row_of else "b"
+    assert evicted not in history.precomputed
+    [row] = history.sync([(evicted, a if evicted == "a" else b)])
+    expected = a if evicted == "a" else b
+    assert history.tokens[row, : len(expected)].tolist() == expected
+    with pytest.raises(ValueError, match="cannot grow"):
+        history.sync([("long", list(range(20)))])
 
 
-@pytest.mark.parametrize("method", ["naive", "ngram"])
+@pytest.mark.parametrize(
+    "method,sampling",
+    [
+        ("naive", "greedy"),
+        ("ngram", "greedy"),
+        ("ngram", "seeded"),
+        ("suffix", "greedy"),
+        ("ngram", "penalty"),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, dtype: str) -> None:
-    """Greedy tokens from graph replays equal eager ones, with batches that cross bucket sizes
-    (sequences finish at different lengths) and drafts of varying length."""
+def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampling: str, dtype: str) -> None:
+    """Tokens from graph replays (forward, then verify + n-gram drafting in the tail graph) equal
+    eager ones, with batches that cross bucket sizes (sequences finish at different lengths) and
+    drafts of varying length; penalties take the eager verifier after the forward replay."""
     path = str(make_checkpoint("llama", num_hidden_layers=2))
-    spec = {"method": method} if method == "naive" else {"method": method, "num_speculative_tokens": 4}
+    spec = {"method": method}
+    if method != "naive":
+        spec |= {"num_speculative_tokens": 4, "adaptive": False}
     generator = torch.Generator().manual_seed(5)
     prompts = []
     for i in range(21):
         span = torch.randint(3, 384, (5 + i % 7,), generator=generator).tolist()
         prompts.append(torch.randint(3, 384, (i,), generator=generator).tolist() + span * 3)
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(21)]
+    extra = {
+        "greedy": {"temperature": 0.0},
+        "seeded": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7},
+        "penalty": {"temperature": 0.0, "repetition_penalty": 1.2},
+    }[sampling]
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True, **extra) for i in range(21)]
     outputs = {}
     for eager in (True, False):
         llm = LLM(
@@ -147,12 +180,19 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, dtype
             enforce_eager=eager,
             cuda_graph_max_tokens=64,
         )
-        outputs[eager] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs[eager] = [o.token_ids for o in generated]
         graphs = llm.engine.runner.graphs
         if eager:
             assert graphs is None
+            continue
+        assert graphs is not None and graphs.num_replays > 10
+        if sampling == "penalty":
+            assert graphs.num_tail_replays == 0  # penalties are applied by the eager verifier
         else:
-            assert graphs is not None and graphs.num_replays > 10
+            assert graphs.num_tail_replays == graphs.num_replays
+        if method != "naive":
+            assert sum(o.spec_stats["num_accepted_tokens"] for o in generated) > 0
     if dtype == "float32":
         assert outputs[False] == outputs[True]
     else:  # bf16 GEMMs of a padded batch may round differently: allow a late divergence, not an early one
