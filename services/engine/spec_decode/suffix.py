@@ -7,9 +7,16 @@ which catches requests repeating each other. Each step, both are matched against
 request's tokens and the draft with the higher score (expected accepted tokens) is proposed. The
 draft length follows the match length: at most `floor(max_spec_factor * match_len)` tokens.
 
+A request's own tree is built at its first draft, from its tokens so far, and kept up to date from
+then on; until then its tokens are only recorded. Adaptive speculation leaves requests at k = 0 when
+drafting costs more than it saves, and those then cost a list append per step, not an index update.
+The tree built late is the one built token by token (`extend` appends one token at a time either
+way), so drafts do not depend on when it was built.
+
 Cost per `propose`: O(k * D) worst case on the per-request tree (no matching: its active suffixes
 are kept as tokens arrive, O(D) per token), O(D log D + D * k) typical on the global tree, with
-`D = max_tree_depth` and `k` draft tokens.
+`D = max_tree_depth` and `k` draft tokens; a request's first draft also indexes its n tokens so far,
+O(n * D) worst case.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
 default) or in the `suffix-cache` service that every decode worker shares
@@ -71,9 +78,11 @@ class SuffixConfig:
 
 @dataclass
 class _RequestState:
-    tree: SuffixTree
-    seq: IndexedSequence
+    token_ids: list[int]
+    """The request's prompt and output so far; once it is indexed, the list its tree holds."""
     num_prompt_tokens: int
+    index: tuple[SuffixTree, IndexedSequence] | None = None
+    """The request's own tree and its sequence there; None until the request first drafts."""
 
 
 class SuffixProposer:
@@ -95,24 +104,21 @@ class SuffixProposer:
         self._requests: dict[str, _RequestState] = {}
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Records the prompt; the request's tree waits for its first draft."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
-        tree = SuffixTree(self.config.max_tree_depth)
-        seq = tree.new_sequence()
-        tree.extend(seq, prompt_token_ids)
-        self._requests[request_id] = _RequestState(tree, seq, len(prompt_token_ids))
+        self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
 
     def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """Appends accepted output tokens to the request's tree."""
-        state = self._state(request_id)
-        state.tree.extend(state.seq, token_ids)
+        """Appends accepted output tokens to the request's tree, or only to its tokens before its first draft."""
+        _extend(self._state(request_id), token_ids)
 
     def stop_request(self, request_id: str) -> None:
         """Moves the request's output (and prompt, with `cache_prompts`) into the global tree."""
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        token_ids = state.seq.token_ids
+        token_ids = state.token_ids
         if not self.config.cache_prompts:
             token_ids = token_ids[state.num_prompt_tokens :]
         if token_ids and self.config.max_cached_requests:
@@ -157,9 +163,19 @@ class SuffixProposer:
         self._catch_up(state, token_ids)
         cfg = self.config
         check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
-        return state.tree.speculate_sequence(
-            state.seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob
-        )
+        if max_spec_tokens == 0:
+            return SuffixDraft(match_len=1)  # what any tree drafts for k = 0: no reason to build one
+        tree, seq = self._index(state)
+        return tree.speculate_sequence(seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
+
+    def _index(self, state: _RequestState) -> tuple[SuffixTree, IndexedSequence]:
+        """The request's tree, built from its tokens so far the first time it is needed."""
+        if state.index is None:
+            tree = SuffixTree(self.config.max_tree_depth)
+            seq = tree.new_sequence()
+            tree.extend(seq, state.token_ids)
+            state.index, state.token_ids = (tree, seq), seq.token_ids
+        return state.index
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
@@ -168,10 +184,19 @@ class SuffixProposer:
         return state
 
     def _catch_up(self, state: _RequestState, token_ids: list[int]) -> None:
-        """Indexes tokens the caller has but `add_tokens` did not bring, so both ways of feeding work."""
-        num_indexed = len(state.seq.token_ids)
+        """Takes in tokens the caller has but `add_tokens` did not bring, so both ways of feeding work."""
+        num_indexed = len(state.token_ids)
         if len(token_ids) < num_indexed:
             raise ValueError(
                 f"token_ids has {len(token_ids)} tokens but the request already indexed {num_indexed}"
             )
-        state.tree.extend(state.seq, token_ids[num_indexed:])
+        _extend(state, token_ids[num_indexed:])
+
+
+def _extend(state: _RequestState, token_ids: list[int]) -> None:
+    """Appends tokens to the request: to its tree once built (which appends them to its list too)."""
+    if state.index is None:
+        state.token_ids.extend(token_ids)
+    else:
+        tree, seq = state.index
+        tree.extend(seq, token_ids)

@@ -191,7 +191,7 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
             assert graphs.num_tail_replays == 0  # penalties are applied by the eager verifier
         else:
             assert graphs.num_tail_replays == graphs.num_replays
-        if method != "naive":
+        if method != "naive" and sampling != "penalty":  # a repetition penalty rejects repeats
             assert sum(o.spec_stats["num_accepted_tokens"] for o in generated) > 0
     if dtype == "float32":
         assert outputs[False] == outputs[True]

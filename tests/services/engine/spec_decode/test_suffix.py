@@ -9,8 +9,14 @@ from typing import Any
 
 import pytest
 
+from services.engine.spec_decode import suffix
 from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft, SuffixTree
+from services.engine.spec_decode.suffix_tree import (
+    GlobalSuffixIndex,
+    IndexedSequence,
+    SuffixDraft,
+    SuffixTree,
+)
 
 Path = tuple[int, ...]
 
@@ -242,7 +248,7 @@ def test_tokens_passed_to_propose_are_indexed_once() -> None:
     for n in range(6, len(tokens) + 1):
         fed.add_tokens("r", tokens[n - 1 : n])
         assert fed.propose("r", tokens[:n], 4) == caught_up.propose("r", tokens[:n], 4)
-    assert fed._requests["r"].tree.path_counts() == caught_up._requests["r"].tree.path_counts()
+    assert request_tree(fed, "r").path_counts() == request_tree(caught_up, "r").path_counts()
     with pytest.raises(ValueError, match="already indexed"):
         fed.propose("r", tokens[:3], 4)
 
@@ -289,12 +295,14 @@ def test_negative_max_spec_tokens_is_rejected() -> None:
 class RecordingIndex:
     """A `GlobalIndex` that answers from a local index, or not at all, and records each call."""
 
-    def __init__(self, answer: bool = True) -> None:
-        self.local = GlobalSuffixIndex(max_tree_depth=4)
+    def __init__(self, answer: bool = True, local: GlobalSuffixIndex | None = None) -> None:
+        self.local = local or GlobalSuffixIndex(max_tree_depth=4)
         self.answer = answer
         self.calls: list[list[tuple[list[int], int]]] = []
+        self.added: list[tuple[str, list[int]]] = []
 
     def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        self.added.append((seq_id, list(token_ids)))
         self.local.add_sequence(seq_id, token_ids)
 
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
@@ -387,3 +395,170 @@ def test_node_count_follows_adds_and_removals(seed: int) -> None:
         else:
             index.add_sequence(f"r{rng.randrange(8)}", random_seq(rng, vocab=3, max_len=20))
         assert index.tree.num_nodes == count_nodes(index.tree), step
+
+
+# --- per-request trees built at the first draft ---
+
+
+def request_tree(proposer: SuffixProposer, request_id: str) -> SuffixTree:
+    index = proposer._requests[request_id].index
+    assert index is not None, f"{request_id} has no tree"
+    return index[0]
+
+
+class EagerSuffixProposer(SuffixProposer):
+    """The reference: every request's tree built at its start and extended on every token, as
+    before trees were built lazily; the global look-up (`propose_drafts`) is the proposer's own."""
+
+    def __init__(self, config: SuffixConfig, global_index: RecordingIndex) -> None:
+        super().__init__(config, global_index)
+        self.eager: dict[str, tuple[SuffixTree, IndexedSequence, int]] = {}
+
+    def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        tree = SuffixTree(self.config.max_tree_depth)
+        seq = tree.new_sequence()
+        tree.extend(seq, prompt_token_ids)
+        self.eager[request_id] = (tree, seq, len(prompt_token_ids))
+
+    def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        tree, seq, _ = self.eager[request_id]
+        tree.extend(seq, token_ids)
+
+    def stop_request(self, request_id: str) -> None:
+        _, seq, num_prompt_tokens = self.eager.pop(request_id)
+        token_ids = seq.token_ids if self.config.cache_prompts else seq.token_ids[num_prompt_tokens:]
+        if token_ids and self.config.max_cached_requests:
+            self.global_index.add_sequence(request_id, token_ids)
+
+    def _request_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
+        tree, seq, _ = self.eager[request_id]
+        tree.extend(seq, token_ids[len(seq.token_ids) :])
+        cfg = self.config
+        return tree.speculate_sequence(seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
+
+
+def lazy_and_eager(config: SuffixConfig) -> tuple[SuffixProposer, EagerSuffixProposer]:
+    def index() -> RecordingIndex:
+        return RecordingIndex(local=GlobalSuffixIndex(config.max_tree_depth, config.max_cached_requests))
+
+    return SuffixProposer(config, index()), EagerSuffixProposer(config, index())
+
+
+def recorded(proposer: SuffixProposer) -> RecordingIndex:
+    assert isinstance(proposer.global_index, RecordingIndex)
+    return proposer.global_index
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lazy_trees_draft_exactly_as_eager_ones(seed: int) -> None:
+    """Random interleavings of start / add / propose (k often 0, or the request left out) / stop:
+    every draft, and everything the global index receives, equals the eager reference's."""
+    rng = random.Random(seed)
+    config = SuffixConfig(
+        max_tree_depth=rng.randint(1, 8),
+        max_cached_requests=rng.choice([0, 3, 100]),
+        max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
+        min_token_prob=rng.choice([0.0, 0.1, 0.4]),
+        cache_prompts=rng.random() < 0.5,
+    )
+    lazy, eager = lazy_and_eager(config)
+    vocab = rng.randint(2, 5)
+    tokens: dict[str, list[int]] = {}
+    """Each live request's prompt and output; tokens past `add_tokens` reach the proposer via propose."""
+    for step in range(300):
+        op = rng.random()
+        if op < 0.1 or not tokens:
+            request_id = f"r{step}"
+            tokens[request_id] = random_seq(rng, vocab, max_len=20)[: rng.randint(0, 20)]
+            for proposer in (lazy, eager):
+                proposer.start_request(request_id, list(tokens[request_id]))
+        elif op < 0.5:
+            request_id = rng.choice(sorted(tokens))
+            new = random_seq(rng, vocab, max_len=4)
+            tokens[request_id] += new
+            if rng.random() < 0.8:  # else the tokens come with the next propose
+                for proposer in (lazy, eager):
+                    proposer.add_tokens(request_id, new)
+        elif op < 0.92:
+            batch = [
+                (request_id, list(token_ids), rng.choice([0, 0, 1, 2, 3, 6]))
+                for request_id, token_ids in tokens.items()
+                if rng.random() < 0.3
+            ]
+            assert lazy.propose_drafts(batch) == eager.propose_drafts(batch), step
+        else:
+            request_id = rng.choice(sorted(tokens))
+            for proposer in (lazy, eager):
+                proposer.stop_request(request_id)
+            del tokens[request_id]
+            assert recorded(lazy).added == recorded(eager).added, step
+    for request_id in tokens:
+        for proposer in (lazy, eager):
+            proposer.stop_request(request_id)
+    assert recorded(lazy).added == recorded(eager).added
+    assert recorded(lazy).local.tree.path_counts() == recorded(eager).local.tree.path_counts()
+
+
+class CountingTree(SuffixTree):
+    built = 0
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(max_depth)
+        CountingTree.built += 1
+
+
+def test_a_request_that_never_drafts_builds_no_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(suffix, "SuffixTree", CountingTree)
+    monkeypatch.setattr(CountingTree, "built", 0)
+    proposer = SuffixProposer(SuffixConfig(max_tree_depth=4))
+    prompts = {f"r{i}": [i, 1, 2, 1, 2] for i in range(8)}
+    for request_id, prompt in prompts.items():
+        proposer.start_request(request_id, prompt)
+    for step in range(20):
+        for request_id, token_ids in prompts.items():
+            token_ids.append(step % 3)
+            proposer.add_tokens(request_id, [step % 3])
+        # k = 0 is what any tree drafts nothing for
+        assert proposer.propose_batch([(r, t, 0) for r, t in prompts.items()]) == [[]] * len(prompts)
+    assert CountingTree.built == 0
+    assert all(state.index is None for state in proposer._requests.values())
+
+    draft = proposer.propose_draft("r0", prompts["r0"], 3)
+    counts = substring_counts([prompts["r0"]], 4)
+    assert draft.token_ids and (draft.token_ids, draft.score) == reference_draft(
+        counts, prompts["r0"], 4, 3, 1.0, 0.1
+    )
+    assert CountingTree.built == 1
+    proposer.add_tokens("r0", [1])
+    proposer.add_tokens("r1", [1])
+    prompts["r0"].append(1)
+    tree = request_tree(proposer, "r0")
+    assert tree.root.count == len(prompts["r0"])  # built once, then kept up to date
+    assert tree.path_counts() == substring_counts([prompts["r0"]], 4)
+    assert proposer._requests["r1"].index is None and CountingTree.built == 1
+    for request_id in prompts:
+        proposer.stop_request(request_id)
+    assert CountingTree.built == 1
+
+
+@pytest.mark.parametrize("cache_prompts", [False, True])
+def test_the_global_index_gets_each_output_at_stop_whether_or_not_it_drafted(cache_prompts: bool) -> None:
+    config = SuffixConfig(max_tree_depth=4, cache_prompts=cache_prompts)
+    lazy, eager = lazy_and_eager(config)
+    for proposer in (lazy, eager):
+        proposer.start_request("drafted", [1, 2, 3])
+        proposer.start_request("never", [4, 5])
+        proposer.add_tokens("drafted", [1, 2])
+        proposer.add_tokens("never", [6, 4])
+        proposer.propose("drafted", [1, 2, 3, 1, 2, 3], 2)  # the last 3 comes with the draft
+        proposer.add_tokens("drafted", [7])
+        proposer.add_tokens("never", [5])
+        assert recorded(proposer).added == []  # nothing before a request stops
+        proposer.stop_request("never")
+        proposer.stop_request("drafted")
+    prompts = {"never": [4, 5], "drafted": [1, 2, 3]} if cache_prompts else {"never": [], "drafted": []}
+    assert recorded(lazy).added == [
+        ("never", prompts["never"] + [6, 4, 5]),
+        ("drafted", prompts["drafted"] + [1, 2, 3, 7]),
+    ]
+    assert recorded(lazy).added == recorded(eager).added
