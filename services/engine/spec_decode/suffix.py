@@ -164,7 +164,7 @@ class SuffixProposer:
         cfg = self.config
         check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
         if max_spec_tokens == 0:
-            return SuffixDraft(match_len=1)  # what any tree drafts for k = 0: no reason to build one
+            return SuffixDraft()  # what any tree drafts for k = 0: no reason to build one
         tree, seq = self._index(state)
         return tree.speculate_sequence(seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
 
