@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.attention import MAX_KERNEL_QUERY_LEN
 from kernels.ngram import TokenHistory
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostBatch, TailInputs, TailSpec
@@ -75,6 +77,8 @@ class ModelRunner:
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
         self.token_history: TokenHistory | None = None
         """Device token rows of n-gram requests, shared by the CUDA-graph step and the proposer."""
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
         self.graphs = self._capture_graphs() if self._use_graphs() else None
 
     def _use_graphs(self) -> bool:
@@ -299,6 +303,38 @@ class ModelRunner:
                 "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
             )
         return budget
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Compiles every attention kernel variant a prefill chunk can pick (they differ by query
+        rows per tile) for the target and the draft model, so the first requests do not wait for
+        NVRTC; a few seconds at start-up, less once CuPy's on-disk cache has them."""
+        started = time.perf_counter()
+        models = [(self.model, self.model_config)]
+        if self.draft_model is not None:
+            models.append((self.draft_model, self.draft_model.config))
+        context = min(self.max_model_len, 1024)  # long enough to split the context across blocks
+        for model, config in models:
+            num_blocks = -(-context // self.block_size)
+            kv_caches = self._allocate_kv_cache(num_blocks, config)
+            tables = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
+            query_len = 1
+            while query_len <= min(context, 2 * MAX_KERNEL_QUERY_LEN):
+                meta = AttentionMetadata(
+                    slot_mapping=torch.arange(context - query_len, context, device=self.device),
+                    query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=self.device),
+                    seq_lens=torch.tensor([context], dtype=torch.int32, device=self.device),
+                    block_tables=tables,
+                    query_lens_cpu=[query_len],
+                    seq_lens_cpu=[context],
+                )
+                ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
+                positions = torch.arange(context - query_len, context, device=self.device)
+                model(ids, positions, kv_caches, meta)
+                query_len *= 2
+            del kv_caches
+        torch.cuda.synchronize(self.device)
+        logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
