@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, _gather_context, _sdpa, _visible
@@ -31,6 +32,8 @@ MAX_ROWS = 64
 MAX_KERNEL_QUERY_LEN = 256
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
+LONG_PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+"""SDPA backends for prefill chunks longer than the kernel takes (those with a mask)."""
 
 SOURCE = (
     _cuda.CONVERSIONS
@@ -609,7 +612,9 @@ def _reference_rows(
         k_pos = torch.arange(seq_len, device=query.device)
         mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
         seq_query = query[start : start + query_len].unsqueeze(0)
-        attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
+        # not cuDNN: it builds a plan for every new (query, context) length, tens of ms each time
+        with sdpa_kernel(LONG_PREFILL_BACKENDS):
+            attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
         out[start : start + query_len] = attended[0]
 
 
