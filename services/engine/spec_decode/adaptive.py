@@ -68,6 +68,9 @@ COST_WINDOW = 256
 DRAFT_COST_WINDOW = 64
 DRAFT_COST_MAX_AGE_STEPS = 256
 EXPLORE_EVERY_STEPS = 32
+REFIT_EVERY_STEPS = 8
+"""The cost models are refitted at most this often: a fit is a least-squares solve per model, too
+dear to redo on every step of a fast GPU decode (~0.1 ms each on the host)."""
 """Every this many steps nobody drafts: a step of another size, so the cost slope stays measurable
 even when a busy server otherwise runs the same number of tokens every step."""
 DRAFT_COST_MARGIN = 0.1
@@ -289,6 +292,8 @@ class AdaptiveSpeculation:
         self.step = 0
         self.last_drafted: dict[str, int] = {}
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
+        self._fits: tuple[int, tuple[float, float], dict[str, DraftCost]] | None = None
+        """(step fitted at, step cost fit, drafting cost fit per method)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -330,11 +335,28 @@ class AdaptiveSpeculation:
                 self.last_drafted[seq.request_id] = self.step
         return ks.tolist()
 
+    def _fitted(self) -> tuple[float, float, dict[str, DraftCost]]:
+        """The step cost (fixed, per token) and each method's drafting cost, refitted every
+        REFIT_EVERY_STEPS steps or when a method has samples but no fit yet."""
+        fits = self._fits
+        if (
+            fits is None
+            or self.step - fits[0] >= REFIT_EVERY_STEPS
+            or fits[2].keys() != self.draft_cost.keys()
+        ):
+            step_cost = self.cost.fit()
+            fits = self._fits = (
+                self.step,
+                step_cost,
+                {m: c.fit(self.step) for m, c in self.draft_cost.items()},
+            )
+        return fits[1][0], fits[1][1], fits[2]
+
     def _choices(self, seqs: list[Sequence], num_other_tokens: int) -> DraftChoices:
         """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""
-        fixed_s, verify_s = self.cost.fit()
+        fixed_s, verify_s, fitted = self._fitted()
         names = sorted({seq.spec.method for seq in seqs})
-        costs = [self.draft_cost[m].fit(self.step) if m in self.draft_cost else DraftCost() for m in names]
+        costs = [fitted.get(m, DraftCost()) for m in names]
         method = np.array([names.index(seq.spec.method) for seq in seqs])
         acceptance = np.clip([seq.spec.acceptance for seq in seqs], 0.0, 1.0)
         max_ks = np.array([seq.spec.max_k for seq in seqs])
