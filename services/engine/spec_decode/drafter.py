@@ -64,6 +64,7 @@ class Drafter:
         max_forwards = {"draft_model": config.k, "mtp": config.mtp_steps}
         self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, max_forwards)
         self.device: torch.device | None = getattr(runner, "device", None)
+        self.runner = runner
         self.drafting_s = 0.0
         """Seconds the last `propose` spent in the proposers (the controller's own choice excluded)."""
 
@@ -137,6 +138,11 @@ class Drafter:
         ks = self.adaptive.choose(seqs, num_other_tokens)
         # a step emits at most k + 1 tokens: never draft past the request's max_tokens
         ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1) for seq, k in zip(seqs, ks)]
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None:  # past the largest CUDA graph a step runs eagerly, several times slower
+            ks = fit_draft_budget(
+                ks, [seq.spec.acceptance for seq in seqs], graphs.max_tokens - num_other_tokens
+            )
         for seq in seqs:
             seq.spec.k, seq.spec.draft_token_ids, seq.spec.draft_probs = 0, [], None
         drafting = [(seq, k) for seq, k in zip(seqs, ks) if k > 0]
@@ -200,3 +206,18 @@ class Drafter:
                 one_hot[torch.arange(len(extra)), torch.tensor(extra)] = 1.0
                 draft.probs = torch.cat([draft.probs, one_hot])
             draft.token_ids = draft.token_ids + extra
+
+
+def fit_draft_budget(ks: list[int], acceptance: list[float], budget: int) -> list[int]:
+    """The most valuable `budget` drafts of those chosen: draft j of a request is worth a^j (the
+    chance it and those before it are accepted), so the best drafts are prefixes of each request's
+    chain; ties keep the earlier request."""
+    if sum(ks) <= budget:
+        return ks
+    worth = sorted(
+        ((acceptance[i] ** j, -i, i) for i, k in enumerate(ks) for j in range(1, k + 1)), reverse=True
+    )
+    kept = [0] * len(ks)
+    for _, _, i in worth[: max(budget, 0)]:
+        kept[i] += 1
+    return kept
