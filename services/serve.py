@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from services.engine.args import add_engine_args
 from services.runtime import PASSWORD_ENV
 from shared.reference import MTP_HEAD, default_model, reference_dir
@@ -75,9 +77,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def default_speculative_config(model: str) -> str:
-    """The shipped model has an MTP head beside it: MTP drafts topped up with n-gram drafts.
-    Any other model: model-free suffix decoding, which needs nothing extra."""
+def default_speculative_config(model: str, device: str = "auto") -> str:
+    """On a GPU: n-gram drafting, which runs inside the decode step's CUDA graphs and was the one
+    method ahead of naive at every concurrency measured there (BENCHMARKS.md "GPU runs"). On CPU,
+    where the target forward dominates a step: for the shipped model, which has an MTP head beside
+    it, MTP drafts topped up with n-gram drafts; any other model, model-free suffix decoding."""
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        return json.dumps({"method": "ngram", "num_speculative_tokens": 5})
     try:
         if Path(model).resolve() == reference_dir().resolve():
             mtp = reference_dir(MTP_HEAD)
@@ -129,7 +136,7 @@ class Mesh:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     model = args.model or default_model()
-    spec = args.speculative_config or default_speculative_config(model)
+    spec = args.speculative_config or default_speculative_config(model, args.device)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = Mesh(log_dir)
