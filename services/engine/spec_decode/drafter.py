@@ -20,7 +20,13 @@ from services.engine.spec_decode.draft_model import DraftModelProposer
 from services.engine.spec_decode.mtp import MTPProposer, VerifiedSpan
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import Drafts, ModelDrafterContext
-from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix import (
+    BackgroundGlobalIndex,
+    GlobalIndex,
+    SuffixConfig,
+    SuffixProposer,
+)
+from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
@@ -54,7 +60,7 @@ class Drafter:
                 max_spec_factor=config.suffix_decoding_max_spec_factor,
                 min_token_prob=config.suffix_decoding_min_token_prob,
             ),
-            global_index=suffix_index,
+            global_index=suffix_index if suffix_index is not None else self._background_index(config, runner),
         )
         ctx = ModelDrafterContext(runner, block_manager)
         self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
@@ -67,6 +73,22 @@ class Drafter:
         self.runner = runner
         self.drafting_s = 0.0
         """Seconds the last `propose` spent in the proposers (the controller's own choice excluded)."""
+
+    @staticmethod
+    def _background_index(config: SpeculativeConfig, runner: ModelRunner) -> GlobalIndex | None:
+        """On a GPU, where a decode step takes a millisecond or less, the in-process global suffix
+        tree is indexed off the step by a thread (None: the proposer's own, synchronous one)."""
+        device = getattr(runner, "device", None)
+        if config.method != "suffix" or device is None or device.type != "cuda":
+            return None
+        return BackgroundGlobalIndex(
+            GlobalSuffixIndex(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
+        )
 
     # ---- request lifecycle ------------------------------------------------------------------------
 

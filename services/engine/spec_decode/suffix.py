@@ -27,6 +27,8 @@ worker produced. It is asked once per step for the whole batch, and may answer N
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +58,41 @@ class GlobalIndex(Protocol):
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """The best draft for each (context, max_spec_tokens); None where there is no answer in time."""
         ...
+
+
+class BackgroundGlobalIndex:
+    """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
+    by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
+    for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
+    thread is inside an insertion it answers None ("no answer in time") rather than wait."""
+
+    def __init__(self, index: GlobalSuffixIndex) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self._pending: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="suffix-index", daemon=True)
+        self._thread.start()
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        self._pending.put((seq_id, list(token_ids)))
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        if not self._lock.acquire(blocking=False):
+            return [None] * len(queries)
+        try:
+            return list(self.index.speculate_batch(queries))
+        finally:
+            self._lock.release()
+
+    def __contains__(self, seq_id: object) -> bool:
+        with self._lock:
+            return seq_id in self.index
+
+    def _run(self) -> None:
+        while True:
+            seq_id, token_ids = self._pending.get()
+            with self._lock:
+                self.index.add_sequence(seq_id, token_ids)
 
 
 @dataclass(frozen=True)
