@@ -1,100 +1,91 @@
-"""The `specmesh` command: one subcommand per job."""
+"""The `specmesh` command: one subcommand per job.
+
+Each subcommand's flags are defined in its own module, next to its handler, and `specmesh <command>`
+imports only that module: a gateway, scheduler or suffix-cache pod starts without torch (about
+1.5 s and 200 MB). Listing the subcommands (`specmesh --help`, or none named) imports them all.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
-from services.engine.args import add_engine_args, engine_config
-from services.gateway.main import add_gateway_parser
-from services.scheduler.main import add_scheduler_parser
-from services.serve import add_serve_parser
-from services.suffix_cache.service import add_suffix_cache_parser
-from services.worker.main import add_worker_parsers
-from shared.errors import describe_validation_error
-from shared.model import ModelConfigError
-from shared.sampling_params import SamplingParams
-from training.train_mtp import add_train_mtp_parser
+from shared.errors import ModelConfigError, describe_validation_error
 
 Command = Callable[[argparse.Namespace], int]
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from services.engine.engine import LLMEngine
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand, with its shorthands (the worker's roles), and the function that adds them to
+    `add_subparsers()`'s result, as `module:function`; the module is imported only to call it."""
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-        seed=args.request_seed,
-        stop=args.stop or [],
-    )
-    started = time.perf_counter()
-    engine = LLMEngine(engine_config(args))
-    loaded = time.perf_counter()
-    engine.add_request("cli", prompt=args.prompt, params=params)
-    final = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            sys.stdout.write(output.new_text)
-            sys.stdout.flush()
-            final = output
-    finished = time.perf_counter()
-    sys.stdout.write("\n")
-    assert final is not None
-    num_generated = len(final.token_ids)
-    decode_s = finished - loaded
-    stats = final.spec_stats
-    spec = ""
-    if stats.get("num_verify_steps"):
-        spec = (
-            f" | {stats['method']}: {stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts accepted, "
-            f"mean accepted length {stats['mean_accepted_length']:.2f}"
-        )
-    print(
-        f"load {loaded - started:.2f} s | prompt {len(final.prompt_token_ids)} tokens | "
-        f"generated {num_generated} tokens in {decode_s:.2f} s ({num_generated / decode_s:.1f} tok/s) | "
-        f"TTFT {final.metrics.get('ttft_s', 0.0) * 1000:.0f} ms | finish {final.finish_reason}{spec}",
-        file=sys.stderr,
-    )
-    return 0
+    names: tuple[str, ...]
+    defined_by: str
+
+    def define(self, subparsers: Any) -> None:
+        module, _, function = self.defined_by.partition(":")
+        getattr(importlib.import_module(module), function)(subparsers)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving mesh")
-    parser.add_argument("--log-level", default="WARNING")
+SUBCOMMANDS = (
+    Subcommand(("generate",), "services.generate:add_generate_parser"),
+    Subcommand(("train-mtp",), "training.train_mtp:add_train_mtp_parser"),
+    Subcommand(("serve",), "services.serve:add_serve_parser"),
+    Subcommand(("scheduler",), "services.scheduler.main:add_scheduler_parser"),
+    Subcommand(("gateway",), "services.gateway.main:add_gateway_parser"),
+    Subcommand(("suffix-cache",), "services.suffix_cache.service:add_suffix_cache_parser"),
+    Subcommand(("worker", "mixed", "prefill", "decode"), "services.worker.main:add_worker_parsers"),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `specmesh` parser with `command`'s flags, or with every subcommand's when it is None.
+
+    The other subcommands are bare placeholders, so usage lines and errors still name them all.
+    """
+    parser = _top_level_parser()
     sub = parser.add_subparsers(dest="command", required=True)
-
-    generate = sub.add_parser("generate", help="generate text for one prompt, offline")
-    add_engine_args(generate)
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
-    generate.add_argument("--request-seed", type=int, help="per-request sampling seed")
-    generate.add_argument("--ignore-eos", action="store_true")
-    generate.set_defaults(handler=cmd_generate)
-    add_train_mtp_parser(sub)
-    add_serve_parser(sub)
-    add_scheduler_parser(sub)
-    add_gateway_parser(sub)
-    add_suffix_cache_parser(sub)
-    add_worker_parsers(sub)
+    for subcommand in SUBCOMMANDS:
+        if command is None or command in subcommand.names:
+            subcommand.define(sub)
+        else:
+            for name in subcommand.names:
+                sub.add_parser(name)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names, found as argparse finds it (the first positional after the
+    top-level flags); None where it names none or asks for the top-level help, the listing."""
+    parser = _top_level_parser(add_help=False, exit_on_error=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    for subcommand in SUBCOMMANDS:
+        for name in subcommand.names:
+            sub.add_parser(name, add_help=False)  # its flags are left unparsed, in the extras
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError:  # a bad --log-level or an unknown subcommand: the full parser says
+        return None
+    return None if known.help else known.command
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """`argv` (default: the process's) parsed, having imported only its subcommand's module."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return build_parser(chosen_command(argv)).parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -109,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _top_level_parser(**options: Any) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specmesh", description="Speculative-decoding LLM serving mesh", **options
+    )
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from services.engine.args import add_engine_args
 from services.runtime import PASSWORD_ENV
 from shared.reference import MTP_HEAD, default_model, reference_dir
@@ -82,6 +80,8 @@ def default_speculative_config(model: str, device: str = "auto") -> str:
     method ahead of naive at every concurrency measured there (BENCHMARKS.md "GPU runs"). On CPU,
     where the target forward dominates a step: for the shipped model, which has an MTP head beside
     it, MTP drafts topped up with n-gram drafts; any other model, model-free suffix decoding."""
+    import torch  # here: the launcher itself needs no torch unless it must look for a GPU
+
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if on_gpu:
         return json.dumps({"method": "ngram", "num_speculative_tokens": 5})

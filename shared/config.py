@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:  # torch is imported where a device is resolved: parsing engine flags needs none
+    import torch
 
 DEFAULT_CHUNKED_PREFILL_TOKENS = 2048
 
@@ -58,18 +60,25 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
         return self
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         dtype: torch.dtype = getattr(torch, self.dtype)

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import safetensors
 import tokenizers
@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from shared.model.loader import SINGLE_FILE
+from training.config import resolve_device
 from training.corpus import save_tokens, tokenize_files
 from training.data import DataSplit, default_roots, split_corpus
 from training.model_card import BuildFacts, write_lm_card, write_mtp_card
@@ -98,6 +99,10 @@ class MTPPlan(BaseModel):
     """Held-out-stream tokens it evaluates on (appended after the train tokens)."""
 
 
+PhaseSettings = TypeVar("PhaseSettings", TrainLMConfig, MTPPlan)
+"""A phase's settings that `with_steps` rescales."""
+
+
 @dataclass(frozen=True)
 class Preset:
     """Everything that sizes a build."""
@@ -122,6 +127,25 @@ class Preset:
         return (self.base_shape, self.base) if role == "base" else (self.draft_shape, self.draft)
 
 
+_FULL_LM_COMMON: dict[str, Any] = {
+    "batch_size": 64,
+    "seq_len": 512,
+    "warmup_steps": 250,
+    "eval_batches": 8,
+    "held_out_max_windows": 2048,
+}
+"""What the full preset's base and draft train alike; they differ in steps, lr and eval cadence."""
+_TINY_LM_COMMON: dict[str, Any] = {
+    "batch_size": 8,
+    "seq_len": 64,
+    "lr": 3e-3,
+    "warmup_steps": 4,
+    "eval_batches": 2,
+    "held_out_max_windows": 16,
+    "log_every": 4,
+}
+"""What the tiny preset's base and draft train alike; they differ in steps and eval cadence."""
+
 PRESETS: dict[str, Preset] = {
     # Sized for one H100 in about 7.5 minutes of a 9-minute budget, from an estimate of eager-mode
     # throughput (memory traffic of the elementwise ops dominates at these widths): base ~0.8M
@@ -135,26 +159,8 @@ PRESETS: dict[str, Preset] = {
         max_train_tokens=100_000_000,
         max_eval_tokens=4_000_000,
         validation_fraction=0.03,
-        base=TrainLMConfig(
-            steps=5500,
-            batch_size=64,
-            seq_len=512,
-            lr=2e-3,
-            warmup_steps=250,
-            eval_every=500,
-            eval_batches=8,
-            held_out_max_windows=2048,
-        ),
-        draft=TrainLMConfig(
-            steps=8000,
-            batch_size=64,
-            seq_len=512,
-            lr=3e-3,
-            warmup_steps=250,
-            eval_every=1000,
-            eval_batches=8,
-            held_out_max_windows=2048,
-        ),
+        base=TrainLMConfig(steps=5500, lr=2e-3, eval_every=500, **_FULL_LM_COMMON),
+        draft=TrainLMConfig(steps=8000, lr=3e-3, eval_every=1000, **_FULL_LM_COMMON),
         mtp=MTPPlan(
             steps=6000,
             batch_size=32,
@@ -176,28 +182,8 @@ PRESETS: dict[str, Preset] = {
         max_train_tokens=None,
         max_eval_tokens=20_000,
         validation_fraction=0.1,
-        base=TrainLMConfig(
-            steps=24,
-            batch_size=8,
-            seq_len=64,
-            lr=3e-3,
-            warmup_steps=4,
-            eval_every=12,
-            eval_batches=2,
-            held_out_max_windows=16,
-            log_every=4,
-        ),
-        draft=TrainLMConfig(
-            steps=16,
-            batch_size=8,
-            seq_len=64,
-            lr=3e-3,
-            warmup_steps=4,
-            eval_every=8,
-            eval_batches=2,
-            held_out_max_windows=16,
-            log_every=4,
-        ),
+        base=TrainLMConfig(steps=24, eval_every=12, **_TINY_LM_COMMON),
+        draft=TrainLMConfig(steps=16, eval_every=8, **_TINY_LM_COMMON),
         mtp=MTPPlan(
             steps=12,
             batch_size=4,
@@ -382,7 +368,7 @@ def write_cards(
 ) -> None:
     for role, result in results.items():
         write_lm_card(result, phase_config(preset.lm(role)[1], options, None), facts, role)
-    mtp_info = {**mtp_plan.model_dump(), "device_name": device_name(_device(options.device))}
+    mtp_info = {**mtp_plan.model_dump(), "device_name": device_name(resolve_device(options.device))}
     write_mtp_card(mtp_result, count_checkpoint_params(out / MTP_DIR), mtp_info, facts)
 
 
@@ -399,11 +385,9 @@ def prepare_output(out: Path, pack_dir: Path | None) -> None:
 
 def phase_config(config: TrainLMConfig, options: BuildOptions, seconds_left: float | None) -> TrainLMConfig:
     """The preset's config with the build's seed, device, step scale and time limit."""
-    steps = max(2, round(config.steps * options.steps_scale))
-    return config.model_copy(
+    scaled = with_steps(config, round(config.steps * options.steps_scale))
+    return scaled.model_copy(
         update={
-            "steps": steps,
-            "warmup_steps": min(config.warmup_steps, steps // 5),
             "seed": options.seed,
             "device": options.device,
             "progress": options.progress,
@@ -414,8 +398,7 @@ def phase_config(config: TrainLMConfig, options: BuildOptions, seconds_left: flo
 
 
 def scaled_mtp_plan(plan: MTPPlan, steps_scale: float) -> MTPPlan:
-    steps = max(2, round(plan.steps * steps_scale))
-    return plan.model_copy(update={"steps": steps, "warmup_steps": min(plan.warmup_steps, steps // 5)})
+    return with_steps(plan, round(plan.steps * steps_scale))
 
 
 def fit_mtp_to_budget(plan: MTPPlan, base: LMResult, seconds_left: float | None) -> MTPPlan:
@@ -429,7 +412,13 @@ def fit_mtp_to_budget(plan: MTPPlan, base: LMResult, seconds_left: float | None)
         return plan
     steps = max(2, affordable)
     _say(f"mtp: the time budget allows about {steps} of the planned {plan.steps} steps; shortening")
-    return plan.model_copy(update={"steps": steps, "warmup_steps": min(plan.warmup_steps, steps // 5)})
+    return with_steps(plan, steps)
+
+
+def with_steps(config: PhaseSettings, steps: int) -> PhaseSettings:
+    """`config` run for `steps` steps (at least 2), its warm-up cut to at most a fifth of them."""
+    steps = max(2, steps)
+    return config.model_copy(update={"steps": steps, "warmup_steps": min(config.warmup_steps, steps // 5)})
 
 
 def train_reference_mtp(
@@ -515,7 +504,7 @@ def write_manifest(
             "torch": torch.__version__,
             "tokenizers": tokenizers.__version__,
             "safetensors": safetensors.__version__,
-            "device": device_name(_device(options.device)),
+            "device": device_name(resolve_device(options.device)),
         },
         "phases_s": {k: round(v, 2) for k, v in clock.phases_s.items()},
         "data": facts.data,
@@ -593,12 +582,6 @@ def _describe_lm(result: LMResult) -> str:
         f"validation {result.validation_loss:.4f}, held-out {result.held_out_loss:.4f} "
         f"(perplexity {result.held_out_perplexity:.2f}), {result.elapsed_s:.1f} s"
     )
-
-
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _say(message: str) -> None:

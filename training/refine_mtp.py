@@ -41,8 +41,9 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from training import train_mtp
 from training.build_reference import PRESETS, shrink_mtp_dir
+from training.config import resolve_device, warmup_cosine
 from training.corpus import tokenize_files
-from training.data import default_roots, split_corpus
+from training.data import DataSplit, default_roots, split_corpus
 from training.tokenizer import EOS_TOKEN_ID
 from training.train_lm import device_name
 from training.train_mtp import LOSS_PLOT, TRAIN_LOG, EvalStats, make_windows, sample_batch
@@ -98,9 +99,7 @@ class RefineMTPConfig(BaseModel):
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
 
 @dataclass
@@ -119,10 +118,7 @@ def prepare_data(config: RefineMTPConfig, gen: torch.Generator, deadline: float)
     """Splits and tokenizes the sources, samples prompts and generates their continuations."""
     started = time.perf_counter()
     tokenizer = Tokenizer(config.base)
-    split = split_corpus(config.roots or default_roots(), SPLIT_SEED, PRESETS["full"].validation_fraction)
-    train = tokenize_files(split.train, tokenizer.backend, config.max_train_tokens).long()
-    held_out = tokenize_files(split.held_out, tokenizer.backend, PRESETS["full"].mtp.max_held_out_tokens)
-    held_out = held_out.long()
+    split, train, held_out = tokenize_split(config, tokenizer)
     is_cut = indented_line_starts(tokenizer)
     held_out_prompts = sample_prompts(
         held_out, config.num_held_out_prompts, config.prompt_tokens, is_cut, gen
@@ -130,15 +126,7 @@ def prepare_data(config: RefineMTPConfig, gen: torch.Generator, deadline: float)
     prompts = sample_prompts(train, config.num_prompts, config.prompt_tokens, is_cut, gen)
     data_s = time.perf_counter() - started
     held_out_generated, generated = generate(config, held_out_prompts, prompts, deadline)
-    eval_sets = {
-        "held_out": (make_windows(held_out, config.eval_seq_len)[:EVAL_WINDOWS], 0),
-        "held_out_long": (
-            make_windows(held_out, config.seq_len)[: EVAL_WINDOWS // 2],
-            config.eval_seq_len - 1,
-        ),
-        # row i drafts t_{i+2}: scored from the row whose input is the first generated token
-        "held_out_generated": (held_out_generated, config.prompt_tokens - 1),
-    }
+    eval_sets = make_eval_sets(config, held_out, held_out_generated)
     meta = {
         **split.summary(),
         "train_tokens": train.numel(),
@@ -149,6 +137,34 @@ def prepare_data(config: RefineMTPConfig, gen: torch.Generator, deadline: float)
         "phases_s": {"data": data_s, "generate": time.perf_counter() - started - data_s},
     }
     return RefineData(make_windows(train, config.seq_len), generated, eval_sets, meta)
+
+
+def tokenize_split(
+    config: RefineMTPConfig, tokenizer: Tokenizer
+) -> tuple[DataSplit, torch.Tensor, torch.Tensor]:  # split, [num_train_tokens], [num_held_out_tokens]
+    """The build's package split of the sources, and its train and held-out streams (int64)."""
+    split = split_corpus(config.roots or default_roots(), SPLIT_SEED, PRESETS["full"].validation_fraction)
+    train = tokenize_files(split.train, tokenizer.backend, config.max_train_tokens).long()
+    held_out = tokenize_files(split.held_out, tokenizer.backend, PRESETS["full"].mtp.max_held_out_tokens)
+    return split, train, held_out.long()
+
+
+def make_eval_sets(
+    config: RefineMTPConfig,
+    held_out: torch.Tensor,  # [num_held_out_tokens]
+    held_out_generated: torch.Tensor,  # [num_held_out_prompts, prompt_tokens + new_tokens]
+) -> dict[str, tuple[torch.Tensor, int]]:
+    """The held-out sets, each with its first scored draft row: the build's teacher-forced
+    windows, longer windows scored past `eval_seq_len`, and the generated continuations."""
+    return {
+        "held_out": (make_windows(held_out, config.eval_seq_len)[:EVAL_WINDOWS], 0),
+        "held_out_long": (
+            make_windows(held_out, config.seq_len)[: EVAL_WINDOWS // 2],
+            config.eval_seq_len - 1,
+        ),
+        # row i drafts t_{i+2}: scored from the row whose input is the first generated token
+        "held_out_generated": (held_out_generated, config.prompt_tokens - 1),
+    }
 
 
 def indented_line_starts(tokenizer: Tokenizer) -> torch.Tensor:  # [vocab_size] bool
@@ -175,15 +191,7 @@ def generate(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, prompt_tokens + new_tokens] each
     """Greedy continuations by specmesh's engine: every held-out prompt, then train prompts chunk
     by chunk until done or past `deadline` (a perf_counter time)."""
-    seq_len = config.prompt_tokens + config.new_tokens
-    llm = LLM(
-        str(config.base),
-        device=str(config.torch_device),
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=seq_len,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        num_kv_blocks=config.max_num_seqs * (seq_len // 16 + 2),  # 16-token blocks, room for every seq
-    )
+    llm = start_engine(config, max_model_len=config.prompt_tokens + config.new_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=config.new_tokens, ignore_eos=True)
     chunks: list[torch.Tensor] = []
     total = len(held_out_prompts) + len(prompts)
@@ -198,6 +206,18 @@ def generate(
     gc.collect()
     torch.cuda.empty_cache()
     return chunks[0], torch.cat(chunks[1:])
+
+
+def start_engine(config: RefineMTPConfig, max_model_len: int) -> LLM:
+    """specmesh's engine on the base, with KV-cache room for `max_num_seqs` full-length sequences."""
+    return LLM(
+        str(config.base),
+        device=str(config.torch_device),
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        num_kv_blocks=config.max_num_seqs * (max_model_len // 16 + 2),  # 16-token blocks, room for every seq
+    )
 
 
 # ---------------------------------------------------------------------------------------------- loop
@@ -234,30 +254,14 @@ def refine_loop(
 ) -> tuple[list[dict[str, Any]], dict[str, list[EvalStats]]]:
     """Warm-up + cosine decay from the head's weights; returns per-step records and the evaluations
     of every held-out set (step 0 first, the saved head last)."""
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: train_mtp.warmup_cosine(step, config.warmup_steps, config.steps, config.min_lr_ratio),
-    )
+    optimizer, schedule = make_optimizer(head, config)
     on_generated = (torch.rand(config.steps, generator=gen) < config.generated_fraction).tolist()
     evals: dict[str, list[EvalStats]] = {name: [] for name in data.eval_sets}
     progress = tqdm(range(1, config.steps + 1), desc="refine-mtp", unit="step", disable=not config.progress)
-
-    def evaluate(step: int) -> None:
-        for name, (sequences, first_row) in data.eval_sets.items():
-            args = (config.generated_batch_size, config.torch_device, step, first_row)
-            evals[name].append(train_mtp.score_windows(head, target, sequences, *args))
-        scores = ", ".join(f"{name} {stats[-1].agreement:.3f}" for name, stats in evals.items())
-        progress.write(f"step {step}: top-1 agreement {scores}", file=sys.stderr)
-
-    evaluate(0)
+    record_evals(0, evaluate_all(head, target, data, config, step=0), evals, progress)
     steps: list[dict[str, Any]] = []
     for step in progress:
-        if on_generated[step - 1]:
-            batch = sample_batch(data.generated, config.generated_batch_size, gen)
-            first_row = config.prompt_tokens - 1
-        else:
-            batch, first_row = sample_batch(data.windows, config.batch_size, gen), 0
+        batch, first_row = draw_batch(data, config, on_generated[step - 1], gen)
         lr = float(schedule.get_last_lr()[0])
         loss = refine_step(
             head, target, batch.to(config.torch_device), first_row, optimizer, config.grad_clip
@@ -267,11 +271,54 @@ def refine_loop(
         progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
         out_of_time = time.perf_counter() > deadline
         if step % config.eval_every == 0 or step == config.steps or out_of_time:
-            evaluate(step)
+            record_evals(step, evaluate_all(head, target, data, config, step), evals, progress)
         if out_of_time:
             break
     progress.close()
     return steps, evals
+
+
+def make_optimizer(
+    head: MTPHead, config: RefineMTPConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the head, with train_mtp's warm-up + cosine schedule (training.config)."""
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: warmup_cosine(step, config.warmup_steps, config.steps, config.min_lr_ratio),
+    )
+    return optimizer, schedule
+
+
+def draw_batch(
+    data: RefineData, config: RefineMTPConfig, generated: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:  # [batch, seq] token ids, first draft row the loss counts
+    """Generated sequences (their continuation rows only), or corpus windows (every row)."""
+    if generated:
+        return sample_batch(data.generated, config.generated_batch_size, gen), config.prompt_tokens - 1
+    return sample_batch(data.windows, config.batch_size, gen), 0
+
+
+def evaluate_all(
+    head: MTPHead, target: LlamaForCausalLM, data: RefineData, config: RefineMTPConfig, step: int
+) -> dict[str, EvalStats]:
+    """Mean KL and top-1 agreement on each held-out set, from its first scored row on."""
+    return {
+        name: train_mtp.score_windows(
+            head, target, sequences, config.generated_batch_size, config.torch_device, step, first_row
+        )
+        for name, (sequences, first_row) in data.eval_sets.items()
+    }
+
+
+def record_evals(
+    step: int, latest: dict[str, EvalStats], evals: dict[str, list[EvalStats]], progress: tqdm
+) -> None:
+    """Appends `latest` to each held-out set's history and prints the agreements."""
+    for name, stats in latest.items():
+        evals[name].append(stats)
+    scores = ", ".join(f"{name} {stats.agreement:.3f}" for name, stats in latest.items())
+    progress.write(f"step {step}: top-1 agreement {scores}", file=sys.stderr)
 
 
 def refine_mtp(config: RefineMTPConfig) -> dict[str, Any]:
@@ -281,31 +328,49 @@ def refine_mtp(config: RefineMTPConfig) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
     data = prepare_data(config, gen, started + GENERATE_DEADLINE * limit_s)
-    device = config.torch_device
     max_positions = max(config.seq_len, config.eval_seq_len, data.generated.shape[1])
-    target_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    target = load_model(config.base, target_dtype, device, max_positions).requires_grad_(False)
-    head = load_mtp_head(config.head, target, torch.float32, device)
+    target, head = load_target_and_head(config, max_positions)
     train_started = time.perf_counter()
     steps, evals = refine_loop(head, target, data, config, gen, started + limit_s)
     save_mtp_head(head, config.out)
+    log = make_train_log(config, data, steps, evals, started, train_started)
+    (config.out / TRAIN_LOG).write_text(json.dumps(log) + "\n")
+    train_mtp.plot_losses([s["loss"] for s in steps], evals["held_out_generated"], config.out / LOSS_PLOT)
+    shrink_mtp_dir(config.out)  # bf16 weights and a compact log, as the build ships the head
+    return log
+
+
+def load_target_and_head(config: RefineMTPConfig, max_positions: int) -> tuple[LlamaForCausalLM, MTPHead]:
+    """The frozen base (float32 on CPU, bf16 on CUDA) and the head to refine, in float32."""
+    device = config.torch_device
+    target_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    target = load_model(config.base, target_dtype, device, max_positions).requires_grad_(False)
+    return target, load_mtp_head(config.head, target, torch.float32, device)
+
+
+def make_train_log(
+    config: RefineMTPConfig,
+    data: RefineData,
+    steps: list[dict[str, Any]],
+    evals: dict[str, list[EvalStats]],
+    started: float,
+    train_started: float,
+) -> dict[str, Any]:
+    """train_log.json: settings, data, the initial head's own log, every step and evaluation;
+    `started` and `train_started` are the perf_counter times the run and its training began."""
     initial_log = config.head / TRAIN_LOG
     initial = json.loads(initial_log.read_text()) if initial_log.is_file() else {}
-    log = {
+    return {
         "config": config.model_dump(mode="json"),
         "data": data.meta,
         "initial_head": {k: initial.get(k) for k in ("config", "evals", "elapsed_s")},
-        "device": device_name(device),
+        "device": device_name(config.torch_device),
         "train_s": time.perf_counter() - train_started,
         "stopped_early": len(steps) < config.steps,
         "steps": steps,
         "evals": {name: [asdict(e) for e in stats] for name, stats in evals.items()},
         "elapsed_s": time.perf_counter() - started,
     }
-    (config.out / TRAIN_LOG).write_text(json.dumps(log) + "\n")
-    train_mtp.plot_losses([s["loss"] for s in steps], evals["held_out_generated"], config.out / LOSS_PLOT)
-    shrink_mtp_dir(config.out)  # bf16 weights and a compact log, as the build ships the head
-    return log
 
 
 # ----------------------------------------------------------------------------------------------- CLI

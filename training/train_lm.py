@@ -28,16 +28,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from shared.model import LlamaForCausalLM, ModelConfig
 from shared.model.loader import SHARD_INDEX, SINGLE_FILE, unfused_state_dict
+from training.config import (
+    Count,
+    NonNegativeReal,
+    PositiveCount,
+    PositiveReal,
+    TrainingRunConfig,
+    warmup_cosine,
+)
 from training.corpus import contiguous_windows, random_offsets, windows_at
 from training.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, TOKENIZER_FILES
-from training.train_mtp import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -117,66 +124,32 @@ SHAPES: dict[str, LMShape] = {
 """`base` (~14.6M parameters) and `draft` (~2.8M) are the shipped family; the tiny ones are for tests."""
 
 
-class TrainLMConfig(BaseModel):
-    """Optimisation settings of one run."""
+class TrainLMConfig(TrainingRunConfig):
+    """Optimisation settings of one run (the shared ones: training.config)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int = Field(default=1000, ge=1)
-    """Optimizer steps."""
-    batch_size: int = Field(default=64, ge=1)
-    """Windows per step."""
     seq_len: int = Field(default=512, ge=2)
     """Tokens the model reads per window."""
-    lr: float = Field(default=2e-3, gt=0.0)
-    """Peak AdamW learning rate."""
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
-    """Learning rate at the end of the cosine decay, as a fraction of `lr`."""
-    warmup_steps: int = Field(default=100, ge=0)
-    """Steps of linear warm-up before the cosine decay."""
-    weight_decay: float = Field(default=0.1, ge=0.0)
-    """AdamW weight decay of weight matrices and the embedding (not of norm weights)."""
-    grad_clip: float = Field(default=1.0, gt=0.0)
-    """Clip the global gradient norm to this value."""
-    eval_every: int = Field(default=250, ge=1)
-    """Validation loss every this many steps (and after the last)."""
-    eval_batches: int = Field(default=8, ge=1)
-    """Validation batches (of `batch_size` windows) per evaluation; always the same windows."""
     held_out_max_windows: int = Field(default=2048, ge=1)
     """Windows of the held-out stream scored at the end (each token once)."""
     log_every: int = Field(default=10, ge=1)
     """Steps between host syncs: the progress bar and tokens/s refresh this often."""
-    seed: int = Field(default=0, ge=0)
-    """Seeds the initial weights and the batch order."""
-    device: str = "auto"
-    """auto (cuda when available), cpu, cuda or cuda:N."""
     time_limit_s: float | None = Field(default=None, gt=0.0)
     """Wall time the training loop may take: at the measured speed, fewer steps are planned early in
     the run when the configured ones would not fit, and training stops (keeping the model) if it
     still runs over. None: run every configured step."""
     compile: bool = False
     """torch.compile the forward pass (faster on GPU after a compile of about a minute)."""
-    progress: bool = True
-    """Show a tqdm progress bar."""
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, device: str) -> str:
-        if device not in ("auto", "cpu") and not device.startswith("cuda"):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {device!r}")
-        return device
-
-    @model_validator(mode="after")
-    def _check(self) -> TrainLMConfig:
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
-        return self
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+    # TrainingRunConfig's fields, with this run's defaults
+    batch_size: PositiveCount = 64
+    lr: PositiveReal = 2e-3
+    warmup_steps: Count = 100
+    weight_decay: NonNegativeReal = 0.1
+    """AdamW weight decay of weight matrices and the embedding (not of norm weights)."""
+    eval_every: PositiveCount = 250
+    """Validation loss every this many steps (and after the last)."""
+    eval_batches: PositiveCount = 8
+    """Validation batches (of `batch_size` windows) per evaluation; always the same windows."""
 
     @property
     def tokens_per_step(self) -> int:

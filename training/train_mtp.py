@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,12 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from shared.model import LlamaForCausalLM, ModelConfig, load_model
 from shared.model.mtp import MTPHead, save_mtp_head
 from shared.tokenizer import Tokenizer
+from training.config import (
+    Count,
+    NonNegativeReal,
+    PositiveCount,
+    PositiveReal,
+    TrainingRunConfig,
+    warmup_cosine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +50,9 @@ TRAIN_LOG = "train_log.json"
 LOSS_PLOT = "loss.png"
 
 
-class TrainMTPConfig(BaseModel):
-    """One training run. Exactly one of `data` and `data_tokens` gives the corpus."""
-
-    model_config = ConfigDict(extra="forbid")
+class TrainMTPConfig(TrainingRunConfig):
+    """One training run (the optimiser settings: training.config). Exactly one of `data` and
+    `data_tokens` gives the corpus."""
 
     base: Path
     """The frozen target: a Hugging Face model directory with config.json and tokenizer.json."""
@@ -64,33 +70,20 @@ class TrainMTPConfig(BaseModel):
     """Keep at most this many corpus tokens."""
     holdout_fraction: float = Field(default=0.05, gt=0.0, lt=1.0)
     """Fraction of the corpus windows (the last ones) kept out of training for evaluation."""
-    steps: int = Field(default=1000, ge=1)
-    """Optimizer steps."""
-    batch_size: int = Field(default=8, ge=1)
-    """Windows per step."""
     seq_len: int = Field(default=256, ge=3)
     """Tokens per window; each window yields seq_len - 1 draft rows."""
-    lr: float = Field(default=3e-4, gt=0.0)
-    """Peak learning rate of AdamW."""
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
-    """Learning rate at the end of the cosine decay, as a fraction of `lr`."""
-    warmup_steps: int = Field(default=20, ge=0)
-    """Steps of linear warm-up before the cosine decay."""
-    weight_decay: float = Field(default=0.01, ge=0.0)
-    grad_clip: float = Field(default=1.0, gt=0.0)
-    """Clip the global gradient norm to this value."""
     hard_label_weight: float = Field(default=0.0, ge=0.0, le=1.0)
     """Weight w of the cross-entropy on the corpus token t_{i+2}, mixed as (1 - w) * KL + w * CE."""
-    seed: int = Field(default=0, ge=0)
-    """Seeds batch sampling and torch; CPU runs are bit-for-bit repeatable."""
-    device: str = "auto"
-    """auto (cuda when available), cpu, cuda or cuda:N."""
-    eval_every: int = Field(default=100, ge=1)
+
+    # TrainingRunConfig's fields, with this run's defaults
+    batch_size: PositiveCount = 8
+    lr: PositiveReal = 3e-4
+    warmup_steps: Count = 20
+    weight_decay: NonNegativeReal = 0.01
+    eval_every: PositiveCount = 100
     """Evaluate on the held-out windows every this many steps (and before and after training)."""
-    eval_batches: int = Field(default=16, ge=1)
+    eval_batches: PositiveCount = 16
     """Held-out batches per evaluation."""
-    progress: bool = True
-    """Show a tqdm progress bar."""
 
     @field_validator("base")
     @classmethod
@@ -116,31 +109,21 @@ class TrainMTPConfig(BaseModel):
 
     @field_validator("device")
     @classmethod
-    def _device(cls, device: str) -> str:
-        if device not in ("auto", "cpu") and not device.startswith("cuda"):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    def _cuda_available(cls, device: str) -> str:
+        """Runs after TrainingRunConfig's check of the device's form."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but no CUDA device is available")
         return device
 
     @model_validator(mode="after")
     def _check(self) -> TrainMTPConfig:
+        """Replaces TrainingRunConfig._check (same name), to name the flag and check the corpus first."""
         if bool(self.data) == (self.data_tokens is not None):
             raise ValueError("give the corpus with exactly one of --data and --data-tokens")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps}); "
-                "lower --warmup-steps"
-            )
+        self._check_warmup(hint="; lower --warmup-steps")
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"out: {self.out} exists and is not a directory")
         return self
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
 
 @dataclass
@@ -405,14 +388,6 @@ def train_loop(
             progress.write(_describe(evals[-1]), file=sys.stderr)
     progress.close()
     return losses, learning_rates, evals
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to `min_lr_ratio`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def sample_batch(windows: torch.Tensor, batch_size: int, generator: torch.Generator) -> torch.Tensor:
