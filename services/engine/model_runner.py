@@ -174,16 +174,31 @@ class ModelRunner:
         token history for the proposer."""
         assert self.graphs is not None
         seqs = inputs.sampled_seqs
+        row_of = self._history_rows([seq for seq in seqs if seq.spec.method == "ngram"])
+        tail = self._tail_inputs(seqs, requests, row_of)
+        outputs = self.graphs.replay_tail(inputs.host, key, tail)
         history = self.token_history
-        ngram = [seq for seq in seqs if history is not None and seq.spec.method == "ngram"]
-        row_of = (
-            dict(
-                zip((s.request_id for s in ngram), history.sync([(s.request_id, s.token_ids) for s in ngram]))
-            )
-            if history and ngram
-            else {}
-        )
-        scratch = history.tokens.shape[0] - 1 if history is not None else 0
+        for seq, out in zip(seqs, outputs):
+            row = row_of.get(seq.request_id)
+            if row is not None and history is not None:  # the device row now ends with the emitted tokens
+                num_tokens = seq.num_tokens + len(out.token_ids)
+                history.synced[row] = num_tokens
+                history.precomputed[seq.request_id] = (num_tokens, out.drafts)
+        return [VerifyResult(out.token_ids, out.num_accepted, [None] * len(out.token_ids)) for out in outputs]
+
+    def _history_rows(self, seqs: list[Sequence]) -> dict[str, int]:
+        """The device token-history row of each n-gram request, synced up to its last token."""
+        if self.token_history is None or not seqs:
+            return {}
+        rows = self.token_history.sync([(seq.request_id, seq.token_ids) for seq in seqs])
+        return {seq.request_id: row for seq, row in zip(seqs, rows)}
+
+    def _tail_inputs(
+        self, seqs: list[Sequence], requests: list[VerifyRequest], row_of: dict[str, int]
+    ) -> TailInputs:
+        """Per logit row its sampling parameters and draft; per sequence its history row (the
+        scratch row and no drafts for requests that do not use n-gram)."""
+        scratch = self.token_history.tokens.shape[0] - 1 if self.token_history is not None else 0
         tail = TailInputs([], [], [], [], [], [], [], [], [], [])
         for seq, request in zip(seqs, requests):
             p = seq.params
@@ -199,14 +214,7 @@ class ModelRunner:
             tail.history_rows.append(scratch if row is None else row)
             tail.history_lens.append(0 if row is None else seq.num_tokens)
             tail.num_drafts.append(0 if row is None else seq.spec.max_k)
-        outputs = self.graphs.replay_tail(inputs.host, key, tail)
-        for seq, out in zip(seqs, outputs):
-            row = row_of.get(seq.request_id)
-            if row is not None and history is not None:  # the device row now ends with the emitted tokens
-                num_tokens = seq.num_tokens + len(out.token_ids)
-                history.synced[row] = num_tokens
-                history.precomputed[seq.request_id] = (num_tokens, out.drafts)
-        return [VerifyResult(out.token_ids, out.num_accepted, [None] * len(out.token_ids)) for out in outputs]
+        return tail
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         starts = [seq.num_computed_tokens for seq in batch.seqs]
