@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from benchmarks.workloads import WORKLOADS, WORKLOADS_DIR, WorkloadRecord, load_workload
 from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.spec_decode.suffix import SuffixConfig
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.config import EngineConfig
 from shared.model import ModelConfig
@@ -137,13 +138,7 @@ class FreshGlobalIndex:
         self.index = self._empty()
 
     def _empty(self) -> GlobalSuffixIndex:
-        spec = self.spec
-        return GlobalSuffixIndex(
-            spec.suffix_decoding_max_tree_depth,
-            spec.suffix_decoding_max_cached_requests,
-            spec.suffix_decoding_max_spec_factor,
-            spec.suffix_decoding_min_token_prob,
-        )
+        return SuffixConfig.from_speculative_config(self.spec).global_index()
 
     def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
         self.index.add_sequence(seq_id, token_ids)

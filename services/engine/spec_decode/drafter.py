@@ -26,7 +26,6 @@ from services.engine.spec_decode.suffix import (
     SuffixConfig,
     SuffixProposer,
 )
-from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
@@ -53,15 +52,10 @@ class Drafter:
             device=getattr(runner, "device", None),
             history=getattr(runner, "token_history", None),
         )
-        self.suffix = SuffixProposer(
-            SuffixConfig(
-                max_tree_depth=config.suffix_decoding_max_tree_depth,
-                max_cached_requests=config.suffix_decoding_max_cached_requests,
-                max_spec_factor=config.suffix_decoding_max_spec_factor,
-                min_token_prob=config.suffix_decoding_min_token_prob,
-            ),
-            global_index=suffix_index if suffix_index is not None else self._background_index(config, runner),
-        )
+        suffix_config = SuffixConfig.from_speculative_config(config)
+        if suffix_index is None and _indexes_in_background(config, runner):
+            suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
+        self.suffix = SuffixProposer(suffix_config, global_index=suffix_index)
         ctx = ModelDrafterContext(runner, block_manager)
         self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
         self.draft_model = DraftModelProposer(ctx) if runner.draft_model is not None else None
@@ -73,22 +67,6 @@ class Drafter:
         self.runner = runner
         self.drafting_s = 0.0
         """Seconds the last `propose` spent in the proposers (the controller's own choice excluded)."""
-
-    @staticmethod
-    def _background_index(config: SpeculativeConfig, runner: ModelRunner) -> GlobalIndex | None:
-        """On a GPU, where a decode step takes a millisecond or less, the in-process global suffix
-        tree is indexed off the step by a thread (None: the proposer's own, synchronous one)."""
-        device = getattr(runner, "device", None)
-        if config.method != "suffix" or device is None or device.type != "cuda":
-            return None
-        return BackgroundGlobalIndex(
-            GlobalSuffixIndex(
-                config.suffix_decoding_max_tree_depth,
-                config.suffix_decoding_max_cached_requests,
-                config.suffix_decoding_max_spec_factor,
-                config.suffix_decoding_min_token_prob,
-            )
-        )
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
@@ -243,3 +221,10 @@ def fit_draft_budget(ks: list[int], acceptance: list[float], budget: int) -> lis
     for _, _, i in worth[: max(budget, 0)]:
         kept[i] += 1
     return kept
+
+
+def _indexes_in_background(config: SpeculativeConfig, runner: ModelRunner) -> bool:
+    """On a GPU, where a decode step takes a millisecond or less, the in-process global suffix tree
+    is indexed off the step by a thread."""
+    device = getattr(runner, "device", None)
+    return config.method == "suffix" and device is not None and device.type == "cuda"

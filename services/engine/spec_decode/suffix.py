@@ -42,6 +42,7 @@ from services.engine.spec_decode.suffix_tree import (
     check_spec_params,
     check_tree_params,
 )
+from shared.speculative_config import SpeculativeConfig
 
 
 class GlobalIndex(Protocol):
@@ -112,6 +113,22 @@ class SuffixConfig:
         check_tree_params(self.max_tree_depth, self.max_cached_requests)
         check_spec_params(0, self.max_spec_factor, self.min_token_prob)
 
+    @classmethod
+    def from_speculative_config(cls, config: SpeculativeConfig) -> SuffixConfig:
+        """The `suffix_decoding_*` settings of a server's speculative config."""
+        return cls(
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+        )
+
+    def global_index(self) -> GlobalSuffixIndex:
+        """An empty in-process global tree sized and limited by these settings."""
+        return GlobalSuffixIndex(
+            self.max_tree_depth, self.max_cached_requests, self.max_spec_factor, self.min_token_prob
+        )
+
 
 @dataclass
 class _RequestState:
@@ -131,13 +148,7 @@ class SuffixProposer:
 
     def __init__(self, config: SuffixConfig | None = None, global_index: GlobalIndex | None = None) -> None:
         self.config = cfg = config or SuffixConfig()
-        self.global_index: GlobalIndex = (
-            global_index
-            if global_index is not None
-            else GlobalSuffixIndex(
-                cfg.max_tree_depth, cfg.max_cached_requests, cfg.max_spec_factor, cfg.min_token_prob
-            )
-        )
+        self.global_index: GlobalIndex = global_index if global_index is not None else cfg.global_index()
         self._requests: dict[str, _RequestState] = {}
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
