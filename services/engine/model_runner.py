@@ -312,6 +312,23 @@ class ModelRunner:
             )
         return budget
 
+    def _one_sequence(
+        self, query_len: int, context: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of one dummy sequence whose last `query_len` of
+        `context` tokens are new, in blocks 0, 1, ... (start-up forwards: warm-up, memory profile)."""
+        num_blocks = -(-context // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(context - query_len, context, device=self.device),
+            query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([context], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            query_lens_cpu=[query_len],
+            seq_lens_cpu=[context],
+        )
+        ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
+        return ids, torch.arange(context - query_len, context, device=self.device), meta
+
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
         """Compiles every attention kernel variant a prefill chunk can pick (they differ by query
@@ -323,21 +340,10 @@ class ModelRunner:
             models.append((self.draft_model, self.draft_model.config))
         context = min(self.max_model_len, 1024)  # long enough to split the context across blocks
         for model, config in models:
-            num_blocks = -(-context // self.block_size)
-            kv_caches = self._allocate_kv_cache(num_blocks, config)
-            tables = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
+            kv_caches = self._allocate_kv_cache(-(-context // self.block_size), config)
             query_len = 1
             while query_len <= min(context, 2 * MAX_KERNEL_QUERY_LEN):
-                meta = AttentionMetadata(
-                    slot_mapping=torch.arange(context - query_len, context, device=self.device),
-                    query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=self.device),
-                    seq_lens=torch.tensor([context], dtype=torch.int32, device=self.device),
-                    block_tables=tables,
-                    query_lens_cpu=[query_len],
-                    seq_lens_cpu=[context],
-                )
-                ids = torch.zeros(query_len, dtype=torch.long, device=self.device)
-                positions = torch.arange(context - query_len, context, device=self.device)
+                ids, positions, meta = self._one_sequence(query_len, context)
                 model(ids, positions, kv_caches, meta)
                 query_len *= 2
             del kv_caches
@@ -349,16 +355,8 @@ class ModelRunner:
         num_tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         kv_caches = self._allocate_kv_cache(num_blocks, self.model_config)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            query_lens_cpu=[num_tokens],
-            seq_lens_cpu=[num_tokens],
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), kv_caches, meta)
+        ids, positions, meta = self._one_sequence(num_tokens, num_tokens)
+        hidden = self.model(ids, positions, kv_caches, meta)
         rows = min(num_tokens, self.config.max_num_seqs)
         self.model.compute_logits(hidden[:rows]).softmax(dim=-1)
         del kv_caches, hidden
