@@ -193,6 +193,13 @@ def write_result(result: dict[str, Any], out: Path, plot: bool = True) -> list[P
     return plot_result(result, out)
 
 
+def save_and_print(result: dict[str, Any], out: Path, plot: bool = True) -> None:
+    """What a benchmark command ends with: the JSON (and PNGs) written, the tables printed."""
+    pngs = write_result(result, out, plot)
+    print_result(result)
+    print(f"\nwrote {out}" + "".join(f", {p}" for p in pngs))
+
+
 def print_result(result: dict[str, Any]) -> None:
     print(f"\n{describe(result)}\n`{result['command']}`\n")
     if result.get("cells"):

@@ -32,8 +32,8 @@ from benchmarks.compare import (
     Cell,
     add_speedups,
     model_dirs,
-    print_result,
     result_header,
+    save_and_print,
     weights_fingerprints,
     write_result,
 )
@@ -469,9 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     finish_args(args)
     args.out = args.out or Path("benchmarks/results/offline.json")
     result = run(args)
-    pngs = write_result(result, args.out, plot=not args.no_plots)
-    print_result(result)
-    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs))
+    save_and_print(result, args.out, plot=not args.no_plots)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare import Cell, print_result, result_header, write_result
+from benchmarks.compare import Cell, result_header, save_and_print, write_result
 from benchmarks.offline import (
     add_common_args,
     cell_requests,
@@ -144,9 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     finish_args(args)
     args.out = args.out or Path("benchmarks/results/overhead.json")
     result = run(args)
-    pngs = write_result(result, args.out, plot=not args.no_plots)
-    print_result(result)
-    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs))
+    save_and_print(result, args.out, plot=not args.no_plots)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.client import CompletionClient, Sampling, drive
-from benchmarks.compare import Cell, add_speedups, print_result, result_header, write_result
+from benchmarks.compare import Cell, add_speedups, result_header, save_and_print, write_result
 from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct
 from benchmarks.launch import launch_mesh
 from benchmarks.methods import request_override
@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         wait_until_healthy(args.url, args.ready_timeout_s)
     result = run(args)
-    pngs = write_result(result, args.out, plot=not args.no_plots)
-    print_result(result)
-    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs))
+    save_and_print(result, args.out, plot=not args.no_plots)
 
 
 if __name__ == "__main__":
