@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from kernels import AttentionMetadata, TokenHistory
+from services.engine.rejection_sampler import RowSampling
 from shared.model.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -102,14 +103,7 @@ class TailSpec:
 class TailInputs:
     """Per-row sampling inputs and per-sequence history rows of a step verified in the tail graph."""
 
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    min_p: list[float]
-    seeds: list[int]
-    positions: list[int]
-    draft_ids: list[int]
-    """Per row: the draft it verifies, -1 on the bonus row."""
+    sampling: RowSampling
     history_rows: list[int]
     """Per sequence: its row of the token history (n-gram speculation), else unused."""
     history_lens: list[int]
@@ -351,19 +345,23 @@ class DecodeGraphs:
         pad_rows, pad_seqs = bucket - num_rows, bucket - num_seqs
         request_of_row = [i for i, n in enumerate(batch.query_lens) for _ in range(n)]
         request_of_row += range(num_seqs, num_seqs + pad_rows)
+        sampling = rows.sampling
         floats = torch.tensor(
-            rows.temperature
+            sampling.temperature
             + [0.0] * pad_rows
-            + rows.top_p
+            + sampling.top_p
             + [1.0] * pad_rows
-            + rows.min_p
+            + sampling.min_p
             + [0.0] * pad_rows,
             dtype=torch.float32,
         )
         ints = torch.tensor(
-            rows.top_k + [0] * pad_rows + rows.draft_ids + [-1] * pad_rows + request_of_row, dtype=torch.int32
+            sampling.top_k + [0] * pad_rows + sampling.draft_ids + [-1] * pad_rows + request_of_row,
+            dtype=torch.int32,
         )
-        longs = torch.tensor(rows.seeds + [0] * pad_rows + rows.positions + [0] * pad_rows, dtype=torch.long)
+        longs = torch.tensor(
+            sampling.seeds + [0] * pad_rows + sampling.positions + [0] * pad_rows, dtype=torch.long
+        )
         self.temperature[:bucket].copy_(floats[:bucket], non_blocking=True)
         self.top_p[:bucket].copy_(floats[bucket : 2 * bucket], non_blocking=True)
         self.min_p[:bucket].copy_(floats[2 * bucket :], non_blocking=True)

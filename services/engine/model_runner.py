@@ -19,7 +19,7 @@ from kernels.attention import MAX_KERNEL_QUERY_LEN
 from kernels.ngram import TokenHistory
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostBatch, TailInputs, TailSpec
-from services.engine.rejection_sampler import RejectionSampler, VerifyRequest, VerifyResult
+from services.engine.rejection_sampler import RejectionSampler, RowSampling, VerifyRequest, VerifyResult
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -164,18 +164,18 @@ class ModelRunner:
         rows = row_batch(seqs)
         requests = [verify_request(seq) for seq in seqs]
         if key is not None and self.verifier.fusable(logits, rows, requests):
-            return StepOutput(inputs, self._replay_tail(inputs, key, requests), hidden)
+            return StepOutput(inputs, self._replay_tail(inputs, key, rows, requests), hidden)
         return StepOutput(inputs, self.verifier(logits, rows, requests), hidden)
 
     def _replay_tail(
-        self, inputs: StepInputs, key: tuple[int, int], requests: list[VerifyRequest]
+        self, inputs: StepInputs, key: tuple[int, int], rows: SamplingBatch, requests: list[VerifyRequest]
     ) -> list[VerifyResult]:
         """Verify, sample and (n-gram) draft the next step in the tail graph; the drafts wait in the
         token history for the proposer."""
         assert self.graphs is not None
         seqs = inputs.sampled_seqs
         row_of = self._history_rows([seq for seq in seqs if seq.spec.method == "ngram"])
-        tail = self._tail_inputs(seqs, requests, row_of)
+        tail = self._tail_inputs(seqs, rows, requests, row_of)
         outputs = self.graphs.replay_tail(inputs.host, key, tail)
         history = self.token_history
         for seq, out in zip(seqs, outputs):
@@ -194,22 +194,13 @@ class ModelRunner:
         return {seq.request_id: row for seq, row in zip(seqs, rows)}
 
     def _tail_inputs(
-        self, seqs: list[Sequence], requests: list[VerifyRequest], row_of: dict[str, int]
+        self, seqs: list[Sequence], rows: SamplingBatch, requests: list[VerifyRequest], row_of: dict[str, int]
     ) -> TailInputs:
-        """Per logit row its sampling parameters and draft; per sequence its history row (the
-        scratch row and no drafts for requests that do not use n-gram)."""
+        """Per logit row its sampling inputs; per sequence its history row (the scratch row and no
+        drafts for requests that do not use n-gram)."""
         scratch = self.token_history.tokens.shape[0] - 1 if self.token_history is not None else 0
-        tail = TailInputs([], [], [], [], [], [], [], [], [], [])
-        for seq, request in zip(seqs, requests):
-            p = seq.params
-            for j in range(request.num_rows):
-                tail.temperature.append(0.0 if p.greedy else p.temperature)
-                tail.top_k.append(max(p.top_k, 0))
-                tail.top_p.append(p.top_p)
-                tail.min_p.append(p.min_p)
-                tail.seeds.append(request.seed)
-                tail.positions.append(request.position + j)
-            tail.draft_ids += request.draft_token_ids + [-1]
+        tail = TailInputs(RowSampling.of(rows.params, requests), [], [], [])
+        for seq in seqs:
             row = row_of.get(seq.request_id)
             tail.history_rows.append(scratch if row is None else row)
             tail.history_lens.append(0 if row is None else seq.num_tokens)

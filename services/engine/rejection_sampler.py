@@ -28,6 +28,7 @@ against a draft model's probabilities) and logprobs take the torch path.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,37 @@ class VerifyRequest:
     @property
     def num_rows(self) -> int:
         return len(self.draft_token_ids) + 1
+
+
+@dataclass
+class RowSampling:
+    """The fused verify kernel's per-row inputs: how each logit row samples, its noise key and the
+    draft it checks (one request's rows in a run, its bonus row last)."""
+
+    temperature: list[float]
+    """0 on greedy rows."""
+    top_k: list[int]
+    """0: no top-k."""
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+    positions: list[int]
+    draft_ids: list[int]
+    """-1 on bonus rows."""
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], requests: list[VerifyRequest]) -> RowSampling:
+        """`params`: each row's sampling parameters (SamplingBatch.params)."""
+        seeds, positions = _row_key_lists(requests)
+        return cls(
+            temperature=[0.0 if p.greedy else p.temperature for p in params],
+            top_k=[max(p.top_k, 0) for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            seeds=seeds,
+            positions=positions,
+            draft_ids=[d for r in requests for d in r.draft_token_ids + [-1]],
+        )
 
 
 @dataclass
@@ -129,33 +161,24 @@ class RejectionSampler:
         from kernels.verify_ref import POLICIES, STRATEGIES
 
         device = penalised.device
-        params = rows.params
-        num_rows = len(params)
-        floats = torch.tensor(
-            [0.0 if p.greedy else p.temperature for p in params]
-            + [p.top_p for p in params]
-            + [p.min_p for p in params],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        draft_ids: list[int] = []
-        request_of_row: list[int] = []
-        cu_num_rows = [0]
-        for i, request in enumerate(requests):
-            draft_ids += request.draft_token_ids + [-1]
-            request_of_row += [i] * request.num_rows
-            cu_num_rows.append(cu_num_rows[-1] + request.num_rows)
+        sampling = RowSampling.of(rows.params, requests)
+        num_rows = len(rows.params)
+        floats = torch.tensor(sampling.temperature + sampling.top_p + sampling.min_p, dtype=torch.float32)
+        request_of_row = [i for i, request in enumerate(requests) for _ in range(request.num_rows)]
+        cu_num_rows = [0, *itertools.accumulate(request.num_rows for request in requests)]
         ints = torch.tensor(
-            [max(p.top_k, 0) for p in params] + draft_ids + request_of_row + cu_num_rows, dtype=torch.int32
-        ).to(device, non_blocking=True)
-        seeds, positions = _row_keys(requests, device)
+            sampling.top_k + sampling.draft_ids + request_of_row + cu_num_rows, dtype=torch.int32
+        )
+        longs = torch.tensor(sampling.seeds + sampling.positions, dtype=torch.long)
+        floats, ints, longs = (t.to(device, non_blocking=True) for t in (floats, ints, longs))
         token_ids, num_accepted, *_ = verify_sample_cuda(
             penalised.contiguous(),
             floats[:num_rows],
             ints[:num_rows],
             floats[num_rows : 2 * num_rows],
             floats[2 * num_rows :],
-            seeds,
-            positions,
+            longs[:num_rows],
+            longs[num_rows:],
             ints[num_rows : 2 * num_rows],
             ints[3 * num_rows :],
             STRATEGIES[self.strategy],
@@ -317,11 +340,17 @@ def _per_row(values: list[bool], requests: list[VerifyRequest], device: torch.de
 
 def _row_keys(requests: list[VerifyRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_rows] seed and output position of every row."""
-    seeds = [r.seed for r in requests for _ in range(r.num_rows)]
-    positions = [r.position + j for r in requests for j in range(r.num_rows)]
+    seeds, positions = _row_key_lists(requests)
     return torch.tensor(seeds, dtype=torch.long, device=device), torch.tensor(
         positions, dtype=torch.long, device=device
     )
+
+
+def _row_key_lists(requests: list[VerifyRequest]) -> tuple[list[int], list[int]]:
+    """The seed and output position of every row: what keys its random numbers."""
+    seeds = [r.seed for r in requests for _ in range(r.num_rows)]
+    positions = [r.position + j for r in requests for j in range(r.num_rows)]
+    return seeds, positions
 
 
 def _target_noise(

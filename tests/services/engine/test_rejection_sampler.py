@@ -94,3 +94,40 @@ def test_greedy_requests_verify_greedily_under_every_strategy() -> None:
         accepted = RejectionSampler(strategy)(logits, rows, [VerifyRequest(params, 0, 0, [1])])[0]
         rejected = RejectionSampler(strategy)(logits, rows, [VerifyRequest(params, 0, 0, [2])])[0]
         assert accepted.token_ids == [1, 3] and rejected.token_ids == [1]
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "target_match", "rejection"])
+def test_fused_path_inputs_give_the_torch_path_results(monkeypatch, strategy: str) -> None:
+    """The host side of the fused path (per-row inputs packed for the kernel, results unpacked),
+    run here with the kernel's torch twin in its place, gives what the torch path gives."""
+    import kernels.verify
+    from kernels.verify_ref import verify_sample_ref
+
+    def twin(*args, max_rows=None, request_of_row=None):
+        return verify_sample_ref(*args)
+
+    monkeypatch.setattr(kernels.verify, "verify_sample_cuda", twin, raising=False)
+    generator = torch.Generator().manual_seed(3)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.7, min_p=0.05, seed=2),
+    ]
+    drafts = [[3, 4], [], [7, 8, 9]]
+    requests = [VerifyRequest(p, 11 + i, 5 * i, d) for i, (p, d) in enumerate(zip(params, drafts))]
+    rows = SamplingBatch(params=[], prompt_token_ids=[], output_token_ids=[], suppressed_token_ids=[])
+    for request in requests:
+        for _ in range(request.num_rows):
+            rows.params.append(request.params)
+            rows.prompt_token_ids.append([])
+            rows.output_token_ids.append([])
+            rows.suppressed_token_ids.append([])
+    logits = torch.randn(len(rows.params), 16, generator=generator)
+    logits[0, 3] = logits[1, 4] = 10.0  # make the greedy request accept its drafts
+    sampler = RejectionSampler(strategy)
+    fused = sampler._verify_fused(logits, rows, requests)
+    reference = sampler(logits, rows, requests)  # no CUDA here: the torch path
+    assert [(r.token_ids, r.num_accepted) for r in fused] == [
+        (r.token_ids, r.num_accepted) for r in reference
+    ]
+    assert fused[0].num_accepted == 2
