@@ -31,6 +31,17 @@ OUTPUT_TTL_S = 600
 DEAD_LETTER_MAXLEN = 10_000
 
 
+def reraise_if_cancelled(error: BaseException) -> None:
+    """In a loop that retries Redis errors until it is cancelled: re-raises the cancellation when
+    the error only stood in for it. A cancel that lands while redis-py's own socket timeout fires
+    can come out as a Redis TimeoutError (asyncio.timeout's race on Python 3.11), and a loop that
+    retried it would never stop (its owner then hangs awaiting it)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError from error
+
+
 @dataclass(frozen=True)
 class RedisSettings:
     """Where the bus is; flags as FastDeploy names them (--scheduler-host/-port/-password/-topic)."""

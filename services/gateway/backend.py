@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
-from shared.bus import Bus, RedisSettings, connect
+from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled
 from shared.protocol import (
     PAYLOAD_FIELD,
     Cancel,
@@ -248,6 +248,7 @@ class RedisBackend:
                 await self._dispatch(response)
                 failures = 0
             except Exception as exc:  # Redis gone (redis-py reconnects on the next call), or a bug
+                reraise_if_cancelled(exc)
                 delay_s = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
                 if isinstance(exc, RedisError):

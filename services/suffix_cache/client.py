@@ -27,7 +27,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.spec_decode.suffix_tree import SuffixDraft
-from shared.bus import Bus
+from shared.bus import Bus, reraise_if_cancelled
 from shared.protocol import (
     PAYLOAD_FIELD,
     ProtocolError,
@@ -229,6 +229,7 @@ class RemoteSuffixIndex:
                     {stream: self._last_reply_id}, count=256, block=self.reply_block_ms
                 )
             except (RedisError, OSError) as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("reading suffix replies failed (%s); retrying", exc)
                 await asyncio.sleep(0.2)
                 continue
@@ -262,6 +263,7 @@ class RemoteSuffixIndex:
         try:
             up = bool(await self.bus.client.exists(self.keys.suffix_cache_heartbeat))
         except (RedisError, OSError) as exc:
+            reraise_if_cancelled(exc)
             logger.warning("checking the suffix-cache heartbeat failed: %s", exc)
             up = False
         if up != self.service_up:

@@ -30,7 +30,7 @@ from services.kv_transport import (
 from services.kv_transport.base import dtype_name
 from services.worker.engine_thread import EngineThread, StepResult
 from services.worker.metrics import WorkerMetrics
-from shared.bus import OUTPUT_TTL_S, Bus, Delivery
+from shared.bus import OUTPUT_TTL_S, Bus, Delivery, reraise_if_cancelled
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
     Cancel,
@@ -284,6 +284,7 @@ class Worker:
             try:
                 await self._emit(result)
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.error("publishing step outputs failed", extra={"error": str(exc)})
 
     async def _emit(self, result: StepResult) -> None:

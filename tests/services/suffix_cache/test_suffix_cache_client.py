@@ -160,3 +160,26 @@ async def test_lookup_round_trip_latency(
         )
     assert generous.num_answered == 200 and generous.num_late == 0
     assert tight.num_answered + tight.num_late == 200
+
+
+async def test_closing_stops_the_reply_reader_even_if_redis_turns_the_cancel_into_an_error() -> None:
+    """A cancel that reaches redis-py as its socket timeout fires comes out as a Redis TimeoutError;
+    the reader must still stop (it retried such errors forever, and `close()` hung)."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from shared.keys import Keys
+
+    class CancelAsTimeout:
+        async def xread(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                raise RedisTimeoutError("Timeout reading from socket") from None
+
+    bus = Bus(CancelAsTimeout(), Keys("test"))  # type: ignore[arg-type]
+    index = RemoteSuffixIndex(asyncio.get_running_loop(), bus, "a")
+    reader = asyncio.create_task(index._follow_replies())
+    await asyncio.sleep(0.05)
+    reader.cancel()
+    done, _ = await asyncio.wait({reader}, timeout=2)
+    assert reader in done and reader.cancelled()
