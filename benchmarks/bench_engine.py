@@ -29,11 +29,17 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig
 
 
-def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int) -> dict[str, float]:
+def random_prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> torch.Tensor:
+    """The prompts of one batch size ([batch, prompt_len]): random ids in [1, vocab_size), one draw
+    per prompt from a generator seeded with the batch size (benchmarks.hf_baseline uses the same)."""
     generator = torch.Generator().manual_seed(batch)
-    prompts = [
-        torch.randint(1, vocab_size, (prompt_len,), generator=generator).tolist() for _ in range(batch)
-    ]
+    return torch.stack(
+        [torch.randint(1, vocab_size, (prompt_len,), generator=generator) for _ in range(batch)]
+    )
+
+
+def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int) -> dict[str, float]:
+    prompts = random_prompt_ids(batch, prompt_len, vocab_size).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params.model_copy(update={"max_tokens": 4}))
     engine = llm.engine

@@ -6,12 +6,15 @@ Measures, on the card it runs on (named in the output):
 - device copy bandwidth (bytes read + written), the ceiling the memory-bound numbers are compared with;
 - paged append-attention achieved bandwidth on long contexts (KV bytes read / kernel time);
 - the n-gram kernel at batch 256 with 8k-token histories; the fused verify + sample kernel;
+- the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
+  and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
   Qwen2.5-7B-shaped models at batch 1 / 16 / 64 with k = 0..5 drafts per sequence, eager (what the
   engine runs now, host overhead included) and replayed from a CUDA graph (device time), against the
-  weight + KV read floor; the torch-reference path is rerun in the same process as the baseline.
+  weight + KV read floor; the torch-reference path is rerun in the same process as the baseline;
+  at batch 1 the step's device time per kernel (torch profiler), the map of where a step goes.
 Timings use CUDA events or synchronised host clocks, warm-up first, medians of repeats.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -266,6 +270,84 @@ def fused_layer_rows() -> list[dict[str, Any]]:
     return rows
 
 
+LINEAR_SHAPES = {  # (out_features, in_features) of each weight matrix
+    "llama-3.2-1b": {
+        "qkv": (3072, 2048),
+        "o": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+        "lm_head": (128256, 2048),
+    },
+    "qwen2.5-7b": {
+        "qkv": (4608, 3584),
+        "o": (3584, 3584),
+        "gate_up": (37888, 3584),
+        "down": (3584, 18944),
+        "lm_head": (152064, 3584),
+    },
+}
+
+
+def linear_rows(
+    copy_gbs: float, row_counts: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16)
+) -> list[dict[str, Any]]:
+    """Weight bytes / device time of cuBLAS and the skinny kernel (one and two outputs per warp).
+    Each timing runs the product over enough copies of the weight (>= 256 MiB) that it streams from
+    HBM as in a model's step, not from the L2 cache."""
+    from kernels.skinny_gemm import skinny_linear_cuda
+
+    products: dict[str, Callable[..., torch.Tensor]] = {
+        "cublas": torch.nn.functional.linear,
+        "skinny1": functools.partial(skinny_linear_cuda, rows_per_warp=1),
+        "skinny2": functools.partial(skinny_linear_cuda, rows_per_warp=2),
+    }
+    rows = []
+    for model, matrices in LINEAR_SHAPES.items():
+        for name, (n, k) in matrices.items():
+            copies = min(32, -(-256 * 2**20 // (2 * n * k)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            for num_rows in row_counts:
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
+                for label, product in products.items():
+                    us = 1e3 * graph_time_ms(functools.partial(_each_weight, product, x, weights)) / copies
+                    row[f"{label}_us"] = us
+                    row[f"{label}_fraction_of_copy"] = 2 * n * k / us / 1e3 / copy_gbs
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            weights.clear()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _each_weight(product: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        product(x, weight)
+
+
+def kernel_table(fn: Callable[[], Any], calls: int = 5, top: int = 25) -> list[dict[str, Any]]:
+    """Device time per call of each kernel `fn` launches (torch profiler), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time / calls
+            entry[1] += 1 / calls
+    table = [dict(kernel=name, us=us, launches=count) for name, (us, count) in totals.items()]
+    table.sort(key=lambda r: -r["us"])
+    total = dict(kernel="(all)", us=sum(r["us"] for r in table), launches=sum(r["launches"] for r in table))
+    return [total] + table[:top]
+
+
 def random_model(shape: str, max_positions: int) -> LlamaForCausalLM:
     raw = {**SHAPES[shape], "hidden_act": "silu", "rms_norm_eps": 1e-5}
     config = ModelConfig.from_dict(raw)
@@ -348,6 +430,9 @@ def step_rows(
                     step()
                 row["graph_ms"] = device_time_ms(graph.replay)
                 del graph
+                row["graph_cublas_ms"] = _cublas_graph_ms(step)
+                if batch == 1 and k in (0, 5):
+                    row["kernels"] = kernel_table(step)
             except Exception as exc:  # noqa: BLE001 - report, keep timing the rest
                 row["graph_error"] = repr(exc)[:200]
             if batch in ref_batches and k in (0, 5):
@@ -366,6 +451,17 @@ def step_rows(
     del model
     torch.cuda.empty_cache()
     return rows
+
+
+def _cublas_graph_ms(step: Callable[[], Any]) -> float:
+    """The step's graph time with every matrix product on cuBLAS (the skinny kernel off)."""
+    from kernels.skinny_gemm import DISABLE_ENV
+
+    os.environ[DISABLE_ENV] = "off"
+    try:
+        return graph_time_ms(step)
+    finally:
+        del os.environ[DISABLE_ENV]
 
 
 @torch.inference_mode()
@@ -411,6 +507,7 @@ def main() -> None:
         ("ngram", ngram_row),
         ("verify", verify_rows),
         ("fused_layers", fused_layer_rows),
+        ("linear", lambda: linear_rows(result["copy_gb_per_s"])),
     ]
     if not args.skip_steps:
         sections += [
@@ -453,13 +550,24 @@ def summarize(result: dict[str, Any]) -> None:
             f"fused {row['shape']:13s} {row['op']:13s} tokens={row['tokens']:4d} {row['us']:7.1f} us "
             f"(torch ops {row['torch_us']:7.1f} us, {row['speedup']:.1f}x)"
         )
+    for row in result.get("linear", []) if isinstance(result.get("linear"), list) else []:
+        print(
+            f"linear {row['model']:13s} {row['matrix']:8s} rows={row['rows']:2d} "
+            + " ".join(
+                f"{label} {row[label + '_us']:7.1f} us ({100 * row[label + '_fraction_of_copy']:3.0f}%)"
+                for label in ("cublas", "skinny1", "skinny2")
+            )
+        )
     for key in ("step_llama", "step_qwen"):
         for row in result.get(key, []) if isinstance(result.get(key), list) else []:
             print(
                 f"step {row['shape']:13s} B={row['batch']:3d} k={row['k']} floor {row['floor_ms']:.3f} ms "
                 f"eager {row['eager_ms']:.2f} ms graph {row.get('graph_ms', float('nan')):.3f} ms "
+                f"(cuBLAS {row.get('graph_cublas_ms', float('nan')):.3f} ms) "
                 f"ref-eager {row.get('ref_eager_ms', float('nan')):.2f} ms"
             )
+            for kernel in row.get("kernels", []):
+                print(f"    {kernel['us']:8.1f} us {kernel['launches']:6.1f}x  {kernel['kernel']}")
 
 
 if __name__ == "__main__":

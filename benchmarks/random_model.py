@@ -21,6 +21,7 @@ from shared.model.loader import unfuse_tensor
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(
         architectures=["LlamaForCausalLM"],
+        model_type="llama",  # transformers' AutoConfig keys on it
         vocab_size=8192,
         hidden_size=384,
         intermediate_size=1024,
@@ -32,6 +33,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
     "llama-3.2-1b": dict(
         architectures=["LlamaForCausalLM"],
+        model_type="llama",
         vocab_size=128256,
         hidden_size=2048,
         intermediate_size=8192,
@@ -51,6 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
     "qwen2.5-7b": dict(
         architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
         vocab_size=152064,
         hidden_size=3584,
         intermediate_size=18944,

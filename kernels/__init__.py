@@ -9,6 +9,7 @@ only then, so CPU-only machines and CI never import it. `SPECMESH_KERNELS=ref` f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
@@ -37,6 +38,24 @@ def append_attention(
 
         return append_attention_cuda(query, key_cache, value_cache, meta, scale, sliding_window)
     return append_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window)
+
+
+def linear(
+    x: torch.Tensor,  # [num_rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,  # [out_features]
+    out_dtype: torch.dtype | None = None,  # None: x's dtype
+) -> torch.Tensor:  # [num_rows, out_features]
+    """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernel (kernels/skinny_gemm.py) where
+    it beats cuBLAS (one bf16 / fp16 row, a large matrix), cuBLAS otherwise. Not differentiable through the kernel:
+    with autograd recording, cuBLAS runs."""
+    if _cuda.available(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        from kernels.skinny_gemm import preferred, skinny_linear_cuda
+
+        if preferred(x, weight):
+            return skinny_linear_cuda(x, weight, bias, out_dtype)
+    out = F.linear(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def write_kv(
@@ -155,6 +174,7 @@ __all__ = [
     "append_attention",
     "cuda_available",
     "fused_add_rms_norm",
+    "linear",
     "ngram_match",
     "post_step_update",
     "rotary_embedding",

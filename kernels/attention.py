@@ -29,9 +29,15 @@ BLOCK_N = 64
 THREADS = 128
 MAX_ROWS = 64
 """Query rows (tokens x heads per kv head) one thread block holds."""
+SMALL_GRID_ROWS = 16
+"""Query rows per block when (sequences x kv heads) give fewer blocks than two per SM, as at
+small batches: the verify rows (1 + k tokens x the GQA group) split over more blocks, each
+re-reading its context tiles from L2, instead of running one long chain of tiles per kv head."""
 MAX_KERNEL_QUERY_LEN = 256
 MAX_SPLITS = 64
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = BLOCK_N
+"""A context split takes at least one tile: at small batches even a short context is split,
+since one block walking its tiles one after another is latency-bound (kernels/NOTES.md)."""
 LONG_PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 """SDPA backends for prefill chunks longer than the kernel takes (those with a mask)."""
 
@@ -495,10 +501,12 @@ def _launch_attention(
     device = query.device
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    tile_tokens = max(1, min(max_query_len, MAX_ROWS // group))
+    num_seqs = meta.num_seqs
+    few_blocks = num_seqs * num_kv_heads < 2 * _cuda.num_sms(device.index or 0)
+    tile_rows = SMALL_GRID_ROWS if few_blocks else MAX_ROWS
+    tile_tokens = max(1, min(max_query_len, tile_rows // group))
     max_tiles = -(-max_query_len // tile_tokens)
     rmax = _rmax(tile_tokens * group)
-    num_seqs = meta.num_seqs
     if num_splits is None:
         max_seq_len = meta.max_seq_len if meta.max_seq_len is not None else max(meta.seq_lens_cpu)
         num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max_seq_len, device)

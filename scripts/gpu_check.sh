@@ -2,8 +2,10 @@
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
 #   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine ...]   (default: all three)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
-# engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine with CUDA graphs, eagerly, and, as the
-# baseline in the same visit, eagerly with the torch references: SPECMESH_KERNELS=ref).
+# engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine with CUDA graphs, with CUDA graphs and
+# every matrix product on cuBLAS (SPECMESH_SKINNY_GEMM=off), eagerly, and, as the
+# baseline in the same visit, eagerly with the torch references: SPECMESH_KERNELS=ref), and hf-<shape>.json
+# (benchmarks.hf_baseline: transformers generate() on the same checkpoint, plain and with prompt lookup).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -30,13 +32,18 @@ if [[ " $stages " == *" engine "* ]]; then
     # decode step vs the weight-read floor: CUDA graphs (default), eager, and the torch references
     for shape in llama-3.2-1b qwen2.5-7b; do
         python3 -m benchmarks.random_model $shape /tmp/specmesh-$shape  # once per shape: 7B is 15 GB
-        for mode in graphs eager ref; do
-            flags=$([ "$mode" = graphs ] && echo "" || echo "--enforce-eager")
+        for mode in graphs cublas eager ref; do
+            flags=$([ "$mode" = graphs ] || [ "$mode" = cublas ] && echo "" || echo "--enforce-eager")
             kernels=$([ "$mode" = ref ] && echo ref || echo cuda)
-            SPECMESH_KERNELS=$kernels timeout 200 python3 -m benchmarks.bench_engine --model /tmp/specmesh-$shape --dtype bfloat16 \
+            skinny=$([ "$mode" = cublas ] && echo off || echo on)
+            SPECMESH_KERNELS=$kernels SPECMESH_SKINNY_GEMM=$skinny timeout 200 python3 -m benchmarks.bench_engine --model /tmp/specmesh-$shape --dtype bfloat16 \
                 --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/engine-$shape-$mode.json" 2>&1 \
                 | tee -a "$OUT/engine.log" | tail -6
         done
+        # the baseline a user would otherwise pick: HF generate() on the same card, same workload
+        timeout 240 python3 -m benchmarks.hf_baseline --model /tmp/specmesh-$shape --dtype bfloat16 \
+            --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/hf-$shape.json" 2>&1 \
+            | tee -a "$OUT/engine.log" | tail -7
     done
 fi
 exit $status

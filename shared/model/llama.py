@@ -7,7 +7,8 @@ logits go through `compute_logits`.
 The serving path (`forward`) carries the residual stream as vLLM does: a layer returns its MLP
 output and the stream *before* that output is added (`(hidden, residual)`), and the next norm adds
 the two in the same kernel that normalises them (`kernels.fused_add_rms_norm`). SiLU-and-mul and
-the rotary embedding are fused kernels too. On CPU the kernels' torch twins run, with the rounding
+the rotary embedding are fused kernels too, and a decode step's few rows go through the skinny
+matrix kernel (`kernels.linear`) instead of cuBLAS. On CPU the kernels' torch twins run, with the rounding
 of the plain formulas, so outputs are bit-identical to an unfused model. `forward_dense` (training,
 scoring) runs the same twins directly: they are differentiable, the CUDA kernels are not.
 """
@@ -28,6 +29,12 @@ from shared.model.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """(key_cache, value_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`layer(x)` (in `out_dtype`) through `kernels.linear`: the skinny CUDA kernel for a decode
+    step's few rows, cuBLAS otherwise (and always when training)."""
+    return kernels.linear(x, layer.weight, layer.bias, out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +73,7 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -74,7 +81,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.append_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.flatten(1))
+        return linear(self.o_proj, out.flatten(1))
 
     def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a KV cache: hidden [batch, seq, hidden], causal."""
@@ -106,7 +113,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden_size]; gate_up_proj gives the gate half, then the up half
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return linear(self.down_proj, kernels.silu_and_mul(linear(self.gate_up_proj, x)))
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
@@ -183,5 +190,5 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
-        return self.lm_head(hidden).float()
+        # hidden: [num_rows, hidden_size] (or [batch, seq, hidden_size] in training) -> float32 logits
+        return linear(self.lm_head, hidden, torch.float32)
