@@ -119,11 +119,14 @@ def paged_batch(
 
 
 def attention_rows(copy_gbs: float) -> list[dict[str, Any]]:
+    """Per shape, batch, context and query length: the kernel's device time with its own choice of
+    context splits, and with 1..32 splits forced (`split_us`: what the choice leaves on the table).
+    Context 256 rows are the verify regime of the step benchmarks (their KV sits in L2)."""
     from kernels.attention import append_attention_cuda
 
     rows = []
     for name, heads, kv_heads, head_dim in [("llama-3.2-1b", 32, 8, 64), ("qwen2.5-7b", 28, 4, 128)]:
-        for batch, ctx in [(1, 8192), (1, 32768), (16, 8192), (64, 4096), (64, 8192)]:
+        for batch, ctx in [(1, 256), (16, 256), (1, 8192), (1, 32768), (16, 8192), (64, 4096), (64, 8192)]:
             for q_len in (1, 6):
                 query, key_cache, value_cache, meta = paged_batch(
                     batch, ctx, q_len, heads, kv_heads, head_dim, torch.bfloat16
@@ -135,6 +138,11 @@ def attention_rows(copy_gbs: float) -> list[dict[str, Any]]:
                 ms = graph_time_ms(call)
                 kv_bytes = 2 * batch * (ctx + q_len) * kv_heads * head_dim * 2
                 gbs = kv_bytes / ms / 1e6
+                cuda_cores_us = 1e3 * graph_time_ms(functools.partial(call, tensor_cores=False))
+                split_us = {
+                    splits: 1e3 * graph_time_ms(functools.partial(call, num_splits=splits))
+                    for splits in (1, 2, 4, 8, 16, 32)
+                }
                 rows.append(
                     dict(
                         shape=name,
@@ -145,8 +153,11 @@ def attention_rows(copy_gbs: float) -> list[dict[str, Any]]:
                         call_us=1e3 * call_ms,
                         gb_per_s=gbs,
                         fraction_of_copy=gbs / copy_gbs,
+                        split_us=split_us,
+                        cuda_cores_us=cuda_cores_us,
                     )
                 )
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -430,7 +441,8 @@ def step_rows(
                     step()
                 row["graph_ms"] = device_time_ms(graph.replay)
                 del graph
-                row["graph_cublas_ms"] = _cublas_graph_ms(step)
+                row["graph_cublas_ms"] = _graph_ms_with(step, "SPECMESH_SKINNY_GEMM")
+                row["graph_cuda_core_attention_ms"] = _graph_ms_with(step, "SPECMESH_TENSOR_CORE_ATTENTION")
                 if batch == 1 and k in (0, 5):
                     row["kernels"] = kernel_table(step)
             except Exception as exc:  # noqa: BLE001 - report, keep timing the rest
@@ -453,15 +465,14 @@ def step_rows(
     return rows
 
 
-def _cublas_graph_ms(step: Callable[[], Any]) -> float:
-    """The step's graph time with every matrix product on cuBLAS (the skinny kernel off)."""
-    from kernels.skinny_gemm import DISABLE_ENV
-
-    os.environ[DISABLE_ENV] = "off"
+def _graph_ms_with(step: Callable[[], Any], switch: str) -> float:
+    """The step's graph time with one kernel switched off (`switch=off`: SPECMESH_SKINNY_GEMM puts
+    every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores)."""
+    os.environ[switch] = "off"
     try:
         return graph_time_ms(step)
     finally:
-        del os.environ[DISABLE_ENV]
+        del os.environ[switch]
 
 
 @torch.inference_mode()
@@ -538,7 +549,8 @@ def summarize(result: dict[str, Any]) -> None:
         print(
             f"attention {row['shape']:13s} B={row['batch']:3d} ctx={row['context']:6d} q={row['query_len']} "
             f"{row['us']:8.1f} us {row['gb_per_s']:7.0f} GB/s ({100 * row['fraction_of_copy']:.0f}% of copy)"
-            f" call {row['call_us']:.1f} us"
+            f" call {row['call_us']:.1f} us; CUDA cores {row.get('cuda_cores_us', float('nan')):.1f} us; splits "
+            + " ".join(f"{k}:{v:.1f}" for k, v in row.get("split_us", {}).items())
         )
     print("ngram", result.get("ngram"))
     for row in result.get("verify", []) if isinstance(result.get("verify"), list) else []:
@@ -563,7 +575,8 @@ def summarize(result: dict[str, Any]) -> None:
             print(
                 f"step {row['shape']:13s} B={row['batch']:3d} k={row['k']} floor {row['floor_ms']:.3f} ms "
                 f"eager {row['eager_ms']:.2f} ms graph {row.get('graph_ms', float('nan')):.3f} ms "
-                f"(cuBLAS {row.get('graph_cublas_ms', float('nan')):.3f} ms) "
+                f"(cuBLAS {row.get('graph_cublas_ms', float('nan')):.3f} ms, "
+                f"CUDA-core attention {row.get('graph_cuda_core_attention_ms', float('nan')):.3f} ms) "
                 f"ref-eager {row.get('ref_eager_ms', float('nan')):.2f} ms"
             )
             for kernel in row.get("kernels", []):

@@ -10,6 +10,13 @@ softmax (running max and sum) and writes an unnormalised partial output, and a s
 the splits. Keys and values stream through shared memory in tiles of 64 tokens, double-buffered with
 `cp.async`, which zero-fills slots past the context so no stale value reaches the sum.
 
+Two variants of the block's arithmetic. For bf16 / fp16 with head_dim <= 128 and GQA groups up to 16,
+`append_attention_mma` (tensor cores): the block's query rows form one m16 tile and its four warps
+split every key tile, computing Q K^T and P V with mma.sync and merging their softmax states at the
+end — verify rows (1 + k tokens x the group) cost about what one decode row costs (kernels/NOTES.md).
+Otherwise (float32, wider heads or groups) `append_attention` on CUDA cores: scores one thread per
+key, softmax one warp per row, P V one thread per head_dim chunk.
+
 Sequences with more than `MAX_KERNEL_QUERY_LEN` query tokens (long prefill chunks, compute-bound)
 go through the torch reference instead, in the same call.
 """
@@ -17,6 +24,7 @@ go through the torch reference instead, in the same call.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -29,6 +37,12 @@ BLOCK_N = 64
 THREADS = 128
 MAX_ROWS = 64
 """Query rows (tokens x heads per kv head) one thread block holds."""
+TENSOR_CORES_ENV = "SPECMESH_TENSOR_CORE_ATTENTION"
+"""Set to `off` to run the CUDA-core variant everywhere (A/B timing)."""
+MMA_ROWS = 16
+"""Query rows of the tensor-core variant's block: one m16 tile (tokens x GQA group)."""
+MMA_MAX_HEAD_DIM = 128
+"""Largest head_dim of the tensor-core variant (its output accumulators live in registers)."""
 SMALL_GRID_ROWS = 16
 """Query rows per block when (sequences x kv heads) give fewer blocks than two per SM, as at
 small batches: the verify rows (1 + k tokens x the GQA group) split over more blocks, each
@@ -334,6 +348,234 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     }
 }
 
+/* ---- tensor-core variant (bf16 / fp16, HEAD_DIM % 16 == 0, HEAD_DIM <= 128, at most 16 rows) ----
+   The block's query rows (tokens x GQA group, <= 16) form one m16 tile; each of the 4 warps takes 16
+   of every 64-key tile: S = Q K^T and O += P V with mma.sync m16n8k16 (float32 accumulation, P
+   rounded to the operand type as FlashAttention-2 does), an online softmax per warp, and the four
+   warps' (max, sum, O) merged through shared memory at the end. Two barriers per tile. */
+#if DTYPE != DT_F32
+#if DTYPE == DT_BF16
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+/* two floats -> the operand type, packed low (first) / high (second) */
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)from_float(lo) | ((unsigned)from_float(hi) << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
+    const scalar_t* __restrict__ query, const scalar_t* __restrict__ key_cache,
+    const scalar_t* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    scalar_t* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
+    int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
+    int tile_tokens, int max_tiles, int num_splits, int max_query_len, float scale_log2,
+    int sliding_window)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    scalar_t* kv = reinterpret_cast<scalar_t*>(smem);   /* 2 stages x (K, V) x [BLOCK_N][ROW_STRIDE] */
+
+    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    const int kv_head = blockIdx.y, split = blockIdx.z;
+    const int q_begin = query_start_loc[seq];
+    const int q_len = query_start_loc[seq + 1] - q_begin;
+    if (q_len > max_query_len) return;
+    const int t0 = tile * tile_tokens;
+    if (t0 >= q_len) return;
+    const int nt = min(tile_tokens, q_len - t0);
+    const int group = num_heads / num_kv_heads;
+    const int rows = nt * group;
+    const int seq_len = seq_lens[seq];
+    const int first_pos = seq_len - q_len + t0;
+    const int kv_end = first_pos + nt;
+    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
+    const int span = kv_end - kv_begin;
+    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    const int s_begin = kv_begin + split * per_split;
+    const int s_end = min(kv_end, s_begin + per_split);
+    const int num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
+    const int* table = block_tables + (long long)seq * max_blocks;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;     /* mma fragment row group / column pair */
+
+    if (num_kv_tiles > 0)
+        load_tile(kv, kv + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table, s_begin, s_end,
+                  block_size, num_kv_heads, kv_head);
+    cp_async_commit();
+
+    /* Q fragments (A operand, rows g and g + 8, unscaled), straight from global memory */
+    unsigned qf[HEAD_DIM / 16][4];
+    int pos_q[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        pos_q[h] = r < rows ? first_pos + r / group : -1;
+        const long long base = r < rows
+            ? ((long long)(q_begin + t0 + r / group) * num_heads + kv_head * group + r % group) * HEAD_DIM : -1;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                unsigned v = 0u;
+                if (base >= 0) v = *reinterpret_cast<const unsigned*>(query + base + kk * 16 + half * 8 + 2 * t);
+                qf[kk][h + 2 * half] = v;   /* a0: (g, 2t) a1: (g+8, 2t) a2: (g, 2t+8) a3: (g+8, 2t+8) */
+            }
+        }
+    }
+
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+    const int kw = warp * 16;                  /* this warp's keys within a tile */
+
+    for (int it = 0; it < num_kv_tiles; ++it) {
+        const int stage = it & 1;
+        const scalar_t* ks = kv + stage * 2 * BLOCK_N * ROW_STRIDE;
+        const scalar_t* vs = ks + BLOCK_N * ROW_STRIDE;
+        const int tile_start = s_begin + it * BLOCK_N;
+        if (it + 1 < num_kv_tiles) {
+            scalar_t* next = kv + (stage ^ 1) * 2 * BLOCK_N * ROW_STRIDE;
+            load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
+                      tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
+            cp_async_commit();
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+
+        /* S (16 rows x this warp's 16 keys: two n8 tiles) */
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        {
+            const int mi = lane >> 3, ri = lane & 7;
+            const scalar_t* krow = ks + (kw + ri + (mi >> 1) * 8) * ROW_STRIDE + (mi & 1) * 8;
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                unsigned b[4];
+                ldmatrix_x4(b, krow + kk * 16);
+                mma16816(sc[0], qf[kk], b[0], b[1]);
+                mma16816(sc[1], qf[kk], b[2], b[3]);
+            }
+        }
+        /* mask, scale, online softmax (rows g and g + 8 of this warp's keys) */
+        float p[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int pos_k = tile_start + kw + j * 8 + 2 * t + c;
+                    const bool visible = pos_q[h] >= 0 && pos_k < s_end && pos_k <= pos_q[h] &&
+                                         (sliding_window <= 0 || pos_q[h] - pos_k < sliding_window);
+                    const float v = visible ? sc[j][2 * h + c] * scale_log2 : NEG_INF;
+                    p[j][2 * h + c] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[h], mx);
+            float alpha = 1.f, sum = 0.f;
+            if (m_new != NEG_INF) {
+                alpha = exp2f(m_run[h] - m_new);
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float e = exp2f(p[j][2 * h + c] - m_new);
+                        p[j][2 * h + c] = e;
+                        sum += e;
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) p[j][2 * h] = p[j][2 * h + 1] = 0.f;
+            }
+            m_run[h] = m_new;
+            l_run[h] = l_run[h] * alpha + sum;
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j) { o[j][2 * h] *= alpha; o[j][2 * h + 1] *= alpha; }
+        }
+        /* O += P V: P's accumulator layout is the A operand of a k16 step over the warp's keys */
+        {
+            unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
+                              pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+            const int mi = lane >> 3, ri = lane & 7;
+            const scalar_t* vrow = vs + (kw + ri + (mi & 1) * 8) * ROW_STRIDE + (mi >> 1) * 8;
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 16; ++d) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, vrow + d * 16);
+                mma16816(o[2 * d], pa, b[0], b[1]);
+                mma16816(o[2 * d + 1], pa, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+    }
+
+    /* merge the four warps: (max, sum, O) per row through shared memory (the KV tiles are free) */
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    }
+    float* o_w = reinterpret_cast<float*>(smem);          /* [4][16][HEAD_DIM] */
+    float* m_w = o_w + 4 * 16 * HEAD_DIM;                  /* [4][16] */
+    float* l_w = m_w + 4 * 16;                             /* [4][16] */
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        if (t == 0) { m_w[warp * 16 + r] = m_run[h]; l_w[warp * 16 + r] = l_run[h]; }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            o_w[(warp * 16 + r) * HEAD_DIM + j * 8 + 2 * t] = o[j][2 * h];
+            o_w[(warp * 16 + r) * HEAD_DIM + j * 8 + 2 * t + 1] = o[j][2 * h + 1];
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < rows * HEAD_DIM; e += 128) {
+        const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) m = fmaxf(m, m_w[w * 16 + r]);
+        float l = 0.f, acc = 0.f;
+        if (m != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float f = exp2f(m_w[w * 16 + r] - m);
+                l += l_w[w * 16 + r] * f;
+                acc += o_w[(w * 16 + r) * HEAD_DIM + d] * f;
+            }
+        }
+        const long long token = q_begin + t0 + r / group;
+        const long long row = token * num_heads + kv_head * group + r % group;
+        if (num_splits == 1) {
+            out[row * HEAD_DIM + d] = from_float(l > 0.f ? acc / l : 0.f);
+        } else {
+            const long long base = (long long)split * num_tokens * num_heads + row;
+            part_out[base * HEAD_DIM + d] = acc;
+            if (d == 0) { part_ml[base * 2] = m; part_ml[base * 2 + 1] = l; }
+        }
+    }
+}
+#endif
+
 /* Merges the splits of one (token, head): out = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. */
 extern "C" __global__ void merge_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_ml,
@@ -396,6 +638,30 @@ def _rmax(rows: int) -> int:
     return max(8, 1 << math.ceil(math.log2(rows)))
 
 
+def tensor_cores_apply(dtype: torch.dtype, head_dim: int, group: int, device: torch.device) -> bool:
+    """Whether the mma.sync variant runs by default: where supported, unless TENSOR_CORES_ENV is `off`."""
+    off = os.environ.get(TENSOR_CORES_ENV, "").lower() == "off"
+    return not off and mma_supported(dtype, head_dim, group, device)
+
+
+def mma_supported(dtype: torch.dtype, head_dim: int, group: int, device: torch.device) -> bool:
+    """Whether the mma.sync variant can take these heads on this device."""
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 16 == 0
+        and head_dim <= MMA_MAX_HEAD_DIM
+        and group <= MMA_ROWS
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+def mma_smem_bytes(head_dim: int, elem_size: int) -> int:
+    vec = 16 // elem_size
+    tiles = 2 * 2 * BLOCK_N * (head_dim + vec) * elem_size
+    merge = (4 * 16 * head_dim + 2 * 4 * 16) * 4
+    return max(tiles, merge)
+
+
 def smem_bytes(rmax: int, head_dim: int, elem_size: int) -> int:
     vec = 16 // elem_size
     chunks = head_dim // vec
@@ -431,9 +697,11 @@ def append_attention_cuda(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    tensor_cores: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as `append_attention_ref`. `num_splits` overrides the context split count
-    (None: enough thread blocks to fill the GPU)."""
+    (None: enough thread blocks to fill the GPU); `tensor_cores` forces the mma.sync variant on or
+    off (None: wherever `tensor_cores_apply`)."""
     _check_cache(query, key_cache, value_cache)
     device = query.device
     num_tokens, num_heads, head_dim = query.shape
@@ -472,13 +740,24 @@ def append_attention_cuda(
             meta.max_query_len,
             group,
             num_splits,
+            tensor_cores,
         )
         return out
     query_lens = meta.query_lens_cpu
     short = [n for n in query_lens if n <= MAX_KERNEL_QUERY_LEN]
     if short:
         _launch_attention(
-            query, key_cache, value_cache, meta, scale, sliding_window, out, max(short), group, num_splits
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            sliding_window,
+            out,
+            max(short),
+            group,
+            num_splits,
+            tensor_cores,
         )
     long_seqs = [i for i, n in enumerate(query_lens) if n > MAX_KERNEL_QUERY_LEN]
     if long_seqs:
@@ -497,13 +776,21 @@ def _launch_attention(
     max_query_len: int,
     group: int,
     num_splits: int | None,
+    tensor_cores: bool | None,
 ) -> None:
     device = query.device
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = meta.num_seqs
+    if tensor_cores is None:
+        tensor_cores = tensor_cores_apply(query.dtype, head_dim, group, device)
+    _cuda.check(
+        not tensor_cores or mma_supported(query.dtype, head_dim, group, device),
+        f"the tensor-core variant takes bf16 / fp16, head_dim % 16 == 0 up to {MMA_MAX_HEAD_DIM}, "
+        f"at most {MMA_ROWS} query heads per kv head, sm_80+",
+    )
     few_blocks = num_seqs * num_kv_heads < 2 * _cuda.num_sms(device.index or 0)
-    tile_rows = SMALL_GRID_ROWS if few_blocks else MAX_ROWS
+    tile_rows = MMA_ROWS if tensor_cores else SMALL_GRID_ROWS if few_blocks else MAX_ROWS
     tile_tokens = max(1, min(max_query_len, tile_rows // group))
     max_tiles = -(-max_query_len // tile_tokens)
     rmax = _rmax(tile_tokens * group)
@@ -511,10 +798,13 @@ def _launch_attention(
         max_seq_len = meta.max_seq_len if meta.max_seq_len is not None else max(meta.seq_lens_cpu)
         num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max_seq_len, device)
     dtype_id = _cuda.DTYPE_IDS[query.dtype]
-    smem = smem_bytes(rmax, head_dim, query.element_size())
+    if tensor_cores:
+        smem = mma_smem_bytes(head_dim, query.element_size())
+    else:
+        smem = smem_bytes(rmax, head_dim, query.element_size())
     kernel = _cuda.function(
         SOURCE,
-        "append_attention",
+        "append_attention_mma" if tensor_cores else "append_attention",
         device,
         DTYPE=dtype_id,
         HEAD_DIM=head_dim,
@@ -591,12 +881,13 @@ def _launch_attention(
 
 
 def choose_splits(num_blocks: int, max_seq_len: int, device: torch.device) -> int:
-    """Context splits per sequence so that about two thread blocks per SM exist, each with at
-    least MIN_KEYS_PER_SPLIT keys."""
-    target = 2 * _cuda.num_sms(device.index or 0)
-    if num_blocks >= target:
+    """Context splits per sequence: none when the unsplit blocks already cover every SM (a split
+    then only adds the merge), else enough for about two blocks per SM, each with at least
+    MIN_KEYS_PER_SPLIT keys (H100 sweep in kernels/NOTES.md)."""
+    num_sms = _cuda.num_sms(device.index or 0)
+    if num_blocks >= num_sms:
         return 1
-    by_occupancy = -(-target // num_blocks)
+    by_occupancy = -(-2 * num_sms // num_blocks)
     by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 

@@ -3,8 +3,8 @@
 A decode step at batch 1 multiplies one token row by every weight matrix of the model, so its
 time is the time to stream the weights from memory once. This kernel reads each weight row once,
 16 bytes per lane, UNROLL loads in flight per warp. Measured on an H100 (kernels/NOTES.md) it reads
-the large matrices at 96-100% of copy bandwidth against cuBLAS's 87-95% (LM heads, Qwen2.5-7B's
-gate_up: ~10% of a 7B model's step), while cuBLAS is as fast or faster on smaller matrices and
+the large wide matrices at 96-100% of copy bandwidth against cuBLAS's 87-95% (LM heads, Qwen2.5-7B's
+gate_up: ~5% of a 7B model's step), while cuBLAS is as fast or faster on smaller or tall matrices and
 stays flat from 1 to 16 rows where this kernel's time grows with the rows (every warp re-reads x
 from cache). So `kernels.linear` uses it for one row and large matrices only (`preferred`).
 
@@ -159,9 +159,12 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def preferred(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the kernel should run instead of cuBLAS: one row and a large weight."""
+    """True when the kernel should run instead of cuBLAS: one row and a large weight with at least
+    as many outputs as inputs (with fewer, e.g. a down projection, too few warps stream the long
+    rows and cuBLAS's split-K is faster)."""
     large = weight.numel() * weight.element_size() >= PREFERRED_MIN_WEIGHT_BYTES
-    return x.dim() == 2 and x.shape[0] == 1 and large and fits(x, weight)
+    wide = weight.dim() == 2 and weight.shape[0] >= weight.shape[1]
+    return x.dim() == 2 and x.shape[0] == 1 and large and wide and fits(x, weight)
 
 
 def skinny_linear_cuda(

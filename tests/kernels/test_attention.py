@@ -125,6 +125,7 @@ CASES = [
     (8, 2, 64, 16, [1, 5, 2], [900, 400, 40], 128),
     (16, 1, 128, 16, [1, 9], [6000, 300], None),
     (12, 12, 64, 16, [3, 1], [31, 8192], None),
+    (40, 2, 64, 16, [1, 6], [300, 1000], None),  # 20 query heads per kv head: CUDA cores only
 ]
 
 
@@ -142,12 +143,26 @@ def test_cuda_attention_matches_float64_reference(dtype: torch.dtype, case: int)
     )
     scale = 1 / math.sqrt(head_dim)
     ref = append_attention_ref(query.double(), key_cache.double(), value_cache.double(), meta, scale, window)
+    # half types: the tensor-core variant where it applies (None) and the CUDA-core one (False)
+    variants = (None,) if dtype == torch.float32 else (None, False)
     for splits in (None, 1, 3):
-        poison_allocator(tuple(query.shape), dtype, query.device)
-        out = append_attention_cuda(query, key_cache, value_cache, meta, scale, window, num_splits=splits)
-        torch.cuda.synchronize()
-        error = rel_error(out, ref)
-        assert error < TOLERANCE[dtype], f"splits={splits}: relative error {error:.2e}"
+        for tensor_cores in variants:
+            poison_allocator(tuple(query.shape), dtype, query.device)
+            out = append_attention_cuda(
+                query,
+                key_cache,
+                value_cache,
+                meta,
+                scale,
+                window,
+                num_splits=splits,
+                tensor_cores=tensor_cores,
+            )
+            torch.cuda.synchronize()
+            error = rel_error(out, ref)
+            assert error < TOLERANCE[dtype], (
+                f"splits={splits}, tensor_cores={tensor_cores}: error {error:.2e}"
+            )
 
 
 @pytest.mark.gpu

@@ -40,6 +40,8 @@ def test_kernel_is_preferred_for_one_row_of_a_large_matrix_only() -> None:
     assert preferred(one, large)
     assert not preferred(torch.randn(2, 64, dtype=torch.bfloat16), large)
     assert not preferred(one, large[:-1])
+    tall = torch.empty(64, PREFERRED_MIN_WEIGHT_BYTES // (2 * 64), dtype=torch.bfloat16)
+    assert not preferred(torch.randn(1, tall.shape[1], dtype=torch.bfloat16), tall)  # down projections
 
 
 def test_kernel_takes_only_decode_sized_aligned_half_products() -> None:
