@@ -90,7 +90,11 @@ def copy_bandwidth_gbs() -> float:
 
 
 def profile_decode(llm: LLM, batch: int, prompt_len: int, vocab_size: int) -> None:
-    """Prints where 8 decode steps of a full batch spend their time (CPU and device)."""
+    """Prints where 8 decode steps of a full batch spend their time (torch profiler: ops and
+    kernels), then the Python functions of 32 more (cProfile: the host work between replays)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -108,6 +112,13 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, vocab_size: int) -> No
     sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_by, row_limit=25))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(32):
+        engine.step()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     while engine.has_unfinished_requests():
         engine.step()
 
