@@ -44,18 +44,24 @@ def linear(
     x: torch.Tensor,  # [num_rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
-    out_dtype: torch.dtype | None = None,  # None: x's dtype
+    out_dtype: torch.dtype | None = None,  # None: x's dtype (or out's)
+    out: torch.Tensor | None = None,  # [num_rows, out_features], contiguous: written in place
 ) -> torch.Tensor:  # [num_rows, out_features]
     """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernel (kernels/skinny_gemm.py) where
-    it beats cuBLAS (one bf16 / fp16 row, a large matrix), cuBLAS otherwise. Not differentiable through the kernel:
-    with autograd recording, cuBLAS runs."""
+    it beats cuBLAS (one bf16 / fp16 row, a large matrix), cuBLAS otherwise. With `out`, the result
+    lands there (cast once, as `.to(out_dtype)` would). Not differentiable through the kernel: with
+    autograd recording, cuBLAS runs."""
+    if out is not None:
+        out_dtype = out.dtype
     if _cuda.available(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         from kernels.skinny_gemm import preferred, skinny_linear_cuda
 
         if preferred(x, weight):
-            return skinny_linear_cuda(x, weight, bias, out_dtype)
-    out = F.linear(x, weight, bias)
-    return out if out_dtype is None else out.to(out_dtype)
+            return skinny_linear_cuda(x, weight, bias, out_dtype, out=out)
+    result = F.linear(x, weight, bias)
+    if out is not None:
+        return out.copy_(result)
+    return result if out_dtype is None else result.to(out_dtype)
 
 
 def write_kv(
@@ -159,13 +165,36 @@ def verify_sample(
     )
 
 
-def post_step_update(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def post_step_update(
+    token_ids: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    lengths: torch.Tensor,
+    num_output: torch.Tensor,
+    new_tokens: torch.Tensor,
+    num_new: torch.Tensor,
+    max_tokens: torch.Tensor,
+    min_tokens: torch.Tensor,
+    ignore_eos: torch.Tensor,
+    eos_ids: torch.Tensor,
+    stop_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `post_step_update_ref` for the arguments."""
-    if _cuda.available(args[0]):
-        from kernels.post_step import post_step_update_cuda
-
-        return post_step_update_cuda(*args)
-    return post_step_update_ref(*args)
+    update = post_step_update_ref
+    if _cuda.available(token_ids):
+        from kernels.post_step import post_step_update_cuda as update
+    return update(
+        token_ids,
+        row_ids,
+        lengths,
+        num_output,
+        new_tokens,
+        num_new,
+        max_tokens,
+        min_tokens,
+        ignore_eos,
+        eos_ids,
+        stop_ids,
+    )
 
 
 __all__ = [

@@ -7,8 +7,8 @@ The last block to finish (an atomic counter) grants drafts in request order unde
 budget, so the whole batch needs one launch.
 
 `TokenHistory` keeps each running request's tokens in one device buffer, appending only the tokens
-new since the last step (the post-step kernel does the append), so the proposer never re-sends a
-whole history.
+new since the last step (in the CUDA-graph step, the post-step kernel does the append), so the
+proposer never re-sends a whole history.
 """
 
 from __future__ import annotations
@@ -113,6 +113,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) ngram_match(
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+def scratch_counter(device: torch.device) -> torch.Tensor:
+    """The one-element counter every launch on `device` uses to find the last block (zero between
+    launches: the kernel leaves it zero). A CUDA graph that captured a launch points at it and must
+    hold it for as long as it lives."""
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def ngram_match_cuda(
     history: torch.Tensor,  # [num_rows, max_len] int32 (rows may be longer than their length)
     lengths: torch.Tensor,  # [num_reqs] int32
@@ -147,9 +157,6 @@ def ngram_match_cuda(
     num_drafts = torch.empty(num_reqs, dtype=torch.int32, device=device)
     if num_reqs == 0:
         return drafts, num_drafts
-    counter = _COUNTERS.get(device)
-    if counter is None:
-        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     kernel = _cuda.function(SOURCE, "ngram_match", device, THREADS=THREADS, MAX_NGRAM=MAX_NGRAM)
     i32 = np.int32
     _cuda.launch(
@@ -169,7 +176,7 @@ def ngram_match_cuda(
             i32(-1 if budget is None else budget),
             drafts,
             num_drafts,
-            counter,
+            scratch_counter(device),
         ),
         device,
     )
@@ -184,8 +191,9 @@ class TokenHistory:
     `fixed`: the buffer never moves (a CUDA graph holds its address): rows are then a cache, a
     request that needs one when none is free takes the row of a request not in the current call
     (which is rewritten when that request comes back), and the last row is scratch for padding.
-    The CUDA-graph step appends its emitted tokens on the device and leaves the next drafts in
-    `precomputed`, so `propose` needs no launch for those requests.
+    The CUDA-graph step appends its kept tokens on the device (the post-step kernel: none past a
+    stop) and leaves the next drafts in `precomputed`, so `propose` needs no launch for those
+    requests.
     """
 
     def __init__(self, device: torch.device, num_rows: int = 64, capacity: int = 1024, fixed: bool = False):

@@ -1,4 +1,10 @@
-"""CUDA post-step update for the whole batch in one launch; twin of `post_step_update_ref`."""
+"""CUDA post-step update for the whole batch in one launch; twin of `post_step_update_ref`.
+
+One thread per request walks its emitted tokens, appends them to its token row (a row of the
+CUDA-graph step's token history, read by index as the n-gram kernel does) and stops at the first
+EOS / stop id / max_tokens, so no token past a stop reaches the row. Requests that share a scratch
+row (padding, requests without a history row) race on it harmlessly: nothing reads it.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,17 @@ THREADS = 128
 SOURCE = r"""
 extern "C" __global__ void post_step_update(
     int* __restrict__ token_ids, long long row_stride, int capacity,
-    int* __restrict__ lengths, int* __restrict__ num_computed, int* __restrict__ num_output,
+    const long long* __restrict__ row_ids,  /* [num_reqs] row of each request; null: row b */
+    int* __restrict__ lengths, int* __restrict__ num_output,
     const int* __restrict__ new_tokens, int width, const int* __restrict__ num_new,
     const int* __restrict__ max_tokens, const int* __restrict__ min_tokens,
-    const int* __restrict__ ignore_eos, const int* __restrict__ eos_ids, int num_eos,
+    const int* __restrict__ ignore_eos, const int* __restrict__ eos_ids, int max_eos,
     const int* __restrict__ stop_ids, int max_stop,
     int* __restrict__ num_kept, int* __restrict__ finish, int* __restrict__ stop_token, int num_reqs)
 {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_reqs) return;
-    int* row = token_ids + (long long)b * row_stride;
+    int* row = token_ids + (row_ids ? row_ids[b] : (long long)b) * row_stride;
     int length = lengths[b], produced = num_output[b], kept = 0, reason = 0, stopped_by = -1;
     const int n = min(num_new[b], width);
     for (int j = 0; j < n && length < capacity; ++j) {
@@ -32,7 +39,7 @@ extern "C" __global__ void post_step_update(
         if (produced >= min_tokens[b]) {
             bool is_eos = false;
             if (!ignore_eos[b])
-                for (int e = 0; e < num_eos; ++e) is_eos |= eos_ids[e] == token;
+                for (int e = 0; e < max_eos; ++e) is_eos |= eos_ids[(long long)b * max_eos + e] == token;
             if (is_eos) { reason = 1; break; }
             bool is_stop = false;
             for (int s = 0; s < max_stop; ++s) is_stop |= stop_ids[(long long)b * max_stop + s] == token;
@@ -42,7 +49,6 @@ extern "C" __global__ void post_step_update(
     }
     lengths[b] = length;
     num_output[b] = produced;
-    num_computed[b] = min(num_computed[b] + num_new[b], length - 1);
     num_kept[b] = kept;
     finish[b] = reason;
     stop_token[b] = stopped_by;
@@ -52,8 +58,8 @@ extern "C" __global__ void post_step_update(
 
 def post_step_update_cuda(
     token_ids: torch.Tensor,
+    row_ids: torch.Tensor | None,
     lengths: torch.Tensor,
-    num_computed: torch.Tensor,
     num_output: torch.Tensor,
     new_tokens: torch.Tensor,
     num_new: torch.Tensor,
@@ -63,14 +69,18 @@ def post_step_update_cuda(
     eos_ids: torch.Tensor,
     stop_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `post_step_update_ref` (rows never grow past their capacity)."""
+    """Same contract as `post_step_update_ref`; no host read, so it can be captured in a CUDA graph."""
     device = token_ids.device
     _cuda.check_cuda_tensor("token_ids", token_ids, [torch.int32], 2, device)
     _cuda.check(token_ids.stride(1) == 1, "token_ids rows must be contiguous")
-    num_reqs = token_ids.shape[0]
+    num_reqs = lengths.shape[0]
+    if row_ids is not None:
+        _cuda.check_cuda_tensor("row_ids", row_ids, [torch.int64], 1, device)
+        _cuda.check(row_ids.shape[0] == num_reqs and row_ids.is_contiguous(), "row_ids must be [num_reqs]")
+    else:
+        _cuda.check(token_ids.shape[0] >= num_reqs, "token_ids needs a row per request when row_ids is None")
     for name, t in (
         ("lengths", lengths),
-        ("num_computed", num_computed),
         ("num_output", num_output),
         ("num_new", num_new),
         ("max_tokens", max_tokens),
@@ -79,10 +89,9 @@ def post_step_update_cuda(
     ):
         _cuda.check_cuda_tensor(name, t, [torch.int32], 1, device)
         _cuda.check(t.shape[0] == num_reqs and t.is_contiguous(), f"{name} must be contiguous [num_reqs]")
-    for name, t in (("new_tokens", new_tokens), ("stop_ids", stop_ids)):
+    for name, t in (("new_tokens", new_tokens), ("eos_ids", eos_ids), ("stop_ids", stop_ids)):
         _cuda.check_cuda_tensor(name, t, [torch.int32], 2, device)
         _cuda.check(t.shape[0] == num_reqs and t.is_contiguous(), f"{name} must be contiguous [num_reqs, n]")
-    _cuda.check_cuda_tensor("eos_ids", eos_ids, [torch.int32], 1, device)
     num_kept = torch.empty(num_reqs, dtype=torch.int32, device=device)
     finish = torch.empty_like(num_kept)
     stop_token = torch.empty_like(num_kept)
@@ -98,8 +107,8 @@ def post_step_update_cuda(
             token_ids,
             np.int64(token_ids.stride(0)),
             i32(token_ids.shape[1]),
+            np.uint64(0) if row_ids is None else row_ids,
             lengths,
-            num_computed,
             num_output,
             new_tokens,
             i32(new_tokens.shape[1]),
@@ -108,7 +117,7 @@ def post_step_update_cuda(
             min_tokens,
             ignore_eos,
             eos_ids,
-            i32(eos_ids.shape[0]),
+            i32(eos_ids.shape[1]),
             stop_ids,
             i32(stop_ids.shape[1]),
             num_kept,

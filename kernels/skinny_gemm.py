@@ -173,6 +173,7 @@ def skinny_linear_cuda(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # x.dtype (default) or torch.float32
     rows_per_warp: int | None = None,  # 1 or 2; None: by the number of outputs
+    out: torch.Tensor | None = None,  # [num_rows, N] contiguous, of out_dtype: written in place
 ) -> torch.Tensor:  # [num_rows, N]
     """Same result as `F.linear(x, weight, bias).to(out_dtype)` up to float32 summation order
     (when out_dtype is float32, the product is not rounded to x's dtype first)."""
@@ -189,7 +190,15 @@ def skinny_linear_cuda(
     rows = rows_per_warp or (2 if n >= WIDE_OUTPUTS else 1)
     _cuda.check(rows in (1, 2), f"rows_per_warp {rows}: 1 or 2")
     mrows = next(v for v in ROW_VARIANTS if v >= num_rows)
-    out = torch.empty(num_rows, n, dtype=out_dtype, device=device)
+    if out is None:
+        out = torch.empty(num_rows, n, dtype=out_dtype, device=device)
+    _cuda.check(
+        out.shape == (num_rows, n)
+        and out.dtype == out_dtype
+        and out.is_contiguous()
+        and out.device == device,
+        f"out must be a contiguous {out_dtype} [{num_rows}, {n}] tensor on {device}",
+    )
     kernel = _cuda.function(
         SOURCE,
         "skinny_linear",

@@ -333,7 +333,11 @@ def sampling_noise_cuda(
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(num_reqs: int, device: torch.device) -> torch.Tensor:
+def scratch_counters(num_reqs: int, device: torch.device) -> torch.Tensor:
+    """The per-request counters a launch for `num_reqs` requests on `device` uses (zero between
+    launches: the kernel leaves them zero). A launch for more requests than they hold replaces them
+    with a larger tensor, so a CUDA graph that captured a launch must hold this one, which its
+    replays point at, for as long as it lives."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < num_reqs:
         counters = torch.zeros(max(num_reqs, 1024), dtype=torch.int32, device=device)
@@ -412,7 +416,7 @@ def verify_sample_cuda(
             row_greedy,
             row_sampled,
             row_pass,
-            _counters(num_reqs, device),
+            scratch_counters(num_reqs, device),
             token_ids,
             num_accepted,
             i32(vocab),

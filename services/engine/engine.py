@@ -220,7 +220,7 @@ class LLMEngine:
         prefill instance already streamed)."""
         seq = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
-        self.outputs.append(seq, [first_token_id])
+        self.outputs.append(seq, [first_token_id])  # not a stop: the prefill side would have finished it
         self.outputs.take_delta(seq)
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
@@ -270,8 +270,9 @@ class LLMEngine:
     def _postprocess(
         self, batch: ScheduledBatch, step: StepOutput
     ) -> tuple[list[RequestOutput], list[VerifiedSpan]]:
-        """Appends accepted tokens, rolls KV back past the first rejected draft (by length), checks
-        stops; returns the outputs and what each sequence had verified (for model-based drafters)."""
+        """Appends the kept tokens, rolls KV back past the first rejected draft (by length), takes
+        the post-step update's finish reason (and looks for stop strings); returns the outputs and
+        what each sequence had verified (for model-based drafters)."""
         results = {seq.request_id: r for seq, r in zip(step.inputs.sampled_seqs, step.results)}
         outputs, spans = [], []
         hidden_row = 0
@@ -282,7 +283,7 @@ class LLMEngine:
                 seq.num_computed_tokens += num_new
             else:
                 num_drafts = len(seq.spec.draft_token_ids)
-                kept = self.outputs.append(seq, result.token_ids)
+                kept = self.outputs.append(seq, result.token_ids, result.finish_reason, result.stop_token_id)
                 if seq.handoff and seq.finish_reason is None:
                     seq.finish_reason = FinishReason.HANDOFF
                 seq.logprobs += [lp for lp in result.logprobs[:kept] if lp is not None]

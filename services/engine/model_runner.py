@@ -1,7 +1,8 @@
 """Owns the model, the paged KV cache and the sampler; runs one scheduled batch forward.
 
-This is the one place where attention (through the model), the LM head and sampling are called
-for a step, so the fused GPU kernels replace the torch references here and nowhere else.
+This is the one place where attention (through the model), the LM head, sampling and the
+post-step update (stop checks at token level) are called for a step, so the fused GPU kernels
+replace the torch references here and nowhere else.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from kernels import AttentionMetadata
 from kernels.attention import MAX_KERNEL_QUERY_LEN
 from kernels.ngram import TokenHistory
 from kernels.verify_ref import POLICIES, STRATEGIES
-from services.engine.cuda_graph import DecodeGraphs, HostBatch, TailInputs, TailSpec
-from services.engine.rejection_sampler import RejectionSampler, RowSampling, VerifyRequest, VerifyResult
+from services.engine.cuda_graph import (
+    DecodeGraphs,
+    HostBatch,
+    StopInputs,
+    TailInputs,
+    TailOutput,
+    TailSpec,
+    eager_post_step,
+)
+from services.engine.rejection_sampler import RejectionSampler, RowSampling, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -44,8 +53,9 @@ class StepInputs:
 @dataclass
 class StepOutput:
     inputs: StepInputs
-    results: list[VerifyResult]
-    """One per sampled sequence: accepted drafts plus the recovered / bonus token."""
+    results: list[TailOutput]
+    """One per sampled sequence: accepted drafts plus the recovered / bonus token, cut after the
+    token that ends the request, and the post-step update's verdict (finish reason, stop token)."""
     hidden: torch.Tensor  # [num_tokens, hidden_size] final-normed target hidden states of the step
 
 
@@ -163,28 +173,43 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor(host.logits_indices, torch.long)])
         rows = row_batch(seqs)
         requests = [verify_request(seq) for seq in seqs]
-        if key is not None and self.verifier.fusable(logits, rows, requests):
-            return StepOutput(inputs, self._replay_tail(inputs, key, rows, requests), hidden)
-        return StepOutput(inputs, self.verifier(logits, rows, requests), hidden)
+        stops = StopInputs.of(seqs)
+        if key is not None and self._tail_fits(logits, rows, requests, stops):
+            return StepOutput(inputs, self._replay_tail(inputs, key, rows, requests, stops), hidden)
+        return StepOutput(
+            inputs, eager_post_step(self.verifier(logits, rows, requests), stops, self.device), hidden
+        )
+
+    def _tail_fits(
+        self, logits: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest], stops: StopInputs
+    ) -> bool:
+        """Whether the tail graph can verify this step and apply its post-step update."""
+        assert self.graphs is not None
+        return self.verifier.fusable(logits, rows, requests) and self.graphs.fits(stops)
 
     def _replay_tail(
-        self, inputs: StepInputs, key: tuple[int, int], rows: SamplingBatch, requests: list[VerifyRequest]
-    ) -> list[VerifyResult]:
-        """Verify, sample and (n-gram) draft the next step in the tail graph; the drafts wait in the
-        token history for the proposer."""
+        self,
+        inputs: StepInputs,
+        key: tuple[int, int],
+        rows: SamplingBatch,
+        requests: list[VerifyRequest],
+        stops: StopInputs,
+    ) -> list[TailOutput]:
+        """Verify, sample, apply the post-step update and (n-gram) draft the next step in the tail
+        graph; the drafts wait in the token history for the proposer."""
         assert self.graphs is not None
         seqs = inputs.sampled_seqs
         row_of = self._history_rows([seq for seq in seqs if seq.spec.method == "ngram"])
-        tail = self._tail_inputs(seqs, rows, requests, row_of)
+        tail = self._tail_inputs(seqs, rows, requests, stops, row_of)
         outputs = self.graphs.replay_tail(inputs.host, key, tail)
         history = self.token_history
         for seq, out in zip(seqs, outputs):
             row = row_of.get(seq.request_id)
-            if row is not None and history is not None:  # the device row now ends with the emitted tokens
+            if row is not None and history is not None:  # the device row now ends with the kept tokens
                 num_tokens = seq.num_tokens + len(out.token_ids)
                 history.synced[row] = num_tokens
                 history.precomputed[seq.request_id] = (num_tokens, out.drafts)
-        return [VerifyResult(out.token_ids, out.num_accepted, [None] * len(out.token_ids)) for out in outputs]
+        return outputs
 
     def _history_rows(self, seqs: list[Sequence]) -> dict[str, int]:
         """The device token-history row of each n-gram request, synced up to its last token."""
@@ -194,12 +219,18 @@ class ModelRunner:
         return {seq.request_id: row for seq, row in zip(seqs, rows)}
 
     def _tail_inputs(
-        self, seqs: list[Sequence], rows: SamplingBatch, requests: list[VerifyRequest], row_of: dict[str, int]
+        self,
+        seqs: list[Sequence],
+        rows: SamplingBatch,
+        requests: list[VerifyRequest],
+        stops: StopInputs,
+        row_of: dict[str, int],
     ) -> TailInputs:
-        """Per logit row its sampling inputs; per sequence its history row (the scratch row and no
-        drafts for requests that do not use n-gram)."""
-        scratch = self.token_history.tokens.shape[0] - 1 if self.token_history is not None else 0
-        tail = TailInputs(RowSampling.of(rows.params, requests), [], [], [])
+        """Per logit row its sampling inputs; per sequence its stop inputs and history row (the
+        scratch row and no drafts for requests that do not use n-gram)."""
+        assert self.graphs is not None
+        scratch = self.graphs.scratch_row
+        tail = TailInputs(RowSampling.of(rows.params, requests), stops, [], [], [])
         for seq in seqs:
             row = row_of.get(seq.request_id)
             tail.history_rows.append(scratch if row is None else row)

@@ -1,7 +1,10 @@
-"""Per-request detokenization and stop checks, one token at a time.
+"""Per-request detokenization and stop strings, one token at a time.
 
-Tokens are checked one by one even when a step yields several (speculative decoding), so a stop
-inside accepted drafts ends the request at exactly the right token.
+Token-level stops (EOS, stop token ids, max_tokens, with min_tokens) are decided on the device by
+the post-step update (kernels/post_step_ref.py, run from services/engine/cuda_graph.py), which
+already cut a step's tokens after the one that ends the request; its verdict is taken as given
+here. Stop strings are text, so they are looked for here, token by token even when a step yields
+several (speculative decoding), and one inside accepted drafts ends the request at that token.
 """
 
 from __future__ import annotations
@@ -41,18 +44,30 @@ class OutputProcessor:
     def text(self, request_id: str) -> str:
         return self.states[request_id].text
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> int:
-        """Appends tokens to `seq` until one ends it; returns how many were kept."""
+    def append(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        finish_reason: FinishReason | None = None,
+        stop_token_id: int | None = None,
+    ) -> int:
+        """Appends tokens to `seq` until one ends it; returns how many were kept. `token_ids` end
+        where the post-step update ended the request, with `finish_reason` (STOP for an EOS or the
+        stop id `stop_token_id`, LENGTH) on the last one; a stop string may end it earlier."""
         state = self.states[seq.request_id]
         for n, token_id in enumerate(token_ids, start=1):
             seq.append_token(token_id)
-            reason = self._token_stop(seq, token_id)
-            if reason is None:
+            last = n == len(token_ids)
+            reason: FinishReason | None = None
+            if last and finish_reason is FinishReason.STOP:  # an EOS or stop id: its text is left out
+                seq.stop_reason = stop_token_id
+                reason = finish_reason
+            else:
                 checked = len(state.text)
                 state.text += state.decoder.step([token_id])
                 reason = self._string_stop(seq, state, checked)
-            if reason is None and seq.num_output_tokens >= seq.params.max_tokens:
-                reason = FinishReason.LENGTH
+                if reason is None and last:
+                    reason = finish_reason
             if reason is not None:
                 seq.finish_reason = reason
                 return n
@@ -67,17 +82,6 @@ class OutputProcessor:
         delta = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = end
         return delta
-
-    @staticmethod
-    def _token_stop(seq: Sequence, token_id: int) -> FinishReason | None:
-        if seq.num_output_tokens < seq.params.min_tokens:
-            return None
-        if not seq.params.ignore_eos and token_id in seq.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in seq.params.stop_token_ids:
-            seq.stop_reason = token_id
-            return FinishReason.STOP
-        return None
 
     @staticmethod
     def _string_stop(seq: Sequence, state: TextState, checked: int) -> FinishReason | None:

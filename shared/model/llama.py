@@ -31,10 +31,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 """(key_cache, value_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`layer(x)` (in `out_dtype`) through `kernels.linear`: the skinny CUDA kernel for a decode
-    step's few rows, cuBLAS otherwise (and always when training)."""
-    return kernels.linear(x, layer.weight, layer.bias, out_dtype)
+def linear(
+    layer: nn.Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`layer(x)` (in `out_dtype`, or into `out`) through `kernels.linear`: the skinny CUDA kernel
+    where it beats cuBLAS, cuBLAS otherwise (and always when training)."""
+    return kernels.linear(x, layer.weight, layer.bias, out_dtype, out)
 
 
 class RMSNorm(nn.Module):
@@ -189,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward_dense(positions, hidden)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden_size] (or [batch, seq, hidden_size] in training) -> float32 logits
-        return linear(self.lm_head, hidden, torch.float32)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [num_rows, hidden_size] (or [batch, seq, hidden_size] in training) -> float32
+        logits, written into `out` ([num_rows, vocab_size] float32) when given."""
+        return linear(self.lm_head, hidden, torch.float32, out)

@@ -159,6 +159,9 @@ def test_cuda_dispatch_uses_the_kernel_only_where_preferred(monkeypatch: pytest.
         logits = kernels.linear(one, weight, out_dtype=torch.float32)
         assert logits.dtype == torch.float32
         assert torch.equal(logits, skinny_linear_cuda(one, weight, out_dtype=torch.float32))
+        buffer = torch.full((4, 512), float("nan"), device="cuda")
+        assert kernels.linear(one, weight, out=buffer[:1]).data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[:1], logits) and buffer[1:].isnan().all()
     trainable = weight.clone().requires_grad_()
     out = kernels.linear(one, trainable)
     out.float().sum().backward()  # cuBLAS ran: the product is differentiable
