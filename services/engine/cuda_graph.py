@@ -293,18 +293,18 @@ def pad_decode_batch(batch: HostBatch, bucket: int) -> PaddedInputs:
     query_lens = batch.query_lens + [1] * num_pad + [0] * num_empty
     seq_lens = batch.seq_lens + [1] * num_pad + [0] * num_empty
     width = max(len(t) for t in batch.block_tables)
-    tables = torch.zeros(bucket, width, dtype=torch.int32)
+    tables = np.zeros((bucket, width), dtype=np.int32)  # numpy: one fill per row, no tensor per row
     for i, table in enumerate(batch.block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    starts = torch.zeros(bucket + 1, dtype=torch.int32)
-    starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        tables[i, : len(table)] = table
+    starts = np.zeros(bucket + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=starts[1:])
     return PaddedInputs(
-        input_ids=torch.tensor(batch.input_ids + [0] * num_pad, dtype=torch.long),
-        positions=torch.tensor(batch.positions + [0] * num_pad, dtype=torch.long),
-        slot_mapping=torch.tensor(batch.slots + [-1] * num_pad, dtype=torch.long),
-        query_start_loc=starts,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
+        input_ids=torch.from_numpy(np.array(batch.input_ids + [0] * num_pad, dtype=np.int64)),
+        positions=torch.from_numpy(np.array(batch.positions + [0] * num_pad, dtype=np.int64)),
+        slot_mapping=torch.from_numpy(np.array(batch.slots + [-1] * num_pad, dtype=np.int64)),
+        query_start_loc=torch.from_numpy(starts),
+        seq_lens=torch.from_numpy(np.array(seq_lens, dtype=np.int32)),
+        block_tables=torch.from_numpy(tables),
         query_lens=query_lens,
     )
 
