@@ -3,7 +3,7 @@
 A decode step at batch 1 multiplies one token row by every weight matrix of the model, so its
 time is the time to stream the weights from memory once. This kernel reads each weight row once,
 16 bytes per lane, UNROLL loads in flight per warp. Measured on an H100 (kernels/NOTES.md) it reads
-the large wide matrices at 96-100% of copy bandwidth against cuBLAS's 87-95% (LM heads, Qwen2.5-7B's
+the large wide matrices at 95-102% of copy bandwidth against cuBLAS's 86-95% (LM heads, Qwen2.5-7B's
 gate_up: ~5% of a 7B model's step), while cuBLAS is as fast or faster on smaller or tall matrices and
 stays flat from 1 to 16 rows where this kernel's time grows with the rows (every warp re-reads x
 from cache). So `kernels.linear` uses it for one row and large matrices only (`preferred`).
@@ -12,7 +12,8 @@ Layout: one warp computes ROWS consecutive outputs (weight rows) for all rows of
 the reduction dimension 16 bytes at a time, UNROLL loads in flight, float32 accumulation, a warp
 shuffle reduction, and one rounding to the output dtype (cuBLAS rounds once too, so the two differ
 only by float32 summation order). x is read through the read-only cache; every warp reads all of
-it; the kernel takes up to MAX_ROWS rows (tested), `preferred` says when it beats cuBLAS.
+it; the kernel takes up to MAX_ROWS rows (tested), `preferred` says when it beats cuBLAS. Its torch
+twin is `F.linear`, which `kernels.linear` runs everywhere else.
 """
 
 from __future__ import annotations
