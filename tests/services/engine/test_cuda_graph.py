@@ -17,6 +17,7 @@ from services.engine.cuda_graph import (
     BUCKETS,
     DecodeGraphs,
     HostBatch,
+    PaddedInputs,
     StopInputs,
     TailInputs,
     TailOutput,
@@ -59,16 +60,17 @@ def decode_batch(query_lens: list[int], contexts: list[int], vocab: int) -> Host
     return batch
 
 
-def run_eager(model, caches, input_ids, positions, slots, starts, seq_lens, tables, query_lens):
+def run_eager(model, caches, inputs: PaddedInputs):
+    """The model's logits for a (padded) decode batch, run eagerly over the reference attention."""
     meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=starts,
-        seq_lens=seq_lens,
-        block_tables=tables,
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens.tolist(),
+        slot_mapping=inputs.slot_mapping,
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables,
+        query_lens_cpu=inputs.query_lens,
+        seq_lens_cpu=inputs.seq_lens.tolist(),
     )
-    return model.compute_logits(model(input_ids, positions, caches, meta))
+    return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, meta))
 
 
 @torch.inference_mode()
@@ -87,33 +89,13 @@ def test_padding_to_a_bucket_leaves_real_rows_and_cache_unchanged(make_checkpoin
     batch = decode_batch([1, 4, 2], [9, 17, 3], config.vocab_size)
     plain = pad_decode_batch(batch, batch.num_tokens)
     fresh = [(k.clone(), v.clone()) for k, v in caches]
-    expected = run_eager(
-        model,
-        fresh,
-        plain.input_ids,
-        plain.positions,
-        plain.slot_mapping,
-        plain.query_start_loc,
-        plain.seq_lens,
-        plain.block_tables,
-        plain.query_lens,
-    )
+    expected = run_eager(model, fresh, plain)
     bucket = 12
     padded = pad_decode_batch(batch, bucket)
     assert padded.query_lens == [1, 4, 2] + [1] * 5 + [0] * 4
     assert padded.slot_mapping[batch.num_tokens :].eq(-1).all()
     padded_caches = [(k.clone(), v.clone()) for k, v in caches]
-    got = run_eager(
-        model,
-        padded_caches,
-        padded.input_ids,
-        padded.positions,
-        padded.slot_mapping,
-        padded.query_start_loc,
-        padded.seq_lens,
-        padded.block_tables,
-        padded.query_lens,
-    )
+    got = run_eager(model, padded_caches, padded)
     torch.testing.assert_close(got[: batch.num_tokens], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(got).all()
     written = torch.zeros(64 * BLOCK, dtype=torch.bool)

@@ -10,22 +10,9 @@ import pytest
 from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import AdaptiveSpeculation, DraftCost, DraftCostModel, StepCostModel
-from shared.sampling_params import SamplingParams
-from tests.services.engine.spec_decode.test_speculative_engine import repetitive_prompts
+from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 CHOOSE = AdaptiveSpeculation.choose
-
-
-@pytest.fixture(scope="module")
-def target(make_checkpoint):
-    return str(make_checkpoint("llama", num_hidden_layers=2))
-
-
-@pytest.fixture(scope="module")
-def naive_tokens(target) -> list[list[int]]:
-    llm = LLM(target, device="cpu", max_model_len=192)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)]
 
 
 def generate(target: str, method: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], int]:

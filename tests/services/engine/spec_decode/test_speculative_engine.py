@@ -10,33 +10,7 @@ from services.engine.engine import RequestError
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
-
-MAX_TOKENS = 40
-
-
-def repetitive_prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a span, so n-gram and suffix drafts get accepted."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(count):
-        span = torch.randint(3, 384, (6 + i,), generator=generator).tolist()
-        tail = torch.randint(3, 384, (i * 3,), generator=generator).tolist()
-        prompts.append(tail + span * 3 + span[:2])
-    return prompts
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target(make_checkpoint):
-    return str(make_checkpoint("llama", num_hidden_layers=2))
-
-
-@pytest.fixture(scope="module")
-def naive_tokens(target) -> list[list[int]]:
-    llm = LLM(target, device="cpu", max_model_len=192)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)]
+from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 
 def spec_llm(target: str, **spec) -> LLM:
