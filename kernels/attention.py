@@ -122,6 +122,46 @@ __device__ __forceinline__ void load_tile(
     }
 }
 
+/* What one thread block of the attention grid (sequence x query tile, kv head, context split)
+   works on: its query tokens [t0, t0 + nt) of the sequence (rows = nt x group query rows), the
+   context positions [s_begin, s_end) of its split (num_kv_tiles tiles of BLOCK_N), its block table.
+   False: nothing to do (a sequence past max_query_len, or a tile past the sequence's queries). */
+struct BlockWork {
+    int q_begin, t0, group, rows, first_pos, s_begin, s_end, num_kv_tiles;
+    const int* table;
+};
+__device__ __forceinline__ bool block_work(
+    BlockWork& w, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int max_blocks,
+    int tile_tokens, int max_tiles, int num_splits, int max_query_len, int sliding_window)
+{
+    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    const int q_begin = query_start_loc[seq];
+    const int q_len = query_start_loc[seq + 1] - q_begin;
+    if (q_len > max_query_len) return false;
+    const int t0 = tile * tile_tokens;
+    if (t0 >= q_len) return false;
+    const int nt = min(tile_tokens, q_len - t0);
+    const int group = num_heads / num_kv_heads;
+    const int first_pos = seq_lens[seq] - q_len + t0;
+    const int kv_end = first_pos + nt;
+    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
+    const int span = kv_end - kv_begin;
+    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    const int s_begin = kv_begin + (int)blockIdx.z * per_split;
+    const int s_end = min(kv_end, s_begin + per_split);
+    w.q_begin = q_begin;
+    w.t0 = t0;
+    w.group = group;
+    w.rows = nt * group;
+    w.first_pos = first_pos;
+    w.s_begin = s_begin;
+    w.s_end = s_end;
+    w.num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
+    w.table = block_tables + (long long)seq * max_blocks;
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const scalar_t* __restrict__ query,        /* [num_tokens, num_heads, HEAD_DIM] */
     const scalar_t* __restrict__ key_cache,    /* [num_blocks, block_size, num_kv_heads, HEAD_DIM] */
@@ -145,26 +185,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     scalar_t* kv = reinterpret_cast<scalar_t*>(alpha_s + RMAX + 4 - (RMAX % 4));
     /* kv: 2 stages x (K tile, V tile), each [BLOCK_N][ROW_STRIDE] */
 
-    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    BlockWork w;
+    if (!block_work(w, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, max_blocks,
+                    tile_tokens, max_tiles, num_splits, max_query_len, sliding_window)) return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
-    const int q_begin = query_start_loc[seq];
-    const int q_len = query_start_loc[seq + 1] - q_begin;
-    if (q_len > max_query_len) return;
-    const int t0 = tile * tile_tokens;
-    if (t0 >= q_len) return;
-    const int nt = min(tile_tokens, q_len - t0);
-    const int group = num_heads / num_kv_heads;
-    const int rows = nt * group;
-    const int seq_len = seq_lens[seq];
-    const int first_pos = seq_len - q_len + t0;
-    const int kv_end = first_pos + nt;
-    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
-    const int span = kv_end - kv_begin;
-    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
-    const int s_begin = kv_begin + split * per_split;
-    const int s_end = min(kv_end, s_begin + per_split);
-    const int num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
-    const int* table = block_tables + (long long)seq * max_blocks;
+    const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
+    const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
+    const int* table = w.table;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     if (num_kv_tiles > 0)
@@ -390,26 +417,13 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     extern __shared__ __align__(16) unsigned char smem[];
     scalar_t* kv = reinterpret_cast<scalar_t*>(smem);   /* 2 stages x (K, V) x [BLOCK_N][ROW_STRIDE] */
 
-    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    BlockWork w;
+    if (!block_work(w, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, max_blocks,
+                    tile_tokens, max_tiles, num_splits, max_query_len, sliding_window)) return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
-    const int q_begin = query_start_loc[seq];
-    const int q_len = query_start_loc[seq + 1] - q_begin;
-    if (q_len > max_query_len) return;
-    const int t0 = tile * tile_tokens;
-    if (t0 >= q_len) return;
-    const int nt = min(tile_tokens, q_len - t0);
-    const int group = num_heads / num_kv_heads;
-    const int rows = nt * group;
-    const int seq_len = seq_lens[seq];
-    const int first_pos = seq_len - q_len + t0;
-    const int kv_end = first_pos + nt;
-    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
-    const int span = kv_end - kv_begin;
-    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
-    const int s_begin = kv_begin + split * per_split;
-    const int s_end = min(kv_end, s_begin + per_split);
-    const int num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
-    const int* table = block_tables + (long long)seq * max_blocks;
+    const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
+    const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
+    const int* table = w.table;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;     /* mma fragment row group / column pair */
 
