@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,35 @@ def reraise_if_cancelled(error: BaseException) -> None:
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+
     if cancelling is not None and cancelling():
         raise asyncio.CancelledError from error
+
+
+RECANCEL_EVERY_S = 0.5
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 10.0) -> None:
+    """Cancels background tasks and waits for them, cancelling again until they end.
+
+    One cancel is not always enough: the same race can make redis-py's retry policy retry a
+    command whose cancellation came out as a TimeoutError, and the task then carries on as if never
+    cancelled (seen as a worker that ignored SIGTERM, its output loop back at its queue). A shutdown
+    must not hang on that, so this repeats the cancel every `RECANCEL_EVERY_S`, and after `timeout_s`
+    logs the tasks that still run and returns. Errors the tasks died of are logged, not raised.
+    """
+    tasks = list(tasks)
+    pending = {task for task in tasks if not task.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            names = ", ".join(sorted(task.get_name() for task in pending))
+            logger.error("tasks still running %.0f s after being cancelled: %s", timeout_s, names)
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_EVERY_S, remaining))
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task %s had failed: %r", task.get_name(), task.exception())
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import KeyT, StreamIdT
 
-from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled
+from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled, stop_tasks
 from shared.protocol import (
     PAYLOAD_FIELD,
     Cancel,
@@ -133,9 +133,7 @@ class RedisBackend:
 
     async def close(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            await stop_tasks([self._reader])
             self._reader = None
         if self._client is not None:
             with contextlib.suppress(RedisError):

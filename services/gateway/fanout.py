@@ -13,6 +13,7 @@ import logging
 from types import TracebackType
 
 from services.gateway.backend import MeshBackend, error_event
+from shared.bus import stop_tasks
 from shared.protocol import GenerateRequest, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ class FanOut:
 
     async def _close(self) -> None:
         """Stops following every choice, and cancels in the mesh those that have not finished."""
-        for pump in self._pumps:
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await stop_tasks(self._pumps)
         await asyncio.gather(
             *(self.backend.cancel(self.requests[i].request_id, self.cancel_reason) for i in self._unfinished),
             return_exceptions=True,

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
-from shared.bus import OUTPUT_TTL_S, Bus, Delivery, as_bytes, as_text
+from shared.bus import OUTPUT_TTL_S, Bus, Delivery, as_bytes, as_text, reraise_if_cancelled, stop_tasks
 from shared.keys import SCHEDULER_GROUP
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -82,9 +82,7 @@ class SplitwiseScheduler:
         await stop.wait()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=5)
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        await stop_tasks(loops)
 
     # ---- receive ------------------------------------------------------------------------------------------
 
@@ -95,6 +93,7 @@ class SplitwiseScheduler:
                     stream, SCHEDULER_GROUP, self.options.consumer, block_ms=200
                 )
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
                 await asyncio.sleep(0.5)
                 continue
@@ -138,6 +137,7 @@ class SplitwiseScheduler:
             try:
                 deliveries, last_id = await self.bus.read_stream(stream, last_id, block_ms=200)
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
                 await asyncio.sleep(0.5)
                 continue
@@ -354,6 +354,7 @@ class SplitwiseScheduler:
                 for instance_id in self.registry.dead:
                     await self._bury(instance_id)
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("registry refresh failed", extra={"error": str(exc)})
             await asyncio.sleep(REGISTRY_REFRESH_S)
 

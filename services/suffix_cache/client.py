@@ -27,7 +27,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.spec_decode.suffix_tree import SuffixDraft
-from shared.bus import Bus, reraise_if_cancelled
+from shared.bus import Bus, reraise_if_cancelled, stop_tasks
 from shared.protocol import (
     PAYLOAD_FIELD,
     ProtocolError,
@@ -109,9 +109,7 @@ class RemoteSuffixIndex:
 
     async def close(self) -> None:
         self.service_up = False
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)
         self._tasks = []
 
     # ---- GlobalIndex (from the engine thread) ------------------------------------------------------

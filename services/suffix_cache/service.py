@@ -46,7 +46,7 @@ from services.runtime import (
     start_status_server,
     stop_event_on_signals,
 )
-from shared.bus import Bus, Delivery, RedisSettings, connect
+from shared.bus import Bus, Delivery, RedisSettings, connect, reraise_if_cancelled, stop_tasks
 from shared.keys import SUFFIX_GROUP
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -163,9 +163,7 @@ class SuffixCacheService:
             await asyncio.gather(*tasks)
         finally:
             self.serving = False
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks)
             await self._sign_off()
 
     async def _sign_off(self) -> None:
@@ -349,6 +347,7 @@ class SuffixCacheService:
         await self.bus.dead_letter(stream, entry_id, payload, reason)
 
     async def _backoff(self, what: str, exc: Exception) -> None:
+        reraise_if_cancelled(exc)
         logger.warning("suffix-cache: %s failed (%s); retrying", what, exc)
         await asyncio.sleep(0.5)
 

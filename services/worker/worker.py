@@ -30,7 +30,7 @@ from services.kv_transport import (
 from services.kv_transport.base import dtype_name
 from services.worker.engine_thread import EngineThread, StepResult
 from services.worker.metrics import WorkerMetrics
-from shared.bus import OUTPUT_TTL_S, Bus, Delivery, reraise_if_cancelled
+from shared.bus import OUTPUT_TTL_S, Bus, Delivery, reraise_if_cancelled, stop_tasks
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
     Cancel,
@@ -110,9 +110,7 @@ class Worker:
         )
         await stop.wait()
         await self._drain()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks)
         await self.close()
 
     async def _drain(self) -> None:
@@ -132,7 +130,7 @@ class Worker:
 
     async def close(self) -> None:
         if self.thread is not None:
-            self.thread.stop()
+            await asyncio.to_thread(self.thread.stop)
         if self.transport is not None:
             await self.transport.close()
         with contextlib.suppress(RedisError):
@@ -147,6 +145,7 @@ class Worker:
                     self.inbox, WORKER_GROUP, self.options.instance_id, block_ms=200
                 )
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
                 await asyncio.sleep(0.5)
                 continue
@@ -379,6 +378,7 @@ class Worker:
             try:
                 await self._heartbeat()
             except RedisError as exc:
+                reraise_if_cancelled(exc)
                 logger.warning("heartbeat failed", extra={"error": str(exc)})
 
     async def _heartbeat(self) -> None:
