@@ -245,7 +245,7 @@ class ModelRunner:
         row = 0
         for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
             end = start + num_new
-            host.input_ids += (seq.token_ids + seq.spec.draft_token_ids)[start:end]
+            host.input_ids += token_span(seq, start, end)
             if end >= seq.num_tokens:  # the last real token is in: its row and every draft row are scored
                 host.logits_indices += range(row + seq.num_tokens - 1 - start, row + num_new)
                 sampled.append(seq)
@@ -399,6 +399,16 @@ def verify_request(seq: Sequence) -> VerifyRequest:
     return VerifyRequest(
         seq.params, seq.seed, seq.num_output_tokens, list(seq.spec.draft_token_ids), seq.spec.draft_probs
     )
+
+
+def token_span(seq: Sequence, start: int, end: int) -> list[int]:
+    """Tokens `start:end` of the sequence followed by its drafts, without copying its whole history
+    (a step would otherwise cost time growing with every request's length)."""
+    tokens, drafts = seq.token_ids, seq.spec.draft_token_ids
+    num_tokens = len(tokens)
+    if end <= num_tokens:
+        return tokens[start:end]
+    return tokens[start:] + drafts[max(0, start - num_tokens) : end - num_tokens]
 
 
 def row_batch(seqs: list[Sequence]) -> SamplingBatch:
