@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
@@ -132,10 +133,20 @@ class Delivery:
     message: AnyMessage
 
 
+XADD_MANY_LUA = """
+for i, stream in ipairs(KEYS) do
+    redis.call('XADD', stream, '*', ARGV[1], ARGV[i + 1])
+end
+return #KEYS
+"""
+"""`publish_many`: KEYS are the streams, ARGV the payload field then one payload per stream."""
+
+
 class Bus:
     def __init__(self, client: aioredis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
+        self._xadd_many: AsyncScript | None = None
 
     async def publish(self, stream: str, message: Message, maxlen: int | None = None) -> str:
         entry_id = await self.client.xadd(
@@ -144,13 +155,16 @@ class Bus:
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def publish_many(self, items: Sequence[tuple[str, Message]]) -> None:
-        """Several messages in one round trip (a pipeline, not a transaction)."""
+        """One message to each of several streams, in one command: a worker's step reaches every
+        request's output stream at once. One script call instead of a pipeline of XADDs: redis-py
+        spends ~50 us of Python per pipelined command, a step of 64 requests milliseconds."""
         if not items:
             return
-        async with self.client.pipeline(transaction=False) as pipe:
-            for stream, message in items:
-                pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
-            await pipe.execute()
+        if self._xadd_many is None:
+            self._xadd_many = self.client.register_script(XADD_MANY_LUA)
+        await self._xadd_many(
+            keys=[stream for stream, _ in items], args=[PAYLOAD_FIELD, *(encode(m) for _, m in items)]
+        )
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         try:

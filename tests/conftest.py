@@ -1,15 +1,24 @@
-"""Shared fixtures: small random Hugging Face checkpoints that transformers itself writes."""
+"""Shared fixtures: small random Hugging Face checkpoints that transformers itself writes, and a
+real redis-server (with a fresh key namespace and bus per test)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shared.bus import Bus, RedisSettings, connect
 
 VOCAB_SIZE = 384
 EOS = "<|endoftext|>"
@@ -96,3 +105,78 @@ def _write_checkpoint(
         json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE, "model_max_length": 512})
     )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+
+
+# ---- a real redis-server ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis_server(binary: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server on a free loopback port, without persistence, answering PING."""
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    probe = redis.Redis(port=port)
+    try:
+        for _ in range(100):
+            try:
+                probe.ping()
+                return server, port
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        server.terminate()
+        pytest.fail(f"redis-server did not start on port {port}")
+    finally:
+        probe.close()
+
+
+def _redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_port() -> Iterator[int]:
+    """One throwaway redis-server for the session."""
+    server, port = start_redis_server(_redis_binary())
+    yield port
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], RedisSettings]]]:
+    """Starts private redis-servers a test may kill; stops those still running at the end."""
+    binary = _redis_binary()
+    servers: list[subprocess.Popen[bytes]] = []
+
+    def start() -> tuple[subprocess.Popen[bytes], RedisSettings]:
+        server, port = start_redis_server(binary)
+        servers.append(server)
+        return server, RedisSettings(port=port)
+
+    yield start
+    for server in servers:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_settings(redis_port: int) -> RedisSettings:
+    """Each test its own topic: no keys shared between tests."""
+    return RedisSettings(port=redis_port, topic=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+async def bus(redis_settings: RedisSettings) -> AsyncIterator[Bus]:
+    client = await connect(redis_settings)
+    yield Bus(client, redis_settings.keys)
+    await client.aclose()

@@ -18,16 +18,9 @@ from redis.backoff import NoBackoff
 from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import RedisBackend
 from services.gateway.prepare import ServedModel
-from shared.bus import Bus, RedisSettings, connect
+from shared.bus import Bus, RedisSettings
 from shared.protocol import Cancel, GenerateRequest, Submit, TokenEvent
 from shared.sampling_params import SamplingParams
-
-
-@pytest.fixture
-async def bus(redis_settings: RedisSettings) -> AsyncIterator[Bus]:
-    client = await connect(redis_settings)
-    yield Bus(client, redis_settings.keys)
-    await client.aclose()
 
 
 @pytest.fixture
