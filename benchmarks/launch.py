@@ -35,6 +35,14 @@ class LaunchedMesh:
     url: str
     worker_metrics_url: str
     log_dir: Path
+    pids: dict[str, int]
+    """Each mesh process's pid by role name (redis, scheduler, suffix-cache, mixed, gateway)."""
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, every thread) each mesh process has used so far, and this
+        benchmark process's own as "client" (it drives the requests and parses every SSE chunk)."""
+        used = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
+        return {**used, "client": time.process_time()}
 
     def worker_spec_counts(self, num_finished: int) -> dict[str, list[int]]:
         """Drafted / accepted per draft position, summed over every request the worker finished
@@ -92,9 +100,25 @@ def launch_mesh(
         mesh.start("gateway", [*me, "gateway", "--model", model, "--port", str(gateway_port), *bus], env)
         url = f"http://127.0.0.1:{gateway_port}"
         _wait_ready(mesh, f"{url}/health", lambda: False)
-        yield LaunchedMesh(url, f"http://127.0.0.1:{metrics_port}/metrics", log_dir)
+        pids = {name: process.pid for name, process in mesh.processes}
+        yield LaunchedMesh(url, f"http://127.0.0.1:{metrics_port}/metrics", log_dir, pids)
     finally:
         mesh.stop()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process from /proc (Linux); NaN where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return float("nan")
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
+
+
+def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Per process, the CPU it used over a wall-clock window in cores (1.0: one core all the time)."""
+    return {name: (after[name] - before[name]) / wall_s for name in after if wall_s > 0}
 
 
 def _redis_conf(log_dir: Path, port: int, password: str) -> Path:

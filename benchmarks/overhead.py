@@ -71,6 +71,7 @@ def overhead_row(in_process: Cell, mesh: Cell) -> dict[str, Any]:
     row["output_tok_per_s_in_process"] = a["output_tok_per_s"]
     row["output_tok_per_s_mesh"] = b["output_tok_per_s"]
     row["throughput_ratio"] = b["output_tok_per_s"] / a["output_tok_per_s"] if a["output_tok_per_s"] else None
+    row["mesh_cores_busy"] = b.get("cores_busy")
     return row
 
 
@@ -93,7 +94,22 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['workload']} | {r['concurrency']} | {r['method']} | {' | '.join(cols)} | {throughput} |"
         )
-    return "\n".join([head, *lines])
+    return "\n".join([head, *lines, "", cores_table(rows)])
+
+
+def cores_table(rows: list[dict[str, Any]]) -> str:
+    """Per mesh process, the cores it kept busy during the measured requests (1.0 = one core all
+    the time): a process near 1.0 is single-threaded and saturated, the mesh's bottleneck."""
+    names = sorted({name for r in rows for name in r.get("mesh_cores_busy") or {}})
+    if not names:
+        return ""
+    head = f"| workload | concurrency | method | {' | '.join(f'{n} cores' for n in names)} |"
+    lines = [head, "|---|---:|---|" + "---:|" * len(names)]
+    for r in rows:
+        busy = r.get("mesh_cores_busy") or {}
+        cells = [f"{busy[n]:.2f}" if n in busy else "-" for n in names]
+        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

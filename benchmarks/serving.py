@@ -33,7 +33,7 @@ from tqdm import tqdm
 from benchmarks.client import CompletionClient, Sampling, drive
 from benchmarks.compare import Cell, add_speedups, result_header, save_and_print, write_result
 from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct
-from benchmarks.launch import launch_mesh
+from benchmarks.launch import cores_busy, launch_mesh
 from benchmarks.methods import request_override
 from benchmarks.metrics import RequestRecord, SpecCounts, run_duration_s, summarize
 from benchmarks.offline import add_common_args, cell_requests, finish_args, median_run, settings
@@ -99,8 +99,9 @@ def online_cell(
 ) -> dict[str, Any]:
     desc = f"{label} c={concurrency or '-'}" + (f" rate={args.request_rate}" if args.request_rate else "")
     with tqdm(desc=desc, total=len(requests), unit="req", disable=not args.progress, leave=False) as progress:
+        cpu: dict[str, float] | None = None
         if args.launch:
-            records, spec_counts = launched_cell(spec, requests, concurrency, args, progress)
+            records, spec_counts, cpu = launched_cell(spec, requests, concurrency, args, progress)
         else:
             records = asyncio.run(
                 run_online(
@@ -120,6 +121,8 @@ def online_cell(
     summary = summarize(records, run_duration_s(records), args.slo)
     if spec_counts is not None:
         summary["speculative"] = {**spec_counts.summary(), "per_position_source": "worker metrics"}
+    if cpu is not None:
+        summary["cores_busy"] = cpu
     return {"summary": summary, "records": [r.compact() for r in records]}
 
 
@@ -129,12 +132,15 @@ def launched_cell(
     concurrency: int | None,
     args: argparse.Namespace,
     progress: tqdm,
-) -> tuple[list[RequestRecord], SpecCounts]:
+) -> tuple[list[RequestRecord], SpecCounts, dict[str, float]]:
+    """The cell's records, the worker's per-position counts, and the cores each process kept busy
+    during the measured requests."""
     log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
     with launch_mesh(args, args.model, spec, log_dir, args.torch_threads) as mesh:
         args.log_dirs.append(str(mesh.log_dir))
         asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
         before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
+        cpu_before, started = mesh.cpu_seconds(), time.perf_counter()
         records = asyncio.run(
             run_online(
                 mesh.url,
@@ -147,8 +153,9 @@ def launched_cell(
                 warmup=False,
             )
         )
+        busy = cores_busy(cpu_before, mesh.cpu_seconds(), time.perf_counter() - started)
         after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
-    return records, with_worker_positions(records, _minus(after, before))
+    return records, with_worker_positions(records, _minus(after, before)), busy
 
 
 def method_cells(
