@@ -14,20 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 
 import redis.utils
 
+from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
 from shared.protocol import PAYLOAD_FIELD, TokenEvent, decode, encode
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def step_events(bus: Bus, batch: int, step: int) -> list[tuple[str, TokenEvent]]:
