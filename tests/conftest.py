@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -18,6 +17,7 @@ import redis
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
 
 VOCAB_SIZE = 384
@@ -108,12 +108,6 @@ def _write_checkpoint(
 
 
 # ---- a real redis-server ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_redis_server(binary: str) -> tuple[subprocess.Popen[bytes], int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -163,9 +162,3 @@ def sse_data(body: str) -> list[Any]:
         data = event.removeprefix("data: ")
         payloads.append(data if data == "[DONE]" else json.loads(data))
     return payloads
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -15,10 +15,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gateway_fake_backend import free_port, sse_data
+from gateway_fake_backend import sse_data
 
 from services.gateway.main import add_gateway_parser, cmd_gateway
 from services.gateway.prepare import ServedModel
+from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
 from shared.protocol import Submit, TokenEvent
 
