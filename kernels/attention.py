@@ -162,35 +162,6 @@ __device__ __forceinline__ bool block_work(
     return true;
 }
 
-/* The context tiles of a block's split go through two stages of `kv` (double buffering):
-   `start_tiles` sends the first one; `await_tile(it, tile_start)` sends tile it + 1 to the other
-   stage and returns once tile it (from context position tile_start) is in shared memory for every
-   thread. */
-__device__ __forceinline__ void start_tiles(
-    scalar_t* kv, const BlockWork& w, const scalar_t* __restrict__ key_cache,
-    const scalar_t* __restrict__ value_cache, int block_size, int num_kv_heads, int kv_head)
-{
-    if (w.num_kv_tiles > 0)
-        load_tile(kv, kv + BLOCK_N * ROW_STRIDE, key_cache, value_cache, w.table, w.s_begin, w.s_end,
-                  block_size, num_kv_heads, kv_head);
-    cp_async_commit();
-}
-__device__ __forceinline__ void await_tile(
-    int it, int tile_start, scalar_t* kv, const BlockWork& w, const scalar_t* __restrict__ key_cache,
-    const scalar_t* __restrict__ value_cache, int block_size, int num_kv_heads, int kv_head)
-{
-    if (it + 1 < w.num_kv_tiles) {
-        scalar_t* next = kv + ((it & 1) ^ 1) * 2 * BLOCK_N * ROW_STRIDE;
-        load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, w.table,
-                  tile_start + BLOCK_N, w.s_end, block_size, num_kv_heads, kv_head);
-        cp_async_commit();
-        cp_async_wait_one();
-    } else {
-        cp_async_wait_all();
-    }
-    __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const scalar_t* __restrict__ query,        /* [num_tokens, num_heads, HEAD_DIM] */
     const scalar_t* __restrict__ key_cache,    /* [num_blocks, block_size, num_kv_heads, HEAD_DIM] */
@@ -220,9 +191,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
     const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
+    const int* table = w.table;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-    start_tiles(kv, w, key_cache, value_cache, block_size, num_kv_heads, kv_head);
+    if (num_kv_tiles > 0)
+        load_tile(kv, kv + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table, s_begin, s_end,
+                  block_size, num_kv_heads, kv_head);
+    cp_async_commit();
 
     for (int i = tid; i < RMAX * HEAD_DIM; i += THREADS) {
         const int r = i / HEAD_DIM, d = i - r * HEAD_DIM;
@@ -248,10 +223,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
         for (int v = 0; v < VEC; ++v) acc[i][v] = 0.f;
 
     for (int it = 0; it < num_kv_tiles; ++it) {
-        scalar_t* ks = kv + (it & 1) * 2 * BLOCK_N * ROW_STRIDE;
+        const int stage = it & 1;
+        scalar_t* ks = kv + stage * 2 * BLOCK_N * ROW_STRIDE;
         scalar_t* vs = ks + BLOCK_N * ROW_STRIDE;
         const int tile_start = s_begin + it * BLOCK_N;
-        await_tile(it, tile_start, kv, w, key_cache, value_cache, block_size, num_kv_heads, kv_head);
+        if (it + 1 < num_kv_tiles) {
+            scalar_t* next = kv + (stage ^ 1) * 2 * BLOCK_N * ROW_STRIDE;
+            load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
+                      tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
+            cp_async_commit();
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
 
         /* scores: thread -> key n, rows rg, rg + 2, ... (a warp shares its rows: Q reads broadcast) */
         {
@@ -438,10 +423,14 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
     const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
+    const int* table = w.table;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;     /* mma fragment row group / column pair */
 
-    start_tiles(kv, w, key_cache, value_cache, block_size, num_kv_heads, kv_head);
+    if (num_kv_tiles > 0)
+        load_tile(kv, kv + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table, s_begin, s_end,
+                  block_size, num_kv_heads, kv_head);
+    cp_async_commit();
 
     /* Q fragments (A operand, rows g and g + 8, unscaled), straight from global memory */
     unsigned qf[HEAD_DIM / 16][4];
@@ -470,10 +459,20 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     const int kw = warp * 16;                  /* this warp's keys within a tile */
 
     for (int it = 0; it < num_kv_tiles; ++it) {
-        const scalar_t* ks = kv + (it & 1) * 2 * BLOCK_N * ROW_STRIDE;
+        const int stage = it & 1;
+        const scalar_t* ks = kv + stage * 2 * BLOCK_N * ROW_STRIDE;
         const scalar_t* vs = ks + BLOCK_N * ROW_STRIDE;
         const int tile_start = s_begin + it * BLOCK_N;
-        await_tile(it, tile_start, kv, w, key_cache, value_cache, block_size, num_kv_heads, kv_head);
+        if (it + 1 < num_kv_tiles) {
+            scalar_t* next = kv + (stage ^ 1) * 2 * BLOCK_N * ROW_STRIDE;
+            load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
+                      tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
+            cp_async_commit();
+            cp_async_wait_one();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
 
         /* S (16 rows x this warp's 16 keys: two n8 tiles) */
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
