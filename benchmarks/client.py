@@ -30,6 +30,7 @@ class Sampling:
     temperature: float = 0.0
     ignore_eos: bool = False
     seed: int | None = None
+    top_p: float = 1.0
 
 
 def arrival_offsets(num_requests: int, request_rate: float | None, seed: int = 0) -> list[float]:

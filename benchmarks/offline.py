@@ -57,6 +57,7 @@ DEFAULT_CONCURRENCY = (1, 16, 64, 256)
 def sampling_params(request: BenchRequest, sampling: Sampling) -> SamplingParams:
     return SamplingParams(
         temperature=sampling.temperature,
+        top_p=sampling.top_p,
         max_tokens=request.max_tokens,
         ignore_eos=sampling.ignore_eos,
         seed=sampling.seed,
@@ -349,6 +350,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--request-rate", type=float, help="Poisson arrivals at this rate (req/s)")
     group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
     group.add_argument("--request-seed", type=int, help="sampling seed for every request")
     group.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT objective")
@@ -369,7 +371,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def finish_args(args: argparse.Namespace) -> None:
     args.model = args.model or default_model()
-    args.sampling = Sampling(args.temperature, args.ignore_eos, args.request_seed)
+    args.sampling = Sampling(args.temperature, args.ignore_eos, args.request_seed, args.top_p)
     args.slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     args.skipped = []
     names = list(args.methods or [])
@@ -388,6 +390,7 @@ def settings(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
         "methods": args.method_configs,
         "request_rate": args.request_rate,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "ignore_eos": args.ignore_eos,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
-from kernels.ngram import TokenHistory
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref
 from kernels.verify_ref import verify_sample_ref
@@ -123,12 +122,14 @@ def ngram_match(
     k: int | torch.Tensor,
     budget: int | None = None,
     row_ids: torch.Tensor | None = None,
+    max_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `ngram_match_ref`; `max_k` (the largest k, the drafts' width) spares a host read of `k`."""
     if _cuda.available(history):
         from kernels.ngram import ngram_match_cuda
 
-        return ngram_match_cuda(history, lengths, min_n, max_n, k, budget, row_ids=row_ids)
-    return ngram_match_ref(history, lengths, min_n, max_n, k, budget, row_ids)
+        return ngram_match_cuda(history, lengths, min_n, max_n, k, budget, max_k, row_ids)
+    return ngram_match_ref(history, lengths, min_n, max_n, k, budget, row_ids, max_k)
 
 
 def verify_sample(
@@ -143,7 +144,11 @@ def verify_sample(
     cu_num_rows: torch.Tensor,
     strategy: int,
     policy: int = 0,
+    max_rows: int | None = None,
+    request_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `verify_sample_ref`; `max_rows` (the most rows of one request, the tokens' width) and
+    `request_of_row` ([num_rows] int32) spare the CUDA kernel a host read of `cu_num_rows`."""
     if _cuda.available(logits):
         from kernels.verify import verify_sample_cuda
 
@@ -159,9 +164,22 @@ def verify_sample(
             cu_num_rows,
             strategy,
             policy,
+            max_rows,
+            request_of_row,
         )
     return verify_sample_ref(
-        logits, temperature, top_k, top_p, min_p, seeds, positions, draft_ids, cu_num_rows, strategy, policy
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        positions,
+        draft_ids,
+        cu_num_rows,
+        strategy,
+        policy,
+        max_rows,
     )
 
 
@@ -199,7 +217,6 @@ def post_step_update(
 
 __all__ = [
     "AttentionMetadata",
-    "TokenHistory",
     "append_attention",
     "cuda_available",
     "fused_add_rms_norm",

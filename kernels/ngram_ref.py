@@ -36,13 +36,16 @@ def ngram_match_ref(
     k: int | torch.Tensor,  # drafts per request: one for all, or [num_reqs] int32
     budget: int | None = None,
     row_ids: torch.Tensor | None = None,  # [num_reqs] int64: history row of each request (None: row b)
+    max_k: int | None = None,  # the drafts' width (default: the largest k)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (drafts [num_reqs, max_k] int32 padded with -1, num_drafts [num_reqs] int32)."""
     if row_ids is not None:
         history = history[row_ids]
     num_reqs = history.shape[0]
     ks = [k] * num_reqs if isinstance(k, int) else k.tolist()
-    max_k = max(ks, default=0)
+    if max_k is None:
+        max_k = max(ks, default=0)
+    ks = [min(k_b, max_k) for k_b in ks]
     rows = history.cpu().numpy()
     lens = lengths.tolist()
     drafts = torch.full((num_reqs, max(max_k, 1)), -1, dtype=torch.int32)

@@ -59,6 +59,7 @@ def verify_sample_ref(
     cu_num_rows: torch.Tensor,  # [num_reqs + 1] int32
     strategy: int,
     policy: int = NORMAL,
+    max_rows: int | None = None,  # the tokens' width (default: the most rows of one request)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (token_ids [num_reqs, max_rows] int32 padded with -1, num_accepted [num_reqs] int32,
     and per row: greedy_ids, sampled_ids, passes [num_rows] int32)."""
@@ -82,7 +83,7 @@ def verify_sample_ref(
         passes = torch.zeros_like(is_draft)
     passes &= is_draft
     return (
-        *_accept(cu_num_rows, drafts, greedy_rows, greedy_ids, sampled_ids, passes),
+        *_accept(cu_num_rows, drafts, greedy_rows, greedy_ids, sampled_ids, passes, max_rows),
         greedy_ids.int(),
         sampled_ids.int(),
         passes.int(),
@@ -96,17 +97,21 @@ def _accept(
     greedy_ids: torch.Tensor,
     sampled_ids: torch.Tensor,
     passes: torch.Tensor,
+    max_rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepts each request's leading passing drafts, then its argmax / sample at the next row."""
     cu = cu_num_rows.tolist()
     num_reqs = len(cu) - 1
-    max_rows = max((cu[i + 1] - cu[i] for i in range(num_reqs)), default=1)
+    if max_rows is None:
+        max_rows = max((cu[i + 1] - cu[i] for i in range(num_reqs)), default=1)
     token_ids = torch.full((num_reqs, max_rows), -1, dtype=torch.int32)
     num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
     passes_cpu, drafts_cpu = passes.tolist(), drafts.tolist()
     last_ids = torch.where(greedy_rows, greedy_ids, sampled_ids).tolist()
     for i in range(num_reqs):
         start, end = cu[i], cu[i + 1]
+        if start == end:  # an empty request (a CUDA graph's grid past the batch) emits nothing
+            continue
         n = 0
         while start + n < end - 1 and passes_cpu[start + n]:
             n += 1

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine ...]   (default: all three)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
-# (benchmarks.hf_baseline: transformers generate() on the same checkpoint, plain and with prompt lookup).
+# (benchmarks.hf_baseline: transformers generate() on the same checkpoint, plain and with prompt lookup);
+# spec: speculation on the widened real-cost targets (benchmarks.widen; SPEC_SHAPES, default llama-3.2-1b):
+# verify-cost-<shape>.json (benchmarks.verify_cost) and offline-<shape>-<sampling>.json
+# (benchmarks.offline, every method with naive in the same run; SPEC_SAMPLING greedy / sampled,
+# SPEC_CONCURRENCY, SPEC_METHODS).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -48,6 +52,25 @@ if [[ " $stages " == *" engine "* ]]; then
             --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/hf-$shape.json" 2>&1 \
             | tee -a "$OUT/engine.log" | tail -7
         rm -rf /tmp/specmesh-$shape
+    done
+fi
+if [[ " $stages " == *" spec "* ]]; then
+    for shape in ${SPEC_SHAPES:-llama-3.2-1b}; do
+        dir=/tmp/widened-$shape
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -3
+        timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 5 --batch-sizes 1 16 \
+            --context 1024 --out "$OUT/verify-cost-$shape.json" 2>&1 | tail -8
+        mtp='{"method":"mtp","model":"'$dir/mtp'"'
+        methods=${SPEC_METHODS:-"naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3={\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\",\"num_speculative_tokens\":3}"}
+        for sampling in ${SPEC_SAMPLING:-greedy}; do
+            flags=$([ "$sampling" = sampled ] && echo "--temperature 0.8 --top-p 0.95 --request-seed 1" || echo "")
+            # shellcheck disable=SC2086
+            timeout ${SPEC_TIMEOUT:-420} python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 \
+                --workload ${SPEC_WORKLOAD:-code_editing} --concurrency ${SPEC_CONCURRENCY:-1 16 64} \
+                --num-requests 12 --requests-per-slot 1 --max-tokens 128 $flags --no-plots --no-progress \
+                --methods $methods --out "$OUT/offline-$shape-$sampling.json" 2>&1 | tail -30
+        done
     done
 fi
 exit $status

@@ -1,8 +1,9 @@
-"""The engine every worker runs: schedule a batch, run it, turn sampled tokens into outputs.
+"""The engine every worker runs: schedule a batch, plan its drafts, run it, emit the outputs.
 
 batch = scheduler.schedule()
-sampled = model_runner.execute(batch)
-outputs = postprocess(batch, sampled)
+plan = drafter.plan(batch)                # each request's k for its next step
+step = model_runner.execute(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
+outputs = postprocess(batch, step)
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from services.engine.output_processor import OutputProcessor
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from services.engine.spec_decode.drafter import Drafter, SpeculationError
-from services.engine.spec_decode.mtp import VerifiedSpan
 from services.engine.spec_decode.suffix import GlobalIndex
+from services.engine.verify_update import StepPlan
 from shared.config import EngineConfig
 from shared.model import ModelConfig
 from shared.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.inputs = self.runner.inputs
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -104,6 +106,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
+        self.runner.start(self.drafter.device_proposers, self._chain_lengths(config.speculative_config.k))
+        if self.runner.graphs is not None:
+            self.drafter.max_graph_tokens = self.runner.graphs.max_tokens
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self.seed_generator = torch.Generator().manual_seed(config.seed)
@@ -215,9 +220,10 @@ class LLMEngine:
         key_cache[blocks] = key.to(key_cache.device, key_cache.dtype)
         value_cache[blocks] = value.to(value_cache.device, value_cache.dtype)
 
-    def activate(self, request_id: str, first_token_id: int, mtp_hidden: torch.Tensor | None = None) -> None:
+    def activate(self, request_id: str, first_token_id: int) -> None:
         """All KV arrived: the request joins the running batch after its first token (which the
-        prefill instance already streamed)."""
+        prefill instance already streamed). Its first decode step brings no drafts: its drafting
+        starts in that step's tail, from the caches that came with the KV."""
         seq = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
         self.outputs.append(seq, [first_token_id])  # not a stop: the prefill side would have finished it
@@ -225,26 +231,20 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)
-        if mtp_hidden is not None and self.drafter.mtp is not None:
-            self.drafter.mtp.last_hidden[request_id] = mtp_hidden.to(self.runner.device, self.runner.dtype)
-        self.drafter.propose([seq], num_other_tokens=len(self.scheduler.running))
 
     # ---- split deployment: the prefill side -------------------------------------------------------------
 
     def _export(self, seq: Sequence) -> KVExport:
-        """Copies out the KV of a request whose prefill finished here (target layers, and the MTP
-        head's layer and last hidden state; a draft model recomputes its own cache)."""
+        """Copies out the KV of a request whose prefill finished here: the target's layers and
+        those of its drafting model (the MTP head or the draft model), which caught up on the prompt."""
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
         blocks = torch.tensor(seq.block_table[:num_blocks], device=self.runner.device)
         layers = [
             (cache, i, key_cache[blocks], value_cache[blocks])
-            for cache in ("target", "mtp")
+            for cache in ("target", "mtp", "draft")
             for i, (key_cache, value_cache) in enumerate(self.runner.caches(cache))
         ]
-        tensors = {}
-        if self.drafter.mtp is not None and seq.request_id in self.drafter.mtp.last_hidden:
-            tensors["mtp_hidden"] = self.drafter.mtp.last_hidden[seq.request_id]
-        return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, tensors)
+        return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -253,29 +253,28 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        step = self.runner.execute(batch)
-        outputs, spans = self._postprocess(batch, step)
-        self.drafter.catch_up(spans, step.hidden)
-        for seq in [span.seq for span in spans if span.seq.finish_reason is not None]:
-            if seq.finish_reason is FinishReason.HANDOFF:
-                self.handoffs.append(self._export(seq))
-            self._release(seq)
-        decoding = [s.seq for s in spans if s.seq.is_decoding]
-        self.drafter.propose(decoding, num_other_tokens=len(self.scheduler.running))
-        # the whole step: the drafter books its timed drafting as drafting cost, the rest (forward,
-        # verification, host work per token) as the step cost a draft adds to
-        self.drafter.record_step(step.inputs.host.num_tokens, time.perf_counter() - started)
+        self._update_slots(batch)
+        plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
+        step = self.runner.execute(batch, plan)
+        outputs = self._postprocess(batch, plan, step)
+        self.drafter.propose_on_host(plan)
+        self.drafter.record_step(step.num_tokens, plan.num_steps, time.perf_counter() - started)
         return outputs
 
-    def _postprocess(
-        self, batch: ScheduledBatch, step: StepOutput
-    ) -> tuple[list[RequestOutput], list[VerifiedSpan]]:
+    def _update_slots(self, batch: ScheduledBatch) -> None:
+        """Requests the scheduler runs for the first time take an input-batch slot; preempted
+        ones give theirs back (their tokens are written again when they return)."""
+        for seq in batch.preempted:
+            self.inputs.remove(seq.request_id)
+        for seq in batch.seqs:
+            self.inputs.add(seq)
+        self.inputs.flush()
+
+    def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, step: StepOutput) -> list[RequestOutput]:
         """Appends the kept tokens, rolls KV back past the first rejected draft (by length), takes
-        the post-step update's finish reason (and looks for stop strings); returns the outputs and
-        what each sequence had verified (for model-based drafters)."""
-        results = {seq.request_id: r for seq, r in zip(step.inputs.sampled_seqs, step.results)}
-        outputs, spans = [], []
-        hidden_row = 0
+        the post-step update's finish reason (and looks for stop strings) and the next drafts."""
+        results = {seq.request_id: r for seq, r in zip(plan.seqs, step.results)}
+        outputs = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             result = results.get(seq.request_id)
@@ -291,17 +290,26 @@ class LLMEngine:
                     start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1
                 )
                 self.drafter.accepted(seq, result.token_ids[:kept], num_drafts, result.num_accepted)
-                seq.spec.draft_token_ids, seq.spec.draft_probs = [], None
+                seq.spec.draft_token_ids = result.drafts
+                seq.spec.k = len(result.drafts)
                 outputs.append(self._output(seq, result.token_ids[:kept]))
             self.block_manager.cache_full_blocks(seq)
-            spans.append(VerifiedSpan(seq, start, seq.num_computed_tokens - start, hidden_row))
-            hidden_row += num_new
-        return outputs, spans
+        for seq in [seq for seq in batch.seqs if seq.finish_reason is not None]:
+            if seq.finish_reason is FinishReason.HANDOFF:
+                self.handoffs.append(self._export(seq))
+            self._release(seq)
+        return outputs
+
+    @staticmethod
+    def _chain_lengths(max_k: int) -> list[int]:
+        """Every drafting-model chain length a step may run: 0 (nobody drafts) to k."""
+        return list(range(max_k + 1))
 
     def _release(self, seq: Sequence) -> None:
         """Frees a finished request's blocks and per-request state (full blocks stay cached)."""
         assert seq.finish_reason is not None
         self.reserved.pop(seq.request_id, None)
+        self.inputs.remove(seq.request_id)
         self.scheduler.finish(seq, seq.finish_reason)
         self.drafter.finish(seq)
         self.outputs.release(seq.request_id)

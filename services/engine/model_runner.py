@@ -1,8 +1,9 @@
-"""Owns the model, the paged KV cache and the sampler; runs one scheduled batch forward.
+"""Owns the models, the paged KV caches, the input batch and the step's tail; runs one step.
 
-This is the one place where attention (through the model), the LM head, sampling and the
-post-step update (stop checks at token level) are called for a step, so the fused GPU kernels
-replace the torch references here and nowhere else.
+This is the one place where the target forward, the LM head and the tail (verify, post-step
+update, device drafting: services/engine/verify_update.py) are called for a step, replayed from
+CUDA graphs where the step allows it, so the fused GPU kernels replace the torch references here
+and nowhere else.
 """
 
 from __future__ import annotations
@@ -10,28 +11,34 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kernels
 from kernels import AttentionMetadata
 from kernels.attention import MAX_KERNEL_QUERY_LEN
-from kernels.ngram import TokenHistory
+from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
-from services.engine.cuda_graph import (
-    DecodeGraphs,
-    HostBatch,
-    StopInputs,
-    TailInputs,
-    TailOutput,
-    TailSpec,
-    eager_post_step,
-)
-from services.engine.rejection_sampler import RejectionSampler, RowSampling, VerifyRequest
+from services.engine.cuda_graph import DecodeGraphs, HostStep
+from services.engine.input_batch import InputBatch
+from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
-from services.engine.sequence import Sequence
+from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from services.engine.spec_decode.proposer import Proposer
+from services.engine.verify_update import (
+    ACCEPTED,
+    FINISH,
+    KEPT,
+    NUM_DRAFTS,
+    STOP_TOKEN,
+    TOKENS,
+    StepPlan,
+    StepTensors,
+    VerifyAndUpdate,
+)
 from shared.config import EngineConfig
 from shared.model import LlamaForCausalLM, ModelConfig, ModelConfigError, load_model
 from shared.model.llama import KVCache
@@ -44,19 +51,41 @@ GIB = 1 << 30
 
 
 @dataclass
-class StepInputs:
-    host: HostBatch
-    sampled_seqs: list[Sequence]
-    """Sequences that get a token this step (their last real token and drafts are all in the batch)."""
+class SeqResult:
+    """One request's share of a verified step, after the post-step update and drafting."""
+
+    token_ids: list[int]
+    """Accepted drafts and the recovered / bonus token, cut after the token that ends the request."""
+    num_accepted: int
+    """Drafts that verification accepted (a stop may keep fewer of them)."""
+    finish_reason: FinishReason | None = None
+    """STOP (EOS or a stop id) or LENGTH (max_tokens) at the last kept token; None: running."""
+    stop_token_id: int | None = None
+    """The stop id that ended the request (None for an EOS, max_tokens or running)."""
+    drafts: list[int] = field(default_factory=list)
+    """The next step's drafts from a device proposer."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """Per kept token, when the request asked for them."""
+
+    @classmethod
+    def unpack(cls, row: list[int], max_rows: int) -> SeqResult:
+        """One row of the tail's packed result (verify_update's columns)."""
+        drafts_at = TOKENS + max_rows
+        return cls(
+            token_ids=row[TOKENS : TOKENS + row[KEPT]],
+            num_accepted=row[ACCEPTED],
+            finish_reason={STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}.get(row[FINISH]),
+            stop_token_id=row[STOP_TOKEN] if row[STOP_TOKEN] >= 0 else None,
+            drafts=row[drafts_at : drafts_at + row[NUM_DRAFTS]],
+        )
 
 
 @dataclass
 class StepOutput:
-    inputs: StepInputs
-    results: list[TailOutput]
-    """One per sampled sequence: accepted drafts plus the recovered / bonus token, cut after the
-    token that ends the request, and the post-step update's verdict (finish reason, stop token)."""
-    hidden: torch.Tensor  # [num_tokens, hidden_size] final-normed target hidden states of the step
+    results: list[SeqResult]
+    """One per request that got a token (StepPlan.seqs)."""
+    num_tokens: int
+    """Tokens in the target forward."""
 
 
 class ModelRunner:
@@ -84,12 +113,28 @@ class ModelRunner:
         self.mtp_kv_caches = (
             self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
         )
+        self.max_num_drafts = spec.k
+        # a row holds the longest request, the tokens a step may keep past it and drafts written
+        # after its end (with_ngram)
+        row_capacity = max_model_len + 2 * (spec.k + 1)
+        self.inputs = InputBatch(config.max_num_seqs, row_capacity, spec.k, self.device)
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
-        self.token_history: TokenHistory | None = None
-        """Device token rows of n-gram requests, shared by the CUDA-graph step and the proposer."""
+        self.tail: VerifyAndUpdate | None = None
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up_kernels()
-        self.graphs = self._capture_graphs() if self._use_graphs() else None
+
+    def start(self, proposers: list[Proposer], chain_lengths: list[int]) -> None:
+        """Sets the step's tail over the device proposers and captures the CUDA graphs."""
+        self.tail = VerifyAndUpdate(
+            self.inputs,
+            proposers,
+            STRATEGIES[self.spec.verify_strategy],
+            POLICIES[self.spec.accept_policy],
+            self.max_num_drafts,
+        )
+        if self._use_graphs():
+            self.graphs = self._capture_graphs(chain_lengths)
 
     def _use_graphs(self) -> bool:
         return (
@@ -98,33 +143,24 @@ class ModelRunner:
             and kernels.cuda_available(torch.empty(0, device=self.device))
         )
 
-    def _capture_graphs(self) -> DecodeGraphs:
+    def _capture_graphs(self, chain_lengths: list[int]) -> DecodeGraphs:
+        assert self.tail is not None
         max_query_len = 1 + self.spec.k if self.spec.enabled else 1
         max_tokens = min(
             self.config.cuda_graph_max_tokens,
             self.config.max_num_seqs * max_query_len,
             self.config.resolved_max_num_batched_tokens(self.max_model_len),
         )
-        if self.spec.method == "ngram":
-            self.token_history = TokenHistory(
-                self.device, self.config.max_num_seqs + 1, self.max_model_len + max_query_len, fixed=True
-            )
-        tail = TailSpec(
-            STRATEGIES[self.spec.verify_strategy],
-            POLICIES[self.spec.accept_policy],
-            self.token_history,
-            self.spec.prompt_lookup_min,
-            self.spec.prompt_lookup_max,
-            self.spec.k if self.token_history is not None else 0,
-        )
         graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
+            self.tail,
+            self.inputs,
             max_tokens,
             [1, max_query_len],
+            chain_lengths,
             self.max_model_len,
             self.block_size,
-            tail,
         )
         graphs.capture()
         return graphs
@@ -151,106 +187,121 @@ class ModelRunner:
             )
         return draft
 
+    # ---- the step ---------------------------------------------------------------------------------
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """One target forward over every scheduled token (prefill chunks, decode tokens and drafts);
-        only the last real token and the drafts of each finishing sequence reach the LM head, and
-        the rejection sampler turns those rows into tokens (partial prefill chunks get none)."""
-        inputs = self.prepare_inputs(batch)
-        host = inputs.host
-        seqs = inputs.sampled_seqs
+    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
+        """One target forward over every scheduled token (prefill chunks, decode tokens and drafts),
+        then the tail: only the last real token and the drafts of each request in `plan` reach the
+        LM head and are verified; every request of the plan drafts its next step. A decode step
+        whose requests the fused kernel verifies replays both from CUDA graphs."""
+        step = self.prepare(batch, plan)
         key = None
-        if self.graphs is not None and host.is_decode:
-            key = self.graphs.lookup(host.num_tokens, max(host.query_lens))
+        if self.graphs is not None and step.is_decode:
+            key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
+        fused = all(self._fusable(seq) for seq in plan.seqs)
+        if key is not None and fused:
+            assert self.graphs is not None
+            packed = self.graphs.replay(step, key, plan)
+            return self._output(packed, step, [])
+        logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if key is not None:
             assert self.graphs is not None
-            hidden, logits = self.graphs.replay(host, key)
+            self.graphs.replay_forward(step, key)
+            tensors.forward.hidden = self.graphs.hidden[: step.num_tokens]
+            logits = self.graphs.logits[: step.num_tokens]
         else:
-            positions, meta = self._device_metadata(host)
-            hidden = self.model(self._tensor(host.input_ids, torch.long), positions, self.kv_caches, meta)
-            if not seqs:  # only partial prefill chunks: no token to sample
-                return StepOutput(inputs, [], hidden)
-            logits = self.model.compute_logits(hidden[self._tensor(host.logits_indices, torch.long)])
-        rows = row_batch(seqs)
-        requests = [verify_request(seq) for seq in seqs]
-        stops = StopInputs.of(seqs)
-        if key is not None and self._tail_fits(logits, rows, requests, stops):
-            return StepOutput(inputs, self._replay_tail(inputs, key, rows, requests, stops), hidden)
-        return StepOutput(
-            inputs, eager_post_step(self.verifier(logits, rows, requests), stops, self.device), hidden
+            forward = tensors.forward
+            forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
+            logits = self.model.compute_logits(forward.hidden[logits_indices])
+        packed, logprobs = self._tail_eagerly(logits, tensors, plan, fused)
+        return self._output(packed, step, logprobs)
+
+    def _fusable(self, seq: Sequence) -> bool:
+        """Whether the fused verify kernel alone samples this request's rows (nothing to apply to the
+        logits first, no log-probabilities to return) and its stop ids fit its slot."""
+        p = seq.params
+        suppressing = seq.num_output_tokens < p.min_tokens
+        return not (p.has_penalties or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
+
+    def _tail_eagerly(
+        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
+    ) -> tuple[np.ndarray, list[list[TokenLogprobs | None]]]:
+        """The tail without a graph; requests the fused kernel cannot verify go through the torch
+        `RejectionSampler` first (penalties, min_tokens suppression, logprobs)."""
+        assert self.tail is not None
+        if fused:
+            return self.tail(logits, t, plan).cpu().numpy(), []
+        results = self.verifier(logits, row_batch(plan.seqs), [verify_request(seq) for seq in plan.seqs])
+        token_ids = torch.full((len(results), t.max_rows), -1, dtype=torch.int32)
+        for row, result in zip(token_ids, results):
+            row[: len(result.token_ids)] = torch.tensor(result.token_ids, dtype=torch.int32)
+        num_accepted = torch.tensor([r.num_accepted for r in results], dtype=torch.int32)
+        moved = [x.to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
+        packed = self.tail.update_and_draft(moved[0], moved[1], t, plan)
+        return packed.cpu().numpy(), [r.logprobs for r in results]
+
+    def _output(
+        self, packed: np.ndarray, step: HostStep, logprobs: list[list[TokenLogprobs | None]]
+    ) -> StepOutput:
+        max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
+        results = [SeqResult.unpack(row, max_rows) for row in packed.tolist()]
+        for result, token_logprobs in zip(results, logprobs):
+            result.logprobs = token_logprobs[: len(result.token_ids)]
+        return StepOutput(results, step.num_tokens)
+
+    def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
+        """The step's host inputs: every scheduled token for the forward, and for each request of
+        the plan its logit rows (its last real token and its drafts) and slot."""
+        seqs = batch.seqs
+        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+        lens = np.array(batch.num_new_tokens, dtype=np.int64)
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        spans = (token_span(seq, int(s), int(s + n)) for seq, s, n in zip(seqs, starts, lens))
+        input_ids = np.fromiter(itertools.chain.from_iterable(spans), dtype=np.int64, count=int(cu[-1]))
+        seq_of_token = np.repeat(np.arange(len(seqs)), lens)
+        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)
+        tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+        for row, seq in zip(tables, seqs):  # one fill per row, no tensor per row
+            row[: len(seq.block_table)] = seq.block_table
+        size = self.block_size
+        slot_mapping = tables[seq_of_token, positions // size].astype(np.int64) * size + positions % size
+        slots = np.array([self.inputs.slot_of[seq.request_id] for seq in seqs], dtype=np.int64)
+        index = {seq.request_id: i for i, seq in enumerate(seqs)}
+        seq_rows = np.array([index[seq.request_id] for seq in plan.seqs], dtype=np.int64)
+        num_rows = 1 + np.array([len(seq.spec.draft_token_ids) for seq in plan.seqs], dtype=np.int64)
+        num_rows = np.minimum(num_rows, lens[seq_rows])
+        cu_rows = np.zeros(len(plan.seqs) + 1, dtype=np.int32)
+        np.cumsum(num_rows, out=cu_rows[1:])
+        rows_start = cu[seq_rows + 1] - num_rows
+        request_of_row = np.repeat(np.arange(len(plan.seqs), dtype=np.int32), num_rows)
+        row_in_request = np.arange(cu_rows[-1]) - np.repeat(cu_rows[:-1], num_rows)
+        num_output = np.array([seq.num_output_tokens for seq in plan.seqs], dtype=np.int64)
+        drafts = (seq.spec.draft_token_ids[: n - 1] + [-1] for seq, n in zip(plan.seqs, num_rows.tolist()))
+        seq_lens = (starts + lens).astype(np.int32)
+        return HostStep(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            token_slots=slots[seq_of_token],
+            query_lens=lens.astype(np.int32),
+            seq_lens=seq_lens,
+            block_tables=tables,
+            logits_indices=np.repeat(rows_start, num_rows) + row_in_request,
+            row_slots=np.repeat(slots[seq_rows], num_rows),
+            row_positions=np.repeat(num_output, num_rows) + row_in_request,
+            draft_ids=np.fromiter(
+                itertools.chain.from_iterable(drafts), dtype=np.int32, count=int(cu_rows[-1])
+            ),
+            request_of_row=request_of_row,
+            cu_num_rows=cu_rows,
+            seq_slots=slots[seq_rows],
+            seq_rows=seq_rows,
+            seq_methods=np.array(plan.methods, dtype=np.int32),
+            num_wanted=np.array(plan.num_wanted, dtype=np.int32),
+            max_seq_len=min(int(seq_lens.max()) + self.max_num_drafts + 1, self.max_model_len),
         )
-
-    def _tail_fits(
-        self, logits: torch.Tensor, rows: SamplingBatch, requests: list[VerifyRequest], stops: StopInputs
-    ) -> bool:
-        """Whether the tail graph can verify this step and apply its post-step update."""
-        assert self.graphs is not None
-        return self.verifier.fusable(logits, rows, requests) and self.graphs.fits(stops)
-
-    def _replay_tail(
-        self,
-        inputs: StepInputs,
-        key: tuple[int, int],
-        rows: SamplingBatch,
-        requests: list[VerifyRequest],
-        stops: StopInputs,
-    ) -> list[TailOutput]:
-        """Verify, sample, apply the post-step update and (n-gram) draft the next step in the tail
-        graph; the drafts wait in the token history for the proposer."""
-        assert self.graphs is not None
-        seqs = inputs.sampled_seqs
-        row_of = self._history_rows([seq for seq in seqs if seq.spec.method == "ngram"])
-        tail = self._tail_inputs(seqs, rows, requests, stops, row_of)
-        outputs = self.graphs.replay_tail(inputs.host, key, tail)
-        history = self.token_history
-        for seq, out in zip(seqs, outputs):
-            row = row_of.get(seq.request_id)
-            if row is not None and history is not None:  # the device row now ends with the kept tokens
-                num_tokens = seq.num_tokens + len(out.token_ids)
-                history.synced[row] = num_tokens
-                history.precomputed[seq.request_id] = (num_tokens, out.drafts)
-        return outputs
-
-    def _history_rows(self, seqs: list[Sequence]) -> dict[str, int]:
-        """The device token-history row of each n-gram request, synced up to its last token."""
-        if self.token_history is None or not seqs:
-            return {}
-        rows = self.token_history.sync([(seq.request_id, seq.token_ids) for seq in seqs])
-        return {seq.request_id: row for seq, row in zip(seqs, rows)}
-
-    def _tail_inputs(
-        self,
-        seqs: list[Sequence],
-        rows: SamplingBatch,
-        requests: list[VerifyRequest],
-        stops: StopInputs,
-        row_of: dict[str, int],
-    ) -> TailInputs:
-        """Per logit row its sampling inputs; per sequence its stop inputs and history row (the
-        scratch row and no drafts for requests that do not use n-gram)."""
-        assert self.graphs is not None
-        scratch = self.graphs.scratch_row
-        tail = TailInputs(RowSampling.of(rows.params, requests), stops, [], [], [])
-        for seq in seqs:
-            row = row_of.get(seq.request_id)
-            tail.history_rows.append(scratch if row is None else row)
-            tail.history_lens.append(0 if row is None else seq.num_tokens)
-            tail.num_drafts.append(0 if row is None else seq.spec.max_k)
-        return tail
-
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        host = self.host_batch(batch.seqs, starts, batch.num_new_tokens)
-        sampled: list[Sequence] = []
-        row = 0
-        for seq, start, num_new in zip(batch.seqs, starts, batch.num_new_tokens):
-            end = start + num_new
-            host.input_ids += token_span(seq, start, end)
-            if end >= seq.num_tokens:  # the last real token is in: its row and every draft row are scored
-                host.logits_indices += range(row + seq.num_tokens - 1 - start, row + num_new)
-                sampled.append(seq)
-            row += num_new
-        return StepInputs(host, sampled)
 
     def caches(self, name: str) -> list[KVCache]:
         """The per-layer KV caches that share the block tables: target, draft or mtp."""
@@ -258,53 +309,6 @@ class ModelRunner:
         if name not in caches:
             raise ValueError(f"unknown KV cache {name!r}; known: {', '.join(caches)}")
         return caches[name]
-
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache slots of positions [start, end) of `seq`."""
-        size = self.block_size
-        return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
-
-    def host_batch(self, seqs: list[Sequence], starts: list[int], lens: list[int]) -> HostBatch:
-        """Positions, slots and block tables of `lens[i]` new tokens of `seqs[i]` from position
-        `starts[i]` (input ids and logit rows are left for the caller)."""
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq, start, n in zip(seqs, starts, lens):
-            positions += range(start, start + n)
-            slots += self.slots(seq, start, start + n)
-        return HostBatch(
-            input_ids=[],
-            positions=positions,
-            slots=slots,
-            query_lens=list(lens),
-            seq_lens=[start + n for start, n in zip(starts, lens)],
-            block_tables=[seq.block_table for seq in seqs],
-            logits_indices=[],
-        )
-
-    def metadata(
-        self, seqs: list[Sequence], starts: list[int], lens: list[int]
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Positions [sum(lens)] and attention metadata for `lens[i]` new tokens of `seqs[i]` from
-        position `starts[i]`, over the shared block tables (drafting models use this)."""
-        return self._device_metadata(self.host_batch(seqs, starts, lens))
-
-    def _device_metadata(self, host: HostBatch) -> tuple[torch.Tensor, AttentionMetadata]:
-        max_blocks = max(len(table) for table in host.block_tables)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(host.slots, torch.long),
-            query_start_loc=self._tensor([0, *itertools.accumulate(host.query_lens)], torch.int32),
-            seq_lens=self._tensor(host.seq_lens, torch.int32),
-            block_tables=self._tensor(
-                [table + [0] * (max_blocks - len(table)) for table in host.block_tables], torch.int32
-            ),
-            query_lens_cpu=host.query_lens,
-            seq_lens_cpu=host.seq_lens,
-        )
-        return self._tensor(host.positions, torch.long), meta
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     # ---- KV-cache sizing -------------------------------------------------------------------------
 
@@ -396,9 +400,7 @@ class ModelRunner:
 
 
 def verify_request(seq: Sequence) -> VerifyRequest:
-    return VerifyRequest(
-        seq.params, seq.seed, seq.num_output_tokens, list(seq.spec.draft_token_ids), seq.spec.draft_probs
-    )
+    return VerifyRequest(seq.params, seq.seed, seq.num_output_tokens, list(seq.spec.draft_token_ids))
 
 
 def token_span(seq: Sequence, start: int, end: int) -> list[int]:

@@ -21,7 +21,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     """Tokens each sequence computes this step (1 for a decode, a chunk for a prefill)."""
-    num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    """Running sequences sent back to the queue to make room (their KV is gone)."""
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -30,6 +31,19 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences that get a token this step: their last real token is among the new ones."""
+        return [
+            seq
+            for seq, num_new in zip(self.seqs, self.num_new_tokens)
+            if seq.num_computed_tokens + num_new >= seq.num_tokens
+        ]
 
 
 class Scheduler:
@@ -105,7 +119,7 @@ class Scheduler:
         while not self.block_manager.can_append(seq, num_new):
             victim = self.running[-1]
             self._preempt(victim)
-            batch.num_preempted += 1
+            batch.preempted.append(victim)
             if victim is seq:
                 return False
         return True
@@ -114,7 +128,6 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         drop_drafts(seq, 0)
-        seq.spec.draft_num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -140,8 +153,5 @@ class Scheduler:
 
 
 def drop_drafts(seq: Sequence, keep: int) -> None:
-    """Keeps the first `keep` drafts of `seq` (and their draft probabilities)."""
-    spec = seq.spec
-    spec.draft_token_ids = spec.draft_token_ids[:keep]
-    if spec.draft_probs is not None:
-        spec.draft_probs = spec.draft_probs[:keep] if keep else None
+    """Keeps the first `keep` drafts of `seq`."""
+    seq.spec.draft_token_ids = seq.spec.draft_token_ids[:keep]

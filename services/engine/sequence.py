@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from shared.sampling_params import SamplingParams
 
 
@@ -44,10 +42,6 @@ class SpecState:
     """Drafts to ask for next step (adaptive, at most max_k)."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Drafts proposed for the next step; not part of token_ids until verified."""
-    draft_probs: torch.Tensor | None = None
-    """[len(draft_token_ids), vocab_size] draft distribution (model-based drafts); None: one-hot."""
-    draft_num_computed: int = 0
-    """Tokens whose KV the draft model's cache holds (draft_model method)."""
     acceptance: float = 0.7
     """Running estimate of the chance that one draft is accepted."""
     num_steps: int = 0

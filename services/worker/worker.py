@@ -246,8 +246,7 @@ class Worker:
         assert self.thread is not None
         request_id = transfer.header.request_id
         first_token = int(transfer.extras["first_token_id"])
-        hidden = transfer.tensors.get("mtp_hidden")
-        await self.thread.call(lambda e: e.activate(request_id, first_token, hidden))
+        await self.thread.call(lambda e: e.activate(request_id, first_token))
         self.metrics.kv_received_bytes.inc(transfer.header.num_bytes)
 
     async def _on_kv_error(self, request_id: str, error: KVTransferError) -> None:

@@ -177,21 +177,23 @@ class SampleWindow:
 
 
 class StepCostModel:
-    """The step's time less its drafting against the tokens in the target forward:
-    T(n) = fixed + per_token * n."""
+    """The step's time less its host drafting against the tokens in the target forward and the
+    drafting model's chained forwards, which run inside the step:
+    T(n, L) = fixed + per_token * n + per_chain_step * L."""
 
     def __init__(self, window: int = COST_WINDOW):
-        self.samples = SampleWindow(num_terms=1, window=window)
+        self.samples = SampleWindow(num_terms=2, window=window)
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        self.samples.record(0, (num_tokens,), seconds)
+    def record(self, num_tokens: int, num_chain_steps: int, seconds: float) -> None:
+        self.samples.record(0, (num_tokens, num_chain_steps), seconds)
 
-    def fit(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token); per-token cost 0 until two distinct sizes are seen."""
+    def fit(self) -> tuple[float, float, float]:
+        """(fixed seconds, seconds per token, seconds per chain step); a slope stays 0 until its
+        count has varied."""
         coef = self.samples.fit()
         if coef is None:
-            return 1.0, 0.0
-        return max(float(coef[0]), 1e-9), float(coef[1])
+            return 1.0, 0.0, 0.0
+        return max(float(coef[0]), 1e-9), float(coef[1]), float(coef[2])
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ class AdaptiveSpeculation:
         self.step = 0
         self.last_drafted: dict[str, int] = {}
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
-        self._fits: tuple[int, tuple[float, float], dict[str, DraftCost]] | None = None
+        self._fits: tuple[int, tuple[float, float, float], dict[str, DraftCost]] | None = None
         """(step fitted at, step cost fit, drafting cost fit per method)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
@@ -303,9 +305,10 @@ class AdaptiveSpeculation:
         rate = num_accepted / trials
         seq.spec.acceptance += ACCEPTANCE_SMOOTHING * (rate - seq.spec.acceptance)
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """A step's time less its drafting, with `num_tokens` in the target forward."""
-        self.cost.record(num_tokens, seconds)
+    def record_step(self, num_tokens: int, num_chain_steps: int, seconds: float) -> None:
+        """A step's time less its host drafting, with `num_tokens` in the target forward and a
+        drafting model's chain of `num_chain_steps` forwards."""
+        self.cost.record(num_tokens, num_chain_steps, seconds)
 
     def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
         """One `propose()` of `method` for requests drafting ks (all > 0), after reading
@@ -337,7 +340,8 @@ class AdaptiveSpeculation:
 
     def _fitted(self) -> tuple[float, float, dict[str, DraftCost]]:
         """The step cost (fixed, per token) and each method's drafting cost, refitted every
-        REFIT_EVERY_STEPS steps or when a method has samples but no fit yet."""
+        REFIT_EVERY_STEPS steps or when a method has samples but no fit yet. A drafting model's
+        chain runs inside the step: its cost per forward is the step fit's chain slope."""
         fits = self._fits
         if (
             fits is None
@@ -350,7 +354,9 @@ class AdaptiveSpeculation:
                 step_cost,
                 {m: c.fit(self.step) for m, c in self.draft_cost.items()},
             )
-        return fits[1][0], fits[1][1], fits[2]
+        fixed_s, per_token_s, per_chain_step_s = fits[1]
+        chained = {m: DraftCost(per_forward_s=per_chain_step_s) for m in self.max_forwards}
+        return fixed_s, per_token_s, {**chained, **fits[2]}
 
     def _choices(self, seqs: list[Sequence], num_other_tokens: int) -> DraftChoices:
         """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""

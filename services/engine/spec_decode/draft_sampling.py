@@ -1,54 +1,47 @@
-"""Choosing draft tokens from a drafting model's logits.
+"""Choosing draft tokens from a drafting model's logits, coupled with the target's sampling.
 
-Greedy requests take the argmax (a one-hot draft distribution). Sampled requests draw from the
-draft model's distribution under the request's temperature / top-k / top-p / min-p and keep it, so
-that rejection sampling can accept with min(1, target / draft) and stay lossless.
+Greedy requests take the argmax. A sampled request's draft at output position i is drawn from
+the drafting model's distribution q with the same Exp(1) noise e_i that the target's verification
+uses at that position (kernels/sampling_noise_ref.py, STREAM_TARGET): draft = argmax(q / e_i),
+while the target's token is argmax(p / e_i) (the exponential race, i.e. Gumbel-max). The verifier
+accepts a draft exactly when the two agree, so every emitted token is the target's own sample:
+the output is distributed as the target's (lossless) and a seed fixes it whatever the method, k
+or batch. Sharing the noise makes the two samples agree often: with probability at least
+(1 - TV) / (1 + TV), TV the total variation between p and q (the Gumbel-max coupling; Leviathan
+et al.'s rejection test with q kept reaches 1 - TV but ties the output to the drafts).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sampling_noise_ref import STREAM_DRAFT, exponential_noise_ref
-from services.engine.sampler import apply_temperature, truncated_probs
-from services.engine.sequence import Sequence
+import kernels
+from kernels.verify_ref import GREEDY
+from services.engine.input_batch import InputBatch
 
 
-def choose_drafts(
-    logits: torch.Tensor,  # [num_seqs, vocab_size] float32, one row per sequence
-    seqs: list[Sequence],
-    draft_index: list[int],
-) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft token per sequence (its `draft_index[i]`-th draft), and its draft distribution
-    ([vocab_size]) where sampled. Sampling noise is keyed by the request's seed and the draft's
-    output position, like the target's."""
-    params = [seq.params for seq in seqs]
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    if all(p.greedy for p in params):
-        return greedy_ids, [None] * len(seqs)
-    probs = truncated_probs(apply_temperature(logits, params), params)
-    seeds = torch.tensor([seq.seed for seq in seqs], dtype=torch.long, device=logits.device)
-    positions = torch.tensor(
-        [seq.num_output_tokens + j for seq, j in zip(seqs, draft_index)], device=logits.device
+def sample_drafts(
+    logits: torch.Tensor,  # [num_seqs, vocab_size] float32
+    inputs: InputBatch,
+    slots: torch.Tensor,  # [num_seqs] int64
+    positions: torch.Tensor,  # [num_seqs] int64 output position each draft will be verified at
+) -> torch.Tensor:  # [num_seqs] int64
+    """One draft per request through the fused sampler (a bonus row per request, no drafts)."""
+    num_seqs = logits.shape[0]
+    device = logits.device
+    rows = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+    token_ids, *_ = kernels.verify_sample(
+        logits.contiguous(),
+        inputs.temperature[slots],
+        inputs.top_k[slots],
+        inputs.top_p[slots],
+        inputs.min_p[slots],
+        inputs.seeds[slots],
+        positions,
+        torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
+        rows,
+        GREEDY,
+        max_rows=1,
+        request_of_row=rows[:-1],
     )
-    noise = exponential_noise_ref(seeds, positions, logits.shape[-1], STREAM_DRAFT)
-    sampled_ids = (probs / noise).argmax(dim=-1).tolist()
-    ids = [g if p.greedy else s for g, s, p in zip(greedy_ids, sampled_ids, params)]
-    return ids, [None if p.greedy else probs[i] for i, p in enumerate(params)]
-
-
-def stack_draft_probs(
-    rows: list[torch.Tensor | None], token_ids: list[int], vocab_size: int
-) -> torch.Tensor | None:
-    """[k, vocab_size] draft distribution of a request's drafts; one-hot rows where none was kept.
-    None when every row is one-hot (the verifier's cheaper default)."""
-    if all(r is None for r in rows):
-        return None
-    device = next(r for r in rows if r is not None).device
-    out = torch.zeros(len(rows), vocab_size, device=device)
-    for j, (row, token) in enumerate(zip(rows, token_ids)):
-        if row is None:
-            out[j, token] = 1.0
-        else:
-            out[j] = row
-    return out
+    return token_ids[:, 0].long()

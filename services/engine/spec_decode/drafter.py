@@ -1,9 +1,10 @@
-"""Routes each request to its draft method and keeps every proposer in step with the requests.
+"""Routes each request to its draft method and plans how many drafts each request gets.
 
 Requests in one batch may use different methods (a request can override the server's method and
-k); each method proposes for its own requests, and the adaptive controller decides each request's
-k first. Requests at k = 0 skip their proposer, and each method's drafting is timed apart: the
-controller weighs drafting's own cost against what the drafts save.
+k). Every step, before the forward, `plan` chooses each request's k for its *next* step (the
+adaptive controller, from acceptance and measured costs), trims the batch to the largest CUDA
+graph and reserves the KV blocks a drafting model's chain writes; the device proposers then draft
+in the step's tail, and the host proposers (suffix decoding) after the step's read-back.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.engine.block_manager import BlockManager
+from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import AdaptiveSpeculation
 from services.engine.spec_decode.draft_model import DraftModelProposer
-from services.engine.spec_decode.mtp import MTPProposer, VerifiedSpan
+from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
-from services.engine.spec_decode.proposer import Drafts, ModelDrafterContext
+from services.engine.spec_decode.proposer import DraftBatch, Proposer
 from services.engine.spec_decode.suffix import (
     BackgroundGlobalIndex,
     GlobalIndex,
     SuffixConfig,
     SuffixProposer,
 )
+from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
@@ -46,27 +47,27 @@ class Drafter:
         suffix_index: GlobalIndex | None = None,
     ):
         self.config = config
-        self.ngram = NgramProposer(
-            config.prompt_lookup_min,
-            config.prompt_lookup_max,
-            device=getattr(runner, "device", None),
-            history=getattr(runner, "token_history", None),
-        )
-        suffix_config = SuffixConfig.from_speculative_config(config)
-        if suffix_index is None and _indexes_in_background(config, runner):
-            suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
-        self.suffix = SuffixProposer(suffix_config, global_index=suffix_index)
-        ctx = ModelDrafterContext(runner, block_manager)
-        self.mtp = MTPProposer(ctx, config.mtp_steps) if runner.mtp_head is not None else None
-        self.draft_model = DraftModelProposer(ctx) if runner.draft_model is not None else None
-        # a draft model runs one forward per draft, the MTP head up to its steps (with_ngram fills
-        # the rest of k without forwards)
-        max_forwards = {"draft_model": config.k, "mtp": config.mtp_steps}
-        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, max_forwards)
-        self.device: torch.device | None = getattr(runner, "device", None)
-        self.runner = runner
-        self.drafting_s = 0.0
-        """Seconds the last `propose` spent in the proposers (the controller's own choice excluded)."""
+        self.block_manager = block_manager
+        self.proposers = make_proposers(config, runner, suffix_index)
+        self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
+        """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
+        self.chain_steps = {"mtp": config.mtp_steps, "draft_model": config.k}
+        """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
+        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
+        self.max_graph_tokens: int | None = None
+        """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
+        self.host_drafting_s = 0.0
+        self.inputs = runner.inputs
+
+    @property
+    def suffix(self) -> SuffixProposer:
+        proposer = self.proposers["suffix"]
+        assert isinstance(proposer, SuffixProposer)
+        return proposer
+
+    @property
+    def device_proposers(self) -> list[Proposer]:
+        return [self.proposers[m] for m in self.device_methods]
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
@@ -74,8 +75,8 @@ class Drafter:
         """Resolves the request's method and k from the server config and its override."""
         method, max_k = self.resolve(seq.params)
         seq.spec.method, seq.spec.max_k, seq.spec.k = method, max_k, max_k
-        if method == "suffix":
-            self.suffix.start_request(seq.request_id, seq.prompt_token_ids)
+        if method != "naive":
+            self.proposers[method].start(seq)
 
     def resolve(self, params: SamplingParams) -> tuple[str, int]:
         override = params.speculative
@@ -107,105 +108,110 @@ class Drafter:
         return method, k
 
     def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
-        """Books a verify step: statistics, acceptance estimate, suffix tree."""
+        """Books a verify step: statistics, acceptance estimate, the proposer's own state."""
         seq.spec.record(num_drafts, num_accepted)
         self.adaptive.observe(seq, num_drafts, num_accepted)
-        if seq.spec.method == "suffix" and token_ids:
-            self.suffix.add_tokens(seq.request_id, token_ids)
+        if seq.spec.method != "naive" and token_ids:
+            self.proposers[seq.spec.method].append(seq, token_ids)
 
     def finish(self, seq: Sequence) -> None:
-        if seq.spec.method == "ngram":
-            self.ngram.forget(seq.request_id)
-        if seq.spec.method == "suffix":
-            self.suffix.stop_request(seq.request_id)
-        if self.mtp is not None:
-            self.mtp.forget(seq.request_id)
+        if seq.spec.method != "naive":
+            self.proposers[seq.spec.method].forget(seq.request_id)
         self.adaptive.forget(seq.request_id)
 
     # ---- each step --------------------------------------------------------------------------------
 
-    def catch_up(self, spans: list[VerifiedSpan], target_hidden: torch.Tensor) -> None:
-        """Model-based drafters that read the target's hidden states consume this step's."""
-        if self.mtp is not None:
-            self.mtp.catch_up([s for s in spans if s.seq.spec.method == "mtp"], target_hidden)
-
-    def propose(self, seqs: list[Sequence], num_other_tokens: int) -> None:
-        """Sets `seq.spec.draft_token_ids` (and draft probs) for the next step of each sequence."""
-        self.drafting_s = 0.0
-        seqs = [seq for seq in seqs if seq.spec.method != "naive"]
-        if not seqs:
-            return
-        ks = self.adaptive.choose(seqs, num_other_tokens)
-        # a step emits at most k + 1 tokens: never draft past the request's max_tokens
-        ks = [min(k, seq.params.max_tokens - seq.num_output_tokens - 1) for seq, k in zip(seqs, ks)]
-        graphs = getattr(self.runner, "graphs", None)
-        if graphs is not None:  # past the largest CUDA graph a step runs eagerly, several times slower
+    def plan(self, batch: ScheduledBatch, num_running: int) -> StepPlan:
+        """Each sampled request's k for its next step, trimmed to the largest CUDA graph, with the
+        KV blocks its drafting model's chain writes reserved (k = 0 where they cannot be)."""
+        seqs = batch.sampled_seqs
+        drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
+        ks = [0] * len(seqs)
+        chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running)
+        for i, k in zip(drafting, chosen):
+            seq = seqs[i]
+            # the step emits at least one token, the next one at least one more
+            ks[i] = max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 2))
+        if self.max_graph_tokens is not None:  # past the largest CUDA graph a step runs eagerly
             ks = fit_draft_budget(
-                ks, [seq.spec.acceptance for seq in seqs], graphs.max_tokens - num_other_tokens
+                ks, [seq.spec.acceptance for seq in seqs], self.max_graph_tokens - num_running
             )
-        for seq in seqs:
-            seq.spec.k, seq.spec.draft_token_ids, seq.spec.draft_probs = 0, [], None
-        drafting = [(seq, k) for seq, k in zip(seqs, ks) if k > 0]
-        for method in dict.fromkeys(seq.spec.method for seq, _ in drafting):
-            group = [(seq, k) for seq, k in drafting if seq.spec.method == method]
-            context_tokens = self._context_tokens(method, [seq for seq, _ in group])
-            started = self._now(method)
-            drafts = self._propose(method, [s for s, _ in group], [k for _, k in group])
-            seconds = time.perf_counter() - started
-            self.drafting_s += seconds
-            self.adaptive.record_drafting(method, [k for _, k in group], context_tokens, seconds)
-            for (seq, _), draft in zip(group, drafts):
-                seq.spec.k = len(draft.token_ids)
-                seq.spec.draft_token_ids = draft.token_ids
-                seq.spec.draft_probs = draft.probs
+        num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
+        ks = [self._reserve_chain(seq, k, num_new[seq.request_id]) for seq, k in zip(seqs, ks)]
+        chains = [k for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps]
+        return StepPlan(seqs, ks, max(chains, default=0), [self.method_index(seq) for seq in seqs])
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """Books an engine step's time: its drafting went to each method's drafting cost in
-        `propose`; the rest (target forward, verification, host work) is the step cost."""
-        self.adaptive.record_step(num_tokens, seconds - self.drafting_s)
+    def method_index(self, seq: Sequence) -> int:
+        """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
+        method = seq.spec.method
+        return self.device_methods.index(method) if method in self.device_methods else -1
 
-    @staticmethod
-    def _context_tokens(method: str, seqs: list[Sequence]) -> int:
-        """Tokens the proposer reads before drafting: a draft model first catches up on every token
-        since its last draft (the whole prompt at the first); the others read nothing new."""
-        if method != "draft_model":
-            return 0
-        return sum(seq.num_tokens - seq.spec.draft_num_computed for seq in seqs)
-
-    def _now(self, method: str) -> float:
-        """The time, once the device is idle: a drafting model's timing must not include kernels
-        still in flight from the target step or the MTP catch-up."""
-        if method in MODEL_BASED_METHODS and self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _propose(self, method: str, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
-        if method == "ngram":
-            batch = [(seq.request_id, seq.token_ids, k) for seq, k in zip(seqs, ks)]
-            return [Drafts(ids) for ids in self.ngram.propose_batch(batch)]
-        if method == "suffix":
-            batch = [(seq.request_id, seq.token_ids, k) for seq, k in zip(seqs, ks)]
-            return [Drafts(ids) for ids in self.suffix.propose_batch(batch)]
-        if method == "draft_model":
-            assert self.draft_model is not None
-            return self.draft_model.propose(seqs, ks)
-        assert self.mtp is not None
-        drafts = self.mtp.propose(seqs, ks)
-        if self.config.mtp_strategy == "with_ngram":
-            self._append_ngram(seqs, ks, drafts)
-        return drafts
-
-    def _append_ngram(self, seqs: list[Sequence], ks: list[int], drafts: list[Drafts]) -> None:
-        """Fills the slots the MTP chain leaves free with n-gram drafts continuing after the MTP ones."""
-        for seq, k, draft in zip(seqs, ks, drafts):
-            extra = self.ngram.propose(seq.token_ids + draft.token_ids, k - len(draft.token_ids))
-            if not extra:
+    def propose_on_host(self, plan: StepPlan) -> None:
+        """Drafts of the host proposers' requests that are still running (after the step's tokens)."""
+        started = time.perf_counter()
+        self.host_drafting_s = 0.0
+        for method, proposer in self.proposers.items():
+            group = [
+                (seq, k)
+                for seq, k in zip(plan.seqs, plan.num_wanted)
+                if seq.spec.method == method and not proposer.on_device and seq.finish_reason is None
+            ]
+            if not group:
                 continue
-            if draft.probs is not None:
-                one_hot = torch.zeros(len(extra), draft.probs.shape[1], device=draft.probs.device)
-                one_hot[torch.arange(len(extra)), torch.tensor(extra)] = 1.0
-                draft.probs = torch.cat([draft.probs, one_hot])
-            draft.token_ids = draft.token_ids + extra
+            seqs, ks = [seq for seq, _ in group], [k for _, k in group]
+            batch = DraftBatch.on_host(self.inputs, seqs, ks)
+            drafted = time.perf_counter()
+            drafts = proposer.propose(batch)
+            self.adaptive.record_drafting(method, ks, 0, time.perf_counter() - drafted)
+            counts = drafts.num_drafts.tolist()
+            for seq, row, n in zip(seqs, drafts.token_ids.tolist(), counts):
+                seq.spec.draft_token_ids = row[:n]
+                seq.spec.k = n
+        self.host_drafting_s = time.perf_counter() - started
+
+    def record_step(self, num_tokens: int, num_chain_steps: int, seconds: float) -> None:
+        """Books an engine step's time less its host drafting: the target forward's tokens and the
+        drafting models' chain, which runs inside the step."""
+        self.adaptive.record_step(num_tokens, num_chain_steps, seconds - self.host_drafting_s)
+
+    def _reserve_chain(self, seq: Sequence, k: int, num_new: int) -> int:
+        """k, or 0 when the blocks the request's drafting-model chain writes cannot be had."""
+        steps = self.chain_steps.get(seq.spec.method)
+        if k == 0 or steps is None:
+            return k
+        lookahead = min(k, steps) - 1 if seq.spec.method == "mtp" else k
+        if lookahead <= 0:
+            return k
+        if not self.block_manager.can_append(seq, num_new + lookahead):
+            return 0
+        self.block_manager.append_slots(seq, num_new + lookahead)
+        return k
+
+
+def make_proposers(
+    config: SpeculativeConfig, runner: ModelRunner, suffix_index: GlobalIndex | None
+) -> dict[str, Proposer]:
+    """Every method a request on this server may use: n-gram and suffix always, the server's
+    drafting model when it loads one."""
+    proposers: dict[str, Proposer] = {
+        "ngram": NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.k),
+    }
+    suffix_config = SuffixConfig.from_speculative_config(config)
+    if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
+        # where a decode step takes a millisecond or less, the in-process global tree is indexed
+        # off the step by a thread
+        suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
+    proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
+    block_size = runner.block_size
+    if runner.mtp_head is not None:
+        with_ngram = config.mtp_strategy == "with_ngram"
+        ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
+        proposers["mtp"] = MTPProposer(
+            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram
+        )
+    if runner.draft_model is not None:
+        proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)
+    return proposers
 
 
 def fit_draft_budget(ks: list[int], acceptance: list[float], budget: int) -> list[int]:
@@ -221,10 +227,3 @@ def fit_draft_budget(ks: list[int], acceptance: list[float], budget: int) -> lis
     for _, _, i in worth[: max(budget, 0)]:
         kept[i] += 1
     return kept
-
-
-def _indexes_in_background(config: SpeculativeConfig, runner: ModelRunner) -> bool:
-    """On a GPU, where a decode step takes a millisecond or less, the in-process global suffix tree
-    is indexed off the step by a thread."""
-    device = getattr(runner, "device", None)
-    return config.method == "suffix" and device is not None and device.type == "cuda"

@@ -1,101 +1,100 @@
 """`mtp` drafting with a DeepSeek-V3-style multi-token-prediction head (see shared/model/mtp.py).
 
-After every target step the head *catches up*: for each position i the target just verified, it
-consumes the target's hidden state h_i with the token t_{i+1} that now follows it, writing its own
-KV cache (one layer, sharing the target's block tables). It therefore consumes exactly the tokens
-the target accepted: a partial acceptance is a shorter query, never a bigger batch. The head's
-output at the last verified position predicts the token after the newest one: draft 1. Drafts 2..m
-chain the head on its own output hidden state and the previous draft (`num_model_steps` = m).
+Every step, after verification, the head *catches up* on the step's tokens: its row i pairs the
+target's hidden state h_i with the token t_{i+1} that now follows position i (read from the
+request's token row, which the post-step update just extended), writing the head's own KV cache
+(one layer, sharing the target's block tables). It runs over every row of the step, whatever
+verification kept: rows past the kept tokens write KV past the request's length, which the next
+step overwrites, and no kept row attends to them. Catching up every step, whether or not the
+request drafts next, keeps the head's cache whole while adaptive speculation pauses drafting.
+
+The head's output at the row of the last verified position predicts the token after the newest
+one: draft 1. Drafts 2..m chain the head on its own output and the previous draft, one position
+further each (`num_model_steps` = m). With `mtp_strategy: with_ngram`, n-gram drafts matched after
+the MTP drafts fill the rest of the request's k.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from services.engine.sequence import Sequence
-from services.engine.spec_decode.draft_sampling import choose_drafts, stack_draft_probs
-from services.engine.spec_decode.proposer import Drafts, ModelDrafterContext
+import kernels
+from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
+from shared.model.llama import KVCache
+from shared.model.mtp import MTPHead
 
 
-@dataclass
-class VerifiedSpan:
-    """Positions [start, start + length) of `seq` that the target verified this step, and where
-    their hidden states sit in the step's flat batch."""
-
-    seq: Sequence
-    start: int
-    length: int
-    hidden_row: int
-
-
-class MTPProposer:
-    def __init__(self, ctx: ModelDrafterContext, num_steps: int):
-        assert ctx.runner.mtp_head is not None
-        self.ctx = ctx
-        self.head = ctx.runner.mtp_head
-        self.kv_cache = ctx.runner.mtp_kv_caches[0]
+class MTPProposer(Proposer):
+    def __init__(
+        self, head: MTPHead, kv_cache: KVCache, num_steps: int, block_size: int, ngram: tuple[int, int] | None
+    ):
+        """`ngram`: (prompt_lookup_min, prompt_lookup_max) for with_ngram, else None."""
+        self.head = head
+        self.kv_cache = kv_cache
         self.num_steps = num_steps
-        self.last_hidden: dict[str, torch.Tensor] = {}
-        """Per request: the head's output at its last verified position ([hidden_size])."""
+        self.block_size = block_size
+        self.ngram = ngram
 
-    @torch.inference_mode()
-    def catch_up(self, spans: list[VerifiedSpan], target_hidden: torch.Tensor) -> None:
-        """Feeds the head (h_i, t_{i+1}) for every verified position of the step."""
-        spans = [s for s in spans if s.length > 0]
-        if not spans:
-            return
-        seqs = [s.seq for s in spans]
-        rows = torch.cat([torch.arange(s.hidden_row, s.hidden_row + s.length) for s in spans])
-        next_ids = [t for s in spans for t in s.seq.token_ids[s.start + 1 : s.start + s.length + 1]]
-        positions, meta = self.ctx.runner.metadata(seqs, [s.start for s in spans], [s.length for s in spans])
-        previous = target_hidden[rows.to(target_hidden.device)]
-        input_ids = torch.tensor(next_ids, dtype=torch.long, device=positions.device)
-        out = self.head(input_ids, positions, previous, self.kv_cache, meta)
-        last_rows = (meta.query_start_loc[1:].long() - 1).tolist()
-        for seq, row in zip(seqs, last_rows):
-            self.last_hidden[seq.request_id] = out[row]
+    def propose(self, batch: DraftBatch) -> Drafts:
+        head_hidden = self._catch_up(batch)
+        if batch.num_steps == 0:
+            return Drafts.none(len(batch.seq_slots), batch.seq_slots.device)
+        inputs, slots = batch.inputs, batch.seq_slots
+        newest = (inputs.num_tokens[slots].long() - 1).clamp(min=0)  # each request's newest token
+        hidden = head_hidden[self._last_verified_rows(batch, newest - 1)]
+        draft_ids = []
+        for step in range(min(batch.num_steps, self.num_steps)):
+            draft = batch.sample(self.head.logits(hidden), step)
+            draft_ids.append(draft)
+            if step + 1 < min(batch.num_steps, self.num_steps):
+                positions, meta = batch.chain_inputs(newest + step, step + 1, self.block_size)
+                hidden = self.head(draft, positions, hidden, self.kv_cache, meta)
+        token_ids = torch.stack(draft_ids, dim=1).int()
+        num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, len(draft_ids)))
+        if self.ngram is not None and batch.num_steps > len(draft_ids):
+            return self._append_ngram(batch, token_ids, num_drafts)
+        return Drafts(token_ids, num_drafts)
 
-    def forget(self, request_id: str) -> None:
-        self.last_hidden.pop(request_id, None)
+    def _catch_up(self, batch: DraftBatch) -> torch.Tensor:
+        """The head over (h_i, t_{i+1}) at every row of the step; [num_tokens, hidden_size]."""
+        forward = batch.forward
+        assert forward is not None
+        rows = batch.inputs.token_rows
+        following = (forward.positions + 1).clamp(max=rows.shape[1] - 1)
+        # padding rows read the scratch row, which holds whatever padding appended
+        next_ids = rows[forward.token_slots, following].long().clamp(0, self.head.config.vocab_size - 1)
+        return self.head(next_ids, forward.positions, forward.hidden, self.kv_cache, forward.meta)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
-        ks = [min(k, self.num_steps) for k in ks]
-        ks = self.ctx.reserve_lookahead(seqs, ks, lookahead=[max(k - 1, 0) for k in ks])
-        drafts = [Drafts() for _ in seqs]
-        active = [i for i, k in enumerate(ks) if k > 0 and seqs[i].request_id in self.last_hidden]
-        if not active:
-            return drafts
-        hidden = torch.stack([self.last_hidden[seqs[i].request_id] for i in active])
-        rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
-        step = 0
-        while active:
-            ids, probs = choose_drafts(
-                self.head.logits(hidden),
-                [seqs[i] for i in active],
-                [len(drafts[i].token_ids) for i in active],
-            )
-            for i, token, prob in zip(active, ids, probs):
-                drafts[i].token_ids.append(token)
-                rows[i].append(prob)
-            step += 1
-            keep = [n for n, i in enumerate(active) if len(drafts[i].token_ids) < ks[i]]
-            if not keep:
-                break
-            active = [active[n] for n in keep]
-            hidden = self._chain([seqs[i] for i in active], [ids[n] for n in keep], hidden[keep], step)
-        vocab_size = self.head.config.vocab_size
-        for draft, row in zip(drafts, rows):
-            draft.probs = stack_draft_probs(row, draft.token_ids, vocab_size)
-        return drafts
+    @staticmethod
+    def _last_verified_rows(batch: DraftBatch, positions: torch.Tensor) -> torch.Tensor:
+        """[num_seqs] the row of the step that holds each request's `positions` (clamped to the
+        request's rows: a finished request drafts nothing either way)."""
+        forward = batch.forward
+        assert forward is not None
+        last_row = forward.positions.shape[0] - 1  # a CUDA graph's trailing requests have no rows
+        starts = forward.meta.query_start_loc.long()
+        first, end = starts[batch.seq_rows].clamp(max=last_row), starts[batch.seq_rows + 1]
+        offset = positions - forward.positions[first]
+        return first + torch.minimum(offset.clamp(min=0), (end - first - 1).clamp(min=0))
 
-    def _chain(
-        self, seqs: list[Sequence], token_ids: list[int], previous: torch.Tensor, step: int
-    ) -> torch.Tensor:
-        """One more head step: (its own last output, the last draft) at the next position."""
-        starts = [seq.num_computed_tokens + step - 1 for seq in seqs]
-        positions, meta = self.ctx.runner.metadata(seqs, starts, [1] * len(seqs))
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=positions.device)
-        return self.head(input_ids, positions, previous, self.kv_cache, meta)
+    def _append_ngram(self, batch: DraftBatch, token_ids: torch.Tensor, num_drafts: torch.Tensor) -> Drafts:
+        """MTP drafts, then n-gram drafts matched as if the MTP drafts had been accepted: they are
+        written past each row's end (scratch room the next post-step update overwrites)."""
+        assert self.ngram is not None
+        inputs, slots = batch.inputs, batch.seq_slots
+        lengths = inputs.num_tokens[slots]
+        columns = (lengths.long()[:, None] + torch.arange(token_ids.shape[1], device=slots.device)).clamp(
+            max=inputs.row_capacity - 1
+        )
+        inputs.token_rows[slots[:, None], columns] = token_ids
+        extra_ids, num_extra = kernels.ngram_match(
+            inputs.token_rows,
+            lengths + num_drafts,
+            self.ngram[0],
+            self.ngram[1],
+            batch.num_wanted - num_drafts,
+            row_ids=slots,
+            max_k=batch.num_steps - token_ids.shape[1],
+        )
+        num_extra = torch.where(num_drafts == token_ids.shape[1], num_extra, 0)  # only after a full chain
+        return Drafts(torch.cat([token_ids, extra_ids], dim=1), num_drafts + num_extra)

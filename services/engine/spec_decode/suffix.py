@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
 from services.engine.spec_decode.suffix_tree import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_TREE_DEPTH,
@@ -139,12 +141,14 @@ class _RequestState:
     """The request's own tree and its sequence there; None until the request first drafts."""
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Drafts for running requests from their own tokens and from finished requests' outputs.
 
     `global_index` defaults to an in-process `GlobalSuffixIndex` sized and limited by `config`; a
     given one (e.g. the suffix-cache client) brings its own size and limits.
     """
+
+    on_device = False
 
     def __init__(self, config: SuffixConfig | None = None, global_index: GlobalIndex | None = None) -> None:
         self.config = cfg = config or SuffixConfig()
@@ -156,6 +160,19 @@ class SuffixProposer:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
+
+    def start(self, seq: Sequence) -> None:
+        self.start_request(seq.request_id, seq.prompt_token_ids)
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        self.add_tokens(seq.request_id, token_ids)
+
+    def forget(self, request_id: str) -> None:
+        self.stop_request(request_id)
+
+    def propose(self, batch: DraftBatch) -> Drafts:
+        requests = [(seq.request_id, seq.token_ids, k) for seq, k in zip(batch.seqs, batch.num_wanted_cpu)]
+        return Drafts.from_lists(self.propose_batch(requests))
 
     def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Appends accepted output tokens to the request's tree, or only to its tokens before its first draft."""
@@ -172,7 +189,7 @@ class SuffixProposer:
         if token_ids and self.config.max_cached_requests:
             self.global_index.add_sequence(request_id, token_ids)
 
-    def propose(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> list[int]:
+    def propose_one(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> list[int]:
         """Up to `max_spec_tokens` draft ids after `token_ids` (the request's prompt and output)."""
         return self.propose_draft(request_id, token_ids, max_spec_tokens).token_ids
 

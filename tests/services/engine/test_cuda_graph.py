@@ -1,110 +1,25 @@
-"""Decode steps replayed from CUDA graphs: padding that changes nothing, the tail's post-step update
-stopping where the eager path does, one output buffer for every graph, and the same tokens as eager."""
+"""Decode steps replayed from CUDA graphs: padding that changes nothing, the same tokens as eager
+steps for every drafting method, one output buffer for every graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
-import kernels.ngram
-import kernels.verify
-from kernels import AttentionMetadata, TokenHistory
-from kernels.ngram_ref import ngram_match_ref
-from kernels.verify_ref import ACCEPT_ALL, GREEDY, verify_sample_ref
-from services.engine.cuda_graph import (
-    BUCKETS,
-    DecodeGraphs,
-    HostBatch,
-    PaddedInputs,
-    StopInputs,
-    TailInputs,
-    TailOutput,
-    TailSpec,
-    eager_post_step,
-    pad_decode_batch,
-)
+from services.engine.cuda_graph import BUCKETS, DecodeGraphs
 from services.engine.llm import LLM
-from services.engine.model_runner import row_batch, verify_request
-from services.engine.rejection_sampler import RejectionSampler, RowSampling
-from services.engine.sequence import FinishReason, Sequence
-from services.engine.spec_decode.ngram import NgramProposer
+from services.engine.verify_update import StepPlan
 from shared.model import load_model
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
+from tests.services.engine.spec_decode.helpers import repetitive_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BLOCK = 4
-
-
-def decode_batch(query_lens: list[int], contexts: list[int], vocab: int) -> HostBatch:
-    """Sequences with `contexts[i]` tokens already cached verifying `query_lens[i]` new ones, each in
-    its own run of blocks."""
-    generator = torch.Generator().manual_seed(0)
-    batch = HostBatch([], [], [], [], [], [], [])
-    next_block = 1  # block 0 is what padding reads
-    for query_len, context in zip(query_lens, contexts):
-        seq_len = context + query_len
-        table = list(range(next_block, next_block + -(-seq_len // BLOCK)))
-        next_block += len(table)
-        row = batch.num_tokens
-        batch.input_ids += torch.randint(0, vocab, (query_len,), generator=generator).tolist()
-        batch.positions += range(context, seq_len)
-        batch.slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context, seq_len)]
-        batch.query_lens.append(query_len)
-        batch.seq_lens.append(seq_len)
-        batch.block_tables.append(table)
-        batch.logits_indices += range(row, row + query_len)
-    return batch
-
-
-def run_eager(model, caches, inputs: PaddedInputs):
-    """The model's logits for a (padded) decode batch, run eagerly over the reference attention."""
-    meta = AttentionMetadata(
-        slot_mapping=inputs.slot_mapping,
-        query_start_loc=inputs.query_start_loc,
-        seq_lens=inputs.seq_lens,
-        block_tables=inputs.block_tables,
-        query_lens_cpu=inputs.query_lens,
-        seq_lens_cpu=inputs.seq_lens.tolist(),
-    )
-    return model.compute_logits(model(inputs.input_ids, inputs.positions, caches, meta))
-
-
-@torch.inference_mode()
-def test_padding_to_a_bucket_leaves_real_rows_and_cache_unchanged(make_checkpoint) -> None:
-    """What a graph replays for a padded batch: the same logits for the real tokens, and padding
-    writes nothing into the cache."""
-    model = load_model(
-        str(make_checkpoint("llama", num_hidden_layers=2)), torch.float32, torch.device("cpu"), 128
-    )
-    config = model.config
-    shape = (64, BLOCK, config.num_key_value_heads, config.head_dim)
-    generator = torch.Generator().manual_seed(1)
-    caches = [
-        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)) for _ in range(2)
-    ]
-    batch = decode_batch([1, 4, 2], [9, 17, 3], config.vocab_size)
-    plain = pad_decode_batch(batch, batch.num_tokens)
-    fresh = [(k.clone(), v.clone()) for k, v in caches]
-    expected = run_eager(model, fresh, plain)
-    bucket = 12
-    padded = pad_decode_batch(batch, bucket)
-    assert padded.query_lens == [1, 4, 2] + [1] * 5 + [0] * 4
-    assert padded.slot_mapping[batch.num_tokens :].eq(-1).all()
-    padded_caches = [(k.clone(), v.clone()) for k, v in caches]
-    got = run_eager(model, padded_caches, padded)
-    torch.testing.assert_close(got[: batch.num_tokens], expected, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(got).all()
-    written = torch.zeros(64 * BLOCK, dtype=torch.bool)
-    written[batch.slots] = True
-    for (k, v), (k0, v0), (k1, v1) in zip(caches, fresh, padded_caches):
-        for before, unpadded, after in ((k, k0, k1), (v, v0, v1)):
-            before, unpadded, after = (t.flatten(0, 1) for t in (before, unpadded, after))
-            assert torch.equal(after[~written], before[~written])  # padding wrote nowhere
-            torch.testing.assert_close(after[written], unpadded[written], rtol=1e-5, atol=1e-5)
 
 
 def test_bucket_lookup_takes_the_smallest_fit() -> None:
@@ -124,23 +39,133 @@ def test_graphs_are_off_on_cpu(make_checkpoint) -> None:
     assert llm.engine.runner.graphs is None
 
 
-def test_fixed_token_history_rows_are_a_cache() -> None:
-    """The graph step's history never moves: a request needing a row when none is free takes the row
-    of one not in the current call, and that one's row is rewritten when it comes back."""
-    history = TokenHistory(torch.device("cpu"), num_rows=3, capacity=16, fixed=True)  # 2 rows + scratch
-    a, b, c = [1, 2, 3], [4, 5], [6, 7, 8, 9]
-    rows = history.sync([("a", a), ("b", b)])
-    assert sorted(rows) == [0, 1]
-    history.precomputed["a"] = (3, [9])
-    [row_c] = history.sync([("c", c)])  # a or b gives its row up; the scratch row stays free
-    assert row_c in (0, 1) and len(history.row_of) == 2
-    evicted = "a" if "a" not in history.row_of else "b"
-    assert evicted not in history.precomputed
-    [row] = history.sync([(evicted, a if evicted == "a" else b)])
-    expected = a if evicted == "a" else b
-    assert history.tokens[row, : len(expected)].tolist() == expected
-    with pytest.raises(ValueError, match="cannot grow"):
-        history.sync([("long", list(range(20)))])
+class EagerGraph:
+    """Stands in for a captured graph: `replay` runs what was captured, into the same output."""
+
+    def __init__(self, run: Callable[[], torch.Tensor | None], out: torch.Tensor | None = None):
+        self.run, self.out = run, out
+
+    def replay(self) -> None:
+        result = self.run()
+        if self.out is not None and result is not None:
+            self.out.copy_(result)
+
+
+class EagerGraphs(DecodeGraphs):
+    """DecodeGraphs whose graphs run eagerly: what a replay computes (the static buffers of a
+    padded bucket: padding tokens, empty grid sequences, the scratch slot) on a CPU, through the
+    kernels' torch twins."""
+
+    def capture(self) -> None:
+        for query_len in self.query_lens:
+            for bucket in self.buckets:
+                forward = functools.partial(self._forward, bucket, query_len)
+                self.graphs[bucket, query_len] = EagerGraph(forward)  # type: ignore[assignment]
+                for chain in self.chain_lengths:
+                    plan = StepPlan([], [], chain)
+                    out = torch.empty(bucket, self.tail.width(query_len), dtype=torch.int32)
+                    run = functools.partial(self._run_tail, bucket, query_len, plan)
+                    self.tails[bucket, query_len, chain] = (EagerGraph(run, out), out)  # type: ignore[assignment]
+
+    def _run_tail(self, bucket: int, query_len: int, plan: StepPlan) -> torch.Tensor:
+        return self.tail(self.logits[:bucket], self.tensors(bucket, query_len), plan)
+
+
+def with_eager_graphs(llm: LLM, max_tokens: int) -> EagerGraphs:
+    """Installs graphs that run eagerly into a CPU engine, as a GPU engine captures them."""
+    runner, drafter = llm.engine.runner, llm.engine.drafter
+    k = runner.spec.k
+    assert runner.tail is not None
+    graphs = EagerGraphs(
+        runner.model,
+        runner.kv_caches,
+        runner.tail,
+        runner.inputs,
+        max_tokens,
+        [1, 1 + k],
+        list(range(k + 1)),
+        runner.max_model_len,
+        runner.block_size,
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    drafter.max_graph_tokens = graphs.max_tokens
+    return graphs
+
+
+CASES = {
+    "naive": {},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+    "mtp-with-ngram": {
+        "method": "mtp",
+        "num_speculative_tokens": 4,
+        "num_model_steps": 2,
+        "mtp_strategy": "with_ngram",
+    },
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "stops"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sampling: str) -> None:
+    """Steps run through the graphs' static buffers (padded to buckets, 13 requests finishing at
+    different lengths so batches cross bucket sizes) emit the eager engine's tokens and stop where
+    it does, for every drafting method; the MTP head and the draft model are the target's own
+    (an MTP head initialised from the target's last layer)."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = dict(CASES[case])
+    if spec:
+        spec["adaptive"] = False
+    if spec.get("method") == "draft_model":
+        spec["model"] = path
+    if spec.get("method") == "mtp":
+        spec["model"] = str(mtp_head_for(path))
+    eos = min(Tokenizer(path).eos_token_ids)
+    prompts = repetitive_prompts(13, seed=3)
+    params = []
+    for i in range(13):
+        fields: dict = {"temperature": 0.0, "max_tokens": 6 + 3 * i, "ignore_eos": True}
+        if sampling == "seeded":
+            fields |= {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7}
+        if sampling == "stops":
+            fields |= [{"ignore_eos": False}, {"stop_token_ids": [prompts[i][-1], eos]}, {"min_tokens": 5}][
+                i % 3
+            ]
+        params.append(SamplingParams(**fields))
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", max_model_len=192, speculative_config=spec)
+        fake = with_eager_graphs(llm, max_tokens=24) if graphs else None
+        llm.engine.drafter.max_graph_tokens = 24  # drafts trimmed alike with and without graphs
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs.append(
+            [(o.token_ids, o.finish_reason, o.spec_stats["num_accepted_tokens"]) for o in generated]
+        )
+        if fake is not None:
+            assert fake.num_tail_replays > 10
+    assert outputs[1] == outputs[0]
+
+
+_HEADS: dict[str, object] = {}
+
+
+def mtp_head_for(target: str):
+    """An untrained MTP head for `target` (its layer copied from the target's last), saved once."""
+    import tempfile
+
+    from shared.model.mtp import MTPHead, save_mtp_head
+
+    if target not in _HEADS:
+        model = load_model(target, torch.float32, torch.device("cpu"), 192)
+        head = MTPHead(model)
+        torch.manual_seed(0)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        _HEADS[target] = save_mtp_head(head, tempfile.mkdtemp(prefix="mtp-"))
+    return _HEADS[target]
 
 
 @pytest.mark.parametrize(
@@ -151,19 +176,27 @@ def test_fixed_token_history_rows_are_a_cache() -> None:
         ("ngram", "seeded"),
         ("suffix", "greedy"),
         ("ngram", "penalty"),
+        ("mtp", "greedy"),
+        ("mtp", "seeded"),
+        ("draft_model", "greedy"),
+        ("draft_model", "seeded"),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampling: str, dtype: str) -> None:
-    """Tokens from graph replays (forward, then verify + n-gram drafting in the tail graph) equal
-    eager ones, with batches that cross bucket sizes (sequences finish at different lengths) and
-    drafts of varying length; penalties take the eager verifier after the forward replay."""
+    """Tokens from graph replays (forward, then verify + drafting in the tail graph) equal eager
+    ones, with batches that cross bucket sizes (sequences finish at different lengths) and drafts
+    of varying length; penalties take the eager verifier after the forward replay."""
     path = str(make_checkpoint("llama", num_hidden_layers=2))
-    spec = {"method": method}
+    spec: dict = {"method": method}
     if method != "naive":
-        spec |= {"num_speculative_tokens": 4, "adaptive": False}
+        spec |= {"num_speculative_tokens": 4 if method in ("ngram", "suffix") else 3, "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = path
+    if method == "mtp":
+        spec["model"] = str(mtp_head_for(path))
     generator = torch.Generator().manual_seed(5)
     prompts = []
     for i in range(21):
@@ -206,153 +239,6 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
             assert graph_tokens[:4] == eager_tokens[:4]
 
 
-# ---- the tail's post-step update against the eager path ------------------------------------------
-
-EOS = 2
-SPAN = [21, 22, 23, 24, 25, 26]
-A, B, C, D = 11, 12, 13, 14
-
-
-@dataclass
-class PlantedStep:
-    """A verify step of six requests whose drafts all pass (greedy, accept_all) and end at an EOS, a
-    stop id or max_tokens, or run on; its logits plant the bonus tokens."""
-
-    seqs: list[Sequence]
-    row_of: dict[str, int]
-    """History row of the n-gram requests."""
-    batch: HostBatch
-    tail: TailInputs
-    logits: torch.Tensor  # [num_tokens, vocab_size] float32 on the CPU
-    expected: list[TailOutput]
-    """The eager path's outputs (torch verifier, post-step twin) on the CPU."""
-
-
-def planted_step(graphs: DecodeGraphs, history: TokenHistory, vocab_size: int) -> PlantedStep:
-    def greedy(**fields) -> SamplingParams:
-        return SamplingParams(temperature=0.0, **({"max_tokens": 20} | fields))
-
-    cases = [  # (params, drafts, has a history row)
-        (greedy(), [A, EOS, B, C], True),  # EOS mid-draft
-        (greedy(ignore_eos=True), [A, EOS, B, C], True),  # runs on and drafts again
-        (greedy(stop_token_ids=[B]), [A, B, C], False),  # a stop id; no history row
-        (greedy(max_tokens=4), [A, B, C, D], True),  # max_tokens mid-draft
-        (greedy(min_tokens=4), [EOS, A, EOS], True),  # an EOS too early, then one that counts
-        (greedy(), [], True),  # plain decode
-    ]
-    seqs = []
-    for i, (params, drafts, _) in enumerate(cases):
-        seq = Sequence(f"r{i}", SPAN * 2 + [30 + i], params, frozenset({EOS}))
-        seq.token_ids.append(SPAN[0])  # one output token so far
-        seq.spec.method, seq.spec.max_k, seq.spec.draft_token_ids = "ngram", 4, drafts
-        seqs.append(seq)
-    with_rows = [seq for seq, case in zip(seqs, cases) if case[2]]
-    rows = history.sync([(seq.request_id, seq.token_ids) for seq in with_rows])
-    row_of = {seq.request_id: row for seq, row in zip(with_rows, rows)}
-    sampling, requests, stops = row_batch(seqs), [verify_request(s) for s in seqs], StopInputs.of(seqs)
-    tail = TailInputs(RowSampling.of(sampling.params, requests), stops, [], [], [])
-    for seq in seqs:
-        row = row_of.get(seq.request_id)
-        tail.history_rows.append(graphs.scratch_row if row is None else row)
-        tail.history_lens.append(0 if row is None else seq.num_tokens)
-        tail.num_drafts.append(0 if row is None else seq.spec.max_k)
-    query_lens = [1 + len(drafts) for _, drafts, _ in cases]
-    batch = HostBatch([0] * sum(query_lens), [], [], query_lens, [1] * len(seqs), [[0]] * len(seqs), [])
-    logits = torch.randn(batch.num_tokens, vocab_size, generator=torch.Generator().manual_seed(0))
-    bonus_rows = torch.tensor(query_lens).cumsum(0) - 1
-    logits[bonus_rows, torch.tensor([D, SPAN[0], D, D, D, SPAN[1]])] = 50.0  # bonus tokens that match again
-    verifier = RejectionSampler("greedy", "accept_all")
-    expected = eager_post_step(verifier(logits, sampling, requests), stops, torch.device("cpu"))
-    return PlantedStep(seqs, row_of, batch, tail, logits, expected)
-
-
-def check_tail_outputs(step: PlantedStep, got: list[TailOutput], history: TokenHistory) -> None:
-    """The eager path's kept tokens, finish reasons and stop ids; history rows that end with the
-    kept tokens (nothing past a stop); the host proposer's next drafts for the requests running."""
-    assert [(o.token_ids, o.num_accepted, o.finish_reason, o.stop_token_id) for o in got] == [
-        (o.token_ids, o.num_accepted, o.finish_reason, o.stop_token_id) for o in step.expected
-    ]
-    stop, length = FinishReason.STOP, FinishReason.LENGTH
-    assert [o.finish_reason for o in got] == [stop, None, stop, length, stop, None]
-    assert [got[0].token_ids, got[3].token_ids, got[4].token_ids] == [[A, EOS], [A, B, C], [EOS, A, EOS]]
-    assert got[2].stop_token_id == B
-    proposer = NgramProposer(1, 3)
-    for seq, out in zip(step.seqs, got):
-        row = step.row_of.get(seq.request_id)
-        if row is None:
-            assert out.drafts == []
-            continue
-        kept = seq.token_ids + out.token_ids
-        tokens = history.tokens[row].cpu()
-        assert tokens[: len(kept)].tolist() == kept
-        assert tokens[len(kept) : len(kept) + 5].eq(0).all()  # nothing past a stop
-        assert out.drafts == (proposer.propose(kept, 4) if out.finish_reason is None else [])
-    assert got[1].drafts and got[5].drafts
-
-
-def verify_twin(*args, max_rows: int, request_of_row: torch.Tensor):
-    """`verify_sample_cuda` by its torch twin, shaped as the kernel's output: the grid's empty
-    sequences (at its end) emit nothing, and every request has `max_rows` token columns."""
-    cu = args[8].tolist()
-    num_reqs = len(cu) - 1
-    real = sum(1 for i in range(num_reqs) if cu[i + 1] > cu[i])
-    token_ids, num_accepted, *rest = verify_sample_ref(*args[:8], args[8][: real + 1], *args[9:])
-    padded = torch.full((num_reqs, max_rows), -1, dtype=torch.int32)
-    padded[:real, : token_ids.shape[1]] = token_ids
-    accepted = torch.zeros(num_reqs, dtype=torch.int32)
-    accepted[:real] = num_accepted
-    return padded, accepted, *rest
-
-
-def ngram_twin(history, lengths, min_n, max_n, k, budget=None, max_k=None, row_ids=None):
-    return ngram_match_ref(history, lengths, min_n, max_n, k, budget, row_ids)
-
-
-def test_tail_step_stops_where_the_eager_path_does(make_checkpoint, monkeypatch) -> None:
-    """What a tail graph replays, run here with the CUDA kernels' torch twins: the step's inputs
-    copied into the static buffers of a bigger bucket (padding and empty grid sequences), `_tail`
-    as captured, the read-back unpacked."""
-    monkeypatch.setattr(kernels.verify, "verify_sample_cuda", verify_twin)
-    monkeypatch.setattr(kernels.ngram, "ngram_match_cuda", ngram_twin)
-    model = load_model(
-        str(make_checkpoint("llama", num_hidden_layers=1)), torch.float32, torch.device("cpu"), 128
-    )
-    history = TokenHistory(torch.device("cpu"), num_rows=8, capacity=96, fixed=True)
-    graphs = DecodeGraphs(model, [], 32, [1, 5], 64, BLOCK, TailSpec(GREEDY, ACCEPT_ALL, history, 1, 3, 4))
-    step = planted_step(graphs, history, model.config.vocab_size)
-    bucket, query_len = 32, 5
-    assert bucket in graphs.buckets and bucket > step.batch.num_tokens
-    graphs.logits[: step.batch.num_tokens] = step.logits
-    graphs.query_start_loc[: bucket + 1] = pad_decode_batch(step.batch, bucket).query_start_loc
-    graphs.fill_tail(step.batch, bucket, step.tail)
-    packed = graphs._tail(bucket, query_len)
-    got = [TailOutput.unpack(row, query_len) for row in packed[: len(step.seqs)].tolist()]
-    check_tail_outputs(step, got, history)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_captured_tail_stops_where_the_eager_path_does(make_checkpoint) -> None:
-    """The same step through a captured tail graph and the CUDA kernels (verify, post-step,
-    n-gram), against the eager path on the CPU."""
-    device = torch.device("cuda")
-    model = load_model(str(make_checkpoint("llama", num_hidden_layers=1)), torch.float32, device, 128)
-    config = model.config
-    shape = (4, BLOCK, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))]
-    history = TokenHistory(device, num_rows=8, capacity=96, fixed=True)
-    graphs = DecodeGraphs(
-        model, caches, 32, [1, 5], 64, BLOCK, TailSpec(GREEDY, ACCEPT_ALL, history, 1, 3, 4)
-    )
-    graphs.capture()
-    step = planted_step(graphs, history, config.vocab_size)
-    key = (32, 5)
-    graphs.logits[: step.batch.num_tokens] = step.logits.to(device)  # as if the forward had run
-    graphs.query_start_loc[: key[0] + 1] = pad_decode_batch(step.batch, key[0]).query_start_loc.to(device)
-    got = graphs.replay_tail(step.batch, key, step.tail)
-    check_tail_outputs(step, got, history)
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_graph_outputs_share_one_buffer(make_checkpoint) -> None:
@@ -363,15 +249,21 @@ def test_graph_outputs_share_one_buffer(make_checkpoint) -> None:
     vocab_size, max_tokens = 131072, 256
     device = torch.device("cuda")
     path = str(make_checkpoint("llama", num_hidden_layers=1, vocab_size=vocab_size))
-    model = load_model(path, torch.float32, device, 256)
-    config = model.config
-    shape = (8, BLOCK, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    graphs = DecodeGraphs(model, caches, max_tokens, [1, 5], 256, BLOCK)
-    graphs.capture()
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        cuda_graph_max_tokens=max_tokens,
+        max_num_seqs=max_tokens,
+        num_kv_blocks=8,
+        block_size=BLOCK,
+    )
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
     torch.cuda.empty_cache()
     grown = torch.cuda.memory_reserved(device) - before
     one_logits = max_tokens * vocab_size * 4

@@ -13,7 +13,6 @@ import torch
 import kernels
 from kernels.post_step_ref import LENGTH
 from services.engine.llm import LLM
-from services.engine.sequence import Sequence
 from shared.sampling_params import SamplingParams
 
 A, B, C, D = 11, 12, 13, 14
@@ -42,22 +41,16 @@ def llm(target: str) -> LLM:
 
 def generate_with_drafts(llm: LLM, params: SamplingParams, drafts: list[int]) -> list:
     """Runs one request whose first decode step verifies `drafts` (all accepted: the step emits
-    them and a bonus token) and that gets no drafts after; returns its outputs step by step."""
+    them and a bonus token) and that verifies no drafts after; returns its outputs step by step."""
     engine = llm.engine
     planned = [list(drafts)]
-
-    def propose(seqs: list[Sequence], num_other_tokens: int) -> None:
-        for seq in seqs:
+    engine.add_request("planted", prompt_token_ids=[5, 6, 7, 8, 9, 10], params=params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        seq = engine.sequences["planted"]
+        if seq.is_decoding:  # in place of the proposer's drafts
             seq.spec.draft_token_ids = planned.pop() if planned else []
-
-    engine.drafter.propose = propose
-    try:
-        engine.add_request("planted", prompt_token_ids=[5, 6, 7, 8, 9, 10], params=params)
-        outputs = []
-        while engine.has_unfinished_requests():
-            outputs += engine.step()
-    finally:
-        del engine.drafter.propose
+        outputs += engine.step()
     assert not planned, "the planted drafts were never verified"
     return outputs
 

@@ -67,7 +67,7 @@ async def test_a_sequence_finished_on_one_worker_is_drafted_on_another(
     assert drafts == [[10, 11, 12]]
     alone = SuffixProposer(SuffixConfig(max_tree_depth=16, max_cached_requests=0))
     alone.start_request("second", [50, 7, 8, 9])
-    assert alone.propose("second", [50, 7, 8, 9], 5) == []  # so the draft did come from worker_a
+    assert alone.propose_one("second", [50, 7, 8, 9], 5) == []  # so the draft did come from worker_a
     assert index_b.num_answered == 1
 
 

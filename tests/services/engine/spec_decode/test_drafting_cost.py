@@ -37,12 +37,14 @@ def generate(target: str, method: str, monkeypatch: pytest.MonkeyPatch) -> tuple
 def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
     target, naive_tokens, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a flat step cost, drafting priced at nothing is asked for nearly every step, and
-    drafting priced at 1 s a request only on probes; both give naive's tokens (the draft model's
-    cache catching up on the steps it skipped)."""
-    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 0.0))
+    """On a flat step cost, drafting priced at nothing is asked for nearly every step, and drafts
+    priced at 1 s each (a draft token in the forward, a chained forward, a request's host
+    drafting) only on probes; both give naive's tokens (the draft model's cache catching up on the
+    steps it skipped)."""
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 0.0, 0.0))
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost())
     free_tokens, free_drafts = generate(target, method, monkeypatch)
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 1.0, 1.0))
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost(per_request_s=1.0))
     costly_tokens, costly_drafts = generate(target, method, monkeypatch)
     assert free_tokens == costly_tokens == naive_tokens

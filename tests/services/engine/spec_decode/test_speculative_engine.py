@@ -3,6 +3,9 @@ acceptance, stops / penalties / logprobs behave as in plain decoding."""
 
 from __future__ import annotations
 
+import functools
+import random
+
 import pytest
 import torch
 
@@ -160,21 +163,26 @@ def test_penalties_min_tokens_and_logprobs_equal_naive(target) -> None:
             assert list(x.top) == list(y.top)
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-def test_seeded_sampling_is_identical_with_and_without_model_free_speculation(target, method: str) -> None:
-    """Randomness is keyed by (seed, output position) and a model-free draft is accepted exactly
-    when it equals the target's own sample, so speculation cannot change a seeded output."""
+@pytest.mark.parametrize("method", [*sorted(METHODS), "mtp", "draft_model"])
+def test_seeded_sampling_is_identical_with_and_without_speculation(target, mtp_head, method: str) -> None:
+    """Randomness is keyed by (seed, output position), drafting models sample their drafts with the
+    target's noise, and a draft is accepted exactly when it equals the target's own sample: so
+    speculation, whatever the method, cannot change a seeded output."""
     params = SamplingParams(temperature=0.7, top_k=20, seed=7, max_tokens=30, ignore_eos=True)
     prompts = repetitive_prompts(4)
     naive = LLM(target, device="cpu", max_model_len=192).generate(
         prompt_token_ids=prompts, sampling_params=params
     )
-    llm = spec_llm(target, **METHODS[method])
+    models = {
+        "mtp": dict(method="mtp", model=mtp_head, num_speculative_tokens=3, mtp_strategy="with_ngram"),
+        "draft_model": dict(method="draft_model", model=target, num_speculative_tokens=3),
+    }
+    llm = spec_llm(target, adaptive=True, **{**METHODS, **models}[method])
     for _ in range(2):  # the second round drafts from the first round's outputs (suffix: global tree)
         drafted = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in drafted] == [o.token_ids for o in naive]
-    if method == "suffix":
-        stats = [o.spec_stats for o in drafted]
+    stats = [o.spec_stats for o in drafted]
+    if method in ("suffix", "draft_model"):  # the global tree, and the target as its own draft model
         assert (
             sum(s["num_accepted_tokens"] for s in stats) > 0.8 * sum(s["num_draft_tokens"] for s in stats) > 0
         )
@@ -252,12 +260,13 @@ def test_mtp_keeps_greedy_output(target, naive_tokens, mtp_head, strategy: str) 
     assert all(o.spec_stats["num_draft_tokens"] > 0 for o in outputs)
 
 
-def test_mtp_cache_follows_the_accepted_tokens(target, mtp_head) -> None:
-    """After every step (accepting, rejecting, rolling back), the head's state for a request equals
-    a from-scratch dense pass of the head over the request's verified tokens."""
+def test_mtp_drafts_follow_the_accepted_tokens(target, mtp_head) -> None:
+    """After every step (accepting, rejecting, rolling back), the drafts the head chained from its
+    KV cache equal a from-scratch dense pass of the head over the request's verified tokens,
+    extended draft by draft with its own output."""
     llm = spec_llm(target, method="mtp", model=mtp_head, num_speculative_tokens=3, num_model_steps=3)
     engine = llm.engine
-    head, proposer = engine.runner.mtp_head, engine.drafter.mtp
+    head = engine.runner.mtp_head
     engine.add_request("r", prompt_token_ids=repetitive_prompts(1, seed=4)[0], params=GREEDY)
     checked = 0
     while engine.has_unfinished_requests():
@@ -265,13 +274,17 @@ def test_mtp_cache_follows_the_accepted_tokens(target, mtp_head) -> None:
         seq = engine.sequences.get("r")
         if seq is None:
             break
-        tokens = torch.tensor([seq.token_ids])
-        n = seq.num_computed_tokens
+        tokens = seq.token_ids
         with torch.inference_mode():
-            target_hidden = engine.runner.model.forward_dense(tokens[:, :n])
-            expected = head.forward_dense(tokens[:, 1 : n + 1], target_hidden)[0, -1]
-        torch.testing.assert_close(proposer.last_hidden["r"], expected, rtol=1e-4, atol=1e-3)
-        checked += 1
+            hidden = engine.runner.model.forward_dense(torch.tensor([tokens[:-1]]))  # h_0 .. h_{n-2}
+            ids = tokens[1:]  # t_{i+1} beside each h_i
+            expected = []
+            for _ in range(len(seq.spec.draft_token_ids)):
+                out = head.forward_dense(torch.tensor([ids]), hidden)[:, -1:]
+                expected.append(int(head.logits(out[0, -1]).argmax()))
+                ids, hidden = ids + [expected[-1]], torch.cat([hidden, out], dim=1)
+        assert seq.spec.draft_token_ids == expected
+        checked += bool(expected)
     assert checked > 5
 
 
@@ -304,21 +317,35 @@ def test_verification_scores_only_the_last_token_and_drafts(target) -> None:
             break
     assert sum(drafts.values()) > 0
     batch = engine.scheduler.schedule()
-    inputs = engine.runner.prepare_inputs(batch)
+    plan = engine.drafter.plan(batch, num_running=len(batch.seqs))
+    step = engine.runner.prepare(batch, plan)
     assert batch.num_new_tokens == [1 + drafts[s.request_id] for s in batch.seqs]
-    assert len(inputs.host.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
-    assert inputs.host.num_tokens == len(inputs.host.logits_indices)
-    assert inputs.host.is_decode
+    assert len(step.logits_indices) == sum(1 + drafts[s.request_id] for s in batch.seqs)
+    assert step.num_tokens == len(step.logits_indices)
+    assert step.is_decode
+    assert step.draft_ids.tolist() == [d for s in batch.seqs for d in s.spec.draft_token_ids + [-1]]
 
 
-def test_split_prefill_decode_with_mtp_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
-    """The prefill instance hands over the MTP head's KV and last hidden state with the target's."""
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_split_prefill_decode_keeps_greedy_output_and_drafts(
+    target, naive_tokens, mtp_head, method: str
+) -> None:
+    """The prefill instance hands over the drafting model's KV with the target's, so the decode
+    instance drafts as a mixed one would: the MTP head what it drafts after the same tokens, the
+    target as its own draft model only drafts that are accepted."""
     from services.engine.engine import LLMEngine
     from shared.config import EngineConfig
 
-    spec = dict(method="mtp", model=mtp_head, num_speculative_tokens=2)
-    prefill = LLMEngine(EngineConfig(model=target, device="cpu", max_model_len=192, speculative_config=spec))
-    decode = LLMEngine(EngineConfig(model=target, device="cpu", max_model_len=192, speculative_config=spec))
+    spec = {**DRAFTING[method](mtp_head, target), "adaptive": False}
+    config = EngineConfig(model=target, device="cpu", max_model_len=192, speculative_config=spec)
+    mixed_drafts: dict[tuple[int, ...], list[int]] = {}
+    mixed = LLMEngine(config)
+    for i, prompt in enumerate(repetitive_prompts()):
+        mixed.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
+    while mixed.has_unfinished_requests():
+        mixed.step()
+        record_drafts(mixed, mixed_drafts)
+    prefill, decode = LLMEngine(config), LLMEngine(config)
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(repetitive_prompts()):
         decode.reserve(f"r{i}", prompt, GREEDY)
@@ -326,14 +353,72 @@ def test_split_prefill_decode_with_mtp_keeps_greedy_output(target, naive_tokens,
     while prefill.has_unfinished_requests():
         prefill.step()
         for export in prefill.handoffs:
-            assert "mtp_hidden" in export.tensors
-            assert {cache for cache, *_ in export.layers} == {"target", "mtp"}
+            assert {cache for cache, *_ in export.layers} == {"target", DRAFT_CACHE[method]}
             for cache, index, key, value in export.layers:
                 decode.import_kv(export.request_id, cache, index, key, value)
-            decode.activate(export.request_id, export.first_token_id, export.tensors["mtp_hidden"])
+            decode.activate(export.request_id, export.first_token_id)
             tokens[export.request_id] = [export.first_token_id]
         prefill.handoffs.clear()
+    compared, stats = 0, []
     while decode.has_unfinished_requests():
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
+            stats += [out.spec_stats] if out.finished else []
+        compared += record_drafts(decode, mixed_drafts)
     assert [tokens[f"r{i}"] for i in range(len(naive_tokens))] == naive_tokens
+    if method == "mtp":
+        assert compared > 0
+    else:
+        assert all(s["acceptance_per_position"] == [1.0, 1.0, 1.0] for s in stats)
+
+
+DRAFTING = {
+    "mtp": lambda mtp_head, target: dict(method="mtp", model=mtp_head, num_speculative_tokens=3),
+    "draft_model": lambda mtp_head, target: dict(
+        method="draft_model", model=target, num_speculative_tokens=3
+    ),
+}
+DRAFT_CACHE = {"mtp": "mtp", "draft_model": "draft"}
+
+
+def record_drafts(engine, seen: dict[tuple[int, ...], list[int]]) -> int:
+    """Checks each running request's drafts against those seen before after the same tokens (a
+    shorter k is a prefix of a longer one), records them; returns how many were compared."""
+    compared = 0
+    for seq in engine.scheduler.running:
+        drafts, context = seq.spec.draft_token_ids, tuple(seq.token_ids)
+        before = seen.setdefault(context, drafts)
+        shorter = min(len(before), len(drafts))
+        assert drafts[:shorter] == before[:shorter], len(context)
+        compared += bool(shorter) and before is not drafts
+        if len(drafts) > len(before):
+            seen[context] = drafts
+    return compared
+
+
+def random_ks(rng: random.Random, seqs: list, num_other_tokens: int) -> list[int]:
+    """A controller that pauses and resumes drafting at random."""
+    return [rng.choice([0, 0, 1, 3]) for _ in seqs]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_drafts_depend_only_on_the_context(target, mtp_head, method: str) -> None:
+    """A drafting model's drafts are a function of the request's tokens alone: alone or in a batch
+    of 16, and with drafting paused and resumed at random (as the adaptive controller does), the
+    drafts proposed after the same tokens agree. So acceptance cannot move with the batch or with
+    pauses."""
+    prompts = repetitive_prompts(8, seed=5)
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for max_num_seqs, paused in [(1, False), (16, False), (16, True)]:
+        spec = {**DRAFTING[method](mtp_head, target), "adaptive": False}
+        llm = LLM(target, device="cpu", max_model_len=192, max_num_seqs=max_num_seqs, speculative_config=spec)
+        engine = llm.engine
+        if paused:
+            engine.drafter.adaptive.choose = functools.partial(random_ks, random.Random(max_num_seqs))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY)
+        compared = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            compared += record_drafts(engine, seen)
+        assert compared > 0 or max_num_seqs == 1

@@ -204,7 +204,7 @@ def test_request_drafts_its_own_repetition() -> None:
     draft = proposer.propose_draft("r", prompt + [9, 1, 2, 3], max_spec_tokens=8)
     assert draft.match_len == 3 and draft.token_ids == [4, 5, 6]
     assert draft.probs == [0.5, 1.0, 1.0]  # (1 2 3) occurs twice, once followed by 4
-    assert proposer.propose("r", prompt + [9, 1, 2, 3], max_spec_tokens=2) == [4, 5]
+    assert proposer.propose_one("r", prompt + [9, 1, 2, 3], max_spec_tokens=2) == [4, 5]
 
 
 def test_second_request_drafts_from_a_finished_request() -> None:
@@ -212,10 +212,10 @@ def test_second_request_drafts_from_a_finished_request() -> None:
     proposer.start_request("first", [100, 101])
     proposer.add_tokens("first", [7, 8, 9, 10, 11, 12])
     proposer.start_request("second", [50, 7, 8, 9])
-    assert proposer.propose("second", [50, 7, 8, 9], 5) == []  # outputs are shared once finished
+    assert proposer.propose_one("second", [50, 7, 8, 9], 5) == []  # outputs are shared once finished
     proposer.stop_request("first")
-    assert proposer.propose("second", [50, 7, 8, 9], 5) == [10, 11, 12]
-    assert proposer.propose("second", [50, 7, 8, 9], 2) == [10, 11]
+    assert proposer.propose_one("second", [50, 7, 8, 9], 5) == [10, 11, 12]
+    assert proposer.propose_one("second", [50, 7, 8, 9], 2) == [10, 11]
 
 
 def test_prompts_are_shared_only_when_asked() -> None:
@@ -225,7 +225,7 @@ def test_prompts_are_shared_only_when_asked() -> None:
         proposer.add_tokens("a", [5])
         proposer.stop_request("a")
         proposer.start_request("b", [2, 3])
-        assert proposer.propose("b", [2, 3], 1) == expected
+        assert proposer.propose_one("b", [2, 3], 1) == expected
 
 
 def test_zero_cached_requests_disables_the_global_tree() -> None:
@@ -235,7 +235,7 @@ def test_zero_cached_requests_disables_the_global_tree() -> None:
     proposer.stop_request("a")
     proposer.start_request("b", [2, 3])
     assert len(proposer.global_index) == 0
-    assert proposer.propose("b", [2, 3], 2) == []
+    assert proposer.propose_one("b", [2, 3], 2) == []
 
 
 def test_tokens_passed_to_propose_are_indexed_once() -> None:
@@ -247,10 +247,10 @@ def test_tokens_passed_to_propose_are_indexed_once() -> None:
         proposer.start_request("r", tokens[:5])
     for n in range(6, len(tokens) + 1):
         fed.add_tokens("r", tokens[n - 1 : n])
-        assert fed.propose("r", tokens[:n], 4) == caught_up.propose("r", tokens[:n], 4)
+        assert fed.propose_one("r", tokens[:n], 4) == caught_up.propose_one("r", tokens[:n], 4)
     assert request_tree(fed, "r").path_counts() == request_tree(caught_up, "r").path_counts()
     with pytest.raises(ValueError, match="already indexed"):
-        fed.propose("r", tokens[:3], 4)
+        fed.propose_one("r", tokens[:3], 4)
 
 
 def test_propose_batch_and_request_lifecycle() -> None:
@@ -263,7 +263,7 @@ def test_propose_batch_and_request_lifecycle() -> None:
     proposer.stop_request("a")
     proposer.stop_request("a")  # stopping twice is harmless
     with pytest.raises(KeyError):
-        proposer.propose("a", [1], 2)
+        proposer.propose_one("a", [1], 2)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,7 @@ def test_negative_max_spec_tokens_is_rejected() -> None:
     proposer = SuffixProposer()
     proposer.start_request("r", [1, 2])
     with pytest.raises(ValueError, match="max_spec_tokens"):
-        proposer.propose("r", [1, 2], -1)
+        proposer.propose_one("r", [1, 2], -1)
 
 
 # --- the global index behind an interface ---
@@ -337,9 +337,12 @@ def test_without_a_global_answer_requests_draft_from_their_own_tree() -> None:
     proposer.add_tokens("done", [7, 8, 9])
     proposer.stop_request("done")
     proposer.start_request("r", [5, 7, 8, 5, 7])
-    assert proposer.propose("r", [5, 7, 8, 5, 7], 3) == [8, 5]
+    assert proposer.propose_one("r", [5, 7, 8, 5, 7], 3) == [8, 5]
     index.answer = True
-    assert proposer.propose("r", [5, 7, 8, 5, 7], 3) == [8, 5]  # own: [8 5] scores 2 > global [8] scores 1
+    assert proposer.propose_one("r", [5, 7, 8, 5, 7], 3) == [
+        8,
+        5,
+    ]  # own: [8 5] scores 2 > global [8] scores 1
     assert proposer.propose_batch([("r", [5, 7, 8, 5, 7, 8], 3)]) == [[5, 7]]
     assert len(index.calls) == 3
 
@@ -358,7 +361,7 @@ def test_a_given_empty_index_is_used_and_zero_cached_requests_bypasses_it() -> N
     proposer.add_tokens("a", [2, 3])
     proposer.stop_request("a")
     proposer.start_request("b", [2])
-    assert proposer.propose("b", [2], 2) == [] and bypassed.calls == [] and len(bypassed.local) == 0
+    assert proposer.propose_one("b", [2], 2) == [] and bypassed.calls == [] and len(bypassed.local) == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -550,7 +553,7 @@ def test_the_global_index_gets_each_output_at_stop_whether_or_not_it_drafted(cac
         proposer.start_request("never", [4, 5])
         proposer.add_tokens("drafted", [1, 2])
         proposer.add_tokens("never", [6, 4])
-        proposer.propose("drafted", [1, 2, 3, 1, 2, 3], 2)  # the last 3 comes with the draft
+        proposer.propose_one("drafted", [1, 2, 3, 1, 2, 3], 2)  # the last 3 comes with the draft
         proposer.add_tokens("drafted", [7])
         proposer.add_tokens("never", [5])
         assert recorded(proposer).added == []  # nothing before a request stops

@@ -1,0 +1,187 @@
+"""The running requests' state on the device, one *slot* per request, updated by deltas.
+
+A request takes a free slot when the scheduler first runs it and gives it back when it finishes or
+is preempted (vLLM v1's `InputBatch` does the same). Per slot the device holds:
+
+- the token row: prompt and output tokens so far (what n-gram drafting matches in, what the MTP
+  head and the draft model read their next input from), appended on the device by the post-step
+  update, never re-sent;
+- the sampling parameters and stop conditions the fused verify and post-step kernels read;
+- the drafts proposed for the request's next step.
+
+The host writes a slot only when a request joins (its tokens and parameters); a step then names
+its requests by slot, so the per-step host work is independent of the requests' lengths and
+parameters. The last slot is *scratch*: padding rows of a CUDA-graph step point at it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.sequence import Sequence
+
+MAX_EOS_IDS = 8
+"""EOS ids one request's slot holds (a request with more is verified on the eager path)."""
+MAX_STOP_IDS = 16
+"""Stop token ids one request's slot holds (likewise)."""
+UNLIMITED = 2**31 - 1
+"""max_tokens of the scratch slot: padding never stops."""
+
+
+@dataclass
+class SlotParams:
+    """Host mirrors of the per-slot parameters, [num_slots + 1] each (scratch last)."""
+
+    temperature: np.ndarray  # float32, 0 on greedy requests
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    top_k: np.ndarray  # int32, 0: off
+    max_tokens: np.ndarray  # int32
+    min_tokens: np.ndarray  # int32
+    ignore_eos: np.ndarray  # int32 0 / 1
+    eos_ids: np.ndarray  # int32 [num_slots + 1, MAX_EOS_IDS], -1 padded
+    stop_ids: np.ndarray  # int32 [num_slots + 1, MAX_STOP_IDS], -1 padded
+    seeds: np.ndarray  # int64
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SlotParams:
+        return cls(
+            temperature=np.zeros(num_rows, np.float32),
+            top_p=np.ones(num_rows, np.float32),
+            min_p=np.zeros(num_rows, np.float32),
+            top_k=np.zeros(num_rows, np.int32),
+            max_tokens=np.full(num_rows, UNLIMITED, np.int32),
+            min_tokens=np.zeros(num_rows, np.int32),
+            ignore_eos=np.ones(num_rows, np.int32),
+            eos_ids=np.full((num_rows, MAX_EOS_IDS), -1, np.int32),
+            stop_ids=np.full((num_rows, MAX_STOP_IDS), -1, np.int32),
+            seeds=np.zeros(num_rows, np.int64),
+        )
+
+    def write(self, slot: int, seq: Sequence) -> None:
+        p = seq.params
+        self.temperature[slot] = 0.0 if p.greedy else p.temperature
+        self.top_p[slot], self.min_p[slot], self.top_k[slot] = p.top_p, p.min_p, max(p.top_k, 0)
+        self.max_tokens[slot], self.min_tokens[slot] = p.max_tokens, p.min_tokens
+        self.ignore_eos[slot] = int(p.ignore_eos)
+        self.eos_ids[slot] = -1
+        self.stop_ids[slot] = -1
+        eos = sorted(seq.eos_token_ids)[:MAX_EOS_IDS]
+        stops = sorted(set(p.stop_token_ids))[:MAX_STOP_IDS]
+        self.eos_ids[slot, : len(eos)] = eos
+        self.stop_ids[slot, : len(stops)] = stops
+        self.seeds[slot] = seq.seed
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, row_capacity: int, max_num_drafts: int, device: torch.device):
+        """`row_capacity`: tokens one row holds (the longest request plus room for drafts written
+        past its end); `max_num_drafts`: the most drafts a request gets per step."""
+        self.device = device
+        self.num_slots = max_num_seqs
+        self.max_num_drafts = max_num_drafts
+        rows = max_num_seqs + 1
+        self.token_rows = torch.zeros(rows, row_capacity, dtype=torch.int32, device=device)
+        self.num_tokens = torch.zeros(rows, dtype=torch.int32, device=device)
+        """Tokens in each row (prompt + output)."""
+        self.num_output = torch.zeros(rows, dtype=torch.int32, device=device)
+        """Output tokens of each request (resumed ones included): what max_tokens counts."""
+        self.host = SlotParams.empty(rows)
+        self._floats = torch.zeros(3, rows, dtype=torch.float32, device=device)
+        self._ints = torch.zeros(4 + MAX_EOS_IDS + MAX_STOP_IDS, rows, dtype=torch.int32, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+        self._dirty = True
+        self.flush()
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def row_capacity(self) -> int:
+        return self.token_rows.shape[1]
+
+    # ---- the device views the kernels read --------------------------------------------------------
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self._floats[0]
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        return self._floats[1]
+
+    @property
+    def min_p(self) -> torch.Tensor:
+        return self._floats[2]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        return self._ints[0]
+
+    @property
+    def max_tokens(self) -> torch.Tensor:
+        return self._ints[1]
+
+    @property
+    def min_tokens(self) -> torch.Tensor:
+        return self._ints[2]
+
+    @property
+    def ignore_eos(self) -> torch.Tensor:
+        return self._ints[3]
+
+    @property
+    def eos_ids(self) -> torch.Tensor:  # [num_slots + 1, MAX_EOS_IDS]
+        return self._ints[4 : 4 + MAX_EOS_IDS].t()
+
+    @property
+    def stop_ids(self) -> torch.Tensor:  # [num_slots + 1, MAX_STOP_IDS]
+        return self._ints[4 + MAX_EOS_IDS :].t()
+
+    # ---- requests joining and leaving ---------------------------------------------------------------
+
+    @staticmethod
+    def fits(seq: Sequence) -> bool:
+        """Whether the request's EOS and stop ids fit a slot (else it is verified eagerly)."""
+        return len(seq.eos_token_ids) <= MAX_EOS_IDS and len(set(seq.params.stop_token_ids)) <= MAX_STOP_IDS
+
+    def add(self, seq: Sequence) -> int:
+        """Gives `seq` a slot and writes its tokens and parameters there."""
+        if seq.request_id in self.slot_of:
+            return self.slot_of[seq.request_id]
+        if seq.num_tokens > self.row_capacity:
+            raise ValueError(f"{seq.num_tokens} tokens do not fit a token row of {self.row_capacity}")
+        slot = self._free.pop()
+        self.slot_of[seq.request_id] = slot
+        self.host.write(slot, seq)
+        self._dirty = True
+        tokens = torch.tensor(seq.token_ids, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.token_rows[slot, : seq.num_tokens] = tokens
+        self.num_tokens[slot] = seq.num_tokens
+        self.num_output[slot] = seq.num_output_tokens
+        return slot
+
+    def remove(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def flush(self) -> None:
+        """Copies the parameters of requests that joined since the last flush to the device."""
+        if not self._dirty:
+            return
+        h = self.host
+        floats = np.stack([h.temperature, h.top_p, h.min_p])
+        ints = np.concatenate(
+            [np.stack([h.top_k, h.max_tokens, h.min_tokens, h.ignore_eos]), h.eos_ids.T, h.stop_ids.T]
+        )
+        self._floats.copy_(torch.from_numpy(floats), non_blocking=True)
+        self._ints.copy_(torch.from_numpy(np.ascontiguousarray(ints)), non_blocking=True)
+        self.seeds.copy_(torch.from_numpy(h.seeds), non_blocking=True)
+        self._dirty = False

@@ -1,0 +1,172 @@
+"""The step's tail: verify the drafts, update each request, draft its next step — on tensors only.
+
+`verify_and_update` is the one implementation of what follows the target's forward. A CUDA-graph
+step captures it once per shape and replays it; every other step (prefill chunks, batches past the
+largest graph, CPU) calls it eagerly, so both paths keep the same tokens and stop alike:
+
+1. verify + sample (`kernels.verify_sample`): per request, its accepted drafts and then the
+   recovered or bonus token;
+2. the post-step update (`kernels.post_step_update`): those tokens are appended to the request's
+   token row up to the first one that ends it (EOS, a stop id, max_tokens once min_tokens is
+   reached), so no token past a stop is kept;
+3. drafting: each device proposer drafts the next step of its own requests that are still running,
+   after the tokens just kept (services/engine/spec_decode/);
+4. one packed int32 tensor per request (the `Column`s below), the step's only device-to-host read.
+
+Steps whose verification the fused kernel cannot do (penalties, min_tokens suppression, logprobs)
+verify with the torch `RejectionSampler` and run steps 2-4 with `update_and_draft`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from kernels.post_step_ref import RUNNING
+from services.engine.input_batch import InputBatch
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
+
+ACCEPTED, KEPT, FINISH, STOP_TOKEN, NUM_DRAFTS, TOKENS = range(6)
+"""Columns of the packed result; the kept tokens start at TOKENS, the drafts follow them."""
+
+
+@dataclass
+class StepTensors:
+    """A step's inputs on the device beyond the forward's (in a CUDA-graph step, views of static
+    buffers): per logit row what the verifier needs, per request that gets a token its slot."""
+
+    forward: ForwardContext
+    row_slots: torch.Tensor  # [num_rows] int64 slot of each logit row's request
+    row_positions: torch.Tensor  # [num_rows] int64 output position each row samples (its noise key)
+    draft_ids: torch.Tensor  # [num_rows] int32 the draft each row checks, -1 on bonus rows
+    request_of_row: torch.Tensor  # [num_rows] int32
+    cu_num_rows: torch.Tensor  # [num_seqs + 1] int32
+    seq_slots: torch.Tensor  # [num_seqs] int64 (padding: the scratch slot)
+    seq_rows: torch.Tensor  # [num_seqs] int64 each request's index among the step's sequences
+    seq_methods: torch.Tensor  # [num_seqs] int32 index of each request's device proposer, -1: none
+    num_wanted: torch.Tensor  # [num_seqs] int32 drafts each request wants next step
+    max_rows: int
+    """The most logit rows of one request (1 + its drafts)."""
+
+
+@dataclass
+class StepPlan:
+    """What the host decided for the step's tail: its requests, their next drafts, the chain."""
+
+    seqs: list[Sequence]
+    """The requests that get a token this step, in the step's order."""
+    num_wanted: list[int]
+    """Drafts each wants next step."""
+    num_steps: int
+    """The longest drafting-model chain any request needs."""
+    methods: list[int] = field(default_factory=list)
+    """Each request's device proposer (its index in the tail's list), -1 for none."""
+
+
+class VerifyAndUpdate:
+    def __init__(
+        self,
+        inputs: InputBatch,
+        proposers: list[Proposer],
+        strategy: int,
+        policy: int,
+        max_num_drafts: int,
+    ):
+        """`proposers`: the device proposers, indexed by `StepTensors.seq_methods`."""
+        self.inputs = inputs
+        self.proposers = proposers
+        self.strategy = strategy
+        self.policy = policy
+        self.max_num_drafts = max_num_drafts
+
+    def width(self, max_rows: int) -> int:
+        """Columns of the packed result of a step whose requests bring at most `max_rows` rows."""
+        return TOKENS + max_rows + max(self.max_num_drafts, 1)
+
+    def __call__(self, logits: torch.Tensor, t: StepTensors, plan: StepPlan) -> torch.Tensor:
+        """[num_seqs, width(max_rows)] int32; `logits` [num_rows, vocab_size] float32."""
+        token_ids, num_accepted = self.verify(logits, t)
+        return self.update_and_draft(token_ids, num_accepted, t, plan)
+
+    def verify(self, logits: torch.Tensor, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token_ids [num_seqs, max_rows] int32, -1 padded; num_accepted [num_seqs] int32)."""
+        inputs, slots = self.inputs, t.row_slots
+        token_ids, num_accepted, *_ = kernels.verify_sample(
+            logits,
+            inputs.temperature[slots],
+            inputs.top_k[slots],
+            inputs.top_p[slots],
+            inputs.min_p[slots],
+            inputs.seeds[slots],
+            t.row_positions,
+            t.draft_ids,
+            t.cu_num_rows,
+            self.strategy,
+            self.policy,
+            max_rows=t.max_rows,
+            request_of_row=t.request_of_row,
+        )
+        return token_ids, num_accepted
+
+    def update_and_draft(
+        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, t: StepTensors, plan: StepPlan
+    ) -> torch.Tensor:
+        """Post-step update and drafting after any verifier; the packed result."""
+        num_kept, finish, stop_token = self.update(token_ids, num_accepted, t.seq_slots)
+        drafts = self.draft(t, plan, finish)
+        columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
+        packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
+        return torch.cat(packed, dim=1)
+
+    def update(
+        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Appends each request's emitted tokens to its row, up to the one that ends it; (num_kept,
+        finish, stop_token) per request. Lengths are gathered per request and scattered back."""
+        inputs = self.inputs
+        lengths, num_output = inputs.num_tokens[slots], inputs.num_output[slots]
+        result = kernels.post_step_update(
+            inputs.token_rows,
+            slots,
+            lengths,
+            num_output,
+            token_ids,
+            num_accepted + 1,
+            inputs.max_tokens[slots],
+            inputs.min_tokens[slots],
+            inputs.ignore_eos[slots],
+            inputs.eos_ids[slots],
+            inputs.stop_ids[slots],
+        )
+        inputs.num_tokens[slots] = lengths
+        inputs.num_output[slots] = num_output
+        return result
+
+    def draft(self, t: StepTensors, plan: StepPlan, finish: torch.Tensor) -> Drafts:
+        """Each device proposer drafts for its running requests; [num_seqs, max_num_drafts]."""
+        inputs, slots = self.inputs, t.seq_slots
+        room = (inputs.max_tokens[slots] - inputs.num_output[slots] - 1).clamp(min=0)
+        wanted = torch.where(finish == RUNNING, torch.minimum(t.num_wanted, room), 0)
+        width = max(self.max_num_drafts, 1)
+        token_ids = torch.full((len(slots), width), -1, dtype=torch.int32, device=slots.device)
+        num_drafts = torch.zeros_like(wanted)
+        for index, proposer in enumerate(self.proposers):
+            mine = t.seq_methods == index
+            batch = DraftBatch(
+                inputs=inputs,
+                seqs=plan.seqs,
+                seq_slots=slots,
+                seq_rows=t.seq_rows,
+                num_wanted=torch.where(mine, wanted, 0),
+                num_wanted_cpu=plan.num_wanted,
+                num_steps=plan.num_steps,
+                forward=t.forward,
+            )
+            drafts = proposer.propose(batch)
+            found = drafts.token_ids[:, :width]
+            token_ids[:, : found.shape[1]] = torch.where(mine[:, None], found, token_ids[:, : found.shape[1]])
+            num_drafts = torch.where(mine, drafts.num_drafts, num_drafts)
+        return Drafts(token_ids, num_drafts)
