@@ -60,7 +60,7 @@ class SpeculativeConfig(BaseModel):
     """Debugging bounds: accept_all keeps every draft, reject_all keeps none."""
     adaptive: bool = True
     """Per-request k follows observed acceptance; speculation shrinks when the batch makes it a loss."""
-    adaptive_min_acceptance: float = Field(default=0.2, ge=0.0, le=1.0)
+    adaptive_min_acceptance: float = Field(default=0.05, ge=0.0, le=1.0)
     """Below this estimated acceptance rate a request stops drafting (it probes again now and then)."""
     allow_request_override: bool = True
     """Whether a request may choose its own method / k / turn speculation off (never above k)."""

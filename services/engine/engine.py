@@ -258,7 +258,8 @@ class LLMEngine:
         step = self.runner.execute(batch, plan)
         outputs = self._postprocess(batch, plan, step)
         self.drafter.propose_on_host(plan)
-        self.drafter.record_step(step.num_tokens, plan.num_steps, time.perf_counter() - started)
+        num_emitted = sum(len(output.new_token_ids) for output in outputs)
+        self.drafter.record_step(step.num_tokens, num_emitted, plan.num_steps, time.perf_counter() - started)
         return outputs
 
     def _update_slots(self, batch: ScheduledBatch) -> None:

@@ -134,17 +134,18 @@ def test_cuda_verify_matches_reference(vocab: int, strategy: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_rejection_sampler_fused_path_matches_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_kernel_matches_the_torch_rejection_sampler() -> None:
+    """What the step's tail verifies with (the CUDA kernel) equals what the torch path, which serves
+    requests with penalties or logprobs, would emit."""
+    from kernels.verify import verify_sample_cuda
+
     rng = random.Random(11)
     requests = random_requests(20, 1000, rng)
     logits = torch.randn(sum(r.num_rows for r in requests), 1000, device="cuda") * 2
     plant_drafts(requests, logits)
+    rows = row_tensors(requests, "cuda")
     for strategy in sorted(STRATEGIES):
-        sampler = RejectionSampler(strategy)
-        fused = sampler(logits, sampler_batch(requests), requests)
-        monkeypatch.setattr(RejectionSampler, "_fused", staticmethod(lambda *a: False))
-        torch_path = sampler(logits, sampler_batch(requests), requests)
-        monkeypatch.undo()
-        assert [(r.token_ids, r.num_accepted) for r in fused] == [
-            (r.token_ids, r.num_accepted) for r in torch_path
-        ]
+        token_ids, num_accepted, *_ = verify_sample_cuda(logits, **rows, strategy=STRATEGIES[strategy])
+        fused = [(t[: n + 1].tolist(), n) for t, n in zip(token_ids.cpu(), num_accepted.tolist())]
+        torch_path = RejectionSampler(strategy)(logits, sampler_batch(requests), requests)
+        assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy

@@ -7,24 +7,26 @@ g(k) = a + ... + a^k tokens beyond the one every step emits.
 
 *Cost*, learned online from the engine's own steps by nonnegative least squares:
 
-- verifying: each draft is one more query token in the target forward. The step's time less its
-  drafting is fitted as T(n) = step_fixed + verify_s * n for n tokens in the forward;
-- drafting: each method's `propose()` is timed apart and fitted as
+- the step: its time less host drafting is fitted as
+      T = step_fixed + verify_s * n + per_emitted_s * e + per_chain_step_s * L
+  for n tokens in the target forward (each draft is one more), e tokens emitted (the host's work
+  per output token: detokenizing, stop strings, streaming) and a drafting model's chain of L
+  forwards, which runs inside the step's tail (the MTP head, the draft model);
+- host drafting: a host proposer's `propose()` (suffix decoding) is timed apart and fitted as
       D = fixed_s + per_request_s * R + per_draft_s * K + per_forward_s * F + per_context_token_s * C
-  for R requests drafting K drafts in all, in F chained forwards (a drafting model runs one per
-  draft position, for the whole batch at once), after reading C tokens the drafter had not seen
-  (a draft model catching up; the whole prompt at a request's first draft). The terms are what the
-  methods pay: a kernel launch per step (n-gram on a GPU), host work per request (suffix-tree
-  look-ups, host n-gram matching), work per draft, forwards, catch-up. A fit of the whole step
-  against its tokens sees none of the per-request cost, which at high concurrency can exceed what
-  the accepted drafts save.
+  for R requests drafting K drafts in all, in F chained forwards, after reading C tokens the
+  drafter had not seen. The terms are what such methods pay: host work per request (suffix-tree
+  look-ups), work per draft. A fit of the whole step against its tokens sees none of the
+  per-request cost, which at high concurrency can exceed what the accepted drafts save.
+  A device method's chain is priced by the step fit's chain slope (per_forward_s).
 
 *Choice.* The ks maximise the batch's tokens per second
 
     rate(k) = (N + sum_i g_i(k_i)) / (T(n_0) + sum_i c_i(k_i) + sum_m chain_m(L_m))
 
 for N requests and n_0 tokens that are not drafts, where a request drafting k > 0 costs
-c_i(k) = per_request_s + (verify_s + per_draft_s) * k + per_context_token_s * (1 + g_i(k)), and
+c_i(k) = per_request_s + (verify_s + per_draft_s) * k + per_context_token_s * (1 + g_i(k))
++ per_emitted_s * g_i(k), and
 method m, whose longest k is L_m, pays chain_m(L) = fixed_s + per_forward_s * forwards_m(L) once
 (chain_m(0) = 0). A drafting request's drafter catches up next step on the 1 + g tokens it emits;
 the backlog of one that has not drafted for a while is paid once and left out of the choice.
@@ -176,24 +178,32 @@ class SampleWindow:
         return nonnegative_least_squares(rows[:, 1:-1], rows[:, -1])
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """T = fixed_s + verify_s * n + per_emitted_s * e + per_chain_step_s * L (the module docstring)."""
+
+    fixed_s: float = 1.0
+    verify_s: float = 0.0
+    per_emitted_s: float = 0.0
+    per_chain_step_s: float = 0.0
+
+
 class StepCostModel:
-    """The step's time less its host drafting against the tokens in the target forward and the
-    drafting model's chained forwards, which run inside the step:
-    T(n, L) = fixed + per_token * n + per_chain_step * L."""
+    """The step's time less its host drafting against the tokens in the target forward, the
+    tokens it emitted and the drafting model's chained forwards inside the step."""
 
     def __init__(self, window: int = COST_WINDOW):
-        self.samples = SampleWindow(num_terms=2, window=window)
+        self.samples = SampleWindow(num_terms=3, window=window)
 
-    def record(self, num_tokens: int, num_chain_steps: int, seconds: float) -> None:
-        self.samples.record(0, (num_tokens, num_chain_steps), seconds)
+    def record(self, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float) -> None:
+        self.samples.record(0, (num_tokens, num_emitted, num_chain_steps), seconds)
 
-    def fit(self) -> tuple[float, float, float]:
-        """(fixed seconds, seconds per token, seconds per chain step); a slope stays 0 until its
-        count has varied."""
+    def fit(self) -> StepCost:
+        """A slope stays 0 until its count has varied."""
         coef = self.samples.fit()
         if coef is None:
-            return 1.0, 0.0, 0.0
-        return max(float(coef[0]), 1e-9), float(coef[1]), float(coef[2])
+            return StepCost()
+        return StepCost(max(float(coef[0]), 1e-9), *(float(c) for c in coef[1:]))
 
 
 @dataclass(frozen=True)
@@ -294,7 +304,7 @@ class AdaptiveSpeculation:
         self.step = 0
         self.last_drafted: dict[str, int] = {}
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
-        self._fits: tuple[int, tuple[float, float, float], dict[str, DraftCost]] | None = None
+        self._fits: tuple[int, StepCost, dict[str, DraftCost]] | None = None
         """(step fitted at, step cost fit, drafting cost fit per method)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
@@ -305,10 +315,10 @@ class AdaptiveSpeculation:
         rate = num_accepted / trials
         seq.spec.acceptance += ACCEPTANCE_SMOOTHING * (rate - seq.spec.acceptance)
 
-    def record_step(self, num_tokens: int, num_chain_steps: int, seconds: float) -> None:
-        """A step's time less its host drafting, with `num_tokens` in the target forward and a
-        drafting model's chain of `num_chain_steps` forwards."""
-        self.cost.record(num_tokens, num_chain_steps, seconds)
+    def record_step(self, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float) -> None:
+        """A step's time less its host drafting, with `num_tokens` in the target forward,
+        `num_emitted` output tokens and a drafting model's chain of `num_chain_steps` forwards."""
+        self.cost.record(num_tokens, num_emitted, num_chain_steps, seconds)
 
     def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
         """One `propose()` of `method` for requests drafting ks (all > 0), after reading
@@ -338,8 +348,8 @@ class AdaptiveSpeculation:
                 self.last_drafted[seq.request_id] = self.step
         return ks.tolist()
 
-    def _fitted(self) -> tuple[float, float, dict[str, DraftCost]]:
-        """The step cost (fixed, per token) and each method's drafting cost, refitted every
+    def _fitted(self) -> tuple[StepCost, dict[str, DraftCost]]:
+        """The step cost and each method's drafting cost, refitted every
         REFIT_EVERY_STEPS steps or when a method has samples but no fit yet. A drafting model's
         chain runs inside the step: its cost per forward is the step fit's chain slope."""
         fits = self._fits
@@ -354,13 +364,13 @@ class AdaptiveSpeculation:
                 step_cost,
                 {m: c.fit(self.step) for m, c in self.draft_cost.items()},
             )
-        fixed_s, per_token_s, per_chain_step_s = fits[1]
-        chained = {m: DraftCost(per_forward_s=per_chain_step_s) for m in self.max_forwards}
-        return fixed_s, per_token_s, {**chained, **fits[2]}
+        chained = {m: DraftCost(per_forward_s=fits[1].per_chain_step_s) for m in self.max_forwards}
+        return fits[1], {**chained, **fits[2]}
 
     def _choices(self, seqs: list[Sequence], num_other_tokens: int) -> DraftChoices:
         """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""
-        fixed_s, verify_s, fitted = self._fitted()
+        step, fitted = self._fitted()
+        verify_s = step.verify_s
         names = sorted({seq.spec.method for seq in seqs})
         costs = [fitted.get(m, DraftCost()) for m in names]
         method = np.array([names.index(seq.spec.method) for seq in seqs])
@@ -375,6 +385,7 @@ class AdaptiveSpeculation:
             per_request_s[:, None]
             + per_draft_s[:, None] * num_drafts
             + per_context_token_s[:, None] * (1.0 + gain)
+            + step.per_emitted_s * gain
         )
         cost_s[:, 0] = 0.0
         cost_s[num_drafts[None, :] > max_ks[:, None]] = np.inf
@@ -389,7 +400,7 @@ class AdaptiveSpeculation:
             method=method,
             chain_cost_s=chain_cost_s * (1 + DRAFT_COST_MARGIN),
             base_tokens=float(len(seqs)),
-            base_s=fixed_s + verify_s * num_other_tokens,
+            base_s=step.fixed_s + verify_s * num_other_tokens + step.per_emitted_s * len(seqs),
         )
 
     def _probe(

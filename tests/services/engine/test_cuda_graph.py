@@ -259,7 +259,7 @@ def test_graph_outputs_share_one_buffer(make_checkpoint) -> None:
         max_model_len=256,
         cuda_graph_max_tokens=max_tokens,
         max_num_seqs=max_tokens,
-        num_kv_blocks=8,
+        num_kv_blocks=64,
         block_size=BLOCK,
     )
     graphs = llm.engine.runner.graphs

@@ -41,7 +41,7 @@ MAX_FORWARDS = {"draft_model": 8}
 def with_cost(fixed_s: float, per_token_s: float) -> AdaptiveSpeculation:
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2, max_forwards=MAX_FORWARDS)
     for n in (1, 64, 256, 1024):
-        adaptive.cost.record(n, 0, fixed_s + per_token_s * n)
+        adaptive.cost.record(n, 0, 0, fixed_s + per_token_s * n)
     return adaptive
 
 
@@ -127,13 +127,14 @@ def random_case(rng: random.Random) -> Case:
 
 
 def test_cost_model_recovers_a_linear_step_time() -> None:
-    """The step's fixed time, its time per token and per chained drafting forward."""
+    """The step's fixed time, its time per token in the forward, per emitted token and per chained
+    drafting forward."""
     model = StepCostModel()
-    for n, chain in ((4, 0), (16, 3), (64, 1), (128, 0), (32, 2)):
-        model.record(n, chain, 0.010 + 0.0002 * n + 0.0015 * chain)
-    fixed, per_token, per_chain_step = model.fit()
-    assert abs(fixed - 0.010) < 1e-9 and abs(per_token - 0.0002) < 1e-12
-    assert abs(per_chain_step - 0.0015) < 1e-9
+    for n, emitted, chain in ((4, 2, 0), (16, 5, 3), (64, 40, 1), (128, 64, 0), (32, 9, 2), (8, 8, 1)):
+        model.record(n, emitted, chain, 0.010 + 0.0002 * n + 0.00005 * emitted + 0.0015 * chain)
+    cost = model.fit()
+    assert abs(cost.fixed_s - 0.010) < 1e-9 and abs(cost.verify_s - 0.0002) < 1e-9
+    assert abs(cost.per_emitted_s - 0.00005) < 1e-9 and abs(cost.per_chain_step_s - 0.0015) < 1e-9
 
 
 def test_nonnegative_least_squares_matches_brute_force_over_a_grid() -> None:
@@ -371,7 +372,7 @@ def simulate(
         num_requests = sum(k > 0 for k in ks)
         if num_requests:
             adaptive.record_drafting("suffix", [k for k in ks if k], 0, per_request_s * num_requests)
-        adaptive.record_step(len(batch) + sum(ks), 0, 0.010 + 1e-5 * (len(batch) + sum(ks)))
+        adaptive.record_step(len(batch) + sum(ks), 0, 0, 0.010 + 1e-5 * (len(batch) + sum(ks)))
         drafting.append(num_requests)
     return drafting
 

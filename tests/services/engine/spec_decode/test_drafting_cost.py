@@ -9,7 +9,13 @@ import pytest
 
 from services.engine.llm import LLM
 from services.engine.sequence import Sequence
-from services.engine.spec_decode.adaptive import AdaptiveSpeculation, DraftCost, DraftCostModel, StepCostModel
+from services.engine.spec_decode.adaptive import (
+    AdaptiveSpeculation,
+    DraftCost,
+    DraftCostModel,
+    StepCost,
+    StepCostModel,
+)
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 CHOOSE = AdaptiveSpeculation.choose
@@ -41,10 +47,10 @@ def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
     priced at 1 s each (a draft token in the forward, a chained forward, a request's host
     drafting) only on probes; both give naive's tokens (the draft model's cache catching up on the
     steps it skipped)."""
-    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 0.0, 0.0))
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010))
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost())
     free_tokens, free_drafts = generate(target, method, monkeypatch)
-    monkeypatch.setattr(StepCostModel, "fit", lambda self: (0.010, 1.0, 1.0))
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010, 1.0, 0.0, 1.0))
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost(per_request_s=1.0))
     costly_tokens, costly_drafts = generate(target, method, monkeypatch)
     assert free_tokens == costly_tokens == naive_tokens
