@@ -1,12 +1,15 @@
-"""What verifying k drafts costs: a decode step over 1 + k tokens per request against a plain step.
+"""What verifying k drafts costs: a decode step over 1 + k tokens per request against a plain step,
+and what a drafting model's work in the step's tail costs.
 
     python -m benchmarks.verify_cost --model DIR --ks 1 3 5 --batch-sizes 1 16 64 --context 1024
+    python -m benchmarks.verify_cost --model DIR --ks 3 --method '{"method": "mtp", "model": "HEAD"}'
 
-For each k an engine is built (n-gram drafting, so its CUDA graphs cover queries of 1 and 1 + k
-tokens), and a synthetic decode step — every request at `context` tokens, bringing 1 + k tokens —
-is replayed from its graphs (forward, then the tail: verify, post-step update, n-gram drafting) and
-timed with CUDA events against the same step with k = 0. The ratio is what speculation's ideal
-speedup divides by: ideal = mean accepted length / (verify step / plain step).
+For each k an engine is built (by default n-gram drafting, so its CUDA graphs cover queries of 1
+and 1 + k tokens), and a synthetic decode step — every request at `context` tokens, bringing 1 + k
+tokens — is replayed from its graphs and timed with CUDA events: the forward alone, and the tail
+(verify, post-step update, drafting) for each chain length a drafting model may run. `ratio` is
+the whole step over 1 + k tokens against the plain step (k = 0, no chain): what speculation's ideal
+speedup divides by, ideal = mean accepted length / ratio.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch
 
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.engine import LLMEngine
-from services.engine.verify_update import StepPlan
 from shared.config import EngineConfig
+from shared.speculative_config import SpeculativeConfig
 
 
 def synthetic_step(
@@ -64,45 +67,64 @@ def synthetic_step(
     )
 
 
-def step_ms(graphs: DecodeGraphs, step: HostStep, reps: int = 50) -> float:
-    """Median device time of the step's forward and tail replays."""
-    key = graphs.lookup(step.num_tokens, int(step.query_lens.max()))
-    assert key is not None, f"no graph for {step.num_tokens} tokens"
-    plan = StepPlan([], [], 0)
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    """Median device time of one graph's replays."""
     for _ in range(3):
-        graphs.replay(step, key, plan)
+        graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graphs.replay_forward(step, key)
-        graphs.tails[(*key, 0)][0].replay()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
+def step_times(graphs: DecodeGraphs, step: HostStep) -> dict[str, float]:
+    """The forward's and each tail's device time for `step` (its inputs copied in once)."""
+    key = graphs.lookup(step.num_tokens, int(step.query_lens.max()))
+    assert key is not None, f"no graph for {step.num_tokens} tokens"
+    graphs.replay_forward(step, key)
+    times = {"forward_ms": replay_ms(graphs.graphs[key])}
+    for chain in graphs.chain_lengths:
+        times[f"tail_L{chain}_ms"] = replay_ms(graphs.tails[(*key, chain)][0])
+    return times
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
+    method = json.loads(args.method)
     for k in args.ks:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
             max_num_seqs=max(args.batch_sizes),
             max_model_len=args.context + 2 * k + 16,
             cuda_graph_max_tokens=max(args.batch_sizes) * (1 + k),
-            speculative_config=spec,
+            speculative_config=SpeculativeConfig.model_validate(
+                {**method, "num_speculative_tokens": k, "adaptive": False}
+            ),
         )
         engine = LLMEngine(config)
         graphs = engine.runner.graphs
         assert graphs is not None, "CUDA graphs are needed (a GPU, no --enforce-eager)"
         for batch in args.batch_sizes:
-            plain = step_ms(graphs, synthetic_step(graphs, batch, 1, args.context, config.block_size))
-            verify = step_ms(graphs, synthetic_step(graphs, batch, 1 + k, args.context, config.block_size))
+            plain = step_times(graphs, synthetic_step(graphs, batch, 1, args.context, config.block_size))
+            verify = step_times(graphs, synthetic_step(graphs, batch, 1 + k, args.context, config.block_size))
+            plain_ms = plain["forward_ms"] + plain["tail_L0_ms"]
+            verify_ms = verify["forward_ms"] + verify[f"tail_L{max(graphs.chain_lengths)}_ms"]
             row = dict(
-                k=k, batch=batch, context=args.context, plain_ms=plain, verify_ms=verify, ratio=verify / plain
+                method=method["method"],
+                k=k,
+                batch=batch,
+                context=args.context,
+                plain=plain,
+                verify=verify,
+                plain_ms=plain_ms,
+                verify_ms=verify_ms,
+                ratio=verify_ms / plain_ms,
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -118,15 +140,16 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--method", default='{"method": "ngram"}', help="speculative config JSON (k aside)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = measure(args)
     if args.out:
         args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-    print(f"{'k':>3} {'batch':>5} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}")
+    print(f"{'method':>11} {'k':>3} {'batch':>5} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}")
     for row in rows:
         print(
-            f"{row['k']:>3} {row['batch']:>5} {row['plain_ms']:>9.3f} {row['verify_ms']:>10.3f} {row['ratio']:>6.2f}"
+            f"{row['method']:>11} {row['k']:>3} {row['batch']:>5} {row['plain_ms']:>9.3f} {row['verify_ms']:>10.3f} {row['ratio']:>6.2f}"
         )
 
 

@@ -259,7 +259,8 @@ class LLMEngine:
         outputs = self._postprocess(batch, plan, step)
         self.drafter.propose_on_host(plan)
         num_emitted = sum(len(output.new_token_ids) for output in outputs)
-        self.drafter.record_step(step.num_tokens, num_emitted, plan.num_steps, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.drafter.record_step(len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds)
         return outputs
 
     def _update_slots(self, batch: ScheduledBatch) -> None:
@@ -336,7 +337,7 @@ class LLMEngine:
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             metrics=metrics,
-            spec_stats=seq.spec.stats(),
+            spec_stats=seq.spec.stats() if finished else {},
         )
 
     # ---- validation -------------------------------------------------------------------------------

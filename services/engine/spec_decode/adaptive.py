@@ -8,10 +8,12 @@ g(k) = a + ... + a^k tokens beyond the one every step emits.
 *Cost*, learned online from the engine's own steps by nonnegative least squares:
 
 - the step: its time less host drafting is fitted as
-      T = step_fixed + verify_s * n + per_emitted_s * e + per_chain_step_s * L
-  for n tokens in the target forward (each draft is one more), e tokens emitted (the host's work
-  per output token: detokenizing, stop strings, streaming) and a drafting model's chain of L
-  forwards, which runs inside the step's tail (the MTP head, the draft model);
+      T = step_fixed + per_request_s * R + verify_s * n + per_emitted_s * e + per_chain_step_s * L
+  for R requests (the host's work per request: scheduling, bookkeeping), n tokens in the target
+  forward (each draft is one more), e tokens emitted (the host's work per output token:
+  detokenizing, stop strings, streaming) and a drafting model's chain of L forwards, which runs
+  inside the step's tail (the MTP head, the draft model). Without the first and third terms the
+  host's work would be charged to the drafts, whose count moves with them;
 - host drafting: a host proposer's `propose()` (suffix decoding) is timed apart and fitted as
       D = fixed_s + per_request_s * R + per_draft_s * K + per_forward_s * F + per_context_token_s * C
   for R requests drafting K drafts in all, in F chained forwards, after reading C tokens the
@@ -180,23 +182,27 @@ class SampleWindow:
 
 @dataclass(frozen=True)
 class StepCost:
-    """T = fixed_s + verify_s * n + per_emitted_s * e + per_chain_step_s * L (the module docstring)."""
+    """T = fixed_s + per_request_s * R + verify_s * n + per_emitted_s * e + per_chain_step_s * L
+    (the module docstring)."""
 
     fixed_s: float = 1.0
+    per_request_s: float = 0.0
     verify_s: float = 0.0
     per_emitted_s: float = 0.0
     per_chain_step_s: float = 0.0
 
 
 class StepCostModel:
-    """The step's time less its host drafting against the tokens in the target forward, the
-    tokens it emitted and the drafting model's chained forwards inside the step."""
+    """The step's time less its host drafting against its requests, the tokens in the target
+    forward, the tokens it emitted and the drafting model's chained forwards inside the step."""
 
     def __init__(self, window: int = COST_WINDOW):
-        self.samples = SampleWindow(num_terms=3, window=window)
+        self.samples = SampleWindow(num_terms=4, window=window)
 
-    def record(self, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float) -> None:
-        self.samples.record(0, (num_tokens, num_emitted, num_chain_steps), seconds)
+    def record(
+        self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
+    ) -> None:
+        self.samples.record(0, (num_requests, num_tokens, num_emitted, num_chain_steps), seconds)
 
     def fit(self) -> StepCost:
         """A slope stays 0 until its count has varied."""
@@ -315,10 +321,13 @@ class AdaptiveSpeculation:
         rate = num_accepted / trials
         seq.spec.acceptance += ACCEPTANCE_SMOOTHING * (rate - seq.spec.acceptance)
 
-    def record_step(self, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float) -> None:
-        """A step's time less its host drafting, with `num_tokens` in the target forward,
-        `num_emitted` output tokens and a drafting model's chain of `num_chain_steps` forwards."""
-        self.cost.record(num_tokens, num_emitted, num_chain_steps, seconds)
+    def record_step(
+        self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
+    ) -> None:
+        """A step's time less its host drafting, with `num_requests` requests, `num_tokens` in the
+        target forward, `num_emitted` output tokens and a drafting model's chain of
+        `num_chain_steps` forwards."""
+        self.cost.record(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
 
     def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
         """One `propose()` of `method` for requests drafting ks (all > 0), after reading
@@ -400,7 +409,9 @@ class AdaptiveSpeculation:
             method=method,
             chain_cost_s=chain_cost_s * (1 + DRAFT_COST_MARGIN),
             base_tokens=float(len(seqs)),
-            base_s=step.fixed_s + verify_s * num_other_tokens + step.per_emitted_s * len(seqs),
+            base_s=step.fixed_s
+            + verify_s * num_other_tokens
+            + (step.per_request_s + step.per_emitted_s) * len(seqs),
         )
 
     def _probe(

@@ -169,10 +169,13 @@ class Drafter:
                 seq.spec.k = n
         self.host_drafting_s = time.perf_counter() - started
 
-    def record_step(self, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float) -> None:
-        """Books an engine step's time less its host drafting: the target forward's tokens, the
-        tokens it emitted and the drafting models' chain, which runs inside the step."""
-        self.adaptive.record_step(num_tokens, num_emitted, num_chain_steps, seconds - self.host_drafting_s)
+    def record_step(
+        self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
+    ) -> None:
+        """Books an engine step's time less its host drafting: its requests, the target forward's
+        tokens, the tokens it emitted and the drafting models' chain, which runs inside the step."""
+        seconds -= self.host_drafting_s
+        self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
 
     def _reserve_chain(self, seq: Sequence, k: int, num_new: int) -> int:
         """k, or 0 when the blocks the request's drafting-model chain writes cannot be had."""

@@ -41,7 +41,7 @@ MAX_FORWARDS = {"draft_model": 8}
 def with_cost(fixed_s: float, per_token_s: float) -> AdaptiveSpeculation:
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2, max_forwards=MAX_FORWARDS)
     for n in (1, 64, 256, 1024):
-        adaptive.cost.record(n, 0, 0, fixed_s + per_token_s * n)
+        adaptive.cost.record(1, n, 0, 0, fixed_s + per_token_s * n)
     return adaptive
 
 
@@ -127,13 +127,16 @@ def random_case(rng: random.Random) -> Case:
 
 
 def test_cost_model_recovers_a_linear_step_time() -> None:
-    """The step's fixed time, its time per token in the forward, per emitted token and per chained
-    drafting forward."""
+    """The step's fixed time, its time per request, per token in the forward, per emitted token and
+    per chained drafting forward."""
     model = StepCostModel()
-    for n, emitted, chain in ((4, 2, 0), (16, 5, 3), (64, 40, 1), (128, 64, 0), (32, 9, 2), (8, 8, 1)):
-        model.record(n, emitted, chain, 0.010 + 0.0002 * n + 0.00005 * emitted + 0.0015 * chain)
+    samples = ((1, 4, 2, 0), (4, 16, 5, 3), (16, 64, 40, 1), (64, 128, 64, 0), (8, 32, 9, 2), (8, 8, 8, 1))
+    for requests, n, emitted, chain in samples:
+        seconds = 0.010 + 0.0003 * requests + 0.0002 * n + 0.00005 * emitted + 0.0015 * chain
+        model.record(requests, n, emitted, chain, seconds)
     cost = model.fit()
     assert abs(cost.fixed_s - 0.010) < 1e-9 and abs(cost.verify_s - 0.0002) < 1e-9
+    assert abs(cost.per_request_s - 0.0003) < 1e-9
     assert abs(cost.per_emitted_s - 0.00005) < 1e-9 and abs(cost.per_chain_step_s - 0.0015) < 1e-9
 
 
@@ -372,7 +375,7 @@ def simulate(
         num_requests = sum(k > 0 for k in ks)
         if num_requests:
             adaptive.record_drafting("suffix", [k for k in ks if k], 0, per_request_s * num_requests)
-        adaptive.record_step(len(batch) + sum(ks), 0, 0, 0.010 + 1e-5 * (len(batch) + sum(ks)))
+        adaptive.record_step(len(batch), len(batch) + sum(ks), 0, 0, 0.010 + 1e-5 * (len(batch) + sum(ks)))
         drafting.append(num_requests)
     return drafting
 

@@ -50,7 +50,9 @@ def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
     monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010))
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost())
     free_tokens, free_drafts = generate(target, method, monkeypatch)
-    monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010, 1.0, 0.0, 1.0))
+    monkeypatch.setattr(
+        StepCostModel, "fit", lambda self: StepCost(fixed_s=0.010, verify_s=1.0, per_chain_step_s=1.0)
+    )
     monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost(per_request_s=1.0))
     costly_tokens, costly_drafts = generate(target, method, monkeypatch)
     assert free_tokens == costly_tokens == naive_tokens
