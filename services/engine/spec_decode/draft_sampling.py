@@ -13,6 +13,8 @@ et al.'s rejection test with q kept reaches 1 - TV but ties the output to the dr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 import kernels
@@ -20,28 +22,61 @@ from kernels.verify_ref import GREEDY
 from services.engine.input_batch import InputBatch
 
 
+@dataclass
+class DraftSampling:
+    """The sampling parameters of a step's requests, gathered from their slots once and reused by
+    every draft of a chain (a chain step then launches one sampling kernel, not a dozen)."""
+
+    temperature: torch.Tensor  # [num_seqs] float32
+    top_k: torch.Tensor  # [num_seqs] int32
+    top_p: torch.Tensor  # [num_seqs] float32
+    min_p: torch.Tensor  # [num_seqs] float32
+    seeds: torch.Tensor  # [num_seqs] int64
+    first_position: torch.Tensor  # [num_seqs] int64 output position of each request's first draft
+    rows: torch.Tensor  # [num_seqs + 1] int32 0, 1, ...: one row per request
+    no_drafts: torch.Tensor  # [num_seqs] int32 -1s: every row samples
+
+    @classmethod
+    def gather(cls, inputs: InputBatch, slots: torch.Tensor) -> DraftSampling:
+        """For the requests in `slots` ([num_seqs] int64), their drafts following the tokens they have."""
+        num_seqs = slots.shape[0]
+        return cls(
+            temperature=inputs.temperature[slots],
+            top_k=inputs.top_k[slots],
+            top_p=inputs.top_p[slots],
+            min_p=inputs.min_p[slots],
+            seeds=inputs.seeds[slots],
+            first_position=inputs.num_output[slots].long(),
+            rows=torch.arange(num_seqs + 1, dtype=torch.int32, device=slots.device),
+            no_drafts=torch.full((num_seqs,), -1, dtype=torch.int32, device=slots.device),
+        )
+
+    def sample(self, logits: torch.Tensor, draft_index: int) -> torch.Tensor:
+        """[num_seqs] int64: each request's draft number `draft_index` from a drafting model's
+        logits ([num_seqs, vocab_size] float32), through the fused sampler (a bonus row per request,
+        no drafts to check), keyed as the target's row that will verify it."""
+        token_ids, *_ = kernels.verify_sample(
+            logits.contiguous(),
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.seeds,
+            self.first_position + draft_index,
+            self.no_drafts,
+            self.rows,
+            GREEDY,
+            max_rows=1,
+            request_of_row=self.rows[:-1],
+        )
+        return token_ids[:, 0].long()
+
+
 def sample_drafts(
     logits: torch.Tensor,  # [num_seqs, vocab_size] float32
     inputs: InputBatch,
     slots: torch.Tensor,  # [num_seqs] int64
-    positions: torch.Tensor,  # [num_seqs] int64 output position each draft will be verified at
+    draft_index: int,
 ) -> torch.Tensor:  # [num_seqs] int64
-    """One draft per request through the fused sampler (a bonus row per request, no drafts)."""
-    num_seqs = logits.shape[0]
-    device = logits.device
-    rows = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
-    token_ids, *_ = kernels.verify_sample(
-        logits.contiguous(),
-        inputs.temperature[slots],
-        inputs.top_k[slots],
-        inputs.top_p[slots],
-        inputs.min_p[slots],
-        inputs.seeds[slots],
-        positions,
-        torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
-        rows,
-        GREEDY,
-        max_rows=1,
-        request_of_row=rows[:-1],
-    )
-    return token_ids[:, 0].long()
+    """Draft number `draft_index` of each request (after the tokens it has) from `logits`."""
+    return DraftSampling.gather(inputs, slots).sample(logits, draft_index)

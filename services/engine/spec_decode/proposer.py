@@ -9,6 +9,7 @@ requests' token lists. Methods are looked up by name (`services.engine.spec_deco
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import kernels
 from kernels import AttentionMetadata
 from services.engine.input_batch import InputBatch
 from services.engine.sequence import Sequence
-from services.engine.spec_decode.draft_sampling import sample_drafts
+from services.engine.spec_decode.draft_sampling import DraftSampling
 
 
 @dataclass
@@ -61,8 +62,16 @@ class DraftBatch:
         """[num_seqs] int64: each request's draft number `num_before` from a drafting model's
         logits ([num_seqs, vocab_size] float32), sampled with the noise the target's verification
         will use at that output position, so that the target's own sample decides acceptance."""
-        slots = self.seq_slots
-        return sample_drafts(logits, self.inputs, slots, self.inputs.num_output[slots].long() + num_before)
+        return self._sampling.sample(logits, num_before)
+
+    @functools.cached_property
+    def _sampling(self) -> DraftSampling:
+        return DraftSampling.gather(self.inputs, self.seq_slots)
+
+    @functools.cached_property
+    def _tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] each request's block table
+        assert self.forward is not None
+        return self.forward.meta.block_tables[self.seq_rows]
 
     def chain_inputs(
         self, positions: torch.Tensor, step: int, block_size: int
@@ -72,7 +81,7 @@ class DraftBatch:
         most `step` drafts (their blocks may not reach that far) sit at position 0, write no KV
         and attend to one key: their rows are not used."""
         assert self.forward is not None
-        tables = self.forward.meta.block_tables[self.seq_rows]  # [num_seqs, max_blocks]
+        tables = self._tables
         drafting = self.num_wanted > step
         positions = torch.where(drafting, positions, 0)
         blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
@@ -82,7 +91,7 @@ class DraftBatch:
         on_host = not kernels.cuda_available(positions)  # the torch twin reads lengths on the host
         return positions, AttentionMetadata(
             slot_mapping=slots,
-            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=positions.device),
+            query_start_loc=self._sampling.rows,  # one query token per request
             seq_lens=seq_lens,
             block_tables=tables,
             query_lens_cpu=[1] * num_seqs,

@@ -36,7 +36,7 @@ def coupled_drafts(draft_logits: torch.Tensor, seeds: torch.Tensor, k: int) -> t
     inputs.flush()
     slots = torch.arange(num)
     logits = draft_logits.expand(num, VOCAB).contiguous()
-    columns = [sample_drafts(logits, inputs, slots, torch.full((num,), j)) for j in range(k)]
+    columns = [sample_drafts(logits, inputs, slots, j) for j in range(k)]
     return torch.stack(columns, dim=1) if columns else torch.empty(num, 0, dtype=torch.long)
 
 
