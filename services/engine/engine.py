@@ -258,9 +258,10 @@ class LLMEngine:
         step = self.runner.execute(batch, plan)
         outputs = self._postprocess(batch, plan, step)
         self.drafter.propose_on_host(plan)
-        num_emitted = sum(len(output.new_token_ids) for output in outputs)
-        seconds = time.perf_counter() - started
-        self.drafter.record_step(len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds)
+        if step.is_decode:  # what the drafts are chosen for; prefill chunks cost another way
+            num_emitted = sum(len(output.new_token_ids) for output in outputs)
+            seconds = time.perf_counter() - started
+            self.drafter.record_step(len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds)
         return outputs
 
     def _update_slots(self, batch: ScheduledBatch) -> None:

@@ -86,6 +86,8 @@ class StepOutput:
     """One per request that got a token (StepPlan.seqs)."""
     num_tokens: int
     """Tokens in the target forward."""
+    is_decode: bool
+    """Every request brought only its last token and its drafts (no prefill chunk)."""
 
 
 class ModelRunner:
@@ -248,7 +250,7 @@ class ModelRunner:
         results = [SeqResult.unpack(row, max_rows) for row in packed.tolist()]
         for result, token_logprobs in zip(results, logprobs):
             result.logprobs = token_logprobs[: len(result.token_ids)]
-        return StepOutput(results, step.num_tokens)
+        return StepOutput(results, step.num_tokens, step.is_decode)
 
     def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
         """The step's host inputs: every scheduled token for the forward, and for each request of

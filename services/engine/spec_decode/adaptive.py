@@ -7,7 +7,8 @@ g(k) = a + ... + a^k tokens beyond the one every step emits.
 
 *Cost*, learned online from the engine's own steps by nonnegative least squares:
 
-- the step: its time less host drafting is fitted as
+- the decode step (steps with prefill chunks are another regime, left out): its time less host
+  drafting is fitted as
       T = step_fixed + per_request_s * R + verify_s * n + per_emitted_s * e + per_chain_step_s * L
   for R requests (the host's work per request: scheduling, bookkeeping), n tokens in the target
   forward (each draft is one more), e tokens emitted (the host's work per output token:
