@@ -96,12 +96,14 @@ def online_cell(
     requests: list[BenchRequest],
     concurrency: int | None,
     args: argparse.Namespace,
+    pd: bool = False,
 ) -> dict[str, Any]:
+    """`pd`: with `--launch`, one prefill and one decode worker instead of one mixed worker."""
     desc = f"{label} c={concurrency or '-'}" + (f" rate={args.request_rate}" if args.request_rate else "")
     with tqdm(desc=desc, total=len(requests), unit="req", disable=not args.progress, leave=False) as progress:
         cpu: dict[str, float] | None = None
         if args.launch:
-            records, spec_counts, cpu = launched_cell(spec, requests, concurrency, args, progress)
+            records, spec_counts, cpu = launched_cell(spec, requests, concurrency, args, progress, pd)
         else:
             records = asyncio.run(
                 run_online(
@@ -132,11 +134,12 @@ def launched_cell(
     concurrency: int | None,
     args: argparse.Namespace,
     progress: tqdm,
+    pd: bool = False,
 ) -> tuple[list[RequestRecord], SpecCounts, dict[str, float]]:
-    """The cell's records, the worker's per-position counts, and the cores each process kept busy
-    during the measured requests."""
+    """The cell's records, the decoding worker's per-position counts, and the cores each process
+    kept busy during the measured requests."""
     log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
-    with launch_mesh(args, args.model, spec, log_dir, args.torch_threads) as mesh:
+    with launch_mesh(args, args.model, spec, log_dir, args.torch_threads, pd, args.gateway_workers) as mesh:
         args.log_dirs.append(str(mesh.log_dir))
         asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
         before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
@@ -227,7 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", help="the `model` field to send (default: none, the served model)"
     )
     group.add_argument("--log-dir", type=Path, help="--launch: keep each cell's process logs here")
+    add_launch_args(group)
     return parser
+
+
+def add_launch_args(group: argparse._ArgumentGroup) -> None:
+    """Flags of a launched mesh beyond the engine's."""
+    group.add_argument(
+        "--gateway-workers", type=int, default=1, help="launched gateway processes (`gateway --workers`)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
