@@ -29,6 +29,8 @@ from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, AnyMessage, Message, Pro
 logger = logging.getLogger(__name__)
 
 DEFAULT_CLAIM_IDLE_MS = 30_000
+CLAIM_EVERY_S = 1.0
+"""How often a consumer looks for messages a dead one left pending (each look is a round trip)."""
 OUTPUT_TTL_S = 600
 """A gateway's output stream, and a request's delivered record, expire this long after their last
 write (a gateway that died, a request that ended)."""
@@ -199,6 +201,7 @@ class Bus:
         self.client = client
         self.keys = keys
         self._scripts: dict[str, AsyncScript] = {}
+        self._claimed_at: dict[tuple[str, str, str], float] = {}
 
     async def _run_script(self, source: str, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
         """EVALSHA, loading the script on first use (and again after Redis lost its script cache)."""
@@ -300,12 +303,23 @@ class Bus:
         claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
     ) -> list[Delivery]:
         """Messages for `consumer`: first those other (dead) consumers left pending for longer than
-        `claim_idle_ms`, then new ones. Undecodable entries are dead-lettered and acknowledged."""
-        entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+        `claim_idle_ms` (looked for at most every `CLAIM_EVERY_S`), then new ones. Undecodable
+        entries are dead-lettered and acknowledged."""
+        entries: list[Any] = []
+        key = (stream, group, consumer)
+        if time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
+            entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+            self._claimed_at[key] = float("-inf") if len(entries) == count else time.monotonic()
         if not entries:
-            response: Any = await self.client.xreadgroup(
-                group, consumer, {stream: ">"}, count=count, block=block_ms
-            )
+            try:
+                response: Any = await self.client.xreadgroup(
+                    group, consumer, {stream: ">"}, count=count, block=block_ms
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_group(stream, group)  # the stream was deleted (a Redis restart)
+                return []
             entries = response[0][1] if response else []
         return await self._decode_entries(stream, group, entries)
 

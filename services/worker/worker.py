@@ -277,6 +277,8 @@ class Worker:
             except RedisError as exc:
                 reraise_if_cancelled(exc)
                 logger.error("publishing step outputs failed", extra={"error": str(exc)})
+            except Exception:  # a bug in one batch must not stop every later one
+                logger.exception("publishing step outputs failed")
             self._retire(batch)
 
     async def _publish(self, batch: StepBatch) -> None:
