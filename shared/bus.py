@@ -28,6 +28,10 @@ from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, AnyMessage, Message, Pro
 
 logger = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 128
+"""Connections a process opens to Redis at most."""
+CONNECTION_WAIT_S = 30.0
+"""Longest a command waits for a free connection before it fails."""
 DEFAULT_CLAIM_IDLE_MS = 30_000
 CLAIM_EVERY_S = 1.0
 """How often a consumer looks for messages a dead one left pending (each look is a round trip)."""
@@ -96,14 +100,19 @@ class RedisSettings:
 
 
 async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 0.2) -> aioredis.Redis:
-    """A client that answered PING, retrying while Redis starts; a clear error if it never does."""
-    client = aioredis.Redis(
+    """A client that answered PING, retrying while Redis starts; a clear error if it never does.
+    Commands beyond `MAX_CONNECTIONS` at once wait for a free connection (a burst of hundreds of
+    requests is queued, not refused)."""
+    pool = aioredis.BlockingConnectionPool(
         host=settings.host,
         port=settings.port,
         password=settings.password,
         db=settings.db,
         health_check_interval=30,
+        max_connections=MAX_CONNECTIONS,
+        timeout=CONNECTION_WAIT_S,
     )
+    client = aioredis.Redis.from_pool(pool)
     last_error: Exception | None = None
     for _ in range(attempts):
         try:
