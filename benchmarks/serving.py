@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import multiprocessing
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +44,9 @@ from services.engine.args import add_engine_args
 
 NUM_WARMUP = 2
 """Short requests each server gets before the measured ones."""
+CLIENT_START_DELAY_S = 8.0
+"""Client processes start sending this long after they are spawned (all at once; they import
+torch on the way, through the benchmark modules)."""
 
 
 # ---- one server, one set of requests ------------------------------------------------------------------
@@ -68,6 +74,55 @@ async def run_online(
             first = BenchRequest("warmup", "warmup", WARMUP_PROMPT, 8)
             await asyncio.gather(*(client.send(first) for _ in range(NUM_WARMUP)))
         return await drive(requests, client.send, concurrency, request_rate, seed, progress)
+
+
+def run_clients(
+    url: str,
+    requests: list[BenchRequest],
+    sampling: Sampling,
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int,
+    num_processes: int,
+) -> tuple[list[RequestRecord], float]:
+    """`run_online` (no warm-up) split over `num_processes` client processes, so that hundreds of
+    streams are not one process's SSE parsing: request i goes to process i % n, with its share of
+    the concurrency and of the rate; all start at one instant (their clocks are the same monotonic
+    clock). Returns the records in request order and the CPU seconds the clients used."""
+    if num_processes <= 1:
+        started = time.process_time()
+        records = asyncio.run(
+            run_online(url, requests, sampling, concurrency, request_rate, seed, warmup=False)
+        )
+        return records, time.process_time() - started
+    start_at = time.monotonic() + CLIENT_START_DELAY_S
+    jobs = []
+    for i in range(num_processes):
+        share = (
+            None
+            if concurrency is None
+            else max(1, concurrency // num_processes + (i < concurrency % num_processes))
+        )
+        rate = None if request_rate is None else request_rate / num_processes
+        jobs.append((url, requests[i::num_processes], sampling, share, rate, seed + i, start_at))
+    with concurrent.futures.ProcessPoolExecutor(
+        num_processes, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        results = list(pool.map(_client_process, jobs))
+    ordered = [None] * len(requests)
+    for i, (records, _) in enumerate(results):
+        ordered[i::num_processes] = records
+    return ordered, sum(cpu_s for _, cpu_s in results)  # type: ignore[return-value]
+
+
+def _client_process(job: tuple[Any, ...]) -> tuple[list[RequestRecord], float]:
+    url, requests, sampling, concurrency, request_rate, seed, start_at = job
+    if time.monotonic() > start_at:
+        print("warning: a client process started late; arrivals are staggered", file=sys.stderr)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    started = time.process_time()
+    records = asyncio.run(run_online(url, requests, sampling, concurrency, request_rate, seed, warmup=False))
+    return records, time.process_time() - started
 
 
 def with_worker_positions(records: list[RequestRecord], positions: dict[str, list[int]]) -> SpecCounts:
@@ -143,20 +198,19 @@ def launched_cell(
         args.log_dirs.append(str(mesh.log_dir))
         asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
         before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
-        cpu_before, started = mesh.cpu_seconds(), time.perf_counter()
-        records = asyncio.run(
-            run_online(
-                mesh.url,
-                requests,
-                args.sampling,
-                concurrency,
-                args.request_rate,
-                args.seed,
-                progress=progress,
-                warmup=False,
-            )
+        cpu_before = mesh.cpu_seconds()
+        records, client_cpu_s = run_clients(
+            mesh.url,
+            requests,
+            args.sampling,
+            concurrency,
+            args.request_rate,
+            args.seed,
+            args.client_processes,
         )
-        busy = cores_busy(cpu_before, mesh.cpu_seconds(), time.perf_counter() - started)
+        progress.update(len(records))
+        cpu_after = {**mesh.cpu_seconds(), "client": cpu_before["client"] + client_cpu_s}
+        busy = cores_busy(cpu_before, cpu_after, run_duration_s(records))
         after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
     return records, with_worker_positions(records, _minus(after, before)), busy
 
@@ -238,6 +292,13 @@ def add_launch_args(group: argparse._ArgumentGroup) -> None:
     """Flags of a launched mesh beyond the engine's."""
     group.add_argument(
         "--gateway-workers", type=int, default=1, help="launched gateway processes (`gateway --workers`)"
+    )
+    group.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="--launch: split the measured requests over this many client processes (hundreds of "
+        "streams would otherwise be one process's SSE parsing)",
     )
 
 
