@@ -18,7 +18,6 @@ import io
 import pickle
 import socket
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -141,6 +140,3 @@ class AsyncChannel:
 
     def close(self) -> None:
         self.sock.close()
-
-
-Handler = Callable[[Any], None]
