@@ -10,7 +10,9 @@ also with one prefill and one decode worker (the split mesh, a column beside mix
 is the difference of the medians (TTFT, TPOT, e2e) and the ratio of output throughput; a second
 table gives the cores each mesh process kept busy (`role/engine-core` is a worker's engine
 process, `gateway/gateway-i` the gateway's workers). `naive` alone by default: the mesh adds the
-same hops whatever the method.
+same hops whatever the method. For hundreds of streams give the mesh `--gateway-workers N` and the
+client `--client-processes N`, so that neither side's SSE is one process (the cores table shows
+whether one was the limit).
 """
 
 from __future__ import annotations
