@@ -89,6 +89,7 @@ def run_clients(
     streams are not one process's SSE parsing: request i goes to process i % n, with its share of
     the concurrency and of the rate; all start at one instant (their clocks are the same monotonic
     clock). Returns the records in request order and the CPU seconds the clients used."""
+    num_processes = min(num_processes, concurrency or num_processes, len(requests))
     if num_processes <= 1:
         started = time.process_time()
         records = asyncio.run(
@@ -99,9 +100,7 @@ def run_clients(
     jobs = []
     for i in range(num_processes):
         share = (
-            None
-            if concurrency is None
-            else max(1, concurrency // num_processes + (i < concurrency % num_processes))
+            None if concurrency is None else concurrency // num_processes + (i < concurrency % num_processes)
         )
         rate = None if request_rate is None else request_rate / num_processes
         jobs.append((url, requests[i::num_processes], sampling, share, rate, seed + i, start_at))
