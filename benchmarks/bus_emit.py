@@ -1,12 +1,14 @@
-"""What one step's token events cost on the bus: a worker publishing one event to each of `--batch`
-output streams, and a gateway reading them back with one multiplexed XREAD and decoding them.
+"""What one step's outputs cost on the bus, per request and per gateway, side by side in one run.
 
     python -m benchmarks.bus_emit --batch 64 --steps 300
 
-Publishing is timed two ways in the same run, the worker's `Bus.publish_many` (one Lua script call
-doing every XADD) and a pipeline of one XADD per stream (what it did before); both include building
-and encoding the events. Needs redis-server on PATH (a throwaway one is started on a free port).
-Whether redis-py parses replies with hiredis is printed: it changes the reading figure ~3x.
+Publishing (a worker): `per-gateway` is what a worker does now, one `OutputBatch` for the step's
+requests (token ids as int32 bytes) plus each request's delivered record, in one script call
+(`Bus.publish_step`); `per-request` is what it did before, one msgpack `TokenEvent` XADDed to each
+request's own stream, also in one script call. Both include building and encoding the messages
+from a step's arrays. Reading (a gateway): one XREAD of its stream plus decoding the batch into
+per-request events, against a multiplexed XREAD over every request's stream decoding each event.
+Needs redis-server on PATH (a throwaway one is started on a free port).
 """
 
 from __future__ import annotations
@@ -16,60 +18,124 @@ import asyncio
 import shutil
 import subprocess
 import time
+from typing import Any
 
+import msgpack
+import numpy as np
 import redis.utils
+from pydantic import BaseModel, Field
 
 from services.serve import free_port
+from services.worker.core_messages import EngineLoad, StepBatch
 from shared.bus import Bus, RedisSettings, connect
-from shared.protocol import PAYLOAD_FIELD, TokenEvent, decode, encode
+from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, ErrorInfo, OutputBatch, TokenLogprob, decode, encode
+
+GATEWAY = "bench-gateway"
+PER_REQUEST_LUA = """
+for i, stream in ipairs(KEYS) do
+    redis.call('XADD', stream, '*', ARGV[1], ARGV[i + 1])
+end
+return #KEYS
+"""
 
 
-def step_events(bus: Bus, batch: int, step: int) -> list[tuple[str, TokenEvent]]:
-    """One step's events as a worker sends them mid-stream: one new token each, no stats."""
-    return [
-        (
-            bus.keys.output(f"r{i}"),
-            TokenEvent(
-                request_id=f"r{i}", token_ids=[step], text=" x", num_prompt_tokens=100, num_output_tokens=step
-            ),
-        )
-        for i in range(batch)
+class PerRequestEvent(BaseModel):
+    """The per-request message a worker published before (`TokenEvent` as it was on the bus)."""
+
+    version: int = 1
+    kind: str = "tokens"
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    spec_stats: dict[str, Any] = Field(default_factory=dict)
+    error: ErrorInfo | None = None
+
+
+def step_batch(batch: int, step: int) -> StepBatch:
+    """One decode step as the engine core hands it over: one new token per request."""
+    return StepBatch(
+        request_ids=[f"r{i}" for i in range(batch)],
+        cu_num_tokens=np.arange(batch + 1, dtype=TOKEN_DTYPE),
+        token_ids=np.full(batch, step, dtype=TOKEN_DTYPE),
+        texts=[" x"] * batch,
+        num_output_tokens=np.full(batch, step + 1, dtype=TOKEN_DTYPE),
+        ends=[],
+        logprobs=[],
+        handoffs=[],
+        step_s=0.0,
+        load=EngineLoad(),
+    )
+
+
+def per_request_stream(bus: Bus, request_id: str) -> str:
+    return f"{bus.keys.pattern[:-1]}out-request:{request_id}"
+
+
+async def publish_per_gateway(bus: Bus, step: StepBatch) -> None:
+    cu = step.cu_num_tokens.tolist()
+    delivered = [
+        (request_id, step.token_ids[cu[row] : cu[row + 1]].tobytes())
+        for row, request_id in enumerate(step.request_ids)
     ]
+    await bus.publish_step([(GATEWAY, encode(step.output_batch()))], delivered)
 
 
-async def publish_pipelined(bus: Bus, items: list[tuple[str, TokenEvent]]) -> None:
-    async with bus.client.pipeline(transaction=False) as pipe:
-        for stream, message in items:
-            pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
-        await pipe.execute()
+async def publish_per_request(bus: Bus, script: Any, step: StepBatch) -> None:
+    streams, payloads = [], []
+    for row, request_id in enumerate(step.request_ids):
+        event = PerRequestEvent(
+            request_id=request_id,
+            token_ids=step.row_tokens(row).tolist(),
+            text=step.texts[row],
+            num_prompt_tokens=100,
+            num_output_tokens=int(step.num_output_tokens[row]),
+        )
+        streams.append(per_request_stream(bus, request_id))
+        payloads.append(msgpack.packb(event.model_dump(mode="json"), use_bin_type=True))
+    await script(keys=streams, args=[PAYLOAD_FIELD, *payloads])
 
 
-async def time_publishing(bus: Bus, batch: int, steps: int, pipelined: bool) -> float:
-    """Seconds per step."""
-    started = time.perf_counter()
+async def time_publishing(bus: Bus, batch: int, steps: int, per_request: bool) -> tuple[float, float]:
+    """Seconds per step: wall clock (Redis included), and this process's CPU (a worker's cost)."""
+    script = bus.client.register_script(PER_REQUEST_LUA)
+    started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(steps):
-        items = step_events(bus, batch, step)
-        if pipelined:
-            await publish_pipelined(bus, items)
+        if per_request:
+            await publish_per_request(bus, script, step_batch(batch, step))
         else:
-            await bus.publish_many(items)
-    return (time.perf_counter() - started) / steps
+            await publish_per_gateway(bus, step_batch(batch, step))
+    return (time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps
 
 
-async def time_reading(bus: Bus, batch: int) -> tuple[float, int]:
-    """Seconds per event of XREAD over every stream plus decoding, and the events read."""
-    last_ids: dict[str, str] = {bus.keys.output(f"r{i}"): "0-0" for i in range(batch)}
+async def time_reading_per_gateway(bus: Bus) -> tuple[float, int]:
+    """Seconds per request event of XREAD on the gateway's stream plus decoding, and the events."""
+    stream, last_id, read = bus.keys.outputs(GATEWAY), "0-0", 0
+    started = time.perf_counter()
+    while response := await bus.client.xread({stream: last_id}, count=64):
+        for raw_id, fields in response[0][1]:
+            message = decode(fields[PAYLOAD_FIELD])
+            assert isinstance(message, OutputBatch)
+            read += len(message.events())
+            last_id = raw_id.decode()
+    return (time.perf_counter() - started) / max(read, 1), read
+
+
+async def time_reading_per_request(bus: Bus, batch: int) -> tuple[float, int]:
+    """Seconds per event of a multiplexed XREAD over every request's stream plus decoding."""
+    last_ids = {per_request_stream(bus, f"r{i}"): "0-0" for i in range(batch)}
     read = 0
     started = time.perf_counter()
-    while True:
-        response = await bus.client.xread(last_ids, count=64)  # type: ignore[arg-type]
-        if not response:
-            break
+    while response := await bus.client.xread(last_ids, count=64):  # type: ignore[arg-type]
         for raw_stream, entries in response:
-            stream = raw_stream.decode()
             for raw_id, fields in entries:
-                decode(fields[PAYLOAD_FIELD])
-                last_ids[stream] = raw_id.decode()
+                PerRequestEvent.model_validate(msgpack.unpackb(fields[PAYLOAD_FIELD], raw=False))
+                last_ids[raw_stream.decode()] = raw_id.decode()
                 read += 1
     return (time.perf_counter() - started) / max(read, 1), read
 
@@ -87,31 +153,43 @@ async def run(batch: int, steps: int) -> None:
         settings = RedisSettings(port=port, topic="bench")
         client = await connect(settings)
         bus = Bus(client, settings.keys)
-        await time_publishing(bus, batch, 10, pipelined=False)  # warm up: connection, script load
+        for per_request in (False, True):  # warm up: connection, script load
+            await time_publishing(bus, batch, 10, per_request)
         await client.flushdb()
-        script_s = await time_publishing(bus, batch, steps, pipelined=False)
-        per_event_s, num_read = await time_reading(bus, batch)
-        await client.flushdb()
-        pipeline_s = await time_publishing(bus, batch, steps, pipelined=True)
+        gateway_s, gateway_cpu_s = await time_publishing(bus, batch, steps, per_request=False)
+        request_s, request_cpu_s = await time_publishing(bus, batch, steps, per_request=True)
+        gateway_read_s, gateway_read = await time_reading_per_gateway(bus)
+        request_read_s, request_read = await time_reading_per_request(bus, batch)
         await client.aclose()
     finally:
         server.terminate()
         server.wait(timeout=10)
-    print(f"hiredis parser: {redis.utils.HIREDIS_AVAILABLE}; {batch} events a step, {steps} steps")
+    print(f"hiredis parser: {redis.utils.HIREDIS_AVAILABLE}; {batch} requests a step, {steps} steps")
+    for name, wall_s, cpu_s in (
+        ("per gateway (now):   ", gateway_s, gateway_cpu_s),
+        ("per request (before):", request_s, request_cpu_s),
+    ):
+        print(
+            f"publish, {name} {wall_s * 1e3:.3f} ms a step ({wall_s / batch * 1e6:.2f} us a request), "
+            f"publisher CPU {cpu_s * 1e3:.3f} ms a step"
+        )
     print(
-        f"publish_many (one script call): {script_s * 1e3:.2f} ms a step, {script_s / batch * 1e6:.1f} us an event"
+        f"read + decode, per gateway:    {gateway_read_s * 1e6:.2f} us a request event ({gateway_read} events)"
     )
     print(
-        f"pipeline of XADDs:              {pipeline_s * 1e3:.2f} ms a step, {pipeline_s / batch * 1e6:.1f} us an event"
+        f"read + decode, per request:    {request_read_s * 1e6:.2f} us a request event ({request_read} events)"
     )
-    print(f"XREAD + decode:                 {per_event_s * 1e6:.1f} us an event ({num_read} events)")
+    print(
+        f"ratios (before / now): publish {request_s / gateway_s:.2f}x (publisher CPU "
+        f"{request_cpu_s / gateway_cpu_s:.2f}x), read {request_read_s / gateway_read_s:.2f}x"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch", type=int, default=64, help="requests (output streams) a step")
+    parser.add_argument("--batch", type=int, default=64, help="requests a step")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     if args.batch < 1 or args.steps < 1:

@@ -1,8 +1,8 @@
 """A local mesh for one benchmark cell, started and stopped the way `specmesh serve` does it.
 
 The processes and their flags come from `services/serve.py` (its `Mesh` supervisor, Redis lookup,
-free ports, engine flags and readiness wait); what differs is that the worker's metrics port is
-chosen here, so the benchmark can read the worker's per-position acceptance counters, and that the
+free ports, engine flags and readiness wait); what differs is that the decoding worker's metrics
+port is chosen here, so the benchmark can read its per-position acceptance counters, and that the
 context manager hands the mesh back to the caller instead of serving until Ctrl-C.
 """
 
@@ -26,7 +26,6 @@ from services.runtime import PASSWORD_ENV
 from services.serve import Mesh, _engine_flags, _wait_ready, find_redis_server, free_port
 
 TOPIC = "bench"
-WORKER_INSTANCE = "bench-mixed"
 WORKER_STATS_TIMEOUT_S = 10.0
 
 
@@ -36,12 +35,19 @@ class LaunchedMesh:
     worker_metrics_url: str
     log_dir: Path
     pids: dict[str, int]
-    """Each mesh process's pid by role name (redis, scheduler, suffix-cache, mixed, gateway)."""
+    """Each launched process's pid by role name (redis, scheduler, suffix-cache, mixed or prefill and
+    decode, gateway)."""
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system, every thread) each mesh process has used so far, and this
-        benchmark process's own as "client" (it drives the requests and parses every SSE chunk)."""
-        used = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
+        """CPU time (user + system, every thread) each mesh process has used so far — the launched
+        ones, and their children as "role/name" (a worker's engine core, the gateway's workers) —
+        and this benchmark process's own as "client" (it drives the requests and parses every SSE
+        chunk)."""
+        used = {}
+        for name, pid in self.pids.items():
+            used[name] = process_cpu_seconds(pid)
+            for child, child_pid in child_processes(pid).items():
+                used[f"{name}/{child}"] = process_cpu_seconds(child_pid)
         return {**used, "client": time.process_time()}
 
     def worker_spec_counts(self, num_finished: int) -> dict[str, list[int]]:
@@ -76,10 +82,13 @@ def launch_mesh(
     speculative_config: dict[str, Any],
     log_dir: Path | None = None,
     torch_threads: int | None = None,
+    pd: bool = False,
+    gateway_workers: int = 1,
 ) -> Iterator[LaunchedMesh]:
-    """Redis, scheduler, suffix-cache, one mixed worker and the gateway, each its own process, with
-    the engine flags of `engine_args` (as `specmesh serve` takes them); stopped on exit.
-    `torch_threads`: OMP_NUM_THREADS of the processes (the worker's torch threads)."""
+    """Redis, scheduler, suffix-cache, one mixed worker (`pd`: one prefill and one decode worker)
+    and the gateway (`gateway_workers` processes on its port), each its own process, with the
+    engine flags of `engine_args` (as `specmesh serve` takes them); stopped on exit.
+    `torch_threads`: OMP_NUM_THREADS of the processes (the workers' torch threads)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specmesh-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = Mesh(log_dir)
@@ -95,9 +104,13 @@ def launch_mesh(
         mesh.start("scheduler", [*me, "scheduler", *bus], env)
         mesh.start("suffix-cache", [*me, "suffix-cache", *bus], env)
         engine = _engine_flags(engine_args, model, json.dumps(speculative_config))
-        worker = ["--instance-id", WORKER_INSTANCE, "--metrics-port", str(metrics_port)]
-        mesh.start("mixed", [*me, "mixed", *engine, *bus, *worker], env)
-        mesh.start("gateway", [*me, "gateway", "--model", model, "--port", str(gateway_port), *bus], env)
+        for role in ("prefill", "decode") if pd else ("mixed",):
+            worker = ["--instance-id", f"bench-{role}"]
+            if role != "prefill":  # the one that drafts: its counters are the acceptance
+                worker += ["--metrics-port", str(metrics_port)]
+            mesh.start(role, [*me, role, *engine, *bus, *worker], env)
+        gateway = ["--model", model, "--port", str(gateway_port), "--workers", str(gateway_workers)]
+        mesh.start("gateway", [*me, "gateway", *gateway, *bus], env)
         url = f"http://127.0.0.1:{gateway_port}"
         _wait_ready(mesh, f"{url}/health", lambda: False)
         pids = {name: process.pid for name, process in mesh.processes}
@@ -116,9 +129,24 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
 
 
+def child_processes(pid: int) -> dict[str, int]:
+    """A live process's children by name (/proc/<pid>/comm, numbered where names repeat); Linux."""
+    children: dict[str, int] = {}
+    for stat in sorted(Path("/proc").glob("[0-9]*/stat"), key=lambda path: int(path.parent.name)):
+        try:
+            text = stat.read_text()
+            comm = (stat.parent / "comm").read_text().strip()
+        except OSError:
+            continue
+        if int(text[text.rindex(")") + 2 :].split()[1]) == pid:  # field 4: the parent's pid
+            name = comm if comm not in children else f"{comm}.{len(children)}"
+            children[name] = int(stat.parent.name)
+    return children
+
+
 def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
     """Per process, the CPU it used over a wall-clock window in cores (1.0: one core all the time)."""
-    return {name: (after[name] - before[name]) / wall_s for name in after if wall_s > 0}
+    return {name: (after[name] - before.get(name, 0.0)) / wall_s for name in after if wall_s > 0}
 
 
 def _redis_conf(log_dir: Path, port: int, password: str) -> Path:

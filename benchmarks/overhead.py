@@ -1,13 +1,18 @@
 """The mesh's own cost: the same requests in-process (the engine alone) and through gateway + Redis +
 scheduler + worker, one after the other on this machine.
 
-    python -m benchmarks.overhead --workload code_editing --num-requests 16 --concurrency 1 4
+    python -m benchmarks.overhead --workload code_editing --num-requests 16 --concurrency 1 4 --pd
 
 For each method and concurrency: a fresh in-process engine runs the requests (as
 `benchmarks.offline` does), then a fresh local mesh with the same engine flags serves them to the
-streaming client (as `benchmarks.serving --launch` does). The overhead is the difference of the
-medians (TTFT, TPOT, e2e) and the ratio of output throughput. `naive` alone by default: the mesh adds
-the same hops whatever the method.
+streaming client (as `benchmarks.serving --launch` does): with one mixed worker, and with `--pd`
+also with one prefill and one decode worker (the split mesh, a column beside mixed). The overhead
+is the difference of the medians (TTFT, TPOT, e2e) and the ratio of output throughput; a second
+table gives the cores each mesh process kept busy (`role/engine-core` is a worker's engine
+process, `gateway/gateway-i` the gateway's workers). `naive` alone by default: the mesh adds the
+same hops whatever the method. For hundreds of streams give the mesh `--gateway-workers N` and the
+client `--client-processes N`, so that neither side's SSE is one process (the cores table shows
+whether one was the limit).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from benchmarks.offline import (
     settings,
     use_torch_threads,
 )
-from benchmarks.serving import online_cell
+from benchmarks.serving import add_launch_args, online_cell
 from services.engine.args import add_engine_args, engine_config
 
-PATHS = ("in-process", "mesh")
+MESHES = {"mesh": "", "mesh-pd": "_pd"}
+"""Each mesh path and the suffix of its columns in a row (mixed worker; prefill + decode workers)."""
 
 
 def path_cells(
@@ -40,11 +46,13 @@ def path_cells(
     concurrency: int,
     args: argparse.Namespace,
 ) -> list[Cell]:
-    """The two paths on the same requests; with repeats they interleave."""
-    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+    """The paths on the same requests, in-process first; with repeats they interleave."""
+    paths = ["in-process", "mesh", *(["mesh-pd"] if args.pd else [])]
+    runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     for _ in range(args.repeats):
         runs["in-process"].append(engine_cell(args.base, label, spec, requests, concurrency, args))
-        runs["mesh"].append(online_cell(label, spec, requests, concurrency, args))
+        for path in paths[1:]:
+            runs[path].append(online_cell(label, spec, requests, concurrency, args, pd=path == "mesh-pd"))
     return [
         {
             "method": label,
@@ -56,59 +64,73 @@ def path_cells(
             "request_rate": args.request_rate,
             **median_run(runs[path]),
         }
-        for path in PATHS
+        for path in paths
     ]
 
 
-def overhead_row(in_process: Cell, mesh: Cell) -> dict[str, Any]:
-    """Mesh minus in-process, per latency median; throughput as a ratio."""
-    a, b = in_process["summary"], mesh["summary"]
+def overhead_row(in_process: Cell, *meshes: Cell) -> dict[str, Any]:
+    """Each mesh minus in-process, per latency median; throughput as a ratio. The mixed mesh's
+    columns are `*_mesh_*`, the split mesh's `*_mesh_pd_*`."""
+    a = in_process["summary"]
     row: dict[str, Any] = {k: in_process[k] for k in ("method", "workload", "concurrency", "request_rate")}
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         row[f"{metric}_in_process_p50"] = a[metric]["p50"]
-        row[f"{metric}_mesh_p50"] = b[metric]["p50"]
-        row[f"{metric}_overhead_p50"] = b[metric]["p50"] - a[metric]["p50"]
     row["output_tok_per_s_in_process"] = a["output_tok_per_s"]
-    row["output_tok_per_s_mesh"] = b["output_tok_per_s"]
-    row["throughput_ratio"] = b["output_tok_per_s"] / a["output_tok_per_s"] if a["output_tok_per_s"] else None
-    row["mesh_cores_busy"] = b.get("cores_busy")
+    for mesh in meshes:
+        b, suffix = mesh["summary"], MESHES[mesh["backend"]]
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            row[f"{metric}_mesh{suffix}_p50"] = b[metric]["p50"]
+            row[f"{metric}_overhead{suffix}_p50"] = b[metric]["p50"] - a[metric]["p50"]
+        row[f"output_tok_per_s_mesh{suffix}"] = b["output_tok_per_s"]
+        ratio = b["output_tok_per_s"] / a["output_tok_per_s"] if a["output_tok_per_s"] else None
+        row[f"throughput_ratio{suffix}"] = ratio
+        row[f"mesh{suffix}_cores_busy"] = b.get("cores_busy")
     return row
 
 
 def overhead_table(rows: list[dict[str, Any]]) -> str:
+    """One column per metric: in-process / mesh (/ split mesh), and what each mesh adds."""
+    split = any("output_tok_per_s_mesh_pd" in r for r in rows)
+    paths = "in-process / mesh / pd" if split else "in-process / mesh"
     head = (
-        "| workload | concurrency | method | TTFT p50 in-process / mesh (+ms) | TPOT p50 in-process / mesh (+ms) "
-        "| e2e p50 in-process / mesh (+ms) | out tok/s in-process / mesh (ratio) |\n"
+        f"| workload | concurrency | method | TTFT p50 {paths} (+ms) | TPOT p50 {paths} (+ms) "
+        f"| e2e p50 {paths} (+ms) | out tok/s {paths} (ratio) |\n"
         "|---|---:|---|---:|---:|---:|---:|"
     )
+    suffixes = [s for s in MESHES.values() if not s or split]
     lines = []
     for r in rows:
-        cols = [
-            f"{r[f'{m}_in_process_p50']:.1f} / {r[f'{m}_mesh_p50']:.1f} ({r[f'{m}_overhead_p50']:+.1f})"
-            for m in ("ttft_ms", "tpot_ms", "e2e_ms")
-        ]
-        ratio = r["throughput_ratio"]
-        throughput = (
-            f"{r['output_tok_per_s_in_process']:.1f} / {r['output_tok_per_s_mesh']:.1f} ({ratio:.2f}x)"
-        )
-        lines.append(
-            f"| {r['workload']} | {r['concurrency']} | {r['method']} | {' | '.join(cols)} | {throughput} |"
-        )
+        cols = []
+        for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            values = " / ".join(f"{r.get(f'{m}_mesh{s}_p50', float('nan')):.1f}" for s in suffixes)
+            added = ", ".join(f"{r.get(f'{m}_overhead{s}_p50', float('nan')):+.1f}" for s in suffixes)
+            cols.append(f"{r[f'{m}_in_process_p50']:.1f} / {values} ({added})")
+        values = " / ".join(f"{r.get(f'output_tok_per_s_mesh{s}', float('nan')):.1f}" for s in suffixes)
+        ratios = ", ".join(f"{r.get(f'throughput_ratio{s}') or float('nan'):.2f}x" for s in suffixes)
+        cols.append(f"{r['output_tok_per_s_in_process']:.1f} / {values} ({ratios})")
+        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {' | '.join(cols)} |")
     return "\n".join([head, *lines, "", cores_table(rows)])
 
 
 def cores_table(rows: list[dict[str, Any]]) -> str:
     """Per mesh process, the cores it kept busy during the measured requests (1.0 = one core all
     the time): a process near 1.0 is single-threaded and saturated, the mesh's bottleneck."""
-    names = sorted({name for r in rows for name in r.get("mesh_cores_busy") or {}})
+    measured = [
+        (r, mesh, r[f"mesh{suffix}_cores_busy"])
+        for r in rows
+        for mesh, suffix in MESHES.items()
+        if r.get(f"mesh{suffix}_cores_busy")
+    ]
+    names = sorted({name for _, _, busy in measured for name in busy})
     if not names:
         return ""
-    head = f"| workload | concurrency | method | {' | '.join(f'{n} cores' for n in names)} |"
-    lines = [head, "|---|---:|---|" + "---:|" * len(names)]
-    for r in rows:
-        busy = r.get("mesh_cores_busy") or {}
+    head = f"| workload | concurrency | method | mesh | {' | '.join(f'{n} cores' for n in names)} |"
+    lines = [head, "|---|---:|---|---|" + "---:|" * len(names)]
+    for r, mesh, busy in measured:
         cells = [f"{busy[n]:.2f}" if n in busy else "-" for n in names]
-        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {' | '.join(cells)} |")
+        lines.append(
+            f"| {r['workload']} | {r['concurrency']} | {r['method']} | {mesh} | {' | '.join(cells)} |"
+        )
     return "\n".join(lines)
 
 
@@ -123,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(methods=["naive"])
     group = parser.add_argument_group("overhead")
     group.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    group.add_argument(
+        "--pd", action="store_true", help="also the split mesh: one prefill and one decode worker"
+    )
     group.add_argument("--log-dir", type=Path, help="keep each mesh's process logs here")
+    add_launch_args(group)
     return parser
 
 
@@ -136,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     extra = {
         "concurrency": args.concurrency,
+        "pd": args.pd,
+        "gateway_workers": args.gateway_workers,
         "engine": args.base.model_dump(mode="json"),
         "log_dirs": args.log_dirs,
     }

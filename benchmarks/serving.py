@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import multiprocessing
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +44,9 @@ from services.engine.args import add_engine_args
 
 NUM_WARMUP = 2
 """Short requests each server gets before the measured ones."""
+CLIENT_START_DELAY_S = 8.0
+"""Client processes start sending this long after they are spawned (all at once; they import
+torch on the way, through the benchmark modules)."""
 
 
 # ---- one server, one set of requests ------------------------------------------------------------------
@@ -70,6 +76,54 @@ async def run_online(
         return await drive(requests, client.send, concurrency, request_rate, seed, progress)
 
 
+def run_clients(
+    url: str,
+    requests: list[BenchRequest],
+    sampling: Sampling,
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int,
+    num_processes: int,
+) -> tuple[list[RequestRecord], float]:
+    """`run_online` (no warm-up) split over `num_processes` client processes, so that hundreds of
+    streams are not one process's SSE parsing: request i goes to process i % n, with its share of
+    the concurrency and of the rate; all start at one instant (their clocks are the same monotonic
+    clock). Returns the records in request order and the CPU seconds the clients used."""
+    num_processes = min(num_processes, concurrency or num_processes, len(requests))
+    if num_processes <= 1:
+        started = time.process_time()
+        records = asyncio.run(
+            run_online(url, requests, sampling, concurrency, request_rate, seed, warmup=False)
+        )
+        return records, time.process_time() - started
+    start_at = time.monotonic() + CLIENT_START_DELAY_S
+    jobs = []
+    for i in range(num_processes):
+        share = (
+            None if concurrency is None else concurrency // num_processes + (i < concurrency % num_processes)
+        )
+        rate = None if request_rate is None else request_rate / num_processes
+        jobs.append((url, requests[i::num_processes], sampling, share, rate, seed + i, start_at))
+    with concurrent.futures.ProcessPoolExecutor(
+        num_processes, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        results = list(pool.map(_client_process, jobs))
+    ordered = [None] * len(requests)
+    for i, (records, _) in enumerate(results):
+        ordered[i::num_processes] = records
+    return ordered, sum(cpu_s for _, cpu_s in results)  # type: ignore[return-value]
+
+
+def _client_process(job: tuple[Any, ...]) -> tuple[list[RequestRecord], float]:
+    url, requests, sampling, concurrency, request_rate, seed, start_at = job
+    if time.monotonic() > start_at:
+        print("warning: a client process started late; arrivals are staggered", file=sys.stderr)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    started = time.process_time()
+    records = asyncio.run(run_online(url, requests, sampling, concurrency, request_rate, seed, warmup=False))
+    return records, time.process_time() - started
+
+
 def with_worker_positions(records: list[RequestRecord], positions: dict[str, list[int]]) -> SpecCounts:
     """Totals from the gateway's usage, per-position counts from the worker."""
     total = SpecCounts()
@@ -96,12 +150,14 @@ def online_cell(
     requests: list[BenchRequest],
     concurrency: int | None,
     args: argparse.Namespace,
+    pd: bool = False,
 ) -> dict[str, Any]:
+    """`pd`: with `--launch`, one prefill and one decode worker instead of one mixed worker."""
     desc = f"{label} c={concurrency or '-'}" + (f" rate={args.request_rate}" if args.request_rate else "")
     with tqdm(desc=desc, total=len(requests), unit="req", disable=not args.progress, leave=False) as progress:
         cpu: dict[str, float] | None = None
         if args.launch:
-            records, spec_counts, cpu = launched_cell(spec, requests, concurrency, args, progress)
+            records, spec_counts, cpu = launched_cell(spec, requests, concurrency, args, progress, pd)
         else:
             records = asyncio.run(
                 run_online(
@@ -132,28 +188,28 @@ def launched_cell(
     concurrency: int | None,
     args: argparse.Namespace,
     progress: tqdm,
+    pd: bool = False,
 ) -> tuple[list[RequestRecord], SpecCounts, dict[str, float]]:
-    """The cell's records, the worker's per-position counts, and the cores each process kept busy
-    during the measured requests."""
+    """The cell's records, the decoding worker's per-position counts, and the cores each process
+    kept busy during the measured requests."""
     log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
-    with launch_mesh(args, args.model, spec, log_dir, args.torch_threads) as mesh:
+    with launch_mesh(args, args.model, spec, log_dir, args.torch_threads, pd, args.gateway_workers) as mesh:
         args.log_dirs.append(str(mesh.log_dir))
         asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
         before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
-        cpu_before, started = mesh.cpu_seconds(), time.perf_counter()
-        records = asyncio.run(
-            run_online(
-                mesh.url,
-                requests,
-                args.sampling,
-                concurrency,
-                args.request_rate,
-                args.seed,
-                progress=progress,
-                warmup=False,
-            )
+        cpu_before = mesh.cpu_seconds()
+        records, client_cpu_s = run_clients(
+            mesh.url,
+            requests,
+            args.sampling,
+            concurrency,
+            args.request_rate,
+            args.seed,
+            args.client_processes,
         )
-        busy = cores_busy(cpu_before, mesh.cpu_seconds(), time.perf_counter() - started)
+        progress.update(len(records))
+        cpu_after = {**mesh.cpu_seconds(), "client": cpu_before["client"] + client_cpu_s}
+        busy = cores_busy(cpu_before, cpu_after, run_duration_s(records))
         after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
     return records, with_worker_positions(records, _minus(after, before)), busy
 
@@ -227,7 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", help="the `model` field to send (default: none, the served model)"
     )
     group.add_argument("--log-dir", type=Path, help="--launch: keep each cell's process logs here")
+    add_launch_args(group)
     return parser
+
+
+def add_launch_args(group: argparse._ArgumentGroup) -> None:
+    """Flags of a launched mesh beyond the engine's."""
+    group.add_argument(
+        "--gateway-workers", type=int, default=1, help="launched gateway processes (`gateway --workers`)"
+    )
+    group.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="--launch: split the measured requests over this many client processes (hundreds of "
+        "streams would otherwise be one process's SSE parsing)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

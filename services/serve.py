@@ -41,6 +41,12 @@ def add_serve_parser(subparsers: Any) -> None:
     group.add_argument(
         "--pd", action="store_true", help="one prefill and one decode worker instead of one mixed worker"
     )
+    group.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the port (`gateway --workers`)",
+    )
     group.add_argument("--api-key", action="append", help="require this key (repeatable)")
     group.add_argument("--max-queue-len", type=int, default=1024)
     group.add_argument("--scheduler-topic", default="default")
@@ -174,10 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for role in roles:
             mesh.start(role, [*me, role, *engine, *bus, "--instance-id", f"local-{role}"])
         keys = [flag for key in args.api_key or [] for flag in ("--api-key", key)]
-        mesh.start(
-            "gateway",
-            [*me, "gateway", "--model", model, "--host", args.host, "--port", str(args.port), *keys, *bus],
-        )
+        http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
+        mesh.start("gateway", [*me, "gateway", "--model", model, *http, *keys, *bus])
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)
         print(

@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from shared.keys import Keys
-from shared.protocol import PAYLOAD_FIELD, AnyMessage, Message, ProtocolError, decode, encode
+from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, AnyMessage, Message, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 128
+"""Connections a process opens to Redis at most."""
+CONNECTION_WAIT_S = 30.0
+"""Longest a command waits for a free connection before it fails."""
 DEFAULT_CLAIM_IDLE_MS = 30_000
+CLAIM_EVERY_S = 1.0
+"""How often a consumer looks for messages a dead one left pending (each look is a round trip)."""
 OUTPUT_TTL_S = 600
-"""How long a finished request's output stream stays readable (for reconnecting clients)."""
+"""A gateway's output stream, and a request's delivered record, expire this long after their last
+write (a gateway that died, a request that ended)."""
 DEAD_LETTER_MAXLEN = 10_000
 
 
@@ -91,14 +100,19 @@ class RedisSettings:
 
 
 async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 0.2) -> aioredis.Redis:
-    """A client that answered PING, retrying while Redis starts; a clear error if it never does."""
-    client = aioredis.Redis(
+    """A client that answered PING, retrying while Redis starts; a clear error if it never does.
+    Commands beyond `MAX_CONNECTIONS` at once wait for a free connection (a burst of hundreds of
+    requests is queued, not refused)."""
+    pool = aioredis.BlockingConnectionPool(
         host=settings.host,
         port=settings.port,
         password=settings.password,
         db=settings.db,
         health_check_interval=30,
+        max_connections=MAX_CONNECTIONS,
+        timeout=CONNECTION_WAIT_S,
     )
+    client = aioredis.Redis.from_pool(pool)
     last_error: Exception | None = None
     for _ in range(attempts):
         try:
@@ -133,20 +147,77 @@ class Delivery:
     message: AnyMessage
 
 
-XADD_MANY_LUA = """
-for i, stream in ipairs(KEYS) do
-    redis.call('XADD', stream, '*', ARGV[1], ARGV[i + 1])
+OUTPUT_END = -1
+"""Appended to a request's delivered record (`Keys.delivered`) after its last token."""
+
+PUBLISH_STEP_LUA = """
+local ttl_s, num_outputs, field, record_prefix, records = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+for i, key in ipairs(KEYS) do
+    redis.call('XADD', key, '*', field, ARGV[i + 5])
+    if i <= num_outputs then
+        redis.call('EXPIRE', key, ttl_s)
+    end
+end
+local pos, id_len, tokens_len = 1, 0, 0
+while pos <= #records do
+    id_len, tokens_len, pos = struct.unpack('<I4I4', records, pos)
+    local key = record_prefix .. string.sub(records, pos, pos + id_len - 1)
+    redis.call('APPEND', key, string.sub(records, pos + id_len, pos + id_len + tokens_len - 1))
+    redis.call('EXPIRE', key, ttl_s)
+    pos = pos + id_len + tokens_len
 end
 return #KEYS
 """
-"""`publish_many`: KEYS are the streams, ARGV the payload field then one payload per stream."""
+"""`publish_step`. KEYS: the gateways' output streams, then other streams. ARGV: the TTL, how many
+output streams, the payload field, the delivered records' key prefix, the records (per request:
+<I4 id length, <I4 token bytes, the id, the tokens), then one payload per key. The records are
+one argument, their keys made here, because a step touches one record per request and every
+argument costs the worker microseconds of redis-py's Python (a record key is only ever written
+here and read by `delivered_tokens`, on a single Redis)."""
+RECORD_HEADER = struct.Struct("<II")
+
+ADMIT_LUA = """
+if redis.call('HSETNX', KEYS[1], 'request', ARGV[1]) == 0 then
+    return 0
+end
+if redis.call('INCR', KEYS[2]) > tonumber(ARGV[2]) then
+    redis.call('DECR', KEYS[2])
+    redis.call('DEL', KEYS[1])
+    return -1
+end
+redis.call('HSET', KEYS[1], 'slot', 1, 'attempts', 0)
+return 1
+"""
+"""`admit`. KEYS: the request's state hash, the queue depth. ARGV: the Submit, the longest queue."""
+
+RELEASE_LUA = """
+if redis.call('HDEL', KEYS[1], 'slot') == 1 then
+    redis.call('DECR', KEYS[2])
+end
+redis.call('DEL', KEYS[1], KEYS[3])
+if KEYS[4] then
+    redis.call('SREM', KEYS[4], ARGV[1])
+end
+return 1
+"""
+"""`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id."""
+
+Admission = Literal["admitted", "duplicate", "queue_full"]
 
 
 class Bus:
     def __init__(self, client: aioredis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
-        self._xadd_many: AsyncScript | None = None
+        self._scripts: dict[str, AsyncScript] = {}
+        self._claimed_at: dict[tuple[str, str, str], float] = {}
+
+    async def _run_script(self, source: str, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
+        """EVALSHA, loading the script on first use (and again after Redis lost its script cache)."""
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.client.register_script(source)
+        return await script(keys=list(keys), args=list(args))
 
     async def publish(self, stream: str, message: Message, maxlen: int | None = None) -> str:
         entry_id = await self.client.xadd(
@@ -154,17 +225,75 @@ class Bus:
         )
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    async def publish_many(self, items: Sequence[tuple[str, Message]]) -> None:
-        """One message to each of several streams, in one command: a worker's step reaches every
-        request's output stream at once. One script call instead of a pipeline of XADDs: redis-py
-        spends ~50 us of Python per pipelined command, a step of 64 requests milliseconds."""
-        if not items:
+    async def publish_step(
+        self,
+        outputs: Sequence[tuple[str, bytes]],
+        delivered: Sequence[tuple[str, bytes]] = (),
+        messages: Sequence[tuple[str, Message]] = (),
+    ) -> None:
+        """A worker step's effects on the bus, atomically, in one command: `outputs` (gateway id,
+        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, int32
+        token bytes) are appended to the requests' delivered records, so a record always equals
+        what its gateway was sent; `messages` (stream, message) are plain XADDs (reports to the
+        scheduler). Output streams and records expire `OUTPUT_TTL_S` after their last write."""
+        if not (outputs or delivered or messages):
             return
-        if self._xadd_many is None:
-            self._xadd_many = self.client.register_script(XADD_MANY_LUA)
-        await self._xadd_many(
-            keys=[stream for stream, _ in items], args=[PAYLOAD_FIELD, *(encode(m) for _, m in items)]
+        keys = [*(self.keys.outputs(gateway) for gateway, _ in outputs), *(s for s, _ in messages)]
+        records = b"".join(
+            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens)) + rid + tokens
+            for request_id, tokens in delivered
         )
+        args: list[bytes | str | int] = [
+            OUTPUT_TTL_S,
+            len(outputs),
+            PAYLOAD_FIELD,
+            self.keys.delivered(""),
+            records,
+            *(payload for _, payload in outputs),
+            *(encode(message) for _, message in messages),
+        ]
+        await self._run_script(PUBLISH_STEP_LUA, keys, args)
+
+    async def trim_read(self, stream: str, last_id: str) -> None:
+        """Drops a stream's entries before `last_id`: its one reader has read them."""
+        await self.client.xtrim(stream, minid=last_id, approximate=False)
+
+    async def delivered_tokens(self, request_id: str) -> tuple[list[int], bool]:
+        """The tokens a request's gateway has been sent, and whether the request ended."""
+        raw: Any = await self.client.get(self.keys.delivered(request_id))
+        tokens = np.frombuffer(raw or b"", TOKEN_DTYPE).tolist()
+        if tokens and tokens[-1] == OUTPUT_END:
+            return tokens[:-1], True
+        return tokens, False
+
+    async def admit(self, request_id: str, submit: Message, max_queue_len: int) -> Admission:
+        """Records a new request and takes a queue slot for it, in one round trip."""
+        result = await self._run_script(
+            ADMIT_LUA,
+            [self.keys.request_state(request_id), self.keys.queue_depth],
+            [encode(submit), max_queue_len],
+        )
+        return "admitted" if result == 1 else "duplicate" if result == 0 else "queue_full"
+
+    async def release(self, request_id: str, instance_id: str | None = None) -> None:
+        """Frees a request's queue slot (exactly once) and forgets it, and takes it off
+        `instance_id`'s assignments, in one round trip."""
+        keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.delivered(request_id)]
+        if instance_id is not None:
+            keys.append(self.keys.assignments(instance_id))
+        await self._run_script(RELEASE_LUA, keys, [request_id])
+
+    async def assign_and_publish(
+        self, request_id: str, instance_ids: Sequence[str], stream: str, message: Message
+    ) -> None:
+        """Records where a request runs (for re-dispatch should those instances die) and sends it
+        `message` there, in one transaction."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.request_state(request_id), "instances", ",".join(instance_ids))
+            for instance_id in instance_ids:
+                pipe.sadd(self.keys.assignments(instance_id), request_id)
+            pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
+            await pipe.execute()
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         try:
@@ -183,12 +312,23 @@ class Bus:
         claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
     ) -> list[Delivery]:
         """Messages for `consumer`: first those other (dead) consumers left pending for longer than
-        `claim_idle_ms`, then new ones. Undecodable entries are dead-lettered and acknowledged."""
-        entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+        `claim_idle_ms` (looked for at most every `CLAIM_EVERY_S`), then new ones. Undecodable
+        entries are dead-lettered and acknowledged."""
+        entries: list[Any] = []
+        key = (stream, group, consumer)
+        if time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
+            entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+            self._claimed_at[key] = float("-inf") if len(entries) == count else time.monotonic()
         if not entries:
-            response: Any = await self.client.xreadgroup(
-                group, consumer, {stream: ">"}, count=count, block=block_ms
-            )
+            try:
+                response: Any = await self.client.xreadgroup(
+                    group, consumer, {stream: ">"}, count=count, block=block_ms
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_group(stream, group)  # the stream was deleted (a Redis restart)
+                return []
             entries = response[0][1] if response else []
         return await self._decode_entries(stream, group, entries)
 

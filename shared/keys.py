@@ -45,13 +45,10 @@ class Keys:
         """Workers -> scheduler: block reservations answered, work finished or failed."""
         return self._key("scheduler-replies")
 
-    def output(self, request_id: str) -> str:
-        """Worker -> gateway: one request's token events, in order; readable again after a reconnect."""
-        return self._key("out", request_id)
-
-    def gateway_wake(self, gateway_id: str) -> str:
-        """A gateway's own stream: a submit wakes the gateway's blocked output reader through it."""
-        return self._key("gateway-wake", gateway_id)
+    def outputs(self, gateway_id: str) -> str:
+        """Workers and the scheduler -> one gateway: `OutputBatch`es of its requests, in order;
+        entries are kept OUTPUT_TTL_S, so a gateway that reconnects reads on from its last entry id."""
+        return self._key("out", gateway_id)
 
     @property
     def dead_letters(self) -> str:
@@ -86,6 +83,11 @@ class Keys:
     def request_state(self, request_id: str) -> str:
         """Hash: where a request runs and what it needs to be re-dispatched."""
         return self._key("request", request_id)
+
+    def delivered(self, request_id: str) -> str:
+        """String of the int32 tokens sent to a request's gateway so far (written with them, in the
+        same script), ending in OUTPUT_END once the request ended: where a re-dispatch resumes."""
+        return self._key("delivered", request_id)
 
     def assignments(self, instance_id: str) -> str:
         """Set of request ids running on an instance (re-dispatched if it dies)."""

@@ -7,15 +7,19 @@ prompt and the tokens already streamed, so any worker can resume a request).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible schema change; `Message.version` must equal it."""
+TOKEN_DTYPE = np.dtype("<i4")
+"""Token ids and counts packed in `OutputBatch`'s byte fields: little-endian int32."""
 
 
 class ProtocolError(ValueError):
@@ -25,7 +29,11 @@ class ProtocolError(ValueError):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2
+
+    def to_wire(self) -> dict[str, Any]:
+        """The map msgpack packs: JSON-compatible values."""
+        return self.model_dump(mode="json")
 
 
 # ---- gateway -> scheduler ----------------------------------------------------------------------------
@@ -43,6 +51,9 @@ class GenerateRequest(BaseModel):
     resumed_token_ids: list[int] = Field(default_factory=list)
     """Tokens already streamed to the client by an instance that died: the new instance prefills
     prompt + these and continues, so the client sees one unbroken stream."""
+    gateway_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """The gateway that submitted the request: its outputs go to that gateway's output stream
+    (set by the gateway; the scheduler refuses a request without one)."""
 
 
 class Submit(Message):
@@ -103,6 +114,10 @@ class Finished(Message):
 
 
 # ---- worker -> gateway ----------------------------------------------------------------------------------
+#
+# A gateway reads one stream, its own, of `OutputBatch` messages: each a step's new tokens for
+# every request of that gateway the step touched. Inside the gateway they become `TokenEvent`s, one
+# per request, which is what the HTTP layer consumes.
 
 
 class TokenLogprob(BaseModel):
@@ -118,22 +133,128 @@ class ErrorInfo(BaseModel):
     message: str
 
 
-class TokenEvent(Message):
-    """New tokens of one request (a delta), or its end."""
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of one request (a delta), or its end: a row of an `OutputBatch`, as the gateway
+    hands it to its request (a plain dataclass: the gateway makes one per request per step)."""
 
-    kind: Literal["tokens"] = "tokens"
     request_id: str
-    token_ids: list[int] = Field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[TokenLogprob] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     """Output tokens so far (all of them, also across a resume)."""
-    spec_stats: dict[str, Any] = Field(default_factory=dict)
+    spec_stats: dict[str, Any] = field(default_factory=dict)
     error: ErrorInfo | None = None
+
+
+class OutputEnd(BaseModel):
+    """How the request of one row of an `OutputBatch` ended (rows that did not end have none)."""
+
+    row: int = Field(ge=0)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    spec_stats: dict[str, Any] = Field(default_factory=dict)
+    """The request's speculative statistics, cumulative (they ride only on its last row)."""
+    error: ErrorInfo | None = None
+
+
+class RowLogprobs(BaseModel):
+    row: int = Field(ge=0)
+    logprobs: list[TokenLogprob]
+
+
+class OutputBatch(Message):
+    """New tokens of several requests of one gateway, column by column (one step's, usually).
+
+    Row i is request `request_ids[i]`; its new tokens are `token_ids[cu_num_tokens[i]:
+    cu_num_tokens[i + 1]]`. The byte fields are `TOKEN_DTYPE` arrays, so a step of 256 requests is
+    three byte strings rather than thousands of msgpack integers. A request may have several rows
+    (steps coalesced into one batch); its rows are in order.
+    """
+
+    kind: Literal["outputs"] = "outputs"
+    request_ids: list[str]
+    cu_num_tokens: bytes
+    """[num_rows + 1] prefix sums of the rows' new-token counts."""
+    token_ids: bytes
+    """[cu_num_tokens[-1]] the rows' new tokens, concatenated."""
+    texts: list[str]
+    """Each row's text delta (the worker detokenizes; a delta never splits a UTF-8 character)."""
+    num_output_tokens: bytes
+    """[num_rows] the request's output tokens so far, across a resume too."""
+    ends: list[OutputEnd] = Field(default_factory=list)
+    logprobs: list[RowLogprobs] = Field(default_factory=list)
+    """Rows of requests that asked for logprobs: one entry per new token."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")  # the byte fields stay bytes (msgpack bin)
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> OutputBatch:
+        num_rows = len(self.request_ids)
+        cu = np.frombuffer(self.cu_num_tokens, TOKEN_DTYPE) if len(self.cu_num_tokens) % 4 == 0 else None
+        if cu is None or len(cu) != num_rows + 1 or cu[0] != 0 or np.any(np.diff(cu) < 0):
+            raise ValueError(f"cu_num_tokens must be {num_rows + 1} non-decreasing int32 from 0")
+        if len(self.token_ids) != 4 * int(cu[-1]) or len(self.num_output_tokens) != 4 * num_rows:
+            raise ValueError("token_ids / num_output_tokens do not match cu_num_tokens")
+        if len(self.texts) != num_rows:
+            raise ValueError(f"{len(self.texts)} texts for {num_rows} rows")
+        if any(end.row >= num_rows for end in self.ends) or any(r.row >= num_rows for r in self.logprobs):
+            raise ValueError(f"an end or logprobs row is past the {num_rows} rows")
+        return self
+
+    def events(self) -> list[TokenEvent]:
+        """One event per row, in order (what the gateway hands to each request)."""
+        cu = np.frombuffer(self.cu_num_tokens, TOKEN_DTYPE).tolist()
+        token_ids = np.frombuffer(self.token_ids, TOKEN_DTYPE)
+        num_output = np.frombuffer(self.num_output_tokens, TOKEN_DTYPE).tolist()
+        ends = {end.row: end for end in self.ends}
+        logprobs = {row.row: row.logprobs for row in self.logprobs}
+        events = []
+        for row, request_id in enumerate(self.request_ids):
+            end = ends.get(row)
+            event = TokenEvent(
+                request_id,
+                token_ids[cu[row] : cu[row + 1]].tolist(),
+                self.texts[row],
+                logprobs.get(row, []),
+                end is not None,
+                num_output_tokens=num_output[row],
+            )
+            if end is not None:
+                event.finish_reason, event.stop_reason = end.finish_reason, end.stop_reason
+                event.spec_stats, event.error = end.spec_stats, end.error
+            events.append(event)
+        return events
+
+    @classmethod
+    def of(cls, events: list[TokenEvent]) -> OutputBatch:
+        """A batch holding these events (a worker's step builds its batches from arrays instead)."""
+        cu = np.cumsum([0, *(len(e.token_ids) for e in events)], dtype=TOKEN_DTYPE)
+        tokens = [t for e in events for t in e.token_ids]
+        return cls(
+            request_ids=[e.request_id for e in events],
+            cu_num_tokens=cu.tobytes(),
+            token_ids=np.asarray(tokens, TOKEN_DTYPE).tobytes(),
+            texts=[e.text for e in events],
+            num_output_tokens=np.asarray([e.num_output_tokens for e in events], TOKEN_DTYPE).tobytes(),
+            ends=[
+                OutputEnd(
+                    row=i,
+                    finish_reason=e.finish_reason,
+                    stop_reason=e.stop_reason,
+                    spec_stats=e.spec_stats,
+                    error=e.error,
+                )
+                for i, e in enumerate(events)
+                if e.finished or e.error is not None
+            ],
+            logprobs=[RowLogprobs(row=i, logprobs=e.logprobs) for i, e in enumerate(events) if e.logprobs],
+        )
 
 
 # ---- registry -------------------------------------------------------------------------------------------
@@ -204,7 +325,7 @@ AnyMessage = Annotated[
     | Reserve
     | ReserveReply
     | Finished
-    | TokenEvent
+    | OutputBatch
     | InstanceInfo
     | SuffixUpdate
     | SuffixLookup
@@ -218,7 +339,7 @@ PAYLOAD_FIELD = b"m"
 
 
 def encode(message: Message) -> bytes:
-    return msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
+    return msgpack.packb(message.to_wire(), use_bin_type=True)
 
 
 def decode(data: bytes) -> AnyMessage:

@@ -1,16 +1,12 @@
 """The gateway's view of the mesh: submit a request, follow its token events, cancel it, check health.
 
-`RedisBackend` is the real one: it XADDs `Submit` / `Cancel` to the requests stream and follows
-every open request's `out:{request_id}` stream with ONE reader task doing one multiplexed blocking
-XREAD over all of them, dispatching each decoded `TokenEvent` to its request's queue in order.
-The reader remembers the last entry id of every stream, so after a Redis reconnect it resumes
-where it was (output streams outlive their requests by `OUTPUT_TTL_S`) and nothing is lost or
-repeated.
-
-A blocking XREAD only watches the streams it was given. A request that starts while the reader is
-blocked must not wait out the block, so the reader also watches this gateway's own wake stream;
-a submit that finds the reader blocked XADDs to it in the same round trip as the `Submit`. The
-wake entry is read by id, so it works even when it lands before the XREAD reaches Redis.
+`RedisBackend` is the real one: it XADDs `Submit` / `Cancel` to the requests stream, stamped with
+this gateway's id, and workers send the outputs of every request of this gateway to one stream,
+the gateway's own (`out:{gateway_id}`): each entry is an `OutputBatch`, a step's new tokens for
+all of this gateway's requests that the step touched. ONE reader task follows that stream with a
+blocking XREAD, decodes each batch once, and hands every row to its request's queue, in order.
+The reader remembers the last entry id, so after a Redis reconnect it resumes where it was and
+nothing is lost or repeated: it alone trims the stream, and only of entries it has read.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,7 +22,6 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from redis.typing import KeyT, StreamIdT
 
 from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled, stop_tasks
 from shared.protocol import (
@@ -33,11 +29,11 @@ from shared.protocol import (
     Cancel,
     ErrorInfo,
     GenerateRequest,
+    OutputBatch,
     ProtocolError,
     Submit,
     TokenEvent,
     decode,
-    encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,14 +41,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 """A request with no event for this long ends with a 504."""
 READ_BLOCK_MS = 1000
-"""Longest one XREAD blocks (keep it under redis-py's 5 s socket timeout); new requests wake the
-reader, so this bounds nothing a client waits for."""
+"""Longest one XREAD blocks (keep it under redis-py's 5 s socket timeout)."""
 READ_COUNT = 256
-"""Most entries one XREAD returns per stream."""
-WAKE_MAXLEN = 16
-WAKE_TTL_S = 3600
-"""A crashed gateway's wake stream disappears after this long."""
+"""Most entries (batches) one XREAD returns."""
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+TRIM_EVERY_S = 1.0
+"""How often the reader drops the entries it has read from its stream."""
 
 
 class MeshBackend(Protocol):
@@ -84,18 +78,11 @@ def error_event(request_id: str, code: int, type: str, message: str) -> TokenEve
     )
 
 
-def wake_stream(settings: RedisSettings, gateway_id: str) -> str:
-    """This gateway's wake stream (read only by its own reader)."""
-    return settings.keys.gateway_wake(gateway_id)
-
-
 @dataclass
 class _Follow:
-    """One open request: where its output stream is and what has been read of it."""
+    """One open request and the events read for it."""
 
     request_id: str
-    stream: str
-    last_id: str = "0-0"
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
 
 
@@ -111,17 +98,13 @@ class RedisBackend:
         self.request_timeout_s = request_timeout_s
         self.read_block_ms = read_block_ms
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.wake_stream = wake_stream(settings, self.gateway_id)
+        self.stream = self.keys.outputs(self.gateway_id)
         self._client: aioredis.Redis | None = None
         self._bus: Bus | None = None
         self._reader: asyncio.Task[None] | None = None
         self._follows: dict[str, _Follow] = {}
-        """Open requests by output stream key."""
-        self._has_follows = asyncio.Event()
-        self._reading = False
-        """The reader is in (or about to send) an XREAD whose stream set is already fixed."""
-        self._wake_pending = False
-        self._wake_last_id = "0-0"
+        """Open requests by id."""
+        self._last_id = "0-0"
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -137,7 +120,7 @@ class RedisBackend:
             self._reader = None
         if self._client is not None:
             with contextlib.suppress(RedisError):
-                await self._client.delete(self.wake_stream)
+                await self._client.delete(self.stream)
             await self._client.aclose()
             self._client = None
 
@@ -158,7 +141,8 @@ class RedisBackend:
         follow = self._follow(request_id)
         try:
             try:
-                await self._publish_submit(request)
+                submit = Submit(request=request.model_copy(update={"gateway_id": self.gateway_id}))
+                await self.bus.publish(self.keys.requests, submit)
             except RedisError as exc:
                 yield error_event(
                     request_id, 503, "service_unavailable", f"cannot reach the request bus (Redis): {exc}"
@@ -176,7 +160,7 @@ class RedisBackend:
                 if event.finished or event.error is not None:
                     return
         finally:
-            self._unfollow(follow.stream)
+            self._follows.pop(request_id, None)
 
     async def cancel(self, request_id: str, reason: str = "client disconnected") -> None:
         try:
@@ -202,48 +186,29 @@ class RedisBackend:
         return True, f"{num_live} live worker(s)"
 
     def _follow(self, request_id: str) -> _Follow:
-        follow = _Follow(request_id, self.keys.output(request_id))
-        if follow.stream in self._follows:
+        if request_id in self._follows:
             raise ValueError(f"request id {request_id!r} is already open")
-        self._follows[follow.stream] = follow
-        self._has_follows.set()
+        follow = self._follows[request_id] = _Follow(request_id)
         return follow
-
-    def _unfollow(self, stream: str) -> None:
-        self._follows.pop(stream, None)
-        if not self._follows:
-            self._has_follows.clear()
-
-    async def _publish_submit(self, request: GenerateRequest) -> None:
-        """XADD the Submit, and (same round trip) wake the reader if it is blocked without us."""
-        wake = self._reading and not self._wake_pending
-        if not wake:
-            await self.bus.publish(self.keys.requests, Submit(request=request))
-            return
-        self._wake_pending = True
-        assert self._client is not None
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.keys.requests, {PAYLOAD_FIELD: encode(Submit(request=request))})
-            pipe.xadd(self.wake_stream, {b"w": b""}, maxlen=WAKE_MAXLEN, approximate=True)
-            pipe.expire(self.wake_stream, WAKE_TTL_S)
-            await pipe.execute()
 
     # ---- the one reader ------------------------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        """Multiplexed XREAD over every open request's output stream, until cancelled."""
-        failures = 0
+        """Blocking XREADs of this gateway's output stream, until cancelled."""
+        failures, trimmed_at = 0, time.monotonic()
         while True:
-            await self._has_follows.wait()
-            self._reading = True
-            streams: dict[KeyT, StreamIdT] = {
-                stream: follow.last_id for stream, follow in self._follows.items()
-            }
-            streams[self.wake_stream] = self._wake_last_id
             try:
                 assert self._client is not None
-                response: Any = await self._client.xread(streams, count=READ_COUNT, block=self.read_block_ms)
-                await self._dispatch(response)
+                response: Any = await self._client.xread(
+                    {self.stream: self._last_id}, count=READ_COUNT, block=self.read_block_ms
+                )
+                for _, entries in response.items() if isinstance(response, dict) else response or []:
+                    for raw_id, fields in entries:
+                        self._last_id = _text(raw_id)
+                        await self._dispatch(self._last_id, fields.get(PAYLOAD_FIELD))
+                if time.monotonic() - trimmed_at > TRIM_EVERY_S:
+                    await self.bus.trim_read(self.stream, self._last_id)
+                    trimmed_at = time.monotonic()
                 failures = 0
             except Exception as exc:  # Redis gone (redis-py reconnects on the next call), or a bug
                 reraise_if_cancelled(exc)
@@ -254,44 +219,24 @@ class RedisBackend:
                 else:
                     logger.exception("output reader error; retrying in %.2f s", delay_s)
                 await asyncio.sleep(delay_s)
-            finally:
-                self._reading = False
-                self._wake_pending = False
 
-    async def _dispatch(self, response: Any) -> None:
-        items = response.items() if isinstance(response, dict) else (response or [])
-        for raw_stream, entries in items:
-            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
-            if stream == self.wake_stream:
-                self._wake_last_id = _text(entries[-1][0])
-                continue
-            for raw_id, fields in entries:
-                follow = self._follows.get(stream)
-                if follow is None:  # closed meanwhile (client gone): the rest is nobody's
-                    break
-                follow.last_id = _text(raw_id)
-                event = await self._decode_event(stream, follow.last_id, fields)
-                if event is None:
-                    continue
-                follow.queue.put_nowait(event)
-                if event.finished or event.error is not None:
-                    self._unfollow(stream)
-
-    async def _decode_event(
-        self, stream: str, entry_id: str, fields: dict[bytes, bytes]
-    ) -> TokenEvent | None:
-        payload = fields.get(PAYLOAD_FIELD)
+    async def _dispatch(self, entry_id: str, payload: bytes | None) -> None:
+        """Hands each row of one batch to its request (rows of requests no longer open are dropped:
+        their clients went away)."""
         try:
             if payload is None:
                 raise ProtocolError(f"entry has no {PAYLOAD_FIELD.decode()!r} field")
-            message = decode(payload)
-            if not isinstance(message, TokenEvent):
-                raise ProtocolError(f"expected a token event, got {message.kind!r}")
-            return message
+            batch = decode(payload)
+            if not isinstance(batch, OutputBatch):
+                raise ProtocolError(f"expected an output batch, got {batch.kind!r}")
         except ProtocolError as exc:
             with contextlib.suppress(RedisError):
-                await self.bus.dead_letter(stream, entry_id, payload, str(exc))
-            return None
+                await self.bus.dead_letter(self.stream, entry_id, payload, str(exc))
+            return
+        for event in batch.events():
+            follow = self._follows.get(event.request_id)
+            if follow is not None:
+                follow.queue.put_nowait(event)
 
 
 def _text(value: bytes | str) -> str:

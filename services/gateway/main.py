@@ -4,13 +4,21 @@
 
 SIGTERM / SIGINT: the listener closes, in-flight requests and streams get `--shutdown-timeout-s`
 to finish, then the bus connection closes and the process exits.
+
+`--workers N` forks N gateway processes that share the port (SO_REUSEPORT: the kernel spreads
+connections over them), each with its own output stream, so many streams are not one process's
+event loop; the first process only supervises them (signals go on to them; if one dies, all stop).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import logging
+import os
+import signal
 import sys
 from typing import Any
 
@@ -49,6 +57,12 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="end a request with 504 after this long without an event from the mesh",
     )
     http.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing the port (SO_REUSEPORT); 1: this process serves",
+    )
+    http.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -79,6 +93,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     setup_logging(args.gateway_log_level, "gateway")
     if args.request_timeout_s <= 0:
         raise ValueError("--request-timeout-s must be positive")
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if args.workers > 1:
+        return supervise(args)
+    return serve(args)
+
+
+def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
     served = ServedModel.load(args.model or default_model(), args.served_model_name, args.max_model_len)
     settings = redis_settings(args)
     backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
@@ -101,11 +123,68 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             access_log=None,  # one structured line per request comes from the app itself
             print=None,
             loop=_new_event_loop(),
+            reuse_port=reuse_port or None,
         )
     except ConnectionError as exc:  # Redis unreachable at start: the message says which flags to check
         print(f"specmesh gateway: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def supervise(args: argparse.Namespace) -> int:
+    """Forks `--workers` gateways on the same port and waits for them. Forked before any event
+    loop, thread or tokenizer exists here, so each child starts clean."""
+    children = [_fork_gateway(args, index) for index in range(args.workers)]
+    stopping = False
+
+    def forward(signum: int, _: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in children:
+            _signal(pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    logger.warning("gateway supervising %d workers on port %d", args.workers, args.port)
+    exit_code = 0
+    for _ in children:
+        pid, status = os.wait()
+        code = os.waitstatus_to_exitcode(status)
+        if not stopping:  # a gateway died on its own: stop the others (the orchestrator restarts us)
+            logger.error("gateway worker %d exited with %d; stopping the others", pid, code)
+            stopping = True
+            for other in children:
+                _signal(other, signal.SIGTERM)
+        exit_code = exit_code or (code if code > 0 else 0)
+    return exit_code
+
+
+def _fork_gateway(args: argparse.Namespace, index: int) -> int:
+    supervisor = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _die_with_parent(supervisor, f"gateway-{index}".encode())
+        code = serve(args, reuse_port=True)
+    finally:
+        os._exit(code)
+
+
+def _die_with_parent(supervisor: int, name: bytes) -> None:
+    """Linux: SIGTERM this process when the supervisor dies; name it for `ps` and /proc."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(15, name)  # PR_SET_NAME
+    if os.getppid() != supervisor:  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

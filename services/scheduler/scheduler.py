@@ -21,16 +21,15 @@ from redis.exceptions import RedisError
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
-from shared.bus import OUTPUT_TTL_S, Bus, Delivery, as_bytes, as_text, reraise_if_cancelled, stop_tasks
+from shared.bus import Bus, Delivery, as_bytes, as_text, reraise_if_cancelled, stop_tasks
 from shared.keys import SCHEDULER_GROUP
 from shared.protocol import (
-    PAYLOAD_FIELD,
     Cancel,
     Dispatch,
     ErrorInfo,
     Finished,
     GenerateRequest,
-    ProtocolError,
+    OutputBatch,
     Reserve,
     ReserveReply,
     Submit,
@@ -150,47 +149,46 @@ class SplitwiseScheduler:
     # ---- admission and placement --------------------------------------------------------------------------
 
     async def _admit(self, request: GenerateRequest) -> None:
-        state = self.keys.request_state(request.request_id)
-        if not await self.bus.client.hsetnx(state, "request", encode(Submit(request=request))):
+        if request.gateway_id is None:
+            raise ValueError("a submit without a gateway_id: nowhere to send its outputs")
+        admission = await self.bus.admit(
+            request.request_id, Submit(request=request), self.options.max_queue_len
+        )
+        if admission == "duplicate":
             return  # a redelivered Submit: already admitted
-        depth = await self.bus.client.incr(self.keys.queue_depth)
-        if depth > self.options.max_queue_len:
-            await self.bus.client.decr(self.keys.queue_depth)
-            await self.bus.client.delete(state)
+        if admission == "queue_full":
             self.metrics.rejected.inc()
             await self._fail(
-                request.request_id,
-                429,
-                f"server is busy: {self.options.max_queue_len} requests already queued",
+                request, 429, f"server is busy: {self.options.max_queue_len} requests already queued"
             )
             return
-        await self.bus.client.hset(state, mapping={"slot": 1, "attempts": 0})
         await self._place(request)
 
     async def _place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> None:
         started = time.perf_counter()
         deadline = time.monotonic() + self.options.dispatch_timeout_s
-        while True:
-            if not await self.bus.client.exists(self.keys.request_state(request.request_id)):
-                return  # cancelled while waiting
-            mixed = self.registry.pick_least_loaded("mixed", exclude)
-            if mixed is not None:
-                await self._dispatch_mixed(request, mixed.instance_id)
-                break
-            split_possible = self.registry.count("prefill") and self.registry.count("decode")
-            if split_possible and await self._dispatch_split(request, exclude):
-                break
+        while not await self._try_place(request, exclude):
             if time.monotonic() > deadline:
-                await self._give_up(
-                    request.request_id, 503, "no worker instance is available to run the request"
-                )
+                await self._give_up(request, 503, "no worker instance is available to run the request")
                 return
             await asyncio.sleep(REGISTRY_REFRESH_S)
+            if not await self.bus.client.exists(self.keys.request_state(request.request_id)):
+                return  # cancelled while waiting
         self.metrics.placement_seconds.observe(time.perf_counter() - started)
 
+    async def _try_place(self, request: GenerateRequest, exclude: frozenset[str]) -> bool:
+        mixed = self.registry.pick_least_loaded("mixed", exclude)
+        if mixed is not None:
+            await self._dispatch_mixed(request, mixed.instance_id)
+            return True
+        split_possible = self.registry.count("prefill") and self.registry.count("decode")
+        return bool(split_possible) and await self._dispatch_split(request, exclude)
+
     async def _dispatch_mixed(self, request: GenerateRequest, instance_id: str) -> None:
-        await self._assign(request.request_id, instance_id)
-        await self.bus.publish(self.keys.inbox(instance_id), Dispatch(role="mixed", request=request))
+        dispatch = Dispatch(role="mixed", request=request)
+        await self.bus.assign_and_publish(
+            request.request_id, [instance_id], self.keys.inbox(instance_id), dispatch
+        )
         self.registry.note_dispatch(instance_id)
         self.metrics.dispatched.labels(role="mixed").inc()
 
@@ -203,18 +201,22 @@ class SplitwiseScheduler:
             return False
         reply = await self._reserve(request, decode_info.instance_id)
         if reply is not None and not reply.ok and reply.code == 400:
-            await self._give_up(request.request_id, 400, reply.error or "invalid request")
+            await self._give_up(request, 400, reply.error or "invalid request")
             return True
         if reply is None or not reply.ok:
             return False
-        await self._assign(request.request_id, decode_info.instance_id, prefill_info.instance_id)
         dispatch = Dispatch(
             role="prefill",
             request=request,
             decode_instance=decode_info.instance_id,
             decode_kv_address=reply.kv_address,
         )
-        await self.bus.publish(self.keys.inbox(prefill_info.instance_id), dispatch)
+        await self.bus.assign_and_publish(
+            request.request_id,
+            [decode_info.instance_id, prefill_info.instance_id],
+            self.keys.inbox(prefill_info.instance_id),
+            dispatch,
+        )
         self.registry.note_dispatch(prefill_info.instance_id)
         self.registry.note_dispatch(decode_info.instance_id)
         self.metrics.dispatched.labels(role="split").inc()
@@ -241,7 +243,7 @@ class SplitwiseScheduler:
                 Cancel(request_id=request.request_id, reason="reservation timed out"),
             )
             await self._give_up(
-                request.request_id,
+                request,
                 504,
                 f"decode instance {decode_id} did not reserve KV blocks within {self.options.reserve_timeout_s:g} s",
             )
@@ -249,52 +251,46 @@ class SplitwiseScheduler:
         finally:
             self.reservations.pop(request.request_id, None)
 
-    async def _assign(self, request_id: str, *instance_ids: str) -> None:
-        async with self.bus.client.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.request_state(request_id), "instances", ",".join(instance_ids))
-            for instance_id in instance_ids:
-                pipe.sadd(self.keys.assignments(instance_id), request_id)
-            await pipe.execute()
-
     # ---- completion, cancellation, failure ----------------------------------------------------------------
 
     async def _finished(self, message: Finished) -> None:
-        await self.bus.client.srem(self.keys.assignments(message.instance_id), message.request_id)
-        if message.outcome == "handed_off":
-            return
+        if message.outcome in ("handed_off", "failed"):
+            await self.bus.client.srem(self.keys.assignments(message.instance_id), message.request_id)
         if message.outcome == "failed":
             await self._retry(message.request_id, {message.instance_id}, message.error or "failed")
-            return
-        await self._release(message.request_id)
+        elif message.outcome != "handed_off":
+            await self.bus.release(message.request_id, message.instance_id)
 
     async def _cancel(self, request_id: str) -> None:
         instances = await self._instances_of(request_id)
         for instance_id in instances:
             await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id))
-        await self._release(request_id)
+        await self.bus.release(request_id)
 
     async def _retry(self, request_id: str, exclude: set[str], reason: str) -> None:
-        """Places a request again (after its instance failed or died), resuming after the tokens the
-        client already has; gives up after MAX_ATTEMPTS."""
+        """Places a request again (after its instance failed or died), resuming after the tokens its
+        gateway already has; gives up after MAX_ATTEMPTS."""
         state = self.keys.request_state(request_id)
         raw = await self.bus.client.hget(state, "request")
         if raw is None:
             return
+        message = decode(as_bytes(raw))
+        assert isinstance(message, Submit)
         attempts = await self.bus.client.hincrby(state, "attempts", 1)
-        delivered, finished = await self._delivered_tokens(request_id)
+        delivered, finished = await self.bus.delivered_tokens(request_id)
         if finished:
-            await self._release(request_id)
+            await self.bus.release(request_id)
             return
         if attempts >= MAX_ATTEMPTS:
-            await self._give_up(request_id, 500, f"request failed {attempts} times; last error: {reason}")
+            await self._give_up(
+                message.request, 500, f"request failed {attempts} times; last error: {reason}"
+            )
             return
         for instance_id in set(await self._instances_of(request_id)) - exclude:
             await self.bus.publish(
                 self.keys.inbox(instance_id), Cancel(request_id=request_id, reason="re-dispatched")
             )
             await self.bus.client.srem(self.keys.assignments(instance_id), request_id)
-        message = decode(as_bytes(raw))
-        assert isinstance(message, Submit)
         request = message.request.model_copy(update={"resumed_token_ids": delivered})
         self.metrics.redispatched.inc()
         logger.warning(
@@ -302,46 +298,25 @@ class SplitwiseScheduler:
         )
         await self._place(request, exclude=frozenset(exclude))
 
-    async def _delivered_tokens(self, request_id: str) -> tuple[list[int], bool]:
-        """Tokens already in the request's output stream, and whether it already ended."""
-        entries: Any = await self.bus.client.xrange(self.keys.output(request_id))
-        tokens: list[int] = []
-        for _, fields in entries:
-            try:
-                event = decode(fields[PAYLOAD_FIELD])
-            except (ProtocolError, KeyError):
-                continue
-            if isinstance(event, TokenEvent):
-                tokens += event.token_ids
-                if event.finished:
-                    return tokens, True
-        return tokens, False
-
     async def _instances_of(self, request_id: str) -> list[str]:
         raw = await self.bus.client.hget(self.keys.request_state(request_id), "instances")
         return [i for i in (as_text(raw) if raw else "").split(",") if i]
 
-    async def _release(self, request_id: str) -> None:
-        """Frees the request's queue slot exactly once and forgets it."""
-        state = self.keys.request_state(request_id)
-        if await self.bus.client.hdel(state, "slot"):
-            await self.bus.client.decr(self.keys.queue_depth)
-        await self.bus.client.delete(state)
+    async def _give_up(self, request: GenerateRequest, code: int, message: str) -> None:
+        await self._fail(request, code, message)
+        await self.bus.release(request.request_id)
 
-    async def _give_up(self, request_id: str, code: int, message: str) -> None:
-        await self._fail(request_id, code, message)
-        await self._release(request_id)
-
-    async def _fail(self, request_id: str, code: int, message: str) -> None:
+    async def _fail(self, request: GenerateRequest, code: int, message: str) -> None:
+        """Ends the request with an error its gateway answers with."""
         kind = {429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}.get(code, "server_error")
         event = TokenEvent(
-            request_id=request_id,
+            request_id=request.request_id,
             finished=True,
             finish_reason="error",
             error=ErrorInfo(code=code, type=kind, message=message),
         )
-        await self.bus.publish(self.keys.output(request_id), event)
-        await self.bus.client.expire(self.keys.output(request_id), OUTPUT_TTL_S)
+        assert request.gateway_id is not None  # checked at admission
+        await self.bus.publish_step([(request.gateway_id, encode(OutputBatch.of([event])))])
 
     # ---- watching instances -------------------------------------------------------------------------------
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import socket
 import uuid
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.args import add_engine_args, engine_config
-from services.engine.engine import LLMEngine
 from services.runtime import (
     add_redis_args,
     redis_settings,
@@ -19,6 +17,8 @@ from services.runtime import (
     start_status_server,
     stop_event_on_signals,
 )
+from services.worker.core_client import EngineCoreClient, EngineCoreDied
+from services.worker.core_messages import CoreOptions, SuffixCacheOptions
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker, WorkerOptions
 from shared.bus import Bus, connect
@@ -72,18 +72,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
     instance_id = args.instance_id or f"{socket.gethostname()}-{role}-{uuid.uuid4().hex[:6]}"
     import uvloop
 
-    uvloop.run(run_worker(args, role, instance_id))
-    return 0
+    return uvloop.run(run_worker(args, role, instance_id))
 
 
-async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> None:
+async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> int:
+    """Starts the engine core, then serves the bus until SIGTERM (0) or the core's death (1)."""
     stop = stop_event_on_signals()
     settings = redis_settings(args)
     client = await connect(settings)
     bus = Bus(client, settings.keys)
     config = engine_config(args)
-    suffix_index = await _suffix_index(args, bus, instance_id, config.speculative_config.method)
-    engine = await asyncio.to_thread(LLMEngine, config, suffix_index)
+    suffix_cache = None
+    if not args.no_suffix_cache and role != "prefill":  # the shared suffix cache serves decoding
+        suffix_cache = SuffixCacheOptions(settings, instance_id, args.suffix_cache_deadline_ms / 1000)
+    try:
+        core = await EngineCoreClient.start(CoreOptions(config, suffix_cache), args.worker_log_level)
+    except EngineCoreDied as exc:
+        logger.error("the engine could not start: %s", exc)
+        await client.aclose()
+        return 1
     metrics = WorkerMetrics(instance_id, role)
     options = WorkerOptions(
         instance_id=instance_id,
@@ -96,26 +103,10 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> N
         kv_advertise_host=args.kv_advertise_host,
         drain_timeout_s=args.drain_timeout_s,
     )
-    worker = Worker(engine, bus, options, metrics)
+    worker = Worker(core, bus, options, metrics)
     status = await start_status_server(args.metrics_host, args.metrics_port, metrics.registry, worker.health)
     try:
-        await worker.run(stop)
+        return await worker.run(stop)
     finally:
-        if suffix_index is not None:
-            await suffix_index.close()
         await status.cleanup()
         await client.aclose()
-
-
-async def _suffix_index(args: argparse.Namespace, bus: Bus, instance_id: str, method: str) -> Any:
-    """The shared suffix-cache client, for workers that decode (unless --no-suffix-cache)."""
-    role = args.splitwise_role or "mixed"
-    if args.no_suffix_cache or role == "prefill":
-        return None
-    from services.suffix_cache.client import RemoteSuffixIndex
-
-    client = RemoteSuffixIndex(
-        asyncio.get_running_loop(), bus, instance_id, deadline_s=args.suffix_cache_deadline_ms / 1000
-    )
-    await client.start()
-    return client

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.engine.engine import RequestOutput
-from services.worker.engine_thread import EngineLoad, StepResult
+from services.worker.core_messages import EngineLoad, RowEnd
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -88,30 +87,28 @@ class WorkerMetrics:
             if isinstance(value, bool | int | float):
                 self._suffix_cache.labels(**self.labels, stat=name).set(float(value))
 
-    def observe_step(self, result: StepResult, load: EngineLoad | None) -> None:
-        if result.step_s:
-            self.step_seconds.observe(result.step_s)
-        if load is not None:
-            self.running.set(load.num_running)
-            self.waiting.set(load.num_waiting)
-            self.queued_tokens.set(load.queued_tokens)
-            self.kv_free_blocks.set(load.free_kv_blocks)
-            self.kv_usage.set(1 - load.free_kv_blocks / max(load.total_kv_blocks, 1))
-            self.preemptions.set(load.num_preemptions)
+    def observe_step(self, step_s: float, load: EngineLoad) -> None:
+        if step_s:
+            self.step_seconds.observe(step_s)
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.queued_tokens.set(load.queued_tokens)
+        self.kv_free_blocks.set(load.free_kv_blocks)
+        self.kv_usage.set(1 - load.free_kv_blocks / max(load.total_kv_blocks, 1))
+        self.preemptions.set(load.num_preemptions)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        self._finished.labels(**self.labels, reason=output.finish_reason or "unknown").inc()
-        ttft = output.metrics.get("ttft_s")
-        if ttft is not None:
-            self.ttft.observe(ttft)
-            num_after_first = len(output.token_ids) - 1
-            if num_after_first > 0 and "e2e_s" in output.metrics:
-                self.tpot.observe((output.metrics["e2e_s"] - ttft) / num_after_first)
-        stats = output.spec_stats
-        self.draft_tokens.inc(float(stats.get("num_draft_tokens", 0)))  # type: ignore[arg-type]
-        self.accepted_tokens.inc(float(stats.get("num_accepted_tokens", 0)))  # type: ignore[arg-type]
+    def observe_finished(self, end: RowEnd, num_output_tokens: int) -> None:
+        self._finished.labels(**self.labels, reason=end.finish_reason or "unknown").inc()
+        if end.ttft_s is not None:
+            self.ttft.observe(end.ttft_s)
+            num_after_first = num_output_tokens - 1
+            if num_after_first > 0 and end.e2e_s is not None:
+                self.tpot.observe((end.e2e_s - end.ttft_s) / num_after_first)
+        stats = end.spec_stats
+        self.draft_tokens.inc(float(stats.get("num_draft_tokens", 0)))
+        self.accepted_tokens.inc(float(stats.get("num_accepted_tokens", 0)))
         drafted = stats.get("drafted_per_position") or []
         accepted = stats.get("accepted_per_position") or []
-        for position, (d, a) in enumerate(zip(drafted, accepted)):  # type: ignore[call-overload]
+        for position, (d, a) in enumerate(zip(drafted, accepted)):
             self._position_drafted.labels(**self.labels, position=str(position)).inc(d)
             self._position_accepted.labels(**self.labels, position=str(position)).inc(a)

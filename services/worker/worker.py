@@ -1,8 +1,12 @@
-"""A worker process: an engine (mixed, prefill or decode role) on the bus.
+"""A worker process: the bus side of an engine (mixed, prefill or decode role).
 
-receive  (inbox: Dispatch / Reserve / Cancel)  -> engine thread
-step     (engine thread, continuously)
-emit     (TokenEvents to out:{id}, Finished to the scheduler, KV to decode instances)
+receive  (inbox: Dispatch / Reserve / Cancel)   -> commands to the engine-core process
+step     (the engine-core process, continuously) -> a StepBatch per step, back over its socket
+emit     (per gateway one OutputBatch, the requests' delivered records and the scheduler's Finished
+          reports: one script call; KV to decode instances)
+
+The engine runs in its own process (`engine_core.py`), so this process's interpreter lock is never
+what a step waits for, and publishing never waits for a step.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 from redis.exceptions import RedisError
 
-from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
 from services.kv_transport import (
     KVHeader,
     KVTransferError,
@@ -28,21 +33,24 @@ from services.kv_transport import (
     make_transport,
 )
 from services.kv_transport.base import dtype_name
-from services.worker.engine_thread import EngineThread, StepResult
+from services.worker.core_client import EngineCoreClient
+from services.worker.core_messages import Handoff, Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
-from shared.bus import OUTPUT_TTL_S, Bus, Delivery, reraise_if_cancelled, stop_tasks
+from shared.bus import OUTPUT_END, Bus, Delivery, reraise_if_cancelled, stop_tasks
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
+    TOKEN_DTYPE,
     Cancel,
     Dispatch,
     ErrorInfo,
     Finished,
     GenerateRequest,
     InstanceInfo,
+    Message,
+    OutputBatch,
     Reserve,
     ReserveReply,
     TokenEvent,
-    TokenLogprob,
     encode,
 )
 
@@ -51,6 +59,7 @@ logger = logging.getLogger(__name__)
 Role = Literal["mixed", "prefill", "decode"]
 Outcome = Literal["done", "handed_off", "failed", "cancelled"]
 HEARTBEATS_PER_TTL = 3
+END_BYTES = np.asarray([OUTPUT_END], TOKEN_DTYPE).tobytes()
 
 
 @dataclass
@@ -67,30 +76,26 @@ class WorkerOptions:
 
 
 class Worker:
-    def __init__(self, engine: LLMEngine, bus: Bus, options: WorkerOptions, metrics: WorkerMetrics):
-        self.engine = engine
+    def __init__(self, core: EngineCoreClient, bus: Bus, options: WorkerOptions, metrics: WorkerMetrics):
+        self.core = core
         self.bus = bus
         self.options = options
         self.metrics = metrics
         self.keys = bus.keys
         self.inbox = self.keys.inbox(options.instance_id)
-        self.thread: EngineThread | None = None
         self.transport: KVTransport | None = None
         self.kv_address: str | None = None
         self.handoff_targets: dict[str, str] = {}
         """Prefill role: request id -> the decode instance's KV address."""
         self.requests: dict[str, GenerateRequest] = {}
+        """Requests in the engine (or reserved there), until their last row is published."""
         self.draining = False
-        self.steps: asyncio.Queue[StepResult] = asyncio.Queue()
-        """Step results in order; one emitter publishes them, so a request's events never reorder."""
         self.pending: set[asyncio.Task[None]] = set()
 
     # ---- life cycle -------------------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.engine, loop, self._on_step)
-        self.thread.start()
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serves until `stop` (drains, returns 0) or until the engine core dies (returns 1)."""
         if self.options.role in ("prefill", "decode"):
             self.transport = make_transport(self.options.kv_transport)
             if self.options.role == "decode":
@@ -108,29 +113,39 @@ class Worker:
             "worker ready",
             extra={"instance": self.options.instance_id, "role": self.options.role, "kv": self.kv_address},
         )
-        await stop.wait()
-        await self._drain()
+        stopped, died = asyncio.create_task(stop.wait()), asyncio.create_task(self.core.died.wait())
+        await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
+        await stop_tasks([stopped, died])
+        if self.core.alive:
+            await self._drain()
+        else:
+            logger.error(
+                "the engine core died (exit code %s): leaving the mesh; the scheduler re-dispatches "
+                "this instance's %d request(s)",
+                self.core.exit_code,
+                len(self.requests),
+            )
         await stop_tasks(tasks)
         await self.close()
+        return 0 if stop.is_set() and self.core.exit_code in (None, 0) else 1
 
     async def _drain(self) -> None:
         """SIGTERM: take no more work, finish what is running (bounded), leave the registry."""
         self.draining = True
         await self._heartbeat()
         deadline = time.monotonic() + self.options.drain_timeout_s
-        while (
-            self.thread is not None and self.thread.busy or not self.steps.empty()
-        ) and time.monotonic() < deadline:
+        while (self.requests or not self.core.batches.empty()) and time.monotonic() < deadline:
+            if not self.core.alive:
+                break
             await asyncio.sleep(0.05)
         if self.pending:
             await asyncio.wait(self.pending, timeout=max(0.0, deadline - time.monotonic()))
         logger.info(
-            "worker drained", extra={"instance": self.options.instance_id, "left": len(self.engine.sequences)}
+            "worker drained", extra={"instance": self.options.instance_id, "left": len(self.requests)}
         )
 
     async def close(self) -> None:
-        if self.thread is not None:
-            await asyncio.to_thread(self.thread.stop)
+        await self.core.shutdown()
         if self.transport is not None:
             await self.transport.close()
         with contextlib.suppress(RedisError):
@@ -144,14 +159,13 @@ class Worker:
                 deliveries = await self.bus.read_group(
                     self.inbox, WORKER_GROUP, self.options.instance_id, block_ms=200
                 )
+                for delivery in deliveries:
+                    await self._handle(delivery)
+                await self.bus.ack(self.inbox, WORKER_GROUP, *(d.entry_id for d in deliveries))
             except RedisError as exc:
                 reraise_if_cancelled(exc)
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
                 await asyncio.sleep(0.5)
-                continue
-            for delivery in deliveries:
-                await self._handle(delivery)
-                await self.bus.ack(self.inbox, WORKER_GROUP, delivery.entry_id)
 
     async def _handle(self, delivery: Delivery) -> None:
         message = delivery.message
@@ -166,6 +180,8 @@ class Worker:
                 await self.bus.dead_letter(
                     delivery.stream, delivery.entry_id, None, f"a worker does not handle {message.kind!r}"
                 )
+        except RedisError:
+            raise
         except Exception as exc:  # one bad message never stops the worker
             logger.exception("handling %s failed", message.kind)
             await self.bus.dead_letter(delivery.stream, delivery.entry_id, None, f"{message.kind}: {exc}")
@@ -175,30 +191,20 @@ class Worker:
         if request.request_id in self.requests:
             return  # a redelivery: already running here
         if self.draining:
-            await self._fail(request, 503, "instance is draining")
+            await self._refuse(request, 503, "instance is draining")
             return
         if message.role == "prefill":
             if not message.decode_kv_address:
-                await self._fail(request, 500, "prefill dispatch without a decode KV address")
+                await self._refuse(request, 500, "prefill dispatch without a decode KV address")
                 return
             self.handoff_targets[request.request_id] = message.decode_kv_address
         self.requests[request.request_id] = request
-        assert self.thread is not None
-        try:
-            await self.thread.call(
-                lambda e: e.add_request(
-                    request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    params=request.params,
-                    resumed_token_ids=request.resumed_token_ids,
-                    handoff=message.role == "prefill",
-                )
-            )
-            self.metrics.requests_received.inc()
-        except RequestError as exc:
-            await self._fail(request, 400, str(exc))
+        await self.core.add_request(request, handoff=message.role == "prefill")
+        self.metrics.requests_received.inc()
 
     async def _reserve(self, message: Reserve) -> None:
+        """Sends the reservation to the core now (in order with later commands for the request);
+        its answer goes back to the scheduler from a task, so this loop never waits for a step."""
         request = message.request
         reply = ReserveReply(request_id=request.request_id, instance_id=self.options.instance_id, ok=False)
         if request.request_id in self.requests:
@@ -207,150 +213,150 @@ class Worker:
             reply.error = "instance is draining" if self.draining else "this instance does not decode"
             reply.code = 503
         else:
-            reply = await self._reserve_blocks(request, message.timeout_s, reply)
+            self.requests[request.request_id] = request
+            answer = await self.core.reserve(request)
+            self._spawn(self._answer_reserve(message, answer, reply))
+            return
         await self.bus.publish(message.reply_to, reply, maxlen=10_000)
 
-    async def _reserve_blocks(
-        self, request: GenerateRequest, timeout_s: float, reply: ReserveReply
-    ) -> ReserveReply:
-        assert self.thread is not None and self.transport is not None
-        try:
-            await self.thread.call(
-                lambda e: e.reserve(
-                    request.request_id, request.prompt_token_ids, request.params, request.resumed_token_ids
-                )
+    async def _answer_reserve(
+        self, message: Reserve, answer: asyncio.Future[Reply], reply: ReserveReply
+    ) -> None:
+        request_id = message.request.request_id
+        result = await answer
+        if result.error is not None:
+            self.requests.pop(request_id, None)
+            reply.error, reply.code = result.error.message, result.error.code
+        else:
+            assert self.transport is not None
+            self.transport.expect(
+                request_id,
+                on_layer=self._on_kv_layer,
+                on_done=self._on_kv_done,
+                on_error=lambda error: self._on_kv_error(request_id, error),
+                timeout_s=message.timeout_s,
             )
-        except RequestError as exc:
-            reply.error = str(exc)
-            reply.code = 503 if isinstance(exc, CapacityError) else 400
-            return reply
-        self.requests[request.request_id] = request
-        request_id = request.request_id
-        self.transport.expect(
-            request_id,
-            on_layer=self._on_kv_layer,
-            on_done=self._on_kv_done,
-            on_error=lambda error: self._on_kv_error(request_id, error),
-            timeout_s=timeout_s,
-        )
-        reply.ok, reply.kv_address = True, self.kv_address
-        return reply
+            reply.ok, reply.kv_address = True, self.kv_address
+        await self.bus.publish(message.reply_to, reply, maxlen=10_000)
 
     async def _on_kv_layer(self, layer: ReceivedLayer) -> None:
-        assert self.thread is not None
-        await self.thread.call(
-            lambda e: e.import_kv(layer.request_id, layer.cache, layer.index, layer.key, layer.value)
-        )
+        await self.core.import_kv(layer.request_id, layer.cache, layer.index, layer.key, layer.value)
 
     async def _on_kv_done(self, transfer: ReceivedTransfer) -> None:
-        assert self.thread is not None
-        request_id = transfer.header.request_id
         first_token = int(transfer.extras["first_token_id"])
-        await self.thread.call(lambda e: e.activate(request_id, first_token))
+        await self.core.activate(transfer.header.request_id, first_token)
         self.metrics.kv_received_bytes.inc(transfer.header.num_bytes)
 
     async def _on_kv_error(self, request_id: str, error: KVTransferError) -> None:
+        """The request goes back to the scheduler, to be placed again (nothing reaches its client)."""
         logger.warning("KV transfer failed", extra={"request_id": request_id, "error": str(error)})
-        await self._abort(request_id)
+        await self.core.abort(request_id, emit=False)
+        self.requests.pop(request_id, None)
         await self._report(request_id, "failed", f"KV transfer failed: {error}")
 
     async def _cancel(self, request_id: str) -> None:
-        """Aborts the request (its blocks are freed at once); its final event follows its earlier ones."""
+        """Aborts the request (its blocks are freed at once); its final row follows its earlier ones."""
         if self.transport is not None:
             self.transport.cancel(request_id)
-        output = await self._abort(request_id)
-        if output is not None:
-            self._on_step(StepResult([output], [], 0.0))
-
-    async def _abort(self, request_id: str) -> RequestOutput | None:
-        assert self.thread is not None
-        output = await self.thread.call(lambda e: e.abort_request(request_id))
-        self.requests.pop(request_id, None)
-        self.handoff_targets.pop(request_id, None)
-        return output
+        if request_id in self.requests:
+            await self.core.abort(request_id)
 
     # ---- emit ------------------------------------------------------------------------------------------------
 
-    def _on_step(self, result: StepResult) -> None:
-        """Called on the loop after each step: queue it for the emitter, never blocking the engine."""
-        self.metrics.observe_step(result, self.thread.load if self.thread else None)
-        self.steps.put_nowait(result)
-
     async def _emit_loop(self) -> None:
+        """Publishes the core's step batches in order; batches that queued up while a publish was
+        in flight go out together, in one script call."""
         while True:
-            result = await self.steps.get()
+            batches = await self.core.next_batches()
+            for batch in batches:
+                self.metrics.observe_step(batch.step_s, batch.load)
+            batch = concat(batches)
             try:
-                await self._emit(result)
+                await self._publish(batch)
             except RedisError as exc:
                 reraise_if_cancelled(exc)
                 logger.error("publishing step outputs failed", extra={"error": str(exc)})
+            except Exception:  # a bug in one batch must not stop every later one
+                logger.exception("publishing step outputs failed")
+            self._retire(batch)
 
-    async def _emit(self, result: StepResult) -> None:
-        events = [(self.keys.output(o.request_id), self._event(o)) for o in result.outputs]
-        await self.bus.publish_many(events)
-        for request_id, error in result.failed:
-            await self._fail_by_id(request_id, 500, error)
-        for output in result.outputs:
-            if output.finished and output.finish_reason != "handoff":
-                await self._finished(output)
-        for export in result.handoffs:  # the first token is out: the decode instance may continue now
-            task = asyncio.create_task(self._hand_off(export))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
-
-    def _event(self, output: RequestOutput) -> TokenEvent:
-        request = self.requests.get(output.request_id)
-        num_new = len(output.new_token_ids)
-        logprobs = [
-            TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top.items()))
-            for lp in (output.logprobs or [])[-num_new:]
-            if num_new
+    async def _publish(self, batch: StepBatch) -> None:
+        """One OutputBatch per gateway, the rows' tokens appended to their requests' delivered
+        records, and a Finished report per ended request: one command."""
+        rows_of: dict[str, list[int]] = {}
+        for row, request_id in enumerate(batch.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.gateway_id is None:
+                logger.error("a row of %s, which has no gateway here: dropped", request_id)
+                continue
+            rows_of.setdefault(request.gateway_id, []).append(row)
+        whole = len(rows_of) == 1 and sum(map(len, rows_of.values())) == batch.num_rows
+        outputs = [
+            (gateway, encode(batch.output_batch(None if whole else np.asarray(rows))))
+            for gateway, rows in rows_of.items()
         ]
-        handoff = output.finish_reason == "handoff"
-        return TokenEvent(
-            request_id=output.request_id,
-            token_ids=output.new_token_ids,
-            text=output.new_text,
-            logprobs=logprobs,
-            finished=output.finished and not handoff,
-            finish_reason=None if handoff else output.finish_reason,
-            stop_reason=output.stop_reason,
-            num_prompt_tokens=len(request.prompt_token_ids) if request else len(output.prompt_token_ids),
-            num_output_tokens=len(output.token_ids),
-            # cumulative: the last event's are the request's (a stream of 64 requests sends a
-            # thousand events a second; the stats would be most of their bytes)
-            spec_stats=output.spec_stats if output.finished else {},
-        )
+        ended = {end.row: end for end in batch.ends if not end.handoff}
+        cu = batch.cu_num_tokens.tolist()
+        delivered = [
+            (
+                request_id,
+                batch.token_ids[cu[row] : cu[row + 1]].tobytes() + (END_BYTES if row in ended else b""),
+            )
+            for row, request_id in enumerate(batch.request_ids)
+            if cu[row] < cu[row + 1] or row in ended
+        ]
+        reports: list[tuple[str, Message]] = [
+            (self.keys.scheduler_replies, self._finished(batch.request_ids[end.row], end.outcome, end.error))
+            for end in ended.values()
+        ]
+        await self.bus.publish_step(outputs, delivered, reports)
 
-    async def _finished(self, output: RequestOutput) -> None:
-        self.metrics.observe_finished(output)
-        await self.bus.client.expire(self.keys.output(output.request_id), OUTPUT_TTL_S)
-        self.requests.pop(output.request_id, None)
-        outcome: Outcome = "cancelled" if output.finish_reason == "abort" else "done"
-        await self._report(output.request_id, outcome)
+    def _retire(self, batch: StepBatch) -> None:
+        """After publishing: requests that ended leave, prefilled ones are handed off."""
+        for end in batch.ends:
+            request_id = batch.request_ids[end.row]
+            if not end.handoff:
+                self.requests.pop(request_id, None)
+                if end.error is None:
+                    self.metrics.observe_finished(end, int(batch.num_output_tokens[end.row]))
+        for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
+            self._spawn(self._hand_off(handoff))
 
-    async def _hand_off(self, export: KVExport) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _hand_off(self, handoff: Handoff) -> None:
         """Prefill role: send the KV layer by layer to the decode instance, then step aside."""
-        address = self.handoff_targets.pop(export.request_id, None)
-        self.requests.pop(export.request_id, None)
+        address = self.handoff_targets.pop(handoff.request_id, None)
+        self.requests.pop(handoff.request_id, None)
         if address is None or self.transport is None:
-            await self._report(export.request_id, "failed", "no decode instance to hand the KV to")
+            await self._report(handoff.request_id, "failed", "no decode instance to hand the KV to")
             return
         started = time.perf_counter()
         try:
-            session = await self.transport.open(address, kv_header(export))
+            session = await self.transport.open(address, kv_header(handoff))
             async with session:
-                for cache, index, key, value in export.layers:
+                for cache, index, key, value in handoff.layers:
                     await session.send_layer(cache, index, key, value)
-                for name, tensor in export.tensors.items():
+                for name, tensor in handoff.tensors.items():
                     await session.send_tensor(name, tensor)
-                await session.close(extras={"first_token_id": export.first_token_id})
+                await session.close(extras={"first_token_id": handoff.first_token_id})
         except KVTransferError as exc:
-            await self._report(export.request_id, "failed", f"KV handoff failed: {exc}")
+            await self._report(handoff.request_id, "failed", f"KV handoff failed: {exc}")
             return
-        self.metrics.kv_sent_bytes.inc(sum(2 * k.numel() * k.element_size() for _, _, k, _ in export.layers))
+        self.metrics.kv_sent_bytes.inc(sum(2 * k.numel() * k.element_size() for _, _, k, _ in handoff.layers))
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
-        await self._report(export.request_id, "handed_off")
+        await self._report(handoff.request_id, "handed_off")
+
+    def _finished(self, request_id: str, outcome: str, error: ErrorInfo | None = None) -> Finished:
+        return Finished(
+            request_id=request_id,
+            instance_id=self.options.instance_id,
+            outcome=outcome,  # type: ignore[arg-type]
+            error=error.message if error else None,
+        )
 
     async def _report(self, request_id: str, outcome: Outcome, error: str | None = None) -> None:
         message = Finished(
@@ -358,18 +364,15 @@ class Worker:
         )
         await self.bus.publish(self.keys.scheduler_replies, message)
 
-    async def _fail(self, request: GenerateRequest, code: int, message: str) -> None:
-        await self._fail_by_id(request.request_id, code, message)
-
-    async def _fail_by_id(self, request_id: str, code: int, message: str) -> None:
+    async def _refuse(self, request: GenerateRequest, code: int, message: str) -> None:
+        """Ends a request this worker will not run: an error to its client, `failed` to the scheduler."""
         error = ErrorInfo(
             code=code, type="invalid_request_error" if code == 400 else "server_error", message=message
         )
-        event = TokenEvent(request_id=request_id, finished=True, finish_reason="error", error=error)
-        await self.bus.publish(self.keys.output(request_id), event)
-        await self.bus.client.expire(self.keys.output(request_id), OUTPUT_TTL_S)
-        self.requests.pop(request_id, None)
-        await self._report(request_id, "failed", message)
+        event = TokenEvent(request_id=request.request_id, finished=True, finish_reason="error", error=error)
+        outputs = [(request.gateway_id, encode(OutputBatch.of([event])))] if request.gateway_id else []
+        report = (self.keys.scheduler_replies, self._finished(request.request_id, "failed", error))
+        await self.bus.publish_step(outputs, [(request.request_id, END_BYTES)], [report])
 
     # ---- heartbeat --------------------------------------------------------------------------------------------
 
@@ -383,36 +386,36 @@ class Worker:
                 logger.warning("heartbeat failed", extra={"error": str(exc)})
 
     async def _heartbeat(self) -> None:
-        suffix_index = self.engine.drafter.suffix.global_index
-        if hasattr(suffix_index, "stats"):
-            self.metrics.observe_suffix_cache(suffix_index.stats())
-        load = self.thread.load if self.thread else None
-        info = InstanceInfo(
+        load, info = self.core.load, self.core.info
+        if load.suffix_cache:
+            self.metrics.observe_suffix_cache(load.suffix_cache)
+        heartbeat = InstanceInfo(
             instance_id=self.options.instance_id,
             role=self.options.role,
             model=self.options.model_name,
-            max_model_len=self.engine.max_model_len,
+            max_model_len=info.max_model_len,
             kv_address=self.kv_address,
-            num_running=load.num_running if load else 0,
-            num_waiting=load.num_waiting if load else 0,
-            queued_tokens=load.queued_tokens if load else 0,
-            free_kv_blocks=load.free_kv_blocks if load else self.engine.block_manager.num_free_blocks,
-            total_kv_blocks=self.engine.block_manager.num_blocks,
-            block_size=self.engine.config.block_size,
-            speculative_method=self.engine.config.speculative_config.method,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            queued_tokens=load.queued_tokens,
+            free_kv_blocks=load.free_kv_blocks,
+            total_kv_blocks=info.total_kv_blocks,
+            block_size=info.block_size,
+            speculative_method=info.speculative_method,
             draining=self.draining,
         )
         async with self.bus.client.pipeline(transaction=False) as pipe:
             pipe.set(
-                self.keys.heartbeat(self.options.instance_id), encode(info), px=int(self.options.ttl_s * 1000)
+                self.keys.heartbeat(self.options.instance_id),
+                encode(heartbeat),
+                px=int(self.options.ttl_s * 1000),
             )
             pipe.sadd(self.keys.instances, self.options.instance_id)
             await pipe.execute()
 
     async def health(self) -> tuple[bool, str]:
-        alive = self.thread is not None and self.thread._thread.is_alive()
-        if not alive:
-            return False, "engine thread is not running"
+        if not self.core.alive:
+            return False, f"the engine core exited with code {self.core.exit_code}"
         try:
             await self.bus.client.ping()
         except RedisError as exc:
@@ -420,16 +423,16 @@ class Worker:
         return (not self.draining), "draining" if self.draining else "ok"
 
 
-def kv_header(export: KVExport) -> KVHeader:
-    first_key = export.layers[0][2]
+def kv_header(handoff: Handoff) -> KVHeader:
+    first_key = handoff.layers[0][2]
     return KVHeader(
-        request_id=export.request_id,
-        num_tokens=export.num_tokens,
+        request_id=handoff.request_id,
+        num_tokens=handoff.num_tokens,
         block_size=int(first_key.shape[1]),
         dtype=dtype_name(first_key.dtype),
-        layer_shapes=[LayerShape(cache=c, index=i, shape=tuple(k.shape)) for c, i, k, _ in export.layers],  # type: ignore[arg-type]
+        layer_shapes=[LayerShape(cache=c, index=i, shape=tuple(k.shape)) for c, i, k, _ in handoff.layers],  # type: ignore[arg-type]
         tensors=[
             TensorSpec(name=n, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
-            for n, t in export.tensors.items()
+            for n, t in handoff.tensors.items()
         ],
     )

@@ -111,3 +111,21 @@ async def test_client_stamps_chunks_and_reads_usage(fake_gateway: tuple[str, lis
     assert bodies[0]["stream"] is True and bodies[0]["stream_options"] == {"include_usage": True}
     assert bodies[0]["speculative"] == {"method": "ngram"} and bodies[0]["ignore_eos"] is True
     assert not failed.ok and failed.error is not None and failed.error.startswith("HTTP 400")
+
+
+@pytest.mark.slow
+async def test_client_processes_split_the_requests_and_the_concurrency(
+    fake_gateway: tuple[str, list[dict]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import serving
+
+    monkeypatch.setattr(serving, "CLIENT_START_DELAY_S", 0.5)  # spawned children report starting late
+    url, bodies = fake_gateway
+    requests = [BenchRequest(f"r{i}", "w", f"prompt {i}", 4) for i in range(9)]
+    records, cpu_s = await asyncio.to_thread(
+        serving.run_clients, url, requests, Sampling(), 4, None, 0, num_processes=3
+    )
+    assert [r.request_id for r in records] == [r.id for r in requests]
+    assert all(r.ok and r.num_output_tokens == 5 for r in records)
+    assert sorted(b["prompt"] for b in bodies) == sorted(r.prompt for r in requests)
+    assert cpu_s > 0

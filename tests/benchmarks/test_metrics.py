@@ -129,10 +129,25 @@ def test_overhead_is_mesh_minus_in_process() -> None:
     from benchmarks.overhead import overhead_row, overhead_table
 
     in_process, mesh = cell("naive", 100.0, 10.0), cell("naive", 80.0, 12.5)
+    mesh["backend"] = "mesh"
     row = overhead_row(in_process, mesh)
     assert row["tpot_ms_overhead_p50"] == pytest.approx(2.5)
     assert row["throughput_ratio"] == pytest.approx(0.8)
     assert "(+2.5)" in overhead_table([row]) and "(0.80x)" in overhead_table([row])
+
+
+def test_the_split_mesh_is_a_column_beside_mixed() -> None:
+    from benchmarks.overhead import overhead_row, overhead_table
+
+    in_process, mesh, split = cell("naive", 100.0, 10.0), cell("naive", 90.0, 11.0), cell("naive", 85.0, 12.0)
+    mesh["backend"], split["backend"] = "mesh", "mesh-pd"
+    mesh["summary"]["cores_busy"] = {"mixed": 0.4, "mixed/engine-core": 0.9}
+    split["summary"]["cores_busy"] = {"prefill": 0.1, "decode/engine-core": 0.8}
+    row = overhead_row(in_process, mesh, split)
+    assert row["throughput_ratio_pd"] == pytest.approx(0.85) and row["tpot_ms_overhead_pd_p50"] == 2.0
+    table = overhead_table([row])
+    assert "in-process / mesh / pd" in table and "(0.90x, 0.85x)" in table and "(+1.0, +2.0)" in table
+    assert "| mesh-pd |" in table and "decode/engine-core cores" in table
 
 
 def test_worker_per_position_counters_are_parsed() -> None:

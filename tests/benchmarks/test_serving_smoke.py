@@ -111,11 +111,12 @@ def test_accepted_rates_are_in_range(smoke_result: tuple[dict[str, Any], Path]) 
 
 
 def test_each_mesh_process_cpu_is_measured(smoke_result: tuple[dict[str, Any], Path]) -> None:
-    """The cores each process kept busy: the worker generated every token, so it used CPU; none can
-    use more than the machine has."""
+    """The cores each process kept busy: the worker's engine core generated every token, so it used
+    CPU, and its bus side published them; none can use more than the machine has."""
     result, _ = smoke_result
     for cell in result["cells"]:
         busy = cell["summary"]["cores_busy"]
-        assert set(busy) == {"redis", "scheduler", "suffix-cache", "mixed", "gateway", "client"}
-        assert busy["mixed"] > 0.05 and busy["gateway"] > 0
+        roles = {"redis", "scheduler", "suffix-cache", "mixed", "mixed/engine-core", "gateway", "client"}
+        assert set(busy) == roles
+        assert busy["mixed/engine-core"] > 0.05 and busy["mixed"] > 0 and busy["gateway"] > 0
         assert all(0 <= cores <= result["machine"]["cpu_count"] + 0.5 for cores in busy.values()), busy

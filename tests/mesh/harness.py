@@ -161,6 +161,27 @@ def metric_value(text: str, name: str, default: float | None = None, **labels: s
     raise KeyError(f"no sample {name} {labels}")
 
 
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def child_pid(pid: int, name: str, timeout_s: float = 30.0) -> int:
+    """The pid of `pid`'s child process called `name` (/proc/<pid>/comm), once it exists."""
+    from benchmarks.launch import child_processes
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        children = child_processes(pid)
+        if name in children:
+            return children[name]
+        time.sleep(0.1)
+    raise AssertionError(f"no child {name!r} of {pid}: {child_processes(pid)}")
+
+
 def _tcp_open(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)

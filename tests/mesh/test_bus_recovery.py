@@ -9,29 +9,42 @@ import pytest
 
 from services.engine.llm import LLM
 from shared.bus import Bus, RedisSettings, connect
-from shared.protocol import PAYLOAD_FIELD, GenerateRequest, Submit, TokenEvent
+from shared.protocol import PAYLOAD_FIELD, GenerateRequest, OutputBatch, Submit, TokenEvent
 from shared.sampling_params import SamplingParams
 from tests.mesh.harness import LocalMesh
 
 WORKER_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--no-suffix-cache")
+GATEWAY = "test-gateway"
+"""The gateway id the tests submit as: outputs arrive on its output stream."""
+
+
+def request(request_id: str, prompt: list[int], params: SamplingParams) -> Submit:
+    return Submit(
+        request=GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params, gateway_id=GATEWAY
+        )
+    )
 
 
 async def follow(
     bus: Bus, request_id: str, timeout_s: float = 120.0, on_tokens=None
 ) -> tuple[list[int], TokenEvent]:  # type: ignore[no-untyped-def]
-    """Reads a request's output stream to its end; returns all tokens and the last event."""
+    """Reads the test gateway's output stream until the request ends; returns all its tokens and
+    its last event."""
     tokens: list[int] = []
     last_id, deadline = "0-0", time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        deliveries, last_id = await bus.read_stream(bus.keys.output(request_id), last_id, block_ms=200)
+        deliveries, last_id = await bus.read_stream(bus.keys.outputs(GATEWAY), last_id, block_ms=200)
         for delivery in deliveries:
-            event = delivery.message
-            assert isinstance(event, TokenEvent)
-            tokens += event.token_ids
-            if on_tokens is not None:
-                await on_tokens(tokens)
-            if event.finished:
-                return tokens, event
+            assert isinstance(delivery.message, OutputBatch)
+            for event in delivery.message.events():
+                if event.request_id != request_id:
+                    continue
+                tokens += event.token_ids
+                if on_tokens is not None:
+                    await on_tokens(tokens)
+                if event.finished:
+                    return tokens, event
     raise TimeoutError(f"{request_id} did not finish; got {len(tokens)} tokens")
 
 
@@ -56,10 +69,7 @@ def test_killed_worker_request_resumes_on_another_with_the_same_output(mesh_fact
     async def scenario() -> tuple[list[int], TokenEvent, str]:
         bus = await bus_of(mesh)
         await asyncio.sleep(1.0)  # both heartbeats registered
-        await bus.publish(
-            bus.keys.requests,
-            Submit(request=GenerateRequest(request_id="long", prompt_token_ids=prompt, params=params)),
-        )
+        await bus.publish(bus.keys.requests, request("long", prompt, params))
         victim: list[str] = []
 
         async def kill_after_some_tokens(tokens: list[int]) -> None:
@@ -89,10 +99,7 @@ def test_malformed_message_is_dead_lettered_and_service_goes_on(mesh_factory, me
         await bus.client.xadd(bus.keys.requests, {PAYLOAD_FIELD: b"\x93not-a-map"})
         await bus.client.xadd(bus.keys.requests, {b"other": b"field"})
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-        await bus.publish(
-            bus.keys.requests,
-            Submit(request=GenerateRequest(request_id="ok", prompt_token_ids=[5, 6, 7], params=params)),
-        )
+        await bus.publish(bus.keys.requests, request("ok", [5, 6, 7], params))
         tokens, _ = await follow(bus, "ok")
         dead = await bus.client.xrange(bus.keys.dead_letters)
         await bus.client.aclose()
@@ -118,8 +125,7 @@ def test_full_queue_answers_429(mesh_factory, mesh_model) -> None:
         bus = await bus_of(mesh)
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         for i in range(6):
-            request = GenerateRequest(request_id=f"r{i}", prompt_token_ids=[5, 6, 7 + i], params=params)
-            await bus.publish(bus.keys.requests, Submit(request=request))
+            await bus.publish(bus.keys.requests, request(f"r{i}", [5, 6, 7 + i], params))
         results = [await follow(bus, f"r{i}") for i in range(6)]
         await bus.client.aclose()
         return [last for _, last in results]
@@ -142,12 +148,7 @@ def test_cancel_frees_the_blocks(mesh_factory, mesh_model, role_flags) -> None:
     async def scenario() -> tuple[float, float, TokenEvent]:
         bus = await bus_of(mesh)
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        await bus.publish(
-            bus.keys.requests,
-            Submit(
-                request=GenerateRequest(request_id="c", prompt_token_ids=list(range(5, 100)), params=params)
-            ),
-        )
+        await bus.publish(bus.keys.requests, request("c", list(range(5, 100)), params))
         during: list[float] = []
 
         async def cancel_once(tokens: list[int]) -> None:

@@ -6,10 +6,9 @@ import asyncio
 import json
 import signal
 
-from shared.protocol import GenerateRequest, Submit
 from shared.sampling_params import SamplingParams
 from tests.mesh.harness import LocalMesh
-from tests.mesh.test_bus_recovery import bus_of, follow
+from tests.mesh.test_bus_recovery import bus_of, follow, request
 
 SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
 FLAGS = (
@@ -43,18 +42,12 @@ def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
         from shared.tokenizer import Tokenizer
 
         ids = Tokenizer(mesh_model).encode(prompt)
-        await bus.publish(
-            bus.keys.requests,
-            Submit(request=GenerateRequest(request_id="on-a", prompt_token_ids=ids, params=params)),
-        )
+        await bus.publish(bus.keys.requests, request("on-a", ids, params))
         first, _ = await follow(bus, "on-a")
         mesh.kill("a", signal.SIGTERM)  # worker A leaves; B is the only place the next request can go
         mesh.start_role("b", "mixed", "--model", mesh_model, "--instance-id", "b", *FLAGS)
         await asyncio.sleep(1.5)
-        await bus.publish(
-            bus.keys.requests,
-            Submit(request=GenerateRequest(request_id="on-b", prompt_token_ids=ids, params=params)),
-        )
+        await bus.publish(bus.keys.requests, request("on-b", ids, params))
         second, last = await follow(bus, "on-b")
         where = (await bus.client.hget(bus.keys.request_state("on-b"), "instances") or b"").decode()
         return first, second, last.spec_stats, where

@@ -50,7 +50,6 @@ def reply_script(tokenizer: Tokenizer, reply: str = REPLY, delay_s: float = 0.0)
                 else [],
                 finished=finished,
                 finish_reason=("length" if len(token_ids) < len(reply_ids) else "stop") if finished else None,
-                num_prompt_tokens=len(request.prompt_token_ids),
                 num_output_tokens=start,
                 spec_stats=SPEC_STATS if finished else {},
             )

@@ -21,7 +21,7 @@ from services.gateway.main import add_gateway_parser, cmd_gateway
 from services.gateway.prepare import ServedModel
 from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
-from shared.protocol import Submit, TokenEvent
+from shared.protocol import OutputBatch, Submit, TokenEvent, encode
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -84,12 +84,13 @@ async def test_process_serves_and_drains_a_stream_on_sigterm(
             submit = await _first_submit(bus)
             process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)  # the listener closes; the open stream keeps going
-            request_id = submit.request.request_id
+            request, gateway = submit.request.request_id, submit.request.gateway_id
+            assert gateway is not None
             for i, text in enumerate(["Hé", "llo"]):
                 event = TokenEvent(
-                    request_id=request_id, token_ids=[i], text=text, finished=i == 1, finish_reason="length"
+                    request_id=request, token_ids=[i], text=text, finished=i == 1, finish_reason="length"
                 )
-                await bus.publish(bus.keys.output(request_id), event)
+                await bus.publish_step([(gateway, encode(OutputBatch.of([event])))])
             response = await asyncio.wait_for(stream, 10)
             chunks = sse_data(await response.text())
             assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Héllo" and chunks[-1] == "[DONE]"
@@ -125,3 +126,66 @@ async def _first_submit(bus: Bus) -> Submit:
             if isinstance(delivery.message, Submit):
                 return delivery.message
     pytest.fail("no Submit on the requests stream")
+
+
+async def test_workers_share_the_port_and_stop_together(
+    make_checkpoint: Any, redis_port: int, bus: Bus
+) -> None:
+    """`--workers 2`: two gateway processes accept on one port, each answered on its own output
+    stream; SIGTERM to the supervisor stops both."""
+    from tests.mesh.harness import child_pid, pid_alive
+
+    port = free_port()
+    command = [sys.executable, "-m", "services.gateway.main", "--model", str(make_checkpoint("llama"))]
+    command += ["--port", str(port), "--workers", "2"]
+    command += ["--scheduler-port", str(redis_port), "--scheduler-topic", bus.keys.topic]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    answering = asyncio.create_task(_answer_every_submit(bus))
+    try:
+        workers = [child_pid(process.pid, f"gateway-{i}") for i in range(2)]
+        await bus.client.sadd(bus.keys.instances, "w1")
+        await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await _wait_until_serving(session, f"{url}/v1/models", process)
+            body = {"prompt": "hi", "max_tokens": 1}
+            responses = await asyncio.gather(
+                *(session.post(f"{url}/v1/completions", json=body) for _ in range(24))
+            )
+            assert [r.status for r in responses] == [200] * 24
+            assert {(await r.json())["choices"][0]["text"] for r in responses} == {"ok"}
+        gateways = {m.request.gateway_id for m in await _submits(bus)}
+        assert len(gateways) == 2  # 24 connections, both processes took some
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert not any(pid_alive(pid) for pid in workers)
+    finally:
+        answering.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+async def _answer_every_submit(bus: Bus) -> None:
+    """A stand-in worker: one finished event per submitted request, to its gateway's stream."""
+    last_id = "0-0"
+    while True:
+        deliveries, last_id = await bus.read_stream(bus.keys.requests, last_id, block_ms=50)
+        for delivery in deliveries:
+            if isinstance(delivery.message, Submit) and delivery.message.request.gateway_id:
+                request = delivery.message.request
+                event = TokenEvent(
+                    request_id=request.request_id,
+                    token_ids=[1],
+                    text="ok",
+                    finished=True,
+                    finish_reason="length",
+                )
+                await bus.publish_step([(request.gateway_id, encode(OutputBatch.of([event])))])
+
+
+async def _submits(bus: Bus) -> list[Submit]:
+    deliveries, _ = await bus.read_stream(bus.keys.requests, "0-0", block_ms=50, count=10_000)
+    return [d.message for d in deliveries if isinstance(d.message, Submit)]

@@ -1,5 +1,6 @@
-"""`RedisBackend` against a real redis-server: submissions, the one multiplexed reader, timeouts,
-cancels, health, resuming after a dropped connection, and the gateway end to end over Redis."""
+"""`RedisBackend` against a real redis-server: submissions, the one reader of the gateway's output
+stream, timeouts, cancels, health, resuming after a dropped connection, and the gateway end to end
+over Redis."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import RedisBackend
 from services.gateway.prepare import ServedModel
 from shared.bus import Bus, RedisSettings
-from shared.protocol import Cancel, GenerateRequest, Submit, TokenEvent
+from shared.protocol import Cancel, GenerateRequest, OutputBatch, Submit, TokenEvent, encode
 from shared.sampling_params import SamplingParams
 
 
@@ -52,6 +53,11 @@ async def collect(events: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
     return [event async for event in events]
 
 
+async def publish(bus: Bus, gateway_id: str, *events: TokenEvent) -> None:
+    """One batch of these events to the gateway's output stream, as a worker's step sends them."""
+    await bus.publish_step([(gateway_id, encode(OutputBatch.of(list(events))))])
+
+
 async def requests_on_bus(bus: Bus, count: int, timeout_s: float = 5.0) -> list[Any]:
     """The first `count` messages on the requests stream."""
     deadline = time.monotonic() + timeout_s
@@ -78,12 +84,14 @@ class FakeWorker:
         last_id = "0-0"
         while True:
             deliveries, last_id = await self.bus.read_stream(self.bus.keys.requests, last_id, block_ms=50)
-            submitted = [d.message.request.request_id for d in deliveries if isinstance(d.message, Submit)]
+            submitted = [d.message.request for d in deliveries if isinstance(d.message, Submit)]
+            gateways = {r.gateway_id for r in submitted}
             for i in range(self.num_events):
                 last = i == self.num_events - 1
-                await self.bus.publish_many(
-                    [(self.bus.keys.output(rid), self.events(rid, i, last)) for rid in submitted]
-                )
+                for gateway in gateways:
+                    ids = [r.request_id for r in submitted if r.gateway_id == gateway]
+                    assert gateway is not None
+                    await publish(self.bus, gateway, *(self.events(rid, i, last) for rid in ids))
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -95,13 +103,28 @@ async def test_events_published_by_hand_reach_the_submitter_in_order(backend: Re
     events = asyncio.create_task(collect(backend.submit(generate_request("r1"))))
     [submit] = await requests_on_bus(bus, 1)
     assert isinstance(submit, Submit) and submit.request == generate_request("r1").model_copy(
-        update={"arrival_time": submit.request.arrival_time}
+        update={"arrival_time": submit.request.arrival_time, "gateway_id": backend.gateway_id}
     )
     for i in range(5):
-        await bus.publish(bus.keys.output("r1"), token_event("r1", i, last=i == 4))
+        await publish(bus, backend.gateway_id, token_event("r1", i, last=i == 4))
     received = await asyncio.wait_for(events, 5)
     assert [e.text for e in received] == [f"<r1:{i}>" for i in range(5)]
     assert received[-1].finished
+
+
+async def test_one_batch_reaches_each_of_its_requests(backend: RedisBackend, bus: Bus) -> None:
+    """A step's outputs for 64 requests are one entry of the gateway's stream; each request gets
+    its own row."""
+    ids = [f"req-{i}" for i in range(64)]
+    streams = [backend.submit(generate_request(rid)) for rid in ids]
+    firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    await requests_on_bus(bus, 64)
+    await publish(bus, backend.gateway_id, *(token_event(rid, 0, last=True) for rid in ids))
+    events = await asyncio.wait_for(asyncio.gather(*firsts), 5)
+    assert [(e.request_id, e.text, e.finished) for e in events] == [(r, f"<{r}:0>", True) for r in ids]
+    assert await bus.client.xlen(bus.keys.outputs(backend.gateway_id)) == 1
+    for stream in streams:
+        await stream.aclose()
 
 
 async def test_64_concurrent_requests_each_get_their_own_events_in_order(
@@ -122,24 +145,26 @@ async def test_64_concurrent_requests_each_get_their_own_events_in_order(
     assert backend._follows == {}
 
 
-async def test_a_new_request_wakes_the_blocked_reader(redis_settings: RedisSettings, bus: Bus) -> None:
-    """The reader blocks on the open requests' streams for up to 3 s here; a request that starts
-    meanwhile still hears its first event at once."""
+async def test_a_new_request_hears_its_first_event_while_the_reader_blocks(
+    redis_settings: RedisSettings, bus: Bus
+) -> None:
+    """The reader blocks on the gateway's stream for up to 3 s here; a request that starts
+    meanwhile still hears its first event at once (every request's rows come on that stream)."""
     backend = RedisBackend(redis_settings, read_block_ms=3000)
     await backend.start()
     try:
         waiting = asyncio.create_task(collect(backend.submit(generate_request("slow"))))
         await requests_on_bus(bus, 1)
-        await asyncio.sleep(0.2)  # the reader is now blocked on out:slow alone
+        await asyncio.sleep(0.2)  # the reader is now blocked
         started = time.monotonic()
         fast = backend.submit(generate_request("fast"))
         first = asyncio.ensure_future(anext(fast))
         await requests_on_bus(bus, 2)
-        await bus.publish(bus.keys.output("fast"), token_event("fast", 0, last=True))
+        await publish(bus, backend.gateway_id, token_event("fast", 0, last=True))
         event = await asyncio.wait_for(first, 5)
         assert event.text == "<fast:0>"
         assert time.monotonic() - started < 1.0
-        await bus.publish(bus.keys.output("slow"), token_event("slow", 0, last=True))
+        await publish(bus, backend.gateway_id, token_event("slow", 0, last=True))
         assert [e.text for e in await asyncio.wait_for(waiting, 5)] == ["<slow:0>"]
     finally:
         await backend.close()
@@ -149,12 +174,12 @@ async def test_reader_resumes_after_its_connection_is_killed(backend: RedisBacke
     events = asyncio.create_task(collect(backend.submit(generate_request("r"))))
     await requests_on_bus(bus, 1)
     for i in range(3):
-        await bus.publish(bus.keys.output("r"), token_event("r", i))
+        await publish(bus, backend.gateway_id, token_event("r", i))
     await asyncio.sleep(0.2)
     killed = await bus.client.client_kill_filter(_type="normal", skipme=True)
     assert killed >= 1
     for i in range(3, 6):
-        await bus.publish(bus.keys.output("r"), token_event("r", i, last=i == 5))
+        await publish(bus, backend.gateway_id, token_event("r", i, last=i == 5))
     received = await asyncio.wait_for(events, 10)
     assert [e.text for e in received] == [f"<r:{i}>" for i in range(6)]
 

@@ -1,0 +1,142 @@
+"""The socket between a worker and its engine-core process: whole Python objects, framed.
+
+A frame is pickle protocol 5 with its large buffers out of band: numpy arrays (a step's token ids)
+and torch tensors (KV handed between prefill and decode, as uint8 bytes plus dtype and shape) are
+written straight from their own memory with one `sendmsg`, and read straight into fresh writable
+buffers that the unpickled arrays and tensors then wrap. Both ends are the same program, started
+together, so pickle is safe here; nothing else connects to the socket.
+
+    header   <QI>  pickle length, number of buffers
+    lengths  <Q>   one per buffer
+    pickle, then each buffer
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import pickle
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+HEADER = struct.Struct("<QI")
+LENGTH = struct.Struct("<Q")
+MAX_IOV = 512
+"""Buffers per sendmsg call (the kernel's IOV_MAX is 1024)."""
+
+
+class ChannelClosed(ConnectionError):
+    """The other end closed the socket (its process exited or crashed)."""
+
+
+def _rebuild_tensor(dtype: str, shape: tuple[int, ...], data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a torch tensor as its bytes (a uint8 numpy view, out of band): no torch.save copy,
+    and dtypes numpy lacks (bfloat16) still travel. A device tensor is copied to the host here."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            host = obj.detach().contiguous().cpu()
+            data = host.reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_tensor, (str(host.dtype).removeprefix("torch."), tuple(host.shape), data)
+        return NotImplemented
+
+
+def pack(obj: Any) -> list[memoryview]:
+    """`obj` as the parts of one frame, the large ones views of the objects' own memory."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    raws = [b.raw() for b in buffers]
+    body = stream.getbuffer()
+    head = HEADER.pack(len(body), len(raws)) + b"".join(LENGTH.pack(r.nbytes) for r in raws)
+    return [memoryview(head), body, *raws]
+
+
+def _unpack(body: bytes | bytearray, buffers: list[bytearray]) -> Any:
+    return pickle.loads(body, buffers=buffers)
+
+
+class BlockingChannel:
+    """The engine-core end: blocking sends and receives (its own thread does nothing else)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.sock.setblocking(True)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, obj: Any) -> None:
+        parts = [p for p in pack(obj) if p.nbytes]
+        while parts:
+            sent = self.sock.sendmsg(parts[:MAX_IOV])
+            while parts and sent >= parts[0].nbytes:
+                sent -= parts[0].nbytes
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
+
+    def recv(self) -> Any:
+        body_len, num_buffers = HEADER.unpack(self._read(HEADER.size))
+        lengths = [LENGTH.unpack_from(self._read(LENGTH.size))[0] for _ in range(num_buffers)]
+        body = self._read(body_len)
+        return _unpack(body, [self._read(n) for n in lengths])
+
+    def _read(self, num_bytes: int) -> bytearray:
+        buffer = bytearray(num_bytes)
+        view = memoryview(buffer)
+        while view.nbytes:
+            received = self.sock.recv_into(view)
+            if received == 0:
+                raise ChannelClosed("the worker closed the engine-core channel")
+            view = view[received:]
+        return buffer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncChannel:
+    """The worker end, on its event loop: sends never block the loop, reads await the socket."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self.sock = sock
+        self.sock.setblocking(False)
+        self.loop = loop
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, obj: Any) -> None:
+        """Frames are written whole, one at a time, in call order."""
+        parts = pack(obj)
+        async with self._send_lock:
+            for part in parts:
+                if part.nbytes:
+                    await self.loop.sock_sendall(self.sock, part)
+
+    async def recv(self) -> Any:
+        body_len, num_buffers = HEADER.unpack(await self._read(HEADER.size))
+        lengths = struct.unpack(f"<{num_buffers}Q", await self._read(LENGTH.size * num_buffers))
+        body = await self._read(body_len)
+        buffers = [await self._read(n) for n in lengths]
+        return _unpack(body, buffers)
+
+    async def _read(self, num_bytes: int) -> bytearray:
+        buffer = bytearray(num_bytes)
+        view = memoryview(buffer)
+        while view.nbytes:
+            received = await self.loop.sock_recv_into(self.sock, view)
+            if received == 0:
+                raise ChannelClosed("the engine core closed its channel")
+            view = view[received:]
+        return buffer
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,254 @@
+"""What a worker and its engine-core process say to each other over their channel.
+
+worker -> core: commands (`AddRequest`, `Abort`, `Reserve`, `ImportKV`, `Activate`, `Shutdown`);
+only `Reserve` is answered (a `Reply`), the others' effects come back in step batches.
+core -> worker: `EngineInfo` once, then a `StepBatch` after every step (and after commands that
+produced outputs while idle), and `Reply`s.
+
+A `StepBatch` is columnar: row i is one request's delta, its new tokens are
+`token_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]]`; the arrays cross the channel without per-token
+Python objects. This module imports no engine code: the worker side never loads the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.bus import RedisSettings
+from shared.config import EngineConfig
+from shared.protocol import TOKEN_DTYPE, ErrorInfo, OutputBatch, OutputEnd, RowLogprobs, TokenLogprob
+from shared.sampling_params import SamplingParams
+
+# ---- worker -> core ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SuffixCacheOptions:
+    """Where the engine core finds the shared suffix cache (it talks to it from its own thread)."""
+
+    redis: RedisSettings
+    instance_id: str
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """The first frame the core reads: what to build."""
+
+    config: EngineConfig
+    suffix_cache: SuffixCacheOptions | None = None
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resumed_token_ids: list[int]
+    handoff: bool = False
+    """Prefill role: stop after the first token and export the KV."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    emit: bool = True
+    """Send the request's final row (finish reason `abort`); False drops it silently, for a
+    request the worker hands back to the scheduler to place again."""
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Decode role: hold KV blocks for a request prefilled elsewhere (answered with a `Reply`)."""
+
+    call_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resumed_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ImportKV:
+    request_id: str
+    cache: str
+    index: int
+    key: torch.Tensor
+    value: torch.Tensor
+    """[num_blocks, block_size, kv_heads, head_dim] each."""
+
+
+@dataclass(frozen=True)
+class Activate:
+    request_id: str
+    first_token_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = AddRequest | Abort | Reserve | ImportKV | Activate | Shutdown
+
+
+# ---- core -> worker ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Sent once the engine is built (or `error` if it could not be)."""
+
+    max_model_len: int = 0
+    total_kv_blocks: int = 0
+    block_size: int = 0
+    speculative_method: str = "naive"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    error: ErrorInfo | None = None
+
+
+@dataclass
+class EngineLoad:
+    """A snapshot of the engine's load after a step (the heartbeat reports it)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_tokens: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    num_preemptions: int = 0
+    suffix_cache: dict[str, Any] = field(default_factory=dict)
+    """The shared suffix-cache client's statistics, where the core has one."""
+
+
+@dataclass
+class Handoff:
+    """Prefill role: a request's KV, to send to its decode instance (host tensors)."""
+
+    request_id: str
+    num_tokens: int
+    first_token_id: int
+    layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    """(cache name, layer index, key, value), each [num_blocks, block_size, kv_heads, head_dim]."""
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class RowEnd:
+    """How one row's request left the engine."""
+
+    row: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    spec_stats: dict[str, Any] = field(default_factory=dict)
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    error: ErrorInfo | None = None
+    handoff: bool = False
+    """Prefilled for a decode instance: the request goes on there (not an end for the client)."""
+
+    @property
+    def outcome(self) -> str:
+        """What the scheduler hears (`Finished.outcome`)."""
+        if self.handoff:
+            return "handed_off"
+        if self.error is not None:
+            return "failed"
+        return "cancelled" if self.finish_reason == "abort" else "done"
+
+
+Logprobs = list[tuple[int, float, list[tuple[int, float]]]]
+"""(token id, logprob, top (token id, logprob) pairs) per new token."""
+
+
+@dataclass
+class StepBatch:
+    request_ids: list[str]
+    cu_num_tokens: np.ndarray  # [num_rows + 1] int32
+    token_ids: np.ndarray  # [num_tokens] int32
+    texts: list[str]
+    num_output_tokens: np.ndarray  # [num_rows] int32
+    ends: list[RowEnd]
+    logprobs: list[tuple[int, Logprobs]]
+    """(row, its new tokens' logprobs) for rows of requests that asked for them."""
+    handoffs: list[Handoff]
+    step_s: float
+    load: EngineLoad
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    def row_tokens(self, row: int) -> np.ndarray:
+        return self.token_ids[self.cu_num_tokens[row] : self.cu_num_tokens[row + 1]]
+
+    def output_batch(self, rows: np.ndarray | None = None) -> OutputBatch:
+        """These rows (sorted; default: all) as the bus message for their gateway."""
+        cu, token_ids, num_output = self.cu_num_tokens, self.token_ids, self.num_output_tokens
+        request_ids, texts = self.request_ids, self.texts
+        renumber = dict(enumerate(range(self.num_rows)))
+        if rows is not None and len(rows) < self.num_rows:
+            lengths = np.diff(cu)
+            token_ids = token_ids[np.repeat(np.isin(np.arange(self.num_rows), rows), lengths)]
+            cu = np.concatenate([[0], np.cumsum(lengths[rows])])
+            num_output = num_output[rows]
+            request_ids, texts = [request_ids[i] for i in rows], [texts[i] for i in rows]
+            renumber = {int(old): new for new, old in enumerate(rows)}
+        return OutputBatch.model_construct(
+            request_ids=request_ids,
+            cu_num_tokens=cu.astype(TOKEN_DTYPE).tobytes(),
+            token_ids=token_ids.astype(TOKEN_DTYPE).tobytes(),
+            texts=texts,
+            num_output_tokens=num_output.astype(TOKEN_DTYPE).tobytes(),
+            ends=[
+                OutputEnd(
+                    row=renumber[end.row],
+                    finish_reason=end.finish_reason,
+                    stop_reason=end.stop_reason,
+                    spec_stats=end.spec_stats,
+                    error=end.error,
+                )
+                for end in self.ends
+                if end.row in renumber and not end.handoff
+            ],
+            logprobs=[
+                RowLogprobs(
+                    row=renumber[row],
+                    logprobs=[TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in entries],
+                )
+                for row, entries in self.logprobs
+                if row in renumber
+            ],
+        )
+
+
+def concat(batches: list[StepBatch]) -> StepBatch:
+    """Several batches as one, rows in order (a request may then have several rows)."""
+    if len(batches) == 1:
+        return batches[0]
+    offsets = np.cumsum([0, *(b.num_rows for b in batches)])
+    token_offsets = np.cumsum([0, *(len(b.token_ids) for b in batches)])
+    ends = [replace(end, row=end.row + int(offset)) for b, offset in zip(batches, offsets) for end in b.ends]
+    return StepBatch(
+        request_ids=[r for b in batches for r in b.request_ids],
+        cu_num_tokens=np.concatenate(
+            [[0], *(b.cu_num_tokens[1:] + t for b, t in zip(batches, token_offsets))]
+        ).astype(TOKEN_DTYPE),
+        token_ids=np.concatenate([b.token_ids for b in batches]),
+        texts=[t for b in batches for t in b.texts],
+        num_output_tokens=np.concatenate([b.num_output_tokens for b in batches]),
+        ends=ends,
+        logprobs=[(row + int(o), lps) for b, o in zip(batches, offsets) for row, lps in b.logprobs],
+        handoffs=[h for b in batches for h in b.handoffs],
+        step_s=sum(b.step_s for b in batches),
+        load=batches[-1].load,
+    )

@@ -1,0 +1,357 @@
+"""The engine-core process: a worker's engine, stepping in a process of its own.
+
+    apply commands  (non-blocking while there is work; blocking while idle)
+    step            (schedule, launch, read back)
+    send            (one StepBatch: the step's outputs as arrays, to the worker)
+
+Nothing here touches Redis (except the shared suffix cache's client, on a thread of its own): the
+worker process owns the bus, so publishing never holds this interpreter's lock while a step runs
+and a step never waits for a publish. Started by `EngineCoreClient` as
+`python -m services.worker.engine_core --fd N --parent-pid P`; it dies with its worker (a parent
+death signal, and end of file on the channel), and ignores SIGINT / SIGTERM, which its worker
+handles by draining and then sending `Shutdown`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
+from services.runtime import setup_logging
+from services.worker.channel import BlockingChannel, ChannelClosed
+from services.worker.core_messages import (
+    Abort,
+    Activate,
+    AddRequest,
+    Command,
+    CoreOptions,
+    EngineInfo,
+    EngineLoad,
+    Handoff,
+    ImportKV,
+    Logprobs,
+    Reply,
+    Reserve,
+    RowEnd,
+    Shutdown,
+    StepBatch,
+    SuffixCacheOptions,
+)
+from shared.protocol import TOKEN_DTYPE, ErrorInfo
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PROCESS_NAME = b"engine-core"
+"""What `ps` and /proc/<pid>/comm show (the benchmark's cores table names the process by it)."""
+
+
+class RowBuilder:
+    """Collects one step's outputs (and failures) as rows, then hands them over as arrays."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.request_ids: list[str] = []
+        self.num_new_tokens: list[int] = []
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.num_output_tokens: list[int] = []
+        self.ends: list[RowEnd] = []
+        self.logprobs: list[tuple[int, Logprobs]] = []
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def add(self, output: RequestOutput) -> None:
+        row = len(self.request_ids)
+        new = output.new_token_ids
+        self.request_ids.append(output.request_id)
+        self.num_new_tokens.append(len(new))
+        self.token_ids += new
+        self.texts.append(output.new_text)
+        self.num_output_tokens.append(len(output.token_ids))
+        if output.logprobs is not None and new:
+            entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in output.logprobs[-len(new) :]]
+            self.logprobs.append((row, entries))
+        if output.finished:
+            self.ends.append(
+                RowEnd(
+                    row=row,
+                    finish_reason=None if output.finish_reason == "handoff" else output.finish_reason,
+                    stop_reason=output.stop_reason,
+                    spec_stats=output.spec_stats,
+                    ttft_s=output.metrics.get("ttft_s"),
+                    e2e_s=output.metrics.get("e2e_s"),
+                    handoff=output.finish_reason == "handoff",
+                )
+            )
+
+    def fail(self, request_id: str, code: int, message: str) -> None:
+        """A request that ends in an error (refused, or lost to a failed step)."""
+        kind = "invalid_request_error" if code == 400 else "server_error"
+        self.ends.append(
+            RowEnd(
+                row=len(self.request_ids),
+                finish_reason="error",
+                error=ErrorInfo(code=code, type=kind, message=message),
+            )
+        )
+        self.request_ids.append(request_id)
+        self.num_new_tokens.append(0)
+        self.texts.append("")
+        self.num_output_tokens.append(0)
+
+    def take(self, handoffs: list[Handoff], step_s: float, load: EngineLoad) -> StepBatch:
+        batch = StepBatch(
+            request_ids=self.request_ids,
+            cu_num_tokens=np.cumsum([0, *self.num_new_tokens], dtype=TOKEN_DTYPE),
+            token_ids=np.asarray(self.token_ids, dtype=TOKEN_DTYPE),
+            texts=self.texts,
+            num_output_tokens=np.asarray(self.num_output_tokens, dtype=TOKEN_DTYPE),
+            ends=self.ends,
+            logprobs=self.logprobs,
+            handoffs=handoffs,
+            step_s=step_s,
+            load=load,
+        )
+        self.clear()
+        return batch
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, channel: BlockingChannel, suffix_index: Any = None):
+        self.engine = engine
+        self.channel = channel
+        self.suffix_index = suffix_index
+        self.rows = RowBuilder()
+        self.poller = select.poll()
+        self.poller.register(channel.fileno(), select.POLLIN)
+        self.running = True
+        self.dirty = False
+        """Commands changed the engine since the last batch (its load, or rows to send)."""
+
+    def run(self) -> None:
+        while self.running:
+            self._apply_commands(wait=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self.dirty:
+                self._send([], 0.0)
+
+    def _apply_commands(self, wait: bool) -> None:
+        timeout_ms = None if wait else 0
+        while self.running and self.poller.poll(timeout_ms):
+            self._apply(self.channel.recv())
+            timeout_ms = 0
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            for output in self.engine.step():
+                self.rows.add(output)
+        except Exception as exc:  # a broken step must not take the worker down: fail its requests
+            logger.exception("engine step failed; aborting the running requests")
+            self._abort_all(f"engine step failed: {exc}")
+        exports, self.engine.handoffs = self.engine.handoffs, []
+        self._send([_handoff(e) for e in exports], time.perf_counter() - started)
+
+    def _send(self, handoffs: list[Handoff], step_s: float) -> None:
+        self.channel.send(self.rows.take(handoffs, step_s, self._load()))
+        self.dirty = False
+
+    # ---- commands ----------------------------------------------------------------------------------
+
+    def _apply(self, command: Command) -> None:
+        self.dirty = True
+        if isinstance(command, AddRequest):
+            self._add(command)
+        elif isinstance(command, Abort):
+            output = self.engine.abort_request(command.request_id)
+            if output is not None and command.emit:
+                self.rows.add(output)
+        elif isinstance(command, Reserve):
+            self.channel.send(Reply(command.call_id, self._reserve(command)))
+        elif isinstance(command, ImportKV | Activate):
+            self._receive_kv(command)
+        elif isinstance(command, Shutdown):
+            self.running = False
+        else:
+            logger.error("unknown command %r", type(command).__name__)
+
+    def _add(self, command: AddRequest) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id,
+                prompt_token_ids=command.prompt_token_ids,
+                params=command.params,
+                resumed_token_ids=command.resumed_token_ids,
+                handoff=command.handoff,
+            )
+        except RequestError as exc:
+            self.rows.fail(command.request_id, 400, str(exc))
+        except Exception as exc:
+            logger.exception("adding %s failed", command.request_id)
+            self.rows.fail(command.request_id, 500, f"could not add the request: {exc}")
+
+    def _reserve(self, command: Reserve) -> ErrorInfo | None:
+        try:
+            self.engine.reserve(
+                command.request_id, command.prompt_token_ids, command.params, command.resumed_token_ids
+            )
+        except RequestError as exc:
+            code = 503 if isinstance(exc, CapacityError) else 400
+            return ErrorInfo(code=code, type="server_error", message=str(exc))
+        return None
+
+    def _receive_kv(self, command: ImportKV | Activate) -> None:
+        """A KV layer, or the first token once all arrived; a request cancelled meanwhile is gone."""
+        try:
+            if isinstance(command, ImportKV):
+                self.engine.import_kv(
+                    command.request_id, command.cache, command.index, command.key, command.value
+                )
+            else:
+                self.engine.activate(command.request_id, command.first_token_id)
+        except KeyError:
+            logger.info("KV for %s, which is no longer reserved here: dropped", command.request_id)
+        except Exception as exc:
+            logger.exception("taking the KV of %s failed", command.request_id)
+            self.engine.abort_request(command.request_id)
+            self.rows.fail(command.request_id, 500, f"taking the prefilled KV failed: {exc}")
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id in list(self.engine.sequences):
+            self.engine.abort_request(request_id)
+            self.rows.fail(request_id, 500, reason)
+
+    def _load(self) -> EngineLoad:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        stats = getattr(self.suffix_index, "stats", None)
+        return EngineLoad(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            queued_tokens=scheduler.num_waiting_tokens,
+            free_kv_blocks=blocks.num_free_blocks,
+            total_kv_blocks=blocks.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            suffix_cache=stats() if stats is not None else {},
+        )
+
+
+def _handoff(export: KVExport) -> Handoff:
+    """The export as host tensors (the channel copies device tensors to the host as it sends)."""
+    return Handoff(export.request_id, export.num_tokens, export.first_token_id, export.layers, export.tensors)
+
+
+# ---- the shared suffix cache, from a thread of the core ------------------------------------------------
+
+
+class SuffixCacheThread:
+    """The suffix-cache client needs an event loop and a Redis connection: both live on a thread of
+    the core (the step only waits on it, bounded by the client's deadline, for drafts it asked for)."""
+
+    def __init__(self, options: SuffixCacheOptions):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="suffix-cache", daemon=True)
+        self.thread.start()
+        self.index, self.client = asyncio.run_coroutine_threadsafe(self._start(options), self.loop).result()
+
+    async def _start(self, options: SuffixCacheOptions) -> tuple[Any, Any]:
+        from services.suffix_cache.client import RemoteSuffixIndex
+        from shared.bus import Bus, connect
+
+        client = await connect(options.redis)
+        index = RemoteSuffixIndex(
+            self.loop, Bus(client, options.redis.keys), options.instance_id, deadline_s=options.deadline_s
+        )
+        await index.start()
+        return index, client
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.index.close()
+            await self.client.aclose()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+# ---- process entry -------------------------------------------------------------------------------------
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (a killed worker leaves no engine behind)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_NAME, PROCESS_NAME)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def serve(channel: BlockingChannel) -> int:
+    options: CoreOptions = channel.recv()
+    suffix = None
+    try:
+        if options.suffix_cache is not None:
+            suffix = SuffixCacheThread(options.suffix_cache)
+        engine = LLMEngine(options.config, suffix.index if suffix else None)
+    except Exception as exc:
+        logger.exception("the engine could not be built")
+        channel.send(EngineInfo(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
+        return 1
+    channel.send(
+        EngineInfo(
+            max_model_len=engine.max_model_len,
+            total_kv_blocks=engine.block_manager.num_blocks,
+            block_size=engine.config.block_size,
+            speculative_method=engine.config.speculative_config.method,
+        )
+    )
+    try:
+        EngineCore(engine, channel, suffix.index if suffix else None).run()
+    except ChannelClosed:
+        logger.warning("the worker closed the channel; the engine core stops")
+    finally:
+        if suffix is not None:
+            suffix.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.worker.engine_core")
+    parser.add_argument("--fd", type=int, required=True, help="this end of the worker's socket pair")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    setup_logging(args.log_level, "engine-core")
+    channel = BlockingChannel(socket.socket(fileno=args.fd))
+    try:
+        return serve(channel)
+    finally:
+        channel.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The engine-core process through its client: the same greedy tokens as the engine in-process,
+refusals and aborts as rows, a crash reported (not a hang), and no core outliving its worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.engine.llm import LLM
+from services.worker.core_client import EngineCoreClient, EngineCoreDied
+from services.worker.core_messages import CoreOptions, RowEnd
+from shared.config import EngineConfig
+from shared.protocol import GenerateRequest
+from shared.sampling_params import SamplingParams
+from tests.mesh.harness import pid_alive
+
+REPO = Path(__file__).resolve().parents[3]
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14], [40, 41], [7] * 20]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def request(request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params, gateway_id="g")
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint: Any) -> str:
+    return str(make_checkpoint("llama"))
+
+
+@pytest.fixture
+async def core(model: str) -> AsyncIterator[EngineCoreClient]:
+    client = await EngineCoreClient.start(CoreOptions(EngineConfig(model=model, device="cpu")))
+    yield client
+    await client.shutdown()
+
+
+async def run_to_end(
+    core: EngineCoreClient, num_requests: int
+) -> tuple[dict[str, list[int]], dict[str, RowEnd]]:
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, RowEnd] = {}
+    while len(ends) < num_requests:
+        for batch in await asyncio.wait_for(core.next_batches(), 60):
+            for row, request_id in enumerate(batch.request_ids):
+                tokens.setdefault(request_id, []).extend(batch.row_tokens(row).tolist())
+            ends.update({batch.request_ids[end.row]: end for end in batch.ends})
+    return tokens, ends
+
+
+async def test_greedy_tokens_match_the_engine_in_process(core: EngineCoreClient, model: str) -> None:
+    expected = LLM(model, device="cpu").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    for i, prompt in enumerate(PROMPTS):
+        await core.add_request(request(f"r{i}", prompt))
+    tokens, ends = await run_to_end(core, len(PROMPTS))
+    assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == [o.token_ids for o in expected]
+    assert {e.finish_reason for e in ends.values()} == {"length"}
+    assert core.load.num_running == 0 and core.load.free_kv_blocks == core.info.total_kv_blocks
+
+
+async def test_a_refused_request_and_an_abort_come_back_as_ended_rows(core: EngineCoreClient) -> None:
+    await core.add_request(request("bad", [10**6]))
+    await core.add_request(request("long", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True)))
+    await core.abort("long")
+    await core.abort("unknown")
+    _, ends = await run_to_end(core, 2)
+    assert ends["bad"].error is not None and ends["bad"].error.code == 400
+    assert ends["long"].finish_reason == "abort" and ends["long"].outcome == "cancelled"
+
+
+async def test_a_crashed_core_is_reported(core: EngineCoreClient) -> None:
+    pending = await core.reserve(request("r", [5, 6, 7]))
+    await pending  # answered: the core is alive
+    os.kill(core.pid, signal.SIGKILL)
+    await asyncio.wait_for(core.died.wait(), 30)
+    assert core.exit_code == -signal.SIGKILL
+    with pytest.raises(EngineCoreDied):
+        await core.add_request(request("after", [5]))
+
+
+PARENT = """
+import asyncio, sys
+from services.worker.core_client import EngineCoreClient
+from services.worker.core_messages import CoreOptions
+from shared.config import EngineConfig
+
+async def main():
+    core = await EngineCoreClient.start(CoreOptions(EngineConfig(model=sys.argv[1], device="cpu")))
+    print(core.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_the_core_dies_with_its_worker(model: str) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, model], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        core_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while pid_alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(core_pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        assert parent.stdout is not None
+        parent.stdout.close()

@@ -1,0 +1,106 @@
+"""A worker's emitter against a real Redis: a step's outputs for 64 requests reach their gateway
+as ONE bus message, each request's delivered record holds what its gateway was sent, and the
+scheduler hears every ended request in the same command."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from services.worker.core_messages import EngineInfo, EngineLoad, RowEnd, StepBatch
+from services.worker.metrics import WorkerMetrics
+from services.worker.worker import Worker, WorkerOptions
+from shared.bus import Bus
+from shared.protocol import (
+    PAYLOAD_FIELD,
+    TOKEN_DTYPE,
+    Finished,
+    GenerateRequest,
+    OutputBatch,
+    decode,
+)
+from shared.sampling_params import SamplingParams
+
+
+class IdleCore:
+    """Stands in for the engine core: the emitter only reads its info and load."""
+
+    info = EngineInfo(max_model_len=512, total_kv_blocks=64, block_size=16)
+    load = EngineLoad()
+
+
+def worker(bus: Bus) -> Worker:
+    options = WorkerOptions(instance_id="w", role="mixed", model_name="m", ttl_s=5.0)
+    return Worker(IdleCore(), bus, options, WorkerMetrics("w", "mixed"))  # type: ignore[arg-type]
+
+
+def admit(w: Worker, request_id: str, gateway_id: str) -> None:
+    w.requests[request_id] = GenerateRequest(
+        request_id=request_id, prompt_token_ids=[1], params=SamplingParams(), gateway_id=gateway_id
+    )
+
+
+def one_token_step(request_ids: list[str], step: int, ends: list[RowEnd] | None = None) -> StepBatch:
+    n = len(request_ids)
+    return StepBatch(
+        request_ids=request_ids,
+        cu_num_tokens=np.arange(n + 1, dtype=TOKEN_DTYPE),
+        token_ids=np.arange(n, dtype=TOKEN_DTYPE) + 1000 * step,
+        texts=["x"] * n,
+        num_output_tokens=np.full(n, step + 1, TOKEN_DTYPE),
+        ends=ends or [],
+        logprobs=[],
+        handoffs=[],
+        step_s=0.01,
+        load=EngineLoad(),
+    )
+
+
+async def batches_on(bus: Bus, gateway_id: str) -> list[OutputBatch]:
+    entries: Any = await bus.client.xrange(bus.keys.outputs(gateway_id))
+    batches = [decode(fields[PAYLOAD_FIELD]) for _, fields in entries]
+    assert all(isinstance(b, OutputBatch) for b in batches)
+    return batches  # type: ignore[return-value]
+
+
+async def test_a_step_of_64_requests_is_one_message_to_their_gateway(bus: Bus) -> None:
+    w = worker(bus)
+    ids = [f"r{i}" for i in range(64)]
+    for request_id in ids:
+        admit(w, request_id, "g1")
+    for step in range(3):
+        ends = [RowEnd(row=i, finish_reason="length") for i in range(64)] if step == 2 else None
+        batch = one_token_step(ids, step, ends)
+        await w._publish(batch)
+        w._retire(batch)
+    [first, second, last] = await batches_on(bus, "g1")
+    assert first.request_ids == ids and len(first.events()) == 64
+    assert [e.token_ids for e in second.events()] == [[1000 + i] for i in range(64)]
+    assert all(e.finished and e.finish_reason == "length" for e in last.events())
+    assert await bus.delivered_tokens("r5") == ([5, 1005, 2005], True)
+    reports = [decode(f[PAYLOAD_FIELD]) for _, f in await bus.client.xrange(bus.keys.scheduler_replies)]
+    assert sorted(r.request_id for r in reports if isinstance(r, Finished) and r.outcome == "done") == sorted(
+        ids
+    )
+    assert w.requests == {}
+
+
+async def test_rows_go_to_each_request_s_own_gateway(bus: Bus) -> None:
+    w = worker(bus)
+    for i in range(6):
+        admit(w, f"r{i}", f"g{i % 2}")
+    await w._publish(one_token_step([f"r{i}" for i in range(6)], 0))
+    for gateway, expected in (("g0", ["r0", "r2", "r4"]), ("g1", ["r1", "r3", "r5"])):
+        [batch] = await batches_on(bus, gateway)
+        assert [(e.request_id, e.token_ids) for e in batch.events()] == [(r, [int(r[1:])]) for r in expected]
+
+
+async def test_a_handed_off_request_is_not_reported_done(bus: Bus) -> None:
+    w = worker(bus)
+    admit(w, "p", "g")
+    await w._publish(one_token_step(["p"], 0, [RowEnd(row=0, handoff=True)]))
+    [batch] = await batches_on(bus, "g")
+    assert not batch.events()[0].finished
+    assert await bus.delivered_tokens("p") == ([0], False)
+    assert await bus.client.xlen(bus.keys.scheduler_replies) == 0

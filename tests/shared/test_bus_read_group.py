@@ -1,0 +1,34 @@
+"""`Bus.read_group`: a dead consumer's pending messages are taken over; a deleted stream and
+group are made again instead of failing every read."""
+
+from __future__ import annotations
+
+from shared.bus import Bus
+from shared.protocol import Cancel
+
+
+async def test_a_dead_consumer_s_pending_message_is_taken_over(bus: Bus) -> None:
+    stream = bus.keys.inbox("w")
+    await bus.ensure_group(stream, "g")
+    for request_id in ("a", "b"):
+        await bus.publish(stream, Cancel(request_id=request_id))
+        [delivery] = await bus.read_group(stream, "g", "dead", count=1, block_ms=10)
+        if request_id == "a":
+            [taken] = await bus.read_group(stream, "g", "alive", block_ms=10, claim_idle_ms=0)
+            assert taken.entry_id == delivery.entry_id and taken.message == Cancel(request_id="a")
+            await bus.ack(stream, "g", taken.entry_id)
+    assert await bus.read_group(stream, "g", "alive", block_ms=10, claim_idle_ms=0) == []  # looked just now
+    bus._claimed_at.clear()  # as if CLAIM_EVERY_S had passed
+    [taken] = await bus.read_group(stream, "g", "alive", block_ms=10, claim_idle_ms=0)
+    assert taken.message == Cancel(request_id="b")
+
+
+async def test_a_deleted_stream_gets_its_group_back(bus: Bus) -> None:
+    stream = bus.keys.inbox("w")
+    await bus.ensure_group(stream, "g")
+    assert await bus.read_group(stream, "g", "c", block_ms=10) == []
+    await bus.client.delete(stream)  # Redis restarted without persistence
+    assert await bus.read_group(stream, "g", "c", block_ms=10) == []
+    await bus.publish(stream, Cancel(request_id="r"))
+    [delivery] = await bus.read_group(stream, "g", "c", block_ms=10)
+    assert delivery.message == Cancel(request_id="r")
