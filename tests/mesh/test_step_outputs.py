@@ -15,7 +15,7 @@ from tests.mesh.harness import LocalMesh, child_pid, pid_alive
 from tests.mesh.test_bus_recovery import GATEWAY, WORKER_FLAGS, bus_of, request
 
 NUM_REQUESTS = 64
-MAX_TOKENS = 6
+MAX_TOKENS = 24  # long enough that requests admitted over a few steps all run together
 
 
 async def read_batches(bus: Bus, num_ended: int, timeout_s: float = 120.0) -> list[OutputBatch]:
