@@ -323,13 +323,14 @@ class DecodeGraphs:
         self.num_replays += 1
         return self.tensors(bucket, query_len)
 
-    def replay(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> np.ndarray:
-        """Forward and tail; [num_seqs, width] int32 packed results of the real requests."""
+    def replay(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
+        """Forward and tail; [num_seqs, width] int32 packed results of the real requests (a view
+        of the tail's output, which the next replay overwrites)."""
         self.replay_forward(step, key)
         graph, packed = self.tails[(*key, plan.num_steps)]
         graph.replay()
         self.num_tail_replays += 1
-        return packed[: len(step.query_lens)].cpu().numpy()
+        return packed[: len(step.query_lens)]
 
     def _copy_in(self, step: HostStep, bucket: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over

@@ -1,9 +1,13 @@
 """The engine every worker runs: schedule a batch, plan its drafts, run it, emit the outputs.
 
 batch = scheduler.schedule()
-plan = drafter.plan(batch)                # each request's k for its next step
-step = model_runner.execute(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
-outputs = postprocess(batch, step)
+plan = drafter.plan(batch)                   # each request's k for its next step
+launched = model_runner.launch(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
+outputs = emit(last step's tokens)           # detokenize, stop strings: while the device works
+apply(batch, launched.result())              # tokens, finishes, KV lengths, next drafts
+
+A step's outputs are therefore returned by the next call of `step()` (or by the one after the
+last step): the host's per-token work overlaps the device's next step instead of delaying it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,24 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Emission:
+    """A request's tokens of one step, appended to it, whose output is still to be produced."""
+
+    seq: Sequence
+    num_new: int
+    finish_reason: FinishReason | None
+    """The post-step update's verdict (None: running, or handed off)."""
+    stop_token_id: int | None
+    kept: int | None = None
+    """How many tokens the text kept, once observed (a stop string can end the request earlier)."""
+
+    def observe(self, outputs: OutputProcessor) -> int:
+        if self.kept is None:
+            self.kept = outputs.observe(self.seq, self.num_new, self.finish_reason, self.stop_token_id)
+        return self.kept
 
 
 class RequestError(ValueError):
@@ -116,6 +138,10 @@ class LLMEngine:
         """Decode side of a split deployment: requests holding blocks while their KV arrives."""
         self.handoffs: list[KVExport] = []
         """Prefill side: KV of requests whose prefill finished this step, for the worker to send."""
+        self._unemitted: list[Emission] = []
+        """Tokens the last step appended to requests, whose outputs the next call produces."""
+        self._stopped: list[Sequence] = []
+        """Requests a stop string ended while the step in flight still ran them: freed after it."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -176,16 +202,19 @@ class LLMEngine:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request; None when it is unknown or already finished (its last output is due)."""
         seq = self.sequences.get(request_id)
-        if seq is None:
+        if seq is None or seq.is_finished or seq in self._stopped:
             return None
         seq.finish_reason = FinishReason.ABORT
+        self._unemitted = [e for e in self._unemitted if e.seq is not seq]  # its text ends here
         output = self._output(seq, [])
-        self._release(seq)
+        self._free(seq)
+        self._forget(seq)
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._unemitted)
 
     # ---- split deployment: the decode side -------------------------------------------------------------
 
@@ -226,7 +255,8 @@ class LLMEngine:
         starts in that step's tail, from the caches that came with the KV."""
         seq = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
-        self.outputs.append(seq, [first_token_id])  # not a stop: the prefill side would have finished it
+        seq.append_token(first_token_id)
+        self.outputs.observe(seq, 1)  # not a stop: the prefill side would have finished it
         self.outputs.take_delta(seq)
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
@@ -251,15 +281,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        unemitted, self._unemitted = self._unemitted, []
         if batch.is_empty:
-            return []
+            outputs = self._emit(unemitted)
+            self._free_stopped()
+            return outputs
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        step = self.runner.execute(batch, plan)
-        outputs = self._postprocess(batch, plan, step)
+        launched = self.runner.launch(batch, plan)
+        outputs = self._emit(unemitted)  # while the device runs the step
+        step = launched.result()
+        self._apply(batch, plan, step)
+        handed_off = [e for e in self._unemitted if e.seq.handoff]  # with their KV, not a step later
+        self._unemitted = [e for e in self._unemitted if not e.seq.handoff]
+        outputs += self._emit(handed_off)
+        self._free_stopped()
         self.drafter.propose_on_host(plan)
         if step.is_decode:  # what the drafts are chosen for; prefill chunks cost another way
-            num_emitted = sum(len(output.new_token_ids) for output in outputs)
+            num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
             seconds = time.perf_counter() - started
             self.drafter.record_step(len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds)
         return outputs
@@ -273,48 +312,79 @@ class LLMEngine:
             self.inputs.add(seq)
         self.inputs.flush()
 
-    def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, step: StepOutput) -> list[RequestOutput]:
-        """Appends the kept tokens, rolls KV back past the first rejected draft (by length), takes
-        the post-step update's finish reason (and looks for stop strings) and the next drafts."""
+    def _apply(self, batch: ScheduledBatch, plan: StepPlan, step: StepOutput) -> None:
+        """Appends each request's kept tokens, rolls KV back past the first rejected draft (by
+        length), takes the post-step update's finish reason and the next drafts; frees the requests
+        that finished (handing off their KV on the prefill side). Their text waits for `_emit`."""
         results = {seq.request_id: r for seq, r in zip(plan.seqs, step.results)}
-        outputs = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             result = results.get(seq.request_id)
             if result is None:  # a prefill chunk that is not the last
                 seq.num_computed_tokens += num_new
-            else:
+            elif seq.finish_reason is None:  # else a stop string ended it during the step
                 num_drafts = len(seq.spec.draft_token_ids)
-                kept = self.outputs.append(seq, result.token_ids, result.finish_reason, result.stop_token_id)
-                if seq.handoff and seq.finish_reason is None:
-                    seq.finish_reason = FinishReason.HANDOFF
-                seq.logprobs += [lp for lp in result.logprobs[:kept] if lp is not None]
+                for token_id in result.token_ids:
+                    seq.append_token(token_id)
+                seq.finish_reason = result.finish_reason
+                seq.logprobs += [lp for lp in result.logprobs if lp is not None]
                 seq.num_computed_tokens = min(
                     start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1
                 )
-                self.drafter.accepted(seq, result.token_ids[:kept], num_drafts, result.num_accepted)
+                self.drafter.accepted(seq, result.token_ids, num_drafts, result.num_accepted)
                 seq.spec.draft_token_ids = result.drafts
                 seq.spec.k = len(result.drafts)
-                outputs.append(self._output(seq, result.token_ids[:kept]))
+                emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
+                if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
+                    emission.observe(self.outputs)
+                    seq.finish_reason = seq.finish_reason or FinishReason.HANDOFF
+                self._unemitted.append(emission)
             self.block_manager.cache_full_blocks(seq)
-        for seq in [seq for seq in batch.seqs if seq.finish_reason is not None]:
+        for seq in [seq for seq in batch.seqs if seq.finish_reason is not None and not seq.is_finished]:
             if seq.finish_reason is FinishReason.HANDOFF:
                 self.handoffs.append(self._export(seq))
-            self._release(seq)
+            if seq not in self._stopped:
+                self._free(seq)
+
+    def _emit(self, emissions: list[Emission]) -> list[RequestOutput]:
+        """The outputs of a step's tokens: detokenized, cut at a stop string (a request one ends
+        is freed once the step in flight is done); finished requests are then forgotten."""
+        outputs = []
+        for emission in emissions:
+            seq = emission.seq
+            running = seq.finish_reason is None
+            kept = emission.observe(self.outputs)
+            if seq.params.logprobs is not None:
+                del seq.logprobs[seq.num_output_tokens :]
+            outputs.append(self._output(seq, seq.token_ids[seq.num_tokens - kept :]))
+            if running and seq.finish_reason is not None:
+                self._stopped.append(seq)
+            elif seq.is_finished:
+                self._forget(seq)
         return outputs
+
+    def _free_stopped(self) -> None:
+        """Frees the requests a stop string ended (no step of theirs is in flight any more)."""
+        for seq in self._stopped:
+            self._free(seq)
+            self._forget(seq)
+        self._stopped = []
 
     @staticmethod
     def _chain_lengths(max_k: int) -> list[int]:
         """Every drafting-model chain length a step may run: 0 (nobody drafts) to k."""
         return list(range(max_k + 1))
 
-    def _release(self, seq: Sequence) -> None:
-        """Frees a finished request's blocks and per-request state (full blocks stay cached)."""
+    def _free(self, seq: Sequence) -> None:
+        """Frees a finished request's blocks, slot and drafting state (full blocks stay cached)."""
         assert seq.finish_reason is not None
         self.reserved.pop(seq.request_id, None)
         self.inputs.remove(seq.request_id)
         self.scheduler.finish(seq, seq.finish_reason)
         self.drafter.finish(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drops a finished request whose last output was produced."""
         self.outputs.release(seq.request_id)
         del self.sequences[seq.request_id]
 

@@ -81,6 +81,28 @@ class SeqResult:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose kernels and result copy are queued; `result` waits for them."""
+
+    packed: torch.Tensor  # [num_seqs, width] int32 on the host once `done` completed
+    done: torch.cuda.Event | None
+    max_rows: int
+    """Token columns of the packed result (the query class of a CUDA-graph step)."""
+    num_tokens: int
+    is_decode: bool
+    logprobs: list[list[TokenLogprobs | None]]
+    """Per request, when the torch verifier returned them."""
+
+    def result(self) -> StepOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        results = [SeqResult.unpack(row, self.max_rows) for row in self.packed.tolist()]
+        for result, token_logprobs in zip(results, self.logprobs):
+            result.logprobs = token_logprobs[: len(result.token_ids)]
+        return StepOutput(results, self.num_tokens, self.is_decode)
+
+
+@dataclass
 class StepOutput:
     results: list[SeqResult]
     """One per request that got a token (StepPlan.seqs)."""
@@ -192,11 +214,12 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
-        """One target forward over every scheduled token (prefill chunks, decode tokens and drafts),
-        then the tail: only the last real token and the drafts of each request in `plan` reach the
-        LM head and are verified; every request of the plan drafts its next step. A decode step
-        whose requests the fused kernel verifies replays both from CUDA graphs."""
+    def launch(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
+        """Launches one step without waiting for it: a target forward over every scheduled token
+        (prefill chunks, decode tokens and drafts), then the tail: only the last real token and the
+        drafts of each request in `plan` reach the LM head and are verified; every request of the
+        plan drafts its next step. A decode step whose requests the fused kernel verifies replays
+        both from CUDA graphs. Its results come back in one copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
         key = None
         if self.graphs is not None and step.is_decode:
@@ -204,8 +227,7 @@ class ModelRunner:
         fused = all(self._fusable(seq) for seq in plan.seqs)
         if key is not None and fused:
             assert self.graphs is not None
-            packed = self.graphs.replay(step, key, plan)
-            return self._output(packed, step, [])
+            return self._read_back(self.graphs.replay(step, key, plan), step, [])
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if key is not None:
             assert self.graphs is not None
@@ -217,7 +239,26 @@ class ModelRunner:
             forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
             logits = self.model.compute_logits(forward.hidden[logits_indices])
         packed, logprobs = self._tail_eagerly(logits, tensors, plan, fused)
-        return self._output(packed, step, logprobs)
+        return self._read_back(packed, step, logprobs)
+
+    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
+        """`launch`, then wait for the result."""
+        return self.launch(batch, plan).result()
+
+    def _read_back(
+        self, packed: torch.Tensor, step: HostStep, logprobs: list[list[TokenLogprobs | None]]
+    ) -> LaunchedStep:
+        """Starts the copy of the packed results to the host (pinned memory on a GPU, so that it
+        runs behind the step's kernels while the host works on)."""
+        done = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            packed = host
+        max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
+        return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs)
 
     def _fusable(self, seq: Sequence) -> bool:
         """Whether the fused verify kernel alone samples this request's rows (nothing to apply to the
@@ -228,29 +269,19 @@ class ModelRunner:
 
     def _tail_eagerly(
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
-    ) -> tuple[np.ndarray, list[list[TokenLogprobs | None]]]:
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
         """The tail without a graph; requests the fused kernel cannot verify go through the torch
         `RejectionSampler` first (penalties, min_tokens suppression, logprobs)."""
         assert self.tail is not None
         if fused:
-            return self.tail(logits, t, plan).cpu().numpy(), []
+            return self.tail(logits, t, plan), []
         results = self.verifier(logits, row_batch(plan.seqs), [verify_request(seq) for seq in plan.seqs])
         token_ids = torch.full((len(results), t.max_rows), -1, dtype=torch.int32)
         for row, result in zip(token_ids, results):
             row[: len(result.token_ids)] = torch.tensor(result.token_ids, dtype=torch.int32)
         num_accepted = torch.tensor([r.num_accepted for r in results], dtype=torch.int32)
         moved = [x.to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
-        packed = self.tail.update_and_draft(moved[0], moved[1], t, plan)
-        return packed.cpu().numpy(), [r.logprobs for r in results]
-
-    def _output(
-        self, packed: np.ndarray, step: HostStep, logprobs: list[list[TokenLogprobs | None]]
-    ) -> StepOutput:
-        max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
-        results = [SeqResult.unpack(row, max_rows) for row in packed.tolist()]
-        for result, token_logprobs in zip(results, logprobs):
-            result.logprobs = token_logprobs[: len(result.token_ids)]
-        return StepOutput(results, step.num_tokens, step.is_decode)
+        return self.tail.update_and_draft(moved[0], moved[1], t, plan), [r.logprobs for r in results]
 
     def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
         """The step's host inputs: every scheduled token for the forward, and for each request of

@@ -1,10 +1,12 @@
 """Per-request detokenization and stop strings, one token at a time.
 
 Token-level stops (EOS, stop token ids, max_tokens, with min_tokens) are decided on the device by
-the post-step update (kernels/post_step_ref.py, run from services/engine/cuda_graph.py), which
+the post-step update (kernels/post_step_ref.py, run from services/engine/verify_update.py), which
 already cut a step's tokens after the one that ends the request; its verdict is taken as given
 here. Stop strings are text, so they are looked for here, token by token even when a step yields
 several (speculative decoding), and one inside accepted drafts ends the request at that token.
+The engine runs this for a step while the device computes the next one, so a request a stop
+string ends has run one step more, whose tokens are dropped.
 """
 
 from __future__ import annotations
@@ -44,20 +46,22 @@ class OutputProcessor:
     def text(self, request_id: str) -> str:
         return self.states[request_id].text
 
-    def append(
+    def observe(
         self,
         seq: Sequence,
-        token_ids: list[int],
+        num_new: int,
         finish_reason: FinishReason | None = None,
         stop_token_id: int | None = None,
     ) -> int:
-        """Appends tokens to `seq` until one ends it; returns how many were kept. `token_ids` end
-        where the post-step update ended the request, with `finish_reason` (STOP for an EOS or the
-        stop id `stop_token_id`, LENGTH) on the last one; a stop string may end it earlier."""
+        """Detokenizes the last `num_new` tokens of `seq` (the step's, already appended) until one
+        ends it; returns how many were kept and drops the rest from `seq`. They end where the
+        post-step update ended the request, with `finish_reason` (STOP for an EOS or the stop id
+        `stop_token_id`, LENGTH) on the last one; a stop string may end it earlier."""
         state = self.states[seq.request_id]
-        for n, token_id in enumerate(token_ids, start=1):
-            seq.append_token(token_id)
-            last = n == len(token_ids)
+        first = seq.num_tokens - num_new
+        num_output = seq.num_output_tokens - num_new
+        for n, token_id in enumerate(seq.token_ids[first:], start=1):
+            last = n == num_new
             reason: FinishReason | None = None
             if last and finish_reason is FinishReason.STOP:  # an EOS or stop id: its text is left out
                 seq.stop_reason = stop_token_id
@@ -65,13 +69,14 @@ class OutputProcessor:
             else:
                 checked = len(state.text)
                 state.text += state.decoder.step([token_id])
-                reason = self._string_stop(seq, state, checked)
+                reason = self._string_stop(seq, state, checked, num_output + n)
                 if reason is None and last:
                     reason = finish_reason
             if reason is not None:
                 seq.finish_reason = reason
+                del seq.token_ids[first + n :]
                 return n
-        return len(token_ids)
+        return num_new
 
     def take_delta(self, seq: Sequence) -> str:
         """New text since the last call, holding back a tail that could still begin a stop string."""
@@ -84,9 +89,10 @@ class OutputProcessor:
         return delta
 
     @staticmethod
-    def _string_stop(seq: Sequence, state: TextState, checked: int) -> FinishReason | None:
-        """Finds the earliest stop string that ends in the new text (`text[checked:]`) and cuts it off."""
-        if not seq.params.stop or seq.num_output_tokens < seq.params.min_tokens:
+    def _string_stop(seq: Sequence, state: TextState, checked: int, num_output: int) -> FinishReason | None:
+        """Finds the earliest stop string that ends in the new text (`text[checked:]`) and cuts it
+        off; none counts before `num_output` (the request's output tokens so far) reaches min_tokens."""
+        if not seq.params.stop or num_output < seq.params.min_tokens:
             return None
         longest = max(len(s) for s in seq.params.stop)
         window_start = max(0, checked - longest + 1)
