@@ -5,10 +5,10 @@
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
 # (benchmarks.hf_baseline: transformers generate() on the same checkpoint, plain and with prompt lookup);
-# spec: speculation on the widened real-cost targets (benchmarks.widen; SPEC_SHAPES, default llama-3.2-1b):
-# verify-cost-<shape>.json (benchmarks.verify_cost) and offline-<shape>-<sampling>.json
-# (benchmarks.offline, every method with naive in the same run; SPEC_SAMPLING greedy / sampled,
-# SPEC_CONCURRENCY, SPEC_METHODS).
+# spec: speculation on the widened real-cost targets (benchmarks.widen; SPEC_SHAPES, default both):
+# verify-cost-*.json (benchmarks.verify_cost) and offline-<shape>-<greedy|sampled|agentic>.json
+# (benchmarks.offline, every method with naive in the same run). Split it over calls with
+# SPEC_SHAPES=llama-3.2-1b / qwen2.5-7b (the 1B stage runs about 9 minutes on an H100).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -55,22 +55,34 @@ if [[ " $stages " == *" engine "* ]]; then
     done
 fi
 if [[ " $stages " == *" spec "* ]]; then
-    for shape in ${SPEC_SHAPES:-llama-3.2-1b}; do
+    # the speculation tables of BENCHMARKS.md: every method with naive in the same run
+    for shape in ${SPEC_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
         dir=/tmp/widened-$shape
         [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -3
-        timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 5 --batch-sizes 1 16 \
-            --context 1024 --out "$OUT/verify-cost-$shape.json" 2>&1 | tail -8
+            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
         mtp='{"method":"mtp","model":"'$dir/mtp'"'
-        methods=${SPEC_METHODS:-"naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3={\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\",\"num_speculative_tokens\":3}"}
-        for sampling in ${SPEC_SAMPLING:-greedy}; do
-            flags=$([ "$sampling" = sampled ] && echo "--temperature 0.8 --top-p 0.95 --request-seed 1" || echo "")
+        draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
+        run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128 --no-plots --no-progress"
+        if [ $shape = llama-3.2-1b ]; then
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 5 --batch-sizes 1 16 64 --out "$OUT/verify-cost-ngram.json" | tail -10
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 64 --method "$mtp}" --out "$OUT/verify-cost-mtp.json" | tail -7
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 16 64 --method "$draft}" --out "$OUT/verify-cost-draft.json" | tail -4
+            methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
             # shellcheck disable=SC2086
-            timeout ${SPEC_TIMEOUT:-420} python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 \
-                --workload ${SPEC_WORKLOAD:-code_editing} --concurrency ${SPEC_CONCURRENCY:-1 16 64} \
-                --num-requests 12 --requests-per-slot 1 --max-tokens 128 $flags --no-plots --no-progress \
-                --methods $methods --out "$OUT/offline-$shape-$sampling.json" 2>&1 | tail -30
-        done
+            timeout 400 $run --workload code_editing --concurrency 1 16 64 256 --requests-per-slot 1 \
+                --methods $methods --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
+            # shellcheck disable=SC2086
+            timeout 300 $run --workload code_editing --concurrency 1 16 64 --requests-per-slot 1 \
+                --temperature 0.8 --top-p 0.95 --request-seed 1 --methods $methods \
+                --out "$OUT/offline-$shape-sampled.json" | grep "^| [a-z]"
+            timeout 200 $run --workload agentic --concurrency 1 16 64 --requests-per-slot 1 \
+                --methods naive suffix ngram --out "$OUT/offline-$shape-agentic.json" | grep "^| [a-z]"
+        else
+            timeout 120 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 5 --batch-sizes 1 16 --out "$OUT/verify-cost-7b.json" | tail -5
+            timeout 200 $run --workload code_editing agentic --concurrency 1 \
+                --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
+        fi
+        rm -rf $dir
     done
 fi
 exit $status

@@ -128,7 +128,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
-        self.runner.start(self.drafter.device_proposers, self._chain_lengths(config.speculative_config.k))
+        self.runner.start(self.drafter.device_proposers, self._chain_lengths())
         if self.runner.graphs is not None:
             self.drafter.max_graph_tokens = self.runner.graphs.max_tokens
         self.outputs = OutputProcessor(self.tokenizer)
@@ -370,10 +370,11 @@ class LLMEngine:
             self._forget(seq)
         self._stopped = []
 
-    @staticmethod
-    def _chain_lengths(max_k: int) -> list[int]:
-        """Every drafting-model chain length a step may run: 0 (nobody drafts) to k."""
-        return list(range(max_k + 1))
+    def _chain_lengths(self) -> list[int]:
+        """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
+        model loaded, else only 0."""
+        has_model = self.runner.mtp_head is not None or self.runner.draft_model is not None
+        return list(range(self.config.speculative_config.k + 1)) if has_model else [0]
 
     def _free(self, seq: Sequence) -> None:
         """Frees a finished request's blocks, slot and drafting state (full blocks stay cached)."""
