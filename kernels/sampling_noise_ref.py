@@ -2,8 +2,8 @@
 
 A token's randomness depends only on its request's seed and its position in the output, never on
 the batch, the step or how many drafts were verified with it. So a seeded request gives the same
-tokens alone or in any batch, and — because a model-free draft is accepted exactly when it equals
-the target's own sample at that position — the same tokens with or without speculation.
+tokens alone or in any batch, and — because a draft is accepted exactly when it equals the
+target's own sample at that position — the same tokens with or without speculation.
 
 The generator is SplitMix64 (Steele et al. 2014) over the counter (key, column), computed with
 wrapping int64 arithmetic; the CUDA kernel computes the same function in registers.
@@ -16,9 +16,8 @@ import torch
 STREAM_TARGET = 0
 """Exponential noise for sampling target tokens (Gumbel-max)."""
 STREAM_ACCEPT = 1
-"""Uniforms for the accept test of rejection sampling."""
-STREAM_DRAFT = 2
-"""Exponential noise for sampling draft tokens from a draft model's distribution."""
+"""Uniforms for an accept test against a draft distribution (none today: every draft reaches the
+verifier as a fixed token, drafting models' drafts being sampled with STREAM_TARGET's noise)."""
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
