@@ -65,15 +65,22 @@ def verify_sample_ref(
     and per row: greedy_ids, sampled_ids, passes [num_rows] int32)."""
     greedy_rows = temperature == 0
     greedy_ids = logits.argmax(dim=-1)
-    probs = truncated_probs_ref(logits, temperature, top_k, top_p, min_p)
-    noise = exponential_noise_ref(seeds, positions, logits.shape[-1], STREAM_TARGET)
-    sampled_ids = torch.where(greedy_rows, greedy_ids, (probs / noise).argmax(dim=-1))
     drafts = draft_ids.long()
     is_draft = drafts >= 0
+    # the truncated distribution and the noise only for rows that sample (a row is independent)
+    sampling = (~greedy_rows).nonzero()[:, 0]
+    sampled_ids = greedy_ids.clone()
+    in_nucleus = torch.zeros_like(is_draft)
+    if len(sampling):
+        args = (t[sampling] for t in (temperature, top_k, top_p, min_p))
+        probs = truncated_probs_ref(logits[sampling], *args)
+        noise = exponential_noise_ref(seeds[sampling], positions[sampling], logits.shape[-1], STREAM_TARGET)
+        sampled_ids[sampling] = (probs / noise).argmax(dim=-1)
+        in_nucleus[sampling] = probs.gather(1, drafts[sampling].clamp(min=0)[:, None])[:, 0] > 0
     if strategy == GREEDY:
         passes = drafts == greedy_ids
     elif strategy == TOPP:
-        passes = probs.gather(1, drafts.clamp(min=0)[:, None])[:, 0] > 0
+        passes = in_nucleus
     else:
         passes = drafts == sampled_ids
     passes = torch.where(greedy_rows, drafts == greedy_ids, passes)
