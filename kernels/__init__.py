@@ -149,38 +149,12 @@ def verify_sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `verify_sample_ref`; `max_rows` (the most rows of one request, the tokens' width) and
     `request_of_row` ([num_rows] int32) spare the CUDA kernel a host read of `cu_num_rows`."""
+    rows = (temperature, top_k, top_p, min_p, seeds, positions, draft_ids, cu_num_rows)
     if _cuda.available(logits):
         from kernels.verify import verify_sample_cuda
 
-        return verify_sample_cuda(
-            logits,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seeds,
-            positions,
-            draft_ids,
-            cu_num_rows,
-            strategy,
-            policy,
-            max_rows,
-            request_of_row,
-        )
-    return verify_sample_ref(
-        logits,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        seeds,
-        positions,
-        draft_ids,
-        cu_num_rows,
-        strategy,
-        policy,
-        max_rows,
-    )
+        return verify_sample_cuda(logits, *rows, strategy, policy, max_rows, request_of_row)
+    return verify_sample_ref(logits, *rows, strategy, policy, max_rows)
 
 
 def post_step_update(

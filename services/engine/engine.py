@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_export import KVExport
 from services.engine.model_runner import ModelRunner, StepOutput
 from services.engine.output_processor import OutputProcessor
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -58,20 +59,6 @@ class RequestError(ValueError):
 
 class CapacityError(RequestError):
     """A valid request this instance has no room for right now (another instance may)."""
-
-
-@dataclass
-class KVExport:
-    """A prefilled request's KV, ready to send to its decode instance."""
-
-    request_id: str
-    num_tokens: int
-    """Tokens whose KV is included (prompt, plus any resumed output)."""
-    first_token_id: int
-    """The token sampled after them (already streamed to the client)."""
-    layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
-    """(cache name, layer index, key, value), each [num_blocks, block_size, kv_heads, head_dim]."""
-    tensors: dict[str, torch.Tensor]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine.kv_export import KVExport
 from shared.bus import RedisSettings
 from shared.config import EngineConfig
 from shared.protocol import TOKEN_DTYPE, ErrorInfo, OutputBatch, OutputEnd, RowLogprobs, TokenLogprob
@@ -131,18 +132,6 @@ class EngineLoad:
 
 
 @dataclass
-class Handoff:
-    """Prefill role: a request's KV, to send to its decode instance (host tensors)."""
-
-    request_id: str
-    num_tokens: int
-    first_token_id: int
-    layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
-    """(cache name, layer index, key, value), each [num_blocks, block_size, kv_heads, head_dim]."""
-    tensors: dict[str, torch.Tensor]
-
-
-@dataclass
 class RowEnd:
     """How one row's request left the engine."""
 
@@ -180,7 +169,8 @@ class StepBatch:
     ends: list[RowEnd]
     logprobs: list[tuple[int, Logprobs]]
     """(row, its new tokens' logprobs) for rows of requests that asked for them."""
-    handoffs: list[Handoff]
+    handoffs: list[KVExport]
+    """Prefill role: requests' KV to send to their decode instances (host tensors once received)."""
     step_s: float
     load: EngineLoad
 

@@ -41,7 +41,6 @@ from services.worker.core_messages import (
     CoreOptions,
     EngineInfo,
     EngineLoad,
-    Handoff,
     ImportKV,
     Logprobs,
     Reply,
@@ -118,7 +117,7 @@ class RowBuilder:
         self.texts.append("")
         self.num_output_tokens.append(0)
 
-    def take(self, handoffs: list[Handoff], step_s: float, load: EngineLoad) -> StepBatch:
+    def take(self, handoffs: list[KVExport], step_s: float, load: EngineLoad) -> StepBatch:
         batch = StepBatch(
             request_ids=self.request_ids,
             cu_num_tokens=np.cumsum([0, *self.num_new_tokens], dtype=TOKEN_DTYPE),
@@ -170,9 +169,9 @@ class EngineCore:
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
         exports, self.engine.handoffs = self.engine.handoffs, []
-        self._send([_handoff(e) for e in exports], time.perf_counter() - started)
+        self._send(exports, time.perf_counter() - started)
 
-    def _send(self, handoffs: list[Handoff], step_s: float) -> None:
+    def _send(self, handoffs: list[KVExport], step_s: float) -> None:
         self.channel.send(self.rows.take(handoffs, step_s, self._load()))
         self.dirty = False
 
@@ -253,11 +252,6 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             suffix_cache=stats() if stats is not None else {},
         )
-
-
-def _handoff(export: KVExport) -> Handoff:
-    """The export as host tensors (the channel copies device tensors to the host as it sends)."""
-    return Handoff(export.request_id, export.num_tokens, export.first_token_id, export.layers, export.tensors)
 
 
 # ---- the shared suffix cache, from a thread of the core ------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from redis.exceptions import RedisError
 
+from services.engine.kv_export import KVExport
 from services.kv_transport import (
     KVHeader,
     KVTransferError,
@@ -34,7 +35,7 @@ from services.kv_transport import (
 )
 from services.kv_transport.base import dtype_name
 from services.worker.core_client import EngineCoreClient
-from services.worker.core_messages import Handoff, Reply, StepBatch, concat
+from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
 from shared.bus import OUTPUT_END, Bus, Delivery, reraise_if_cancelled, stop_tasks
 from shared.keys import WORKER_GROUP
@@ -327,7 +328,7 @@ class Worker:
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
 
-    async def _hand_off(self, handoff: Handoff) -> None:
+    async def _hand_off(self, handoff: KVExport) -> None:
         """Prefill role: send the KV layer by layer to the decode instance, then step aside."""
         address = self.handoff_targets.pop(handoff.request_id, None)
         self.requests.pop(handoff.request_id, None)
@@ -423,7 +424,7 @@ class Worker:
         return (not self.draining), "draining" if self.draining else "ok"
 
 
-def kv_header(handoff: Handoff) -> KVHeader:
+def kv_header(handoff: KVExport) -> KVHeader:
     first_key = handoff.layers[0][2]
     return KVHeader(
         request_id=handoff.request_id,
