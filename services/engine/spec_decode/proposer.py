@@ -4,7 +4,7 @@ A proposer drafts the next step of the requests that got a token this step. Devi
 (n-gram, MTP, draft model) run inside the step's tail, right after verification and the post-step
 update, on tensors only (so the tail can be captured in a CUDA graph); the host reads their drafts
 back with the step's tokens. Host proposers (suffix decoding) run after that read-back, on the
-requests' token lists. Methods are looked up by name (`services.engine.spec_decode.PROPOSERS`).
+requests' token lists. The drafter looks them up by method name (`drafter.make_proposers`).
 """
 
 from __future__ import annotations
