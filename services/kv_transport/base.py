@@ -96,7 +96,7 @@ class LayerShape(BaseModel):
 
 
 class TensorSpec(BaseModel):
-    """A named extra tensor sent after the layers, e.g. "mtp_hidden" [hidden_size]."""
+    """A named extra tensor sent after the layers (e.g. a drafting model's state, [hidden_size])."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
