@@ -284,10 +284,12 @@ class LLMEngine:
         outputs += self._emit(handed_off)
         self._free_stopped()
         self.drafter.propose_on_host(plan)
-        if step.is_decode:  # what the drafts are chosen for; prefill chunks cost another way
-            num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
-            seconds = time.perf_counter() - started
-            self.drafter.record_step(len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds)
+        num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
+        seconds = time.perf_counter() - started
+        mixed = not step.is_decode  # prefill chunks: another cost regime
+        self.drafter.record_step(
+            len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
+        )
         return outputs
 
     def _update_slots(self, batch: ScheduledBatch) -> None:

@@ -37,6 +37,11 @@ class ScheduledBatch:
         return len(self.preempted)
 
     @property
+    def is_decode(self) -> bool:
+        """Every sequence brings only its last token and its drafts: no prefill chunk."""
+        return all(seq.num_uncomputed_tokens == 1 for seq in self.seqs)
+
+    @property
     def sampled_seqs(self) -> list[Sequence]:
         """Sequences that get a token this step: their last real token is among the new ones."""
         return [

@@ -7,8 +7,9 @@ g(k) = a + ... + a^k tokens beyond the one every step emits.
 
 *Cost*, learned online from the engine's own steps by nonnegative least squares:
 
-- the decode step (steps with prefill chunks are another regime, left out): its time less host
-  drafting is fitted as
+- the step, fitted apart for decode steps (CUDA graphs on a GPU) and for steps that carry prefill
+  chunks (run eagerly, where a drafting model's chain is hundreds of kernel launches): its time
+  less host drafting is fitted as
       T = step_fixed + per_request_s * R + verify_s * n + per_emitted_s * e + per_chain_step_s * L
   for R requests (the host's work per request: scheduling, bookkeeping), n tokens in the target
   forward (each draft is one more), e tokens emitted (the host's work per output token:
@@ -307,12 +308,15 @@ class AdaptiveSpeculation:
         self.min_acceptance = min_acceptance
         self.max_forwards = max_forwards or {}
         self.cost = StepCostModel()
+        """Decode steps."""
+        self.mixed_cost = StepCostModel()
+        """Steps with prefill chunks."""
         self.draft_cost: dict[str, DraftCostModel] = {}
         self.step = 0
         self.last_drafted: dict[str, int] = {}
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
-        self._fits: tuple[int, StepCost, dict[str, DraftCost]] | None = None
-        """(step fitted at, step cost fit, drafting cost fit per method)."""
+        self._fits: dict[bool, tuple[int, StepCost, dict[str, DraftCost]]] = {}
+        """Per kind of step (mixed or not): (step fitted at, step cost fit, drafting cost fit per method)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -323,12 +327,19 @@ class AdaptiveSpeculation:
         seq.spec.acceptance += ACCEPTANCE_SMOOTHING * (rate - seq.spec.acceptance)
 
     def record_step(
-        self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
+        self,
+        num_requests: int,
+        num_tokens: int,
+        num_emitted: int,
+        num_chain_steps: int,
+        seconds: float,
+        mixed: bool = False,
     ) -> None:
         """A step's time less its host drafting, with `num_requests` requests, `num_tokens` in the
         target forward, `num_emitted` output tokens and a drafting model's chain of
-        `num_chain_steps` forwards."""
-        self.cost.record(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
+        `num_chain_steps` forwards; `mixed`: it carried prefill chunks."""
+        model = self.mixed_cost if mixed else self.cost
+        model.record(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
 
     def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
         """One `propose()` of `method` for requests drafting ks (all > 0), after reading
@@ -340,14 +351,15 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self.last_drafted.pop(request_id, None)
 
-    def choose(self, seqs: list[Sequence], num_other_tokens: int) -> list[int]:
-        """k per sequence; `num_other_tokens` are the batch's tokens that are not drafts."""
+    def choose(self, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False) -> list[int]:
+        """k per sequence; `num_other_tokens` are the batch's tokens that are not drafts; `mixed`:
+        the step that drafts them carries prefill chunks."""
         self.step += 1
         if not self.enabled:
             return [seq.spec.max_k for seq in seqs]
         if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
             return [0] * len(seqs)
-        choices = self._choices(seqs, num_other_tokens)
+        choices = self._choices(seqs, num_other_tokens, mixed)
         trusted = np.array([seq.spec.acceptance >= self.min_acceptance for seq in seqs])
         max_ks = np.array([seq.spec.max_k for seq in seqs])
         ks, rate = choices.best(np.where(trusted, max_ks, 0))
@@ -358,18 +370,29 @@ class AdaptiveSpeculation:
                 self.last_drafted[seq.request_id] = self.step
         return ks.tolist()
 
-    def _fitted(self) -> tuple[StepCost, dict[str, DraftCost]]:
-        """The step cost and each method's drafting cost, refitted every
-        REFIT_EVERY_STEPS steps or when a method has samples but no fit yet. A drafting model's
-        chain runs inside the step: its cost per forward is the step fit's chain slope."""
-        fits = self._fits
+    def _fitted(self, mixed: bool = False) -> tuple[StepCost, dict[str, DraftCost]]:
+        """The decode step's cost and each method's drafting cost, refitted every REFIT_EVERY_STEPS
+        steps or when a method has samples but no fit yet. A drafting model's chain runs inside
+        the step that drafts: its cost per forward is that kind of step's chain slope. The rest is
+        the decode step's: drafts are verified in the steps to come, and a mixed step's prefill
+        work is no reason to spend more on drafting there (it would be judged against a rate that
+        the prefill, not the decoding, holds down)."""
+        decode, fitted = self._fits_of(mixed=False)
+        if mixed:
+            chain_s = self._fits_of(mixed=True)[0].per_chain_step_s
+            fitted = {**fitted, **{m: DraftCost(per_forward_s=chain_s) for m in self.max_forwards}}
+        return decode, fitted
+
+    def _fits_of(self, mixed: bool) -> tuple[StepCost, dict[str, DraftCost]]:
+        """The step fit of one kind of step, with each method's drafting cost."""
+        fits = self._fits.get(mixed)
         if (
             fits is None
             or self.step - fits[0] >= REFIT_EVERY_STEPS
             or fits[2].keys() != self.draft_cost.keys()
         ):
-            step_cost = self.cost.fit()
-            fits = self._fits = (
+            step_cost = (self.mixed_cost if mixed else self.cost).fit()
+            fits = self._fits[mixed] = (
                 self.step,
                 step_cost,
                 {m: c.fit(self.step) for m, c in self.draft_cost.items()},
@@ -377,9 +400,9 @@ class AdaptiveSpeculation:
         chained = {m: DraftCost(per_forward_s=fits[1].per_chain_step_s) for m in self.max_forwards}
         return fits[1], {**chained, **fits[2]}
 
-    def _choices(self, seqs: list[Sequence], num_other_tokens: int) -> DraftChoices:
+    def _choices(self, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False) -> DraftChoices:
         """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""
-        step, fitted = self._fitted()
+        step, fitted = self._fitted(mixed)
         verify_s = step.verify_s
         names = sorted({seq.spec.method for seq in seqs})
         costs = [fitted.get(m, DraftCost()) for m in names]

@@ -127,7 +127,7 @@ class Drafter:
         seqs = batch.sampled_seqs
         drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
         ks = [0] * len(seqs)
-        chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running)
+        chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
         for i, k in zip(drafting, chosen):
             seq = seqs[i]
             # the step emits at least one token, the next one at least one more
@@ -170,12 +170,19 @@ class Drafter:
         self.host_drafting_s = time.perf_counter() - started
 
     def record_step(
-        self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
+        self,
+        num_requests: int,
+        num_tokens: int,
+        num_emitted: int,
+        num_chain_steps: int,
+        seconds: float,
+        mixed: bool,
     ) -> None:
         """Books an engine step's time less its host drafting: its requests, the target forward's
-        tokens, the tokens it emitted and the drafting models' chain, which runs inside the step."""
+        tokens, the tokens it emitted and the drafting models' chain, which runs inside the step;
+        `mixed`: it carried prefill chunks."""
         seconds -= self.host_drafting_s
-        self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
+        self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds, mixed)
 
     def _reserve_chain(self, seq: Sequence, k: int, num_new: int) -> int:
         """k, or 0 when the blocks the request's drafting-model chain writes cannot be had."""

@@ -415,3 +415,19 @@ def test_a_step_without_drafts_now_and_then_keeps_the_cost_slope_measurable() ->
     ks = [adaptive.choose(seqs([0.8, 0.8]), num_other_tokens=2) for _ in range(EXPLORE_EVERY_STEPS)]
     assert ks[-1] == [0, 0]
     assert all(k == [5, 5] for k in ks[:-1])
+
+
+def test_a_chain_dear_in_steps_with_prefill_runs_only_in_decode_steps() -> None:
+    """The MTP chain costs 0.1 ms a forward in a decode step (CUDA graphs) and 5 ms in a step that
+    carries prefill chunks (run eagerly): requests draft after decode steps, not after mixed ones."""
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, max_forwards={"mtp": 3})
+    for num_requests, chain in ((16, 0), (16, 3), (64, 1), (64, 2), (32, 3), (8, 0)):
+        tokens = num_requests * (1 + chain)
+        adaptive.record_step(num_requests, tokens, num_requests, chain, 0.002 + 1e-5 * tokens + 1e-4 * chain)
+        mixed_s = 0.020 + 1e-5 * (tokens + 2048) + 0.005 * chain
+        adaptive.record_step(num_requests, tokens + 2048, num_requests, chain, mixed_s, mixed=True)
+    batch = seqs([0.7] * 16, max_k=3, methods=["mtp"] * 16)
+    assert steady(adaptive, batch, num_other_tokens=16) == [3] * 16
+    while (adaptive.step + 1) % PROBE_EVERY_STEPS == 1 or (adaptive.step + 1) % EXPLORE_EVERY_STEPS == 0:
+        adaptive.step += 1
+    assert adaptive.choose(batch, 16, mixed=True) == [0] * 16

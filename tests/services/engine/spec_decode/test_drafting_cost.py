@@ -25,8 +25,10 @@ def generate(target: str, method: str, monkeypatch: pytest.MonkeyPatch) -> tuple
     """Greedy output with adaptive speculation, and the drafts the controller asked for in all."""
     asked = []
 
-    def counting_choose(self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int) -> list[int]:
-        ks = CHOOSE(self, seqs, num_other_tokens)
+    def counting_choose(
+        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+    ) -> list[int]:
+        ks = CHOOSE(self, seqs, num_other_tokens, mixed)
         asked.append(sum(ks))
         return ks
 
