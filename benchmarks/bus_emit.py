@@ -80,7 +80,11 @@ def per_request_stream(bus: Bus, request_id: str) -> str:
 async def publish_per_gateway(bus: Bus, step: StepBatch) -> None:
     cu = step.cu_num_tokens.tolist()
     delivered = [
-        (request_id, step.token_ids[cu[row] : cu[row + 1]].tobytes())
+        (
+            request_id,
+            int(step.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
+            step.token_ids[cu[row] : cu[row + 1]].tobytes(),
+        )
         for row, request_id in enumerate(step.request_ids)
     ]
     await bus.publish_step([(GATEWAY, encode(step.output_batch()))], delivered)

@@ -13,15 +13,16 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
 from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, AnyMessage, Message, ProtocolError, decode, encode
@@ -39,6 +40,13 @@ OUTPUT_TTL_S = 600
 """A gateway's output stream, and a request's delivered record, expire this long after their last
 write (a gateway that died, a request that ended)."""
 DEAD_LETTER_MAXLEN = 10_000
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError)
+"""Errors that waiting cures: Redis unreachable, restarting (loading its data is a ConnectionError),
+or slow. Any other error is a bug or a refusal and is raised at once."""
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+T = TypeVar("T")
 
 
 def reraise_if_cancelled(error: BaseException) -> None:
@@ -50,6 +58,26 @@ def reraise_if_cancelled(error: BaseException) -> None:
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+
     if cancelling is not None and cancelling():
         raise asyncio.CancelledError from error
+
+
+async def retry_transient(op: Callable[[], Awaitable[T]], what: str, deadline_s: float | None) -> T:
+    """`op()`, called again after each transient Redis error (`TRANSIENT_ERRORS`) with exponential
+    backoff from `FIRST_BACKOFF_S` to `MAX_BACKOFF_S`, until it succeeds or `deadline_s` has passed
+    (None: until cancelled); then the last error is raised. `op` must be safe to repeat: an error
+    may come after Redis applied the command, before its answer arrived. A cancellation that
+    surfaced as a Redis error is raised as a cancellation."""
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    delay_s = FIRST_BACKOFF_S
+    while True:
+        try:
+            return await op()
+        except TRANSIENT_ERRORS as exc:
+            reraise_if_cancelled(exc)
+            if deadline is not None and time.monotonic() + delay_s > deadline:
+                raise
+            logger.warning("%s failed (%s); retrying in %.2f s", what, exc, delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, MAX_BACKOFF_S)
 
 
 RECANCEL_EVERY_S = 0.5
@@ -158,23 +186,30 @@ for i, key in ipairs(KEYS) do
         redis.call('EXPIRE', key, ttl_s)
     end
 end
-local pos, id_len, tokens_len = 1, 0, 0
+local pos, id_len, tokens_len, start = 1, 0, 0, 0
 while pos <= #records do
-    id_len, tokens_len, pos = struct.unpack('<I4I4', records, pos)
+    id_len, tokens_len, start, pos = struct.unpack('<I4I4I4', records, pos)
     local key = record_prefix .. string.sub(records, pos, pos + id_len - 1)
-    redis.call('APPEND', key, string.sub(records, pos + id_len, pos + id_len + tokens_len - 1))
-    redis.call('EXPIRE', key, ttl_s)
+    if start == 4294967295 or redis.call('STRLEN', key) == 4 * start then
+        redis.call('APPEND', key, string.sub(records, pos + id_len, pos + id_len + tokens_len - 1))
+        redis.call('EXPIRE', key, ttl_s)
+    end
     pos = pos + id_len + tokens_len
 end
 return #KEYS
 """
 """`publish_step`. KEYS: the gateways' output streams, then other streams. ARGV: the TTL, how many
 output streams, the payload field, the delivered records' key prefix, the records (per request:
-<I4 id length, <I4 token bytes, the id, the tokens), then one payload per key. The records are
-one argument, their keys made here, because a step touches one record per request and every
+<I4 id length, <I4 token bytes, <I4 the first token's output position or `APPEND_AT_END`, the id,
+the tokens), then one payload per key. A record grows only where its tokens start at its end:
+a publish repeated after a lost answer appends nothing twice, and a record that lost its tail
+(Redis restarted without it) stays a prefix of the output rather than get a hole. The records
+are one argument, their keys made here, because a step touches one record per request and every
 argument costs the worker microseconds of redis-py's Python (a record key is only ever written
 here and read by `delivered_tokens`, on a single Redis)."""
-RECORD_HEADER = struct.Struct("<II")
+RECORD_HEADER = struct.Struct("<III")
+APPEND_AT_END = 2**32 - 1
+"""A record's start position that appends wherever the record ends (a refusal's end marker)."""
 
 ADMIT_LUA = """
 if redis.call('HSETNX', KEYS[1], 'request', ARGV[1]) == 0 then
@@ -228,20 +263,23 @@ class Bus:
     async def publish_step(
         self,
         outputs: Sequence[tuple[str, bytes]],
-        delivered: Sequence[tuple[str, bytes]] = (),
+        delivered: Sequence[tuple[str, int, bytes]] = (),
         messages: Sequence[tuple[str, Message]] = (),
     ) -> None:
         """A worker step's effects on the bus, atomically, in one command: `outputs` (gateway id,
-        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, int32
-        token bytes) are appended to the requests' delivered records, so a record always equals
-        what its gateway was sent; `messages` (stream, message) are plain XADDs (reports to the
-        scheduler). Output streams and records expire `OUTPUT_TTL_S` after their last write."""
+        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, output
+        position of the first token, int32 token bytes) are appended to the requests' delivered
+        records where they start at the record's end, so a record is always a prefix of what its
+        gateway was sent (all of it but after a Redis restart that lost writes); `messages`
+        (stream, message) are plain XADDs (reports to the scheduler). Safe to repeat: the
+        gateway drops rows it already has. Output streams and records expire `OUTPUT_TTL_S`
+        after their last write."""
         if not (outputs or delivered or messages):
             return
         keys = [*(self.keys.outputs(gateway) for gateway, _ in outputs), *(s for s, _ in messages)]
         records = b"".join(
-            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens)) + rid + tokens
-            for request_id, tokens in delivered
+            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens), start) + rid + tokens
+            for request_id, start, tokens in delivered
         )
         args: list[bytes | str | int] = [
             OUTPUT_TTL_S,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.bus import OUTPUT_END, OUTPUT_TTL_S, Bus
+from shared.bus import APPEND_AT_END, OUTPUT_END, OUTPUT_TTL_S, Bus
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
@@ -35,7 +35,7 @@ async def test_a_step_reaches_each_gateway_once_and_every_record(bus: Bus) -> No
                 ("g1", batch(TokenEvent(request_id="a", token_ids=[step]), TokenEvent(request_id="b"))),
                 ("g2", batch(TokenEvent(request_id="c", token_ids=[10 + step, 20 + step]))),
             ],
-            delivered=[("a", tokens(step)), ("c", tokens(10 + step, 20 + step))],
+            delivered=[("a", step, tokens(step)), ("c", 2 * step, tokens(10 + step, 20 + step))],
             messages=[
                 (bus.keys.scheduler_replies, Finished(request_id="b", instance_id="w", outcome="done"))
             ],
@@ -54,9 +54,32 @@ async def test_a_step_reaches_each_gateway_once_and_every_record(bus: Bus) -> No
 
 
 async def test_a_record_ending_in_the_end_marker_is_finished(bus: Bus) -> None:
-    await bus.publish_step([], [("r", tokens(7, 8))])
-    await bus.publish_step([], [("r", tokens(9, OUTPUT_END))])
+    await bus.publish_step([], [("r", 0, tokens(7, 8))])
+    await bus.publish_step([], [("r", 2, tokens(9, OUTPUT_END))])
     assert await bus.delivered_tokens("r") == ([7, 8, 9], True)
+
+
+async def test_a_repeated_publish_appends_its_tokens_once(bus: Bus) -> None:
+    """A publish retried after its answer was lost (Redis had applied it) leaves the record as it was."""
+    for _ in range(2):
+        await bus.publish_step([], [("r", 0, tokens(7, 8))])
+    await bus.publish_step([], [("r", 2, tokens(9))])
+    await bus.publish_step([], [("r", 1, tokens(8, 9))])
+    assert await bus.delivered_tokens("r") == ([7, 8, 9], False)
+
+
+async def test_a_record_that_lost_its_tail_stays_a_prefix(bus: Bus) -> None:
+    """Tokens that start past the record's end (a restarted Redis lost the ones between) are not
+    appended: a re-dispatch resumes from the prefix, and the gateway drops what it already had."""
+    await bus.publish_step([], [("r", 0, tokens(7))])
+    await bus.publish_step([], [("r", 3, tokens(10, OUTPUT_END))])
+    assert await bus.delivered_tokens("r") == ([7], False)
+
+
+async def test_an_end_marker_appended_at_the_end_needs_no_position(bus: Bus) -> None:
+    await bus.publish_step([], [("r", 0, tokens(7))])
+    await bus.publish_step([], [("r", APPEND_AT_END, tokens(OUTPUT_END))])
+    assert await bus.delivered_tokens("r") == ([7], True)
 
 
 async def test_nothing_to_publish_sends_nothing(bus: Bus) -> None:
@@ -93,7 +116,7 @@ async def test_admission_takes_one_slot_once_and_refuses_past_the_limit(bus: Bus
 async def test_release_frees_the_slot_exactly_once(bus: Bus) -> None:
     await bus.admit("a", submit("a"), max_queue_len=8)
     await bus.client.sadd(bus.keys.assignments("w"), "a", "other")
-    await bus.publish_step([], [("a", tokens(1))])
+    await bus.publish_step([], [("a", 0, tokens(1))])
     await bus.release("a", "w")
     await bus.release("a", "w")
     assert int(await bus.client.get(bus.keys.queue_depth)) == 0
