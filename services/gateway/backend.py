@@ -5,8 +5,11 @@ this gateway's id, and workers send the outputs of every request of this gateway
 the gateway's own (`out:{gateway_id}`): each entry is an `OutputBatch`, a step's new tokens for
 all of this gateway's requests that the step touched. ONE reader task follows that stream with a
 blocking XREAD, decodes each batch once, and hands every row to its request's queue, in order.
-The reader remembers the last entry id, so after a Redis reconnect it resumes where it was and
-nothing is lost or repeated: it alone trims the stream, and only of entries it has read.
+The reader remembers the last entry id, so after a Redis reconnect it resumes where it was: it
+alone trims the stream, and only of entries it has read. Each request checks the continuity of its
+rows (`continuity.py`): repeats are dropped, and a gap is waited on (a bounded time) for a replay,
+never finished over. Health is probed in the background, so `/health` answers at once, even while
+Redis does not.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled, stop_tasks
+from services.gateway.continuity import DEFAULT_REPLAY_TIMEOUT_S, Continuity
+from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled, retry_transient, stop_tasks
 from shared.protocol import (
     PAYLOAD_FIELD,
     Cancel,
@@ -47,6 +51,12 @@ READ_COUNT = 256
 RECONNECT_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 TRIM_EVERY_S = 1.0
 """How often the reader drops the entries it has read from its stream."""
+SUBMIT_RETRY_S = 5.0
+"""How long a submit is retried through a Redis outage before the client gets a 503."""
+HEALTH_EVERY_S = 1.0
+"""How often the background health probe asks Redis."""
+HEALTH_PROBE_TIMEOUT_S = 2.0
+"""A probe that takes longer than this counts as Redis not answering."""
 
 
 class MeshBackend(Protocol):
@@ -67,7 +77,8 @@ class MeshBackend(Protocol):
         ...
 
     async def health(self) -> tuple[bool, str]:
-        """(ok, reason): ok when the bus answers and at least one worker is alive."""
+        """(ok, reason): ok when the bus answers and at least one worker is alive; answers at once
+        (from the last probe), whatever state the bus is in."""
         ...
 
 
@@ -92,16 +103,22 @@ class RedisBackend:
         settings: RedisSettings,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         read_block_ms: int = READ_BLOCK_MS,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        submit_retry_s: float = SUBMIT_RETRY_S,
     ):
         self.settings = settings
         self.keys = settings.keys
         self.request_timeout_s = request_timeout_s
+        self.replay_timeout_s = replay_timeout_s
+        self.submit_retry_s = submit_retry_s
         self.read_block_ms = read_block_ms
         self.gateway_id = uuid.uuid4().hex[:12]
         self.stream = self.keys.outputs(self.gateway_id)
         self._client: aioredis.Redis | None = None
         self._bus: Bus | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._health_probe: asyncio.Task[None] | None = None
+        self._health: tuple[bool, str] = (False, "not checked yet")
         self._follows: dict[str, _Follow] = {}
         """Open requests by id."""
         self._last_id = "0-0"
@@ -112,12 +129,13 @@ class RedisBackend:
         self._client = await connect(self.settings)
         self._bus = Bus(self._client, self.keys)
         self._reader = asyncio.create_task(self._read_outputs(), name="gateway-output-reader")
+        self._health = await self.check_health()
+        self._health_probe = asyncio.create_task(self._probe_health(), name="gateway-health-probe")
         logger.info("gateway %s follows outputs on %s", self.gateway_id, self.settings.describe())
 
     async def close(self) -> None:
-        if self._reader is not None:
-            await stop_tasks([self._reader])
-            self._reader = None
+        await stop_tasks([task for task in (self._reader, self._health_probe) if task is not None])
+        self._reader = self._health_probe = None
         if self._client is not None:
             with contextlib.suppress(RedisError):
                 await self._client.delete(self.stream)
@@ -139,10 +157,14 @@ class RedisBackend:
     async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         request_id = request.request_id
         follow = self._follow(request_id)
+        continuity = Continuity(request_id, self.replay_timeout_s)
         try:
             try:
                 submit = Submit(request=request.model_copy(update={"gateway_id": self.gateway_id}))
-                await self.bus.publish(self.keys.requests, submit)
+                # a repeat is harmless: the scheduler admits a request id once
+                await retry_transient(
+                    lambda: self.bus.publish(self.keys.requests, submit), "submitting", self.submit_retry_s
+                )
             except RedisError as exc:
                 yield error_event(
                     request_id, 503, "service_unavailable", f"cannot reach the request bus (Redis): {exc}"
@@ -150,15 +172,20 @@ class RedisBackend:
                 return
             while True:
                 try:
-                    event = await asyncio.wait_for(follow.queue.get(), self.request_timeout_s)
+                    event = await asyncio.wait_for(
+                        follow.queue.get(), continuity.wait_s(self.request_timeout_s)
+                    )
                 except asyncio.TimeoutError:
                     message = f"no answer from the mesh for {self.request_timeout_s:g} s"
-                    await self.cancel(request_id, reason=f"gateway timeout: {message}")
-                    yield error_event(request_id, 504, "timeout", message)
+                    ending = continuity.timeout_error() or error_event(request_id, 504, "timeout", message)
+                    assert ending.error is not None
+                    await self.cancel(request_id, reason=f"gateway timeout: {ending.error.message}")
+                    yield ending
                     return
-                yield event
-                if event.finished or event.error is not None:
-                    return
+                for ready in continuity.accept(event):
+                    yield ready
+                    if ready.finished or ready.error is not None:
+                        return
         finally:
             self._follows.pop(request_id, None)
 
@@ -173,17 +200,39 @@ class RedisBackend:
             return False, "not started"
         if self._reader is None or self._reader.done():
             return False, "the output reader has stopped"
+        return self._health
+
+    async def check_health(self) -> tuple[bool, str]:
+        """Asks Redis now whether a worker is alive (a slow answer, past
+        `HEALTH_PROBE_TIMEOUT_S`, counts as none)."""
+        if self._client is None:
+            return False, "not started"
         try:
-            raw_ids: Any = await self._client.smembers(self.keys.instances)
-            instance_ids = sorted(i.decode() if isinstance(i, bytes) else str(i) for i in raw_ids)
-            if not instance_ids:
-                return False, f"no worker has registered on topic {self.settings.topic!r}"
-            num_live = int(await self._client.exists(*(self.keys.heartbeat(i) for i in instance_ids)))
-        except RedisError as exc:
-            return False, f"Redis at {self.settings.describe()} does not answer: {exc}"
+            num_registered, num_live = await asyncio.wait_for(
+                self._count_workers(self._client), HEALTH_PROBE_TIMEOUT_S
+            )
+        except (RedisError, asyncio.TimeoutError) as exc:
+            reraise_if_cancelled(exc)
+            reason = str(exc) or f"no answer in {HEALTH_PROBE_TIMEOUT_S:g} s"
+            return False, f"Redis at {self.settings.describe()} does not answer: {reason}"
+        if num_registered == 0:
+            return False, f"no worker has registered on topic {self.settings.topic!r}"
         if num_live == 0:
-            return False, f"no live worker: the heartbeats of all {len(instance_ids)} registered ones expired"
+            return False, f"no live worker: the heartbeats of all {num_registered} registered ones expired"
         return True, f"{num_live} live worker(s)"
+
+    async def _count_workers(self, client: aioredis.Redis) -> tuple[int, int]:
+        """(registered, live) worker instances."""
+        raw_ids: Any = await client.smembers(self.keys.instances)
+        if not raw_ids:
+            return 0, 0
+        return len(raw_ids), int(await client.exists(*(self.keys.heartbeat(_text(i)) for i in raw_ids)))
+
+    async def _probe_health(self) -> None:
+        """Keeps `health()`'s answer fresh (every `HEALTH_EVERY_S`), until cancelled."""
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            self._health = await self.check_health()
 
     def _follow(self, request_id: str) -> _Follow:
         if request_id in self._follows:

@@ -78,6 +78,7 @@ async def test_process_serves_and_drains_a_stream_on_sigterm(
             assert (await session.get(f"{url}/health")).status == 503  # no worker yet
             await bus.client.sadd(bus.keys.instances, "w1")
             await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
+            await _wait_until_serving(session, f"{url}/health", process)  # probed in the background
             stream = asyncio.create_task(
                 session.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 2})
             )
@@ -88,7 +89,12 @@ async def test_process_serves_and_drains_a_stream_on_sigterm(
             assert gateway is not None
             for i, text in enumerate(["Hé", "llo"]):
                 event = TokenEvent(
-                    request_id=request, token_ids=[i], text=text, finished=i == 1, finish_reason="length"
+                    request_id=request,
+                    token_ids=[i],
+                    text=text,
+                    finished=i == 1,
+                    finish_reason="length",
+                    num_output_tokens=i + 1,
                 )
                 await bus.publish_step([(gateway, encode(OutputBatch.of([event])))])
             response = await asyncio.wait_for(stream, 10)
@@ -139,13 +145,13 @@ async def test_workers_share_the_port_and_stop_together(
     command = [sys.executable, "-m", "services.gateway.main", "--model", str(make_checkpoint("llama"))]
     command += ["--port", str(port), "--workers", "2"]
     command += ["--scheduler-port", str(redis_port), "--scheduler-topic", bus.keys.topic]
+    await bus.client.sadd(bus.keys.instances, "w1")  # before the gateways' first health probe
+    await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
     process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     answering = asyncio.create_task(_answer_every_submit(bus))
     try:
         workers = [child_pid(process.pid, f"gateway-{i}") for i in range(2)]
-        await bus.client.sadd(bus.keys.instances, "w1")
-        await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=30)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
             await _wait_until_serving(session, f"{url}/v1/models", process)
             body = {"prompt": "hi", "max_tokens": 1}
@@ -182,6 +188,7 @@ async def _answer_every_submit(bus: Bus) -> None:
                     text="ok",
                     finished=True,
                     finish_reason="length",
+                    num_output_tokens=1,
                 )
                 await bus.publish_step([(request.gateway_id, encode(OutputBatch.of([event])))])
 

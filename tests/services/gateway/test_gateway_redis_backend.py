@@ -5,6 +5,7 @@ over Redis."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -13,11 +14,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from gateway_fake_backend import sse_data
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from services.gateway.app import GatewaySettings, create_app
-from services.gateway.backend import RedisBackend
+from services.gateway.backend import HEALTH_EVERY_S, HEALTH_PROBE_TIMEOUT_S, RedisBackend
 from services.gateway.prepare import ServedModel
 from shared.bus import Bus, RedisSettings
 from shared.protocol import Cancel, GenerateRequest, OutputBatch, Submit, TokenEvent, encode
@@ -206,29 +205,54 @@ async def test_cancel_publishes_on_the_requests_stream(backend: RedisBackend, bu
 
 
 async def test_health_needs_a_live_worker_heartbeat(backend: RedisBackend, bus: Bus) -> None:
-    ok, reason = await backend.health()
+    ok, reason = await backend.check_health()
     assert not ok and "no worker has registered" in reason
     await bus.client.sadd(bus.keys.instances, "w1")
-    ok, reason = await backend.health()
+    ok, reason = await backend.check_health()
     assert not ok and "expired" in reason
     await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=10)
-    assert await backend.health() == (True, "1 live worker(s)")
+    assert await backend.check_health() == (True, "1 live worker(s)")
+    await asyncio.sleep(HEALTH_EVERY_S + 0.5)
+    assert await backend.health() == (True, "1 live worker(s)")  # the background probe's answer
 
 
 async def test_redis_gone_is_unhealthy_and_503(redis_server: Callable[[], Any]) -> None:
+    """Health says so within a probe's interval, and a submit is retried (briefly here), then 503."""
     server, settings = redis_server()
-    backend = RedisBackend(settings)
+    backend = RedisBackend(settings, submit_retry_s=0.5)
     await backend.start()
-    backend.client.set_retry(Retry(NoBackoff(), 1))  # fail in ms, not after redis-py's ~3 s of retries
     server.terminate()
     server.wait(timeout=10)
     try:
+        await asyncio.sleep(HEALTH_EVERY_S + 0.5)
         ok, reason = await backend.health()
         assert not ok and "does not answer" in reason
+        started = time.monotonic()
         [event] = await collect(backend.submit(generate_request("x")))
+        assert 0.3 < time.monotonic() - started < 3
         assert event.error is not None and event.error.code == 503
         assert "cannot reach the request bus" in event.error.message
     finally:
+        await backend.close()
+
+
+async def test_health_answers_at_once_while_redis_hangs(redis_server: Callable[[], Any]) -> None:
+    """A stopped (not dead) Redis never answers: /health must not wait for it."""
+    server, settings = redis_server()
+    backend = RedisBackend(settings)
+    await backend.start()
+    server.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for _ in range(int((HEALTH_EVERY_S + HEALTH_PROBE_TIMEOUT_S) / 0.1) + 10):
+            ok, reason = await backend.health()
+            assert time.monotonic() - started < HEALTH_EVERY_S + HEALTH_PROBE_TIMEOUT_S + 2
+            if "does not answer" in reason:
+                break
+            await asyncio.sleep(0.1)
+        assert not ok and "does not answer" in reason
+    finally:
+        server.send_signal(signal.SIGCONT)
         await backend.close()
 
 
