@@ -104,12 +104,14 @@ class ReserveReply(Message):
 
 
 class Finished(Message):
-    """Worker -> scheduler: a request left this instance (finished, failed, cancelled, handed off)."""
+    """Worker -> scheduler: a request left this instance (finished, failed, cancelled, handed off,
+    or returned: the instance lost the bus for longer than its heartbeat TTL and stopped it; the
+    scheduler places it again, this instance included, resuming from its delivered record)."""
 
     kind: Literal["finished"] = "finished"
     request_id: str
     instance_id: str
-    outcome: Literal["done", "handed_off", "failed", "cancelled"]
+    outcome: Literal["done", "handed_off", "failed", "cancelled", "returned"]
     error: str | None = None
 
 

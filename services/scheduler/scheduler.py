@@ -21,7 +21,16 @@ from redis.exceptions import RedisError
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
-from shared.bus import Bus, Delivery, as_bytes, as_text, reraise_if_cancelled, stop_tasks
+from shared.bus import (
+    TRANSIENT_ERRORS,
+    Bus,
+    Delivery,
+    as_bytes,
+    as_text,
+    reraise_if_cancelled,
+    retry_transient,
+    stop_tasks,
+)
 from shared.keys import SCHEDULER_GROUP
 from shared.protocol import (
     Cancel,
@@ -43,6 +52,8 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 """Placements of one request (first try plus re-dispatches) before it fails."""
 REGISTRY_REFRESH_S = 0.25
+DISPATCH_RETRY_S = 10.0
+"""How long a dispatch is retried through a Redis outage before the request fails (503)."""
 
 
 @dataclass
@@ -66,6 +77,8 @@ class SplitwiseScheduler:
         self.registry = Registry()
         self.reservations: dict[str, asyncio.Future[ReserveReply]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.placing: set[str] = set()
+        """Requests this replica is placing now (a redelivered Submit leaves them alone)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         for stream in (self.keys.requests, self.keys.scheduler_replies):
@@ -105,7 +118,9 @@ class SplitwiseScheduler:
         task.add_done_callback(self.tasks.discard)
 
     async def _handle(self, delivery: Delivery) -> None:
-        """Handles one message and acknowledges it afterwards (so a crash leaves it pending)."""
+        """Handles one message and acknowledges it afterwards (so a crash leaves it pending). One
+        that failed for a Redis outage is left pending too: it comes back once it has been idle
+        `claim_idle_ms`, and every handler is idempotent."""
         message = delivery.message
         try:
             if isinstance(message, Submit):
@@ -121,6 +136,10 @@ class SplitwiseScheduler:
                     None,
                     f"the scheduler does not handle {message.kind!r}",
                 )
+        except TRANSIENT_ERRORS as exc:
+            reraise_if_cancelled(exc)
+            logger.warning("handling %s failed; left pending", message.kind, extra={"error": str(exc)})
+            return
         except Exception as exc:
             logger.exception("handling %s failed", message.kind)
             await self.bus.dead_letter(
@@ -154,8 +173,8 @@ class SplitwiseScheduler:
         admission = await self.bus.admit(
             request.request_id, Submit(request=request), self.options.max_queue_len
         )
-        if admission == "duplicate":
-            return  # a redelivered Submit: already admitted
+        if admission == "duplicate" and (request.request_id in self.placing or await self._placed(request)):
+            return  # a redelivered Submit: already placed, or being placed here
         if admission == "queue_full":
             self.metrics.rejected.inc()
             await self._fail(
@@ -164,7 +183,18 @@ class SplitwiseScheduler:
             return
         await self._place(request)
 
+    async def _placed(self, request: GenerateRequest) -> bool:
+        """Whether a dispatch of the request went out (its placement is recorded with it)."""
+        return bool(await self.bus.client.hexists(self.keys.request_state(request.request_id), "instances"))
+
     async def _place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> None:
+        self.placing.add(request.request_id)
+        try:
+            await self._place_once(request, exclude)
+        finally:
+            self.placing.discard(request.request_id)
+
+    async def _place_once(self, request: GenerateRequest, exclude: frozenset[str]) -> None:
         started = time.perf_counter()
         deadline = time.monotonic() + self.options.dispatch_timeout_s
         while not await self._try_place(request, exclude):
@@ -186,9 +216,7 @@ class SplitwiseScheduler:
 
     async def _dispatch_mixed(self, request: GenerateRequest, instance_id: str) -> None:
         dispatch = Dispatch(role="mixed", request=request)
-        await self.bus.assign_and_publish(
-            request.request_id, [instance_id], self.keys.inbox(instance_id), dispatch
-        )
+        await self._assign_and_publish(request, [instance_id], dispatch)
         self.registry.note_dispatch(instance_id)
         self.metrics.dispatched.labels(role="mixed").inc()
 
@@ -211,16 +239,24 @@ class SplitwiseScheduler:
             decode_instance=decode_info.instance_id,
             decode_kv_address=reply.kv_address,
         )
-        await self.bus.assign_and_publish(
-            request.request_id,
-            [decode_info.instance_id, prefill_info.instance_id],
-            self.keys.inbox(prefill_info.instance_id),
-            dispatch,
-        )
+        await self._assign_and_publish(request, [decode_info.instance_id, prefill_info.instance_id], dispatch)
         self.registry.note_dispatch(prefill_info.instance_id)
         self.registry.note_dispatch(decode_info.instance_id)
         self.metrics.dispatched.labels(role="split").inc()
         return True
+
+    async def _assign_and_publish(
+        self, request: GenerateRequest, instance_ids: list[str], dispatch: Dispatch
+    ) -> None:
+        """Records the placement and sends the dispatch to the last of `instance_ids`, through a
+        Redis outage of up to `DISPATCH_RETRY_S` (a repeat is harmless: a worker ignores a request
+        it already runs); past that the error propagates and the Submit stays pending."""
+        inbox = self.keys.inbox(instance_ids[-1])
+        await retry_transient(
+            lambda: self.bus.assign_and_publish(request.request_id, instance_ids, inbox, dispatch),
+            f"dispatching {request.request_id}",
+            DISPATCH_RETRY_S,
+        )
 
     async def _reserve(self, request: GenerateRequest, decode_id: str) -> ReserveReply | None:
         waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
@@ -254,10 +290,15 @@ class SplitwiseScheduler:
     # ---- completion, cancellation, failure ----------------------------------------------------------------
 
     async def _finished(self, message: Finished) -> None:
-        if message.outcome in ("handed_off", "failed"):
+        if message.outcome in ("handed_off", "failed", "returned"):
             await self.bus.client.srem(self.keys.assignments(message.instance_id), message.request_id)
-        if message.outcome == "failed":
-            await self._retry(message.request_id, {message.instance_id}, message.error or "failed")
+        if message.outcome in ("failed", "returned"):
+            await self._retry(
+                message.request_id,
+                {message.instance_id},
+                message.error or message.outcome,
+                place_anywhere=message.outcome == "returned",
+            )
         elif message.outcome != "handed_off":
             await self.bus.release(message.request_id, message.instance_id)
 
@@ -267,9 +308,13 @@ class SplitwiseScheduler:
             await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id))
         await self.bus.release(request_id)
 
-    async def _retry(self, request_id: str, exclude: set[str], reason: str) -> None:
-        """Places a request again (after its instance failed or died), resuming after the tokens its
-        gateway already has; gives up after MAX_ATTEMPTS."""
+    async def _retry(
+        self, request_id: str, exclude: set[str], reason: str, place_anywhere: bool = False
+    ) -> None:
+        """Places a request again (after its instance failed, died or gave it back), resuming after
+        the tokens its gateway already has; gives up after MAX_ATTEMPTS. Instances in `exclude`
+        are not told to cancel it, and are not chosen unless `place_anywhere` (an instance that
+        lost the bus, or missed heartbeats, is fine once it is back)."""
         state = self.keys.request_state(request_id)
         raw = await self.bus.client.hget(state, "request")
         if raw is None:
@@ -296,7 +341,7 @@ class SplitwiseScheduler:
         logger.warning(
             "re-dispatching", extra={"request_id": request_id, "reason": reason, "resumed": len(delivered)}
         )
-        await self._place(request, exclude=frozenset(exclude))
+        await self._place(request, exclude=frozenset() if place_anywhere else frozenset(exclude))
 
     async def _instances_of(self, request_id: str) -> list[str]:
         raw = await self.bus.client.hget(self.keys.request_state(request_id), "instances")
@@ -343,7 +388,9 @@ class SplitwiseScheduler:
         await self.bus.client.srem(self.keys.instances, instance_id)
         await self.bus.client.delete(self.keys.assignments(instance_id))
         for request_id in request_ids:
-            self._spawn(self._retry(request_id, {instance_id}, f"instance {instance_id} stopped responding"))
+            reason = f"instance {instance_id} stopped responding"
+            # anywhere: an instance that only lost the bus comes back, and ignores a request it still runs
+            self._spawn(self._retry(request_id, {instance_id}, reason, place_anywhere=True))
 
     async def health(self) -> tuple[bool, str]:
         try:

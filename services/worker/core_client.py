@@ -146,7 +146,11 @@ class EngineCoreClient:
 
     async def next_batches(self) -> list[StepBatch]:
         """Every batch queued so far, oldest first (waits for one)."""
-        batches = [await self.batches.get()]
+        return [await self.batches.get(), *self.queued_batches()]
+
+    def queued_batches(self) -> list[StepBatch]:
+        """Every batch queued so far, oldest first (none: an empty list)."""
+        batches = []
         while not self.batches.empty():
             batches.append(self.batches.get_nowait())
         return batches

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Coroutine
@@ -37,7 +38,16 @@ from services.kv_transport.base import dtype_name
 from services.worker.core_client import EngineCoreClient
 from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
-from shared.bus import OUTPUT_END, Bus, Delivery, reraise_if_cancelled, stop_tasks
+from shared.bus import (
+    APPEND_AT_END,
+    OUTPUT_END,
+    TRANSIENT_ERRORS,
+    Bus,
+    Delivery,
+    reraise_if_cancelled,
+    retry_transient,
+    stop_tasks,
+)
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
     TOKEN_DTYPE,
@@ -58,7 +68,7 @@ from shared.protocol import (
 logger = logging.getLogger(__name__)
 
 Role = Literal["mixed", "prefill", "decode"]
-Outcome = Literal["done", "handed_off", "failed", "cancelled"]
+Outcome = Literal["done", "handed_off", "failed", "cancelled", "returned"]
 HEARTBEATS_PER_TTL = 3
 END_BYTES = np.asarray([OUTPUT_END], TOKEN_DTYPE).tobytes()
 
@@ -265,50 +275,95 @@ class Worker:
     # ---- emit ------------------------------------------------------------------------------------------------
 
     async def _emit_loop(self) -> None:
-        """Publishes the core's step batches in order; batches that queued up while a publish was
-        in flight go out together, in one script call."""
+        """Publishes the core's step batches in order. A publish that fails for a transient Redis
+        error is retried (with backoff) together with the batches that queued behind it, so they
+        go out in one script call, in order; nothing is dropped. If Redis stays unreachable past
+        the heartbeat TTL, the scheduler takes this instance for dead, so it acts dead: it stops
+        its requests and gives them back for re-dispatch (`_abandon`)."""
         while True:
-            batches = await self.core.next_batches()
-            for batch in batches:
-                self.metrics.observe_step(batch.step_s, batch.load)
-            batch = concat(batches)
+            backlog = await self.core.next_batches()
+            self._observe(backlog)
             try:
-                await self._publish(batch)
-            except RedisError as exc:
+                publish = functools.partial(self._publish_backlog, backlog)
+                batch = await retry_transient(publish, "publishing step outputs", self.options.ttl_s)
+            except TRANSIENT_ERRORS as exc:
                 reraise_if_cancelled(exc)
-                logger.error("publishing step outputs failed", extra={"error": str(exc)})
-            except Exception:  # a bug in one batch must not stop every later one
+                await self._abandon(f"the bus was unreachable for {self.options.ttl_s:g} s ({exc})")
+                continue
+            except Exception as exc:  # a bug in one batch must not stop every later one
+                reraise_if_cancelled(exc)
                 logger.exception("publishing step outputs failed")
+                batch = concat(backlog)
             self._retire(batch)
+
+    async def _publish_backlog(self, backlog: list[StepBatch]) -> StepBatch:
+        """Publishes `backlog` and the batches queued since, as one; returns what went out."""
+        queued = self.core.queued_batches()
+        self._observe(queued)
+        backlog.extend(queued)
+        batch = concat(backlog)
+        await self._publish(batch)
+        return batch
+
+    def _observe(self, batches: list[StepBatch]) -> None:
+        for batch in batches:
+            self.metrics.observe_step(batch.step_s, batch.load)
+
+    async def _abandon(self, reason: str) -> None:
+        """Stops every request here without a word to its client (its unpublished rows are dropped,
+        its delivered record is where a re-dispatch resumes) and reports it `returned` once the
+        bus answers again. The scheduler may already have re-dispatched it for a missed heartbeat:
+        either way it resumes once, from its delivered record."""
+        request_ids = list(self.requests)
+        logger.error("giving back %d request(s): %s", len(request_ids), reason)
+        for request_id in request_ids:  # first, so rows already stepped for them are not published
+            self.requests.pop(request_id)
+            self.handoff_targets.pop(request_id, None)
+            if self.transport is not None:
+                self.transport.cancel(request_id)
+        for request_id in request_ids:
+            await self.core.abort(request_id, emit=False)
+        reports: list[tuple[str, Message]] = [
+            (self.keys.scheduler_replies, self._finished(request_id, "returned", reason=reason))
+            for request_id in request_ids
+        ]
+        self._spawn(
+            retry_transient(lambda: self.bus.publish_step([], [], reports), "returning requests", None)
+        )
 
     async def _publish(self, batch: StepBatch) -> None:
         """One OutputBatch per gateway, the rows' tokens appended to their requests' delivered
-        records, and a Finished report per ended request: one command."""
+        records, and a Finished report per ended request: one command (safe to repeat). Rows of
+        requests no longer here (given back) are left out."""
         rows_of: dict[str, list[int]] = {}
         for row, request_id in enumerate(batch.request_ids):
             request = self.requests.get(request_id)
-            if request is None or request.gateway_id is None:
-                logger.error("a row of %s, which has no gateway here: dropped", request_id)
+            if request is None:
+                continue
+            if request.gateway_id is None:
+                logger.error("a row of %s, which has no gateway: dropped", request_id)
                 continue
             rows_of.setdefault(request.gateway_id, []).append(row)
-        whole = len(rows_of) == 1 and sum(map(len, rows_of.values())) == batch.num_rows
+        kept = {row for rows in rows_of.values() for row in rows}
+        whole = len(rows_of) == 1 and len(kept) == batch.num_rows
         outputs = [
             (gateway, encode(batch.output_batch(None if whole else np.asarray(rows))))
             for gateway, rows in rows_of.items()
         ]
-        ended = {end.row: end for end in batch.ends if not end.handoff}
+        ended = {end.row: end for end in batch.ends if not end.handoff and end.row in kept}
         cu = batch.cu_num_tokens.tolist()
         delivered = [
             (
-                request_id,
+                batch.request_ids[row],
+                int(batch.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
                 batch.token_ids[cu[row] : cu[row + 1]].tobytes() + (END_BYTES if row in ended else b""),
             )
-            for row, request_id in enumerate(batch.request_ids)
+            for row in sorted(kept)
             if cu[row] < cu[row + 1] or row in ended
         ]
         reports: list[tuple[str, Message]] = [
-            (self.keys.scheduler_replies, self._finished(batch.request_ids[end.row], end.outcome, end.error))
-            for end in ended.values()
+            (self.keys.scheduler_replies, self._finished(batch.request_ids[row], end.outcome, end.error))
+            for row, end in ended.items()
         ]
         await self.bus.publish_step(outputs, delivered, reports)
 
@@ -351,19 +406,25 @@ class Worker:
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
         await self._report(handoff.request_id, "handed_off")
 
-    def _finished(self, request_id: str, outcome: str, error: ErrorInfo | None = None) -> Finished:
+    def _finished(
+        self, request_id: str, outcome: str, error: ErrorInfo | None = None, reason: str | None = None
+    ) -> Finished:
         return Finished(
             request_id=request_id,
             instance_id=self.options.instance_id,
             outcome=outcome,  # type: ignore[arg-type]
-            error=error.message if error else None,
+            error=error.message if error else reason,
         )
 
     async def _report(self, request_id: str, outcome: Outcome, error: str | None = None) -> None:
+        """Tells the scheduler, however long the bus is down: a lost `failed` would leave the
+        request's client waiting for ever."""
         message = Finished(
             request_id=request_id, instance_id=self.options.instance_id, outcome=outcome, error=error
         )
-        await self.bus.publish(self.keys.scheduler_replies, message)
+        await retry_transient(
+            lambda: self.bus.publish(self.keys.scheduler_replies, message), f"reporting {outcome}", None
+        )
 
     async def _refuse(self, request: GenerateRequest, code: int, message: str) -> None:
         """Ends a request this worker will not run: an error to its client, `failed` to the scheduler."""
@@ -373,7 +434,7 @@ class Worker:
         event = TokenEvent(request_id=request.request_id, finished=True, finish_reason="error", error=error)
         outputs = [(request.gateway_id, encode(OutputBatch.of([event])))] if request.gateway_id else []
         report = (self.keys.scheduler_replies, self._finished(request.request_id, "failed", error))
-        await self.bus.publish_step(outputs, [(request.request_id, END_BYTES)], [report])
+        await self.bus.publish_step(outputs, [(request.request_id, APPEND_AT_END, END_BYTES)], [report])
 
     # ---- heartbeat --------------------------------------------------------------------------------------------
 
