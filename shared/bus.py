@@ -19,6 +19,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -66,17 +68,18 @@ async def retry_transient(op: Callable[[], Awaitable[T]], what: str, deadline_s:
     (None: until cancelled); then the last error is raised. `op` must be safe to repeat: an error
     may come after Redis applied the command, before its answer arrived. A cancellation that
     surfaced as a Redis error is raised as a cancellation."""
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    deadline = float("inf") if deadline_s is None else time.monotonic() + deadline_s
     delay_s = FIRST_BACKOFF_S
     while True:
         try:
             return await op()
         except TRANSIENT_ERRORS as exc:
             reraise_if_cancelled(exc)
-            if deadline is not None and time.monotonic() + delay_s > deadline:
+            wait_s = min(delay_s, deadline - time.monotonic())  # the last try is at the deadline
+            if wait_s <= 0:
                 raise
-            logger.warning("%s failed (%s); retrying in %.2f s", what, exc, delay_s)
-            await asyncio.sleep(delay_s)
+            logger.warning("%s failed (%s); retrying in %.2f s", what, exc, wait_s)
+            await asyncio.sleep(wait_s)
             delay_s = min(2 * delay_s, MAX_BACKOFF_S)
 
 
@@ -130,7 +133,10 @@ class RedisSettings:
 async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 0.2) -> aioredis.Redis:
     """A client that answered PING, retrying while Redis starts; a clear error if it never does.
     Commands beyond `MAX_CONNECTIONS` at once wait for a free connection (a burst of hundreds of
-    requests is queued, not refused)."""
+    requests is queued, not refused). A command that fails for a broken connection is sent once
+    more on a new one at once: after a Redis restart every pooled connection is broken, and each
+    would otherwise fail one command. Longer outages are for `retry_transient` and the callers'
+    own loops."""
     pool = aioredis.BlockingConnectionPool(
         host=settings.host,
         port=settings.port,
@@ -139,6 +145,7 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
         health_check_interval=30,
         max_connections=MAX_CONNECTIONS,
         timeout=CONNECTION_WAIT_S,
+        retry=Retry(NoBackoff(), 1),
     )
     client = aioredis.Redis.from_pool(pool)
     last_error: Exception | None = None

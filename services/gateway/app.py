@@ -275,7 +275,7 @@ async def _stream(
             if event.error is not None:
                 fanout.cancel_reason = f"another choice failed: {event.error.message}"
                 request[STATS].status = event.error.code
-                await sse.send_error(APIError.from_mesh(event.error))
+                await sse.fail(APIError.from_mesh(event.error))
                 break
             choices[index].add(event)
             chunk = renderer.chunk(choices[index], event)
@@ -284,7 +284,7 @@ async def _stream(
         else:
             if job.include_usage:
                 await sse.send(renderer.usage_chunk(choices))
-        await sse.done()
+            await sse.done()
     except ConnectionResetError:  # the client went away; leaving the FanOut cancels the rest
         request[STATS].status = CLIENT_CLOSED
     return sse.response

@@ -1,4 +1,5 @@
-"""Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last."""
+"""Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last
+(after a complete response only: a failed one ends with its error event)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ class EventStream:
         exclude = None if self.include_usage else {"usage"}
         await self.response.write(b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n")
 
-    async def send_error(self, error: APIError) -> None:
-        """A failure after the 200 went out: an error event (the OpenAI SDK raises on it)."""
+    async def fail(self, error: APIError) -> None:
+        """A failure after the 200 went out: an error event (the OpenAI SDK raises on it), and the
+        end of the stream without `[DONE]`, so even a client that skips error events cannot take
+        the text for whole."""
         await self.response.write(b"data: " + _json(error.body()) + b"\n\n")
+        await self.response.write_eof()
 
     async def done(self) -> None:
         await self.response.write(DONE)

@@ -57,10 +57,16 @@ class LocalMesh:
             "2",
         ]
 
-    def start_redis(self) -> None:
+    def start_redis(self, appendonly: bool = False) -> None:
+        """redis-server on `redis_port`; with `appendonly`, an append-only file (fsync every second)
+        in the work directory, so a restarted server has every write it acknowledged before a
+        SIGKILL (they were in the file, if not yet on the disk)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/test.sh installs it)")
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly else ["--appendonly", "no"]
+        )
         self._spawn(
             "redis",
             [
@@ -71,11 +77,21 @@ class LocalMesh:
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
-            ],
+                "--dir",
+                str(self.workdir),
+            ]
+            + persistence,
         )
-        self._wait(lambda: _tcp_open(self.redis_port), "redis")
+        self._wait(lambda: _redis_answers(self.redis_port), "redis")
+
+    def restart_redis(self, down_s: float) -> None:
+        """SIGKILLs redis-server, and starts it again on the same port `down_s` later (from its
+        append-only file, if it kept one)."""
+        argv = list(self.processes["redis"].popen.args)  # type: ignore[arg-type]
+        self.kill("redis")
+        time.sleep(down_s)
+        self._spawn("redis", argv)
+        self._wait(lambda: _redis_answers(self.redis_port), "redis")
 
     def start_role(self, name: str, role: str, *flags: str, wait_for_status: bool = True) -> Process:
         port_file = self.workdir / f"{name}.port"
@@ -182,10 +198,16 @@ def child_pid(pid: int, name: str, timeout_s: float = 30.0) -> int:
     raise AssertionError(f"no child {name!r} of {pid}: {child_processes(pid)}")
 
 
-def _tcp_open(port: int) -> bool:
+def _redis_answers(port: int) -> bool:
+    """PING answered (a server loading its append-only file answers LOADING)."""
     with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        sock.settimeout(0.5)
+        try:
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
 
 
 def _http_ok(url: str) -> bool:

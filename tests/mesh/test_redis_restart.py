@@ -1,0 +1,105 @@
+"""Redis SIGKILLed mid-stream and restarted on its port (from its append-only file): every stream
+through the gateway either completes with the offline engine's greedy text or ends with an
+explicit error. None ends normally with text missing or changed, and none hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+from tests.mesh.harness import LocalMesh
+
+WORKER_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--no-suffix-cache")
+PROMPTS = [f"def function_{i}(x, y):" for i in range(8)]
+MAX_TOKENS = 96
+STREAM_TIMEOUT_S = 45.0
+"""Longer than any recovery should take: a stream still open then has hung."""
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    done: bool = False
+    """`[DONE]` came: the gateway said the text is whole."""
+    error: str | None = None
+    """An error event, or an HTTP status other than 200."""
+
+
+@pytest.fixture(scope="module")
+def expected(mesh_model: str) -> dict[str, str]:
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+async def stream(session: aiohttp.ClientSession, url: str, prompt: str, outcome: Outcome) -> None:
+    body = {
+        "prompt": prompt,
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            outcome.error = f"HTTP {response.status}: {await response.text()}"
+            return
+        async for line in response.content:
+            data = line.decode().removeprefix("data: ").strip()
+            if not line.startswith(b"data: "):
+                continue
+            if data == "[DONE]":
+                outcome.done = True
+            elif "error" in (chunk := json.loads(data)):
+                outcome.error = chunk["error"]["message"]
+            elif chunk["choices"]:
+                outcome.text += chunk["choices"][0]["text"]
+
+
+async def run_streams(mesh: LocalMesh, port: int, down_s: float) -> tuple[list[Outcome], int]:
+    """The 8 streams, with Redis killed once each has some text; returns their outcomes and how
+    many were still open when Redis died."""
+    outcomes = [Outcome() for _ in PROMPTS]
+    timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        url = f"http://127.0.0.1:{port}"
+        tasks = [asyncio.create_task(stream(session, url, p, o)) for p, o in zip(PROMPTS, outcomes)]
+        deadline = time.monotonic() + STREAM_TIMEOUT_S
+        while not all(o.text or o.error for o in outcomes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        num_open = sum(not t.done() for t in tasks)
+        await asyncio.to_thread(mesh.restart_redis, down_s)
+        await asyncio.gather(*tasks)  # a hang raises aiohttp's timeout here
+    return outcomes, num_open
+
+
+@pytest.mark.parametrize("down_s", [1.0, 10.0])
+def test_a_redis_restart_never_ends_a_stream_normally_with_text_missing(
+    tmp_path_factory: pytest.TempPathFactory, mesh_model: str, expected: dict[str, str], down_s: float
+) -> None:
+    mesh = LocalMesh(tmp_path_factory.mktemp("redis-restart"))
+    mesh.start_redis(appendonly=True)
+    try:
+        mesh.start_role("scheduler", "scheduler")
+        mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
+        port = mesh.start_gateway(mesh_model, "--request-timeout-s", "30")
+        started = time.monotonic()
+        outcomes, num_open = asyncio.run(run_streams(mesh, port, down_s))
+        took_s = time.monotonic() - started
+    finally:
+        mesh.stop()
+    assert num_open > 0, "every stream ended before Redis died: the test tested nothing"
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.done != (outcome.error is not None), f"{prompt!r}: {outcome}"
+        if outcome.done:
+            assert outcome.text == expected[prompt], f"{prompt!r} ended normally with other text"
+    print(
+        f"down {down_s} s: {sum(o.done for o in outcomes)} whole, errors {[o.error for o in outcomes if o.error]}, {took_s:.1f} s"
+    )
