@@ -59,8 +59,8 @@ class LocalMesh:
 
     def start_redis(self, appendonly: bool = False) -> None:
         """redis-server on `redis_port`; with `appendonly`, an append-only file (fsync every second)
-        in the work directory, so a restarted server has every write it acknowledged before a
-        SIGKILL (they were in the file, if not yet on the disk)."""
+        in the work directory, so a restarted server has its streams and records back (all but
+        the last writes, possibly)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/test.sh installs it)")
