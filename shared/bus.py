@@ -253,6 +253,8 @@ class Bus:
         self.keys = keys
         self._scripts: dict[str, AsyncScript] = {}
         self._claimed_at: dict[tuple[str, str, str], float] = {}
+        self._reread: set[tuple[str, str, str]] = set()
+        """(stream, group, consumer) whose own pending messages are read again next (`reread_pending`)."""
 
     async def _run_script(self, source: str, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
         """EVALSHA, loading the script on first use (and again after Redis lost its script cache)."""
@@ -361,7 +363,11 @@ class Bus:
         entries are dead-lettered and acknowledged."""
         entries: list[Any] = []
         key = (stream, group, consumer)
-        if time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
+        if key in self._reread:
+            entries = await self._own_pending(stream, group, consumer, count)
+            if not entries:
+                self._reread.discard(key)
+        if not entries and time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
             entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
             self._claimed_at[key] = float("-inf") if len(entries) == count else time.monotonic()
         if not entries:
@@ -376,6 +382,21 @@ class Bus:
                 return []
             entries = response[0][1] if response else []
         return await self._decode_entries(stream, group, entries)
+
+    def reread_pending(self, stream: str, group: str, consumer: str) -> None:
+        """The consumer failed to handle messages it read (a Redis outage) and left them pending:
+        its next reads return them again, first, instead of after `claim_idle_ms`."""
+        self._reread.add((stream, group, consumer))
+
+    async def _own_pending(self, stream: str, group: str, consumer: str, count: int) -> list[Any]:
+        """Up to `count` messages delivered to `consumer` and not acknowledged yet."""
+        try:
+            response: Any = await self.client.xreadgroup(group, consumer, {stream: "0"}, count=count)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return []
+        return response[0][1] if response else []
 
     async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
         if entry_ids:

@@ -119,8 +119,8 @@ class SplitwiseScheduler:
 
     async def _handle(self, delivery: Delivery) -> None:
         """Handles one message and acknowledges it afterwards (so a crash leaves it pending). One
-        that failed for a Redis outage is left pending too: it comes back once it has been idle
-        `claim_idle_ms`, and every handler is idempotent."""
+        that failed for a Redis outage is left pending too and read again first once the bus
+        answers (every handler is idempotent)."""
         message = delivery.message
         try:
             if isinstance(message, Submit):
@@ -139,6 +139,7 @@ class SplitwiseScheduler:
         except TRANSIENT_ERRORS as exc:
             reraise_if_cancelled(exc)
             logger.warning("handling %s failed; left pending", message.kind, extra={"error": str(exc)})
+            self.bus.reread_pending(delivery.stream, SCHEDULER_GROUP, self.options.consumer)
             return
         except Exception as exc:
             logger.exception("handling %s failed", message.kind)

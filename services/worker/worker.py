@@ -176,6 +176,7 @@ class Worker:
             except RedisError as exc:
                 reraise_if_cancelled(exc)
                 logger.warning("bus read failed, retrying", extra={"error": str(exc)})
+                self.bus.reread_pending(self.inbox, WORKER_GROUP, self.options.instance_id)
                 await asyncio.sleep(0.5)
 
     async def _handle(self, delivery: Delivery) -> None:

@@ -32,3 +32,19 @@ async def test_a_deleted_stream_gets_its_group_back(bus: Bus) -> None:
     await bus.publish(stream, Cancel(request_id="r"))
     [delivery] = await bus.read_group(stream, "g", "c", block_ms=10)
     assert delivery.message == Cancel(request_id="r")
+
+
+async def test_a_consumer_reads_what_it_failed_to_handle_again_first(bus: Bus) -> None:
+    """Messages a consumer read but could not handle (a Redis outage) come back on its next read
+    once it says so, not after `claim_idle_ms`; then reads go on with new messages."""
+    stream = bus.keys.inbox("w")
+    await bus.ensure_group(stream, "g")
+    await bus.publish(stream, Cancel(request_id="a"))
+    [failed] = await bus.read_group(stream, "g", "c", block_ms=10)
+    await bus.publish(stream, Cancel(request_id="b"))
+    bus.reread_pending(stream, "g", "c")
+    [again] = await bus.read_group(stream, "g", "c", block_ms=10, claim_idle_ms=60_000)
+    assert again.entry_id == failed.entry_id and again.message == Cancel(request_id="a")
+    await bus.ack(stream, "g", again.entry_id)
+    [new] = await bus.read_group(stream, "g", "c", block_ms=10, claim_idle_ms=60_000)
+    assert new.message == Cancel(request_id="b")
