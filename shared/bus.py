@@ -363,10 +363,9 @@ class Bus:
         entries are dead-lettered and acknowledged."""
         entries: list[Any] = []
         key = (stream, group, consumer)
-        if key in self._reread:
+        if key in self._reread:  # once: what fails again is flagged again by its handler
+            self._reread.discard(key)
             entries = await self._own_pending(stream, group, consumer, count)
-            if not entries:
-                self._reread.discard(key)
         if not entries and time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
             entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
             self._claimed_at[key] = float("-inf") if len(entries) == count else time.monotonic()
@@ -385,7 +384,8 @@ class Bus:
 
     def reread_pending(self, stream: str, group: str, consumer: str) -> None:
         """The consumer failed to handle messages it read (a Redis outage) and left them pending:
-        its next reads return them again, first, instead of after `claim_idle_ms`."""
+        its next read returns its pending messages again, first, instead of after `claim_idle_ms`
+        (those still being handled too: handlers are idempotent)."""
         self._reread.add((stream, group, consumer))
 
     async def _own_pending(self, stream: str, group: str, consumer: str, count: int) -> list[Any]:
