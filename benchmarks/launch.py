@@ -1,6 +1,6 @@
 """A local mesh for one benchmark cell, started and stopped the way `specmesh serve` does it.
 
-The processes and their flags come from `services/serve.py` (its `Mesh` supervisor, Redis lookup,
+The processes and their flags come from `services/serve.py` (its `Supervisor`, Redis lookup,
 free ports, engine flags and readiness wait); what differs is that the decoding worker's metrics
 port is chosen here, so the benchmark can read its per-position acceptance counters, and that the
 context manager hands the mesh back to the caller instead of serving until Ctrl-C.
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime import PASSWORD_ENV
-from services.serve import Mesh, _engine_flags, _wait_ready, find_redis_server, free_port
+from services.serve import _engine_flags, _wait_ready, find_redis_server, free_port
+from services.supervisor import Supervisor
 
 TOPIC = "bench"
 WORKER_STATS_TIMEOUT_S = 10.0
@@ -91,7 +92,7 @@ def launch_mesh(
     `torch_threads`: OMP_NUM_THREADS of the processes (the workers' torch threads)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specmesh-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mesh = Mesh(log_dir)
+    mesh = Supervisor(log_dir)
     redis_port, password = free_port(), secrets.token_hex(16)
     env = {**os.environ, PASSWORD_ENV: password}  # the children's password, off every command line
     if torch_threads:

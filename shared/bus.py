@@ -342,6 +342,11 @@ class Bus:
             pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
             await pipe.execute()
 
+    async def forget_instance(self, instance_id: str) -> None:
+        """Removes an instance's heartbeat: the scheduler takes it for dead on its next look (for a
+        supervisor that saw the process die, instead of waiting out the TTL)."""
+        await self.client.delete(self.keys.heartbeat(instance_id))
+
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         try:
             await self.client.xgroup_create(stream, group, id=start_id, mkstream=True)
