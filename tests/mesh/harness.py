@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+import aiohttp
+
 from services.serve import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +159,44 @@ class LocalMesh:
                 return
             time.sleep(0.1)
         raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{self.processes[name].tail()}")
+
+
+@dataclass
+class Outcome:
+    """What a client of a streamed completion saw."""
+
+    text: str = ""
+    done: bool = False
+    """`[DONE]` came: the gateway said the text is whole."""
+    error: str | None = None
+    """An error event, or an HTTP status other than 200."""
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, outcome: Outcome
+) -> None:
+    """A greedy streamed completion of `max_tokens` tokens (EOS ignored), recorded in `outcome`."""
+    body = {
+        "prompt": prompt,
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            outcome.error = f"HTTP {response.status}: {await response.text()}"
+            return
+        async for line in response.content:
+            data = line.decode().removeprefix("data: ").strip()
+            if not line.startswith(b"data: "):
+                continue
+            if data == "[DONE]":
+                outcome.done = True
+            elif "error" in (chunk := json.loads(data)):
+                outcome.error = chunk["error"]["message"]
+            elif chunk["choices"]:
+                outcome.text += chunk["choices"][0]["text"]
 
 
 def metric_value(text: str, name: str, default: float | None = None, **labels: str) -> float:

@@ -5,31 +5,20 @@ explicit error. None ends normally with text missing or changed, and none hangs.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import dataclass
 
 import aiohttp
 import pytest
 
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
-from tests.mesh.harness import LocalMesh
+from tests.mesh.harness import LocalMesh, Outcome, stream_completion
 
 WORKER_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--no-suffix-cache")
 PROMPTS = [f"def function_{i}(x, y):" for i in range(8)]
 MAX_TOKENS = 96
 STREAM_TIMEOUT_S = 45.0
 """Longer than any recovery should take: a stream still open then has hung."""
-
-
-@dataclass
-class Outcome:
-    text: str = ""
-    done: bool = False
-    """`[DONE]` came: the gateway said the text is whole."""
-    error: str | None = None
-    """An error event, or an HTTP status other than 200."""
 
 
 @pytest.fixture(scope="module")
@@ -39,30 +28,6 @@ def expected(mesh_model: str) -> dict[str, str]:
     return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
 
 
-async def stream(session: aiohttp.ClientSession, url: str, prompt: str, outcome: Outcome) -> None:
-    body = {
-        "prompt": prompt,
-        "stream": True,
-        "temperature": 0.0,
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-    }
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        if response.status != 200:
-            outcome.error = f"HTTP {response.status}: {await response.text()}"
-            return
-        async for line in response.content:
-            data = line.decode().removeprefix("data: ").strip()
-            if not line.startswith(b"data: "):
-                continue
-            if data == "[DONE]":
-                outcome.done = True
-            elif "error" in (chunk := json.loads(data)):
-                outcome.error = chunk["error"]["message"]
-            elif chunk["choices"]:
-                outcome.text += chunk["choices"][0]["text"]
-
-
 async def run_streams(mesh: LocalMesh, port: int, down_s: float) -> tuple[list[Outcome], int]:
     """The 8 streams, with Redis killed once each has some text; returns their outcomes and how
     many were still open when Redis died."""
@@ -70,7 +35,10 @@ async def run_streams(mesh: LocalMesh, port: int, down_s: float) -> tuple[list[O
     timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         url = f"http://127.0.0.1:{port}"
-        tasks = [asyncio.create_task(stream(session, url, p, o)) for p, o in zip(PROMPTS, outcomes)]
+        tasks = [
+            asyncio.create_task(stream_completion(session, url, p, MAX_TOKENS, o))
+            for p, o in zip(PROMPTS, outcomes)
+        ]
         deadline = time.monotonic() + STREAM_TIMEOUT_S
         while not all(o.text or o.error for o in outcomes) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

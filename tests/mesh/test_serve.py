@@ -1,0 +1,190 @@
+"""`specmesh serve` as a user runs it: a worker or Redis SIGKILLed under concurrent greedy streams
+is restarted and every stream still completes with the offline text (or, for Redis, ends with an
+explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is refused before
+anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from services.engine.llm import LLM
+from services.serve import free_port
+from shared.sampling_params import SamplingParams
+from tests.mesh.harness import REPO, Outcome, pid_alive, stream_completion
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+SERVE_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--speculative-config", '{"method": "ngram"}')
+PROMPTS = [f"def function_{i}(x, y):" for i in range(4)]
+MAX_TOKENS = 160
+READY_TIMEOUT_S = 90.0
+STREAM_TIMEOUT_S = 45.0
+"""Longer than any recovery should take: a stream still open then has hung."""
+
+
+@dataclass
+class Served:
+    popen: subprocess.Popen[bytes]
+    log_dir: Path
+    stdout: Path
+    url: str
+
+    def roles(self) -> dict[str, int]:
+        """serve's children by role (redis, scheduler, suffix-cache, mixed, gateway)."""
+        found = {}
+        for pid in _children(self.popen.pid):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            name = "redis" if b"redis-server" in argv[0] else argv[argv.index(b"services.cli") + 1].decode()
+            found[name] = pid
+        return found
+
+    def output(self) -> str:
+        return self.stdout.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def expected(mesh_model: str) -> dict[str, str]:
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    port, stdout = free_port(), tmp_path / "serve.out"
+    with open(stdout, "wb") as handle:
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--log-dir",
+                str(tmp_path / "logs"),
+            ]
+            + list(SERVE_FLAGS),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    mesh = Served(popen, tmp_path / "logs", stdout, f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "specmesh is serving" not in mesh.output():
+            assert popen.poll() is None and time.monotonic() < deadline, mesh.output()
+            time.sleep(0.1)
+        yield mesh
+    finally:
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
+            popen.wait(timeout=60)
+
+
+async def streams_through_a_kill(mesh: Served, role: str) -> tuple[list[Outcome], int]:
+    """The streams, with `role` SIGKILLed once each has some text; their outcomes, and how many
+    were still open at the kill."""
+    outcomes = [Outcome() for _ in PROMPTS]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)) as session:
+        tasks = [
+            asyncio.create_task(stream_completion(session, mesh.url, prompt, MAX_TOKENS, outcome))
+            for prompt, outcome in zip(PROMPTS, outcomes)
+        ]
+        deadline = time.monotonic() + STREAM_TIMEOUT_S
+        while not all(o.text or o.error for o in outcomes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        num_open = sum(not task.done() for task in tasks)
+        os.kill(mesh.roles()[role], signal.SIGKILL)
+        await asyncio.gather(*tasks)  # a hang raises aiohttp's timeout here
+    return outcomes, num_open
+
+
+def test_a_killed_worker_is_restarted_and_every_stream_completes_with_the_offline_text(
+    served: Served, expected: dict[str, str]
+) -> None:
+    outcomes, num_open = asyncio.run(streams_through_a_kill(served, "mixed"))
+    assert num_open > 0, "every stream ended before the worker died: the test tested nothing"
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.done and outcome.error is None, f"{prompt!r}: {outcome}"
+        assert outcome.text == expected[prompt], f"{prompt!r} ended with other text"
+    assert "mixed exited with code -9; restarting it" in served.output()
+    assert served.popen.poll() is None
+
+
+def test_a_killed_redis_is_restarted_and_no_stream_ends_short_or_hangs(
+    served: Served, expected: dict[str, str]
+) -> None:
+    outcomes, num_open = asyncio.run(streams_through_a_kill(served, "redis"))
+    assert num_open > 0, "every stream ended before Redis died: the test tested nothing"
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.done != (outcome.error is not None), f"{prompt!r}: {outcome}"
+        if outcome.done:
+            assert outcome.text == expected[prompt], f"{prompt!r} ended normally with other text"
+    assert "redis exited with code -9; restarting it" in served.output()
+    print(f"{sum(o.done for o in outcomes)} whole, errors {[o.error for o in outcomes if o.error]}")
+
+
+def test_a_sigkilled_serve_leaves_no_process(served: Served) -> None:
+    descendants = _descendants(served.popen.pid)
+    assert len(descendants) >= 6, descendants  # five roles and the worker's engine core
+    served.popen.kill()
+    served.popen.wait()
+    deadline = time.monotonic() + 10.0
+    while (alive := [pid for pid in descendants if pid_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in alive:  # the test's own leftovers go, whatever it finds
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"still running after serve was SIGKILLed: {alive}"
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ]
+        result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 1
+    assert (
+        f"port 127.0.0.1:{port} is already in use" in result.stderr and "nothing was started" in result.stderr
+    )
+    assert not (tmp_path / "logs").exists()
+
+
+def _children(pid: int) -> list[int]:
+    from benchmarks.launch import child_processes
+
+    return list(child_processes(pid).values())
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        children = _children(frontier.pop())
+        found += children
+        frontier += children
+    return found
