@@ -1,9 +1,11 @@
 """The gateway's HTTP application: routes, handlers and middlewares.
 
-A generation request goes: parse (pydantic, strict) → prepare (template, tokenize, check; one
-`GenerateRequest` per choice) → submit every choice to the mesh → collect the events into one
-response, or stream them as SSE chunks. Middlewares, outermost first: `observe` (stats, metrics,
-one log line per request), `openai_errors` (every failure as OpenAI's error body), `authenticate`.
+A generation request goes: read the body within its limits (`limits.read_body`) → parse (pydantic,
+strict) → prepare (template, tokenize, check; one `GenerateRequest` per choice) → submit every choice
+to the mesh → collect the events into one response, or stream them as SSE chunks. Parsing and
+preparing run on a thread pool, never on the event loop: a long prompt delays no other request.
+Middlewares, outermost first: `observe` (stats, metrics, one log line per request), `openai_errors`
+(every failure as OpenAI's error body), `authenticate`, `limit_concurrency` (per API key).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,6 +27,13 @@ from pydantic import BaseModel, ValidationError
 from services.gateway.backend import MeshBackend
 from services.gateway.errors import APIError
 from services.gateway.fanout import FanOut
+from services.gateway.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    KeyConcurrency,
+    body_too_large,
+    default_max_body_bytes,
+    read_body,
+)
 from services.gateway.metrics import GatewayMetrics, RequestStats, request_log
 from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.gateway.prepare import Job, ServedModel, chat_job, completion_job
@@ -33,9 +43,6 @@ from shared.protocol import TokenEvent
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 2**20
-OFFLOAD_BODY_BYTES = 32 * 2**10
-"""Bodies larger than this are tokenized on a worker thread, not on the event loop."""
 HEALTH_TTL_S = 1.0
 """How long a health answer is reused when admitting requests."""
 CLIENT_CLOSED = 499
@@ -50,6 +57,15 @@ class GatewaySettings:
     api_keys: frozenset[str] = frozenset()
     """Accepted `Authorization: Bearer` keys on /v1/*; empty: no auth."""
     health_ttl_s: float = HEALTH_TTL_S
+    max_body_bytes: int = 0
+    """Largest request body; 0: room for one prompt of the whole context (`default_max_body_bytes`)."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """A body not received this long after its headers gets 408 and its connection closed."""
+    max_concurrent_per_key: int = 0
+    """Generation requests one API key may have in flight (without keys: all clients together);
+    0: no limit."""
+    prepare_threads: int = 4
+    """Threads that parse, render and tokenize requests."""
 
 
 class HealthGate:
@@ -79,7 +95,10 @@ SETTINGS = web.AppKey("settings", GatewaySettings)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 HEALTH_GATE = web.AppKey("health_gate", HealthGate)
 TOKEN_TEXT = web.AppKey("token_text", TokenText)
+CONCURRENCY = web.AppKey("concurrency", KeyConcurrency)
+PREPARE_POOL = web.AppKey("prepare_pool", ThreadPoolExecutor)
 STATS = web.RequestKey("stats", RequestStats)
+API_KEY = web.RequestKey("api_key", str)
 
 
 def create_app(
@@ -89,14 +108,19 @@ def create_app(
     metrics: GatewayMetrics | None = None,
 ) -> web.Application:
     settings = settings or GatewaySettings()
-    app = web.Application(middlewares=[observe, openai_errors, authenticate], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[observe, openai_errors, authenticate, limit_concurrency],
+        client_max_size=settings.max_body_bytes or default_max_body_bytes(served.max_model_len),
+    )
     app[SERVED] = served
     app[BACKEND] = backend
     app[SETTINGS] = settings
     app[METRICS] = metrics or GatewayMetrics()
     app[HEALTH_GATE] = HealthGate(backend, settings.health_ttl_s)
     app[TOKEN_TEXT] = TokenText(served.tokenizer)
+    app[CONCURRENCY] = KeyConcurrency(settings.max_concurrent_per_key)
     app.cleanup_ctx.append(backend_ctx)
+    app.cleanup_ctx.append(prepare_pool_ctx)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
@@ -111,6 +135,12 @@ async def backend_ctx(app: web.Application) -> AsyncIterator[None]:
     await backend.start()
     yield
     await backend.close()
+
+
+async def prepare_pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[PREPARE_POOL] = ThreadPoolExecutor(app[SETTINGS].prepare_threads, thread_name_prefix="prepare")
+    yield
+    app[PREPARE_POOL].shutdown(wait=False, cancel_futures=True)
 
 
 # ---- middlewares -----------------------------------------------------------------------------------------
@@ -172,14 +202,26 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             )
         if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in keys):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        request[API_KEY] = key.strip()
     return await handler(request)
+
+
+@web.middleware
+async def limit_concurrency(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method != "POST" or not request.path.startswith("/v1/"):
+        return await handler(request)
+    with request.app[CONCURRENCY].hold(request.get(API_KEY, "")):
+        return await handler(request)
 
 
 def error_response(error: APIError, allow: str | None = None) -> web.Response:
     headers = dict(error.headers)
     if allow:
         headers["Allow"] = allow
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    response = web.json_response(error.body(), status=error.status, headers=headers)
+    if error.close_connection:
+        response.force_close()
+    return response
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIError:
@@ -193,7 +235,7 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIErr
             code="method_not_allowed",
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        return body_too_large(request.client_max_size, "read by aiohttp")
     return APIError(exc.status, exc.reason)
 
 
@@ -201,29 +243,32 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIErr
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    body = await _parse(request, CompletionRequest)
-    return await _generate(request, await _prepare(request, completion_job, body))
+    return await _generate(request, await _job(request, CompletionRequest, completion_job))
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    body = await _parse(request, ChatCompletionRequest)
-    return await _generate(request, await _prepare(request, chat_job, body))
+    return await _generate(request, await _job(request, ChatCompletionRequest, chat_job))
 
 
-async def _parse(request: web.Request, model: type[RequestT]) -> RequestT:
-    raw = await request.read()
+async def _job(
+    request: web.Request, model: type[RequestT], make_job: Callable[[RequestT, ServedModel], Job]
+) -> Job:
+    """Reads the body within its limits, then parses and prepares it on the prepare pool."""
+    app = request.app
+    raw = await read_body(request, request.client_max_size, app[SETTINGS].body_timeout_s)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(
+        app[PREPARE_POOL], _parse_and_prepare, raw, model, make_job, app[SERVED]
+    )
+
+
+def _parse_and_prepare(
+    raw: bytes, model: type[RequestT], make_job: Callable[[RequestT, ServedModel], Job], served: ServedModel
+) -> Job:
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise APIError.from_validation(exc) from None
-
-
-async def _prepare(
-    request: web.Request, make_job: Callable[[RequestT, ServedModel], Job], body: RequestT
-) -> Job:
-    served = request.app[SERVED]
-    if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
-        return await asyncio.to_thread(make_job, body, served)
     return make_job(body, served)
 
 

@@ -17,13 +17,20 @@ _TYPE_BY_STATUS = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
     504: "timeout",
 }
-_CODE_BY_STATUS = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+_CODE_BY_STATUS = {
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class APIError(Exception):
@@ -37,6 +44,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        close_connection: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -44,6 +52,8 @@ class APIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status) or _phrase(status)
         self.param = param
         self.code = code if code is not None else _CODE_BY_STATUS.get(status)
+        self.close_connection = close_connection
+        """Close the connection after the answer: the client's body was left unread."""
 
     @property
     def headers(self) -> dict[str, str]:

@@ -5,6 +5,9 @@
 SIGTERM / SIGINT: the listener closes, in-flight requests and streams get `--shutdown-timeout-s`
 to finish, then the bus connection closes and the process exits.
 
+API keys come from `SPECMESH_API_KEY` (several: separated by commas), `--api-key-file` (one per
+line) or `--api-key` (repeatable, but visible to every user in `ps`); a request may use any of them.
+
 `--workers N` forks N gateway processes that share the port (SO_REUSEPORT: the kernel spreads
 connections over them), each with its own output stream, so many streams are not one process's
 event loop; the first process only supervises them (signals go on to them; if one dies, all stop).
@@ -16,16 +19,20 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
+from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
 from services.runtime import add_redis_args, redis_settings, setup_logging
 from shared.reference import default_model
@@ -33,6 +40,7 @@ from shared.reference import default_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+API_KEY_ENV = "SPECMESH_API_KEY"
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,13 +56,45 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         dest="api_keys",
         default=[],
-        help="accepted 'Authorization: Bearer' key on /v1/* (repeatable; none: no auth)",
+        help="accepted 'Authorization: Bearer' key on /v1/* (repeatable; visible to every user in ps: "
+        f"prefer --api-key-file or {API_KEY_ENV}); no key from any source: no auth",
+    )
+    http.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="file of accepted API keys, one per line (blank lines and # comments skipped)",
     )
     http.add_argument(
         "--request-timeout-s",
         type=float,
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help="end a request with 504 after this long without an event from the mesh",
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=0,
+        help="largest request body, refused with 413 before it is parsed "
+        "(default 0: 16 bytes per token of --max-model-len + 1 MiB)",
+    )
+    http.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="a request body not received within this long gets 408 and its connection closed",
+    )
+    http.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+        help="close a connection idle this long (also one whose request headers never finish)",
+    )
+    http.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=0,
+        help="generation requests one API key may have in flight (429 past it; without keys: all "
+        "clients together; per gateway process); 0: no limit",
     )
     http.add_argument(
         "--workers",
@@ -95,6 +135,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         raise ValueError("--request-timeout-s must be positive")
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
+    for flag in ("max_body_bytes", "max_concurrent_per_key"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must not be negative")
+    for flag in ("body_timeout_s", "keepalive_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    args.api_keys = sorted(load_api_keys(args, os.environ))  # read before forking: a bad file fails once
     if args.workers > 1:
         return supervise(args)
     return serve(args)
@@ -104,7 +151,8 @@ def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
     served = ServedModel.load(args.model or default_model(), args.served_model_name, args.max_model_len)
     settings = redis_settings(args)
     backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
-    app = create_app(served, backend, GatewaySettings(api_keys=frozenset(args.api_keys)))
+    app = create_app(served, backend, gateway_settings(args))
+    gc.freeze()  # what start-up made lives as long as the process: full collections skip it
     logger.warning(
         "gateway serving %r (max_model_len %d) on http://%s:%d, bus %s",
         served.name,
@@ -124,11 +172,43 @@ def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
             print=None,
             loop=_new_event_loop(),
             reuse_port=reuse_port or None,
+            keepalive_timeout=args.keepalive_timeout_s,
+            lingering_time=LINGERING_TIME_S,
         )
     except ConnectionError as exc:  # Redis unreachable at start: the message says which flags to check
         print(f"specmesh gateway: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(
+        api_keys=frozenset(args.api_keys),
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
+        max_concurrent_per_key=args.max_concurrent_per_key,
+    )
+
+
+def load_api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> frozenset[str]:
+    """Every accepted key: `--api-key`s, the `--api-key-file`'s lines and `SPECMESH_API_KEY`'s
+    comma-separated keys. A key file that holds no key is an error, not a gateway without auth."""
+    keys = {key.strip() for key in args.api_keys}
+    keys |= {key.strip() for key in environ.get(API_KEY_ENV, "").split(",")}
+    if args.api_key_file is not None:
+        from_file = _read_key_file(args.api_key_file)
+        if not from_file:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+        keys |= from_file
+    keys.discard("")
+    return frozenset(keys)
+
+
+def _read_key_file(path: Path) -> set[str]:
+    lines = (line.strip() for line in path.read_text().splitlines())
+    if path.stat().st_mode & 0o004:
+        logger.warning("%s is readable by every user; chmod o-r it", path)
+    return {line for line in lines if line and not line.startswith("#")}
 
 
 def supervise(args: argparse.Namespace) -> int:

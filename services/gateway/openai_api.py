@@ -25,7 +25,12 @@ from shared.sampling_params import MAX_LOGPROBS
 from shared.speculative_config import SpeculativeOverride
 
 MAX_N = 128
-"""Most choices one request may ask for (OpenAI's limit)."""
+"""Most choices one request may ask for (OpenAI's limit), over all of its prompts."""
+MAX_STOP_STRINGS = 16
+"""Most stop strings a request may give: each is checked against every step's new text."""
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string: the engine searches back this far in the text at every step."""
+MAX_STOP_TOKEN_IDS = 64
 
 # ---- requests ------------------------------------------------------------------------------------------
 
@@ -55,7 +60,7 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -73,11 +78,19 @@ class SamplingFields(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: object) -> object:
-        if value is None or isinstance(value, str):
+        if value is None:
             return value
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
-        raise ValueError("must be a string or a list of strings")
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
+            )
+        return value
 
 
 class CompletionRequest(SamplingFields):

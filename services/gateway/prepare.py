@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from services.gateway.errors import APIError
-from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.openai_api import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields
 from shared.errors import ModelConfigError
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
@@ -100,7 +100,14 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
         raise APIError.bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError.bad_request("best_of is not supported (other than equal to n)", param="best_of")
-    prompts = [_completion_prompt_ids(p, served) for p in _split_prompts(body.prompt)]
+    prompt_list = _split_prompts(body.prompt)
+    if len(prompt_list) * body.n > MAX_N:
+        raise APIError.bad_request(
+            f"n ({body.n}) times the number of prompts ({len(prompt_list)}) is more than the "
+            f"{MAX_N} choices a request may have",
+            param="n",
+        )
+    prompts = [_completion_prompt_ids(p, served) for p in prompt_list]
     return _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs)
 
 
@@ -181,17 +188,15 @@ def _sampling_params(
         name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None
     }
     num_prompt_tokens = len(prompt_ids)
+    if num_prompt_tokens >= served.max_model_len:  # no room for one output token, whatever max_tokens says
+        raise APIError.bad_request(
+            f"this model's maximum context length is {served.max_model_len} tokens, but the prompt "
+            f"alone has {num_prompt_tokens}; shorten the prompt",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
     max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = served.max_model_len - num_prompt_tokens
-        if max_tokens < 1:
-            raise APIError.bad_request(
-                f"this model's maximum context length is {served.max_model_len} tokens, but the prompt "
-                f"alone has {num_prompt_tokens}; shorten the prompt",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-    fields["max_tokens"] = max_tokens
+    fields["max_tokens"] = served.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
     fields["logprobs"] = logprobs
     fields["seed"] = body.seed
     try:

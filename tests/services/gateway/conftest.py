@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway_fake_backend import MODEL_NAME, ClientFactory, InProcessBackend, reply_script
 
 from services.gateway.app import GatewaySettings, create_app
+from services.gateway.limits import LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
 
 
@@ -31,7 +32,9 @@ async def make_client(served: ServedModel, backend: InProcessBackend) -> AsyncIt
 
     async def make(**settings: Any) -> TestClient[Any, Any]:
         app = create_app(served, backend, GatewaySettings(**settings))
-        client: TestClient[Any, Any] = TestClient(TestServer(app))
+        server = TestServer(app)
+        await server.start_server(lingering_time=LINGERING_TIME_S)  # as `specmesh gateway` serves
+        client: TestClient[Any, Any] = TestClient(server)
         await client.start_server()
         clients.append(client)
         return client

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -85,6 +86,18 @@ CASES: list[tuple[str, str, str, Any, int, str | None, str]] = [
      "response_format", "only response_format type 'text'"),
     ("chat prompt too long", "POST", CHAT, {"messages": [{"role": "user", "content": "def add(a, b): " * 200}]}, 400,
      "messages", f"{CTX}, but the prompt alone has"),
+    ("prompt alone too long, max_tokens given", "POST", CMPL, {"prompt": LONG_PROMPT, "max_tokens": 1}, 400,
+     "prompt", f"{CTX}, but the prompt alone has {MAX_MODEL_LEN}"),
+    ("n times prompts > 128", "POST", CMPL, {"prompt": ["a", "b", "c"], "n": 50}, 400, "n",
+     "n (50) times the number of prompts (3) is more than the 128 choices"),
+    ("17 stop strings", "POST", CMPL, {"prompt": "x", "stop": ["a"] * 17}, 400, "stop",
+     "stop: at most 16 stop strings are allowed, got 17"),
+    ("stop string of 257", "POST", CMPL, {"prompt": "x", "stop": "a" * 257}, 400, "stop",
+     "stop: a stop string may have at most 256 characters, got one of 257"),
+    ("65 stop token ids", "POST", CMPL, {"prompt": "x", "stop_token_ids": [5] * 65}, 400, "stop_token_ids",
+     "stop_token_ids: List should have at most 64 items"),
+    ("body over the limit", "POST", CMPL, b" " * (16 * MAX_MODEL_LEN + 2**20 + 1), 413, None,
+     f"larger than this gateway's body limit of {16 * MAX_MODEL_LEN + 2**20} bytes"),
     ("unknown route", "GET", "/v1/nothing", None, 404, None, "no such route: GET /v1/nothing"),
     ("wrong method", "GET", CMPL, None, 405, None, "GET is not allowed on /v1/completions (allowed: POST)"),
     ("wrong method on models", "POST", "/v1/models", {}, 405, None, "POST is not allowed on /v1/models"),
@@ -112,7 +125,7 @@ async def test_bad_request_gets_status_and_openai_error_body(
 ) -> None:
     kwargs: dict[str, Any] = {"headers": {"Authorization": f"Bearer {API_KEY}"}}
     if isinstance(body, bytes):
-        kwargs["data"] = body
+        kwargs["data"] = io.BytesIO(body)  # aiohttp warns of large raw bytes
         kwargs["headers"]["Content-Type"] = "application/json"
     elif body is not None:
         kwargs["json"] = body

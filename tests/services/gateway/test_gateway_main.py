@@ -15,9 +15,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gateway_fake_backend import sse_data
+from gateway_fake_backend import ClientFactory, sse_data
 
-from services.gateway.main import add_gateway_parser, cmd_gateway
+from services.gateway.main import (
+    API_KEY_ENV,
+    add_gateway_parser,
+    cmd_gateway,
+    gateway_settings,
+    load_api_keys,
+)
 from services.gateway.prepare import ServedModel
 from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
@@ -47,6 +53,51 @@ def test_flags_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse("gateway", "--model", "m", "--api-key", "a", "--api-key", "b", "--log-level", "DEBUG")
     assert args.api_keys == ["a", "b"] and args.gateway_log_level == "DEBUG"
     assert parse("gateway", "--model", "m", "--scheduler-ttl", "2").scheduler_ttl == 2.0  # accepted, unused
+
+
+def test_api_keys_from_env_file_and_flags(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# one key a line\nsk-file-1\n\n  sk-file-2  \n")
+    args = parse("gateway", "--api-key-file", str(key_file), "--api-key", "sk-flag")
+    keys = load_api_keys(args, {API_KEY_ENV: "sk-env-1, sk-env-2"})
+    assert keys == {"sk-file-1", "sk-file-2", "sk-flag", "sk-env-1", "sk-env-2"}
+    assert load_api_keys(parse("gateway"), {API_KEY_ENV: "sk-env"}) == {"sk-env"}
+    assert load_api_keys(parse("gateway"), {}) == frozenset()  # no key anywhere: no auth
+    key_file.write_text("# nothing but a comment\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_api_keys(parse("gateway", "--api-key-file", str(key_file)), {})
+
+
+async def test_keys_from_env_and_file_guard_the_api(make_client: ClientFactory, tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-file\n")
+    keys = load_api_keys(parse("gateway", "--api-key-file", str(key_file)), {API_KEY_ENV: "sk-env"})
+    client = await make_client(api_keys=keys)
+    for key, status in (("sk-env", 200), ("sk-file", 200), ("sk-wrong", 401)):
+        response = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert response.status == status, key
+    assert (await client.get("/v1/models")).status == 401
+
+
+def test_limit_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse("gateway")
+    assert (args.max_body_bytes, args.body_timeout_s, args.keepalive_timeout_s) == (0, 30.0, 30.0)
+    assert args.max_concurrent_per_key == 0
+    args = parse(
+        "gateway", "--max-body-bytes", "1000", "--body-timeout-s", "5", "--max-concurrent-per-key", "4"
+    )
+    settings = gateway_settings(args)
+    assert (settings.max_body_bytes, settings.body_timeout_s, settings.max_concurrent_per_key) == (
+        1000,
+        5.0,
+        4,
+    )
+    monkeypatch.setattr("services.gateway.main.serve", lambda args: 0)
+    monkeypatch.setattr("services.gateway.main.setup_logging", lambda *args: None)
+    with pytest.raises(ValueError, match="--body-timeout-s must be positive"):
+        cmd_gateway(parse("gateway", "--body-timeout-s", "0"))
+    with pytest.raises(ValueError, match="--max-body-bytes must not be negative"):
+        cmd_gateway(parse("gateway", "--max-body-bytes", "-1"))
 
 
 def test_served_model_name_and_context(make_checkpoint: Any) -> None:
