@@ -19,6 +19,7 @@ from shared.bus import RedisSettings
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PASSWORD_ENV = "SPECMESH_SCHEDULER_PASSWORD"
+API_KEY_ENV = "SPECMESH_API_KEY"  # the gateway's API keys, comma-separated
 STATUS_PORT_FILE_ENV = "SPECMESH_STATUS_PORT_FILE"
 
 

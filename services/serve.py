@@ -33,7 +33,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.args import add_engine_args
-from services.runtime import PASSWORD_ENV
+from services.runtime import API_KEY_ENV, PASSWORD_ENV
 from services.supervisor import RestartPolicy, RoleFailed, Supervisor
 from shared.bus import Bus, RedisSettings, connect
 from shared.reference import MTP_HEAD, default_model, reference_dir
@@ -58,7 +58,13 @@ def add_serve_parser(subparsers: Any) -> None:
         default=1,
         help="gateway processes sharing the port (`gateway --workers`)",
     )
-    group.add_argument("--api-key", action="append", help="require this key (repeatable)")
+    group.add_argument(
+        "--api-key",
+        action="append",
+        help="require this key (repeatable; visible in `ps`: prefer --api-key-file or SPECMESH_API_KEY, "
+        "which the gateway inherits)",
+    )
+    group.add_argument("--api-key-file", type=Path, help="require the keys in this file (one a line)")
     group.add_argument("--max-queue-len", type=int, default=1024)
     group.add_argument("--scheduler-topic", default="default")
     group.add_argument(
@@ -251,9 +257,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for role in ["prefill", "decode"] if args.pd else ["mixed"]:
             argv = partial(_worker_argv, [*me, role, *engine, *bus], role)
             mesh.start(role, argv, on_exit=partial(_forget_worker, settings, role))
-        keys = [flag for key in args.api_key or [] for flag in ("--api-key", key)]
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
-        mesh.start("gateway", [*me, "gateway", "--model", model, *http, *keys, *bus])
+        keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
+        mesh.start("gateway", [*me, "gateway", "--model", model, *http, *keys, *bus], env=_gateway_env(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal
         print(
@@ -270,6 +276,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         mesh.stop()
+
+
+def _gateway_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The gateway's environment: serve's own, with the `--api-key`s added to `SPECMESH_API_KEY`
+    so that no key shows on the gateway's command line."""
+    if not args.api_key:
+        return None
+    keys = [key for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
+    return {**os.environ, API_KEY_ENV: ",".join([*keys, *args.api_key])}
 
 
 def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:

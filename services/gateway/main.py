@@ -34,13 +34,12 @@ from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
 from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
-from services.runtime import add_redis_args, redis_settings, setup_logging
+from services.runtime import API_KEY_ENV, add_redis_args, redis_settings, setup_logging
 from shared.reference import default_model
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-API_KEY_ENV = "SPECMESH_API_KEY"
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:

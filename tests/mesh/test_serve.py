@@ -1,11 +1,12 @@
 """`specmesh serve` as a user runs it: a worker or Redis SIGKILLed under concurrent greedy streams
 is restarted and every stream still completes with the offline text (or, for Redis, ends with an
 explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is refused before
-anything starts."""
+anything starts; API keys given to serve reach the gateway without showing on its command line."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -62,22 +63,23 @@ def expected(mesh_model: str) -> dict[str, str]:
     return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
+@contextlib.contextmanager
+def serve(tmp_path: Path, *flags: str) -> Iterator[Served]:
+    """`specmesh serve` with SERVE_FLAGS and `flags`, once it says it is serving; stopped after."""
     port, stdout = free_port(), tmp_path / "serve.out"
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     with open(stdout, "wb") as handle:
         popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--log-dir",
-                str(tmp_path / "logs"),
-            ]
-            + list(SERVE_FLAGS),
+            [*argv, *SERVE_FLAGS, *flags],
             stdout=handle,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -94,6 +96,12 @@ def served(tmp_path: Path) -> Iterator[Served]:
         if popen.poll() is None:
             popen.send_signal(signal.SIGTERM)
             popen.wait(timeout=60)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    with serve(tmp_path) as mesh:
+        yield mesh
 
 
 async def streams_through_a_kill(mesh: Served, role: str) -> tuple[list[Outcome], int]:
@@ -150,6 +158,28 @@ def test_a_sigkilled_serve_leaves_no_process(served: Served) -> None:
     for pid in alive:  # the test's own leftovers go, whatever it finds
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"still running after serve was SIGKILLed: {alive}"
+
+
+def test_api_keys_reach_the_gateway_off_its_command_line(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-from-file\n")
+    key_file.chmod(0o600)
+    with serve(tmp_path, "--api-key", "sk-from-flag", "--api-key-file", str(key_file)) as mesh:
+        gateway = Path(f"/proc/{mesh.roles()['gateway']}/cmdline").read_bytes()
+        assert b"sk-from-flag" not in gateway
+
+        async def status(key: str | None) -> int:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"{mesh.url}/v1/models", headers=headers) as response,
+            ):
+                return response.status
+
+        assert asyncio.run(status(None)) == 401
+        assert asyncio.run(status("sk-wrong")) == 401
+        assert asyncio.run(status("sk-from-flag")) == 200
+        assert asyncio.run(status("sk-from-file")) == 200
 
 
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -18,13 +18,13 @@ import pytest
 from gateway_fake_backend import ClientFactory, sse_data
 
 from services.gateway.main import (
-    API_KEY_ENV,
     add_gateway_parser,
     cmd_gateway,
     gateway_settings,
     load_api_keys,
 )
 from services.gateway.prepare import ServedModel
+from services.runtime import API_KEY_ENV
 from services.serve import free_port
 from shared.bus import Bus, RedisSettings, connect
 from shared.protocol import OutputBatch, Submit, TokenEvent, encode
