@@ -25,13 +25,18 @@ BLOCK = 4
 def test_bucket_lookup_takes_the_smallest_fit() -> None:
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.buckets = [b for b in BUCKETS if b < 100] + [100]
-    graphs.query_lens = [1, 6]
+    graphs.query_lens = [1, 6, 64]
+    graphs.max_num_seqs = 40
     assert graphs.lookup(1, 1) == (1, 1)
     assert graphs.lookup(13, 1) == (16, 1)
     assert graphs.lookup(13, 4) == (16, 6)
     assert graphs.lookup(97, 6) == (100, 6)
+    assert graphs.lookup(39, 1) == (40, 1)  # no more one-token steps than requests
+    assert graphs.lookup(41, 1) is None
+    assert graphs.lookup(8, 7) == (8, 64)  # a prefill chunk
+    assert graphs.lookup(97, 64) == (100, 64)
     assert graphs.lookup(101, 1) is None  # past the largest bucket: eager
-    assert graphs.lookup(8, 7) is None  # a longer query than any graph was captured for
+    assert graphs.lookup(20, 65) is None  # a longer query than any graph was captured for
 
 
 def test_graphs_are_off_on_cpu(make_checkpoint) -> None:
@@ -57,22 +62,24 @@ class EagerGraphs(DecodeGraphs):
     kernels' torch twins."""
 
     def capture(self) -> None:
-        for query_len in self.query_lens:
-            for bucket in self.buckets:
-                forward = functools.partial(self._forward, bucket, query_len)
-                self.graphs[bucket, query_len] = EagerGraph(forward)  # type: ignore[assignment]
-                for chain in self.chain_lengths:
-                    plan = StepPlan([], [], chain)
-                    out = torch.empty(bucket, self.tail.width(query_len), dtype=torch.int32)
-                    run = functools.partial(self._run_tail, bucket, query_len, plan)
-                    self.tails[bucket, query_len, chain] = (EagerGraph(run, out), out)  # type: ignore[assignment]
+        for bucket, query_len in self.shapes():
+            forward = functools.partial(self._forward, bucket, query_len)
+            self.graphs[bucket, query_len] = EagerGraph(forward)  # type: ignore[assignment]
+            for chain in self.chain_lengths:
+                plan = StepPlan([], [], chain)
+                width = self.tail.width(self.max_rows(query_len))
+                out = torch.empty(self.num_rows(bucket), width, dtype=torch.int32)
+                run = functools.partial(self._run_tail, bucket, query_len, plan)
+                self.tails[bucket, query_len, chain] = (EagerGraph(run, out), out)  # type: ignore[assignment]
 
     def _run_tail(self, bucket: int, query_len: int, plan: StepPlan) -> torch.Tensor:
-        return self.tail(self.logits[:bucket], self.tensors(bucket, query_len), plan)
+        rows = self.num_rows(bucket)
+        return self.tail(self.logits[:rows], self.tensors(bucket, query_len), plan)
 
 
-def with_eager_graphs(llm: LLM, max_tokens: int) -> EagerGraphs:
-    """Installs graphs that run eagerly into a CPU engine, as a GPU engine captures them."""
+def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None) -> EagerGraphs:
+    """Installs graphs that run eagerly into a CPU engine, as a GPU engine captures them (with a
+    prefill query class of `prefill_len` when given)."""
     runner, drafter = llm.engine.runner, llm.engine.drafter
     k = runner.spec.k
     assert runner.tail is not None
@@ -82,14 +89,15 @@ def with_eager_graphs(llm: LLM, max_tokens: int) -> EagerGraphs:
         runner.tail,
         runner.inputs,
         max_tokens,
-        [1, 1 + k],
+        [1, 1 + k] + ([prefill_len] if prefill_len else []),
         list(range(k + 1)),
         runner.max_model_len,
         runner.block_size,
+        runner.config.max_num_seqs,
     )
     graphs.capture()
     runner.graphs = graphs
-    drafter.max_graph_tokens = graphs.max_tokens
+    drafter.max_graph_tokens = graphs.max_decode_tokens
     return graphs
 
 
@@ -146,6 +154,50 @@ def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sa
         )
         if fake is not None:
             assert fake.num_tail_replays > 10
+    assert outputs[1] == outputs[0]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("case", ["naive", "ngram", "mtp", "draft_model"])
+def test_steps_with_prefill_chunks_replay_the_eager_tokens(make_checkpoint, case: str, sampling: str) -> None:
+    """With 3 requests running at a time out of 9, a request joins as another finishes, so most
+    steps carry a prefill chunk beside decoding requests and their drafts; those steps go through
+    the graphs' static buffers too (prefill class of 24 tokens, chunks cut to fit) and emit the
+    eager engine's tokens for every drafting method."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = dict(CASES[case])
+    if spec:
+        spec["adaptive"] = False
+    if case == "draft_model":
+        spec["model"] = path
+    if case == "mtp":
+        spec["model"] = str(mtp_head_for(path))
+    prompts = repetitive_prompts(9, seed=5)
+    params = []
+    for i in range(9):
+        fields: dict = {"temperature": 0.0, "max_tokens": 5 + 4 * i, "ignore_eos": True}
+        if sampling == "seeded":
+            fields |= {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 11}
+        params.append(SamplingParams(**fields))
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(
+            path,
+            device="cpu",
+            max_model_len=192,
+            speculative_config=spec,
+            max_num_seqs=3,
+            max_num_batched_tokens=24,
+        )
+        fake = with_eager_graphs(llm, max_tokens=24, prefill_len=24) if graphs else None
+        llm.engine.drafter.max_graph_tokens = 12  # drafts trimmed alike with and without graphs
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs.append(
+            [(o.token_ids, o.finish_reason, o.spec_stats["num_accepted_tokens"]) for o in generated]
+        )
+        if fake is not None:
+            assert fake.num_mixed_replays > 10
+            assert fake.num_tail_replays > fake.num_mixed_replays
     assert outputs[1] == outputs[0]
 
 
