@@ -146,9 +146,13 @@ def launch(
 def _arg(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return np.uint64(value.data_ptr())
+    if value is None:  # a null pointer
+        return np.uint64(0)
     if isinstance(value, (np.generic,)):
         return value
-    raise KernelError(f"kernel argument {value!r}: pass tensors or numpy scalars (np.int32, np.float32, ...)")
+    raise KernelError(
+        f"kernel argument {value!r}: pass tensors or numpy scalars (np.int32, np.float32, ...) or None"
+    )
 
 
 _SMEM_LIMITS: dict[int, int] = {}

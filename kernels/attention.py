@@ -122,20 +122,35 @@ __device__ __forceinline__ void load_tile(
     }
 }
 
-/* What one thread block of the attention grid (sequence x query tile, kv head, context split)
-   works on: its query tokens [t0, t0 + nt) of the sequence (rows = nt x group query rows), the
-   context positions [s_begin, s_end) of its split (num_kv_tiles tiles of BLOCK_N), its block table.
-   False: nothing to do (a sequence past max_query_len, or a tile past the sequence's queries). */
+/* What one thread block of the attention grid (query tile, kv head, context split) works on: its
+   query tokens [t0, t0 + nt) of the sequence (rows = nt x group query rows), the context positions
+   [s_begin, s_end) of its split (num_kv_tiles tiles of BLOCK_N), its block table. Query tiles are
+   numbered one per sequence (tile_starts null) or, where a sequence may bring several, densely:
+   sequence s owns tiles [tile_starts[s], tile_starts[s + 1]), so a step mixing a prefill chunk with
+   one-token decodes launches the tiles it has, not max_tiles for every sequence.
+   False: nothing to do (a sequence past max_query_len, or a tile past the step's queries). */
 struct BlockWork {
     int q_begin, t0, group, rows, first_pos, s_begin, s_end, num_kv_tiles;
     const int* table;
 };
 __device__ __forceinline__ bool block_work(
     BlockWork& w, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-    const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int max_blocks,
-    int tile_tokens, int max_tiles, int num_splits, int max_query_len, int sliding_window)
+    const int* __restrict__ query_start_loc, const int* __restrict__ tile_starts, int num_seqs,
+    int num_heads, int num_kv_heads, int max_blocks, int tile_tokens, int num_splits,
+    int max_query_len, int sliding_window)
 {
-    const int seq = blockIdx.x / max_tiles, tile = blockIdx.x - seq * max_tiles;
+    int seq = blockIdx.x, tile = 0;
+    if (tile_starts != nullptr) {
+        const int x = blockIdx.x;
+        if (x >= tile_starts[num_seqs]) return false;
+        int lo = 0, hi = num_seqs;                /* the sequence owning tile x */
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (tile_starts[mid] <= x) lo = mid; else hi = mid;
+        }
+        seq = lo;
+        tile = x - tile_starts[lo];
+    }
     const int q_begin = query_start_loc[seq];
     const int q_len = query_start_loc[seq + 1] - q_begin;
     if (q_len > max_query_len) return false;
@@ -169,12 +184,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const int* __restrict__ block_tables,      /* [num_seqs, max_blocks] */
     const int* __restrict__ seq_lens,          /* [num_seqs] */
     const int* __restrict__ query_start_loc,   /* [num_seqs + 1] */
+    const int* __restrict__ tile_starts,       /* [num_seqs + 1] or null: one tile per sequence */
     scalar_t* __restrict__ out,                /* [num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_out,              /* [num_splits, num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_ml,               /* [num_splits, num_tokens, num_heads, 2] */
-    int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
-    int tile_tokens, int max_tiles, int num_splits, int max_query_len, float scale_log2,
-    int sliding_window)
+    int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
+    int tile_tokens, int num_splits, int max_query_len, float scale_log2, int sliding_window)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     float* qs = reinterpret_cast<float*>(smem);                       /* [RMAX][HEAD_DIM] */
@@ -186,8 +201,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     /* kv: 2 stages x (K tile, V tile), each [BLOCK_N][ROW_STRIDE] */
 
     BlockWork w;
-    if (!block_work(w, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, max_blocks,
-                    tile_tokens, max_tiles, num_splits, max_query_len, sliding_window)) return;
+    if (!block_work(w, block_tables, seq_lens, query_start_loc, tile_starts, num_seqs, num_heads,
+                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window))
+        return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
     const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
@@ -409,17 +425,18 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     const scalar_t* __restrict__ query, const scalar_t* __restrict__ key_cache,
     const scalar_t* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    scalar_t* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-    int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
-    int tile_tokens, int max_tiles, int num_splits, int max_query_len, float scale_log2,
-    int sliding_window)
+    const int* __restrict__ tile_starts, scalar_t* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_ml, int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
+    int block_size, int max_blocks, int tile_tokens, int num_splits, int max_query_len,
+    float scale_log2, int sliding_window)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     scalar_t* kv = reinterpret_cast<scalar_t*>(smem);   /* 2 stages x (K, V) x [BLOCK_N][ROW_STRIDE] */
 
     BlockWork w;
-    if (!block_work(w, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, max_blocks,
-                    tile_tokens, max_tiles, num_splits, max_query_len, sliding_window)) return;
+    if (!block_work(w, block_tables, seq_lens, query_start_loc, tile_starts, num_seqs, num_heads,
+                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window))
+        return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
     const int s_begin = w.s_begin, s_end = w.s_end, num_kv_tiles = w.num_kv_tiles;
@@ -808,9 +825,17 @@ def _launch_attention(
     tile_tokens = max(1, min(max_query_len, tile_rows // group))
     max_tiles = -(-max_query_len // tile_tokens)
     rmax = _rmax(tile_tokens * group)
+    tile_starts = None
+    num_tiles = num_seqs
+    if max_tiles > 1:
+        tile_starts = meta.tile_starts(tile_tokens, max_query_len)
+        if meta.max_query_len is None:  # eager: the step's own tiles
+            num_tiles = sum(-(-n // tile_tokens) for n in meta.query_lens_cpu if n <= max_query_len)
+        else:  # a graph's bound: a tile holds at least one token
+            num_tiles = min(num_tokens, num_seqs * max_tiles)
     if num_splits is None:
         max_seq_len = meta.max_seq_len if meta.max_seq_len is not None else max(meta.seq_lens_cpu)
-        num_splits = choose_splits(num_seqs * max_tiles * num_kv_heads, max_seq_len, device)
+        num_splits = choose_splits(num_tiles * num_kv_heads, max_seq_len, device)
     dtype_id = _cuda.DTYPE_IDS[query.dtype]
     if tensor_cores:
         smem = mma_smem_bytes(head_dim, query.element_size())
@@ -837,7 +862,7 @@ def _launch_attention(
     i32 = np.int32
     _cuda.launch(
         kernel,
-        (num_seqs * max_tiles, num_kv_heads, num_splits),
+        (num_tiles, num_kv_heads, num_splits),
         (THREADS,),
         (
             query,
@@ -846,16 +871,17 @@ def _launch_attention(
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
+            tile_starts,
             out,
             part_out,
             part_ml,
+            i32(num_seqs),
             i32(num_tokens),
             i32(num_heads),
             i32(num_kv_heads),
             i32(block_size),
             i32(meta.block_tables.shape[1]),
             i32(tile_tokens),
-            i32(max_tiles),
             i32(num_splits),
             i32(max_query_len),
             np.float32(scale * LOG2E),

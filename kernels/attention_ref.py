@@ -11,7 +11,7 @@ sequence's whole context, cached tokens first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,28 @@ class AttentionMetadata:
     """Launch bound for a CUDA graph: the longest context any replay may bring (None: the longest
     of `seq_lens_cpu`); it sets how many splits the context is cut into."""
 
+    _tile_starts: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def tile_starts(self, tile_tokens: int, max_query_len: int) -> torch.Tensor:
+        """[num_seqs + 1] int32 on the device: where each sequence's query tiles of `tile_tokens`
+        start in a dense numbering (sequences longer than `max_query_len` have none). Computed on
+        the device from `query_start_loc`, so a CUDA graph recomputes it at each replay; once per
+        step and tile size, whatever the number of layers."""
+        key = (tile_tokens, max_query_len)
+        if key not in self._tile_starts:
+            starts = self.query_start_loc
+            query_lens = starts[1:] - starts[:-1]
+            tiles = torch.where(query_lens <= max_query_len, (query_lens + tile_tokens - 1) // tile_tokens, 0)
+            cumulative = torch.zeros_like(starts)
+            torch.cumsum(tiles, 0, out=cumulative[1:])
+            self._tile_starts[key] = cumulative
+        return self._tile_starts[key]
 
     @property
     def all_single_token(self) -> bool:

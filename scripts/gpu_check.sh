@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -83,6 +83,23 @@ if [[ " $stages " == *" spec "* ]]; then
                 --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
         fi
         rm -rf $dir
+    done
+fi
+if [[ " $stages " == *" steady "* ]]; then
+    # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others
+    # finish, so most steps carry a prefill chunk; greedy and sampled, naive in the same run
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    mtp='{"method":"mtp","model":"'$dir/mtp'"'
+    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} draft3={\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\",\"num_speculative_tokens\":3}"
+    for sampling in greedy sampled; do
+        flags=$([ $sampling = sampled ] && echo "--temperature 0.8 --top-p 0.95 --request-seed 1" || echo "")
+        # shellcheck disable=SC2086
+        timeout 270 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+            --concurrency ${STEADY_CONCURRENCY:-16 64} --num-requests 12 --requests-per-slot 4 --max-tokens 128 \
+            $flags --no-plots --no-progress --methods $methods \
+            --out "$OUT/offline-llama-3.2-1b-steady-$sampling.json" | grep "^| [a-z]"
     done
 fi
 exit $status

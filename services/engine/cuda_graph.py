@@ -1,32 +1,40 @@
-"""CUDA graphs of the decode step: the forward, then the whole tail, each replayed with one launch.
+"""CUDA graphs of the engine step: the forward, then the whole tail, each replayed with one launch.
 
 Eager decoding on a GPU is host-bound: a 16-layer model launches hundreds of kernels per step, each
 costing more host time than device time. A CUDA graph records those launches once and replays them
 with new tensor contents, so the step costs its device time.
 
-A decode step replays two graphs:
-1. the *forward*: the target model over the step's tokens (each request's last token and drafts)
-   and the LM head, keyed by (token bucket, longest query);
+A step replays two graphs:
+1. the *forward*: the target model over the step's tokens (prefill chunks, each decoding request's
+   last token and drafts) and the LM head over the rows that are sampled, keyed by (token bucket,
+   query class);
 2. the *tail* (services/engine/verify_update.py): verify + sample, the post-step update and the
    next step's drafting by every device proposer — n-gram matching, the MTP head's catch-up and
-   chain, or the draft model's — keyed by (token bucket, longest query, drafting-model chain
+   chain, or the draft model's — keyed by (token bucket, query class, drafting-model chain
    length). The host then reads one packed tensor, the step's only synchronisation.
 
+Query classes bound the longest query of a step: 1 (plain decode), 1 + num_speculative_tokens
+(verification) and a prefill class (chunks up to the attention kernel's longest query), so a step
+that mixes a prefill chunk with decoding requests — most steps of a busy server — is replayed too.
+The attention kernel launches one block per query tile of the step (tiles numbered densely, not a
+grid of every sequence times the longest query), so a prefill class costs what its tokens cost.
+
 A graph replays fixed shapes and fixed pointers. So:
-- inputs live in static buffers sized for the largest bucket; a step copies its inputs in (two
-  copies: the forward's and the tail's integers);
+- inputs live in static buffers sized for the largest bucket; a step copies its inputs in (a few
+  copies of integers: per token, per logit row, per request);
 - outputs (final hidden states, float32 logits) land in one persistent buffer, each graph writing
   its leading rows; what a capture allocates is a temporary of the shared graph pool;
 - a step's tokens are padded up to the next bucket: padding tokens form one-token sequences of
-  context 1 over block 0 that write no KV (slot -1), the grid's remaining sequences are empty, and
-  padding requests use the input batch's scratch slot, so every row stays finite and no real
-  request sees them;
+  context 1 over block 0 that write no KV (slot -1), the grid's remaining sequences are empty;
+  logit rows are padded up to the bucket's row count with one-row padding requests on the input
+  batch's scratch slot, so every row stays finite and no real request sees them;
 - the attention kernel's launch shape is fixed at capture from the bounds `max_query_len` and
   `max_model_len` (AttentionMetadata); the per-sequence lengths come from the buffers at replay.
 
-Only decode steps are replayed (every scheduled sequence brings its last token and its drafts),
-and the tail only when the fused kernel verifies every request (no penalties, min_tokens
-suppression or logprobs); other steps run the same code eagerly.
+Steps with a query longer than the prefill class or more tokens than the largest bucket (large,
+compute-bound prefill chunks) run the same code eagerly; the tail is replayed only when the fused
+kernel verifies every request (no penalties, min_tokens suppression or logprobs), and otherwise
+runs eagerly after the forward's replay.
 """
 
 from __future__ import annotations
@@ -150,17 +158,19 @@ def _upload(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list
 
 
 class DecodeGraphs:
-    """Captured decode steps of one model over its KV caches: forward graphs looked up by (tokens,
-    longest query), tail graphs by (tokens, longest query, chain length)."""
+    """Captured steps of one model over its KV caches: forward graphs looked up by (tokens, query
+    class), tail graphs by (tokens, query class, chain length)."""
 
     LONG_FIELDS = (
         "input_ids",
         "positions",
         "slot_mapping",
         "token_slots",
+        "logits_indices",
         "row_slots",
         "row_positions",
         "seq_slots",
+        "seq_rows",
     )
     INT_FIELDS = ("draft_ids", "request_of_row", "seq_methods", "num_wanted")
 
@@ -175,10 +185,13 @@ class DecodeGraphs:
         chain_lengths: list[int],
         max_model_len: int,
         block_size: int,
+        max_num_seqs: int | None = None,
     ):
-        """`max_tokens`: the largest bucket; `query_lens`: the longest-query classes to capture (1,
-        and 1 + num_speculative_tokens when drafting); `chain_lengths`: the drafting-model chain
-        lengths a tail may run (0 when none)."""
+        """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
+        num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
+        drafting-model chain lengths a tail may run (0 when none); `max_num_seqs`: the most
+        requests of a step (None: one per token), which bounds each class's buckets and the
+        logit rows of a step (each request brings at most 1 + num_speculative_tokens)."""
         self.model = model
         self.kv_caches = kv_caches
         self.tail = tail
@@ -187,6 +200,8 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [max_tokens]
         self.query_lens = sorted(set(query_lens))
         self.chain_lengths = sorted(set(chain_lengths))
+        self.max_num_seqs = max_num_seqs if max_num_seqs is not None else max_tokens
+        self.rows_per_seq = 1 + inputs.max_num_drafts
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         size = self.buckets[-1]
@@ -194,9 +209,9 @@ class DecodeGraphs:
         self.longs = torch.zeros(len(self.LONG_FIELDS), size, dtype=torch.long, device=device)
         self.ints = torch.zeros(len(self.INT_FIELDS), size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.cu_num_rows = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
-        self.seq_index = torch.arange(size, dtype=torch.long, device=device)
         self._pad_all()
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         self.logits = torch.zeros(size, model.config.vocab_size, dtype=torch.float32, device=device)
@@ -204,8 +219,29 @@ class DecodeGraphs:
         self.tails: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
         self.num_tail_replays = 0
+        self.num_mixed_replays = 0
+        """Replays of steps that carried a prefill chunk."""
         self._host_lens: tuple[list[int], list[int]] | None = None
         """The last step's padded query and context lengths, where the attention's torch twin runs."""
+
+    def buckets_of(self, query_len: int) -> list[int]:
+        """The token buckets captured for a query class: as many tokens as its requests can bring."""
+        cap = min(self.max_num_seqs * query_len, self.buckets[-1])
+        return [b for b in self.buckets if b < cap] + [cap]
+
+    def num_rows(self, bucket: int) -> int:
+        """Logit rows (and tail requests) of a bucket: every row a request could bring, padded."""
+        return min(bucket, self.max_num_seqs * self.rows_per_seq)
+
+    def max_rows(self, query_len: int) -> int:
+        """The most logit rows of one request in a query class."""
+        return min(query_len, self.rows_per_seq)
+
+    @property
+    def max_decode_tokens(self) -> int:
+        """Tokens of the largest graph of a decode step (each request its last token and drafts):
+        what drafts are trimmed to."""
+        return max(self.buckets_of(min(self.query_lens[-1], self.rows_per_seq)))
 
     def field(self, name: str) -> torch.Tensor:
         if name in self.LONG_FIELDS:
@@ -225,23 +261,29 @@ class DecodeGraphs:
         self.field("draft_ids").fill_(-1)
         self.field("request_of_row").copy_(torch.arange(self.max_tokens, dtype=torch.int32))
         self.field("seq_methods").fill_(-1)
+        self.field("logits_indices").copy_(torch.arange(self.max_tokens))
+        self.field("seq_rows").copy_(torch.arange(self.max_tokens))
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (bucket, query class) captured, largest bucket first."""
+        shapes = [(bucket, q) for q in self.query_lens for bucket in self.buckets_of(q)]
+        return sorted(shapes, key=lambda shape: (-shape[0], shape[1]))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every shape, largest first so smaller graphs reuse its memory."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for query_len in self.query_lens:
-            for bucket in reversed(self.buckets):
-                forward = functools.partial(self._forward, bucket, query_len)
-                self.graphs[bucket, query_len] = self._capture(forward, pool)
-                for chain in self.chain_lengths:
-                    packed: list[torch.Tensor] = []
-                    tail = functools.partial(self._tail, bucket, query_len, StepPlan([], [], chain), packed)
-                    self.tails[bucket, query_len, chain] = (self._capture(tail, pool), packed[-1])
+        for bucket, query_len in self.shapes():
+            forward = functools.partial(self._forward, bucket, query_len)
+            self.graphs[bucket, query_len] = self._capture(forward, pool)
+            for chain in self.chain_lengths:
+                packed: list[torch.Tensor] = []
+                tail = functools.partial(self._tail, bucket, query_len, StepPlan([], [], chain), packed)
+                self.tails[bucket, query_len, chain] = (self._capture(tail, pool), packed[-1])
         torch.cuda.synchronize()
         logger.info(
-            "captured %d CUDA graphs (tokens %s, longest query %s, chains %s) in %.1f s",
+            "captured %d CUDA graphs (tokens %s, query classes %s, chains %s) in %.1f s",
             len(self.graphs) + len(self.tails),
             self.buckets,
             self.query_lens,
@@ -259,9 +301,9 @@ class DecodeGraphs:
         return graph
 
     def tensors(self, bucket: int, query_len: int) -> StepTensors:
-        """Views of the static buffers as one bucket's step: every token a logit row, every grid
-        sequence a request of the tail. (The lengths on the host matter only to the attention's
-        torch twin, which runs these shapes on a CPU in tests.)"""
+        """Views of the static buffers as one bucket's step: its tokens, its padded logit rows and
+        tail requests. (The lengths on the host matter only to the attention's torch twin, which
+        runs these shapes on a CPU in tests.)"""
         query_lens, seq_lens = self._host_lens if self._host_lens is not None else ([1] * bucket,) * 2
         meta = AttentionMetadata(
             slot_mapping=self.field("slot_mapping")[:bucket],
@@ -281,18 +323,19 @@ class DecodeGraphs:
             self.field("token_slots")[:bucket],
             self.max_model_len,
         )
+        rows = self.num_rows(bucket)
         return StepTensors(
             forward=forward,
-            row_slots=self.field("row_slots")[:bucket],
-            row_positions=self.field("row_positions")[:bucket],
-            draft_ids=self.field("draft_ids")[:bucket],
-            request_of_row=self.field("request_of_row")[:bucket],
-            cu_num_rows=self.query_start_loc[: bucket + 1],
-            seq_slots=self.field("seq_slots")[:bucket],
-            seq_rows=self.seq_index[:bucket],
-            seq_methods=self.field("seq_methods")[:bucket],
-            num_wanted=self.field("num_wanted")[:bucket],
-            max_rows=query_len,
+            row_slots=self.field("row_slots")[:rows],
+            row_positions=self.field("row_positions")[:rows],
+            draft_ids=self.field("draft_ids")[:rows],
+            request_of_row=self.field("request_of_row")[:rows],
+            cu_num_rows=self.cu_num_rows[: rows + 1],
+            seq_slots=self.field("seq_slots")[:rows],
+            seq_rows=self.field("seq_rows")[:rows],
+            seq_methods=self.field("seq_methods")[:rows],
+            num_wanted=self.field("num_wanted")[:rows],
+            max_rows=self.max_rows(query_len),
         )
 
     def _forward(self, bucket: int, query_len: int) -> None:
@@ -300,67 +343,77 @@ class DecodeGraphs:
         forward = self.tensors(bucket, query_len).forward
         hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
         self.hidden[:bucket].copy_(hidden)
-        self.model.compute_logits(hidden, out=self.logits[:bucket])
+        rows = self.num_rows(bucket)
+        logits_indices = self.field("logits_indices")[:rows]
+        self.model.compute_logits(hidden[logits_indices], out=self.logits[:rows])
 
     def _tail(self, bucket: int, query_len: int, plan: StepPlan, packed: list[torch.Tensor]) -> None:
         """The tail over the forward's outputs; its packed result is appended to `packed`."""
-        packed.append(self.tail(self.logits[:bucket], self.tensors(bucket, query_len), plan))
+        rows = self.num_rows(bucket)
+        packed.append(self.tail(self.logits[:rows], self.tensors(bucket, query_len), plan))
 
     def lookup(self, num_tokens: int, longest_query: int) -> tuple[int, int] | None:
         """The (bucket, query class) that fits this step, or None (run it eagerly)."""
-        bucket = next((b for b in self.buckets if b >= num_tokens), None)
         query_class = next((q for q in self.query_lens if q >= longest_query), None)
-        if bucket is None or query_class is None:
+        if query_class is None:
+            return None
+        bucket = next((b for b in self.buckets_of(query_class) if b >= num_tokens), None)
+        if bucket is None:
             return None
         return bucket, query_class
 
     def replay_forward(self, step: HostStep, key: tuple[int, int]) -> StepTensors:
-        """Copies the step in and replays its forward; the views of its bucket (the logits in
-        `self.logits`) for a tail run eagerly."""
+        """Copies the step in and replays its forward; the views of its bucket (the logits of its
+        rows in `self.logits`, in the step's row order) for a tail run eagerly."""
         bucket, query_len = key
         self._copy_in(step, bucket)
         self.graphs[key].replay()
         self.num_replays += 1
+        self.num_mixed_replays += not step.is_decode
         return self.tensors(bucket, query_len)
 
     def replay(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
-        """Forward and tail; [num_seqs, width] int32 packed results of the real requests (a view
-        of the tail's output, which the next replay overwrites)."""
+        """Forward and tail; [num_sampled, width] int32 packed results of the real requests (a
+        view of the tail's output, which the next replay overwrites)."""
         self.replay_forward(step, key)
         graph, packed = self.tails[(*key, plan.num_steps)]
         graph.replay()
         self.num_tail_replays += 1
-        return packed[: len(step.query_lens)]
+        return packed[: len(step.seq_slots)]
 
     def _copy_in(self, step: HostStep, bucket: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over
-        block 0 writing no KV, padding requests use the scratch slot; the rest of the grid is empty."""
+        block 0 writing no KV; padding rows are one-row requests on the scratch slot; the rest of
+        the grid is empty."""
         num_tokens, num_seqs = step.num_tokens, len(step.query_lens)
-        num_pad = bucket - num_tokens
+        num_rows, num_sampled = len(step.logits_indices), len(step.seq_slots)
+        rows = self.num_rows(bucket)
+        num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
         longs = np.empty((len(self.LONG_FIELDS), bucket), dtype=np.int64)
-        for row, (name, value) in enumerate(
-            (
-                ("input_ids", 0),
-                ("positions", 0),
-                ("slot_mapping", -1),
-                ("token_slots", scratch),
-                ("row_slots", scratch),
-                ("row_positions", 0),
-            )
-        ):
+        per_token = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("token_slots", scratch))
+        for row, (name, value) in enumerate(per_token):
             longs[row, :num_tokens] = getattr(step, name)
             longs[row, num_tokens:] = value
-        longs[6, :num_seqs] = step.seq_slots
-        longs[6, num_seqs:] = scratch
+        for row, (name, value) in enumerate(
+            (("logits_indices", 0), ("row_slots", scratch), ("row_positions", 0)), start=len(per_token)
+        ):
+            longs[row, :num_rows] = getattr(step, name)
+            longs[row, num_rows:] = value
+        longs[7, :num_sampled], longs[7, num_sampled:] = step.seq_slots, scratch
+        longs[8, :num_sampled] = step.seq_rows
+        longs[8, num_sampled:] = np.minimum(np.arange(num_seqs, num_seqs + bucket - num_sampled), bucket - 1)
         ints = np.empty((len(self.INT_FIELDS), bucket), dtype=np.int32)
-        ints[0, :num_tokens], ints[0, num_tokens:] = step.draft_ids, -1
-        ints[1, :num_tokens], ints[1, num_tokens:] = (
-            step.request_of_row,
-            np.arange(num_seqs, num_seqs + num_pad),
+        ints[0, :num_rows], ints[0, num_rows:] = step.draft_ids, -1
+        ints[1, :num_rows] = step.request_of_row
+        ints[1, num_rows:] = np.arange(num_sampled, num_sampled + bucket - num_rows)
+        ints[2, :num_sampled], ints[2, num_sampled:] = step.seq_methods, -1
+        ints[3, :num_sampled], ints[3, num_sampled:] = step.num_wanted, 0
+        cu_num_rows = np.full(rows + 1, rows, dtype=np.int32)
+        cu_num_rows[: num_sampled + 1] = step.cu_num_rows
+        cu_num_rows[num_sampled + 1 : num_sampled + 1 + num_pad_rows] = num_rows + np.arange(
+            1, num_pad_rows + 1
         )
-        ints[2, :num_seqs], ints[2, num_seqs:] = step.seq_methods, -1
-        ints[3, :num_seqs], ints[3, num_seqs:] = step.num_wanted, 0
         query_lens = np.zeros(bucket, dtype=np.int32)
         query_lens[:num_seqs], query_lens[num_seqs : num_seqs + num_pad] = step.query_lens, 1
         seq_lens = np.zeros(bucket, dtype=np.int32)
@@ -374,5 +427,6 @@ class DecodeGraphs:
         self.longs[:, :bucket].copy_(torch.from_numpy(longs), non_blocking=True)
         self.ints[:, :bucket].copy_(torch.from_numpy(ints), non_blocking=True)
         self.query_start_loc[: bucket + 1].copy_(torch.from_numpy(starts), non_blocking=True)
+        self.cu_num_rows[: rows + 1].copy_(torch.from_numpy(cu_num_rows), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.block_tables[:bucket, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)

@@ -117,7 +117,8 @@ class LLMEngine:
         self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
         self.runner.start(self.drafter.device_proposers, self._chain_lengths())
         if self.runner.graphs is not None:
-            self.drafter.max_graph_tokens = self.runner.graphs.max_tokens
+            self.drafter.max_graph_tokens = self.runner.graphs.max_decode_tokens
+            self.scheduler.decode_chunk_limit = self.runner.graphs.query_lens[-1]
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self.seed_generator = torch.Generator().manual_seed(config.seed)

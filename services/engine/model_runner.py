@@ -169,22 +169,22 @@ class ModelRunner:
 
     def _capture_graphs(self, chain_lengths: list[int]) -> DecodeGraphs:
         assert self.tail is not None
-        max_query_len = 1 + self.spec.k if self.spec.enabled else 1
         max_tokens = min(
-            self.config.cuda_graph_max_tokens,
-            self.config.max_num_seqs * max_query_len,
-            self.config.resolved_max_num_batched_tokens(self.max_model_len),
+            self.config.cuda_graph_max_tokens, self.config.resolved_max_num_batched_tokens(self.max_model_len)
         )
+        verify_len = 1 + self.spec.k if self.spec.enabled else 1
+        prefill_len = min(MAX_KERNEL_QUERY_LEN, max_tokens)  # steps that carry prefill chunks
         graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
             self.tail,
             self.inputs,
             max_tokens,
-            [1, max_query_len],
+            [1, verify_len, max(prefill_len, verify_len)],
             chain_lengths,
             self.max_model_len,
             self.block_size,
+            self.config.max_num_seqs,
         )
         graphs.capture()
         return graphs
@@ -218,11 +218,12 @@ class ModelRunner:
         """Launches one step without waiting for it: a target forward over every scheduled token
         (prefill chunks, decode tokens and drafts), then the tail: only the last real token and the
         drafts of each request in `plan` reach the LM head and are verified; every request of the
-        plan drafts its next step. A decode step whose requests the fused kernel verifies replays
-        both from CUDA graphs. Its results come back in one copy (`LaunchedStep.result`)."""
+        plan drafts its next step. A step that fits a CUDA graph replays the forward from one, and
+        the tail too when the fused kernel verifies every request. Its results come back in one
+        copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
         key = None
-        if self.graphs is not None and step.is_decode:
+        if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         fused = all(self._fusable(seq) for seq in plan.seqs)
         if key is not None and fused:
@@ -233,7 +234,7 @@ class ModelRunner:
             assert self.graphs is not None
             self.graphs.replay_forward(step, key)
             tensors.forward.hidden = self.graphs.hidden[: step.num_tokens]
-            logits = self.graphs.logits[: step.num_tokens]
+            logits = self.graphs.logits[: len(step.logits_indices)]
         else:
             forward = tensors.forward
             forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)

@@ -63,6 +63,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.decode_chunk_limit: int | None = None
+        """The longest prefill chunk of a step that also decodes (None: the token budget): the
+        CUDA graphs' prefill class, so that a busy server's steps replay from graphs (set by the
+        engine once graphs are captured). A longer prompt takes one more step to prefill."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,9 +83,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        chunk = self.max_num_batched_tokens
+        decoding = any(seq.num_uncomputed_tokens == 1 for seq in self.running)
+        if self.enable_chunked_prefill and self.decode_chunk_limit is not None and decoding:
+            chunk = self.decode_chunk_limit
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, chunk)
         if batch.num_preempted == 0:
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, chunk)
         return batch
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -94,11 +102,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, chunk: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._fit_drafts(seq, budget)
+            num_new = self._fit_drafts(seq, budget if seq.num_uncomputed_tokens == 1 else min(budget, chunk))
             if not self._make_room(seq, num_new, batch):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.append_slots(seq, num_new)
@@ -138,12 +146,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.match_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, chunk)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             if not self.block_manager.can_allocate(seq, num_new, cached):

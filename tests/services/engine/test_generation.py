@@ -73,3 +73,29 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(checkpoint, expected) -> No
     assert [o.token_ids for o in again] == [o.token_ids for o in first] == expected
     assert sum(o.num_cached_prompt_tokens for o in again) > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_prefill_chunks_beside_decodes_are_cut_to_the_graph_limit(checkpoint, expected) -> None:
+    """With a prefill chunk limit (a GPU engine's CUDA-graph prefill class), a prompt that joins
+    while others decode is prefilled in chunks of at most that many tokens; a step without
+    decoding requests spends the whole budget; the tokens stay transformers' own."""
+    llm = LLM(str(checkpoint), device="cpu", max_model_len=96, max_num_batched_tokens=64, max_num_seqs=2)
+    scheduler = llm.engine.scheduler
+    scheduler.decode_chunk_limit = 8
+    chunks: list[tuple[bool, list[int]]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        decoding = any(seq.num_uncomputed_tokens == 1 for seq in scheduler.running)
+        batch = schedule()
+        prefills = [n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_uncomputed_tokens > 1]
+        chunks.append((decoding, prefills))
+        return batch
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    outputs = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    beside_decodes = [n for decoding, prefills in chunks if decoding for n in prefills]
+    alone = [n for decoding, prefills in chunks if not decoding for n in prefills]
+    assert beside_decodes and max(beside_decodes) == 8
+    assert max(alone) > 8  # the first prompts, before anything decodes
