@@ -11,8 +11,10 @@ import torch
 
 from services.engine.block_manager import NO_HASH, chain_hash
 from services.engine.llm import LLM
+from shared.config import EngineConfig
 from shared.model import ModelConfigError, load_model
 from shared.model.mtp import MTPHead, save_mtp_head
+from shared.model.parallel import TensorParallel
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
@@ -138,3 +140,26 @@ def test_heads_that_do_not_split_are_refused_by_name(make_checkpoint) -> None:
         LLM(three_kv_heads, device="cpu", tensor_parallel_size=2)
     with pytest.raises(ModelConfigError, match="num_attention_heads 6 is not divisible by 4"):
         LLM(three_kv_heads, device="cpu", tensor_parallel_size=4)
+
+
+def test_more_ranks_than_cuda_devices_is_refused(make_checkpoint, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    model = str(make_checkpoint("llama"))
+    assert EngineConfig(model=model, device="cuda", tensor_parallel_size=2).rank_device(1) == torch.device(
+        "cuda", 1
+    )
+    with pytest.raises(ValueError, match=r"needs cuda:1..cuda:2, but 2 CUDA device\(s\) are visible"):
+        EngineConfig(model=model, device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs cuda:0..cuda:3"):
+        EngineConfig(model=model, device="cuda", tensor_parallel_size=4)
+
+
+def test_the_dense_forward_is_refused_on_a_split_model(make_checkpoint) -> None:
+    arch, overrides = SHAPES["llama"]
+    model = load_model(
+        make_checkpoint(arch, **overrides), torch.float32, torch.device("cpu"), 64, TensorParallel(0, 2)
+    )
+    with pytest.raises(NotImplementedError, match="one rank"):
+        model.forward_dense(torch.tensor([[1, 2, 3]]))
