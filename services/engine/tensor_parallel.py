@@ -137,20 +137,17 @@ class Ranks:
 class Driver(Ranks):
     """Rank 0: starts the followers, sends them commands, watches them."""
 
-    def __init__(self, tp: TensorParallel, followers: list[subprocess.Popen[bytes]], conns: list[Connection]):
-        self.tp = tp
-        self.followers = followers
-        self.conns = conns
+    def __init__(self) -> None:
+        self.tp = SINGLE
+        self.followers: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
         self._closing = threading.Event()
-        for rank, follower in enumerate(followers, start=1):
-            threading.Thread(
-                target=self._watch, args=(rank, follower), name=f"tp-rank-{rank}", daemon=True
-            ).start()
 
     @classmethod
     def start(cls, config: EngineConfig, max_model_len: int) -> Driver:
         """Starts ranks 1..N-1 (each loads its shards while this process loads its own) and joins
-        the group with them."""
+        the group with them; watched from the start, so a rank that dies while the group forms or
+        loads exits this process rather than leave it waiting on a collective."""
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already holds a torch.distributed group (a tensor-parallel engine is "
@@ -160,21 +157,31 @@ class Driver(Ranks):
         store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
         )
-        followers, conns = [], []
+        driver = cls()
         try:
             for rank in range(1, size):
-                follower, conn = _spawn_follower()
-                followers.append(follower)
-                conns.append(conn)
-                conn.send_bytes(pickle.dumps(FollowerSetup(rank, size, store.port, config, max_model_len)))
-            tp = join_group(config, 0, size, store)
+                driver._spawn(rank, FollowerSetup(rank, size, store.port, config, max_model_len))
+            driver.tp = join_group(config, 0, size, store)
         except BaseException:
-            for follower in followers:
-                follower.kill()
-                follower.wait()
+            driver._kill()
             raise
         logger.info("tensor-parallel group of %d ranks joined (%s)", size, dist.get_backend())
-        return cls(tp, followers, conns)
+        return driver
+
+    def _spawn(self, rank: int, setup: FollowerSetup) -> None:
+        follower, conn = _spawn_follower()
+        self.followers.append(follower)
+        self.conns.append(conn)
+        threading.Thread(
+            target=self._watch, args=(rank, follower), name=f"tp-rank-{rank}", daemon=True
+        ).start()
+        conn.send_bytes(pickle.dumps(setup))
+
+    def _kill(self) -> None:
+        self._closing.set()
+        for follower in self.followers:
+            follower.kill()
+            follower.wait()
 
     def send(self, command: object) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)

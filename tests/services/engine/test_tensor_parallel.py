@@ -3,14 +3,21 @@ output of one rank, for every speculative method, and its ranks stay in step."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.engine.block_manager import NO_HASH, chain_hash
 from services.engine.llm import LLM
+from services.engine.tensor_parallel import EXIT_RANK_LOST
 from shared.config import EngineConfig
 from shared.model import ModelConfigError, load_model
 from shared.model.mtp import MTPHead, save_mtp_head
@@ -163,3 +170,38 @@ def test_the_dense_forward_is_refused_on_a_split_model(make_checkpoint) -> None:
     )
     with pytest.raises(NotImplementedError, match="one rank"):
         model.forward_dense(torch.tensor([[1, 2, 3]]))
+
+
+RANK_0 = """
+import sys
+from services.engine.llm import LLM
+from services.engine.tensor_parallel import EXIT_RANK_LOST
+from shared.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=192, tensor_parallel_size=2)
+print(llm.engine.runner.ranks.followers[0].pid, flush=True)
+params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+while True:
+    llm.generate(prompt_token_ids=[[5, 6, 7]] * 4, sampling_params=params)
+"""
+
+
+def test_rank_0_exits_when_a_follower_dies_mid_generation(make_checkpoint) -> None:
+    """Its collectives would otherwise wait on the dead rank (for the group's 30-minute timeout)."""
+    arch, overrides = SHAPES["llama"]
+    rank_0 = subprocess.Popen(
+        [sys.executable, "-c", RANK_0, str(make_checkpoint(arch, **overrides))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    try:
+        assert rank_0.stdout is not None
+        follower = int(rank_0.stdout.readline())
+        time.sleep(0.5)  # generating
+        os.kill(follower, signal.SIGKILL)
+        assert rank_0.wait(timeout=60) == EXIT_RANK_LOST
+    finally:
+        rank_0.kill()
+        rank_0.wait()
+        assert rank_0.stdout is not None
+        rank_0.stdout.close()
