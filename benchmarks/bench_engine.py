@@ -3,12 +3,14 @@
     python -m benchmarks.bench_engine --shape llama-tiny --batch-sizes 1 32
     python -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 --batch-sizes 1 16 64  # GPU
     python -m benchmarks.bench_engine ... --enforce-eager   # the same without CUDA graphs
+    python -m benchmarks.bench_engine ... --tensor-parallel-size 2   # split over cuda:0 and cuda:1
 
 Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
 tokens each (greedy, EOS ignored), after one warm-up run. The decode step time is the mean of the
 engine steps after every prompt is in (the whole step: scheduling, inputs, forward, sampling,
 outputs). On a GPU it is set against the weight-read floor: (weight bytes + the KV bytes a step
-reads) / device-to-device copy bandwidth, the least time any engine needs to read them once.
+reads) / device-to-device copy bandwidth, the least time any engine needs to read them once (per
+rank under tensor parallelism: its shards and its KV heads).
 Results are printed as a table and written as JSON.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from benchmarks.random_model import SHAPES, write_random_checkpoint
 from services.engine.llm import LLM
+from shared.model.parallel import num_local_kv_heads
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig
 
@@ -66,11 +69,12 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
 
 
 def floor_ms(llm: LLM, batch: int, context: int, copy_gbs: float) -> float:
-    """(weights + KV read by one decode step at this context) / copy bandwidth, in ms."""
+    """(weights + KV read by one decode step at this context) / copy bandwidth, in ms (rank 0's)."""
     runner = llm.engine.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     c = runner.model_config
-    kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    kv_heads = num_local_kv_heads(c, runner.tp)
+    kv_bytes = batch * context * 2 * c.num_hidden_layers * kv_heads * c.head_dim
     kv_bytes *= torch.tensor([], dtype=runner.dtype).element_size()
     return (weight_bytes + kv_bytes) / (copy_gbs * 1e9) * 1e3
 
@@ -138,6 +142,7 @@ def main() -> None:
         "--profile", action="store_true", help="print a torch.profiler table of 8 decode steps"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     parser.add_argument("--speculative-config", help="JSON, as for `specmesh serve` (default: naive)")
     args = parser.parse_args()
 
@@ -149,6 +154,7 @@ def main() -> None:
             max_model_len=args.prompt_len + args.output_len + 8,
             max_num_seqs=max(args.batch_sizes),
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
             speculative_config=SpeculativeConfig.from_json(args.speculative_config),
         )
         vocab = llm.engine.model_config.vocab_size
@@ -162,6 +168,7 @@ def main() -> None:
                 row["step_over_floor"] = row["decode_step_ms"] / row["floor_ms"]
         if args.profile:
             profile_decode(llm, max(args.batch_sizes), args.prompt_len, vocab)
+        llm.close()
     result = {
         "model": args.model or args.shape,
         "device": str(llm.engine.runner.device),
@@ -169,6 +176,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "cuda_graphs": llm.engine.runner.graphs is not None,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "speculative_config": args.speculative_config,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
@@ -179,7 +187,10 @@ def main() -> None:
     print(
         f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
     )
-    print(f"CUDA graphs: {result['cuda_graphs']}, speculative config: {args.speculative_config or 'naive'}")
+    print(
+        f"CUDA graphs: {result['cuda_graphs']}, tensor parallel: {args.tensor_parallel_size}, "
+        f"speculative config: {args.speculative_config or 'naive'}"
+    )
     print("| batch | output tokens | seconds | output tok/s | decode step ms | floor ms | step / floor |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

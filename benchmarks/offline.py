@@ -207,7 +207,7 @@ def engine_cell(
             opts.progress,
         )
     finally:
-        engines.clear()
+        engines.pop().close()  # stops its other tensor-parallel ranks, if any
         free_memory()
 
 

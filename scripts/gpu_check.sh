@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -9,6 +9,10 @@
 # verify-cost-*.json (benchmarks.verify_cost) and offline-<shape>-<greedy|sampled|agentic>.json
 # (benchmarks.offline, every method with naive in the same run). Split it over calls with
 # SPEC_SHAPES=llama-3.2-1b / qwen2.5-7b (the 1B stage runs about 9 minutes on an H100).
+# tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (TP=2 greedy
+# = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes, bus GB/s,
+# the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
+# rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -26,7 +30,7 @@ status=0
 if [[ " $stages " == *" tests "* ]]; then
     timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
         tests/kernels tests/services/engine 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-    status=$?
+    status=${PIPESTATUS[0]}
 fi
 if [[ " $stages " == *" bench "* ]]; then
     timeout 480 python3 -m benchmarks.gpu_kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -60
@@ -101,5 +105,27 @@ if [[ " $stages " == *" steady "* ]]; then
             $flags --no-plots --no-progress --methods $methods \
             --out "$OUT/offline-llama-3.2-1b-steady-$sampling.json" | grep "^| [a-z]"
     done
+fi
+if [[ " $stages " == *" tp "* ]]; then
+    gpus=$(nvidia-smi -L | wc -l)
+    sizes=${TP_SIZES:-$(for n in 2 4; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)}
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/services/engine/test_tensor_parallel_gpu.py \
+        2>&1 | tee "$OUT/tp-tests.log" | tail -5
+    status=$((status | PIPESTATUS[0]))
+    for n in $sizes; do
+        timeout 120 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 \
+            --out "$OUT/allreduce-$n.json" 2>&1 | tail -16
+    done
+    model=/tmp/specmesh-tp-qwen2.5-7b
+    python3 -m benchmarks.random_model qwen2.5-7b $model
+    for n in 1 $sizes; do  # TP=1 first: the baseline, on the same machine in the same call
+        timeout 240 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
+            --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine-tp$n.json" 2>&1 \
+            | tee -a "$OUT/tp.log" | tail -6
+        timeout 300 python3 -m benchmarks.offline --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
+            --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --methods naive ngram \
+            --no-plots --no-progress --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
+    done
+    rm -rf $model
 fi
 exit $status

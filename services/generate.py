@@ -47,11 +47,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     engine.add_request("cli", prompt=args.prompt, params=params)
     final = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            sys.stdout.write(output.new_text)
-            sys.stdout.flush()
-            final = output
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                sys.stdout.write(output.new_text)
+                sys.stdout.flush()
+                final = output
+    finally:
+        engine.close()
     finished = time.perf_counter()
     sys.stdout.write("\n")
     assert final is not None

@@ -295,6 +295,8 @@ def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:
         args.dtype,
         "--device",
         args.device,
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
         "--block-size",
         str(args.block_size),
         "--max-num-seqs",

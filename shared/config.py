@@ -25,6 +25,9 @@ class EngineConfig(BaseModel):
     """Weights and KV cache dtype; auto is float32 on CPU, bfloat16 on GPU."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or auto (cuda when available)."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    """Ranks the model is split over, one process per device of one host (`cuda:N` .. `cuda:N+size-1`,
+    NCCL; on CPU, processes joined by gloo); the engine's process is rank 0."""
     max_model_len: int | None = Field(default=None, ge=2)
     """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
     block_size: int = Field(default=16, ge=1, le=256)
@@ -65,7 +68,42 @@ class EngineConfig(BaseModel):
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """Enough devices, a torch build with the collectives the device needs."""
+        import torch
+        import torch.distributed as dist
+
+        size = self.tensor_parallel_size
+        if not dist.is_available():
+            raise ValueError(
+                f"tensor_parallel_size {size} needs torch.distributed, which this torch build lacks"
+            )
+        if self.torch_device.type != "cuda":
+            if not dist.is_gloo_available():
+                raise ValueError(f"tensor_parallel_size {size} on CPU needs the gloo backend, missing here")
+            return
+        if not dist.is_nccl_available():
+            raise ValueError(f"tensor_parallel_size {size} on CUDA needs NCCL, which this torch build lacks")
+        first = self.torch_device.index or 0
+        count = torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(
+                f"tensor_parallel_size {size} from {self.torch_device} needs cuda:{first}..cuda:{first + size - 1}, "
+                f"but {count} CUDA device(s) are visible; lower --tensor-parallel-size or pick another --device"
+            )
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of tensor-parallel rank `rank`: the next devices after this config's own."""
+        import torch
+
+        device = self.torch_device
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
 
     @property
     def torch_device(self) -> torch.device:

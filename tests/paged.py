@@ -9,6 +9,7 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.model.llama import LlamaForCausalLM
+from shared.model.parallel import num_local_kv_heads
 
 
 @dataclass
@@ -57,10 +58,11 @@ def empty_cache(
 
 
 def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 4) -> torch.Tensor:
-    """Prefills one sequence in two chunks through a fresh paged cache; [len(token_ids), vocab] logits."""
+    """Prefills one sequence in two chunks through a fresh paged cache (this rank's heads under tensor
+    parallelism); [len(token_ids), vocab] logits."""
     config = model.config
     kv = [
-        empty_cache(len(token_ids), block_size, config.num_key_value_heads, config.head_dim)
+        empty_cache(len(token_ids), block_size, num_local_kv_heads(config, model.tp), config.head_dim)
         for _ in range(config.num_hidden_layers)
     ]
     logits = []

@@ -21,6 +21,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many devices (cuda:N onwards; on CPU, processes joined by gloo)",
+    )
     group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--num-kv-blocks", type=int, help="fixed KV-cache size in blocks")
@@ -51,6 +58,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model or default_model(),
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -103,6 +103,13 @@ class LLMEngine:
                 "lower --max-model-len"
             )
         self.runner = ModelRunner(config, self.model_config, requested_len, config.speculative_config)
+        try:
+            self._build(config, requested_len, suffix_index)
+        except BaseException:
+            self.runner.close()
+            raise
+
+    def _build(self, config: EngineConfig, requested_len: int, suffix_index: GlobalIndex | None) -> None:
         self.max_model_len = self._fit_max_model_len(requested_len)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -115,7 +122,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
-        self.runner.start(self.drafter.device_proposers, self._chain_lengths())
+        self.runner.start(self.drafter.device_proposers)
         if self.runner.graphs is not None:
             self.drafter.max_graph_tokens = self.runner.graphs.max_decode_tokens
             self.scheduler.decode_chunk_limit = self.runner.graphs.query_lens[-1]
@@ -132,14 +139,19 @@ class LLMEngine:
         """Requests a stop string ended while the step in flight still ran them: freed after it."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s/%s x%d, %d KV blocks of %d tokens, max_model_len %d",
             self.model_config.architecture,
             self.runner.device,
             self.runner.dtype,
+            config.tensor_parallel_size,
             self.runner.num_kv_blocks,
             config.block_size,
             self.max_model_len,
         )
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (nothing to do with one)."""
+        self.runner.close()
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -232,10 +244,7 @@ class LLMEngine:
         seq = self.reserved[request_id]
         if key.shape[1] != self.config.block_size:
             key, value = (reblock(t, self.config.block_size, seq.num_tokens) for t in (key, value))
-        blocks = torch.tensor(seq.block_table[: key.shape[0]], device=self.runner.device)
-        key_cache, value_cache = self.runner.caches(cache)[index]
-        key_cache[blocks] = key.to(key_cache.device, key_cache.dtype)
-        value_cache[blocks] = value.to(value_cache.device, value_cache.dtype)
+        self.runner.import_blocks(cache, index, seq.block_table[: key.shape[0]], key, value)
 
     def activate(self, request_id: str, first_token_id: int) -> None:
         """All KV arrived: the request joins the running batch after its first token (which the
@@ -256,12 +265,7 @@ class LLMEngine:
         """Copies out the KV of a request whose prefill finished here: the target's layers and
         those of its drafting model (the MTP head or the draft model), which caught up on the prompt."""
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
-        blocks = torch.tensor(seq.block_table[:num_blocks], device=self.runner.device)
-        layers = [
-            (cache, i, key_cache[blocks], value_cache[blocks])
-            for cache in ("target", "mtp", "draft")
-            for i, (key_cache, value_cache) in enumerate(self.runner.caches(cache))
-        ]
+        layers = self.runner.export_blocks(seq.block_table[:num_blocks])
         return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -359,12 +363,6 @@ class LLMEngine:
             self._free(seq)
             self._forget(seq)
         self._stopped = []
-
-    def _chain_lengths(self) -> list[int]:
-        """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
-        model loaded, else only 0."""
-        has_model = self.runner.mtp_head is not None or self.runner.draft_model is not None
-        return list(range(self.config.speculative_config.k + 1)) if has_model else [0]
 
     def _free(self, seq: Sequence) -> None:
         """Frees a finished request's blocks, slot and drafting state (full blocks stay cached)."""

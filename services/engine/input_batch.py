@@ -11,11 +11,14 @@ is preempted (vLLM v1's `InputBatch` does the same). Per slot the device holds:
 
 The host writes a slot only when a request joins (its tokens and parameters); a step then names
 its requests by slot, so the per-step host work is independent of the requests' lengths and
-parameters. The last slot is *scratch*: padding rows of a CUDA-graph step point at it.
+parameters. The last slot is *scratch*: padding rows of a CUDA-graph step point at it. Under tensor
+parallelism every rank holds the same slots: rank 0 decides them and sends each join (`SlotJoin`)
+with the next step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +78,25 @@ class SlotParams:
         self.stop_ids[slot, : len(stops)] = stops
         self.seeds[slot] = seq.seed
 
+    def row(self, slot: int) -> dict[str, np.ndarray]:
+        """Every parameter of one slot (copies)."""
+        return {f.name: np.array(getattr(self, f.name)[slot]) for f in dataclasses.fields(self)}
+
+    def set_row(self, slot: int, row: dict[str, np.ndarray]) -> None:
+        for name, value in row.items():
+            getattr(self, name)[slot] = value
+
+
+@dataclass
+class SlotJoin:
+    """A request taking a slot: what the device rows of that slot get."""
+
+    slot: int
+    token_ids: np.ndarray  # [num_tokens] int32
+    num_output: int
+    params: dict[str, np.ndarray]
+    """`SlotParams.row` of the slot."""
+
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, row_capacity: int, max_num_drafts: int, device: torch.device):
@@ -96,6 +118,8 @@ class InputBatch:
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._dirty = True
+        self.joins: list[SlotJoin] | None = None
+        """Joins since the last `take_joins` (only where other ranks mirror this batch)."""
         self.flush()
 
     @property
@@ -160,12 +184,31 @@ class InputBatch:
         slot = self._free.pop()
         self.slot_of[seq.request_id] = slot
         self.host.write(slot, seq)
-        self._dirty = True
-        tokens = torch.tensor(seq.token_ids, dtype=torch.int32).to(self.device, non_blocking=True)
-        self.token_rows[slot, : seq.num_tokens] = tokens
-        self.num_tokens[slot] = seq.num_tokens
-        self.num_output[slot] = seq.num_output_tokens
+        join = SlotJoin(slot, np.asarray(seq.token_ids, np.int32), seq.num_output_tokens, self.host.row(slot))
+        self.write(join)
+        if self.joins is not None:
+            self.joins.append(join)
         return slot
+
+    def write(self, join: SlotJoin) -> None:
+        """A request's tokens and parameters into its slot (the parameters reach the device at
+        the next `flush`)."""
+        self.host.set_row(join.slot, join.params)
+        self._dirty = True
+        num_tokens = len(join.token_ids)
+        tokens = torch.from_numpy(join.token_ids).to(self.device, non_blocking=True)
+        self.token_rows[join.slot, :num_tokens] = tokens
+        self.num_tokens[join.slot] = num_tokens
+        self.num_output[join.slot] = join.num_output
+
+    def record_joins(self) -> None:
+        """Keeps every join from now on, for `take_joins`."""
+        self.joins = []
+
+    def take_joins(self) -> list[SlotJoin]:
+        """The joins since the last call (none unless recording)."""
+        joins, self.joins = self.joins, [] if self.joins is not None else None
+        return joins or []
 
     def remove(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id, None)

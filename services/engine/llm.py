@@ -15,9 +15,21 @@ from shared.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
+        """`engine_args`: EngineConfig fields, e.g. `tensor_parallel_size=2` (then `close()` the
+        LLM, or use it as a context manager, to stop its other ranks)."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -3,7 +3,8 @@
 This is the one place where the target forward, the LM head and the tail (verify, post-step
 update, device drafting: services/engine/verify_update.py) are called for a step, replayed from
 CUDA graphs where the step allows it, so the fused GPU kernels replace the torch references here
-and nowhere else.
+and nowhere else. Under tensor parallelism every rank has a model runner over its shards; rank 0's
+sends each step to the others (services/engine/tensor_parallel.py), which run it in `follow_step`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import kernels
 from kernels import AttentionMetadata
@@ -28,6 +30,14 @@ from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from services.engine.spec_decode.proposer import Proposer
+from services.engine.tensor_parallel import (
+    CompareRows,
+    ExportBlocks,
+    ImportBlocks,
+    Ranks,
+    StepCommand,
+    start_ranks,
+)
 from services.engine.verify_update import (
     ACCEPTED,
     FINISH,
@@ -43,6 +53,7 @@ from shared.config import EngineConfig
 from shared.model import LlamaForCausalLM, ModelConfig, ModelConfigError, load_model
 from shared.model.llama import KVCache
 from shared.model.mtp import MTPHead, load_mtp_head
+from shared.model.parallel import SINGLE, TensorParallel, check_divisible, kv_head_owners, kv_head_range
 from shared.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -114,41 +125,71 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        spec: SpeculativeConfig,
+        ranks: Ranks | None = None,
     ):
+        """`ranks`: this runner's tensor-parallel group; None starts one (rank 0 of
+        `config.tensor_parallel_size`, or a group of one)."""
+        if ranks is None:
+            check_divisible(model_config, config.tensor_parallel_size)
+            ranks = start_ranks(config, max_model_len)
+        self.ranks = ranks
+        try:
+            self._build(config, model_config, max_model_len, spec)
+        except BaseException:
+            ranks.close()
+            raise
+
+    def _build(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
+    ) -> None:
         self.config = config
         self.spec = spec
         self.model_config = model_config
-        self.device = config.torch_device
+        self.tp = self.ranks.tp
+        self.device = config.rank_device(self.tp.rank)
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.model: LlamaForCausalLM = load_model(config.model, self.dtype, self.device, max_model_len)
+        self.model: LlamaForCausalLM = load_model(
+            config.model, self.dtype, self.device, max_model_len, self.tp
+        )
+        # replicated: small, latency-bound chains, and its heads need not split like the target's
         self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
         self.mtp_head: MTPHead | None = None
         if spec.method == "mtp":
             assert spec.model is not None
             self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device).eval()
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config)
+        self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config, self.tp)
         self.draft_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.draft_model.config) if self.draft_model else []
+            self._allocate_kv_cache(self.num_kv_blocks, self.draft_model.config, SINGLE)
+            if self.draft_model
+            else []
         )
         self.mtp_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config) if self.mtp_head else []
+            self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config, self.tp)
+            if self.mtp_head
+            else []
         )
         self.max_num_drafts = spec.k
         # a row holds the longest request, the tokens a step may keep past it and drafts written
         # after its end (with_ngram)
         row_capacity = max_model_len + 2 * (spec.k + 1)
         self.inputs = InputBatch(config.max_num_seqs, row_capacity, spec.k, self.device)
+        if self.tp.size > 1 and self.ranks.is_driver:
+            self.inputs.record_joins()
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up_kernels()
 
-    def start(self, proposers: list[Proposer], chain_lengths: list[int]) -> None:
+    def start(self, proposers: list[Proposer]) -> None:
         """Sets the step's tail over the device proposers and captures the CUDA graphs."""
         self.tail = VerifyAndUpdate(
             self.inputs,
@@ -158,7 +199,17 @@ class ModelRunner:
             self.max_num_drafts,
         )
         if self._use_graphs():
-            self.graphs = self._capture_graphs(chain_lengths)
+            self.graphs = self._capture_graphs(self.chain_lengths())
+
+    def chain_lengths(self) -> list[int]:
+        """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
+        model loaded, else only 0."""
+        has_model = self.mtp_head is not None or self.draft_model is not None
+        return list(range(self.spec.k + 1)) if has_model else [0]
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing with one rank)."""
+        self.ranks.close()
 
     def _use_graphs(self) -> bool:
         return (
@@ -191,14 +242,20 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes in every cache that shares the block tables (target, draft, MTP)."""
-        configs = [self.model_config]
-        configs += [self.draft_model.config] if self.draft_model else []
-        configs += [self.mtp_head.config] if self.mtp_head else []
+        """Bytes one block takes on this rank in every cache that shares the block tables (target,
+        draft, MTP)."""
+        configs = [(self.model_config, self.tp)]
+        configs += [(self.draft_model.config, SINGLE)] if self.draft_model else []
+        configs += [(self.mtp_head.config, self.tp)] if self.mtp_head else []
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
-            2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
-            for c in configs
+            2
+            * c.num_hidden_layers
+            * self.block_size
+            * len(kv_head_range(c.num_key_value_heads, tp))
+            * c.head_dim
+            * elem
+            for c, tp in configs
         )
 
     def _load_draft_model(self) -> LlamaForCausalLM:
@@ -222,13 +279,31 @@ class ModelRunner:
         the tail too when the fused kernel verifies every request. Its results come back in one
         copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
+        fused = all(self._fusable(seq) for seq in plan.seqs)
+        joins = self.inputs.take_joins()
+        self.ranks.send(StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, fused))
+        packed, logprobs = self._run(step, plan, fused)
+        return self._read_back(packed, step, logprobs)
+
+    @torch.inference_mode()
+    def follow_step(self, command: StepCommand) -> None:
+        """Rank 0's step on this rank (1..N-1): the same slots, forward and tail; nothing is read back."""
+        for join in command.joins:
+            self.inputs.write(join)
+        self.inputs.flush()
+        plan = StepPlan([], command.num_wanted, command.num_steps, command.methods)
+        self._run(command.step, plan, command.fused)
+
+    def _run(
+        self, step: HostStep, plan: StepPlan, fused: bool
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
+        """The step's forward and tail; (the packed results on the device, logprobs per request)."""
         key = None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
-        fused = all(self._fusable(seq) for seq in plan.seqs)
         if key is not None and fused:
             assert self.graphs is not None
-            return self._read_back(self.graphs.replay(step, key, plan), step, [])
+            return self.graphs.replay(step, key, plan), []
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if key is not None:
             assert self.graphs is not None
@@ -239,8 +314,7 @@ class ModelRunner:
             forward = tensors.forward
             forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
             logits = self.model.compute_logits(forward.hidden[logits_indices])
-        packed, logprobs = self._tail_eagerly(logits, tensors, plan, fused)
-        return self._read_back(packed, step, logprobs)
+        return self._tail_eagerly(logits, tensors, plan, fused)
 
     def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
         """`launch`, then wait for the result."""
@@ -276,13 +350,21 @@ class ModelRunner:
         assert self.tail is not None
         if fused:
             return self.tail(logits, t, plan), []
+        token_ids, num_accepted, logprobs = self.ranks.share(lambda: self._verify_on_host(logits, t, plan))
+        moved = [torch.from_numpy(x).to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
+        return self.tail.update_and_draft(moved[0], moved[1], t, plan), logprobs
+
+    def _verify_on_host(
+        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan
+    ) -> tuple[np.ndarray, np.ndarray, list[list[TokenLogprobs | None]]]:
+        """The torch `RejectionSampler` over the plan's requests (rank 0, which has them):
+        (token_ids [num_seqs, max_rows] int32 -1 padded, num_accepted [num_seqs] int32, logprobs)."""
         results = self.verifier(logits, row_batch(plan.seqs), [verify_request(seq) for seq in plan.seqs])
-        token_ids = torch.full((len(results), t.max_rows), -1, dtype=torch.int32)
+        token_ids = np.full((len(results), t.max_rows), -1, dtype=np.int32)
         for row, result in zip(token_ids, results):
-            row[: len(result.token_ids)] = torch.tensor(result.token_ids, dtype=torch.int32)
-        num_accepted = torch.tensor([r.num_accepted for r in results], dtype=torch.int32)
-        moved = [x.to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
-        return self.tail.update_and_draft(moved[0], moved[1], t, plan), [r.logprobs for r in results]
+            row[: len(result.token_ids)] = result.token_ids
+        num_accepted = np.array([r.num_accepted for r in results], dtype=np.int32)
+        return token_ids, num_accepted, [r.logprobs for r in results]
 
     def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
         """The step's host inputs: every scheduled token for the forward, and for each request of
@@ -344,7 +426,119 @@ class ModelRunner:
             raise ValueError(f"unknown KV cache {name!r}; known: {', '.join(caches)}")
         return caches[name]
 
+    # ---- KV in and out (split deployments) ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def import_blocks(
+        self,
+        cache: str,
+        index: int,
+        block_ids: list[int],
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> None:
+        """Writes one layer of KV with every head (`key`, `value` [num_blocks, block_size,
+        num_kv_heads, head_dim], rank 0 only) into blocks `block_ids` of cache `cache`; each rank
+        keeps its heads."""
+        key_cache, value_cache = self.caches(cache)[index]  # an unknown cache fails before any rank acts
+        self.ranks.send(ImportBlocks(cache, index, block_ids))
+        local = key_cache.new_empty(2, len(block_ids), *key_cache.shape[1:])
+        whole = None
+        if key is not None and value is not None:
+            whole = torch.stack([key, value]).to(self.device, key_cache.dtype)
+        self._scatter_heads(cache, whole, local)
+        blocks = torch.tensor(block_ids, device=self.device)
+        key_cache[blocks] = local[0]
+        value_cache[blocks] = local[1]
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+        """(cache, layer, key, value) of every layer of every cache for blocks `block_ids`, each
+        [num_blocks, block_size, num_kv_heads, head_dim] with every head (on rank 0; the other ranks
+        send theirs and get an empty list)."""
+        self.ranks.send(ExportBlocks(block_ids))
+        blocks = torch.tensor(block_ids, device=self.device)
+        layers = []
+        for cache in ("target", "mtp", "draft"):
+            caches = self.caches(cache)
+            if not caches:
+                continue
+            local = torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in caches])
+            whole = self._gather_heads(
+                cache, local
+            )  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
+            if whole is not None:
+                layers += [(cache, i, kv[0], kv[1]) for i, kv in enumerate(whole)]
+        return layers
+
+    def rows_agree(self) -> bool:
+        """Whether every rank's input batch holds the same tokens: the rank-consistency check (the
+        same tokens accepted everywhere, so the same rows)."""
+        self.ranks.send(CompareRows())
+        inputs = self.inputs
+        weights = torch.arange(1, inputs.row_capacity + 1, device=self.device, dtype=torch.long)
+        digest = torch.stack(
+            [(inputs.token_rows.long() * weights).sum(1), inputs.num_tokens.long(), inputs.num_output.long()]
+        )
+        return bool((self.tp.all_gather(digest) == digest).all())
+
+    def _sharded(self, cache: str) -> bool:
+        """Whether each rank holds only its heads of `cache` (the draft model's is replicated)."""
+        return self.tp.size > 1 and cache != "draft"
+
+    def _cache_config(self, cache: str) -> ModelConfig:
+        if cache == "mtp":
+            assert self.mtp_head is not None
+            return self.mtp_head.config
+        return self.model_config
+
+    def _scatter_heads(self, cache: str, whole: torch.Tensor | None, local: torch.Tensor) -> None:
+        """`local` [..., local heads, head_dim] from rank 0's `whole` [..., heads, head_dim]: this
+        rank's heads, or all of a replicated cache's."""
+        if self.tp.size == 1:
+            assert whole is not None
+            local.copy_(whole)
+        elif not self._sharded(cache):
+            if whole is not None:
+                local.copy_(whole)
+            dist.broadcast(local, src=0, group=self.tp.group)
+        else:
+            parts = None
+            if whole is not None:
+                num_heads = whole.shape[-2]
+                parts = [
+                    whole[..., ranks_heads.start : ranks_heads.stop, :].contiguous()
+                    for ranks_heads in (
+                        kv_head_range(num_heads, TensorParallel(r, self.tp.size)) for r in range(self.tp.size)
+                    )
+                ]
+            dist.scatter(local, parts, src=0, group=self.tp.group)
+
+    def _gather_heads(self, cache: str, local: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every head of `cache` from the ranks' [..., local heads, head_dim]; others: None."""
+        if not self._sharded(cache):
+            return local if self.ranks.is_driver else None
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.ranks.is_driver else None
+        dist.gather(local, parts, dst=0, group=self.tp.group)
+        if parts is None:
+            return None
+        num_heads = self._cache_config(cache).num_key_value_heads
+        owners = kv_head_owners(num_heads, self.tp.size)
+        heads = [
+            parts[rank][..., head - kv_head_range(num_heads, TensorParallel(rank, self.tp.size)).start, :]
+            for head, rank in enumerate(owners)
+        ]
+        return torch.stack(heads, dim=-2)
+
     # ---- KV-cache sizing -------------------------------------------------------------------------
+
+    def _agree_min(self, value: int) -> int:
+        """The smallest `value` of any rank (every rank must size its caches alike)."""
+        if self.tp.size == 1:
+            return value
+        found = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(found.item())
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -400,7 +594,7 @@ class ModelRunner:
             models.append((self.draft_model, self.draft_model.config))
         context = min(self.max_model_len, 1024)  # long enough to split the context across blocks
         for model, config in models:
-            kv_caches = self._allocate_kv_cache(-(-context // self.block_size), config)
+            kv_caches = self._allocate_kv_cache(-(-context // self.block_size), config, model.tp)
             query_len = 1
             while query_len <= min(context, 2 * MAX_KERNEL_QUERY_LEN):
                 ids, positions, meta = self._one_sequence(query_len, context)
@@ -414,7 +608,7 @@ class ModelRunner:
     def _profile_forward(self) -> None:
         num_tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        kv_caches = self._allocate_kv_cache(num_blocks, self.model_config)
+        kv_caches = self._allocate_kv_cache(num_blocks, self.model_config, self.tp)
         ids, positions, meta = self._one_sequence(num_tokens, num_tokens)
         hidden = self.model(ids, positions, kv_caches, meta)
         rows = min(num_tokens, self.config.max_num_seqs)
@@ -422,8 +616,9 @@ class ModelRunner:
         del kv_caches, hidden
         torch.cuda.synchronize(self.device)
 
-    def _allocate_kv_cache(self, num_blocks: int, c: ModelConfig) -> list[KVCache]:
-        shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+    def _allocate_kv_cache(self, num_blocks: int, c: ModelConfig, tp: TensorParallel) -> list[KVCache]:
+        """Per layer, this rank's heads of (key, value) caches."""
+        shape = (num_blocks, self.block_size, len(kv_head_range(c.num_key_value_heads, tp)), c.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -166,6 +166,8 @@ class EngineCore:
             for output in self.engine.step():
                 self.rows.add(output)
         except Exception as exc:  # a broken step must not take the worker down: fail its requests
+            if self.engine.config.tensor_parallel_size > 1:
+                raise  # the other ranks may be inside the step's collectives: the group cannot go on
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
         exports, self.engine.handoffs = self.engine.handoffs, []
@@ -325,6 +327,7 @@ def serve(channel: BlockingChannel) -> int:
     except ChannelClosed:
         logger.warning("the worker closed the channel; the engine core stops")
     finally:
+        engine.close()
         if suffix is not None:
             suffix.close()
     return 0

@@ -11,6 +11,10 @@ the rotary embedding are fused kernels too, and a decode step's few rows go thro
 matrix kernel (`kernels.linear`) instead of cuBLAS. On CPU the kernels' torch twins run, with the rounding
 of the plain formulas, so outputs are bit-identical to an unfused model. `forward_dense` (training,
 scoring) runs the same twins directly: they are differentiable, the CUDA kernels are not.
+
+Under tensor parallelism (`tp`, shared/model/parallel.py) each rank builds the same modules over its
+slices: its attention heads and MLP columns, its vocabulary rows; one all-reduce joins each
+attention's and each MLP's output, and every rank ends with the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ import kernels
 from kernels import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, silu_and_mul_ref
 from shared.model.config import ModelConfig
+from shared.model.parallel import (
+    SINGLE,
+    TensorParallel,
+    num_local_heads,
+    num_local_kv_heads,
+    vocab_shard,
+)
 from shared.model.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -37,6 +48,34 @@ def linear(
     """`layer(x)` (in `out_dtype`, or into `out`) through `kernels.linear`: the skinny CUDA kernel
     where it beats cuBLAS, cuBLAS otherwise (and always when training)."""
     return kernels.linear(x, layer.weight, layer.bias, out_dtype, out)
+
+
+def row_parallel(layer: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """`layer(x)` for a layer whose input features are split over the ranks: each rank's partial
+    product, summed by one all-reduce, the bias added once after it."""
+    if tp.size == 1:
+        return linear(layer, x)
+    out = tp.all_reduce(kernels.linear(x, layer.weight))
+    return out if layer.bias is None else out + layer.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """`nn.Embedding` over the rank's rows of the vocabulary: a token outside them embeds to zeros
+    here, and the all-reduce brings its row from the rank that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
+        start, num_rows = vocab_shard(vocab_size, tp)
+        super().__init__(num_rows, hidden_size)
+        self.vocab_start = start
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.num_embeddings)
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill(outside[..., None], 0.0))
 
 
 class RMSNorm(nn.Module):
@@ -59,10 +98,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        tp: TensorParallel = SINGLE,
+    ):
+        """Column-parallel q/k/v (this rank's heads), row-parallel o_proj."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = num_local_heads(config, tp)
+        self.num_kv_heads = num_local_kv_heads(config, tp)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -83,7 +130,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.append_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
-        return linear(self.o_proj, out.flatten(1))
+        return row_parallel(self.o_proj, out.flatten(1), self.tp)
 
     def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a KV cache: hidden [batch, seq, hidden], causal."""
@@ -107,27 +154,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        """Column-parallel gate_up_proj (this rank's columns), row-parallel down_proj."""
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden_size]; gate_up_proj gives the gate half, then the up half
-        return linear(self.down_proj, kernels.silu_and_mul(linear(self.gate_up_proj, x)))
+        return row_parallel(self.down_proj, kernels.silu_and_mul(linear(self.gate_up_proj, x)), self.tp)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, sliding_window)
+        self.self_attn = Attention(config, rotary, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -152,16 +207,18 @@ class LlamaForCausalLM(nn.Module):
     """One class for every supported architecture: they differ only in config-driven details
     (qkv bias, sliding windows, RoPE scaling, tied embeddings)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE):
+        """`tp`: this rank's place in a tensor-parallel group (its slices of every layer)."""
         super().__init__()
         self.config = config
+        self.tp = tp
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, window) for window in config.sliding_windows
+            DecoderLayer(config, self.rotary, window, tp) for window in config.sliding_windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -185,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [batch, seq] -> final-normed hidden [batch, seq, hidden]; for training and scoring."""
+        if self.tp.size > 1:
+            raise NotImplementedError("the dense (training / scoring) forward runs on one rank only")
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = self.embed_tokens(input_ids)
         for layer in cast(list[DecoderLayer], self.layers):
@@ -193,5 +252,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [num_rows, hidden_size] (or [batch, seq, hidden_size] in training) -> float32
-        logits, written into `out` ([num_rows, vocab_size] float32) when given."""
-        return linear(self.lm_head, hidden, torch.float32, out)
+        logits, written into `out` ([num_rows, vocab_size] float32) when given. Under tensor
+        parallelism every rank's vocabulary columns are gathered: each rank gets all the logits."""
+        if self.tp.size == 1:
+            return linear(self.lm_head, hidden, torch.float32, out)
+        logits = self.tp.gather_columns(linear(self.lm_head, hidden, torch.float32), self.config.vocab_size)
+        return logits.contiguous() if out is None else out.copy_(logits)

@@ -1,10 +1,15 @@
-"""Loads a Hugging Face Llama-family checkpoint (single or sharded safetensors) into `LlamaForCausalLM`."""
+"""Loads a Hugging Face Llama-family checkpoint (single or sharded safetensors) into `LlamaForCausalLM`.
+
+Under tensor parallelism each rank reads only its slices of the checkpoint (`safe_open(...).get_slice`,
+shared/model/parallel.py `parameter_shard`), never a whole matrix it would then cut.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -12,6 +17,14 @@ from torch import nn
 
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import LlamaForCausalLM
+from shared.model.parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    num_local_heads,
+    num_local_kv_heads,
+    parameter_shard,
+)
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -40,6 +53,27 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ModelConfigError(f"{model_dir} has neither {SINGLE_FILE} nor {SHARD_INDEX}")
 
 
+class TensorSlices(Protocol):
+    """A tensor that is read slice by slice: safetensors' `PySafeSlice`, or `InMemory`."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class InMemory:
+    """A tensor already in memory, read through the `TensorSlices` interface."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -47,14 +81,27 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iter_checkpoint_slices(model_dir: Path) -> Iterator[tuple[str, TensorSlices]]:
+    """Every tensor of the checkpoint, unread: the loader reads the slices it needs."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_slice(name)
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """Builds the model without initialising weights, then fills every parameter from the checkpoint."""
+    """Builds the model without initialising weights, then fills every parameter from the
+    checkpoint (rank `tp.rank`'s slices of it)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.rotary.build(device)
@@ -64,19 +111,22 @@ def load_model(
 
 def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     ignored = frozenset({"lm_head.weight"}) if model.config.tie_word_embeddings else frozenset()
-    load_named_tensors(model, model.config, iter_checkpoint(model_dir), str(model_dir), ignored)
+    slices = iter_checkpoint_slices(model_dir)
+    load_named_tensors(model, model.config, slices, str(model_dir), ignored, model.tp)
 
 
 def load_named_tensors(
     module: nn.Module,
     config: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | TensorSlices]],
     source: str,
     ignored: frozenset[str] = frozenset(),
+    tp: TensorParallel = SINGLE,
 ) -> None:
-    """Fills every parameter of `module` (whose layers are shaped by `config`) from Hugging Face
-    named tensors, stacking q/k/v_proj and gate/up_proj into the fused parameters; parameters
-    named in `ignored` are neither loaded nor required."""
+    """Fills every parameter of `module` (whose layers are shaped by `config`, split as rank
+    `tp.rank` holds them) from Hugging Face named tensors, stacking q/k/v_proj and gate/up_proj
+    into the fused parameters and reading only the rank's slice of each; parameters named in
+    `ignored` are neither loaded nor required."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     for name, tensor in tensors:
@@ -85,7 +135,8 @@ def load_named_tensors(
             continue
         if target not in params:
             raise ModelConfigError(f"checkpoint tensor {name!r} has no place in the model")
-        _copy_into(config, params[target], target, part, tensor)
+        slices = InMemory(tensor) if isinstance(tensor, torch.Tensor) else tensor
+        _copy_into(config, params[target], target, part, slices, tp)
         loaded.add(target if part is None else f"{target}#{part}")
     missing = sorted(_expected_parts(params) - ignored - loaded)
     if missing:
@@ -127,32 +178,46 @@ def _target_name(name: str) -> tuple[str | None, int | None]:
 
 
 def _copy_into(
-    config: ModelConfig, param: torch.nn.Parameter, target: str, part: int | None, tensor: torch.Tensor
+    config: ModelConfig,
+    param: torch.nn.Parameter,
+    target: str,
+    part: int | None,
+    tensor: TensorSlices,
+    tp: TensorParallel,
 ) -> None:
+    """Reads the rank's slice of `tensor` into `param` (or its part of a fused parameter); rows
+    past the checkpoint's (the last vocabulary shard's padding) are zeroed."""
+    label = target if part is None else f"{target}[{part}]"
+    local: torch.Tensor = param
+    if part is not None:
+        sizes = fused_part_sizes(config, target, tp)
+        local = param.narrow(0, sum(sizes[:part]), sizes[part])
+    shard = parameter_shard(target, part, config, tp)
+    expected = list(local.shape) if shard is None else _whole_shape(local, shard)
+    if tensor.get_shape() != expected:
+        raise ModelConfigError(f"{label}: checkpoint shape {tuple(tensor.get_shape())} != {tuple(expected)}")
     with torch.no_grad():
-        if part is None:
-            if param.shape != tensor.shape:
-                raise ModelConfigError(
-                    f"{target}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
+        if shard is None:
+            local.copy_(tensor[...])
             return
-        sizes = fused_part_sizes(config, target)
-        offset = sum(sizes[:part])
-        rows = param.narrow(0, offset, sizes[part])
-        if rows.shape != tensor.shape:
-            raise ModelConfigError(
-                f"{target}[{part}]: checkpoint shape {tuple(tensor.shape)} != {tuple(rows.shape)}"
-            )
-        rows.copy_(tensor)
+        index = slice(shard.start, shard.start + shard.length)
+        local.narrow(shard.dim, 0, shard.length).copy_(tensor[index] if shard.dim == 0 else tensor[:, index])
+        local.narrow(shard.dim, shard.length, local.shape[shard.dim] - shard.length).zero_()
 
 
-def fused_part_sizes(config: ModelConfig, target: str) -> list[int]:
-    """Row counts of the parts stacked in fused parameter `target`: [q, k, v] or [gate, up]."""
+def _whole_shape(local: torch.Tensor, shard: Shard) -> list[int]:
+    shape = list(local.shape)
+    shape[shard.dim] = shard.total
+    return shape
+
+
+def fused_part_sizes(config: ModelConfig, target: str, tp: TensorParallel = SINGLE) -> list[int]:
+    """Row counts of the parts stacked in fused parameter `target` (rank `tp.rank`'s share):
+    [q, k, v] or [gate, up]."""
     if ".qkv_proj." in target:
-        kv = config.num_key_value_heads * config.head_dim
-        return [config.num_attention_heads * config.head_dim, kv, kv]
-    return [config.intermediate_size, config.intermediate_size]
+        kv = num_local_kv_heads(config, tp) * config.head_dim
+        return [num_local_heads(config, tp) * config.head_dim, kv, kv]
+    return [config.intermediate_size // tp.size] * 2
 
 
 def _expected_parts(params: dict[str, torch.nn.Parameter]) -> set[str]:

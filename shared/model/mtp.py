@@ -13,6 +13,10 @@ i (what `LlamaForCausalLM.forward` returns); the head's row i pairs h_i with the
 t_{i+1} and sits at position i, as in vLLM's DeepSeek MTP. Embedding, final norm and LM head are
 the target's, shared, never copied: the head only owns `enorm`, `hnorm`, `eh_proj` and `layer`.
 
+Under tensor parallelism the head's layer is split like the target's layers (it has their shape, so
+it splits wherever the target does, and its KV cache shares the target's per-rank layout); the
+small eh_proj and the norms are replicated.
+
 Checkpoint (its own directory, like FastDeploy's MTP checkpoint beside the main model):
 `config.json` with `architectures: ["SpecmeshMTPHead"]`, the target's architecture and shape, and
 `model.safetensors` with `enorm.weight`, `hnorm.weight`, `eh_proj.weight` and `layer.*` under
@@ -33,7 +37,7 @@ from torch import nn
 from kernels import AttentionMetadata
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
-from shared.model.loader import SINGLE_FILE, iter_checkpoint, load_named_tensors, unfused_state_dict
+from shared.model.loader import SINGLE_FILE, iter_checkpoint_slices, load_named_tensors, unfused_state_dict
 from shared.model.rope import RotaryEmbedding
 
 MTP_ARCHITECTURE = "SpecmeshMTPHead"
@@ -78,7 +82,7 @@ class MTPHead(nn.Module):
             self.config.rope_theta,
             self.config.rope_scaling,
         )
-        self.layer = DecoderLayer(self.config, rotary, self.config.sliding_windows[0])
+        self.layer = DecoderLayer(self.config, rotary, self.config.sliding_windows[0], target.tp)
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -104,6 +108,8 @@ class MTPHead(nn.Module):
         previous_hidden: torch.Tensor,  # [batch, seq, hidden_size]: h_i
     ) -> torch.Tensor:  # [batch, seq, hidden_size]
         """Causal pass without a KV cache, for training and scoring; row i sits at position i."""
+        if self.target.tp.size > 1:
+            raise NotImplementedError("the dense (training / scoring) forward runs on one rank only")
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.layer.forward_dense(positions, self._combine(input_ids, previous_hidden))
 
@@ -149,14 +155,15 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path) -> Path:
 def load_mtp_head(
     mtp_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
 ) -> MTPHead:
-    """Loads a head saved by `save_mtp_head` for `target`; refuses one trained for another model."""
+    """Loads a head saved by `save_mtp_head` for `target` (split as the target is); refuses one
+    trained for another model."""
     mtp_dir = Path(mtp_dir)
     check_mtp_config(read_mtp_config(mtp_dir), target.config, mtp_dir)
     with torch.device("meta"):
         head = MTPHead(target)
     head = head.to_empty(device=device).to(dtype)
     head.rotary.build(device)
-    load_named_tensors(head, head.config, iter_checkpoint(mtp_dir), str(mtp_dir))
+    load_named_tensors(head, head.config, iter_checkpoint_slices(mtp_dir), str(mtp_dir), tp=target.tp)
     return head.eval()
 
 

@@ -203,15 +203,22 @@ def make_proposers(
 ) -> dict[str, Proposer]:
     """Every method a request on this server may use: n-gram and suffix always, the server's
     drafting model when it loads one."""
-    proposers: dict[str, Proposer] = {
-        "ngram": NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.k),
-    }
+    proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
     if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
         # where a decode step takes a millisecond or less, the in-process global tree is indexed
         # off the step by a thread
         suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
     proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
+    return proposers
+
+
+def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dict[str, Proposer]:
+    """The proposers that draft in the step's tail, in the tail's order (every tensor-parallel
+    rank builds the same ones, in the same order)."""
+    proposers: dict[str, Proposer] = {
+        "ngram": NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.k),
+    }
     block_size = runner.block_size
     if runner.mtp_head is not None:
         with_ngram = config.mtp_strategy == "with_ngram"

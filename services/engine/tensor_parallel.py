@@ -1,0 +1,273 @@
+"""The ranks of a tensor-parallel engine: rank 0, the engine's own process, drives ranks 1..N-1.
+
+Rank 0 owns all host state (scheduling, drafting plans, host proposers, sequences, detokenization).
+Each step it sends the other ranks, its *followers*, what their device work needs: the slots that
+requests took since the last step (`SlotJoin`), the step's host inputs (`HostStep`) and the tail's
+plan. Every rank then runs the same forward over its shards of the model (shared/model/parallel.py)
+and the same tail (verify, post-step update, device drafting) over its own copy of the input batch.
+
+Rank consistency needs no message back. The LM head's logits are all-gathered, so every rank holds
+the same float32 logits and samples them with the same noise, keyed by seed and output position
+(kernels/sampling_noise_ref.py): each rank accepts the same drafts and keeps the same tokens, and
+the MTP head's and the draft model's drafts, sampled the same way from all-gathered (MTP) or
+replicated (draft model) logits, agree too. Verification that the fused kernel cannot do runs on
+rank 0's host (it needs the sequences) and its result is sent along (`Ranks.share`).
+
+Why rank 0 drives rather than every rank running the scheduler: what the scheduler sees is not the
+same in every process (commands from the worker, the suffix cache's answers, adaptive speculation's
+timings), and keeping sequences, tokenizer and text N times would buy nothing.
+
+Commands travel over a socket per follower (pickled once, sent to each); tensors (KV moved in or
+out of the caches) over the process group. A group lives and dies together: followers die with
+rank 0 (a parent-death signal, end of file on their socket), and rank 0's process exits when a
+follower dies (its collectives could otherwise wait forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+import services
+from services.engine.cuda_graph import HostStep
+from services.engine.input_batch import SlotJoin
+from shared.config import EngineConfig
+from shared.model.parallel import SINGLE, TensorParallel
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a collective may wait for the slowest rank (model loading comes before the first)."""
+STOP_TIMEOUT_S = 30.0
+EXIT_RANK_LOST = 70
+"""Rank 0's exit code when a follower died under it."""
+
+
+# ---- what rank 0 sends ------------------------------------------------------------------------------
+
+
+@dataclass
+class FollowerSetup:
+    """A follower's first message: who it is and what to build."""
+
+    rank: int
+    size: int
+    store_port: int
+    """The rendezvous store's port on 127.0.0.1 (rank 0 serves it)."""
+    config: EngineConfig
+    max_model_len: int
+
+
+@dataclass
+class StepCommand:
+    """One step: the slots taken since the last one, the step's host inputs, the tail's plan."""
+
+    joins: list[SlotJoin]
+    step: HostStep
+    num_wanted: list[int]
+    num_steps: int
+    methods: list[int]
+    fused: bool
+    """The fused kernel verifies every request (else rank 0 sends its verification)."""
+
+
+@dataclass
+class ImportBlocks:
+    """One layer of received KV into blocks `block_ids`; the heads follow over the group."""
+
+    cache: str
+    index: int
+    block_ids: list[int]
+
+
+@dataclass
+class ExportBlocks:
+    """Every layer's KV of blocks `block_ids`, gathered to rank 0 over the group."""
+
+    block_ids: list[int]
+
+
+@dataclass
+class CompareRows:
+    """Every rank checks its input batch's token rows against the others' (a diagnostic)."""
+
+
+@dataclass
+class Stop:
+    pass
+
+
+# ---- a rank's view of the others --------------------------------------------------------------------
+
+
+class Ranks:
+    """The group of one rank: nothing to send, nobody to wait for."""
+
+    tp: TensorParallel = SINGLE
+    is_driver = True
+
+    def send(self, command: object) -> None:
+        """Sends `command` to every follower (rank 0 only)."""
+
+    def share(self, make: Callable[[], T]) -> T:
+        """`make()` on rank 0, sent to the followers, which receive it instead of calling it."""
+        return make()
+
+    def close(self) -> None:
+        """Stops the followers and leaves the group."""
+
+
+class Driver(Ranks):
+    """Rank 0: starts the followers, sends them commands, watches them."""
+
+    def __init__(self) -> None:
+        self.tp = SINGLE
+        self.followers: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        self._closing = threading.Event()
+
+    @classmethod
+    def start(cls, config: EngineConfig, max_model_len: int) -> Driver:
+        """Starts ranks 1..N-1 (each loads its shards while this process loads its own) and joins
+        the group with them; watched from the start, so a rank that dies while the group forms or
+        loads exits this process rather than leave it waiting on a collective."""
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already holds a torch.distributed group (a tensor-parallel engine is "
+                "running here); close it first: one tensor-parallel engine per process"
+            )
+        size = config.tensor_parallel_size
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
+        )
+        driver = cls()
+        try:
+            for rank in range(1, size):
+                driver._spawn(rank, FollowerSetup(rank, size, store.port, config, max_model_len))
+            driver.tp = join_group(config, 0, size, store)
+        except BaseException:
+            driver._kill()
+            raise
+        logger.info("tensor-parallel group of %d ranks joined (%s)", size, dist.get_backend())
+        return driver
+
+    def _spawn(self, rank: int, setup: FollowerSetup) -> None:
+        follower, conn = _spawn_follower()
+        self.followers.append(follower)
+        self.conns.append(conn)
+        threading.Thread(
+            target=self._watch, args=(rank, follower), name=f"tp-rank-{rank}", daemon=True
+        ).start()
+        conn.send_bytes(pickle.dumps(setup))
+
+    def _kill(self) -> None:
+        self._closing.set()
+        for follower in self.followers:
+            follower.kill()
+            follower.wait()
+
+    def send(self, command: object) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def share(self, make: Callable[[], T]) -> T:
+        value = make()
+        self.send(value)
+        return value
+
+    def close(self) -> None:
+        """Tells the followers to stop, waits for them (kills those that do not), leaves the group."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a follower that died already
+                conn.send_bytes(pickle.dumps(Stop()))
+        for follower in self.followers:
+            try:
+                follower.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.error("tensor-parallel rank (pid %d) did not stop; killing it", follower.pid)
+                follower.kill()
+                follower.wait()
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _watch(self, rank: int, follower: subprocess.Popen[bytes]) -> None:
+        code = follower.wait()
+        if not self._closing.is_set():
+            logger.critical(
+                "tensor-parallel rank %d exited with code %s: its group cannot go on; exiting", rank, code
+            )
+            logging.shutdown()
+            os._exit(EXIT_RANK_LOST)
+
+
+class Follower(Ranks):
+    """Ranks 1..N-1: receive rank 0's commands and what it shares."""
+
+    is_driver = False
+
+    def __init__(self, tp: TensorParallel, conn: Connection):
+        self.tp = tp
+        self.conn = conn
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def share(self, make: Callable[[], T]) -> T:
+        value: T = self.recv()
+        return value
+
+
+def start_ranks(config: EngineConfig, max_model_len: int) -> Ranks:
+    """The group this engine runs on: itself alone, or rank 0 of `tensor_parallel_size`."""
+    if config.tensor_parallel_size == 1:
+        return Ranks()
+    return Driver.start(config, max_model_len)
+
+
+def join_group(config: EngineConfig, rank: int, size: int, store: dist.Store) -> TensorParallel:
+    """Joins the ranks' process group: NCCL between CUDA devices (rank r on the r-th device from
+    the config's), gloo on CPU."""
+    device = config.rank_device(rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
+    if device.type == "cpu":  # ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def _spawn_follower() -> tuple[subprocess.Popen[bytes], Connection]:
+    """A follower process running this same code (`services.engine.tp_follower`), and its socket."""
+    ours, theirs = socket.socketpair()
+    repo = str(Path(services.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
+    follower = subprocess.Popen(
+        [*argv, "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),), env=env
+    )
+    theirs.close()
+    return follower, Connection(ours.detach())

@@ -1,0 +1,106 @@
+"""A tensor-parallel follower: rank 1..N-1 of an engine, running rank 0's steps on its shards.
+
+    receive a command (services/engine/tensor_parallel.py) → run it on this rank's model runner
+
+Started by rank 0 (`Driver.start`) as `python -m services.engine.tp_follower --fd N --parent-pid P`;
+it builds the same model runner as rank 0 over its slices of the model, captures the same CUDA
+graphs, then follows. It dies with rank 0 (a parent-death signal, and end of file on its socket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+import torch.distributed as dist
+
+from services.engine.model_runner import ModelRunner
+from services.engine.spec_decode.drafter import make_device_proposers
+from services.engine.tensor_parallel import (
+    CompareRows,
+    ExportBlocks,
+    Follower,
+    FollowerSetup,
+    ImportBlocks,
+    StepCommand,
+    Stop,
+    join_group,
+)
+from shared.model import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+
+
+def follow(runner: ModelRunner, ranks: Follower) -> None:
+    """Runs rank 0's commands until it says stop."""
+    while True:
+        command = ranks.recv()
+        if isinstance(command, StepCommand):
+            runner.follow_step(command)
+        elif isinstance(command, ImportBlocks):
+            runner.import_blocks(command.cache, command.index, command.block_ids)
+        elif isinstance(command, ExportBlocks):
+            runner.export_blocks(command.block_ids)
+        elif isinstance(command, CompareRows):
+            runner.rows_agree()
+        elif isinstance(command, Stop):
+            return
+        else:
+            raise TypeError(f"unknown tensor-parallel command {type(command).__name__}")
+
+
+def serve(conn: Connection) -> None:
+    setup: FollowerSetup = pickle.loads(conn.recv_bytes())
+    config = setup.config
+    store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, is_master=False)
+    ranks = Follower(join_group(config, setup.rank, setup.size, store), conn)
+    spec = config.speculative_config
+    runner = ModelRunner(config, ModelConfig.from_dir(config.model), setup.max_model_len, spec, ranks)
+    runner.start(list(make_device_proposers(spec, runner).values()))
+    logger.info("tensor-parallel rank %d of %d ready on %s", setup.rank, setup.size, runner.device)
+    try:
+        follow(runner, ranks)
+    finally:
+        dist.destroy_process_group()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when rank 0 dies; named for `ps`."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_NAME, b"tp-follower")
+    if os.getppid() != parent_pid:  # rank 0 died before the signal was armed
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.engine.tp_follower")
+    parser.add_argument("--fd", type=int, required=True, help="this end of rank 0's socket")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops it
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-follower %(levelname)s %(message)s")
+    conn = Connection(args.fd)
+    try:
+        serve(conn)
+    except EOFError:
+        logger.warning("rank 0 closed the socket; stopping")
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Tensor parallelism on GPUs (NCCL, CUDA graphs captured with the collectives inside): the same
+greedy tokens as one GPU, for every speculative method. Run by `scripts/gpu_check.sh tp`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.llm import LLM
+from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.test_tensor_parallel import OVERRIDES, SHAPES, random_mtp_head
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_output_of_two_gpus_is_one_gpus(make_checkpoint, shape: str) -> None:
+    arch, overrides = SHAPES[shape]
+    target = str(make_checkpoint(arch, **overrides))
+    spec = dict(method="mtp", model=random_mtp_head(target), num_speculative_tokens=3, adaptive=False)
+    settings = dict(device="cuda", dtype="float32", max_model_len=192, speculative_config=spec)
+    outputs = {}
+    for size in (1, 2):
+        with LLM(target, tensor_parallel_size=size, **settings) as llm:
+            assert llm.engine.runner.graphs is not None
+            outputs[size] = {
+                method: [
+                    o.token_ids
+                    for o in llm.generate(
+                        prompt_token_ids=repetitive_prompts(4),
+                        sampling_params=GREEDY.model_copy(update={"speculative": override}),
+                    )
+                ]
+                for method, override in OVERRIDES.items()
+            }
+            if size == 2:
+                assert llm.engine.runner.rows_agree()
+    assert outputs[2] == outputs[1]
