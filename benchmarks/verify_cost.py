@@ -93,6 +93,25 @@ def step_times(graphs: DecodeGraphs, step: HostStep) -> dict[str, float]:
     return times
 
 
+def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict[str, Any]]:
+    """The kernels one replay of `graph` runs: per kernel name, launches and device microseconds
+    per replay, most expensive first (torch.profiler over `reps` replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = [
+        {"kernel": row.key[:90], "launches": row.count / reps, "us": row.device_time_total / reps}
+        for row in prof.key_averages()
+        if row.device_time_total > 0
+    ]
+    return sorted(table, key=lambda row: -row["us"])
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     method = json.loads(args.method)
@@ -126,8 +145,23 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 verify_ms=verify_ms,
                 ratio=verify_ms / plain_ms,
             )
+            if args.kernels:
+                key = graphs.lookup(batch * (1 + k), 1 + k)
+                assert key is not None
+                graphs.replay_forward(
+                    synthetic_step(graphs, batch, 1 + k, args.context, config.block_size), key
+                )
+                row["kernels"] = {
+                    "forward": kernel_table(graphs.graphs[key]),
+                    "tail": kernel_table(graphs.tails[(*key, max(graphs.chain_lengths))][0]),
+                }
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({name: value for name, value in row.items() if name != "kernels"}), flush=True)
+            for part, table in row.get("kernels", {}).items():
+                launches = sum(r["launches"] for r in table)
+                print(f"  {part}: {launches:.0f} launches, {sum(r['us'] for r in table):.0f} us")
+                for r in table[:25]:
+                    print(f"    {r['us']:8.1f} us {r['launches']:5.1f}x  {r['kernel']}")
         del engine, graphs
         torch.cuda.empty_cache()
     return rows
@@ -141,6 +175,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--method", default='{"method": "ngram"}', help="speculative config JSON (k aside)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="list the verify step's kernels (torch.profiler)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = measure(args)
