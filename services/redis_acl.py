@@ -12,9 +12,7 @@ from shared import acl
 
 
 def add_redis_acl_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "redis-acl", help="print the Redis ACL file: a user per role, the default user off (Redis 7+)"
-    )
+    parser = subparsers.add_parser("redis-acl", help="print Redis 7 ACL users: one per role, default off")
     parser.add_argument("--scheduler-topic", default="default", help="the deployment's topic")
     parser.add_argument(
         "--password-dir",

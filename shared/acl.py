@@ -1,7 +1,8 @@
 """Redis ACL users, one per role, each allowed only the commands and keys its code uses.
 
 Every grant is a Redis 7 selector: its commands may touch its keys and no others, so the gateway,
-which may XADD to the requests stream, cannot XADD to a worker's inbox. Keys come from `Keys`, so a
+which may XADD to the requests stream, cannot XADD to a worker's inbox. A command with several keys
+needs one grant that covers them all. Keys come from `Keys`, so a
 new key or command in a role's code needs its grant here (the role's user is refused otherwise,
 and tests/shared/test_acl.py says which). Scripts run with their caller's rights: EVALSHA needs the
 script's declared KEYS, and every command inside the script is checked again. The default user is
@@ -101,11 +102,10 @@ def _scheduler(keys: Keys) -> RoleAcl:
             Grant(("xread",), (keys.reservation_replies("*"),)),
             Grant(("xadd",), (keys.inbox("*"), keys.dead_letters)),
             Grant(("evalsha",), (request, keys.queue_depth, delivered, assigned, keys.outputs("*"))),
-            Grant(
-                ("hsetnx", "hset", "hget", "hexists", "hincrby", "hdel", "del", "exists", "set"), (request,)
-            ),
+            Grant(("hsetnx", "hset", "hget", "hexists", "hincrby", "hdel", "exists", "set"), (request,)),
             Grant(("incr", "decr", "get"), (keys.queue_depth,)),
-            Grant(("get", "del"), (delivered,)),
+            Grant(("get",), (delivered,)),
+            Grant(("del",), (request, delivered)),  # `release` deletes both in one DEL
             Grant(("sadd", "srem", "smembers", "del"), (assigned,)),
             Grant(("smembers", "srem"), (keys.instances,)),
             Grant(("mget",), (keys.heartbeat("*"),)),
