@@ -46,7 +46,7 @@ async def authenticate_sender(connection: Connection, secret: bytes, timeout_s: 
     if the peer does not answer in time or answers wrong (the caller refuses the connection)."""
     receiver_nonce = secrets.token_bytes(NONCE_BYTES)
     await connection.writer.write_control(FrameKind.CHALLENGE, receiver_nonce)
-    kind, payload = await _next_control(connection, timeout_s, "the sender's response")
+    kind, payload = await _next_control(connection, timeout_s, "response from the sender")
     if kind != FrameKind.RESPONSE:
         raise KVAuthenticationError(f"the peer sent {kind.name} instead of authenticating")
     if len(payload) != NONCE_BYTES + MAC_BYTES:
@@ -63,14 +63,14 @@ async def authenticate_receiver(connection: Connection, secret: bytes, timeout_s
     """Sender side: answers the receiver's challenge and checks its proof. KVAuthenticationError
     if the receiver does not challenge (it has no secret), refuses us, or proves nothing."""
     kind, payload = await _next_control(
-        connection, timeout_s, "the receiver's challenge (has it the secret?)"
+        connection, timeout_s, "challenge from the receiver (has it the KV secret?)"
     )
     if kind != FrameKind.CHALLENGE or len(payload) != NONCE_BYTES:
         raise KVAuthenticationError(f"the receiver sent {kind.name} where a challenge was due")
     sender_nonce = secrets.token_bytes(NONCE_BYTES)
     answer = mac(secret, SENDER_LABEL, payload, sender_nonce)
     await connection.writer.write_control(FrameKind.RESPONSE, sender_nonce + answer)
-    kind, proof = await _next_control(connection, timeout_s, "the receiver's proof")
+    kind, proof = await _next_control(connection, timeout_s, "proof from the receiver")
     if kind == FrameKind.ERROR:
         raise error_from_payload(proof)
     if kind != FrameKind.PROOF or not hmac.compare_digest(
@@ -85,6 +85,6 @@ async def _next_control(connection: Connection, timeout_s: float, what: str) -> 
     except asyncio.TimeoutError:
         raise KVAuthenticationError(f"no {what} within {timeout_s:g} s") from None
     except (ConnectionError, OSError) as exc:
-        raise KVAuthenticationError(f"connection lost while waiting for {what}: {exc!r}") from None
+        raise KVAuthenticationError(f"the connection closed while waiting for a {what}: {exc}") from None
     except KVTransferError as exc:
-        raise KVAuthenticationError(f"while waiting for {what}: {exc}") from None
+        raise KVAuthenticationError(f"while waiting for a {what}: {exc}") from None
