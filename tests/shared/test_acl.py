@@ -238,12 +238,15 @@ def test_acl_rules_need_a_topic_that_fits_in_a_key_pattern() -> None:
     assert "~specmesh:a\\*b:requests" in acl.acl_file(hashes, "a*b")
 
 
-@pytest.mark.parametrize("role", ["scheduler", "suffix-cache"])
+@pytest.mark.parametrize(
+    ("role", "flags"),
+    [("scheduler", ()), ("suffix-cache", ()), ("gateway", ("--port", "0"))],
+)
 def test_wrong_credentials_stop_a_role_at_start_up_with_one_line(
-    acl_redis: AclRedis, tmp_path: Path, role: str
+    acl_redis: AclRedis, tmp_path: Path, role: str, flags: tuple[str, ...]
 ) -> None:
     bus = ["--scheduler-port", str(acl_redis.port), "--scheduler-topic", TOPIC]
-    argv = [sys.executable, "-m", "services.cli", role, *bus, "--redis-user", acl.user_name(role)]
+    argv = [sys.executable, "-m", "services.cli", role, *flags, *bus, "--redis-user", acl.user_name(role)]
     env = {**os.environ, PASSWORD_ENV: "wrong"}
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0, done.stderr
