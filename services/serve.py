@@ -39,7 +39,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.args import add_engine_args
-from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV
+from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
 from services.supervisor import RestartPolicy, RoleFailed, Supervisor
 from shared import acl
 from shared.bus import Bus, RedisSettings, connect
@@ -210,10 +210,11 @@ class MeshSecrets:
         return ["--redis-user", user] if user else []
 
     def env(self, acl_role: str, extra: dict[str, str]) -> dict[str, str]:
-        """A role's environment: serve's own with the role's Redis password (replacing any other),
-        the KV secret for a worker alone, and `extra`."""
+        """A role's environment: serve's own with the role's Redis password (replacing any other,
+        and no user but the one on its command line), the KV secret for a worker alone, and `extra`."""
         env = {**os.environ, PASSWORD_ENV: self.password(acl_role), **extra}
         env.pop(KV_SECRET_ENV, None)
+        env.pop(REDIS_USER_ENV, None)
         if acl_role == "worker":
             env[KV_SECRET_ENV] = self.kv_secret
         return env
