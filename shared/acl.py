@@ -2,9 +2,9 @@
 
 Every grant is a Redis 7 selector: its commands may touch its keys and no others, so the gateway,
 which may XADD to the requests stream, cannot XADD to a worker's inbox. A command with several keys
-needs one grant that covers them all. Keys come from `Keys`, so a
-new key or command in a role's code needs its grant here (the role's user is refused otherwise,
-and tests/shared/test_acl.py says which). Scripts run with their caller's rights: EVALSHA needs the
+needs one grant that covers them all. Keys come from `Keys`, so a new key or command in a role's
+code needs its grant here (the role's user is refused otherwise, and tests/shared/test_acl.py says
+which). Scripts run with their caller's rights: EVALSHA needs the
 script's declared KEYS, and every command inside the script is checked again. The default user is
 disabled; `specmesh-admin` may do anything (operators, and `specmesh serve` itself).
 """
@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 from shared.keys import Keys
 
+DEFAULT_USER = "user default off resetpass resetchannels ~* &* +@all"
+"""Off: no connection can log in as it, so every client must AUTH as a user below. Its grants are
+still all: Redis replays the MULTI/EXEC blocks of its append-only file (transactions, and every
+script's writes) as the default user, and refuses those it may not run, so a restart would lose
+them."""
 ROLES = ("gateway", "scheduler", "worker", "suffix-cache")
 """ACL roles; prefill, decode and mixed workers share the worker's."""
 ADMIN = "admin"
@@ -165,7 +170,7 @@ def password_hash(password: str) -> str:
 def acl_file(password_hashes: Mapping[str, str], topic: str) -> str:
     """An ACL file (Redis `aclfile`): the default user off, then each role's user and the admin with
     the SHA-256 of its password from `password_hashes` (by ACL role)."""
-    lines = ["user default off resetpass resetkeys resetchannels -@all"]
+    lines = [DEFAULT_USER]
     for role in ROLES:
         rules = role_acl(role, topic).rules
         lines.append(" ".join(["user", user_name(role), "reset", "on", f"#{password_hashes[role]}", *rules]))

@@ -231,6 +231,43 @@ async def test_the_suffix_cache_serves_look_ups_but_reads_no_outputs(bus_as) -> 
     await refused(cache.client.flushall())
 
 
+async def test_a_restart_from_the_append_only_file_keeps_what_scripts_and_transactions_wrote(
+    tmp_path: Path,
+) -> None:
+    """Redis replays the file's MULTI/EXEC blocks as the default user: off, it must keep its grants."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    passwords = {role: secrets.token_hex(16) for role in (*acl.ROLES, acl.ADMIN)}
+    hashes = {role: acl.password_hash(password) for role, password in passwords.items()}
+    users = write_private(tmp_path / "users.acl", acl.acl_file(hashes, TOPIC))
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)]
+    argv += ["--appendonly", "yes", "--appendfsync", "always", "--aclfile", str(users)]
+    redis_at = AclRedis(port, passwords)
+    admin = redis.Redis(port=port, username=acl.user_name(acl.ADMIN), password=passwords[acl.ADMIN])
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    try:
+        _wait_until_up(admin)
+        settings = redis_at.settings("scheduler")
+        scheduler = Bus(await connect(settings, attempts=1), settings.keys)
+        assert await scheduler.admit("r1", submit("r1"), 10) == "admitted"  # a script
+        await scheduler.assign_and_publish("r1", ["w1"], scheduler.keys.inbox("w1"), submit("r1"))  # MULTI
+        await scheduler.client.aclose()
+        written = sorted(admin.keys("*"))
+        server.kill()
+        server.wait(timeout=10)
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        _wait_until_up(admin)
+        assert sorted(admin.keys("*")) == written and len(written) == 4
+        with pytest.raises(AuthenticationError):
+            redis.Redis(port=port).ping()
+    finally:
+        admin.close()
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def test_acl_rules_need_a_topic_that_fits_in_a_key_pattern() -> None:
     hashes = {role: "0" * 64 for role in (*acl.ROLES, acl.ADMIN)}
     with pytest.raises(ValueError, match="whitespace"):
