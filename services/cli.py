@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from redis.exceptions import NoPermissionError
 
 from shared.errors import ModelConfigError, describe_validation_error
 
@@ -39,6 +40,7 @@ SUBCOMMANDS = (
     Subcommand(("generate",), "services.generate:add_generate_parser"),
     Subcommand(("train-mtp",), "training.train_mtp:add_train_mtp_parser"),
     Subcommand(("serve",), "services.serve:add_serve_parser"),
+    Subcommand(("redis-acl",), "services.redis_acl:add_redis_acl_parser"),
     Subcommand(("scheduler",), "services.scheduler.main:add_scheduler_parser"),
     Subcommand(("gateway",), "services.gateway.main:add_gateway_parser"),
     Subcommand(("suffix-cache",), "services.suffix_cache.service:add_suffix_cache_parser"),
@@ -97,6 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (ModelConfigError, ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"specmesh {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except NoPermissionError as exc:  # the Redis user lacks a grant this role's code needs
+        print(
+            f"specmesh {args.command}: error: Redis refused a command: {exc} (see shared/acl.py)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

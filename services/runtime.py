@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from aiohttp import web
@@ -19,7 +19,9 @@ from shared.bus import RedisSettings
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
 PASSWORD_ENV = "SPECMESH_SCHEDULER_PASSWORD"
+REDIS_USER_ENV = "SPECMESH_REDIS_USER"
 API_KEY_ENV = "SPECMESH_API_KEY"  # the gateway's API keys, comma-separated
+KV_SECRET_ENV = "SPECMESH_KV_SECRET"  # the KV transport's shared secret
 STATUS_PORT_FILE_ENV = "SPECMESH_STATUS_PORT_FILE"
 
 
@@ -55,9 +57,18 @@ def add_redis_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scheduler-host", default="127.0.0.1")
     group.add_argument("--scheduler-port", type=int, default=6379)
     group.add_argument(
+        "--redis-user",
+        default=os.environ.get(REDIS_USER_ENV),
+        help=f"Redis ACL user (or set {REDIS_USER_ENV}; default: Redis's default user)",
+    )
+    group.add_argument(
+        "--redis-password-file",
+        type=Path,
+        help=f"file holding the Redis password (its first line); else {PASSWORD_ENV}",
+    )
+    group.add_argument(
         "--scheduler-password",
-        default=os.environ.get(PASSWORD_ENV),
-        help=f"Redis AUTH password (or set {PASSWORD_ENV}, which keeps it off the process list)",
+        help=f"Redis password; shows in `ps`: prefer --redis-password-file or {PASSWORD_ENV}",
     )
     group.add_argument(
         "--scheduler-topic", default="default", help="namespace of every key: deployments can share a Redis"
@@ -67,13 +78,38 @@ def add_redis_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def redis_settings(args: argparse.Namespace) -> RedisSettings:
+def redis_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> RedisSettings:
     return RedisSettings(
         host=args.scheduler_host,
         port=args.scheduler_port,
-        password=args.scheduler_password,
+        password=redis_password(args, environ),
         topic=args.scheduler_topic,
+        username=args.redis_user or None,
     )
+
+
+def redis_password(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """From --redis-password-file, else --scheduler-password, else the environment; None: no AUTH."""
+    if args.redis_password_file is not None:
+        if args.scheduler_password:
+            raise ValueError("give the Redis password once: --redis-password-file or --scheduler-password")
+        return read_secret_file(args.redis_password_file, "--redis-password-file")
+    return args.scheduler_password or environ.get(PASSWORD_ENV) or None
+
+
+def read_secret_file(path: Path, flag: str) -> str:
+    """The first line of a secret's file (a trailing newline is not part of the secret); an error
+    for a missing or empty file, a warning for one every user may read."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    secret = lines[0].strip() if lines else ""
+    if not secret:
+        raise ValueError(f"{flag} {path} is empty")
+    if path.stat().st_mode & 0o004:
+        logging.getLogger(__name__).warning("%s is readable by every user; chmod o-r it", path)
+    return secret
 
 
 def stop_event_on_signals() -> asyncio.Event:

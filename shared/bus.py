@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
@@ -114,20 +114,23 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 10.0
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """Where the bus is; flags as FastDeploy names them (--scheduler-host/-port/-password/-topic)."""
+    """Where the bus is; flags as FastDeploy names them (--scheduler-host/-port/-password/-topic),
+    and the ACL user (--redis-user; None: Redis's default user)."""
 
     host: str = "127.0.0.1"
     port: int = 6379
     password: str | None = None
     topic: str = "default"
     db: int = 0
+    username: str | None = None
 
     @property
     def keys(self) -> Keys:
         return Keys(self.topic)
 
     def describe(self) -> str:
-        return f"redis://{self.host}:{self.port}/{self.db} topic {self.topic!r}"
+        user = f"{self.username}@" if self.username else ""
+        return f"redis://{user}{self.host}:{self.port}/{self.db} topic {self.topic!r}"
 
 
 async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 0.2) -> aioredis.Redis:
@@ -136,10 +139,11 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
     requests is queued, not refused). A command that fails for a broken connection is sent once
     more on a new one at once: after a Redis restart every pooled connection is broken, and each
     would otherwise fail one command. Longer outages are for `retry_transient` and the callers'
-    own loops."""
+    own loops. Wrong credentials fail at once, naming the user."""
     pool = aioredis.BlockingConnectionPool(
         host=settings.host,
         port=settings.port,
+        username=settings.username,
         password=settings.password,
         db=settings.db,
         health_check_interval=30,
@@ -153,6 +157,13 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
         try:
             await client.ping()
             return client
+        except AuthenticationError as exc:  # a ConnectionError that waiting does not cure
+            await client.aclose()
+            user = f"user {settings.username!r}" if settings.username else "the default user"
+            raise ConnectionError(
+                f"Redis at {settings.describe()} refused {user}: {exc} Check --redis-user and the "
+                "password (--redis-password-file or SPECMESH_SCHEDULER_PASSWORD)"
+            ) from None
         except RedisConnectionError as exc:
             last_error = exc
             await asyncio.sleep(delay_s)

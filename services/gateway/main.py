@@ -35,6 +35,7 @@ from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
 from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
 from services.runtime import API_KEY_ENV, add_redis_args, redis_settings, setup_logging
+from shared.bus import RedisSettings
 from shared.reference import default_model
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
     args.api_keys = sorted(load_api_keys(args, os.environ))  # read before forking: a bad file fails once
+    args.bus = redis_settings(args)
     if args.workers > 1:
         return supervise(args)
     return serve(args)
@@ -148,7 +150,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
     served = ServedModel.load(args.model or default_model(), args.served_model_name, args.max_model_len)
-    settings = redis_settings(args)
+    settings: RedisSettings = args.bus
     backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
     app = create_app(served, backend, gateway_settings(args))
     gc.freeze()  # what start-up made lives as long as the process: full collections skip it

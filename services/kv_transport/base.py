@@ -277,6 +277,8 @@ class TransportStats:
     transfers_received: int = 0
     send_failures: int = 0
     receive_failures: int = 0
+    refused_peers: int = 0
+    """Inbound connections refused for failing the authentication (`auth.py`, TLS)."""
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
 
@@ -353,6 +355,12 @@ class KVCallbackError(KVTransferError):
     code = "callback"
 
 
+class KVAuthenticationError(KVTransferError):
+    """The peer did not prove that it holds the KV secret (or TLS refused it)."""
+
+    code = "unauthenticated"
+
+
 ERRORS_BY_CODE: dict[str, type[KVTransferError]] = {
     cls.code: cls
     for cls in (
@@ -363,6 +371,7 @@ ERRORS_BY_CODE: dict[str, type[KVTransferError]] = {
         KVTransferTimeout,
         KVTransferCancelled,
         KVCallbackError,
+        KVAuthenticationError,
     )
 }
 

@@ -47,9 +47,12 @@ class Connection:
     @classmethod
     def wrap(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunk_bytes: int) -> Connection:
         _set_nodelay(writer)
-        # drain() then waits until everything written is in the kernel: uvloop keeps references to the
-        # memory it has not sent yet, and a caller may reuse its tensors once send_layer() returns.
-        writer.transport.set_write_buffer_limits(high=0)
+        # drain() then waits until everything written is in the kernel (or, with TLS, encrypted): uvloop
+        # and the SSL layer keep references to the memory they have not sent yet, and a caller may reuse
+        # its tensors once send_layer() returns. A TLS transport pauses at a buffer >= its high-water
+        # mark (a plain one at > it), so 0 there would never let drain() return.
+        tls = writer.get_extra_info("sslcontext") is not None
+        writer.transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
         return cls(FrameReader(reader, chunk_bytes), FrameWriter(writer, chunk_bytes))
 
     @property

@@ -6,6 +6,10 @@ Receiver: one task per inbound connection reads frames; each verified layer goes
 queue whose consumer task runs `on_layer`, so reading layer i + 1 off the socket overlaps the callback
 storing layer i, and a slow callback pushes back on the sender through TCP flow control. The sender
 pushes back the same way: every chunk written awaits `drain()`.
+
+With a shared secret, each connection is authenticated both ways (`auth.py`) before its first
+header; a peer that fails is refused and logged, and nothing it sent reaches a callback. With TLS
+files (`tls.py`) every connection is mutual TLS.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import contextlib
 import inspect
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from services.kv_transport.auth import authenticate_receiver, authenticate_sender, check_secret
 from services.kv_transport.base import (
+    KVAuthenticationError,
     KVCallbackError,
     KVConnectionError,
     KVExpectation,
@@ -42,6 +49,7 @@ from services.kv_transport.base import (
 )
 from services.kv_transport.connection import LINGER_S, Connection, Pool, join_address, split_address
 from services.kv_transport.tcp_sender import TcpSendSession
+from services.kv_transport.tls import TlsFiles
 from services.kv_transport.wire import (
     POSITION,
     PREFIX,
@@ -148,6 +156,8 @@ class TcpKVTransport(KVTransport):
         delivery_depth: int = 2,
         read_buffer_bytes: int = 4 << 20,
         pin_memory: bool = False,
+        secret: bytes | None = None,
+        tls: TlsFiles | None = None,
     ):
         """
         connect_timeout_s: connecting to a receiver and its accepting the header.
@@ -159,6 +169,9 @@ class TcpKVTransport(KVTransport):
         read_buffer_bytes: the stream reader's buffer limit on received connections.
         pin_memory: receive into page-locked CPU tensors (needs CUDA), so that the decode worker's copy
             to the GPU can be asynchronous.
+        secret: the mesh's shared KV secret (at least 16 bytes): every connection proves it both ways
+            before any KV moves, within `connect_timeout_s`. None: no authentication.
+        tls: certificate, key and CA files for mutual TLS on every connection. None: plain TCP.
         """
         self.connect_timeout_s = connect_timeout_s
         self.ack_timeout_s = ack_timeout_s
@@ -166,6 +179,9 @@ class TcpKVTransport(KVTransport):
         self.delivery_depth = delivery_depth
         self.read_buffer_bytes = read_buffer_bytes
         self.pin_memory = pin_memory
+        self.secret = None if secret is None else check_secret(secret)
+        self._server_tls = tls.server_context() if tls else None
+        self._client_tls = tls.client_context() if tls else None
         self.stats = TransportStats()
         self.address: str | None = None
         self._server: asyncio.Server | None = None
@@ -182,7 +198,14 @@ class TcpKVTransport(KVTransport):
     async def start(self, host: str = "0.0.0.0", port: int = 0, advertise_host: str | None = None) -> str:
         if self._server is not None:
             raise RuntimeError(f"KV transport already listening on {self.address}")
-        self._server = await asyncio.start_server(self._serve, host, port, limit=self.read_buffer_bytes)
+        self._server = await asyncio.start_server(
+            self._serve,
+            host,
+            port,
+            limit=self.read_buffer_bytes,
+            ssl=self._server_tls,
+            ssl_handshake_timeout=self.connect_timeout_s if self._server_tls else None,
+        )
         bound_port = self._server.sockets[0].getsockname()[1]
         if advertise_host is None:
             advertise_host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
@@ -305,6 +328,8 @@ class TcpKVTransport(KVTransport):
         self._inbound.add(connection)
         peer = writer.get_extra_info("peername")
         try:
+            if self.secret is not None and not await self._authenticated(connection, peer):
+                return
             while not self._closing and await self._receive_one(connection, peer):
                 pass
         except KVTransferError as exc:
@@ -319,6 +344,22 @@ class TcpKVTransport(KVTransport):
             self._handlers.discard(task)
             self._inbound.discard(connection)
             connection.stream.close()  # graceful: an ACK or error frame still buffered goes out first
+
+    async def _authenticated(self, connection: Connection, peer: object) -> bool:
+        """Whether the peer proved it holds the secret; a peer that did not is told so and logged."""
+        assert self.secret is not None
+        try:
+            await authenticate_sender(connection, self.secret, self.connect_timeout_s)
+            return True
+        except KVAuthenticationError as exc:
+            self.stats.refused_peers += 1
+            logger.warning("KV connection from %s refused: %s", peer, exc)
+            with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+                refusal = KVAuthenticationError("authentication failed")
+                await asyncio.wait_for(
+                    connection.writer.write_control(FrameKind.ERROR, error_payload(refusal)), LINGER_S
+                )
+            return False
 
     async def _receive_one(self, connection: Connection, peer: object) -> bool:
         """Receive one transfer; True if the connection can carry another."""
@@ -572,14 +613,25 @@ class TcpKVTransport(KVTransport):
     async def _connect(self, address: str, timeout_s: float) -> Connection:
         host, port = split_address(address)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=self._client_tls), timeout_s
+            )
         except asyncio.TimeoutError:
             raise KVConnectionError(
                 f"connecting to the KV receiver at {address} timed out after {timeout_s} s"
             ) from None
+        except ssl.SSLError as exc:
+            raise KVAuthenticationError(f"TLS with the KV receiver at {address} failed: {exc}") from None
         except OSError as exc:
             raise KVConnectionError(f"cannot reach the KV receiver at {address}: {exc}") from None
-        return Connection.wrap(reader, writer, self.chunk_bytes)
+        connection = Connection.wrap(reader, writer, self.chunk_bytes)
+        if self.secret is not None:
+            try:
+                await authenticate_receiver(connection, self.secret, timeout_s)
+            except KVAuthenticationError as exc:
+                connection.abort()
+                raise KVAuthenticationError(f"KV receiver at {address}: {exc}") from None
+        return connection
 
     async def _start_session(
         self,
@@ -613,6 +665,12 @@ class TcpKVTransport(KVTransport):
         if kind == FrameKind.ERROR:
             await connection.close()
             raise error_from_payload(payload, header.request_id)
+        if kind == FrameKind.CHALLENGE:
+            connection.abort()
+            raise KVAuthenticationError(
+                f"the KV receiver at {address} requires the KV secret, which this worker lacks",
+                header.request_id,
+            )
         if kind != FrameKind.ACCEPT or unpack(payload).get("request_id") != header.request_id:
             connection.abort()
             raise KVIntegrityError(

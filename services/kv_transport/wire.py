@@ -25,6 +25,9 @@ Receiver -> sender:
     ACK     msgpack({"request_id": str})           (after END: everything verified and stored)
     ERROR   msgpack({"request_id": str | None, "code": str, "message": str})  (the connection closes)
 
+With a shared secret, every connection starts with the handshake of `auth.py` (CHALLENGE, RESPONSE,
+PROOF: raw nonces and HMACs as payloads) before its first HEADER.
+
 After ACK the connection may carry the next transfer, starting again with HEADER. Tensor bytes are
 the tensor's memory in native (little-endian on every supported host) byte order, C-contiguous; the
 receiver reads them straight into a new tensor's memory (`empty_tensor`), verifying as it goes.
@@ -75,6 +78,9 @@ class FrameKind(IntEnum):
     ACCEPT = 16
     ACK = 17
     ERROR = 18
+    CHALLENGE = 32
+    RESPONSE = 33
+    PROOF = 34
 
 
 CONTROL_KINDS = frozenset(FrameKind) - {FrameKind.LAYER, FrameKind.TENSOR}

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from services.engine.args import add_engine_args, engine_config
+from services.kv_transport.auth import check_secret
+from services.kv_transport.tls import TlsFiles
 from services.runtime import (
+    KV_SECRET_ENV,
     add_redis_args,
+    read_secret_file,
     redis_settings,
     setup_logging,
     start_status_server,
@@ -49,6 +55,18 @@ def add_worker_parsers(subparsers: Any) -> None:
         group.add_argument(
             "--kv-advertise-host", help="address prefill workers connect to (default: --kv-host)"
         )
+        group.add_argument(
+            "--kv-secret-file",
+            type=Path,
+            help=f"file holding the KV transport's shared secret (else {KV_SECRET_ENV}; none: no check)",
+        )
+        group.add_argument(
+            "--kv-tls-cert", type=Path, help="this worker's certificate (PEM): mutual TLS for KV"
+        )
+        group.add_argument("--kv-tls-key", type=Path, help="its private key (PEM)")
+        group.add_argument(
+            "--kv-tls-ca", type=Path, help="the CA a peer's certificate must be signed by (PEM)"
+        )
         group.add_argument("--metrics-host", default="127.0.0.1")
         group.add_argument(
             "--metrics-port", type=int, default=0, help="/health and /metrics (0 picks a free port)"
@@ -70,9 +88,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     role = args.splitwise_role or "mixed"
     setup_logging(args.worker_log_level, role)
     instance_id = args.instance_id or f"{socket.gethostname()}-{role}-{uuid.uuid4().hex[:6]}"
+    args.kv_secret = kv_secret(args, os.environ)  # bad KV files fail here, before anything starts
+    args.kv_tls = TlsFiles.from_flags(args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca)
+    if args.kv_secret is not None:
+        check_secret(args.kv_secret)
     import uvloop
 
     return uvloop.run(run_worker(args, role, instance_id))
+
+
+def kv_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> bytes | None:
+    """The KV transport's shared secret: from --kv-secret-file, else the environment."""
+    if args.kv_secret_file is not None:
+        return read_secret_file(args.kv_secret_file, "--kv-secret-file").encode()
+    secret = environ.get(KV_SECRET_ENV, "")
+    return secret.encode() if secret else None
 
 
 async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> int:
@@ -101,6 +131,8 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_advertise_host=args.kv_advertise_host,
+        kv_secret=args.kv_secret,
+        kv_tls=args.kv_tls,
         drain_timeout_s=args.drain_timeout_s,
     )
     worker = Worker(core, bus, options, metrics)

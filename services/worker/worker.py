@@ -35,6 +35,7 @@ from services.kv_transport import (
     make_transport,
 )
 from services.kv_transport.base import dtype_name
+from services.kv_transport.tls import TlsFiles
 from services.worker.core_client import EngineCoreClient
 from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
@@ -83,6 +84,9 @@ class WorkerOptions:
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     kv_advertise_host: str | None = None
+    kv_secret: bytes | None = None
+    """The mesh's shared KV secret: both ends of every KV connection prove it (None: no check)."""
+    kv_tls: TlsFiles | None = None
     drain_timeout_s: float = 60.0
 
 
@@ -108,7 +112,9 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> int:
         """Serves until `stop` (drains, returns 0) or until the engine core dies (returns 1)."""
         if self.options.role in ("prefill", "decode"):
-            self.transport = make_transport(self.options.kv_transport)
+            self.transport = make_transport(
+                self.options.kv_transport, secret=self.options.kv_secret, tls=self.options.kv_tls
+            )
             if self.options.role == "decode":
                 self.kv_address = await self.transport.start(
                     self.options.kv_host, self.options.kv_port, advertise_host=self.options.kv_advertise_host

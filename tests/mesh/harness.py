@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +16,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 import aiohttp
+import redis
 
-from services.serve import free_port
+from services.runtime import KV_SECRET_ENV, PASSWORD_ENV
+from services.serve import ACL_ROLE_OF, free_port, write_private
+from shared import acl
+from shared.bus import RedisSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,12 +45,30 @@ class Process:
 
 @dataclass
 class LocalMesh:
-    """One deployment. `start_role` launches `python -m services.cli <role> ...` with the bus flags."""
+    """One deployment. `start_role` launches `python -m services.cli <role> ...` with the bus flags.
+    With `acl_users`, Redis has a user per role (`shared/acl.py`) and the default user off, and each role
+    runs as its own user; with `kv_secret`, the workers authenticate their KV connections."""
 
     workdir: Path
     topic: str = "test"
     redis_port: int = field(default_factory=free_port)
     processes: dict[str, Process] = field(default_factory=dict)
+    acl_users: bool = False
+    kv_secret: str | None = None
+    passwords: dict[str, str] = field(
+        default_factory=lambda: {role: secrets.token_hex(16) for role in (*acl.ROLES, acl.ADMIN)}
+    )
+
+    def settings(self, acl_role: str = acl.ADMIN) -> RedisSettings:
+        """The bus as `acl_role` sees it (the tests' own clients: the admin)."""
+        if not self.acl_users:
+            return RedisSettings(port=self.redis_port, topic=self.topic)
+        return RedisSettings(
+            port=self.redis_port,
+            topic=self.topic,
+            username=acl.user_name(acl_role),
+            password=self.passwords[acl_role],
+        )
 
     @property
     def bus_flags(self) -> list[str]:
@@ -69,6 +91,10 @@ class LocalMesh:
         persistence = (
             ["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly else ["--appendonly", "no"]
         )
+        if self.acl_users:
+            hashes = {role: acl.password_hash(password) for role, password in self.passwords.items()}
+            users = write_private(self.workdir / "users.acl", acl.acl_file(hashes, self.topic))
+            persistence += ["--aclfile", str(users)]
         self._spawn(
             "redis",
             [
@@ -84,7 +110,7 @@ class LocalMesh:
             ]
             + persistence,
         )
-        self._wait(lambda: _redis_answers(self.redis_port), "redis")
+        self._wait(lambda: _redis_answers(self.settings()), "redis")
 
     def restart_redis(self, down_s: float) -> None:
         """SIGKILLs redis-server, and starts it again on the same port `down_s` later (from its
@@ -93,15 +119,20 @@ class LocalMesh:
         self.kill("redis")
         time.sleep(down_s)
         self._spawn("redis", argv)
-        self._wait(lambda: _redis_answers(self.redis_port), "redis")
+        self._wait(lambda: _redis_answers(self.settings()), "redis")
 
     def start_role(self, name: str, role: str, *flags: str, wait_for_status: bool = True) -> Process:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         env = {**os.environ, "SPECMESH_STATUS_PORT_FILE": str(port_file), "PYTHONUNBUFFERED": "1"}
-        process = self._spawn(
-            name, [sys.executable, "-m", "services.cli", role, *flags, *self.bus_flags], env=env
-        )
+        acl_role = ACL_ROLE_OF.get(role, "worker")
+        bus_flags = [*self.bus_flags]
+        if self.acl_users:
+            bus_flags += ["--redis-user", acl.user_name(acl_role)]
+            env[PASSWORD_ENV] = self.passwords[acl_role]
+        if self.kv_secret is not None and acl_role == "worker":
+            env[KV_SECRET_ENV] = self.kv_secret
+        process = self._spawn(name, [sys.executable, "-m", "services.cli", role, *flags, *bus_flags], env=env)
         if wait_for_status and role != "gateway":
             self._wait(lambda: port_file.is_file() and port_file.read_text().strip() != "", name)
             process.status_port = int(port_file.read_text())
@@ -238,16 +269,21 @@ def child_pid(pid: int, name: str, timeout_s: float = 30.0) -> int:
     raise AssertionError(f"no child {name!r} of {pid}: {child_processes(pid)}")
 
 
-def _redis_answers(port: int) -> bool:
+def _redis_answers(settings: RedisSettings) -> bool:
     """PING answered (a server loading its append-only file answers LOADING)."""
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        try:
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+    client = redis.Redis(
+        port=settings.port,
+        username=settings.username,
+        password=settings.password,
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+    )
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def _http_ok(url: str) -> bool:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.engine.llm import LLM
-from shared.bus import Bus, RedisSettings, connect
+from shared.bus import Bus, connect
 from shared.protocol import PAYLOAD_FIELD, GenerateRequest, OutputBatch, Submit, TokenEvent
 from shared.sampling_params import SamplingParams
 from tests.mesh.harness import LocalMesh
@@ -49,7 +49,7 @@ async def follow(
 
 
 async def bus_of(mesh: LocalMesh) -> Bus:
-    settings = RedisSettings(port=mesh.redis_port, topic=mesh.topic)
+    settings = mesh.settings()
     return Bus(await connect(settings), settings.keys)
 
 

@@ -1,8 +1,12 @@
-"""The official OpenAI SDK against real deployments: a mixed worker, and one prefill + one decode."""
+"""The official OpenAI SDK against real deployments: a mixed worker; one prefill + one decode; and
+one prefill + one decode, with the shared suffix cache, where every role is its own Redis ACL user
+(the default user off) and the KV transport is authenticated."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -34,22 +38,39 @@ def expected_chat(llm: LLM, content: str) -> str:
     return llm.chat([{"role": "user", "content": content}], params).text
 
 
-def deploy(tmp_path_factory, mesh_model: str, split: bool, *worker_flags: str) -> LocalMesh:
-    mesh = LocalMesh(tmp_path_factory.mktemp("split" if split else "mixed"))
+SECURE_WORKER_FLAGS = (
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "1024",
+    "--speculative-config",
+    json.dumps({"method": "suffix"}),
+)
+"""Drafting from the shared suffix cache, so that its service and the decode worker's client run
+as their users too (drafts never change greedy output)."""
+
+
+def deploy(tmp_path_factory, mesh_model: str, split: bool, secure: bool = False) -> LocalMesh:
+    mesh = LocalMesh(
+        tmp_path_factory.mktemp("split" if split else "mixed"),
+        acl_users=secure,
+        kv_secret=secrets.token_hex(32) if secure else None,
+    )
     mesh.start_redis()
     mesh.start_role("scheduler", "scheduler")
+    if secure:
+        mesh.start_role("suffix-cache", "suffix-cache")
     roles = ("prefill", "decode") if split else ("mixed",)
     for role in roles:
-        mesh.start_role(
-            role, role, "--model", mesh_model, "--instance-id", role, *WORKER_FLAGS, *worker_flags
-        )
+        flags = SECURE_WORKER_FLAGS if secure else WORKER_FLAGS
+        mesh.start_role(role, role, "--model", mesh_model, "--instance-id", role, *flags)
     mesh.gateway_port = mesh.start_gateway(mesh_model, "--served-model-name", "tiny")  # type: ignore[attr-defined]
     return mesh
 
 
-@pytest.fixture(scope="module", params=["mixed", "split"])
+@pytest.fixture(scope="module", params=["mixed", "split", "split-acl"])
 def deployment(request, tmp_path_factory, mesh_model) -> Iterator[LocalMesh]:
-    mesh = deploy(tmp_path_factory, mesh_model, request.param == "split")
+    mesh = deploy(tmp_path_factory, mesh_model, request.param != "mixed", request.param == "split-acl")
     yield mesh
     mesh.stop()
 

@@ -1,13 +1,15 @@
 """`specmesh serve` as a user runs it: a worker or Redis SIGKILLed under concurrent greedy streams
 is restarted and every stream still completes with the offline text (or, for Redis, ends with an
 explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is refused before
-anything starts; API keys given to serve reach the gateway without showing on its command line."""
+anything starts; API keys given to serve reach the gateway, and each role its own Redis user and
+password, without showing on a command line."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,9 +22,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
 from services.engine.llm import LLM
-from services.serve import free_port
+from services.runtime import KV_SECRET_ENV, PASSWORD_ENV
+from services.serve import ACL_ROLE_OF, ADMIN_PASSWORD_FILE, free_port
+from shared import acl
 from shared.sampling_params import SamplingParams
 from tests.mesh.harness import REPO, Outcome, pid_alive, stream_completion
 
@@ -160,7 +165,9 @@ def test_a_sigkilled_serve_leaves_no_process(served: Served) -> None:
     assert not alive, f"still running after serve was SIGKILLed: {alive}"
 
 
-def test_api_keys_reach_the_gateway_off_its_command_line(tmp_path: Path) -> None:
+def test_secrets_reach_each_role_off_its_command_line(tmp_path: Path) -> None:
+    """API keys reach the gateway, and each role runs as its own Redis user with its own password,
+    through its environment; Redis refuses anyone else, and each user what is not its role's."""
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
     key_file.chmod(0o600)
@@ -180,6 +187,43 @@ def test_api_keys_reach_the_gateway_off_its_command_line(tmp_path: Path) -> None
         assert asyncio.run(status("sk-wrong")) == 401
         assert asyncio.run(status("sk-from-flag")) == 200
         assert asyncio.run(status("sk-from-file")) == 200
+        assert_each_role_is_its_own_redis_user(mesh)
+
+
+def assert_each_role_is_its_own_redis_user(mesh: Served) -> None:
+    passwords = {}
+    for role, pid in mesh.roles().items():
+        if role == "redis":
+            continue
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = dict(
+            line.split(b"=", 1)
+            for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"=" in line
+        )
+        acl_role = ACL_ROLE_OF.get(role, "worker")
+        assert argv[argv.index(b"--redis-user") + 1].decode() == acl.user_name(acl_role)
+        password = environ[PASSWORD_ENV.encode()]
+        assert not any(password in arg for arg in argv)
+        assert (KV_SECRET_ENV.encode() in environ) == (acl_role == "worker")
+        passwords[acl_role] = password.decode()
+    assert sorted(passwords) == sorted(acl.ROLES) and len(set(passwords.values())) == len(acl.ROLES)
+    for name in ("redis.conf", "users.acl", ADMIN_PASSWORD_FILE):
+        assert (mesh.log_dir / name).stat().st_mode & 0o077 == 0, name
+    assert not any(password in (mesh.log_dir / "users.acl").read_text() for password in passwords.values())
+
+    conf = (mesh.log_dir / "redis.conf").read_text()
+    port = int(re.search(r"^port (\d+)$", conf, re.MULTILINE)[1])  # type: ignore[index]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).ping()
+    gateway = redis.Redis(port=port, username=acl.user_name("gateway"), password=passwords["gateway"])
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        gateway.flushall()
+    gateway.close()
+    admin_password = (mesh.log_dir / ADMIN_PASSWORD_FILE).read_text().strip()
+    admin = redis.Redis(port=port, username=acl.user_name(acl.ADMIN), password=admin_password)
+    assert admin.ping()
+    admin.close()
 
 
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ EVERY_SUBCOMMAND = (
     "generate",
     "train-mtp",
     "serve",
+    "redis-acl",
     "scheduler",
     "gateway",
     "suffix-cache",

@@ -1,0 +1,36 @@
+"""What `specmesh serve` hands each role (`MeshSecrets`), without starting anything: its own Redis
+user and password, the KV secret for workers alone, and nothing of serve's own credentials."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.runtime import KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
+from services.serve import MeshSecrets
+from shared import acl
+
+
+@pytest.fixture(autouse=True)
+def serve_has_credentials_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REDIS_USER_ENV, "someone")
+    monkeypatch.setenv(PASSWORD_ENV, "serve's own")
+    monkeypatch.setenv(KV_SECRET_ENV, "serve's own")
+
+
+def test_each_role_gets_its_own_user_and_password_and_workers_alone_the_kv_secret() -> None:
+    secrets = MeshSecrets.generate(acl_users=True)
+    envs = {role: secrets.env(role, {}) for role in acl.ROLES}
+    assert len({env[PASSWORD_ENV] for env in envs.values()}) == len(acl.ROLES)
+    for role, env in envs.items():
+        assert env[PASSWORD_ENV] == secrets.redis_passwords[role]
+        assert REDIS_USER_ENV not in env
+        assert env.get(KV_SECRET_ENV) == (secrets.kv_secret if role == "worker" else None)
+        assert secrets.redis_flags(role) == ["--redis-user", acl.user_name(role)]
+
+
+def test_without_acl_users_every_role_shares_the_admin_password_as_the_default_user() -> None:
+    secrets = MeshSecrets.generate(acl_users=False)
+    for role in acl.ROLES:
+        assert secrets.env(role, {})[PASSWORD_ENV] == secrets.redis_passwords[acl.ADMIN]
+        assert secrets.redis_flags(role) == []
+        assert REDIS_USER_ENV not in secrets.env(role, {})
