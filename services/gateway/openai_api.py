@@ -12,14 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.sampling_params import MAX_LOGPROBS
 from shared.speculative_config import SpeculativeOverride
@@ -36,7 +29,7 @@ MAX_STOP_TOKEN_IDS = 64
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", use_attribute_docstrings=True)
 
 
 class StreamOptions(_Request):
@@ -143,6 +136,10 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -150,7 +147,21 @@ def _is_token_ids(value: object) -> bool:
 # ---- responses -----------------------------------------------------------------------------------------
 
 
-class SpeculativeUsage(BaseModel):
+class _Response(BaseModel):
+    """An answer's body. Its JSON Schema (serialization mode) marks every field required: each is
+    always sent, null or not, except where a model says otherwise."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, json_schema_serialization_defaults_required=True)
+
+
+class _Chunk(_Response):
+    """A body that is also a stream chunk: `usage` is left out of chunks unless the client asked
+    for it, so not every field is always sent."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=False)
+
+
+class SpeculativeUsage(_Response):
     """specmesh extension: how speculation went for this request, summed over its choices."""
 
     num_draft_tokens: int = 0
@@ -160,21 +171,21 @@ class SpeculativeUsage(BaseModel):
     """Tokens produced per verify step, the bonus token included."""
 
 
-class Usage(BaseModel):
+class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     speculative: SpeculativeUsage | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -182,7 +193,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Chunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -192,7 +203,7 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(_Response):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -202,18 +213,18 @@ class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
     refusal: list[ChatTokenLogprob] | None = None
 
 
-class ChatMessageOut(BaseModel):
+class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
@@ -221,7 +232,7 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -231,18 +242,14 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_Chunk):
     """Only the fields a chunk carries: `role` in the first, `content` after."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -250,7 +257,7 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Chunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -260,7 +267,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -269,6 +276,28 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    """The kind of failure: `invalid_request_error`, `rate_limit_error`, `server_error`, ..."""
+    param: str | None = None
+    """The request field at fault, where there is one (dotted: `messages.0.role`)."""
+    code: str | None = None
+    """A machine-readable reason where there is one: `context_length_exceeded`, `model_not_found`, ..."""
+
+
+class ErrorResponse(_Response):
+    """Every failure, as OpenAI answers it; also the last event of a stream that fails after its 200."""
+
+    error: ErrorDetail
+
+
+class HealthStatus(_Response):
+    status: Literal["ok", "unavailable"]
+    reason: str
+    """Why not, or what is live (`1 live worker(s)`)."""
