@@ -2,19 +2,33 @@
 
 Requests are validated strictly (JSON types as OpenAI documents them: a string where a number
 belongs is an error, not coerced); fields OpenAI or vLLM define that specmesh does not act on are
-accepted and ignored, as vLLM does; unknown fields are ignored. Ranges of the sampling fields are
-checked once, by `shared.sampling_params.SamplingParams`, when the request is turned into one.
+accepted and ignored, as vLLM does; unknown fields are ignored. The sampling fields take their
+ranges from `shared.sampling_params`' types, so the request, its OpenAPI schema and the
+`SamplingParams` it becomes agree; limits that depend on the model (context length, vocabulary)
+are checked in `prepare`.
 Responses follow OpenAI's shapes field for field, plus two specmesh extensions: `usage.speculative`
 and `choices[].stop_reason` (as vLLM).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.sampling_params import MAX_LOGPROBS
+from shared.sampling_params import (
+    Logprobs,
+    MaxTokens,
+    MinP,
+    MinTokens,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+)
 from shared.speculative_config import SpeculativeOverride
 
 MAX_N = 128
@@ -24,6 +38,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 """Longest stop string: the engine searches back this far in the text at every step."""
 MAX_STOP_TOKEN_IDS = 64
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 # ---- requests ------------------------------------------------------------------------------------------
 
@@ -42,20 +57,24 @@ class SamplingFields(_Request):
 
     model: str | None = None
     """Must name the served model; absent means the served model (as vLLM)."""
-    max_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
     """Most tokens to generate; absent: whatever the context has left after the prompt."""
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    temperature: Temperature | None = None
+    """0: greedy."""
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    """0 or -1: no top-k."""
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    """The same seed gives the same tokens, whatever else the batch holds."""
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    """Stop strings: the text ends before the first one."""
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=MAX_N)
     """Independent choices for the prompt; seeded requests use seeds seed, seed + 1, ..."""
@@ -71,11 +90,14 @@ class SamplingFields(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: object) -> object:
+        """The type's checks, first, each with its own message."""
         if value is None:
             return value
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise ValueError("must be a string or a list of strings")
+        if "" in stops:
+            raise ValueError("stop strings must not be empty")
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         longest = max((len(s) for s in stops), default=0)
@@ -87,10 +109,15 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     """A string, a list of strings, a list of token ids, or a list of token-id lists; each list
     item is a separate prompt (OpenAI's batch form), its choices indexed prompt-major."""
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     """Return the log-probability of each generated token and of the `logprobs` most likely ones."""
     echo: bool = False
     best_of: int | None = None
@@ -99,17 +126,23 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: object) -> object:
+        """The type's checks, first, each with its own message (a union's errors name every branch)."""
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and (
+        if not isinstance(value, list) or not (
             all(isinstance(p, str) for p in value)
             or all(_is_token_ids(p) for p in value)
-            or all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+            or _is_token_ids(value)
         ):
-            return value
-        raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-        )
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        if not value or any(p == [] for p in value):
+            raise ValueError("a prompt must not be an empty list")
+        token_ids = value if _is_token_ids(value) else [t for p in value if isinstance(p, list) for t in p]
+        if any(t < 0 for t in token_ids):
+            raise ValueError("token ids must not be negative")
+        return value
 
 
 class TextPart(_Request):
@@ -125,10 +158,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     """vLLM extension: end the rendered prompt with the assistant's turn marker."""
     tools: list[dict[str, Any]] | None = None
