@@ -133,9 +133,10 @@ class SpeculativeConfig(BaseModel):
 
 
 class SpeculativeOverride(BaseModel):
-    """What one request may change about speculation (within the operator's limits)."""
+    """What one request may change about speculation (within the operator's limits). Strict, as
+    the gateway's request bodies are: `"3"` is not a number of tokens."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = True
     """False turns speculation off for this request."""

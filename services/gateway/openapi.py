@@ -4,8 +4,9 @@ Generated, never written by hand: every `Operation` below names the pydantic mod
 parses and builds, and `create_app` routes exactly these operations, so the document describes
 every route. Bodies' JSON Schemas come from pydantic (JSON Schema 2020-12, the dialect of OpenAPI
 3.1): requests in validation mode, answers in serialization mode (what the handler sends). A
-streamed answer (`stream: true`) is server-sent events; the schema of its `data:` payloads is given
-under the media type's `x-sse-data` (OpenAPI 3.1 has no keyword for it).
+streamed answer (`stream: true`) is server-sent events: the `text/event-stream` schema describes one
+event, as OpenAPI 3.2's `itemSchema` does (and as schemathesis reads a 3.1 stream's `schema`), its
+`data` JSON given by `contentSchema`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ SCHEMA_REF = "#/components/schemas/{model}"
 METRICS_MEDIA_TYPE = "text/plain"
 SSE_MEDIA_TYPE = "text/event-stream"
 SSE_DESCRIPTION = (
-    "With `stream: true`, server-sent events: one `data: <chunk>` event per chunk (its JSON "
-    "Schema under `x-sse-data`), then `data: [DONE]`. A request that fails after the 200 ends "
-    "with an `ErrorResponse` event instead, and no `[DONE]`."
+    "With `stream: true`, server-sent events: one `data: <chunk>` event per chunk, then "
+    "`data: [DONE]`. A request that fails after the 200 ends with an `ErrorResponse` event "
+    "instead, and no `[DONE]`."
 )
+SSE_DONE = "[DONE]"
 ERRORS: dict[int, str] = {
     400: "Invalid request: the message says what is wrong, `param` names the field.",
     401: "Missing or unknown API key.",
@@ -225,15 +227,29 @@ def _answer(answer: Answer, refs: Refs, operation: Operation) -> dict[str, Any]:
     elif operation.json_object:
         content["application/json"] = {"schema": TypeAdapter(dict[str, Any]).json_schema()}
     if answer.stream_chunk is not None:
-        error_ref = refs[(ErrorResponse, "serialization")]
-        content[SSE_MEDIA_TYPE] = {
-            "schema": {"type": "string"},
-            "x-sse-data": {"anyOf": [refs[(answer.stream_chunk, "serialization")], error_ref]},
-        }
+        chunk_or_error = [
+            refs[(answer.stream_chunk, "serialization")],
+            refs[(ErrorResponse, "serialization")],
+        ]
+        content[SSE_MEDIA_TYPE] = {"schema": _sse_event(chunk_or_error)}
     if answer.text is not None:
         content[answer.text] = {"schema": {"type": "string"}}
     description = f"{answer.description} {SSE_DESCRIPTION}" if answer.stream_chunk else answer.description
     return {"description": description, "content": content}
+
+
+def _sse_event(data_schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server-sent event: its `data` is `[DONE]` or JSON valid against one of `data_schemas`."""
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": data_schemas},
+    }
+    return {
+        "type": "object",
+        "properties": {"data": {"anyOf": [{"const": SSE_DONE}, json_data]}},
+        "required": ["data"],
+    }
 
 
 def _head(operation: Operation, described: dict[str, Any]) -> dict[str, Any]:
