@@ -6,6 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.json_types import INTEGRAL
 from shared.speculative_config import SpeculativeOverride
 
 MAX_LOGPROBS = 20
@@ -15,16 +16,16 @@ MAX_LOGPROBS = 20
 # its OpenAPI document) use these types.
 Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=-1)]
+TopK = Annotated[int, Field(ge=-1), INTEGRAL]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
+Seed = Annotated[int, Field(ge=0, lt=2**63), INTEGRAL]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 """Presence and frequency penalties."""
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
-MaxTokens = Annotated[int, Field(ge=1)]
-MinTokens = Annotated[int, Field(ge=0)]
-TokenId = Annotated[int, Field(ge=0)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+MaxTokens = Annotated[int, Field(ge=1), INTEGRAL]
+MinTokens = Annotated[int, Field(ge=0), INTEGRAL]
+TokenId = Annotated[int, Field(ge=0), INTEGRAL]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]
 
 
 class SamplingParams(BaseModel):

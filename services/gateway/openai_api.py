@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.json_types import INTEGRAL, JsonInt
 from shared.sampling_params import (
     Logprobs,
     MaxTokens,
@@ -39,6 +40,7 @@ MAX_STOP_STRING_CHARS = 256
 """Longest stop string: the engine searches back this far in the text at every step."""
 MAX_STOP_TOKEN_IDS = 64
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+PromptText = Annotated[str, Field(min_length=1)]
 
 # ---- requests ------------------------------------------------------------------------------------------
 
@@ -76,7 +78,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
     """Independent choices for the prompt; seeded requests use seeds seed, seed + 1, ..."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,8 +112,8 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1)]
+        PromptText
+        | Annotated[list[PromptText], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
@@ -120,13 +122,15 @@ class CompletionRequest(SamplingFields):
     logprobs: Logprobs | None = None
     """Return the log-probability of each generated token and of the `logprobs` most likely ones."""
     echo: bool = False
-    best_of: int | None = None
+    best_of: JsonInt | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: object) -> object:
         """The type's checks, first, each with its own message (a union's errors name every branch)."""
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("the prompt is empty")
         if isinstance(value, str):
             return value
         if not isinstance(value, list) or not (
@@ -174,7 +178,14 @@ def _is_none(value: object) -> bool:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(_is_token_id(t) for t in value)
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer, or a float without a fraction (`JsonInt`); not a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
 
 
 # ---- responses -----------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 @schemathesis.check
 def sse_data_conformance(ctx: Any, response: Any, case: Any) -> bool | None:
-    """A streamed answer's every `data:` payload is valid against the `contentSchema` the document
-    gives it (schemathesis checks each event's shape, not the JSON inside), and the stream ends with
-    `[DONE]` or with an error event."""
+    """A streamed answer ends within the request timeout, with `[DONE]` or with an error event, and
+    its every `data:` payload is valid against the `contentSchema` the document gives it
+    (schemathesis checks each event's shape, not the JSON inside)."""
     if not _content_type(response).startswith(SSE_MEDIA_TYPE):
         return None
+    if response.stream_cut_short:  # the run allows more events than any stream sends: it timed out
+        raise AssertionError("the event stream did not end within the request timeout")
     document = case.operation.schema.raw_schema
     operation = document["paths"][case.path][case.method.lower()]
     event_schema = operation["responses"][str(response.status_code)]["content"][SSE_MEDIA_TYPE]["schema"]

@@ -28,6 +28,9 @@ MAX_EXAMPLES = 50
 SEED = 14
 RESPONSE_TIMEOUT_S = 20.0
 """A request not answered this long after it was sent is a hang (answers take milliseconds)."""
+MAX_STREAM_EVENTS = 100_000
+"""More than any stream sends (128 choices of the scripted reply): schemathesis stops reading a
+stream after this many events, or at the request timeout."""
 RUN_TIMEOUT_S = 240.0
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 """The check of every streamed chunk against the document."""
@@ -82,9 +85,11 @@ def test_schemathesis_finds_no_failure(live_gateway: LiveGateway, tmp_path: Path
     """Every check schemathesis has (server errors, status codes, content types, headers, response
     schemas, invalid requests accepted, methods not allowed, auth ignored), plus the streamed
     chunks', over every operation; a request unanswered within its timeout is a failure too."""
-    report = tmp_path / "junit.xml"
+    report, config = tmp_path / "junit.xml", tmp_path / "schemathesis.toml"
+    config.write_text(f"max-stream-events = {MAX_STREAM_EVENTS}\n")
     command = [
-        *(sys.executable, "-m", "schemathesis.cli", "run", f"{live_gateway.base_url}/openapi.json"),
+        *(sys.executable, "-m", "schemathesis.cli", "--config-file", str(config)),
+        *("run", f"{live_gateway.base_url}/openapi.json"),
         *("--header", f"Authorization: Bearer {API_KEY}"),
         *("--checks", "all", "--exclude-checks", ",".join(EXCLUDED_CHECKS)),
         *("--phases", "examples,coverage,fuzzing", "--max-examples", str(MAX_EXAMPLES)),
