@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.json_types import INTEGRAL
 from shared.speculative_config import SpeculativeOverride
 
 MAX_LOGPROBS = 20
 """Upper bound on `logprobs` (top-n alternatives returned per generated token)."""
+
+# The range of each field, declared once: `SamplingParams` and the gateway's request bodies (and so
+# its OpenAPI document) use these types.
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1), INTEGRAL]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Seed = Annotated[int, Field(ge=0, lt=2**63), INTEGRAL]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+"""Presence and frequency penalties."""
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
+MaxTokens = Annotated[int, Field(ge=1), INTEGRAL]
+MinTokens = Annotated[int, Field(ge=0), INTEGRAL]
+TokenId = Annotated[int, Field(ge=0), INTEGRAL]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]
 
 
 class SamplingParams(BaseModel):
@@ -20,33 +38,33 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    temperature: Temperature = 1.0
     """Softmax temperature; 0 selects greedy decoding."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: TopP = 1.0
     """Keep the smallest set of most likely tokens whose probability mass reaches `top_p`."""
-    top_k: int = Field(default=0, ge=-1)
+    top_k: TopK = 0
     """Keep the `top_k` most likely tokens; 0 or -1 disables."""
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_p: MinP = 0.0
     """Drop tokens whose probability is below `min_p` times the most likely token's."""
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: Seed | None = None
     """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Penalty = 0.0
     """Subtracted once from the logit of every token already generated."""
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Penalty = 0.0
     """Subtracted from a token's logit once per time it was generated."""
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: RepetitionPenalty = 1.0
     """CTRL-style penalty on tokens of prompt and output: positive logits divided, negative multiplied."""
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: MaxTokens = 16
     """Most tokens to generate."""
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: MinTokens = 0
     """EOS and stop token ids are suppressed, and stop strings ignored, until this many tokens exist."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings; the text ends just before the first one (it is not returned)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     """Token ids that end the request (kept in `token_ids`, left out of the text)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Logprobs | None = None
     """Return the sampled token's log-probability and the top-n alternatives of each step."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
@@ -65,13 +83,6 @@ class SamplingParams(BaseModel):
     def _stop_non_empty(cls, value: list[str]) -> list[str]:
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids_non_negative(cls, value: list[int]) -> list[int]:
-        if any(t < 0 for t in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
         return value
 
     @model_validator(mode="after")

@@ -9,11 +9,12 @@ the first rejected one is replaced by a *recovered* token sampled from the targe
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import describe_validation_error
+from shared.json_types import INTEGRAL
 
 Method = Literal["naive", "ngram", "suffix", "mtp", "draft_model"]
 MODEL_FREE_METHODS: tuple[str, ...] = ("naive", "ngram", "suffix")
@@ -133,15 +134,16 @@ class SpeculativeConfig(BaseModel):
 
 
 class SpeculativeOverride(BaseModel):
-    """What one request may change about speculation (within the operator's limits)."""
+    """What one request may change about speculation (within the operator's limits). Strict, as
+    the gateway's request bodies are: `"3"` is not a number of tokens."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = True
     """False turns speculation off for this request."""
     method: Method | None = None
     """Another method among those the server has loaded (model-free methods are always available)."""
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_MODEL_FREE_TOKENS)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_MODEL_FREE_TOKENS), INTEGRAL] | None = None
     """A smaller k (never above the server's)."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections import deque
@@ -35,7 +36,14 @@ from services.gateway.limits import (
     read_body,
 )
 from services.gateway.metrics import GatewayMetrics, RequestStats, request_log
-from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+)
+from services.gateway.openapi import OPERATIONS, openapi_document
 from services.gateway.prepare import Job, ServedModel, chat_job, completion_job
 from services.gateway.render import ChoiceState, Renderer, TokenText
 from services.gateway.streaming import EventStream
@@ -97,6 +105,8 @@ HEALTH_GATE = web.AppKey("health_gate", HealthGate)
 TOKEN_TEXT = web.AppKey("token_text", TokenText)
 CONCURRENCY = web.AppKey("concurrency", KeyConcurrency)
 PREPARE_POOL = web.AppKey("prepare_pool", ThreadPoolExecutor)
+OPENAPI_JSON = web.AppKey("openapi_json", bytes)
+"""/openapi.json, encoded once."""
 STATS = web.RequestKey("stats", RequestStats)
 API_KEY = web.RequestKey("api_key", str)
 
@@ -121,11 +131,13 @@ def create_app(
     app[CONCURRENCY] = KeyConcurrency(settings.max_concurrent_per_key)
     app.cleanup_ctx.append(backend_ctx)
     app.cleanup_ctx.append(prepare_pool_ctx)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_endpoint)
+    for operation in OPERATIONS:
+        handler = HANDLERS[operation.operation_id]
+        app.router.add_route(operation.method, operation.path, handler)
+        if operation.method == "GET":
+            app.router.add_route("HEAD", operation.path, handler)
+    document = openapi_document(OPERATIONS, model_name=served.name, api_keys_required=bool(settings.api_keys))
+    app[OPENAPI_JSON] = json.dumps(document).encode()
     return app
 
 
@@ -218,7 +230,8 @@ def error_response(error: APIError, allow: str | None = None) -> web.Response:
     headers = dict(error.headers)
     if allow:
         headers["Allow"] = allow
-    response = web.json_response(error.body(), status=error.status, headers=headers)
+    response = _json(error.body(), error.status)
+    response.headers.update(headers)
     if error.close_connection:
         response.force_close()
     return response
@@ -354,14 +367,27 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     ok, reason = await request.app[BACKEND].health()
-    return web.json_response(
-        {"status": "ok" if ok else "unavailable", "reason": reason}, status=200 if ok else 503
-    )
+    return _json(HealthStatus(status="ok" if ok else "unavailable", reason=reason), 200 if ok else 503)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _json(body: BaseModel) -> web.Response:
-    return web.Response(body=body.model_dump_json().encode(), content_type="application/json")
+async def openapi_endpoint(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI_JSON], content_type="application/json")
+
+
+def _json(body: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(body=body.model_dump_json().encode(), status=status, content_type="application/json")
+
+
+HANDLERS: dict[str, Handler] = {
+    "createCompletion": create_completion,
+    "createChatCompletion": create_chat_completion,
+    "listModels": list_models,
+    "health": health,
+    "metrics": metrics_endpoint,
+    "openapi": openapi_endpoint,
+}
+"""The handler of each operation of `openapi.OPERATIONS`, by operation id."""

@@ -6,6 +6,7 @@ from http import HTTPStatus
 
 from pydantic import ValidationError
 
+from services.gateway.openai_api import ErrorDetail, ErrorResponse
 from shared.errors import describe_validation_error
 from shared.protocol import ErrorInfo
 
@@ -59,8 +60,10 @@ class APIError(Exception):
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
 
-    def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
 
     @classmethod
     def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:

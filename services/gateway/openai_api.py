@@ -2,26 +2,34 @@
 
 Requests are validated strictly (JSON types as OpenAI documents them: a string where a number
 belongs is an error, not coerced); fields OpenAI or vLLM define that specmesh does not act on are
-accepted and ignored, as vLLM does; unknown fields are ignored. Ranges of the sampling fields are
-checked once, by `shared.sampling_params.SamplingParams`, when the request is turned into one.
+accepted and ignored, as vLLM does; unknown fields are ignored. The sampling fields take their
+ranges from `shared.sampling_params`' types, so the request, its OpenAPI schema and the
+`SamplingParams` it becomes agree; limits that depend on the model (context length, vocabulary)
+are checked in `prepare`.
 Responses follow OpenAI's shapes field for field, plus two specmesh extensions: `usage.speculative`
 and `choices[].stop_reason` (as vLLM).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.json_types import INTEGRAL, JsonInt
+from shared.sampling_params import (
+    Logprobs,
+    MaxTokens,
+    MinP,
+    MinTokens,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
 )
-
-from shared.sampling_params import MAX_LOGPROBS
 from shared.speculative_config import SpeculativeOverride
 
 MAX_N = 128
@@ -31,12 +39,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 """Longest stop string: the engine searches back this far in the text at every step."""
 MAX_STOP_TOKEN_IDS = 64
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+PromptText = Annotated[str, Field(min_length=1)]
 
 # ---- requests ------------------------------------------------------------------------------------------
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", use_attribute_docstrings=True)
 
 
 class StreamOptions(_Request):
@@ -49,22 +59,26 @@ class SamplingFields(_Request):
 
     model: str | None = None
     """Must name the served model; absent means the served model (as vLLM)."""
-    max_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
     """Most tokens to generate; absent: whatever the context has left after the prompt."""
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    temperature: Temperature | None = None
+    """0: greedy."""
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    """0 or -1: no top-k."""
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    """The same seed gives the same tokens, whatever else the batch holds."""
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    """Stop strings: the text ends before the first one."""
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
     """Independent choices for the prompt; seeded requests use seeds seed, seed + 1, ..."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -78,11 +92,14 @@ class SamplingFields(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: object) -> object:
+        """The type's checks, first, each with its own message."""
         if value is None:
             return value
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise ValueError("must be a string or a list of strings")
+        if "" in stops:
+            raise ValueError("stop strings must not be empty")
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         longest = max((len(s) for s in stops), default=0)
@@ -94,29 +111,42 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        PromptText
+        | Annotated[list[PromptText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     """A string, a list of strings, a list of token ids, or a list of token-id lists; each list
     item is a separate prompt (OpenAI's batch form), its choices indexed prompt-major."""
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     """Return the log-probability of each generated token and of the `logprobs` most likely ones."""
     echo: bool = False
-    best_of: int | None = None
+    best_of: JsonInt | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: object) -> object:
+        """The type's checks, first, each with its own message (a union's errors name every branch)."""
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("the prompt is empty")
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and (
+        if not isinstance(value, list) or not (
             all(isinstance(p, str) for p in value)
             or all(_is_token_ids(p) for p in value)
-            or all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+            or _is_token_ids(value)
         ):
-            return value
-        raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-        )
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        if not value or any(p == [] for p in value):
+            raise ValueError("a prompt must not be an empty list")
+        token_ids = value if _is_token_ids(value) else [t for p in value if isinstance(p, list) for t in p]
+        if any(t < 0 for t in token_ids):
+            raise ValueError("token ids must not be negative")
+        return value
 
 
 class TextPart(_Request):
@@ -132,10 +162,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     """vLLM extension: end the rendered prompt with the assistant's turn marker."""
     tools: list[dict[str, Any]] | None = None
@@ -143,14 +173,39 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(_is_token_id(t) for t in value)
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer, or a float without a fraction (`JsonInt`); not a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
 
 
 # ---- responses -----------------------------------------------------------------------------------------
 
 
-class SpeculativeUsage(BaseModel):
+class _Response(BaseModel):
+    """An answer's body. Its JSON Schema (serialization mode) marks every field required: each is
+    always sent, null or not, except where a model says otherwise."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, json_schema_serialization_defaults_required=True)
+
+
+class _Chunk(_Response):
+    """A body that is also a stream chunk: `usage` is left out of chunks unless the client asked
+    for it, so not every field is always sent."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=False)
+
+
+class SpeculativeUsage(_Response):
     """specmesh extension: how speculation went for this request, summed over its choices."""
 
     num_draft_tokens: int = 0
@@ -160,21 +215,21 @@ class SpeculativeUsage(BaseModel):
     """Tokens produced per verify step, the bonus token included."""
 
 
-class Usage(BaseModel):
+class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     speculative: SpeculativeUsage | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -182,7 +237,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Chunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -192,7 +247,7 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(_Response):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -202,18 +257,18 @@ class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
     refusal: list[ChatTokenLogprob] | None = None
 
 
-class ChatMessageOut(BaseModel):
+class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
@@ -221,7 +276,7 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -231,18 +286,14 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_Chunk):
     """Only the fields a chunk carries: `role` in the first, `content` after."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -250,7 +301,7 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Chunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -260,7 +311,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -269,6 +320,28 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    """The kind of failure: `invalid_request_error`, `rate_limit_error`, `server_error`, ..."""
+    param: str | None = None
+    """The request field at fault, where there is one (dotted: `messages.0.role`)."""
+    code: str | None = None
+    """A machine-readable reason where there is one: `context_length_exceeded`, `model_not_found`, ..."""
+
+
+class ErrorResponse(_Response):
+    """Every failure, as OpenAI answers it; also the last event of a stream that fails after its 200."""
+
+    error: ErrorDetail
+
+
+class HealthStatus(_Response):
+    status: Literal["ok", "unavailable"]
+    reason: str
+    """Why not, or what is live (`1 live worker(s)`)."""

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 from pydantic import BaseModel
 
@@ -38,13 +36,9 @@ class EventStream:
         """A failure after the 200 went out: an error event (the OpenAI SDK raises on it), and the
         end of the stream without `[DONE]`, so even a client that skips error events cannot take
         the text for whole."""
-        await self.response.write(b"data: " + _json(error.body()) + b"\n\n")
+        await self.response.write(b"data: " + error.body().model_dump_json().encode() + b"\n\n")
         await self.response.write_eof()
 
     async def done(self) -> None:
         await self.response.write(DONE)
         await self.response.write_eof()
-
-
-def _json(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False).encode()

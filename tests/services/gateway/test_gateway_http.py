@@ -112,6 +112,36 @@ async def test_sampling_fields_reach_the_mesh(
     assert (params.speculative.method, params.speculative.num_speculative_tokens) == ("ngram", 3)
 
 
+async def test_integers_sent_as_floats_without_a_fraction_are_integers(
+    client: Client, backend: InProcessBackend
+) -> None:
+    """JSON Schema's `integer` (and so /openapi.json) admits 3.0: the gateway takes it as 3."""
+    body = {
+        "prompt": [[1.0, 2.0], [3, 4.0]],
+        "n": 2.0,
+        "max_tokens": 3.0,
+        "top_k": 5.0,
+        "seed": 7.0,
+        "min_tokens": 1.0,
+        "logprobs": 2.0,
+        "stop_token_ids": [0.0],
+        "speculative": {"num_speculative_tokens": 2.0},
+    }
+    status, _ = await post(client, "/v1/completions", body)
+    assert status == 200
+    assert [r.prompt_token_ids for r in backend.submitted] == [[1, 2], [1, 2], [3, 4], [3, 4]]
+    params = backend.submitted[0].params
+    assert (params.max_tokens, params.top_k, params.seed, params.min_tokens, params.logprobs) == (
+        3,
+        5,
+        7,
+        1,
+        2,
+    )
+    assert params.stop_token_ids == [0] and all(type(t) is int for t in params.stop_token_ids)
+    assert params.speculative is not None and params.speculative.num_speculative_tokens == 2
+
+
 async def test_default_max_tokens_is_the_rest_of_the_context(
     client: Client, backend: InProcessBackend
 ) -> None:
