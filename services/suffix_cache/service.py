@@ -286,6 +286,9 @@ class SuffixCacheService:
                 f"expected a suffix_update, got {update.kind!r}",
             )
             return
+        self._index(update)
+
+    def _index(self, update: SuffixUpdate) -> None:
         self.index.add_sequence(update.sequence_id, update.token_ids)
         self.metrics.updates.inc()
 
@@ -298,7 +301,7 @@ class SuffixCacheService:
                 update = self._expect(SuffixUpdate, fields.get(PAYLOAD_FIELD))
             except ProtocolError:
                 continue  # dead-lettered when it was first read
-            self.index.add_sequence(update.sequence_id, update.token_ids)
+            self._index(update)
             await asyncio.sleep(0)
         if entries:
             logger.info("re-indexed %d sequence(s) from %s", len(self.index), stream)
