@@ -1,19 +1,20 @@
 """Soak: N concurrent greedy streams for T seconds against `specmesh serve`, with faults on a schedule.
 
     python -m benchmarks.soak --streams 1000 --duration-s 600 --kill-worker-every-s 120 \\
-        --kill-redis-at-s 300 --out soak.json
+        --kill-redis-at-s 300 --out soak.json -- --speculative-config '{"method": "ngram"}'
 
-Starts `specmesh serve` as a user would (its own process, its log dir under the output's folder),
-computes each prompt's greedy text once offline (`LLM.generate`, EOS ignored), then keeps
-`--streams` streams busy: each sends one streamed completion after another, cycling through the
+Starts `specmesh serve` as a user would (its own process, the flags after `--` passed on to it, its
+logs beside the output file), computes each prompt's greedy text once offline (`LLM.generate`, EOS
+ignored), then keeps `--streams` streams busy: each sends one streamed completion after another, cycling through the
 prompts, until `--duration-s` has passed; then the open ones get `--request-timeout-s` to end.
 Faults: the worker role SIGKILLed every `--kill-worker-every-s`, Redis SIGKILLed at each
 `--kill-redis-at-s`; `serve` restarts both.
 
-Each request asks for `logprobs: 0`, so the stream carries one token string per token and a
-request that ended with `[DONE]` is compared with its offline tokens exactly:
-- *tokens lost*: offline tokens missing from the stream; *tokens changed*: ones replaced by others;
-  *wrong text*: requests whose text differs. All three must be 0: the gateway called them whole.
+A request that ended with `[DONE]` is compared with its offline output, its text aligned with
+the offline text and each offline token's span of characters in it (from incremental decoding):
+- *tokens lost*: offline tokens with characters missing from the stream; *tokens changed*: ones
+  with characters replaced; *wrong text*: requests whose text differs (a repeat counts only here).
+  All three must be 0: the gateway called them whole.
 - *hung*: requests with neither `[DONE]` nor an error event after `--request-timeout-s`.
 - *errors by kind*: explicit failures (HTTP status, error event type/code, connection errors,
   a stream closed without `[DONE]`) — allowed under faults, never silent.
@@ -32,7 +33,6 @@ import asyncio
 import difflib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +78,15 @@ class SoakConfig:
 
 @dataclass(frozen=True)
 class Expected:
-    """A prompt's offline greedy output: its text and each token's string (as logprobs give them)."""
+    """A prompt's offline greedy output: its text and where each token's characters start in it."""
 
     text: str
-    tokens: list[str]
+    token_starts: list[int]
+
+    def tokens_in(self, start: int, end: int) -> set[int]:
+        """The tokens with characters in text[start:end]."""
+        bounds = [*self.token_starts, len(self.text)]
+        return {i for i in range(len(self.token_starts)) if bounds[i] < end and bounds[i + 1] > start}
 
 
 @dataclass
@@ -93,7 +98,6 @@ class Record:
     sent_at: float
     first_token_at: float | None = None
     ended_at: float | None = None
-    tokens: list[str] = field(default_factory=list)
     text: str = ""
     done: bool = False
     """`[DONE]` came: the gateway said the text is whole."""
@@ -142,11 +146,11 @@ def parse_args(argv: list[str] | None = None) -> SoakConfig:
     parser.add_argument("--max-rss-growth-pct", type=float, default=10.0)
     parser.add_argument("--model", help="default: serve's default model")
     parser.add_argument("--device", default="cpu", help="serve's and the offline run's --device")
-    parser.add_argument(
-        "--serve-args", default="", help='more `specmesh serve` flags, one string: "--max-num-seqs 256 --pd"'
-    )
     parser.add_argument("--out", type=Path, default=Path("soak.json"), help="the JSON result file")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    serve_args = argv[split + 1 :]
     for name in ("streams", "num_prompts", "max_tokens", "max_model_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -165,10 +169,6 @@ def parse_args(argv: list[str] | None = None) -> SoakConfig:
         parser.error(f"--kill-redis-at-s must be within (0, --duration-s), got {bad}")
     if args.max_tokens >= args.max_model_len:
         parser.error(f"--max-tokens ({args.max_tokens}) must leave room for a prompt in --max-model-len")
-    try:
-        serve_args = shlex.split(args.serve_args)
-    except ValueError as exc:
-        parser.error(f"--serve-args: {exc}")
     return SoakConfig(
         streams=args.streams,
         duration_s=args.duration_s,
@@ -214,22 +214,24 @@ def expected_outputs(model: str, texts: list[str], config: SoakConfig) -> list[E
     llm = LLM(model, device=config.device, max_model_len=config.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, ignore_eos=True)
     outputs = llm.generate(texts, params)
-    tokenizer = llm.tokenizer
-    return [Expected(o.text, [tokenizer.token_to_text(t) for t in o.token_ids]) for o in outputs]
+    decode = llm.tokenizer.decode
+    return [
+        Expected(o.text, [len(decode(o.token_ids[:i])) for i in range(len(o.token_ids))]) for o in outputs
+    ]
 
 
 def judge(record: Record, expected: Expected) -> Judged:
-    """Aligns the streamed token strings with the offline ones: offline tokens with no counterpart
-    are lost, ones that stand where others should are changed."""
-    matcher = difflib.SequenceMatcher(a=expected.tokens, b=record.tokens, autojunk=False)
-    num_lost = num_changed = 0
-    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+    """Aligns the streamed text with the offline text: offline tokens whose characters are missing
+    are lost, ones whose characters were replaced are changed."""
+    matcher = difflib.SequenceMatcher(a=expected.text, b=record.text, autojunk=False)
+    lost: set[int] = set()
+    changed: set[int] = set()
+    for tag, a0, a1, _, _ in matcher.get_opcodes():
         if tag == "delete":
-            num_lost += a1 - a0
+            lost |= expected.tokens_in(a0, a1)
         elif tag == "replace":
-            num_changed += min(a1 - a0, b1 - b0)
-            num_lost += max(0, (a1 - a0) - (b1 - b0))
-    return Judged(num_lost, num_changed, record.text != expected.text)
+            changed |= expected.tokens_in(a0, a1)
+    return Judged(len(lost), len(changed - lost), record.text != expected.text)
 
 
 # ---- the launched mesh ------------------------------------------------------------------------------
@@ -367,7 +369,6 @@ class Load:
             "max_tokens": self.config.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "logprobs": 0,
             "stream": True,
         }
         async with session.post(f"{self.served.url}/v1/completions", json=body) as response:
@@ -392,10 +393,8 @@ class Load:
             record.ended_at = self.now()
             return True
         for choice in chunk.get("choices") or []:
-            tokens = (choice.get("logprobs") or {}).get("tokens") or []
-            if record.first_token_at is None and tokens:
+            if record.first_token_at is None and choice.get("text"):
                 record.first_token_at = self.now()
-            record.tokens += tokens
             record.text += choice.get("text") or ""
         return False
 
@@ -432,8 +431,8 @@ def percentiles_ms(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(float(p50), 1), "p99": round(float(p99), 1)}
 
 
-def window_stats(records: list[Record], window_s: float) -> list[dict[str, Any]]:
-    """TTFT and TPOT percentiles of the whole requests that ended in each window."""
+def window_stats(records: list[Record], window_s: float, num_tokens: int) -> list[dict[str, Any]]:
+    """TTFT and TPOT percentiles of the whole requests (`num_tokens` each) that ended in each window."""
     by_window: dict[int, list[Record]] = {}
     for r in records:
         if r.done and r.ended_at is not None and r.first_token_at is not None:
@@ -443,9 +442,9 @@ def window_stats(records: list[Record], window_s: float) -> list[dict[str, Any]]
         done = by_window[index]
         ttft = [r.first_token_at - r.sent_at for r in done if r.first_token_at is not None]
         tpot = [
-            (r.ended_at - r.first_token_at) / (len(r.tokens) - 1)
+            (r.ended_at - r.first_token_at) / (num_tokens - 1)
             for r in done
-            if r.ended_at is not None and r.first_token_at is not None and len(r.tokens) > 1
+            if r.ended_at is not None and r.first_token_at is not None and num_tokens > 1
         ]
         windows.append(
             {
@@ -477,7 +476,6 @@ def summarize(config: SoakConfig, load: Load, expected: list[Expected]) -> dict[
         "tokens_changed": sum(j.num_changed for _, j in judged),
         "wrong_text": sum(j.wrong_text for _, j in judged),
         "hung": sum(r.hung for r in load.records),
-        "tokens_received": sum(len(r.tokens) for r in load.records),
     }
     goals = {
         "nothing_lost": totals["tokens_lost"] == 0
@@ -491,7 +489,7 @@ def summarize(config: SoakConfig, load: Load, expected: list[Expected]) -> dict[
         "faults": load.faults,
         "totals": totals,
         "errors_by_kind": dict(errors.most_common()),
-        "windows": window_stats(load.records, config.window_s),
+        "windows": window_stats(load.records, config.window_s, config.max_tokens),
         "rss_bytes": {"warmup": warmup, "end": end, "samples": load.rss},
         "rss_growth_pct": growth,
         "goals": goals,
