@@ -255,6 +255,14 @@ return 1
 """
 """`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id."""
 
+DELETE_IF_EQUAL_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+"""`delete_if_equal`. KEYS: the key. ARGV: the value it must still hold."""
+
 Admission = Literal["admitted", "duplicate", "queue_full"]
 
 
@@ -357,6 +365,11 @@ class Bus:
         """Removes an instance's heartbeat: the scheduler takes it for dead on its next look (for a
         supervisor that saw the process die, instead of waiting out the TTL)."""
         await self.client.delete(self.keys.heartbeat(instance_id))
+
+    async def delete_if_equal(self, key: str, value: bytes | str) -> bool:
+        """Deletes `key` if it still holds `value`, in one round trip: a replica removes a shared
+        heartbeat only while it is the last one that wrote it. Whether it was deleted."""
+        return bool(await self._run_script(DELETE_IF_EQUAL_LUA, [key], [value]))
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         try:

@@ -15,7 +15,8 @@ SCHEDULER_GROUP = "scheduler"
 WORKER_GROUP = "worker"
 """Consumer group on each worker's inbox (one consumer: the worker; a restarted one reclaims)."""
 SUFFIX_GROUP = "suffix-cache"
-"""Consumer group of the suffix-cache service on its update and lookup streams."""
+"""Consumer group of the suffix-cache replicas on the look-up stream (each look-up to one replica;
+updates are read by every replica, without a group)."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,12 @@ class Keys:
 
     @property
     def suffix_updates(self) -> str:
-        """Decode workers -> suffix-cache: finished requests' prompts and outputs."""
+        """Decode workers -> every suffix-cache replica: finished requests' prompts and outputs."""
         return self._key("suffix", "updates")
 
     @property
     def suffix_lookups(self) -> str:
-        """Decode workers -> suffix-cache: batched draft look-ups."""
+        """Decode workers -> one suffix-cache replica: batched draft look-ups."""
         return self._key("suffix", "lookups")
 
     def suffix_replies(self, instance_id: str) -> str:

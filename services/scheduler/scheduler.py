@@ -196,6 +196,8 @@ class SplitwiseScheduler:
             self.placing.discard(request.request_id)
 
     async def _place_once(self, request: GenerateRequest, exclude: frozenset[str]) -> None:
+        """Waits up to `dispatch_timeout_s` for an instance to place the request on; a Redis outage
+        meanwhile is waited out too (a worker and Redis may be restarting together)."""
         started = time.perf_counter()
         deadline = time.monotonic() + self.options.dispatch_timeout_s
         while not await self._try_place(request, exclude):
@@ -203,9 +205,17 @@ class SplitwiseScheduler:
                 await self._give_up(request, 503, "no worker instance is available to run the request")
                 return
             await asyncio.sleep(REGISTRY_REFRESH_S)
-            if not await self.bus.client.exists(self.keys.request_state(request.request_id)):
+            if not await self._still_wanted(request.request_id):
                 return  # cancelled while waiting
         self.metrics.placement_seconds.observe(time.perf_counter() - started)
+
+    async def _still_wanted(self, request_id: str) -> bool:
+        """Whether the request's record still exists (not cancelled); True while Redis is down."""
+        try:
+            return bool(await self.bus.client.exists(self.keys.request_state(request_id)))
+        except TRANSIENT_ERRORS as exc:
+            reraise_if_cancelled(exc)
+            return True
 
     async def _try_place(self, request: GenerateRequest, exclude: frozenset[str]) -> bool:
         mixed = self.registry.pick_least_loaded("mixed", exclude)
@@ -389,9 +399,18 @@ class SplitwiseScheduler:
         await self.bus.client.srem(self.keys.instances, instance_id)
         await self.bus.client.delete(self.keys.assignments(instance_id))
         for request_id in request_ids:
-            reason = f"instance {instance_id} stopped responding"
-            # anywhere: an instance that only lost the bus comes back, and ignores a request it still runs
-            self._spawn(self._retry(request_id, {instance_id}, reason, place_anywhere=True))
+            self._spawn(self._redispatch(request_id, instance_id))
+
+    async def _redispatch(self, request_id: str, instance_id: str) -> None:
+        """Places a dead instance's request again. No bus message is pending for it (the
+        assignment set is gone), so a Redis outage is waited out here, or the request is lost.
+        Anywhere: an instance that only lost the bus comes back, and ignores a request it still runs."""
+        reason = f"instance {instance_id} stopped responding"
+        await retry_transient(
+            lambda: self._retry(request_id, {instance_id}, reason, place_anywhere=True),
+            f"re-dispatching {request_id}",
+            None,
+        )
 
     async def health(self) -> tuple[bool, str]:
         try:

@@ -1,19 +1,24 @@
 """`specmesh suffix-cache`: the global suffix index of SuffixDecoding, shared by every decode worker.
 
 SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) drafts from a global suffix tree over
-earlier requests' outputs. Here that tree lives in one CPU process, so a request on one decode
+earlier requests' outputs. Here that tree lives in a CPU process, so a request on one decode
 worker drafts from what any worker produced. Two consumers on one asyncio loop share the index:
 
-- *updates* (`suffix:updates`, group `suffix-cache`): finished sequences, indexed whole and
-  acknowledged after; re-adding a sequence id replaces it, so redelivery is harmless. The index
-  holds the newest `--max-cached-requests` sequences; a restarted service re-indexes them from
-  the stream's tail before anything else.
-- *look-ups* (`suffix:lookups`, same group, read without acknowledgement: an answer is only
-  useful within milliseconds, so a look-up lost in a crash needs no redelivery): each
-  `SuffixLookup` gets one `SuffixReply` on `suffix:replies:{instance}`. Look-ups older than
-  `--stale-lookup-s` are dropped: the worker that sent them gave up long ago.
+- *updates* (`suffix:updates`, a plain XREAD, no consumer group): finished sequences, indexed
+  whole; re-adding a sequence id replaces it, so reading one twice is harmless. Every replica
+  reads every update, so each holds the whole index and any one can answer any look-up. The
+  index holds the newest `--max-cached-requests` sequences; a (re)started replica first indexes
+  them from the stream's tail, then reads on after the newest. Nothing is acknowledged: the
+  index lives in the replica's memory and dies with it, so a consumer group would keep
+  delivery state in Redis that nothing needs, and leave it behind when a replica is killed.
+- *look-ups* (`suffix:lookups`, group `suffix-cache` shared by the replicas, read without
+  acknowledgement: an answer is only useful within milliseconds, so a look-up lost in a crash
+  needs no redelivery): each `SuffixLookup` goes to one replica and gets one `SuffixReply` on
+  `suffix:replies:{instance}`. Look-ups older than `--stale-lookup-s` are dropped: the worker
+  that sent them gave up long ago.
 
-The heartbeat key (TTL `--scheduler-ttl`) tells workers to send look-ups at all.
+The heartbeat key (TTL `--scheduler-ttl`), renewed by every replica, tells workers to send
+look-ups at all; a replica that stops deletes it only if it wrote it last.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from services.runtime import (
     start_status_server,
     stop_event_on_signals,
 )
-from shared.bus import Bus, Delivery, RedisSettings, connect, reraise_if_cancelled, stop_tasks
+from shared.bus import Bus, Delivery, RedisSettings, as_text, connect, reraise_if_cancelled, stop_tasks
 from shared.keys import SUFFIX_GROUP
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -140,6 +145,8 @@ class SuffixCacheService:
         self.stop = stop if stop is not None else asyncio.Event()
         """Set to drain: each consumer finishes its current batch and returns."""
         self.serving = False
+        self._status: bytes | None = None
+        """The heartbeat's value as this replica last wrote it."""
 
     async def health(self) -> tuple[bool, str]:
         """For /health: serving (with the index's size), or why not."""
@@ -148,9 +155,9 @@ class SuffixCacheService:
         return False, "draining" if self.stop.is_set() else "starting"
 
     async def run(self) -> None:
-        """Serves until `stop` is set, then removes the heartbeat so workers stop asking at once."""
-        for stream in (self.keys.suffix_updates, self.keys.suffix_lookups):
-            await self.bus.ensure_group(stream, SUFFIX_GROUP, start_id="$")
+        """Serves until `stop` is set, then signs off (workers stop asking at once if it was the
+        last replica)."""
+        await self.bus.ensure_group(self.keys.suffix_lookups, SUFFIX_GROUP, start_id="$")
         await self._beat()
         tasks = [
             asyncio.create_task(self._consume_lookups(), name="suffix-lookups"),
@@ -167,11 +174,14 @@ class SuffixCacheService:
             await self._sign_off()
 
     async def _sign_off(self) -> None:
-        """Removes the heartbeat and this consumer (all it was delivered is acknowledged by now)."""
+        """Removes this consumer from the look-up group (look-ups are never pending), and the
+        heartbeat unless another replica renewed it since this one did."""
         try:
-            await self.bus.client.delete(self.keys.suffix_cache_heartbeat)
-            for stream in (self.keys.suffix_updates, self.keys.suffix_lookups):
-                await self.bus.client.xgroup_delconsumer(stream, SUFFIX_GROUP, self.settings.consumer)
+            if self._status is not None:
+                await self.bus.delete_if_equal(self.keys.suffix_cache_heartbeat, self._status)
+            await self.bus.client.xgroup_delconsumer(
+                self.keys.suffix_lookups, SUFFIX_GROUP, self.settings.consumer
+            )
         except (RedisError, OSError) as exc:  # the heartbeat expires on its own
             logger.warning("suffix-cache sign-off failed: %s", exc)
 
@@ -253,21 +263,18 @@ class SuffixCacheService:
 
     async def _consume_updates(self) -> None:
         stream = self.keys.suffix_updates
-        try:
-            await self._reindex_tail(stream)
-        except (RedisError, OSError) as exc:
-            logger.warning("re-indexing %s failed (%s): starting empty", stream, exc)
+        last_id = await self._reindex_tail(stream)
         while not self.stop.is_set():
             try:
-                deliveries = await self.bus.read_group(
-                    stream, SUFFIX_GROUP, self.settings.consumer, count=32, block_ms=self.settings.block_ms
+                deliveries, last_id = await self.bus.read_stream(
+                    stream, last_id, block_ms=self.settings.block_ms, count=32
                 )
-                for delivery in deliveries:
-                    await self._apply(delivery)
-                    await asyncio.sleep(0)  # let look-ups in between long sequences
-                await self.bus.ack(stream, SUFFIX_GROUP, *(d.entry_id for d in deliveries))
             except (RedisError, OSError) as exc:
                 await self._backoff(stream, exc)
+                continue
+            for delivery in deliveries:
+                await self._apply(delivery)
+                await asyncio.sleep(0)  # let look-ups in between long sequences
 
     async def _apply(self, delivery: Delivery) -> None:
         update = delivery.message
@@ -279,31 +286,45 @@ class SuffixCacheService:
                 f"expected a suffix_update, got {update.kind!r}",
             )
             return
+        self._index(update)
+
+    def _index(self, update: SuffixUpdate) -> None:
         self.index.add_sequence(update.sequence_id, update.token_ids)
         self.metrics.updates.inc()
 
-    async def _reindex_tail(self, stream: str, page: int = 256) -> None:
-        """Indexes the newest `max_cached_requests` updates still in the stream, oldest first, so a
-        restarted service drafts at once (entries also pending for the group are re-added: harmless)."""
-        entries: list[Any] = []
-        newest = "+"
-        while len(entries) < self.settings.max_cached_requests:
-            count = min(page, self.settings.max_cached_requests - len(entries))
-            batch: Any = await self.bus.client.xrevrange(stream, max=newest, min="-", count=count)
-            if not batch:
-                break
-            entries.extend(batch)
-            last = batch[-1][0]
-            newest = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+    async def _reindex_tail(self, stream: str) -> str:
+        """Indexes the newest `max_cached_requests` updates in the stream, oldest first, so a
+        (re)started replica drafts at once; returns the id to read on after ("0-0": none yet)."""
+        entries = await self._tail(stream)
         for _, fields in reversed(entries):
             try:
                 update = self._expect(SuffixUpdate, fields.get(PAYLOAD_FIELD))
             except ProtocolError:
-                continue  # dead-lettered when it was first delivered
-            self.index.add_sequence(update.sequence_id, update.token_ids)
+                continue  # dead-lettered when it was first read
+            self._index(update)
             await asyncio.sleep(0)
         if entries:
             logger.info("re-indexed %d sequence(s) from %s", len(self.index), stream)
+        return as_text(entries[0][0]) if entries else "0-0"
+
+    async def _tail(self, stream: str, page: int = 256) -> list[Any]:
+        """The newest `max_cached_requests` entries of `stream`, newest first; retried until Redis
+        answers (none if the service is stopped first)."""
+        while not self.stop.is_set():
+            entries: list[Any] = []
+            newest = "+"
+            try:
+                while len(entries) < self.settings.max_cached_requests:
+                    count = min(page, self.settings.max_cached_requests - len(entries))
+                    batch: Any = await self.bus.client.xrevrange(stream, max=newest, min="-", count=count)
+                    if not batch:
+                        break
+                    entries.extend(batch)
+                    newest = "(" + as_text(batch[-1][0])
+                return entries
+            except (RedisError, OSError) as exc:
+                await self._backoff(f"re-indexing {stream}", exc)
+        return []
 
     # ---- liveness and helpers ------------------------------------------------------------------------
 
@@ -324,12 +345,12 @@ class SuffixCacheService:
             "min_token_prob": self.settings.min_token_prob,
             "at": time.time(),
         }
+        value = json.dumps(status).encode()
         try:
             await self.bus.client.set(
-                self.keys.suffix_cache_heartbeat,
-                json.dumps(status),
-                px=int(self.settings.heartbeat_ttl_s * 1000),
+                self.keys.suffix_cache_heartbeat, value, px=int(self.settings.heartbeat_ttl_s * 1000)
             )
+            self._status = value
         except (RedisError, OSError) as exc:
             logger.warning("suffix-cache heartbeat failed: %s", exc)
 

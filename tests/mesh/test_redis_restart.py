@@ -71,3 +71,48 @@ def test_a_redis_restart_never_ends_a_stream_normally_with_text_missing(
     print(
         f"down {down_s} s: {sum(o.done for o in outcomes)} whole, errors {[o.error for o in outcomes if o.error]}, {took_s:.1f} s"
     )
+
+
+async def streams_through_worker_and_redis_loss(mesh: LocalMesh, port: int, model: str) -> list[Outcome]:
+    """The first streams, with their only worker SIGKILLed, then Redis restarted while the
+    scheduler waits for a worker to re-dispatch to, then a new worker started."""
+    prompts = PROMPTS[:4]
+    outcomes = [Outcome() for _ in prompts]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        url = f"http://127.0.0.1:{port}"
+        tasks = [
+            asyncio.create_task(stream_completion(session, url, p, MAX_TOKENS, o))
+            for p, o in zip(prompts, outcomes)
+        ]
+        deadline = time.monotonic() + STREAM_TIMEOUT_S
+        while not all(o.text or o.error for o in outcomes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        mesh.kill("w1")
+        scheduler = mesh.processes["scheduler"]
+        while "re-dispatching" not in scheduler.tail(100_000):
+            assert time.monotonic() < deadline, scheduler.tail()
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(mesh.restart_redis, 2.0)
+        flags = ("--model", model, "--instance-id", "w2", *WORKER_FLAGS)
+        await asyncio.to_thread(mesh.start_role, "w2", "mixed", *flags)
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+def test_requests_of_a_dead_worker_survive_a_redis_restart_while_they_wait_for_another(
+    tmp_path_factory: pytest.TempPathFactory, mesh_model: str, expected: dict[str, str]
+) -> None:
+    """Nothing is pending on the bus for a dead instance's requests: the scheduler itself must
+    wait out the outage, or they hang until the gateway's timeout."""
+    mesh = LocalMesh(tmp_path_factory.mktemp("redispatch-outage"))
+    mesh.start_redis(appendonly=True)
+    try:
+        mesh.start_role("scheduler", "scheduler", "--dispatch-timeout-s", "120")
+        mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
+        port = mesh.start_gateway(mesh_model, "--request-timeout-s", "60")
+        outcomes = asyncio.run(streams_through_worker_and_redis_loss(mesh, port, mesh_model))
+    finally:
+        mesh.stop()
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.done and outcome.error is None, f"{prompt!r}: {outcome}"
+        assert outcome.text == expected[prompt], f"{prompt!r} ended with other text"

@@ -1,4 +1,5 @@
-"""One suffix cache for the fleet: a request on worker B drafts from what worker A generated."""
+"""One suffix cache for the fleet: a request on worker B drafts from what worker A generated, with one
+suffix-cache replica or two (each holds the whole index, so drafts and acceptance are the same)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 import json
 import signal
 
+import pytest
+
 from shared.sampling_params import SamplingParams
-from tests.mesh.harness import LocalMesh
+from tests.mesh.harness import LocalMesh, metric_value
 from tests.mesh.test_bus_recovery import bus_of, follow, request
 
 SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
@@ -23,10 +26,13 @@ FLAGS = (
 )
 
 
-def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model, num_replicas: int) -> None:
     mesh: LocalMesh = mesh_factory("suffix")
     mesh.start_role("scheduler", "scheduler")
-    mesh.start_role("suffix-cache", "suffix-cache")
+    replicas = [f"suffix-cache-{i}" for i in range(num_replicas)]
+    for name in replicas:
+        mesh.start_role(name, "suffix-cache")
     mesh.start_role("a", "mixed", "--model", mesh_model, "--instance-id", "a", *FLAGS)
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     prompt = "def parse_config(path):\n    "
@@ -58,3 +64,5 @@ def test_worker_b_drafts_from_worker_a_output(mesh_factory, mesh_model) -> None:
     assert stats["num_draft_tokens"] > 40
     assert stats["num_accepted_tokens"] > 0.9 * stats["num_draft_tokens"]
     assert stats["mean_accepted_length"] > 4
+    for name in replicas:  # each replica holds A's output, whichever answered B's look-ups
+        assert metric_value(mesh.metrics(name), "specmesh_suffix_cache_sequences") >= 1, name
