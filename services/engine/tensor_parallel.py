@@ -194,13 +194,15 @@ class Driver(Ranks):
         return value
 
     def close(self) -> None:
-        """Tells the followers to stop, waits for them (kills those that do not), leaves the group."""
+        """Tells the followers to stop, leaves the group with them, waits for them (kills those that
+        do not stop)."""
         if self._closing.is_set():
             return
         self._closing.set()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a follower that died already
                 conn.send_bytes(pickle.dumps(Stop()))
+        self._leave_group()
         for follower in self.followers:
             try:
                 follower.wait(timeout=STOP_TIMEOUT_S)
@@ -210,8 +212,21 @@ class Driver(Ranks):
                 follower.wait()
         for conn in self.conns:
             conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    @staticmethod
+    def _leave_group() -> None:
+        """Destroys the process group while the followers destroy theirs: with NCCL each rank's
+        destroy waits for the others', so rank 0 must not wait for its followers to exit first. A
+        destroy that does not return (a follower died) is left behind after STOP_TIMEOUT_S."""
+        if not dist.is_initialized():
+            return
+        leaving = threading.Thread(target=dist.destroy_process_group, name="tp-leave-group", daemon=True)
+        leaving.start()
+        leaving.join(STOP_TIMEOUT_S)
+        if leaving.is_alive():
+            logger.error(
+                "leaving the tensor-parallel group did not finish in %.0f s; going on", STOP_TIMEOUT_S
+            )
 
     def _watch(self, rank: int, follower: subprocess.Popen[bytes]) -> None:
         code = follower.wait()
