@@ -359,7 +359,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             roles.start(role, [role, *engine], on_exit=partial(_forget_worker, admin, role))
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
-        roles.start("gateway", ["gateway", "--model", model, *http, *keys], extra_env=_gateway_keys(args))
+        context = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
+        gateway = ["gateway", "--model", model, *context, *http, *keys]
+        roles.start("gateway", gateway, extra_env=_gateway_keys(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal
         print(

@@ -50,7 +50,10 @@ SECURE_WORKER_FLAGS = (
 as their users too (drafts never change greedy output)."""
 
 
-def deploy(tmp_path_factory, mesh_model: str, split: bool, secure: bool = False) -> LocalMesh:
+def deploy(
+    tmp_path_factory, mesh_model: str, split: bool, secure: bool = False, worker_flags: tuple[str, ...] = ()
+) -> LocalMesh:
+    """`worker_flags`: added to every worker's command line."""
     mesh = LocalMesh(
         tmp_path_factory.mktemp("split" if split else "mixed"),
         acl_users=secure,
@@ -63,7 +66,7 @@ def deploy(tmp_path_factory, mesh_model: str, split: bool, secure: bool = False)
     roles = ("prefill", "decode") if split else ("mixed",)
     for role in roles:
         flags = SECURE_WORKER_FLAGS if secure else WORKER_FLAGS
-        mesh.start_role(role, role, "--model", mesh_model, "--instance-id", role, *flags)
+        mesh.start_role(role, role, "--model", mesh_model, "--instance-id", role, *flags, *worker_flags)
     mesh.gateway_port = mesh.start_gateway(mesh_model, "--served-model-name", "tiny")  # type: ignore[attr-defined]
     return mesh
 

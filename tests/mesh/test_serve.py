@@ -189,6 +189,16 @@ def test_secrets_reach_each_role_off_its_command_line(tmp_path: Path) -> None:
         assert asyncio.run(status("sk-from-file")) == 200
         assert_each_role_is_its_own_redis_user(mesh)
 
+        async def models() -> dict:
+            headers = {"Authorization": "Bearer sk-from-file"}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"{mesh.url}/v1/models", headers=headers) as response,
+            ):
+                return await response.json()
+
+        assert asyncio.run(models())["data"][0]["max_model_len"] == 512  # serve's, not the model's
+
 
 def assert_each_role_is_its_own_redis_user(mesh: Served) -> None:
     passwords = {}

@@ -12,7 +12,7 @@ from tests.mesh.test_openai_mesh import GREEDY, PROMPTS, client, deploy, expecte
 
 
 def test_split_workers_of_two_ranks_each_serve_the_offline_output(tmp_path_factory, mesh_model) -> None:
-    mesh = deploy(tmp_path_factory, mesh_model, True, "--tensor-parallel-size", "2")
+    mesh = deploy(tmp_path_factory, mesh_model, True, worker_flags=("--tensor-parallel-size", "2"))
     try:
         sdk = client(mesh)
         offline = LLM(mesh_model, device="cpu", max_model_len=1024)
