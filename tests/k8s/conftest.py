@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.mesh.conftest import mesh_factory, mesh_model  # noqa: F401 - the drain test's mesh
+
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 
