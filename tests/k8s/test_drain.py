@@ -70,7 +70,13 @@ def test_a_decode_pod_stopped_under_load_loses_no_request(
         flags = ("--model", mesh_model, "--instance-id", name, *drain, *WORKER_FLAGS)
         mesh.start_role(name, role, *flags, wait_for_status=False)
     for name in ("p1", "d1", "d2"):
-        mesh._wait(lambda n=name: (mesh.workdir / f"{n}.port").is_file() and (mesh.workdir / f"{n}.port").read_text().strip() != "", name)
+        mesh._wait(
+            lambda n=name: (
+                (mesh.workdir / f"{n}.port").is_file()
+                and (mesh.workdir / f"{n}.port").read_text().strip() != ""
+            ),
+            name,
+        )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = [f"r{i}" for i in range(NUM_REQUESTS)]
 
