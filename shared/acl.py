@@ -179,7 +179,7 @@ def acl_file(password_hashes: Mapping[str, str], topic: str) -> str:
 
 
 def acl_template(topic: str) -> str:
-    """`acl_file` with `@role@` where each hash goes, for a deployment (k8s/redis.yaml) that fills
+    """`acl_file` with `@role@` where each hash goes, for a deployment (k8s/base/redis.yaml) that fills
     in the hashes of its own Secret's passwords."""
     return acl_file({role: placeholder(role) for role in (*ROLES, ADMIN)}, topic)
 
