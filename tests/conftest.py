@@ -103,6 +103,12 @@ def _write_checkpoint(
     settings.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings)).eval()
+    if arch in ("qwen3", "phi3", "gemma2", "gemma3"):
+        # norms start at the identity, where a norm that dropped its weight (or Gemma's offset) would pass
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(

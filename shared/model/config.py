@@ -192,6 +192,11 @@ def _refuse_unsupported_fields(raw: dict[str, Any]) -> None:
         raise ModelConfigError(
             f"partial_rotary_factor {raw['partial_rotary_factor']} is not supported (RoPE over whole heads only)"
         )
+    if raw.get("model_type") == "gemma3_text" and raw.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma-3 never applies it, and Gemma-3 checkpoints leave it null
+        raise ModelConfigError(
+            "attn_logit_softcapping is not supported for Gemma-3 (transformers ignores it)"
+        )
     unknown = sorted(set(raw.get("layer_types") or ()) - set(_LAYER_TYPES))
     if unknown:
         raise ModelConfigError(

@@ -77,8 +77,8 @@ def _yarn_frequencies(
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    kept = 1 - ramp.to(inv_freq.device)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device)
+    kept = 1 - ((dims - low) / (high - low)).clamp(0, 1)
     return inv_freq / factor * (1 - kept) + inv_freq * kept
 
 
