@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
-from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from kernels.fused_layers_ref import (
+    fused_add_rms_norm_ref,
+    gelu_tanh_and_mul_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
+)
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref
 from kernels.verify_ref import verify_sample_ref
@@ -31,12 +36,20 @@ def append_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    """`softcap`: attention-logit soft-capping (Gemma-2); the torch reference only: the CUDA
+    kernel has no cap, so a capped call on CUDA is refused (`SPECMESH_KERNELS=ref` runs it exactly)."""
     if _cuda.available(query):
+        if softcap is not None:
+            raise ValueError(
+                "the CUDA attention kernel has no attention-logit soft-capping (attn_logit_softcapping); "
+                "set SPECMESH_KERNELS=ref to run the exact torch reference on the GPU"
+            )
         from kernels.attention import append_attention_cuda
 
         return append_attention_cuda(query, key_cache, value_cache, meta, scale, sliding_window)
-    return append_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window)
+    return append_attention_ref(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
 
 
 def linear(
@@ -98,6 +111,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_cuda(gate_up)
     return silu_and_mul_ref(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's `gelu_tanh(gate) * up`; torch ops on every device (no fused kernel)."""
+    # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
+    return gelu_tanh_and_mul_ref(gate_up)
 
 
 def rotary_embedding(
@@ -194,6 +213,7 @@ __all__ = [
     "append_attention",
     "cuda_available",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "linear",
     "ngram_match",
     "post_step_update",

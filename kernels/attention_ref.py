@@ -86,14 +86,16 @@ def append_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its paged context (GQA aware).
 
     A query token at position `p` sees context positions `c` with `c <= p` and, under a sliding
-    window `w`, `p - c < w`.
+    window `w`, `p - c < w`. With `softcap`, scores become softcap * tanh(score / softcap) before
+    the mask (Gemma-2).
     """
     if meta.all_single_token:
-        return _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+        return _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -103,7 +105,7 @@ def append_attention_ref(
         k_pos = torch.arange(seq_len, device=query.device)
         mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)  # [query_len, seq_len]
         seq_query = query[start : start + query_len].unsqueeze(0)
-        attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
+        attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale, softcap)
         out[start : start + query_len] = attended[0]
     return out
 
@@ -115,6 +117,7 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """All sequences have one query token: one padded batched call instead of a loop."""
     max_len = max(meta.seq_lens_cpu)
@@ -127,7 +130,7 @@ def _decode_attention(
     k_pos = torch.arange(max_len, device=query.device)[None, :]
     q_pos = (meta.seq_lens.long() - 1)[:, None]
     mask = _visible(q_pos, k_pos, sliding_window)[:, None, :]  # [num_seqs, 1, max_len]
-    return _sdpa(query.unsqueeze(1), keys, values, mask, scale)[:, 0]
+    return _sdpa(query.unsqueeze(1), keys, values, mask, scale, softcap)[:, 0]
 
 
 def _gather_context(
@@ -153,15 +156,34 @@ def _sdpa(
     values: torch.Tensor,
     mask: torch.Tensor,  # [batch or 1, query_len, kv_len] bool
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [batch, query_len, num_heads, head_dim]
     # an additive float mask: with a boolean one, grouped-query SDPA takes a slow path on CPU
     bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=bias.unsqueeze(1),
-        scale=scale,
-        enable_gqa=True,
-    )
+    q, k, v = query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias.unsqueeze(1), scale=scale, enable_gqa=True
+        )
+    else:
+        out = softcapped_attention(q, k, v, bias.unsqueeze(1), scale, softcap)
     return out.transpose(1, 2)
+
+
+def softcapped_attention(
+    query: torch.Tensor,  # [batch, num_heads, query_len, head_dim]
+    keys: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
+    values: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_dim]
+    bias: torch.Tensor,  # [batch or 1, 1, query_len, kv_len]: 0 where visible, -inf elsewhere
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, query_len, head_dim]
+    """Attention whose scores are soft-capped (softcap * tanh(score / softcap)) before the mask,
+    the softmax in float32; SDPA has no hook for the cap. Differentiable."""
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + bias
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values)

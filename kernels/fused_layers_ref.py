@@ -1,4 +1,5 @@
-"""Torch references for the fused per-layer kernels: residual add + RMSNorm, SiLU-and-mul, rotary.
+"""Torch references for the fused per-layer kernels: residual add + RMSNorm, SiLU-and-mul, rotary
+(and the Gemma variants, offset-weight RMSNorm and GeGLU, which have no CUDA kernel).
 
 These are the twins of `kernels/fused_layers.py` (same signatures); the CPU path, CI and the
 autograd (training) paths run them. Their rounding is the model's: the residual sum and every
@@ -28,12 +29,35 @@ def fused_add_rms_norm_ref(
     return weight * x32.to(x.dtype), x
 
 
+def offset_add_rms_norm_ref(
+    x: torch.Tensor,  # [..., hidden_size]
+    residual: torch.Tensor | None,  # [..., hidden_size]; None: x alone
+    weight: torch.Tensor,  # [hidden_size]: the stored weight, an offset from `offset`
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new_residual)
+    """As `fused_add_rms_norm_ref` with the weight (offset + weight) multiplied in float32 before
+    the cast back, as Gemma's RMSNorm does; torch ops on every device (no fused kernel)."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (offset + weight.float())).to(x.dtype), x
+
+
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [num_tokens, 2 * intermediate_size] (gate half, then up half) ->
     silu(gate) * up [num_tokens, intermediate_size]; silu's output is rounded to the dtype before
     the product (SwiGLU, Shazeer 2020)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * intermediate_size] -> gelu_tanh(gate) * up (GeGLU, Shazeer 2020,
+    with GELU's tanh approximation, as Gemma uses)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary_embedding_ref(

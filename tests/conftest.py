@@ -81,6 +81,10 @@ def _write_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     eos_id = tokenizer.token_to_id(EOS)
     settings: dict[str, Any] = dict(
@@ -99,6 +103,12 @@ def _write_checkpoint(
     settings.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings)).eval()
+    if arch in ("qwen3", "phi3", "gemma2", "gemma3"):
+        # norms start at the identity, where a norm that dropped its weight (or Gemma's offset) would pass
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(

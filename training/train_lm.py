@@ -229,7 +229,7 @@ def build_model(shape: LMShape, max_positions: int, device: torch.device, seed: 
     model = LlamaForCausalLM(shape.model_config(), max_positions)
     init_weights(model)
     model = model.to(device)
-    model.rotary.build(device)
+    model.build_rotary(device)
     return model
 
 

@@ -95,12 +95,13 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
-        requested_len = config.max_model_len or self.model_config.max_position_embeddings
-        if requested_len > self.model_config.max_position_embeddings:
+        context_len = self.model_config.max_context_len
+        requested_len = config.max_model_len or context_len
+        if requested_len > context_len:
             raise ValueError(
-                f"max_model_len {requested_len} exceeds the model's max_position_embeddings "
-                f"({self.model_config.max_position_embeddings}): positions past it were never trained; "
-                "lower --max-model-len"
+                f"max_model_len {requested_len} exceeds the model's context ({context_len}: "
+                "max_position_embeddings, times the RoPE scaling factor for YaRN and dynamic NTK): "
+                "positions past it were never trained; lower --max-model-len"
             )
         self.runner = ModelRunner(config, self.model_config, requested_len, config.speculative_config)
         try:

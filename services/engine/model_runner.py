@@ -155,6 +155,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
         self.block_size = config.block_size
+        _check_kernels_support(model_config, self.device)
         self.model: LlamaForCausalLM = load_model(
             config.model, self.dtype, self.device, max_model_len, self.tp
         )
@@ -662,3 +663,15 @@ def _suppressed(seq: Sequence, num_output_tokens: int) -> list[int]:
         return []
     eos = [] if seq.params.ignore_eos else list(seq.eos_token_ids)
     return eos + list(seq.params.stop_token_ids)
+
+
+def _check_kernels_support(model_config: ModelConfig, device: torch.device) -> None:
+    """Refuses a model the CUDA kernels would compute wrong, before anything loads."""
+    if model_config.attn_logit_softcapping is None or device.type != "cuda":
+        return
+    if kernels.cuda_available(torch.empty(0, device=device)):
+        raise ModelConfigError(
+            f"{model_config.architecture}: attn_logit_softcapping {model_config.attn_logit_softcapping} is "
+            "not supported by the CUDA attention kernel; serve it on CPU, or set SPECMESH_KERNELS=ref "
+            "to run the exact (slower) torch attention on the GPU"
+        )

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3, Gemma-2/3) over a paged KV cache.
 
 The model is pure: it takes flat token ids of every sequence in the step, their positions, the
 attention metadata and the per-layer KV caches, and returns hidden states. Only the rows that need
@@ -15,6 +15,10 @@ scoring) runs the same twins directly: they are differentiable, the CUDA kernels
 Under tensor parallelism (`tp`, shared/model/parallel.py) each rank builds the same modules over its
 slices: its attention heads and MLP columns, its vocabulary rows; one all-reduce joins each
 attention's and each MLP's output, and every rank ends with the same hidden states and logits.
+
+The architectures differ only in config-driven details (shared/model/config.py lists them). Those
+without a fused CUDA kernel run as torch ops on every device: Gemma's offset-weight RMSNorm, GeGLU,
+the q/k head norms; attention-logit soft-capping has no CUDA kernel and is refused there.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
-from kernels.fused_layers_ref import fused_add_rms_norm_ref, silu_and_mul_ref
+from kernels.attention_ref import softcapped_attention
+from kernels.fused_layers_ref import (
+    fused_add_rms_norm_ref,
+    gelu_tanh_and_mul_ref,
+    offset_add_rms_norm_ref,
+    silu_and_mul_ref,
+)
 from shared.model.config import ModelConfig
 from shared.model.parallel import (
     SINGLE,
@@ -63,15 +73,24 @@ class VocabParallelEmbedding(nn.Embedding):
     """`nn.Embedding` over the rank's rows of the vocabulary: a token outside them embeds to zeros
     here, and the all-reduce brings its row from the rank that holds it."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE, multiplier: float | None = None
+    ):
+        """`multiplier`: every embedding is scaled by it (rounded to the weights' dtype first, as
+        Gemma does); None: not scaled."""
         start, num_rows = vocab_shard(vocab_size, tp)
         super().__init__(num_rows, hidden_size)
         self.vocab_start = start
         self.tp = tp
+        self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(input_ids)
+        hidden = super().forward(input_ids) if self.tp.size == 1 else self._forward_split(input_ids)
+        if self.multiplier is None:
+            return hidden
+        return hidden * hidden.new_tensor(self.multiplier)
+
+    def _forward_split(self, input_ids: torch.Tensor) -> torch.Tensor:
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.num_embeddings)
         hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
@@ -79,13 +98,17 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, weight_offset: float = 0.0):
+        """`weight_offset`: the scale is weight_offset + weight (Gemma stores weight - 1)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - weight_offset))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * RMSNorm(x) in plain torch ops (differentiable)."""
+        """weight * RMSNorm(x) over the last dimension, in plain torch ops (differentiable)."""
+        if self.weight_offset:
+            return offset_add_rms_norm_ref(x, None, self.weight, self.eps, self.weight_offset)[0]
         return fused_add_rms_norm_ref(x, None, self.weight, self.eps)[0]
 
     def add_and_norm(
@@ -93,7 +116,10 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None: x starts the stream
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new_residual)
-        """new_residual = x + residual, normed = weight * RMSNorm(new_residual); one kernel on CUDA."""
+        """new_residual = x + residual, normed = weight * RMSNorm(new_residual); one kernel on CUDA
+        (torch ops for an offset weight)."""
+        if self.weight_offset:
+            return offset_add_rms_norm_ref(x, residual, self.weight, self.eps, self.weight_offset)
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -113,11 +139,23 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = sliding_window
         self.rotary = rotary
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
+
+    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [..., num_heads, head_dim], k: [..., num_kv_heads, head_dim]; each head normed on its own
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -126,10 +164,12 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, *self._norm_heads(q, k))
         key_cache, value_cache = kv_cache
         kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = kernels.append_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        out = kernels.append_attention(
+            q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.softcap
+        )
         return row_parallel(self.o_proj, out.flatten(1), self.tp)
 
     def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -138,18 +178,23 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch * seq_len, self.num_heads, self.head_dim)
         k = k.view(batch * seq_len, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary.forward_dense(positions.repeat(batch), q, k)
+        q, k = self.rotary.forward_dense(positions.repeat(batch), *self._norm_heads(q, k))
         q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         mask = None
-        if self.sliding_window is not None:
+        if self.sliding_window is not None or self.softcap is not None:
             pos = torch.arange(seq_len, device=hidden.device)
             distance = pos[:, None] - pos[None, :]
-            mask = (distance >= 0) & (distance < self.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
-        )
+            mask = (distance >= 0) & (distance < (self.sliding_window or seq_len))
+        if self.softcap is not None:
+            assert mask is not None
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            out = softcapped_attention(q, k, v, bias, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.q_size))
 
 
@@ -161,13 +206,17 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.geglu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden_size]; gate_up_proj gives the gate half, then the up half
-        return row_parallel(self.down_proj, kernels.silu_and_mul(linear(self.gate_up_proj, x)), self.tp)
+        gate_up = linear(self.gate_up_proj, x)
+        act_and_mul = kernels.gelu_tanh_and_mul if self.geglu else kernels.silu_and_mul
+        return row_parallel(self.down_proj, act_and_mul(gate_up), self.tp)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        act_and_mul = gelu_tanh_and_mul_ref if self.geglu else silu_and_mul_ref
+        return self.down_proj(act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -179,10 +228,15 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.input_layernorm = RMSNorm(size, eps, offset)
         self.self_attn = Attention(config, rotary, sliding_window, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(size, eps, offset)
         self.mlp = MLP(config, tp)
+        self.sandwich_norm = config.sandwich_norm
+        if config.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, offset)
 
     def forward(
         self,
@@ -195,17 +249,27 @@ class DecoderLayer(nn.Module):
         """The layer's output stream is the sum of the two returned tensors; the next norm adds them."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.sandwich_norm:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
     def forward_dense(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn.forward_dense(positions, self.input_layernorm(hidden))
+        attended = self.self_attn.forward_dense(positions, self.input_layernorm(hidden))
+        if self.sandwich_norm:
+            hidden = hidden + self.post_attention_layernorm(attended)
+            mlp_out = self.mlp.forward_dense(self.pre_feedforward_layernorm(hidden))
+            return hidden + self.post_feedforward_layernorm(mlp_out)
+        hidden = hidden + attended
         return hidden + self.mlp.forward_dense(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(nn.Module):
     """One class for every supported architecture: they differ only in config-driven details
-    (qkv bias, sliding windows, RoPE scaling, tied embeddings)."""
+    (qkv bias, q/k norms, sliding windows, RoPE scaling, tied embeddings, Gemma's norms,
+    activation and soft-capping)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE):
         """`tp`: this rank's place in a tensor-parallel group (its slices of every layer)."""
@@ -213,13 +277,28 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, window, tp) for window in config.sliding_windows
+        # Gemma-3's sliding-window layers rotate with a RoPE base of their own
+        self.local_rotary = self.rotary
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                config.head_dim, max_positions, config.local_rope_theta, config.local_rope_scaling
+            )
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp, config.embedding_multiplier
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary if window is None else self.local_rotary, window, tp)
+            for window in config.sliding_windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tie_weights()
+
+    def build_rotary(self, device: torch.device) -> None:
+        """(Re)computes every RoPE table on `device` (after materialising from meta and casting)."""
+        self.rotary.build(device)
+        if self.local_rotary is not self.rotary:
+            self.local_rotary.build(device)
 
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head when the checkpoint ties them (again after
@@ -255,6 +334,16 @@ class LlamaForCausalLM(nn.Module):
         logits, written into `out` ([num_rows, vocab_size] float32) when given. Under tensor
         parallelism every rank's vocabulary columns are gathered: each rank gets all the logits."""
         if self.tp.size == 1:
-            return linear(self.lm_head, hidden, torch.float32, out)
-        logits = self.tp.gather_columns(linear(self.lm_head, hidden, torch.float32), self.config.vocab_size)
-        return logits.contiguous() if out is None else out.copy_(logits)
+            logits = linear(self.lm_head, hidden, torch.float32, out)
+        else:
+            gathered = self.tp.gather_columns(
+                linear(self.lm_head, hidden, torch.float32), self.config.vocab_size
+            )
+            logits = gathered.contiguous() if out is None else out.copy_(gathered)
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return logits
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return torch.tanh(logits / cap) * cap
+        # in place: `out` (a CUDA graph's logits buffer) receives the capped logits
+        return logits.div_(cap).tanh_().mul_(cap)

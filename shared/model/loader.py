@@ -1,5 +1,8 @@
 """Loads a Hugging Face Llama-family checkpoint (single or sharded safetensors) into `LlamaForCausalLM`.
 
+Checkpoints store q/k/v_proj and gate/up_proj apart (Llama) or already fused (Phi-3: qkv_proj,
+gate_up_proj); either way each part lands in its rows of the model's fused parameter.
+
 Under tensor parallelism each rank reads only its slices of the checkpoint (`safe_open(...).get_slice`,
 shared/model/parallel.py `parameter_shard`), never a whole matrix it would then cut.
 """
@@ -74,6 +77,26 @@ class InMemory:
         return self.tensor[index]
 
 
+class RowsOf:
+    """Rows [start, start + num_rows) of a `TensorSlices`, itself read as one: a part of a fused
+    checkpoint tensor, read without the rest."""
+
+    def __init__(self, whole: TensorSlices, start: int, num_rows: int):
+        self.whole, self.start, self.num_rows = whole, start, num_rows
+
+    def get_shape(self) -> list[int]:
+        return [self.num_rows, *self.whole.get_shape()[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows = slice(self.start, self.start + self.num_rows)
+        if index is Ellipsis:
+            return self.whole[rows]
+        if isinstance(index, slice) and index.step is None:
+            first, stop, _ = index.indices(self.num_rows)
+            return self.whole[self.start + first : self.start + stop]
+        raise TypeError(f"RowsOf reads whole rows only, not {index!r}")
+
+
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -104,7 +127,7 @@ def load_model(
         model = LlamaForCausalLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.rotary.build(device)
+    model.build_rotary(device)
     _load_weights(model, model_dir)
     return model.eval()
 
@@ -136,8 +159,9 @@ def load_named_tensors(
         if target not in params:
             raise ModelConfigError(f"checkpoint tensor {name!r} has no place in the model")
         slices = InMemory(tensor) if isinstance(tensor, torch.Tensor) else tensor
-        _copy_into(config, params[target], target, part, slices, tp)
-        loaded.add(target if part is None else f"{target}#{part}")
+        for part_index, part_slices in _parts(config, name, target, part, slices):
+            _copy_into(config, params[target], target, part_index, part_slices, tp)
+            loaded.add(target if part_index is None else f"{target}#{part_index}")
     missing = sorted(_expected_parts(params) - ignored - loaded)
     if missing:
         raise ModelConfigError(f"checkpoint in {source} is missing weights: {', '.join(missing[:8])}")
@@ -175,6 +199,23 @@ def _target_name(name: str) -> tuple[str | None, int | None]:
         if marker in name:
             return name.replace(marker, f".{fused}."), part
     return name, None
+
+
+def _parts(
+    config: ModelConfig, name: str, target: str, part: int | None, tensor: TensorSlices
+) -> Iterator[tuple[int | None, TensorSlices]]:
+    """(part index, its rows) of a checkpoint tensor: itself, or each part of one stored fused."""
+    if part is not None or not any(f".{fused}." in target for fused in _UNFUSED):
+        yield part, tensor
+        return
+    sizes = fused_part_sizes(config, target)
+    if tensor.get_shape()[0] != sum(sizes):
+        raise ModelConfigError(
+            f"{name}: checkpoint shape {tuple(tensor.get_shape())} has {tensor.get_shape()[0]} rows, "
+            f"not the {' + '.join(map(str, sizes))} of its fused parts"
+        )
+    for index, size in enumerate(sizes):
+        yield index, RowsOf(tensor, sum(sizes[:index]), size)
 
 
 def _copy_into(

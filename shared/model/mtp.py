@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kernels import AttentionMetadata
-from shared.model.config import ModelConfig, ModelConfigError
+from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
 from shared.model.loader import SINGLE_FILE, iter_checkpoint_slices, load_named_tensors, unfused_state_dict
 from shared.model.rope import RotaryEmbedding
@@ -69,6 +69,11 @@ class MTPHead(nn.Module):
 
     def __init__(self, target: LlamaForCausalLM):
         super().__init__()
+        if target.config.architecture in GEMMA_ARCHITECTURES:
+            raise ModelConfigError(
+                f"MTP heads are not supported for {target.config.architecture} targets (Llama, Qwen2/3, "
+                "Mistral and Phi-3 layers only); pick another speculative method"
+            )
         object.__setattr__(self, "target", target)
         self.config = head_config(target.config)
         size, eps = self.config.hidden_size, self.config.rms_norm_eps

@@ -37,6 +37,30 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # one KV head, replicated on both ranks; tied embedding and LM head, both vocab-parallel
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "mistral-window": ("mistral", {"sliding_window": 7, "num_key_value_heads": 2}),
+    # q/k/v and gate/up fused in the checkpoint: each rank reads its rows of every part
+    "phi3-fused": ("phi3", {"num_key_value_heads": 2}),
+    # per-head q/k norms (replicated), GeGLU, offset norms, soft-capping, two RoPE bases
+    "qwen3": ("qwen3", {"head_dim": 20, "num_key_value_heads": 2}),
+    "gemma3": (
+        "gemma3",
+        {
+            "head_dim": 20,
+            "num_key_value_heads": 1,
+            "sliding_window": 7,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma2-softcapped": (
+        "gemma2",
+        {
+            "head_dim": 24,
+            "num_key_value_heads": 2,
+            "sliding_window": 7,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
 }
 TOKEN_IDS = torch.randint(0, 384, (45,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -80,7 +104,9 @@ def test_two_ranks_give_the_logits_of_one_and_of_transformers(checkpoints, split
     one_rank = prefill_logits(
         load_model(path, torch.float32, torch.device("cpu"), max_positions=512), TOKEN_IDS
     )
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     expected = reference(torch.tensor([TOKEN_IDS])).logits[0]
 
     two_ranks = split_logits[case]
