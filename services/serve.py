@@ -6,7 +6,8 @@ an append-only file unless `--redis-persistence off`), the scheduler, the suffix
 mixed worker (or, with `--pd`, one prefill and one decode worker) and the gateway; waits until the
 gateway answers /health and prints the URL. From then on it supervises them (`services/supervisor.py`):
 a role that dies is started again, a worker under a new instance id, the scheduler told at once that
-the old one is gone so it re-dispatches its requests. Ctrl-C or SIGTERM stops everything in reverse
+the old one is gone so it re-dispatches its requests; a scheduler under a new consumer name, whose
+predecessor's lease is dropped at once so it takes over the messages that one left pending. Ctrl-C or SIGTERM stops everything in reverse
 order; the roles die with `serve` even when it is SIGKILLed (Linux).
 """
 
@@ -26,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -187,11 +189,20 @@ def write_redis_conf(log_dir: Path, port: int, password: str, persistence: str) 
 def forget_instance(settings: RedisSettings, instance_id: str) -> None:
     """Tells the scheduler that a worker died, so it re-dispatches the worker's requests on its
     next look instead of after the heartbeat's TTL. Best effort: with Redis down, the TTL does it."""
+    _forget(settings, lambda bus: bus.forget_instance(instance_id))
 
+
+def forget_scheduler(settings: RedisSettings, consumer: str) -> None:
+    """Drops a dead scheduler's lease, so its successor takes over the messages it left pending on
+    its first read instead of after the lease's TTL. Best effort, like `forget_instance`."""
+    _forget(settings, lambda bus: bus.forget_scheduler(consumer))
+
+
+def _forget(settings: RedisSettings, forget_with: Callable[[Bus], Awaitable[None]]) -> None:
     async def forget() -> None:
         client = await connect(settings, attempts=1)
         try:
-            await Bus(client, settings.keys).forget_instance(instance_id)
+            await forget_with(Bus(client, settings.keys))
         finally:
             await client.aclose()
 
@@ -211,6 +222,20 @@ def _worker_argv(head: list[str], role: str, incarnation: int) -> list[str]:
 
 def _forget_worker(settings: RedisSettings, role: str, incarnation: int) -> None:
     forget_instance(settings, worker_instance_id(role, incarnation))
+
+
+def scheduler_id(incarnation: int) -> str:
+    """A fresh consumer name per start, like a worker's instance id: one name, one process, even
+    while a killed one's lease is still being dropped."""
+    return "local-scheduler" if incarnation == 0 else f"local-scheduler-{incarnation}"
+
+
+def _scheduler_argv(head: list[str], incarnation: int) -> list[str]:
+    return [*head, "--scheduler-id", scheduler_id(incarnation)]
+
+
+def _forget_scheduler(settings: RedisSettings, incarnation: int) -> None:
+    forget_scheduler(settings, scheduler_id(incarnation))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -251,7 +276,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         conf = write_redis_conf(log_dir, settings.port, settings.password, args.redis_persistence)
         mesh.start("redis", [find_redis_server(), str(conf)])
-        mesh.start("scheduler", [*me, "scheduler", *bus, "--max-queue-len", str(args.max_queue_len)])
+        scheduler = [*me, "scheduler", *bus, "--max-queue-len", str(args.max_queue_len)]
+        mesh.start(
+            "scheduler", partial(_scheduler_argv, scheduler), on_exit=partial(_forget_scheduler, settings)
+        )
         mesh.start("suffix-cache", [*me, "suffix-cache", *bus])
         engine = _engine_flags(args, model, spec)
         for role in ["prefill", "decode"] if args.pd else ["mixed"]:
