@@ -589,7 +589,10 @@ class Bus:
                 len(claimed),
                 stream,
             )
-        return [entry for entry in claimed if entry[1]]
+        # a script returns entries as Redis sends them: the fields as one flat list
+        return [
+            (entry[0], dict(zip(entry[1][::2], entry[1][1::2]))) for entry in claimed if entry and entry[1]
+        ]
 
     async def _claim_stale(
         self, stream: str, group: str, consumer: str, count: int, idle_ms: int

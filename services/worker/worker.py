@@ -389,8 +389,8 @@ class Worker:
         """The bus refused these requests' rows: each was placed again since (or ended: a client
         that left, a placement the scheduler gave up). They stop here, silently."""
         for request_id in request_ids:
-            running = self.requests[request_id]
-            if not running.cancelled:
+            running = self.requests.get(request_id)
+            if running is not None and not running.cancelled:
                 self.metrics.requests_fenced.inc()
                 logger.warning(
                     "fenced off: the request was placed again since; stopping it here",
@@ -454,11 +454,13 @@ class Worker:
         handing_off = {}
         for end in batch.ends:
             running = self._current_row(batch, end.row)
-            if end.handoff and running is not None:
+            if running is None:
+                continue  # dropped here: given back, or fenced off
+            if end.handoff:
                 handing_off[batch.request_ids[end.row]] = running
-            elif running is not None:
-                self.requests.pop(batch.request_ids[end.row])
-            if not end.handoff and end.error is None:
+                continue
+            self.requests.pop(batch.request_ids[end.row])
+            if end.error is None:
                 self.metrics.observe_finished(end, int(batch.num_output_tokens[end.row]))
         for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
             if handoff.request_id in handing_off:
