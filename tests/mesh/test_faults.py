@@ -167,6 +167,14 @@ async def rows_of(bus: Bus) -> dict[str, list[tuple[int, list[int], bool]]]:
     return rows
 
 
+def assert_published_once(request_id: str, rows: list[tuple[int, list[int], bool]]) -> None:
+    """Each row starts where the one before ended: no output position was published twice."""
+    position = 0
+    for start, new, _ in rows:
+        assert start == position, f"{request_id}: a row at {start} after {position} tokens (published twice)"
+        position += len(new)
+
+
 def test_a_worker_stopped_past_its_ttl_publishes_nothing_into_requests_placed_elsewhere(
     mesh_factory: Any, mesh_model: str
 ) -> None:
@@ -218,6 +226,8 @@ def test_a_worker_stopped_past_its_ttl_publishes_nothing_into_requests_placed_el
 
         async def all_ended() -> bool:
             rows = await rows_of(bus)
+            for request_id in prompts:
+                assert_published_once(request_id, rows.get(request_id, []))
             return all(any(finished for _, _, finished in rows.get(r, [])) for r in prompts)
 
         await wait_for(all_ended, "every request ended")
@@ -234,13 +244,8 @@ def test_a_worker_stopped_past_its_ttl_publishes_nothing_into_requests_placed_el
     rows, reports, victim, stranded = asyncio.run(scenario())
     assert stranded, "the stopped worker ran nothing: the test tested nothing"
     for request_id, want in expected.items():
-        position, tokens = 0, []
-        for start, new, _ in rows[request_id]:
-            assert start == position, (
-                f"{request_id}: a row at {start} after {position} tokens (published twice)"
-            )
-            position, tokens = position + len(new), tokens + new
-        assert tokens == want, request_id
+        assert_published_once(request_id, rows[request_id])
+        assert [t for _, new, _ in rows[request_id] for t in new] == want, request_id
         assert [finished for _, _, finished in rows[request_id]].count(True) == 1, request_id
     assert not [r for r in reports if r.request_id in stranded and r.instance_id == victim], "stale reports"
     assert mesh.processes[victim].alive()
