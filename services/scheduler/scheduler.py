@@ -257,13 +257,23 @@ class SplitwiseScheduler:
         self.metrics.placement_seconds.observe(time.perf_counter() - started)
 
     async def _try_place(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> bool:
-        """Places the placement of `epoch` (or finds it superseded, or gives up); False to retry."""
+        """Places the placement of `epoch` (or finds it superseded, or gives up); False to retry.
+        `exclude` is a preference: an excluded instance is chosen when no other could run it (a
+        prefill whose KV handoff failed because its decode instance died is not to blame)."""
+        if exclude and not self._placeable(exclude):
+            exclude = frozenset()
         mixed = self.registry.pick_least_loaded("mixed", exclude)
         if mixed is not None:
             await self._dispatch_mixed(request, epoch, mixed.instance_id)
             return True
-        split_possible = self.registry.count("prefill") and self.registry.count("decode")
-        return bool(split_possible) and await self._dispatch_split(request, epoch, exclude)
+        return self._placeable(exclude) and await self._dispatch_split(request, epoch, exclude)
+
+    def _placeable(self, exclude: frozenset[str]) -> bool:
+        """Whether live instances outside `exclude` can run a request: a mixed one, or a pair."""
+        candidates = self.registry.candidates
+        return bool(
+            candidates("mixed", exclude) or (candidates("prefill", exclude) and candidates("decode", exclude))
+        )
 
     async def _dispatch_mixed(self, request: GenerateRequest, epoch: int, instance_id: str) -> None:
         dispatch = Dispatch(role="mixed", request=request, epoch=epoch)

@@ -264,7 +264,6 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     mesh.start_role("scheduler", "scheduler")
     mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
     first_url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
-    total_blocks = metric_value(mesh.metrics("w1"), "specmesh_worker_kv_free_blocks")
 
     async def scenario() -> tuple[list[Outcome], list[Outcome]]:
         bus = await bus_of(mesh)
@@ -282,13 +281,20 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
             served, streams = start_streams(session, f"http://127.0.0.1:{port}", PROMPTS[8:12])
             await streams
 
-        async def cleaned_up() -> bool:
-            depth = int(await bus.client.get(bus.keys.queue_depth) or 0)
-            assigned = await bus.client.scard(bus.keys.assignments("w1"))
-            free = metric_value(mesh.metrics("w1"), "specmesh_worker_kv_free_blocks")
-            return depth == 0 and assigned == 0 and free == total_blocks
+        left: dict[str, float] = {}
 
-        await wait_for(cleaned_up, "the dead gateway's requests cleaned up")
+        async def cleaned_up() -> bool:
+            left["queue depth"] = int(await bus.client.get(bus.keys.queue_depth) or 0)
+            left["assigned"] = await bus.client.scard(bus.keys.assignments("w1"))
+            metrics = mesh.metrics("w1")  # updated with every step: the streams ran there
+            left["running"] = metric_value(metrics, "specmesh_worker_running_requests")
+            left["KV in use"] = metric_value(metrics, "specmesh_worker_kv_usage_ratio")
+            return not any(left.values())
+
+        try:
+            await wait_for(cleaned_up, "the dead gateway's requests cleaned up")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; left: {left}") from None
         await bus.client.aclose()
         return cut, served
 
