@@ -329,7 +329,8 @@ class SplitwiseScheduler:
         return sent
 
     async def _reserve(self, request: GenerateRequest, epoch: int, decode_id: str) -> ReserveReply | None:
-        """The decode instance's answer; None if it gave none in time (the request has failed)."""
+        """The decode instance's answer; None if it gave none in time (the request has failed),
+        unless it died meanwhile (its heartbeat is gone): then a refusal, to place it elsewhere."""
         waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
         self.reservations[request.request_id] = waiter
         try:
@@ -350,6 +351,14 @@ class SplitwiseScheduler:
                 self.keys.inbox(decode_id),
                 Cancel(request_id=request.request_id, reason="reservation timed out", epoch=epoch),
             )
+            if not await self.bus.client.exists(self.keys.heartbeat(decode_id)):
+                return ReserveReply(
+                    request_id=request.request_id,
+                    instance_id=decode_id,
+                    ok=False,
+                    code=503,
+                    error=f"decode instance {decode_id} died",
+                )
             await self._give_up(
                 request,
                 epoch,

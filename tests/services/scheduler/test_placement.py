@@ -65,3 +65,29 @@ async def test_two_replicas_placing_a_request_again_at_once_send_one_dispatch(bu
         second._retry("r", "w0", "failed", seen=epoch),
     )
     assert [d.epoch for d in await dispatches_to(bus, "w1")] == [2]
+
+
+async def test_a_reservation_unanswered_by_a_dead_decode_instance_is_placed_again(bus: Bus) -> None:
+    """A decode instance killed just before its reservation still looks live until its heartbeat
+    expires: its silence sends the request back to placement, not to its client as a 504. A live
+    instance's silence still fails the request."""
+    s = SplitwiseScheduler(bus, SchedulerOptions(consumer="s1", reserve_timeout_s=0.1), SchedulerMetrics())
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        s.registry.live[instance_id] = InstanceInfo(
+            instance_id=instance_id,
+            role=role,
+            model="m",
+            max_model_len=512,
+            free_kv_blocks=64,  # type: ignore[arg-type]
+        )
+    await bus.admit("r", Submit(request=REQUEST), max_queue_len=8)
+    epoch = await bus.claim_epoch("r")
+    assert epoch is not None
+    assert not await s._try_place(REQUEST, epoch, frozenset())  # d0 has no heartbeat: died
+    assert not await bus.client.exists(bus.keys.outputs("g"))
+    await bus.client.set(bus.keys.heartbeat("d0"), b"alive")
+    assert await s._try_place(REQUEST, epoch, frozenset())
+    [(_, fields)] = await bus.client.xrange(bus.keys.outputs("g"))
+    [event] = decode(fields[PAYLOAD_FIELD]).events()  # type: ignore[union-attr]
+    assert event.error is not None and event.error.code == 504
+    assert await bus.placement("r") is None
