@@ -335,6 +335,8 @@ class Placement:
 
 
 Admission = Literal["admitted", "duplicate", "queue_full", "ended"]
+ADMISSIONS: dict[int, Admission] = {1: "admitted", 0: "duplicate", -1: "queue_full", -2: "ended"}
+"""`ADMIT_LUA`'s answers."""
 
 
 class Bus:
@@ -414,7 +416,7 @@ class Bus:
             [self.keys.request_state(request_id), self.keys.queue_depth],
             [encode(submit), max_queue_len],
         )
-        return {1: "admitted", 0: "duplicate", -1: "queue_full"}.get(result, "ended")  # type: ignore[return-value]
+        return ADMISSIONS[int(result)]
 
     async def release(self, request_id: str, instance_id: str | None = None) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
