@@ -98,6 +98,9 @@ class Running:
     epoch: int
     cancelled: bool = False
     """Told to stop (its client left, or it was placed elsewhere): being fenced is no surprise."""
+    fenced: bool = False
+    """Cancelled, and its rows refused since (the scheduler ended it at once): none is sent any
+    more, and its end row, which the abort brings, retires it as any."""
 
 
 class Worker:
@@ -388,15 +391,20 @@ class Worker:
     async def _fence(self, request_ids: list[str]) -> None:
         """The bus refused these requests' rows: each was placed again since (or ended: a client
         that left, a placement the scheduler gave up). They stop here, silently."""
+        dropped = []
         for request_id in request_ids:
             running = self.requests.get(request_id)
-            if running is not None and not running.cancelled:
+            if running is not None and running.cancelled:
+                running.fenced = True
+                continue
+            if running is not None:
                 self.metrics.requests_fenced.inc()
                 logger.warning(
                     "fenced off: the request was placed again since; stopping it here",
                     extra={"request_id": request_id, "epoch": running.epoch},
                 )
-        await self._drop(request_ids)
+            dropped.append(request_id)
+        await self._drop(dropped)
 
     async def _publish(self, batch: StepBatch) -> None:
         """One OutputBatch per gateway, the rows' tokens appended to their requests' delivered
@@ -412,7 +420,7 @@ class Worker:
         rows_of: dict[str, list[int]] = {}
         for row, request_id in enumerate(batch.request_ids):
             running = self._current_row(batch, row)
-            if running is None:
+            if running is None or running.fenced:
                 continue
             if running.request.gateway_id is None:
                 logger.error("a row of %s, which has no gateway: dropped", request_id)

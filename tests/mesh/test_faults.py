@@ -7,10 +7,11 @@ or ends with an explicit error; none hangs, none ends normally with text missing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -40,9 +41,16 @@ def expected(mesh_model: str) -> dict[str, str]:
     return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
 
 
-async def bus_of(mesh: LocalMesh) -> Bus:
+@contextlib.asynccontextmanager
+async def bus_of(mesh: LocalMesh) -> AsyncIterator[Bus]:
+    """A bus client of the mesh, closed however the test ends (an unclosed socket would fail a
+    later test as an unraisable warning)."""
     settings = RedisSettings(port=mesh.redis_port, topic=mesh.topic)
-    return Bus(await connect(settings), settings.keys)
+    client = await connect(settings)
+    try:
+        yield Bus(client, settings.keys)
+    finally:
+        await client.aclose()
 
 
 async def wait_for(
@@ -112,31 +120,30 @@ def test_a_killed_worker_s_streams_complete_elsewhere_with_the_offline_text(
     url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
 
     async def scenario() -> tuple[list[Outcome], int]:
-        bus = await bus_of(mesh)
-        candidates = [name for name, role in workers.items() if role == victim_role]
+        async with bus_of(mesh) as bus:
+            candidates = [name for name, role in workers.items() if role == victim_role]
 
-        async def busiest() -> tuple[str, int]:
-            loads = {name: await bus.client.scard(bus.keys.assignments(name)) for name in candidates}
-            return max(loads.items(), key=lambda item: item[1])
+            async def busiest() -> tuple[str, int]:
+                loads = {name: await bus.client.scard(bus.keys.assignments(name)) for name in candidates}
+                return max(loads.items(), key=lambda item: item[1])
 
-        timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            # a prefill is short: staggered arrivals keep the prefill worker busy for a while
-            stagger_s = 0.1 if victim_role == "prefill" else 0.0
-            outcomes, streams = start_streams(session, url, PROMPTS, stagger_s)
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                # a prefill is short: staggered arrivals keep the prefill worker busy for a while
+                stagger_s = 0.1 if victim_role == "prefill" else 0.0
+                outcomes, streams = start_streams(session, url, PROMPTS, stagger_s)
 
-            async def struck_in_the_middle() -> bool:
-                started = victim_role == "prefill" or all(o.text or o.error for o in outcomes)
-                return started and (await busiest())[1] > 0
+                async def struck_in_the_middle() -> bool:
+                    started = victim_role == "prefill" or all(o.text or o.error for o in outcomes)
+                    return started and (await busiest())[1] > 0
 
-            await wait_for(struck_in_the_middle, f"a {victim_role} worker running streams")
-            victim, num_running = await busiest()
-            mesh.kill(victim)
-            if victim_role == "prefill":
-                flags = ("--model", mesh_model, "--instance-id", "p2", *WORKER_FLAGS)
-                await asyncio.to_thread(mesh.start_role, "p2", "prefill", *flags)
-            await streams
-        await bus.client.aclose()
+                await wait_for(struck_in_the_middle, f"a {victim_role} worker running streams")
+                victim, num_running = await busiest()
+                mesh.kill(victim)
+                if victim_role == "prefill":
+                    flags = ("--model", mesh_model, "--instance-id", "p2", *WORKER_FLAGS)
+                    await asyncio.to_thread(mesh.start_role, "p2", "prefill", *flags)
+                await streams
         return outcomes, num_running
 
     outcomes, num_running = asyncio.run(scenario())
@@ -196,50 +203,51 @@ def test_a_worker_stopped_past_its_ttl_publishes_nothing_into_requests_placed_el
     async def scenario() -> tuple[
         dict[str, list[tuple[int, list[int], bool]]], list[Finished], str, set[str]
     ]:
-        bus = await bus_of(mesh)
+        async with bus_of(mesh) as bus:
 
-        async def both_registered() -> bool:
-            return await bus.client.exists(bus.keys.heartbeat("w1"), bus.keys.heartbeat("w2")) == 2
+            async def both_registered() -> bool:
+                return await bus.client.exists(bus.keys.heartbeat("w1"), bus.keys.heartbeat("w2")) == 2
 
-        await wait_for(both_registered, "both workers registered")
-        for request_id, prompt in prompts.items():
-            await bus.publish(bus.keys.requests, submit(request_id, prompt, params))
+            await wait_for(both_registered, "both workers registered")
+            for request_id, prompt in prompts.items():
+                await bus.publish(bus.keys.requests, submit(request_id, prompt, params))
 
-        async def some_tokens_out() -> bool:
-            return len((await bus.delivered_tokens("r0"))[0]) >= 8
+            async def some_tokens_out() -> bool:
+                return len((await bus.delivered_tokens("r0"))[0]) >= 8
 
-        await wait_for(some_tokens_out, "r0 under way")
-        placement = await bus.placement("r0")
-        assert placement is not None
-        victim = placement.instance_ids[0]
-        stranded = {as_text(r) for r in await bus.client.smembers(bus.keys.assignments(victim))}
-        pid = mesh.processes[victim].popen.pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
+            await wait_for(some_tokens_out, "r0 under way")
+            placement = await bus.placement("r0")
+            assert placement is not None
+            victim = placement.instance_ids[0]
+            stranded = {as_text(r) for r in await bus.client.smembers(bus.keys.assignments(victim))}
+            pid = mesh.processes[victim].popen.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
 
-            async def placed_elsewhere() -> bool:
-                placements = [await bus.placement(request_id) for request_id in stranded]
-                return all(p is None or victim not in p.instance_ids for p in placements)
+                async def placed_elsewhere() -> bool:
+                    placements = [await bus.placement(request_id) for request_id in stranded]
+                    return all(p is None or victim not in p.instance_ids for p in placements)
 
-            await wait_for(placed_elsewhere, f"{victim}'s requests placed elsewhere")
-        finally:
-            os.kill(pid, signal.SIGCONT)
+                await wait_for(placed_elsewhere, f"{victim}'s requests placed elsewhere")
+            finally:
+                os.kill(pid, signal.SIGCONT)
 
-        async def all_ended() -> bool:
+            async def all_ended() -> bool:
+                rows = await rows_of(bus)
+                for request_id in prompts:
+                    assert_published_once(request_id, rows.get(request_id, []))
+                return all(any(finished for _, _, finished in rows.get(r, [])) for r in prompts)
+
+            await wait_for(all_ended, "every request ended")
+
+            async def fenced() -> bool:
+                return metric_value(mesh.metrics(victim), "specmesh_worker_requests_fenced_total", 0.0) >= 1
+
+            await wait_for(fenced, f"{victim} found itself fenced off", timeout_s=20.0)
             rows = await rows_of(bus)
-            for request_id in prompts:
-                assert_published_once(request_id, rows.get(request_id, []))
-            return all(any(finished for _, _, finished in rows.get(r, [])) for r in prompts)
-
-        await wait_for(all_ended, "every request ended")
-
-        async def fenced() -> bool:
-            return metric_value(mesh.metrics(victim), "specmesh_worker_requests_fenced_total", 0.0) >= 1
-
-        await wait_for(fenced, f"{victim} found itself fenced off", timeout_s=20.0)
-        rows = await rows_of(bus)
-        replies = [decode(f[PAYLOAD_FIELD]) for _, f in await bus.client.xrange(bus.keys.scheduler_replies)]
-        await bus.client.aclose()
+            replies = [
+                decode(f[PAYLOAD_FIELD]) for _, f in await bus.client.xrange(bus.keys.scheduler_replies)
+            ]
         return rows, [r for r in replies if isinstance(r, Finished)], victim, stranded
 
     rows, reports, victim, stranded = asyncio.run(scenario())
@@ -267,36 +275,35 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     first_url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
 
     async def scenario() -> tuple[list[Outcome], list[Outcome]]:
-        bus = await bus_of(mesh)
-        timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            cut, streams = start_streams(session, first_url, PROMPTS[:8])
+        async with bus_of(mesh) as bus:
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                cut, streams = start_streams(session, first_url, PROMPTS[:8])
 
-            async def all_under_way() -> bool:
-                return all(o.text or o.error for o in cut)
+                async def all_under_way() -> bool:
+                    return all(o.text or o.error for o in cut)
 
-            await wait_for(all_under_way, "every stream under way")
-            mesh.kill("gateway")
-            await streams
-            port = await asyncio.to_thread(mesh.start_gateway, mesh_model, name="gateway2")
-            served, streams = start_streams(session, f"http://127.0.0.1:{port}", PROMPTS[8:12])
-            await streams
+                await wait_for(all_under_way, "every stream under way")
+                mesh.kill("gateway")
+                await streams
+                port = await asyncio.to_thread(mesh.start_gateway, mesh_model, name="gateway2")
+                served, streams = start_streams(session, f"http://127.0.0.1:{port}", PROMPTS[8:12])
+                await streams
 
-        left: dict[str, float] = {}
+            left: dict[str, float] = {}
 
-        async def cleaned_up() -> bool:
-            left["queue depth"] = int(await bus.client.get(bus.keys.queue_depth) or 0)
-            left["assigned"] = await bus.client.scard(bus.keys.assignments("w1"))
-            metrics = mesh.metrics("w1")  # updated with every step: the streams ran there
-            left["running"] = metric_value(metrics, "specmesh_worker_running_requests")
-            left["KV in use"] = metric_value(metrics, "specmesh_worker_kv_usage_ratio")
-            return not any(left.values())
+            async def cleaned_up() -> bool:
+                left["queue depth"] = int(await bus.client.get(bus.keys.queue_depth) or 0)
+                left["assigned"] = await bus.client.scard(bus.keys.assignments("w1"))
+                metrics = mesh.metrics("w1")  # updated with every step: the streams ran there
+                left["running"] = metric_value(metrics, "specmesh_worker_running_requests")
+                left["KV in use"] = metric_value(metrics, "specmesh_worker_kv_usage_ratio")
+                return not any(left.values())
 
-        try:
-            await wait_for(cleaned_up, "the dead gateway's requests cleaned up")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; left: {left}") from None
-        await bus.client.aclose()
+            try:
+                await wait_for(cleaned_up, "the dead gateway's requests cleaned up")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; left: {left}") from None
         return cut, served
 
     cut, served = asyncio.run(scenario())
@@ -323,40 +330,46 @@ def test_a_replaced_scheduler_takes_over_its_predecessor_s_messages_at_once(
     url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
 
     async def scenario() -> tuple[list[Outcome], list[Outcome], list[Outcome]]:
-        bus = await bus_of(mesh)
-        timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            running, running_done = start_streams(session, url, PROMPTS[:8])
+        async with bus_of(mesh) as bus:
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                running, running_done = start_streams(session, url, PROMPTS[:8])
 
-            async def all_under_way() -> bool:
-                return all(o.text or o.error for o in running)
+                async def all_under_way() -> bool:
+                    return all(o.text or o.error for o in running)
 
-            await wait_for(all_under_way, "every stream under way")
-            mesh.processes["w1"].killed = True  # it exits once drained
-            mesh.processes["w1"].popen.send_signal(signal.SIGTERM)  # drains: finishes, takes nothing new
+                await wait_for(all_under_way, "every stream under way")
+                mesh.processes["w1"].killed = True  # it exits once drained
+                mesh.processes["w1"].popen.send_signal(signal.SIGTERM)  # drains: finishes, takes nothing new
 
-            async def draining() -> bool:
-                info = await bus.client.get(bus.keys.heartbeat("w1"))
-                return info is None or decode(info).draining  # type: ignore[union-attr]
+                async def draining() -> bool:  # as the scheduler sees it: it places nothing there
+                    metrics = mesh.metrics("s1")
+                    return metric_value(metrics, "specmesh_scheduler_live_instances", role="mixed") == 0
 
-            await wait_for(draining, "w1 draining")
-            waiting, waiting_done = start_streams(session, url, PROMPTS[8:12])
+                await wait_for(draining, "w1 draining")
+                waiting, waiting_done = start_streams(session, url, PROMPTS[8:12])
 
-            async def read_by_s1() -> bool:
-                pending: Any = await bus.client.xpending(bus.keys.requests, SCHEDULER_GROUP)
-                return int(pending["pending"]) >= len(waiting)
+                async def read_by_s1() -> bool:
+                    pending: Any = await bus.client.xpending(bus.keys.requests, SCHEDULER_GROUP)
+                    return int(pending["pending"]) >= len(waiting)
 
-            await wait_for(read_by_s1, "the waiting requests read by s1")
-            mesh.kill("s1")
-            await asyncio.to_thread(
-                mesh.start_role, "w2", "mixed", "--model", mesh_model, "--instance-id", "w2", *WORKER_FLAGS
-            )
-            await asyncio.to_thread(mesh.start_role, "s2", "scheduler")
-            await running_done
-            await waiting_done
-            new, new_done = start_streams(session, url, PROMPTS[12:16])
-            await new_done
-        await bus.client.aclose()
+                await wait_for(read_by_s1, "the waiting requests read by s1")
+                mesh.kill("s1")
+                await asyncio.to_thread(
+                    mesh.start_role,
+                    "w2",
+                    "mixed",
+                    "--model",
+                    mesh_model,
+                    "--instance-id",
+                    "w2",
+                    *WORKER_FLAGS,
+                )
+                await asyncio.to_thread(mesh.start_role, "s2", "scheduler")
+                await running_done
+                await waiting_done
+                new, new_done = start_streams(session, url, PROMPTS[12:16])
+                await new_done
         return running, waiting, new
 
     running, waiting, new = asyncio.run(scenario())
