@@ -158,3 +158,21 @@ async def test_rows_of_an_earlier_placement_here_are_left_out(bus: Bus) -> None:
     [published] = await batches_on(bus, "g")
     assert [(e.request_id, e.token_ids, e.finished) for e in published.events()] == [("a", [1], False)]
     assert list(w.requests) == ["a"]
+
+
+async def test_a_cancelled_request_s_fenced_rows_go_nowhere_until_its_end_retires_it(bus: Bus) -> None:
+    """The scheduler ended the cancelled request at once: its rows are refused, it stays (sending
+    nothing) until the abort's end row, which retires it."""
+    w = worker(bus)
+    await place(bus, "a")
+    admit(w, "a", "g")
+    w.requests["a"].cancelled = True
+    await bus.release("a")
+    await w._publish(one_token_step(["a"], 0))
+    assert w.requests["a"].fenced
+    last = one_token_step(["a"], 1, [RowEnd(row=0, finish_reason="abort")])
+    await w._publish(last)
+    w._retire(last)
+    assert w.requests == {}
+    assert not await bus.client.exists(bus.keys.outputs("g"), bus.keys.scheduler_replies)
+    assert w.core.aborted == []  # type: ignore[attr-defined]  # the abort was the cancel's, not the fence's
