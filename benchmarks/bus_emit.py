@@ -65,6 +65,7 @@ def step_batch(batch: int, step: int) -> StepBatch:
         token_ids=np.full(batch, step, dtype=TOKEN_DTYPE),
         texts=[" x"] * batch,
         num_output_tokens=np.full(batch, step + 1, dtype=TOKEN_DTYPE),
+        epochs=[1] * batch,
         ends=[],
         logprobs=[],
         handoffs=[],
@@ -82,6 +83,7 @@ async def publish_per_gateway(bus: Bus, step: StepBatch) -> None:
     delivered = [
         (
             request_id,
+            step.epochs[row],
             int(step.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
             step.token_ids[cu[row] : cu[row + 1]].tobytes(),
         )

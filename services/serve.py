@@ -7,8 +7,10 @@ Redis older than 7.0), an append-only file unless `--redis-persistence off`), th
 mixed worker (or, with `--pd`, one prefill and one decode worker) and the gateway; waits until the
 gateway answers /health and prints the URL. From then on it supervises them (`services/supervisor.py`):
 a role that dies is started again, a worker under a new instance id, the scheduler told at once that
-the old one is gone so it re-dispatches its requests. Each role gets its own credentials through its
-environment, never its command line; the workers share a generated KV transport secret. Ctrl-C or SIGTERM stops everything in reverse
+the old one is gone so it re-dispatches its requests; a scheduler under a new consumer name, whose
+predecessor's lease is dropped at once so it takes over the messages that one left pending. Each
+role gets its own credentials through its environment, never its command line; the workers share a
+generated KV transport secret. Ctrl-C or SIGTERM stops everything in reverse
 order; the roles die with `serve` even when it is SIGKILLed (Linux).
 """
 
@@ -30,7 +32,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -258,11 +260,20 @@ def write_private(path: Path, text: str) -> Path:
 def forget_instance(settings: RedisSettings, instance_id: str) -> None:
     """Tells the scheduler that a worker died, so it re-dispatches the worker's requests on its
     next look instead of after the heartbeat's TTL. Best effort: with Redis down, the TTL does it."""
+    _forget(settings, lambda bus: bus.forget_instance(instance_id))
 
+
+def forget_scheduler(settings: RedisSettings, consumer: str) -> None:
+    """Drops a dead scheduler's lease, so its successor takes over the messages it left pending on
+    its first read instead of after the lease's TTL. Best effort, like `forget_instance`."""
+    _forget(settings, lambda bus: bus.forget_scheduler(consumer))
+
+
+def _forget(settings: RedisSettings, forget_with: Callable[[Bus], Awaitable[None]]) -> None:
     async def forget() -> None:
         client = await connect(settings, attempts=1)
         try:
-            await Bus(client, settings.keys).forget_instance(instance_id)
+            await forget_with(Bus(client, settings.keys))
         finally:
             await client.aclose()
 
@@ -282,6 +293,20 @@ def _worker_argv(head: list[str], role: str, incarnation: int) -> list[str]:
 
 def _forget_worker(settings: RedisSettings, role: str, incarnation: int) -> None:
     forget_instance(settings, worker_instance_id(role, incarnation))
+
+
+def scheduler_id(incarnation: int) -> str:
+    """A fresh consumer name per start, like a worker's instance id: one name, one process, even
+    while a killed one's lease is still being dropped."""
+    return "local-scheduler" if incarnation == 0 else f"local-scheduler-{incarnation}"
+
+
+def _scheduler_argv(head: list[str], incarnation: int) -> list[str]:
+    return [*head, "--scheduler-id", scheduler_id(incarnation)]
+
+
+def _forget_scheduler(settings: RedisSettings, incarnation: int) -> None:
+    forget_scheduler(settings, scheduler_id(incarnation))
 
 
 def _start_redis(mesh: Supervisor, args: argparse.Namespace, log_dir: Path, port: int) -> MeshSecrets:
@@ -320,6 +345,8 @@ class RoleStarter:
         env = self.mesh_secrets.env(acl_role, extra_env or {})
         if acl_role == "worker":  # each start a fresh instance id
             self.mesh.start(name, partial(_worker_argv, argv, name), env=env, on_exit=on_exit)
+        elif acl_role == "scheduler":  # each start a fresh consumer name
+            self.mesh.start(name, partial(_scheduler_argv, argv), env=env, on_exit=on_exit)
         else:
             self.mesh.start(name, argv, env=env, on_exit=on_exit)
 
@@ -352,7 +379,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mesh_secrets = _start_redis(mesh, args, log_dir, redis_port)
         admin = mesh_secrets.settings(acl.ADMIN, redis_port, args.scheduler_topic)
         roles = RoleStarter(mesh, mesh_secrets, bus)
-        roles.start("scheduler", ["scheduler", "--max-queue-len", str(args.max_queue_len)])
+        roles.start(
+            "scheduler",
+            ["scheduler", "--max-queue-len", str(args.max_queue_len)],
+            on_exit=partial(_forget_scheduler, admin),
+        )
         roles.start("suffix-cache", ["suffix-cache"])
         engine = _engine_flags(args, model, spec)
         for role in ["prefill", "decode"] if args.pd else ["mixed"]:

@@ -97,17 +97,35 @@ def _gateway(keys: Keys) -> RoleAcl:
 
 
 def _scheduler(keys: Keys) -> RoleAcl:
-    """Admits (`Bus.admit` / `release`), places (`assign_and_publish`: MULTI), re-dispatches from
-    delivered records, reads the registry, and answers refusals on a gateway's stream (`publish_step`)."""
+    """Admits (`Bus.admit` / `release`), places (`claim_epoch`, `dispatch`), re-dispatches from
+    delivered records, holds its lease and takes over a dead replica's pending messages, reads the
+    registry, and answers refusals on a gateway's stream (`publish_step`)."""
     request, delivered, assigned = keys.request_state("*"), keys.delivered("*"), keys.assignments("*")
     return RoleAcl(
         ("ping", SCRIPTS, "multi", "exec", "discard"),
         (
             Grant(GROUP_CONSUMER, (keys.requests, keys.scheduler_replies)),
+            # taking over the pending messages of a replica whose lease is gone (`read_group`)
+            Grant(("xinfo|consumers", "xgroup|delconsumer", "xpending", "xclaim"), (keys.requests,)),
+            Grant(("set", "exists", "del"), (keys.scheduler_lease("*"),)),
             Grant(("xread",), (keys.reservation_replies("*"),)),
             Grant(("xadd",), (keys.inbox("*"), keys.dead_letters)),
-            Grant(("evalsha",), (request, keys.queue_depth, delivered, assigned, keys.outputs("*"))),
-            Grant(("hsetnx", "hset", "hget", "hexists", "hincrby", "hdel", "exists", "set"), (request,)),
+            Grant(
+                ("evalsha",),
+                (
+                    request,
+                    keys.queue_depth,
+                    delivered,
+                    assigned,
+                    keys.outputs("*"),
+                    keys.inbox("*"),
+                    keys.requests,
+                ),
+            ),
+            Grant(
+                ("hsetnx", "hset", "hget", "hmget", "hexists", "hincrby", "hdel", "exists", "set", "expire"),
+                (request,),
+            ),
             Grant(("incr", "decr", "get"), (keys.queue_depth,)),
             Grant(("get",), (delivered,)),
             Grant(("del",), (request, delivered)),  # `release` deletes both in one DEL
@@ -121,7 +139,8 @@ def _scheduler(keys: Keys) -> RoleAcl:
 
 def _worker(keys: Keys) -> RoleAcl:
     """Reads its inbox, beats, publishes steps (`publish_step`: output streams, delivered records,
-    reports), answers reservations; its engine core talks to the suffix cache."""
+    reports, each request's epoch read), answers reservations; its engine core talks to the suffix
+    cache."""
     return RoleAcl(
         ("ping", SCRIPTS),
         (
@@ -131,6 +150,7 @@ def _worker(keys: Keys) -> RoleAcl:
             Grant(("evalsha",), (keys.outputs("*"), keys.scheduler_replies)),
             Grant(("xadd", "expire"), (keys.outputs("*"),)),
             Grant(("strlen", "append", "expire"), (keys.delivered("*"),)),
+            Grant(("hget", "exists"), (keys.request_state("*"),)),  # the epoch fence in `publish_step`
             Grant(
                 ("xadd",),
                 (

@@ -195,41 +195,63 @@ class Delivery:
 
 OUTPUT_END = -1
 """Appended to a request's delivered record (`Keys.delivered`) after its last token."""
+END_BYTES = np.asarray([OUTPUT_END], TOKEN_DTYPE).tobytes()
 
 PUBLISH_STEP_LUA = """
-local ttl_s, num_outputs, field, record_prefix, records = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local ttl_s, num_outputs, field = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local record_prefix, state_prefix, records = ARGV[4], ARGV[5], ARGV[6]
+local appends, fenced = {}, {}
+local pos, id_len, tokens_len, start, epoch = 1, 0, 0, 0, 0
+while pos <= #records do
+    id_len, tokens_len, start, epoch, pos = struct.unpack('<I4I4I4I4', records, pos)
+    local request_id = string.sub(records, pos, pos + id_len - 1)
+    local state = state_prefix .. request_id
+    if redis.call('HGET', state, 'epoch') ~= tostring(epoch) and redis.call('EXISTS', state) == 1 then
+        fenced[#fenced + 1] = request_id
+    elseif tokens_len > 0 then
+        local tokens = string.sub(records, pos + id_len, pos + id_len + tokens_len - 1)
+        appends[#appends + 1] = {record_prefix .. request_id, start, tokens}
+    end
+    pos = pos + id_len + tokens_len
+end
+if #fenced > 0 then
+    return fenced
+end
 for i, key in ipairs(KEYS) do
-    redis.call('XADD', key, '*', field, ARGV[i + 5])
+    redis.call('XADD', key, '*', field, ARGV[i + 6])
     if i <= num_outputs then
         redis.call('EXPIRE', key, ttl_s)
     end
 end
-local pos, id_len, tokens_len, start = 1, 0, 0, 0
-while pos <= #records do
-    id_len, tokens_len, start, pos = struct.unpack('<I4I4I4', records, pos)
-    local key = record_prefix .. string.sub(records, pos, pos + id_len - 1)
+for _, append in ipairs(appends) do
+    local key, start, tokens = append[1], append[2], append[3]
     if start == 4294967295 or redis.call('STRLEN', key) == 4 * start then
-        redis.call('APPEND', key, string.sub(records, pos + id_len, pos + id_len + tokens_len - 1))
+        redis.call('APPEND', key, tokens)
         redis.call('EXPIRE', key, ttl_s)
     end
-    pos = pos + id_len + tokens_len
 end
-return #KEYS
+return fenced
 """
 """`publish_step`. KEYS: the gateways' output streams, then other streams. ARGV: the TTL, how many
-output streams, the payload field, the delivered records' key prefix, the records (per request:
-<I4 id length, <I4 token bytes, <I4 the first token's output position or `APPEND_AT_END`, the id,
-the tokens), then one payload per key. A record grows only where its tokens start at its end:
-a publish repeated after a lost answer appends nothing twice, and a record that lost its tail
-(Redis restarted without it) stays a prefix of the output rather than get a hole. The records
-are one argument, their keys made here, because a step touches one record per request and every
-argument costs the worker microseconds of redis-py's Python (a record key is only ever written
-here and read by `delivered_tokens`, on a single Redis)."""
-RECORD_HEADER = struct.Struct("<III")
+output streams, the payload field, the delivered records' key prefix, the request states' key
+prefix, the records (per row: <I4 id length, <I4 token bytes, <I4 the first token's output
+position or `APPEND_AT_END`, <I4 the placement's epoch, the id, the tokens), then one payload per
+key. Fencing first: if any row's epoch is not its request's current one (the state hash exists
+and holds another epoch, or none: the request ended), nothing is written and those request ids
+are returned. A state hash that is gone altogether (a Redis restart without it) fences nothing.
+A record grows only where its tokens start at its end: a publish repeated after a lost answer
+appends nothing twice, and a record that lost its tail (Redis restarted without it) stays a
+prefix of the output rather than get a hole. The records are one argument, their keys made here,
+because a step touches one record per request and every argument costs the worker microseconds of
+redis-py's Python (a record or state key is only ever used on a single Redis)."""
+RECORD_HEADER = struct.Struct("<IIII")
 APPEND_AT_END = 2**32 - 1
 """A record's start position that appends wherever the record ends (a refusal's end marker)."""
 
 ADMIT_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'ended') == 1 then
+    return -2
+end
 if redis.call('HSETNX', KEYS[1], 'request', ARGV[1]) == 0 then
     return 0
 end
@@ -238,7 +260,7 @@ if redis.call('INCR', KEYS[2]) > tonumber(ARGV[2]) then
     redis.call('DEL', KEYS[1])
     return -1
 end
-redis.call('HSET', KEYS[1], 'slot', 1, 'attempts', 0)
+redis.call('HSET', KEYS[1], 'slot', 1, 'attempts', 0, 'epoch', 0)
 return 1
 """
 """`admit`. KEYS: the request's state hash, the queue depth. ARGV: the Submit, the longest queue."""
@@ -248,12 +270,15 @@ if redis.call('HDEL', KEYS[1], 'slot') == 1 then
     redis.call('DECR', KEYS[2])
 end
 redis.call('DEL', KEYS[1], KEYS[3])
+redis.call('HSET', KEYS[1], 'ended', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 if KEYS[4] then
     redis.call('SREM', KEYS[4], ARGV[1])
 end
 return 1
 """
-"""`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id."""
+"""`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id,
+how long the `ended` mark stays."""
 
 DELETE_IF_EQUAL_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -263,7 +288,75 @@ return 0
 """
 """`delete_if_equal`. KEYS: the key. ARGV: the value it must still hold."""
 
-Admission = Literal["admitted", "duplicate", "queue_full"]
+
+CLAIM_EPOCH_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'slot') == 0 then
+    return 0
+end
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then
+    return 0
+end
+return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+"""
+"""`claim_epoch`. KEYS: the state hash. ARGV: the epoch the caller saw ('' for any)."""
+
+DISPATCH_LUA = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then
+    return 0
+end
+redis.call('HSET', KEYS[1], 'instances', ARGV[2])
+for i = 3, #KEYS do
+    redis.call('SADD', KEYS[i], ARGV[3])
+end
+redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[5])
+return 1
+"""
+"""`dispatch`. KEYS: the state hash, the inbox, the instances' assignment sets. ARGV: the epoch,
+the instances (comma-separated), the request id, the payload field, the payload."""
+
+CLAIM_ORPHANED_LUA = """
+local stream, group, me, lease_prefix, count = KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local claimed = {}
+for _, fields in ipairs(redis.call('XINFO', 'CONSUMERS', stream, group)) do
+    local info = {}
+    for i = 1, #fields, 2 do
+        info[fields[i]] = fields[i + 1]
+    end
+    if info.name ~= me and redis.call('EXISTS', lease_prefix .. info.name) == 0 then
+        if info.pending == 0 then
+            redis.call('XGROUP', 'DELCONSUMER', stream, group, info.name)
+        elseif #claimed < count then
+            local ids = {}
+            for _, entry in ipairs(redis.call('XPENDING', stream, group, '-', '+', count - #claimed, info.name)) do
+                ids[#ids + 1] = entry[1]
+            end
+            if #ids > 0 then
+                for _, entry in ipairs(redis.call('XCLAIM', stream, group, me, 0, unpack(ids))) do
+                    claimed[#claimed + 1] = entry
+                end
+            end
+        end
+    end
+end
+return claimed
+"""
+"""`read_group`'s take-over by lease. KEYS: the stream. ARGV: the group, the consumer taking over,
+the lease key prefix, the most messages to take. Consumers without a lease are gone: their pending
+messages (up to the count) move to the caller at once, and those with none left are deleted."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an admitted request runs now."""
+
+    epoch: int
+    """The current placement's epoch (0 before the first dispatch)."""
+    instance_ids: list[str]
+
+
+Admission = Literal["admitted", "duplicate", "queue_full", "ended"]
+ADMISSIONS: dict[int, Admission] = {1: "admitted", 0: "duplicate", -1: "queue_full", -2: "ended"}
+"""`ADMIT_LUA`'s answers."""
 
 
 class Bus:
@@ -291,34 +384,37 @@ class Bus:
     async def publish_step(
         self,
         outputs: Sequence[tuple[str, bytes]],
-        delivered: Sequence[tuple[str, int, bytes]] = (),
+        delivered: Sequence[tuple[str, int, int, bytes]] = (),
         messages: Sequence[tuple[str, Message]] = (),
-    ) -> None:
+    ) -> list[str]:
         """A worker step's effects on the bus, atomically, in one command: `outputs` (gateway id,
-        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, output
-        position of the first token, int32 token bytes) are appended to the requests' delivered
-        records where they start at the record's end, so a record is always a prefix of what its
-        gateway was sent (all of it but after a Redis restart that lost writes); `messages`
-        (stream, message) are plain XADDs (reports to the scheduler). Safe to repeat: the
-        gateway drops rows it already has. Output streams and records expire `OUTPUT_TTL_S`
-        after their last write."""
+        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, the
+        placement's epoch, output position of the first token, int32 token bytes; one per row)
+        are appended to the requests' delivered records where they start at the record's end, so
+        a record is always a prefix of what its gateway was sent (all of it but after a Redis
+        restart that lost writes); `messages` (stream, message) are plain XADDs (reports to the
+        scheduler). Returns the ids of fenced requests (rows whose epoch is not the current one):
+        if there are any, nothing was written. Safe to repeat: the gateway drops rows it already
+        has. Output streams and records expire `OUTPUT_TTL_S` after their last write."""
         if not (outputs or delivered or messages):
-            return
+            return []
         keys = [*(self.keys.outputs(gateway) for gateway, _ in outputs), *(s for s, _ in messages)]
         records = b"".join(
-            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens), start) + rid + tokens
-            for request_id, start, tokens in delivered
+            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens), start, epoch) + rid + tokens
+            for request_id, epoch, start, tokens in delivered
         )
         args: list[bytes | str | int] = [
             OUTPUT_TTL_S,
             len(outputs),
             PAYLOAD_FIELD,
             self.keys.delivered(""),
+            self.keys.request_state(""),
             records,
             *(payload for _, payload in outputs),
             *(encode(message) for _, message in messages),
         ]
-        await self._run_script(PUBLISH_STEP_LUA, keys, args)
+        fenced = await self._run_script(PUBLISH_STEP_LUA, keys, args)
+        return [as_text(request_id) for request_id in fenced]
 
     async def trim_read(self, stream: str, last_id: str) -> None:
         """Drops a stream's entries before `last_id`: its one reader has read them."""
@@ -333,33 +429,65 @@ class Bus:
         return tokens, False
 
     async def admit(self, request_id: str, submit: Message, max_queue_len: int) -> Admission:
-        """Records a new request and takes a queue slot for it, in one round trip."""
+        """Records a new request and takes a queue slot for it, in one round trip ("ended": the
+        request was here and has ended; a late repeat of its Submit)."""
         result = await self._run_script(
             ADMIT_LUA,
             [self.keys.request_state(request_id), self.keys.queue_depth],
             [encode(submit), max_queue_len],
         )
-        return "admitted" if result == 1 else "duplicate" if result == 0 else "queue_full"
+        return ADMISSIONS[int(result)]
 
     async def release(self, request_id: str, instance_id: str | None = None) -> None:
-        """Frees a request's queue slot (exactly once) and forgets it, and takes it off
-        `instance_id`'s assignments, in one round trip."""
+        """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
+        `OUTPUT_TTL_S`, and takes it off `instance_id`'s assignments, in one round trip."""
         keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.delivered(request_id)]
         if instance_id is not None:
             keys.append(self.keys.assignments(instance_id))
-        await self._run_script(RELEASE_LUA, keys, [request_id])
+        await self._run_script(RELEASE_LUA, keys, [request_id, OUTPUT_TTL_S])
 
-    async def assign_and_publish(
-        self, request_id: str, instance_ids: Sequence[str], stream: str, message: Message
-    ) -> None:
-        """Records where a request runs (for re-dispatch should those instances die) and sends it
-        `message` there, in one transaction."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.request_state(request_id), "instances", ",".join(instance_ids))
-            for instance_id in instance_ids:
-                pipe.sadd(self.keys.assignments(instance_id), request_id)
-            pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)})
-            await pipe.execute()
+    async def placement(self, request_id: str) -> Placement | None:
+        """Where the request runs now; None once it ended (or was never admitted)."""
+        raw: Any = await self.client.hmget(
+            self.keys.request_state(request_id), ["slot", "epoch", "instances"]
+        )
+        slot, epoch, instances = raw
+        if slot is None:
+            return None
+        return Placement(int(epoch or 0), [i for i in as_text(instances or b"").split(",") if i])
+
+    async def claim_epoch(self, request_id: str, seen: int | None = None) -> int | None:
+        """The epoch of a new placement of the request (one more than the current), if it is still
+        admitted and, given `seen`, its current epoch is still `seen` (no one placed it since);
+        else None. From then on, rows of earlier placements are fenced off (`publish_step`)."""
+        epoch = await self._run_script(
+            CLAIM_EPOCH_LUA, [self.keys.request_state(request_id)], ["" if seen is None else seen]
+        )
+        return int(epoch) or None
+
+    async def dispatch(
+        self, request_id: str, epoch: int, instance_ids: Sequence[str], stream: str, message: Message
+    ) -> bool:
+        """Records where the placement of `epoch` runs (for re-dispatch should those instances die)
+        and sends it `message` there, atomically; False, sending nothing, if the request has ended
+        or been placed again since (its epoch is no longer `epoch`)."""
+        keys = [
+            self.keys.request_state(request_id),
+            stream,
+            *(self.keys.assignments(instance_id) for instance_id in instance_ids),
+        ]
+        args: list[bytes | str | int] = [
+            epoch,
+            ",".join(instance_ids),
+            request_id,
+            PAYLOAD_FIELD,
+            encode(message),
+        ]
+        return bool(await self._run_script(DISPATCH_LUA, keys, args))
+
+    async def hold_lease(self, key: str, ttl_s: float) -> None:
+        """Sets (or renews) a lease key that expires `ttl_s` after this call."""
+        await self.client.set(key, b"1", px=max(1, int(ttl_s * 1000)))
 
     async def forget_instance(self, instance_id: str) -> None:
         """Removes an instance's heartbeat: the scheduler takes it for dead on its next look (for a
@@ -370,6 +498,11 @@ class Bus:
         """Deletes `key` if it still holds `value`, in one round trip: a replica removes a shared
         heartbeat only while it is the last one that wrote it. Whether it was deleted."""
         return bool(await self._run_script(DELETE_IF_EQUAL_LUA, [key], [value]))
+
+    async def forget_scheduler(self, consumer: str) -> None:
+        """Removes a scheduler replica's lease: the others take its pending messages over on their
+        next read (for the replica itself as it stops, or a supervisor that saw it die)."""
+        await self.client.delete(self.keys.scheduler_lease(consumer))
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         try:
@@ -386,9 +519,12 @@ class Bus:
         count: int = 64,
         block_ms: int = 1000,
         claim_idle_ms: int = DEFAULT_CLAIM_IDLE_MS,
+        lease_prefix: str | None = None,
     ) -> list[Delivery]:
-        """Messages for `consumer`: first those other (dead) consumers left pending for longer than
-        `claim_idle_ms` (looked for at most every `CLAIM_EVERY_S`), then new ones. Undecodable
+        """Messages for `consumer`: first those other (dead) consumers left pending, then new ones.
+        A consumer is dead once its lease (`lease_prefix` + its name) is gone, if the group's
+        consumers hold leases; else, or also, when its messages have been pending for longer than
+        `claim_idle_ms`. Dead consumers are looked for at most every `CLAIM_EVERY_S`. Undecodable
         entries are dead-lettered and acknowledged."""
         entries: list[Any] = []
         key = (stream, group, consumer)
@@ -396,7 +532,10 @@ class Bus:
             self._reread.discard(key)
             entries = await self._own_pending(stream, group, consumer, count)
         if not entries and time.monotonic() - self._claimed_at.get(key, float("-inf")) >= CLAIM_EVERY_S:
-            entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
+            if lease_prefix is not None:
+                entries = await self._claim_orphaned(stream, group, consumer, count, lease_prefix)
+            if not entries:
+                entries = await self._claim_stale(stream, group, consumer, count, claim_idle_ms)
             self._claimed_at[key] = float("-inf") if len(entries) == count else time.monotonic()
         if not entries:
             try:
@@ -457,6 +596,30 @@ class Bus:
             maxlen=DEAD_LETTER_MAXLEN,
             approximate=True,
         )
+
+    async def _claim_orphaned(
+        self, stream: str, group: str, consumer: str, count: int, lease_prefix: str
+    ) -> list[Any]:
+        try:
+            claimed: Any = await self._run_script(
+                CLAIM_ORPHANED_LUA, [stream], [group, consumer, lease_prefix, count]
+            )
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                await self.ensure_group(stream, group)
+                return []
+            raise
+        if claimed:
+            logger.warning(
+                "%s took over %d message(s) pending with consumers gone from %s",
+                consumer,
+                len(claimed),
+                stream,
+            )
+        # a script returns entries as Redis sends them: the fields as one flat list
+        return [
+            (entry[0], dict(zip(entry[1][::2], entry[1][1::2]))) for entry in claimed if entry and entry[1]
+        ]
 
     async def _claim_stale(
         self, stream: str, group: str, consumer: str, count: int, idle_ms: int

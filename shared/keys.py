@@ -81,8 +81,15 @@ class Keys:
         """An instance's load report; expires after --scheduler-ttl unless refreshed."""
         return self._key("heartbeat", instance_id)
 
+    def scheduler_lease(self, consumer: str) -> str:
+        """A scheduler replica's lease, named by its consumer name; expires after --scheduler-ttl
+        unless renewed. Messages pending with a consumer that has none are taken over at once."""
+        return self._key("scheduler-lease", consumer)
+
     def request_state(self, request_id: str) -> str:
-        """Hash: where a request runs and what it needs to be re-dispatched."""
+        """Hash: the `Submit` (`request`), its queue `slot`, `attempts`, the current placement's
+        `epoch` and `instances`; once the request ended, only `ended` (for OUTPUT_TTL_S), which
+        still fences off late publishers and late Submits."""
         return self._key("request", request_id)
 
     def delivered(self, request_id: str) -> str:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible schema change; `Message.version` must equal it."""
 TOKEN_DTYPE = np.dtype("<i4")
 """Token ids and counts packed in `OutputBatch`'s byte fields: little-endian int32."""
@@ -29,7 +29,7 @@ class ProtocolError(ValueError):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: Literal[2] = 2
+    version: Literal[3] = 3
 
     def to_wire(self) -> dict[str, Any]:
         """The map msgpack packs: JSON-compatible values."""
@@ -65,9 +65,17 @@ class Cancel(Message):
     kind: Literal["cancel"] = "cancel"
     request_id: str
     reason: str = "client disconnected"
+    epoch: int | None = None
+    """Stop only the placement of this epoch (or an older one); None: whichever runs."""
 
 
 # ---- scheduler -> worker -------------------------------------------------------------------------------
+#
+# Every placement of a request (its first dispatch, and each re-dispatch) has an *epoch*, one more
+# than the last, kept in the request's state hash. Only the placement of the current epoch may
+# publish the request's rows or grow its delivered record (`Bus.publish_step` refuses the others),
+# and the scheduler acts only on reports of the current epoch: a worker taken for dead that comes
+# back (a stopped process, a network partition) is fenced off from requests placed elsewhere since.
 
 
 class Dispatch(Message):
@@ -77,6 +85,8 @@ class Dispatch(Message):
     kind: Literal["dispatch"] = "dispatch"
     role: Literal["mixed", "prefill", "decode"]
     request: GenerateRequest
+    epoch: int = Field(ge=1)
+    """This placement's epoch: the worker publishes the request's rows under it."""
     decode_instance: str | None = None
     decode_kv_address: str | None = None
 
@@ -86,6 +96,8 @@ class Reserve(Message):
 
     kind: Literal["reserve"] = "reserve"
     request: GenerateRequest
+    epoch: int = Field(ge=1)
+    """The placement's epoch (the prefill's dispatch carries the same)."""
     timeout_s: float = Field(gt=0)
     """How long to hold the blocks waiting for the KV."""
     reply_to: str
@@ -112,6 +124,8 @@ class Finished(Message):
     request_id: str
     instance_id: str
     outcome: Literal["done", "handed_off", "failed", "cancelled", "returned"]
+    epoch: int = Field(ge=1)
+    """The placement it reports on: the scheduler ignores a report of an epoch no longer current."""
     error: str | None = None
 
 

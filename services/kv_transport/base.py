@@ -205,6 +205,9 @@ class KVExpectation:
     """Blocks reserved for the request: no layer may carry more."""
     caches: Mapping[str, CacheLayout] | None = None
     """Every cache the receiver needs, each with all its layers; a cache not named here is refused."""
+    extras: Mapping[str, Any] | None = None
+    """Header extras the transfer must carry, with these values (a worker's placement epoch: the
+    KV of an earlier placement of the request is refused)."""
 
     def problems(self, header: KVHeader) -> list[str]:
         """Why `header` does not fit; empty when it does."""
@@ -219,6 +222,9 @@ class KVExpectation:
                 found.append(f"{too_many[0].num_blocks} blocks > {self.max_num_blocks} reserved")
         if self.caches is not None:
             found.extend(self._cache_problems(header, self.caches))
+        for name, value in (self.extras or {}).items():
+            if header.extras.get(name) != value:
+                found.append(f"extras {name!r} is {header.extras.get(name)!r}, expected {value!r}")
         return found
 
     @staticmethod

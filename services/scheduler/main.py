@@ -28,6 +28,11 @@ def add_scheduler_parser(subparsers: Any) -> None:
     parser.add_argument("--reserve-timeout-s", type=float, default=10.0)
     parser.add_argument("--kv-timeout-s", type=float, default=60.0)
     parser.add_argument("--dispatch-timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--scheduler-id",
+        help="this replica's name in the consumer group, unique among live replicas "
+        "(default: host-random); its lease lasts --scheduler-ttl",
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--log-level", dest="scheduler_log_level", default="INFO")
@@ -48,7 +53,8 @@ async def run_scheduler(args: argparse.Namespace) -> None:
     client = await connect(settings)
     metrics = SchedulerMetrics()
     options = SchedulerOptions(
-        consumer=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        consumer=args.scheduler_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        ttl_s=args.scheduler_ttl,
         max_queue_len=args.max_queue_len,
         reserve_timeout_s=args.reserve_timeout_s,
         kv_timeout_s=args.kv_timeout_s,

@@ -5,7 +5,14 @@
     watch    (heartbeats; re-dispatch the work of instances that stopped beating)
 
 All state a replacement scheduler needs lives in Redis (request hashes, assignment sets), and every
-handler is idempotent by request id, so scheduler replicas can share the consumer group.
+handler is idempotent by request id, so scheduler replicas can share the consumer group. Each
+replica holds a lease (`Keys.scheduler_lease`, renewed every third of --scheduler-ttl); once a
+replica's lease is gone, another takes over the messages it left pending on its next read.
+
+Every placement of a request claims the next *epoch* (`Bus.claim_epoch`), and its dispatch goes out
+only while that epoch is still current (`Bus.dispatch`): of two replicas, or a report and a dead
+instance's burial, placing one request at once, one wins, and workers of an older epoch are
+fenced off from the request's output (`Bus.publish_step`). Reports of an older epoch are ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from redis.exceptions import RedisError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
 from shared.bus import (
+    APPEND_AT_END,
+    END_BYTES,
     TRANSIENT_ERRORS,
     Bus,
     Delivery,
@@ -54,11 +63,16 @@ MAX_ATTEMPTS = 3
 REGISTRY_REFRESH_S = 0.25
 DISPATCH_RETRY_S = 10.0
 """How long a dispatch is retried through a Redis outage before the request fails (503)."""
+LEASE_RENEWALS_PER_TTL = 3
 
 
 @dataclass
 class SchedulerOptions:
     consumer: str
+    """This replica's name in the consumer group (and its lease's)."""
+    ttl_s: float = 5.0
+    """How long this replica's lease lasts unless renewed: other replicas take over its pending
+    messages once it has lapsed."""
     max_queue_len: int = 1024
     reserve_timeout_s: float = 10.0
     """How long a decode instance may take to reserve blocks for a split request."""
@@ -81,6 +95,7 @@ class SplitwiseScheduler:
         """Requests this replica is placing now (a redelivered Submit leaves them alone)."""
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self._hold_lease()  # before the first read: a consumer without one is taken for dead
         for stream in (self.keys.requests, self.keys.scheduler_replies):
             await self.bus.ensure_group(stream, SCHEDULER_GROUP)
         await self.registry.refresh(self.bus)
@@ -89,12 +104,29 @@ class SplitwiseScheduler:
             asyncio.create_task(self._consume(self.keys.scheduler_replies, stop)),
             asyncio.create_task(self._watch(stop)),
             asyncio.create_task(self._follow_reservations(stop)),
+            asyncio.create_task(self._keep_lease(stop)),
         ]
         logger.info("scheduler ready", extra={"consumer": self.options.consumer})
         await stop.wait()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=5)
         await stop_tasks(loops)
+        try:  # what is still pending here goes to the other replicas (or a successor) at once
+            await self.bus.forget_scheduler(self.options.consumer)
+        except RedisError as exc:
+            logger.warning("could not give up the lease", extra={"error": str(exc)})
+
+    async def _hold_lease(self) -> None:
+        await self.bus.hold_lease(self.keys.scheduler_lease(self.options.consumer), self.options.ttl_s)
+
+    async def _keep_lease(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.options.ttl_s / LEASE_RENEWALS_PER_TTL)
+            try:
+                await self._hold_lease()
+            except RedisError as exc:
+                reraise_if_cancelled(exc)
+                logger.warning("renewing the lease failed", extra={"error": str(exc)})
 
     # ---- receive ------------------------------------------------------------------------------------------
 
@@ -102,7 +134,11 @@ class SplitwiseScheduler:
         while not stop.is_set():
             try:
                 deliveries = await self.bus.read_group(
-                    stream, SCHEDULER_GROUP, self.options.consumer, block_ms=200
+                    stream,
+                    SCHEDULER_GROUP,
+                    self.options.consumer,
+                    block_ms=200,
+                    lease_prefix=self.keys.scheduler_lease(""),
                 )
             except RedisError as exc:
                 reraise_if_cancelled(exc)
@@ -174,6 +210,8 @@ class SplitwiseScheduler:
         admission = await self.bus.admit(
             request.request_id, Submit(request=request), self.options.max_queue_len
         )
+        if admission == "ended":
+            return  # a late repeat of the Submit of a request that has ended
         if admission == "duplicate" and (request.request_id in self.placing or await self._placed(request)):
             return  # a redelivered Submit: already placed, or being placed here
         if admission == "queue_full":
@@ -182,99 +220,133 @@ class SplitwiseScheduler:
                 request, 429, f"server is busy: {self.options.max_queue_len} requests already queued"
             )
             return
-        await self._place(request)
+        epoch = await self.bus.claim_epoch(request.request_id)
+        if epoch is not None:
+            await self._place(request, epoch)
 
     async def _placed(self, request: GenerateRequest) -> bool:
-        """Whether a dispatch of the request went out (its placement is recorded with it)."""
-        return bool(await self.bus.client.hexists(self.keys.request_state(request.request_id), "instances"))
+        """Whether a dispatch of the request went out (its placement is recorded with it), or it
+        needs none any more (it ended)."""
+        placement = await self.bus.placement(request.request_id)
+        return placement is None or bool(placement.instance_ids)
 
-    async def _place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> None:
+    async def _current(self, request_id: str, epoch: int) -> bool:
+        """Whether the placement of `epoch` is still the request's (not ended, not placed again)."""
+        placement = await self.bus.placement(request_id)
+        return placement is not None and placement.epoch == epoch
+
+    async def _place(
+        self, request: GenerateRequest, epoch: int, exclude: frozenset[str] = frozenset()
+    ) -> None:
         self.placing.add(request.request_id)
         try:
-            await self._place_once(request, exclude)
+            await self._place_once(request, epoch, exclude)
         finally:
             self.placing.discard(request.request_id)
 
-    async def _place_once(self, request: GenerateRequest, exclude: frozenset[str]) -> None:
+    async def _place_once(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> None:
         """Waits up to `dispatch_timeout_s` for an instance to place the request on; a Redis outage
         meanwhile is waited out too (a worker and Redis may be restarting together)."""
         started = time.perf_counter()
         deadline = time.monotonic() + self.options.dispatch_timeout_s
-        while not await self._try_place(request, exclude):
+        while not await self._try_place(request, epoch, exclude):
             if time.monotonic() > deadline:
-                await self._give_up(request, 503, "no worker instance is available to run the request")
+                await self._give_up(request, epoch, 503, "no worker instance is available to run the request")
                 return
             await asyncio.sleep(REGISTRY_REFRESH_S)
-            if not await self._still_wanted(request.request_id):
-                return  # cancelled while waiting
+            if not await self._still_current(request.request_id, epoch):
+                return  # cancelled, or placed by another replica, while waiting
         self.metrics.placement_seconds.observe(time.perf_counter() - started)
 
-    async def _still_wanted(self, request_id: str) -> bool:
-        """Whether the request's record still exists (not cancelled); True while Redis is down."""
+    async def _still_current(self, request_id: str, epoch: int) -> bool:
+        """`_current`, or True while Redis is down (the wait goes on)."""
         try:
-            return bool(await self.bus.client.exists(self.keys.request_state(request_id)))
+            return await self._current(request_id, epoch)
         except TRANSIENT_ERRORS as exc:
             reraise_if_cancelled(exc)
             return True
 
-    async def _try_place(self, request: GenerateRequest, exclude: frozenset[str]) -> bool:
+    async def _try_place(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> bool:
+        """Places the placement of `epoch` (or finds it superseded, or gives up); False to retry.
+        `exclude` is a preference: an excluded instance is chosen when no other could run it (a
+        prefill whose KV handoff failed because its decode instance died is not to blame)."""
+        if exclude and not self._placeable(exclude):
+            exclude = frozenset()
         mixed = self.registry.pick_least_loaded("mixed", exclude)
         if mixed is not None:
-            await self._dispatch_mixed(request, mixed.instance_id)
+            await self._dispatch_mixed(request, epoch, mixed.instance_id)
             return True
-        split_possible = self.registry.count("prefill") and self.registry.count("decode")
-        return bool(split_possible) and await self._dispatch_split(request, exclude)
+        return self._placeable(exclude) and await self._dispatch_split(request, epoch, exclude)
 
-    async def _dispatch_mixed(self, request: GenerateRequest, instance_id: str) -> None:
-        dispatch = Dispatch(role="mixed", request=request)
-        await self._assign_and_publish(request, [instance_id], dispatch)
-        self.registry.note_dispatch(instance_id)
-        self.metrics.dispatched.labels(role="mixed").inc()
+    def _placeable(self, exclude: frozenset[str]) -> bool:
+        """Whether live instances outside `exclude` can run a request: a mixed one, or a pair."""
+        candidates = self.registry.candidates
+        return bool(
+            candidates("mixed", exclude) or (candidates("prefill", exclude) and candidates("decode", exclude))
+        )
 
-    async def _dispatch_split(self, request: GenerateRequest, exclude: frozenset[str]) -> bool:
+    async def _dispatch_mixed(self, request: GenerateRequest, epoch: int, instance_id: str) -> None:
+        dispatch = Dispatch(role="mixed", request=request, epoch=epoch)
+        if await self._dispatch(request, epoch, [instance_id], dispatch):
+            self.registry.note_dispatch(instance_id)
+            self.metrics.dispatched.labels(role="mixed").inc()
+
+    async def _dispatch_split(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> bool:
         """Reserve blocks on a decode instance first, then send the prefill there; False to retry."""
         num_tokens = len(request.prompt_token_ids) + len(request.resumed_token_ids) + 1
         decode_info = self.registry.pick_decode(num_tokens, exclude)
         prefill_info = self.registry.pick_least_loaded("prefill", exclude)
         if decode_info is None or prefill_info is None:
             return False
-        reply = await self._reserve(request, decode_info.instance_id)
+        reply = await self._reserve(request, epoch, decode_info.instance_id)
         if reply is not None and not reply.ok and reply.code == 400:
-            await self._give_up(request, 400, reply.error or "invalid request")
+            await self._give_up(request, epoch, 400, reply.error or "invalid request")
             return True
         if reply is None or not reply.ok:
-            return False
+            return reply is None  # None: it timed out, and the request failed
         dispatch = Dispatch(
             role="prefill",
             request=request,
+            epoch=epoch,
             decode_instance=decode_info.instance_id,
             decode_kv_address=reply.kv_address,
         )
-        await self._assign_and_publish(request, [decode_info.instance_id, prefill_info.instance_id], dispatch)
+        instance_ids = [decode_info.instance_id, prefill_info.instance_id]
+        if not await self._dispatch(request, epoch, instance_ids, dispatch):
+            cancel = Cancel(request_id=request.request_id, reason="placed again", epoch=epoch)
+            await self.bus.publish(self.keys.inbox(decode_info.instance_id), cancel)
+            return True
         self.registry.note_dispatch(prefill_info.instance_id)
         self.registry.note_dispatch(decode_info.instance_id)
         self.metrics.dispatched.labels(role="split").inc()
         return True
 
-    async def _assign_and_publish(
-        self, request: GenerateRequest, instance_ids: list[str], dispatch: Dispatch
-    ) -> None:
+    async def _dispatch(
+        self, request: GenerateRequest, epoch: int, instance_ids: list[str], dispatch: Dispatch
+    ) -> bool:
         """Records the placement and sends the dispatch to the last of `instance_ids`, through a
         Redis outage of up to `DISPATCH_RETRY_S` (a repeat is harmless: a worker ignores a request
-        it already runs); past that the error propagates and the Submit stays pending."""
+        it already runs); past that the error propagates and the Submit stays pending. False, with
+        nothing sent, if the request ended or was placed again meanwhile."""
         inbox = self.keys.inbox(instance_ids[-1])
-        await retry_transient(
-            lambda: self.bus.assign_and_publish(request.request_id, instance_ids, inbox, dispatch),
+        sent = await retry_transient(
+            lambda: self.bus.dispatch(request.request_id, epoch, instance_ids, inbox, dispatch),
             f"dispatching {request.request_id}",
             DISPATCH_RETRY_S,
         )
+        if not sent:
+            logger.info("placement superseded", extra={"request_id": request.request_id, "epoch": epoch})
+        return sent
 
-    async def _reserve(self, request: GenerateRequest, decode_id: str) -> ReserveReply | None:
+    async def _reserve(self, request: GenerateRequest, epoch: int, decode_id: str) -> ReserveReply | None:
+        """The decode instance's answer; None if it gave none in time (the request has failed),
+        unless it died meanwhile (its heartbeat is gone): then a refusal, to place it elsewhere."""
         waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
         self.reservations[request.request_id] = waiter
         try:
             reserve = Reserve(
                 request=request,
+                epoch=epoch,
                 timeout_s=self.options.kv_timeout_s,
                 reply_to=self.keys.reservation_replies(self.options.consumer),
             )
@@ -287,10 +359,19 @@ class SplitwiseScheduler:
             )
             await self.bus.publish(
                 self.keys.inbox(decode_id),
-                Cancel(request_id=request.request_id, reason="reservation timed out"),
+                Cancel(request_id=request.request_id, reason="reservation timed out", epoch=epoch),
             )
+            if not await self.bus.client.exists(self.keys.heartbeat(decode_id)):
+                return ReserveReply(
+                    request_id=request.request_id,
+                    instance_id=decode_id,
+                    ok=False,
+                    code=503,
+                    error=f"decode instance {decode_id} died",
+                )
             await self._give_up(
                 request,
+                epoch,
                 504,
                 f"decode instance {decode_id} did not reserve KV blocks within {self.options.reserve_timeout_s:g} s",
             )
@@ -301,31 +382,46 @@ class SplitwiseScheduler:
     # ---- completion, cancellation, failure ----------------------------------------------------------------
 
     async def _finished(self, message: Finished) -> None:
+        placement = await self.bus.placement(message.request_id)
+        if placement is not None and placement.epoch != message.epoch:
+            logger.info(
+                "report of an earlier placement ignored",
+                extra={"request_id": message.request_id, "epoch": message.epoch, "outcome": message.outcome},
+            )
+            return
         if message.outcome in ("handed_off", "failed", "returned"):
             await self.bus.client.srem(self.keys.assignments(message.instance_id), message.request_id)
         if message.outcome in ("failed", "returned"):
             await self._retry(
                 message.request_id,
-                {message.instance_id},
+                message.instance_id,
                 message.error or message.outcome,
                 place_anywhere=message.outcome == "returned",
+                seen=message.epoch,
             )
         elif message.outcome != "handed_off":
             await self.bus.release(message.request_id, message.instance_id)
 
     async def _cancel(self, request_id: str) -> None:
-        instances = await self._instances_of(request_id)
-        for instance_id in instances:
+        placement = await self.bus.placement(request_id)
+        for instance_id in placement.instance_ids if placement else []:
             await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id))
         await self.bus.release(request_id)
 
     async def _retry(
-        self, request_id: str, exclude: set[str], reason: str, place_anywhere: bool = False
+        self, request_id: str, failed: str, reason: str, place_anywhere: bool = False, seen: int | None = None
     ) -> None:
-        """Places a request again (after its instance failed, died or gave it back), resuming after
-        the tokens its gateway already has; gives up after MAX_ATTEMPTS. Instances in `exclude`
-        are not told to cancel it, and are not chosen unless `place_anywhere` (an instance that
+        """Places a request again (after its instance `failed`, died or gave it back), resuming after
+        the tokens its gateway already has; gives up after MAX_ATTEMPTS. Only if the placement that
+        failed is still current: the one of epoch `seen`, or (None) one on `failed`. `failed` is
+        not told to cancel it, and is not chosen again unless `place_anywhere` (an instance that
         lost the bus, or missed heartbeats, is fine once it is back)."""
+        placement = await self.bus.placement(request_id)
+        if placement is None or (seen is None and failed not in placement.instance_ids):
+            return  # ended, or placed elsewhere since
+        epoch = await self.bus.claim_epoch(request_id, placement.epoch if seen is None else seen)
+        if epoch is None:
+            return  # placed again meanwhile (another report, another replica)
         state = self.keys.request_state(request_id)
         raw = await self.bus.client.hget(state, "request")
         if raw is None:
@@ -333,37 +429,37 @@ class SplitwiseScheduler:
         message = decode(as_bytes(raw))
         assert isinstance(message, Submit)
         attempts = await self.bus.client.hincrby(state, "attempts", 1)
-        delivered, finished = await self.bus.delivered_tokens(request_id)
+        delivered, finished = await self.bus.delivered_tokens(request_id)  # final: the old epoch is fenced
         if finished:
             await self.bus.release(request_id)
             return
         if attempts >= MAX_ATTEMPTS:
             await self._give_up(
-                message.request, 500, f"request failed {attempts} times; last error: {reason}"
+                message.request, epoch, 500, f"request failed {attempts} times; last error: {reason}"
             )
             return
-        for instance_id in set(await self._instances_of(request_id)) - exclude:
-            await self.bus.publish(
-                self.keys.inbox(instance_id), Cancel(request_id=request_id, reason="re-dispatched")
-            )
+        for instance_id in set(placement.instance_ids) - {failed}:
+            cancel = Cancel(request_id=request_id, reason="re-dispatched", epoch=placement.epoch)
+            await self.bus.publish(self.keys.inbox(instance_id), cancel)
             await self.bus.client.srem(self.keys.assignments(instance_id), request_id)
         request = message.request.model_copy(update={"resumed_token_ids": delivered})
         self.metrics.redispatched.inc()
         logger.warning(
-            "re-dispatching", extra={"request_id": request_id, "reason": reason, "resumed": len(delivered)}
+            "re-dispatching",
+            extra={"request_id": request_id, "reason": reason, "resumed": len(delivered), "epoch": epoch},
         )
-        await self._place(request, exclude=frozenset() if place_anywhere else frozenset(exclude))
+        await self._place(request, epoch, exclude=frozenset() if place_anywhere else frozenset({failed}))
 
-    async def _instances_of(self, request_id: str) -> list[str]:
-        raw = await self.bus.client.hget(self.keys.request_state(request_id), "instances")
-        return [i for i in (as_text(raw) if raw else "").split(",") if i]
+    async def _give_up(self, request: GenerateRequest, epoch: int, code: int, message: str) -> None:
+        """Ends the placement of `epoch` with an error, unless it is no longer current."""
+        if await self._fail(request, code, message, epoch):
+            await self.bus.release(request.request_id)
 
-    async def _give_up(self, request: GenerateRequest, code: int, message: str) -> None:
-        await self._fail(request, code, message)
-        await self.bus.release(request.request_id)
-
-    async def _fail(self, request: GenerateRequest, code: int, message: str) -> None:
-        """Ends the request with an error its gateway answers with."""
+    async def _fail(
+        self, request: GenerateRequest, code: int, message: str, epoch: int | None = None
+    ) -> bool:
+        """Ends the request with an error its gateway answers with; given the placement's `epoch`,
+        only while it is current (False if not: nothing was sent)."""
         kind = {429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}.get(code, "server_error")
         event = TokenEvent(
             request_id=request.request_id,
@@ -372,7 +468,9 @@ class SplitwiseScheduler:
             error=ErrorInfo(code=code, type=kind, message=message),
         )
         assert request.gateway_id is not None  # checked at admission
-        await self.bus.publish_step([(request.gateway_id, encode(OutputBatch.of([event])))])
+        outputs = [(request.gateway_id, encode(OutputBatch.of([event])))]
+        records = [] if epoch is None else [(request.request_id, epoch, APPEND_AT_END, END_BYTES)]
+        return not await self.bus.publish_step(outputs, records)
 
     # ---- watching instances -------------------------------------------------------------------------------
 
@@ -404,10 +502,10 @@ class SplitwiseScheduler:
     async def _redispatch(self, request_id: str, instance_id: str) -> None:
         """Places a dead instance's request again. No bus message is pending for it (the
         assignment set is gone), so a Redis outage is waited out here, or the request is lost.
-        Anywhere: an instance that only lost the bus comes back, and ignores a request it still runs."""
+        Anywhere: an instance that only lost the bus comes back (fenced off from what it ran)."""
         reason = f"instance {instance_id} stopped responding"
         await retry_transient(
-            lambda: self._retry(request_id, {instance_id}, reason, place_anywhere=True),
+            lambda: self._retry(request_id, instance_id, reason, place_anywhere=True),
             f"re-dispatching {request_id}",
             None,
         )

@@ -102,11 +102,13 @@ class EngineCoreClient:
 
     # ---- commands ------------------------------------------------------------------------------------
 
-    async def add_request(self, request: GenerateRequest, handoff: bool = False) -> None:
-        """Queues the request; a refusal comes back as a failed row of a step batch."""
+    async def add_request(self, request: GenerateRequest, epoch: int, handoff: bool = False) -> None:
+        """Queues the placement of `epoch` of the request; a refusal comes back as a failed row of
+        a step batch."""
         await self._send(
             AddRequest(
                 request.request_id,
+                epoch,
                 request.prompt_token_ids,
                 request.params,
                 request.resumed_token_ids,
@@ -119,7 +121,7 @@ class EngineCoreClient:
         unknown ids are ignored."""
         await self._send(Abort(request_id, emit))
 
-    async def reserve(self, request: GenerateRequest) -> asyncio.Future[Reply]:
+    async def reserve(self, request: GenerateRequest, epoch: int) -> asyncio.Future[Reply]:
         """Sends a reservation of KV blocks for `request` (in order with the other commands) and
         returns its answer to await: a `Reply` whose error is None, 400 (invalid) or 503 (no room)."""
         call_id = next(self._call_ids)
@@ -127,7 +129,12 @@ class EngineCoreClient:
         self._calls[call_id] = future
         future.add_done_callback(lambda _: self._calls.pop(call_id, None))
         command = Reserve(
-            call_id, request.request_id, request.prompt_token_ids, request.params, request.resumed_token_ids
+            call_id,
+            request.request_id,
+            epoch,
+            request.prompt_token_ids,
+            request.params,
+            request.resumed_token_ids,
         )
         try:
             await self._send(command)

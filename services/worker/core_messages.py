@@ -47,6 +47,8 @@ class CoreOptions:
 @dataclass(frozen=True)
 class AddRequest:
     request_id: str
+    epoch: int
+    """The placement's epoch: the request's rows carry it (`StepBatch.epochs`)."""
     prompt_token_ids: list[int]
     params: SamplingParams
     resumed_token_ids: list[int]
@@ -68,6 +70,7 @@ class Reserve:
 
     call_id: int
     request_id: str
+    epoch: int
     prompt_token_ids: list[int]
     params: SamplingParams
     resumed_token_ids: list[int]
@@ -166,6 +169,9 @@ class StepBatch:
     token_ids: np.ndarray  # [num_tokens] int32
     texts: list[str]
     num_output_tokens: np.ndarray  # [num_rows] int32
+    epochs: list[int]
+    """[num_rows] the epoch of the placement each row was stepped for: a request placed here again
+    (a newer epoch) has rows of both in flight for a while, and only the newer may be published."""
     ends: list[RowEnd]
     logprobs: list[tuple[int, Logprobs]]
     """(row, its new tokens' logprobs) for rows of requests that asked for them."""
@@ -236,6 +242,7 @@ def concat(batches: list[StepBatch]) -> StepBatch:
         token_ids=np.concatenate([b.token_ids for b in batches]),
         texts=[t for b in batches for t in b.texts],
         num_output_tokens=np.concatenate([b.num_output_tokens for b in batches]),
+        epochs=[e for b in batches for e in b.epochs],
         ends=ends,
         logprobs=[(row + int(o), lps) for b, o in zip(batches, offsets) for row, lps in b.logprobs],
         handoffs=[h for b in batches for h in b.handoffs],

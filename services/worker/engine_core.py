@@ -72,13 +72,14 @@ class RowBuilder:
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.num_output_tokens: list[int] = []
+        self.epochs: list[int] = []
         self.ends: list[RowEnd] = []
         self.logprobs: list[tuple[int, Logprobs]] = []
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, output: RequestOutput, epoch: int) -> None:
         row = len(self.request_ids)
         new = output.new_token_ids
         self.request_ids.append(output.request_id)
@@ -86,6 +87,7 @@ class RowBuilder:
         self.token_ids += new
         self.texts.append(output.new_text)
         self.num_output_tokens.append(len(output.token_ids))
+        self.epochs.append(epoch)
         if output.logprobs is not None and new:
             entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in output.logprobs[-len(new) :]]
             self.logprobs.append((row, entries))
@@ -102,7 +104,7 @@ class RowBuilder:
                 )
             )
 
-    def fail(self, request_id: str, code: int, message: str) -> None:
+    def fail(self, request_id: str, epoch: int, code: int, message: str) -> None:
         """A request that ends in an error (refused, or lost to a failed step)."""
         kind = "invalid_request_error" if code == 400 else "server_error"
         self.ends.append(
@@ -116,6 +118,7 @@ class RowBuilder:
         self.num_new_tokens.append(0)
         self.texts.append("")
         self.num_output_tokens.append(0)
+        self.epochs.append(epoch)
 
     def take(self, handoffs: list[KVExport], step_s: float, load: EngineLoad) -> StepBatch:
         batch = StepBatch(
@@ -124,6 +127,7 @@ class RowBuilder:
             token_ids=np.asarray(self.token_ids, dtype=TOKEN_DTYPE),
             texts=self.texts,
             num_output_tokens=np.asarray(self.num_output_tokens, dtype=TOKEN_DTYPE),
+            epochs=self.epochs,
             ends=self.ends,
             logprobs=self.logprobs,
             handoffs=handoffs,
@@ -145,6 +149,8 @@ class EngineCore:
         self.running = True
         self.dirty = False
         """Commands changed the engine since the last batch (its load, or rows to send)."""
+        self.epochs: dict[str, int] = {}
+        """Each request's placement epoch, which its rows carry, until its last row."""
 
     def run(self) -> None:
         while self.running:
@@ -164,7 +170,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             for output in self.engine.step():
-                self.rows.add(output)
+                self._add_row(output)
         except Exception as exc:  # a broken step must not take the worker down: fail its requests
             if self.engine.config.tensor_parallel_size > 1:
                 raise  # the other ranks may be inside the step's collectives: the group cannot go on
@@ -186,7 +192,9 @@ class EngineCore:
         elif isinstance(command, Abort):
             output = self.engine.abort_request(command.request_id)
             if output is not None and command.emit:
-                self.rows.add(output)
+                self._add_row(output)
+            elif output is not None:
+                self.epochs.pop(command.request_id, None)
         elif isinstance(command, Reserve):
             self.channel.send(Reply(command.call_id, self._reserve(command)))
         elif isinstance(command, ImportKV | Activate):
@@ -196,7 +204,18 @@ class EngineCore:
         else:
             logger.error("unknown command %r", type(command).__name__)
 
+    def _add_row(self, output: RequestOutput) -> None:
+        if output.finished:
+            epoch = self.epochs.pop(output.request_id, 0)
+        else:
+            epoch = self.epochs.get(output.request_id, 0)
+        self.rows.add(output, epoch)
+
+    def _fail_row(self, request_id: str, code: int, message: str) -> None:
+        self.rows.fail(request_id, self.epochs.pop(request_id, 0), code, message)
+
     def _add(self, command: AddRequest) -> None:
+        self.epochs[command.request_id] = command.epoch
         try:
             self.engine.add_request(
                 command.request_id,
@@ -206,10 +225,10 @@ class EngineCore:
                 handoff=command.handoff,
             )
         except RequestError as exc:
-            self.rows.fail(command.request_id, 400, str(exc))
+            self._fail_row(command.request_id, 400, str(exc))
         except Exception as exc:
             logger.exception("adding %s failed", command.request_id)
-            self.rows.fail(command.request_id, 500, f"could not add the request: {exc}")
+            self._fail_row(command.request_id, 500, f"could not add the request: {exc}")
 
     def _reserve(self, command: Reserve) -> ErrorInfo | None:
         try:
@@ -219,6 +238,7 @@ class EngineCore:
         except RequestError as exc:
             code = 503 if isinstance(exc, CapacityError) else 400
             return ErrorInfo(code=code, type="server_error", message=str(exc))
+        self.epochs[command.request_id] = command.epoch
         return None
 
     def _receive_kv(self, command: ImportKV | Activate) -> None:
@@ -235,12 +255,12 @@ class EngineCore:
         except Exception as exc:
             logger.exception("taking the KV of %s failed", command.request_id)
             self.engine.abort_request(command.request_id)
-            self.rows.fail(command.request_id, 500, f"taking the prefilled KV failed: {exc}")
+            self._fail_row(command.request_id, 500, f"taking the prefilled KV failed: {exc}")
 
     def _abort_all(self, reason: str) -> None:
         for request_id in list(self.engine.sequences):
             self.engine.abort_request(request_id)
-            self.rows.fail(request_id, 500, reason)
+            self._fail_row(request_id, 500, reason)
 
     def _load(self) -> EngineLoad:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager

@@ -27,6 +27,10 @@ class WorkerMetrics:
         self.requests_received = counter(
             "specmesh_worker_requests_received_total", "Requests dispatched here"
         ).labels(**labels)
+        self.requests_fenced = counter(
+            "specmesh_worker_requests_fenced_total",
+            "Requests stopped here because they were placed elsewhere since (their epoch is stale)",
+        ).labels(**labels)
         self._finished = counter(
             "specmesh_worker_requests_finished_total", "Requests finished here", "reason"
         )

@@ -7,6 +7,11 @@ emit     (per gateway one OutputBatch, the requests' delivered records and the s
 
 The engine runs in its own process (`engine_core.py`), so this process's interpreter lock is never
 what a step waits for, and publishing never waits for a step.
+
+Each request runs here under the epoch of its placement (`Dispatch.epoch`). The publish refuses
+rows of a placement that is no longer current (the scheduler took this instance for dead and placed
+the request elsewhere, or here again); a request found *fenced* that way is stopped here without a
+word to its client or the scheduler.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from redis.exceptions import RedisError
 
 from services.engine.kv_export import KVExport
 from services.kv_transport import (
+    KVExpectation,
     KVHeader,
     KVTransferError,
     KVTransport,
@@ -41,7 +47,7 @@ from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
 from shared.bus import (
     APPEND_AT_END,
-    OUTPUT_END,
+    END_BYTES,
     TRANSIENT_ERRORS,
     Bus,
     Delivery,
@@ -51,7 +57,6 @@ from shared.bus import (
 )
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
-    TOKEN_DTYPE,
     Cancel,
     Dispatch,
     ErrorInfo,
@@ -71,7 +76,6 @@ logger = logging.getLogger(__name__)
 Role = Literal["mixed", "prefill", "decode"]
 Outcome = Literal["done", "handed_off", "failed", "cancelled", "returned"]
 HEARTBEATS_PER_TTL = 3
-END_BYTES = np.asarray([OUTPUT_END], TOKEN_DTYPE).tobytes()
 
 
 @dataclass
@@ -90,6 +94,19 @@ class WorkerOptions:
     drain_timeout_s: float = 60.0
 
 
+@dataclass
+class Running:
+    """A request placed here, and the epoch of that placement (its rows are published under it)."""
+
+    request: GenerateRequest
+    epoch: int
+    cancelled: bool = False
+    """Told to stop (its client left, or it was placed elsewhere): being fenced is no surprise."""
+    fenced: bool = False
+    """Cancelled, and its rows refused since (the scheduler ended it at once): none is sent any
+    more, and its end row, which the abort brings, retires it as any."""
+
+
 class Worker:
     def __init__(self, core: EngineCoreClient, bus: Bus, options: WorkerOptions, metrics: WorkerMetrics):
         self.core = core
@@ -102,7 +119,7 @@ class Worker:
         self.kv_address: str | None = None
         self.handoff_targets: dict[str, str] = {}
         """Prefill role: request id -> the decode instance's KV address."""
-        self.requests: dict[str, GenerateRequest] = {}
+        self.requests: dict[str, Running] = {}
         """Requests in the engine (or reserved there), until their last row is published."""
         self.draining = False
         self.pending: set[asyncio.Task[None]] = set()
@@ -193,7 +210,7 @@ class Worker:
             elif isinstance(message, Reserve):
                 await self._reserve(message)
             elif isinstance(message, Cancel):
-                await self._cancel(message.request_id)
+                await self._cancel(message.request_id, message.epoch)
             else:
                 await self.bus.dead_letter(
                     delivery.stream, delivery.entry_id, None, f"a worker does not handle {message.kind!r}"
@@ -205,34 +222,54 @@ class Worker:
             await self.bus.dead_letter(delivery.stream, delivery.entry_id, None, f"{message.kind}: {exc}")
 
     async def _dispatch(self, message: Dispatch) -> None:
-        request = message.request
-        if request.request_id in self.requests:
-            return  # a redelivery: already running here
+        request, epoch = message.request, message.epoch
+        if not await self._make_room(request.request_id, epoch):
+            return  # a redelivery, or a placement older than the one running here
         if self.draining:
-            await self._refuse(request, 503, "instance is draining")
+            await self._refuse(request, epoch, 503, "instance is draining")
             return
         if message.role == "prefill":
             if not message.decode_kv_address:
-                await self._refuse(request, 500, "prefill dispatch without a decode KV address")
+                await self._refuse(request, epoch, 500, "prefill dispatch without a decode KV address")
                 return
             self.handoff_targets[request.request_id] = message.decode_kv_address
-        self.requests[request.request_id] = request
-        await self.core.add_request(request, handoff=message.role == "prefill")
+        self.requests[request.request_id] = Running(request, epoch)
+        await self.core.add_request(request, epoch, handoff=message.role == "prefill")
         self.metrics.requests_received.inc()
+
+    async def _make_room(self, request_id: str, epoch: int) -> bool:
+        """Whether the placement of `epoch` may start here: not if it (a redelivery) or a later one
+        runs here already. An earlier one here is stopped silently first: the request was placed
+        again while this instance was taken for dead, and its rows are fenced off anyway."""
+        running = self.requests.get(request_id)
+        if running is None:
+            return True
+        if running.epoch >= epoch:
+            return False
+        logger.warning(
+            "placed here again: the earlier placement stops",
+            extra={"request_id": request_id, "epoch": epoch, "earlier": running.epoch},
+        )
+        await self._drop([request_id])
+        return True
 
     async def _reserve(self, message: Reserve) -> None:
         """Sends the reservation to the core now (in order with later commands for the request);
         its answer goes back to the scheduler from a task, so this loop never waits for a step."""
-        request = message.request
+        request, epoch = message.request, message.epoch
         reply = ReserveReply(request_id=request.request_id, instance_id=self.options.instance_id, ok=False)
-        if request.request_id in self.requests:
+        running = self.requests.get(request.request_id)
+        if running is not None and running.epoch == epoch:
             reply.ok, reply.kv_address = True, self.kv_address
+        elif running is not None and running.epoch > epoch:
+            reply.error, reply.code = "a later placement of the request runs here", 503
         elif self.draining or self.transport is None:
             reply.error = "instance is draining" if self.draining else "this instance does not decode"
             reply.code = 503
         else:
-            self.requests[request.request_id] = request
-            answer = await self.core.reserve(request)
+            await self._make_room(request.request_id, epoch)
+            self.requests[request.request_id] = Running(request, epoch)
+            answer = await self.core.reserve(request, epoch)
             self._spawn(self._answer_reserve(message, answer, reply))
             return
         await self.bus.publish(message.reply_to, reply, maxlen=10_000)
@@ -240,10 +277,11 @@ class Worker:
     async def _answer_reserve(
         self, message: Reserve, answer: asyncio.Future[Reply], reply: ReserveReply
     ) -> None:
-        request_id = message.request.request_id
+        request_id, epoch = message.request.request_id, message.epoch
         result = await answer
         if result.error is not None:
-            self.requests.pop(request_id, None)
+            if self._is_current(request_id, epoch):
+                self.requests.pop(request_id)
             reply.error, reply.code = result.error.message, result.error.code
         else:
             assert self.transport is not None
@@ -251,8 +289,9 @@ class Worker:
                 request_id,
                 on_layer=self._on_kv_layer,
                 on_done=self._on_kv_done,
-                on_error=lambda error: self._on_kv_error(request_id, error),
+                on_error=lambda error: self._on_kv_error(request_id, epoch, error),
                 timeout_s=message.timeout_s,
+                expectation=KVExpectation(extras={"epoch": epoch}),
             )
             reply.ok, reply.kv_address = True, self.kv_address
         await self.bus.publish(message.reply_to, reply, maxlen=10_000)
@@ -265,19 +304,29 @@ class Worker:
         await self.core.activate(transfer.header.request_id, first_token)
         self.metrics.kv_received_bytes.inc(transfer.header.num_bytes)
 
-    async def _on_kv_error(self, request_id: str, error: KVTransferError) -> None:
+    async def _on_kv_error(self, request_id: str, epoch: int, error: KVTransferError) -> None:
         """The request goes back to the scheduler, to be placed again (nothing reaches its client)."""
+        if not self._is_current(request_id, epoch):
+            return  # stopped here meanwhile
         logger.warning("KV transfer failed", extra={"request_id": request_id, "error": str(error)})
         await self.core.abort(request_id, emit=False)
         self.requests.pop(request_id, None)
-        await self._report(request_id, "failed", f"KV transfer failed: {error}")
+        await self._report(request_id, epoch, "failed", f"KV transfer failed: {error}")
 
-    async def _cancel(self, request_id: str) -> None:
-        """Aborts the request (its blocks are freed at once); its final row follows its earlier ones."""
+    async def _cancel(self, request_id: str, epoch: int | None) -> None:
+        """Aborts the request (its blocks are freed at once); its final row follows its earlier ones.
+        A cancel of an earlier placement than the one running here is ignored."""
+        running = self.requests.get(request_id)
+        if running is None or (epoch is not None and running.epoch > epoch):
+            return
+        running.cancelled = True
         if self.transport is not None:
             self.transport.cancel(request_id)
-        if request_id in self.requests:
-            await self.core.abort(request_id)
+        await self.core.abort(request_id)
+
+    def _is_current(self, request_id: str, epoch: int) -> bool:
+        running = self.requests.get(request_id)
+        return running is not None and running.epoch == epoch
 
     # ---- emit ------------------------------------------------------------------------------------------------
 
@@ -320,86 +369,132 @@ class Worker:
         """Stops every request here without a word to its client (its unpublished rows are dropped,
         its delivered record is where a re-dispatch resumes) and reports it `returned` once the
         bus answers again. The scheduler may already have re-dispatched it for a missed heartbeat:
-        either way it resumes once, from its delivered record."""
-        request_ids = list(self.requests)
-        logger.error("giving back %d request(s): %s", len(request_ids), reason)
+        then the report's epoch is stale and it is ignored; either way it resumes once, from its
+        delivered record."""
+        running = dict(self.requests)
+        logger.error("giving back %d request(s): %s", len(running), reason)
+        await self._drop(list(running))
+        reports: list[tuple[str, Message]] = [
+            (self.keys.scheduler_replies, self._finished(request_id, r.epoch, "returned", reason=reason))
+            for request_id, r in running.items()
+        ]
+        self._spawn(self._send_reports(reports, "returning requests"))
+
+    async def _send_reports(self, reports: list[tuple[str, Message]], what: str) -> None:
+        """Sends `reports` in one command, however long the bus is down."""
+        await retry_transient(lambda: self.bus.publish_step([], [], reports), what, None)
+
+    async def _drop(self, request_ids: list[str]) -> None:
+        """Stops requests here without a word to anyone."""
         for request_id in request_ids:  # first, so rows already stepped for them are not published
-            self.requests.pop(request_id)
+            self.requests.pop(request_id, None)
             self.handoff_targets.pop(request_id, None)
             if self.transport is not None:
                 self.transport.cancel(request_id)
         for request_id in request_ids:
             await self.core.abort(request_id, emit=False)
-        reports: list[tuple[str, Message]] = [
-            (self.keys.scheduler_replies, self._finished(request_id, "returned", reason=reason))
-            for request_id in request_ids
-        ]
-        self._spawn(
-            retry_transient(lambda: self.bus.publish_step([], [], reports), "returning requests", None)
-        )
+
+    async def _fence(self, request_ids: list[str]) -> None:
+        """The bus refused these requests' rows: each was placed again since (or ended: a client
+        that left, a placement the scheduler gave up). They stop here, silently."""
+        dropped = []
+        for request_id in request_ids:
+            running = self.requests.get(request_id)
+            if running is not None and running.cancelled:
+                running.fenced = True
+                continue
+            if running is not None:
+                self.metrics.requests_fenced.inc()
+                logger.warning(
+                    "fenced off: the request was placed again since; stopping it here",
+                    extra={"request_id": request_id, "epoch": running.epoch},
+                )
+            dropped.append(request_id)
+        await self._drop(dropped)
 
     async def _publish(self, batch: StepBatch) -> None:
         """One OutputBatch per gateway, the rows' tokens appended to their requests' delivered
         records, and a Finished report per ended request: one command (safe to repeat). Rows of
-        requests no longer here (given back) are left out."""
+        requests no longer here (given back), or of an earlier placement than the one here, are
+        left out; requests the bus fences off are dropped, and the rest published again."""
+        while fenced := await self._publish_current(batch):
+            await self._fence(fenced)
+
+    async def _publish_current(self, batch: StepBatch) -> list[str]:
+        """Publishes the rows of the current placements here; returns the requests fenced off
+        (then nothing was published)."""
         rows_of: dict[str, list[int]] = {}
         for row, request_id in enumerate(batch.request_ids):
-            request = self.requests.get(request_id)
-            if request is None:
+            running = self._current_row(batch, row)
+            if running is None or running.fenced:
                 continue
-            if request.gateway_id is None:
+            if running.request.gateway_id is None:
                 logger.error("a row of %s, which has no gateway: dropped", request_id)
                 continue
-            rows_of.setdefault(request.gateway_id, []).append(row)
-        kept = {row for rows in rows_of.values() for row in rows}
+            rows_of.setdefault(running.request.gateway_id, []).append(row)
+        kept = sorted(row for rows in rows_of.values() for row in rows)
         whole = len(rows_of) == 1 and len(kept) == batch.num_rows
         outputs = [
             (gateway, encode(batch.output_batch(None if whole else np.asarray(rows))))
             for gateway, rows in rows_of.items()
         ]
-        ended = {end.row: end for end in batch.ends if not end.handoff and end.row in kept}
+        ended = {end.row: end for end in batch.ends if not end.handoff and end.row in set(kept)}
         cu = batch.cu_num_tokens.tolist()
         delivered = [
             (
                 batch.request_ids[row],
+                batch.epochs[row],
                 int(batch.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
                 batch.token_ids[cu[row] : cu[row + 1]].tobytes() + (END_BYTES if row in ended else b""),
             )
-            for row in sorted(kept)
-            if cu[row] < cu[row + 1] or row in ended
+            for row in kept
         ]
         reports: list[tuple[str, Message]] = [
-            (self.keys.scheduler_replies, self._finished(batch.request_ids[row], end.outcome, end.error))
+            (
+                self.keys.scheduler_replies,
+                self._finished(batch.request_ids[row], batch.epochs[row], end.outcome, end.error),
+            )
             for row, end in ended.items()
         ]
-        await self.bus.publish_step(outputs, delivered, reports)
+        return await self.bus.publish_step(outputs, delivered, reports)
+
+    def _current_row(self, batch: StepBatch, row: int) -> Running | None:
+        """The request of `row`, if the row belongs to its placement here."""
+        running = self.requests.get(batch.request_ids[row])
+        return running if running is not None and running.epoch == batch.epochs[row] else None
 
     def _retire(self, batch: StepBatch) -> None:
         """After publishing: requests that ended leave, prefilled ones are handed off."""
+        handing_off = {}
         for end in batch.ends:
-            request_id = batch.request_ids[end.row]
-            if not end.handoff:
-                self.requests.pop(request_id, None)
-                if end.error is None:
-                    self.metrics.observe_finished(end, int(batch.num_output_tokens[end.row]))
+            running = self._current_row(batch, end.row)
+            if running is None:
+                continue  # dropped here: given back, or fenced off
+            if end.handoff:
+                handing_off[batch.request_ids[end.row]] = running
+                continue
+            self.requests.pop(batch.request_ids[end.row])
+            if end.error is None:
+                self.metrics.observe_finished(end, int(batch.num_output_tokens[end.row]))
         for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
-            self._spawn(self._hand_off(handoff))
+            if handoff.request_id in handing_off:
+                self._spawn(self._hand_off(handoff, handing_off[handoff.request_id].epoch))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
 
-    async def _hand_off(self, handoff: KVExport) -> None:
+    async def _hand_off(self, handoff: KVExport, epoch: int) -> None:
         """Prefill role: send the KV layer by layer to the decode instance, then step aside."""
         address = self.handoff_targets.pop(handoff.request_id, None)
         self.requests.pop(handoff.request_id, None)
         if address is None or self.transport is None:
-            await self._report(handoff.request_id, "failed", "no decode instance to hand the KV to")
+            await self._report(handoff.request_id, epoch, "failed", "no decode instance to hand the KV to")
             return
         started = time.perf_counter()
         try:
-            session = await self.transport.open(address, kv_header(handoff))
+            session = await self.transport.open(address, kv_header(handoff, epoch))
             async with session:
                 for cache, index, key, value in handoff.layers:
                     await session.send_layer(cache, index, key, value)
@@ -407,41 +502,54 @@ class Worker:
                     await session.send_tensor(name, tensor)
                 await session.close(extras={"first_token_id": handoff.first_token_id})
         except KVTransferError as exc:
-            await self._report(handoff.request_id, "failed", f"KV handoff failed: {exc}")
+            await self._report(handoff.request_id, epoch, "failed", f"KV handoff failed: {exc}")
             return
         self.metrics.kv_sent_bytes.inc(sum(2 * k.numel() * k.element_size() for _, _, k, _ in handoff.layers))
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
-        await self._report(handoff.request_id, "handed_off")
+        await self._report(handoff.request_id, epoch, "handed_off")
 
     def _finished(
-        self, request_id: str, outcome: str, error: ErrorInfo | None = None, reason: str | None = None
+        self,
+        request_id: str,
+        epoch: int,
+        outcome: str,
+        error: ErrorInfo | None = None,
+        reason: str | None = None,
     ) -> Finished:
         return Finished(
             request_id=request_id,
             instance_id=self.options.instance_id,
             outcome=outcome,  # type: ignore[arg-type]
+            epoch=epoch,
             error=error.message if error else reason,
         )
 
-    async def _report(self, request_id: str, outcome: Outcome, error: str | None = None) -> None:
+    async def _report(self, request_id: str, epoch: int, outcome: Outcome, error: str | None = None) -> None:
         """Tells the scheduler, however long the bus is down: a lost `failed` would leave the
         request's client waiting for ever."""
         message = Finished(
-            request_id=request_id, instance_id=self.options.instance_id, outcome=outcome, error=error
+            request_id=request_id,
+            instance_id=self.options.instance_id,
+            outcome=outcome,
+            epoch=epoch,
+            error=error,
         )
         await retry_transient(
             lambda: self.bus.publish(self.keys.scheduler_replies, message), f"reporting {outcome}", None
         )
 
-    async def _refuse(self, request: GenerateRequest, code: int, message: str) -> None:
-        """Ends a request this worker will not run: an error to its client, `failed` to the scheduler."""
+    async def _refuse(self, request: GenerateRequest, epoch: int, code: int, message: str) -> None:
+        """Ends a request this worker will not run: an error to its client, `failed` to the
+        scheduler (unless the placement is no longer current: then nothing)."""
         error = ErrorInfo(
             code=code, type="invalid_request_error" if code == 400 else "server_error", message=message
         )
         event = TokenEvent(request_id=request.request_id, finished=True, finish_reason="error", error=error)
         outputs = [(request.gateway_id, encode(OutputBatch.of([event])))] if request.gateway_id else []
-        report = (self.keys.scheduler_replies, self._finished(request.request_id, "failed", error))
-        await self.bus.publish_step(outputs, [(request.request_id, APPEND_AT_END, END_BYTES)], [report])
+        report = (self.keys.scheduler_replies, self._finished(request.request_id, epoch, "failed", error))
+        record = (request.request_id, epoch, APPEND_AT_END, END_BYTES)
+        if await self.bus.publish_step(outputs, [record], [report]):
+            logger.info("refused a placement no longer current", extra={"request_id": request.request_id})
 
     # ---- heartbeat --------------------------------------------------------------------------------------------
 
@@ -492,10 +600,11 @@ class Worker:
         return (not self.draining), "draining" if self.draining else "ok"
 
 
-def kv_header(handoff: KVExport) -> KVHeader:
+def kv_header(handoff: KVExport, epoch: int) -> KVHeader:
     first_key = handoff.layers[0][2]
     return KVHeader(
         request_id=handoff.request_id,
+        extras={"epoch": epoch},
         num_tokens=handoff.num_tokens,
         block_size=int(first_key.shape[1]),
         dtype=dtype_name(first_key.dtype),

@@ -138,12 +138,10 @@ class LocalMesh:
             process.status_port = int(port_file.read_text())
         return process
 
-    def start_gateway(self, model: str, *flags: str) -> int:
+    def start_gateway(self, model: str, *flags: str, name: str = "gateway") -> int:
         port = free_port()
-        self.start_role(
-            "gateway", "gateway", "--model", model, "--port", str(port), *flags, wait_for_status=False
-        )
-        self._wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), "gateway")
+        self.start_role(name, "gateway", "--model", model, "--port", str(port), *flags, wait_for_status=False)
+        self._wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), name)
         return port
 
     def metrics(self, name: str) -> str:

@@ -1,8 +1,8 @@
-"""`specmesh serve` as a user runs it: a worker or Redis SIGKILLed under concurrent greedy streams
-is restarted and every stream still completes with the offline text (or, for Redis, ends with an
-explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is refused before
-anything starts; API keys given to serve reach the gateway, and each role its own Redis user and
-password, without showing on a command line."""
+"""`specmesh serve` as a user runs it: a worker, the scheduler or Redis SIGKILLed under concurrent
+greedy streams is restarted and every stream still completes with the offline text (or, for Redis,
+ends with an explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is
+refused before anything starts; API keys given to serve reach the gateway, and each role its own
+Redis user and password, without showing on a command line."""
 
 from __future__ import annotations
 
@@ -137,6 +137,27 @@ def test_a_killed_worker_is_restarted_and_every_stream_completes_with_the_offlin
         assert outcome.text == expected[prompt], f"{prompt!r} ended with other text"
     assert "mixed exited with code -9; restarting it" in served.output()
     assert served.popen.poll() is None
+
+
+def test_a_killed_scheduler_is_restarted_and_streams_old_and_new_complete(
+    served: Served, expected: dict[str, str]
+) -> None:
+    """The running streams need no scheduler; the restarted one (a new consumer name, the dead
+    one's lease dropped by serve) admits new requests."""
+    outcomes, num_open = asyncio.run(streams_through_a_kill(served, "scheduler"))
+    assert num_open > 0, "every stream ended before the scheduler died: the test tested nothing"
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.done and outcome.text == expected[prompt], f"{prompt!r}: {outcome}"
+    assert "scheduler exited with code -9; restarting it" in served.output()
+
+    async def one_more() -> Outcome:
+        outcome = Outcome()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)) as session:
+            await stream_completion(session, served.url, PROMPTS[0], MAX_TOKENS, outcome)
+        return outcome
+
+    after = asyncio.run(one_more())
+    assert after.done and after.text == expected[PROMPTS[0]], after
 
 
 def test_a_killed_redis_is_restarted_and_no_stream_ends_short_or_hangs(

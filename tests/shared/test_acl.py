@@ -176,9 +176,25 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     await scheduler.ensure_group(keys.requests, SCHEDULER_GROUP)
     assert await scheduler.admit("r1", submit("r1"), 10) == "admitted"
     assert await scheduler.admit("r1", submit("r1"), 10) == "duplicate"
-    await scheduler.assign_and_publish("r1", ["w1"], keys.inbox("w1"), submit("r1"))
+    epoch = await scheduler.claim_epoch("r1")
+    assert epoch == 1
+    assert await scheduler.dispatch("r1", epoch, ["w1"], keys.inbox("w1"), submit("r1"))
+    placement = await scheduler.placement("r1")
+    assert placement is not None and placement.instance_ids == ["w1"]
     assert await scheduler.client.smembers(keys.assignments("w1")) == {b"r1"}
     assert await scheduler.client.mget([keys.heartbeat("w1")]) == [None]
+    # a replica whose lease is gone leaves its pending messages to the next one to read
+    await (await bus_as("gateway")).publish(keys.requests, submit("r2"))
+    await scheduler.hold_lease(keys.scheduler_lease("s1"), 10)
+    first = await scheduler.read_group(keys.requests, SCHEDULER_GROUP, "s1", block_ms=100)
+    assert len(first) == 1
+    await scheduler.forget_scheduler("s1")
+    await scheduler.hold_lease(keys.scheduler_lease("s2"), 10)
+    prefix = keys.scheduler_lease("")
+    taken = await scheduler.read_group(
+        keys.requests, SCHEDULER_GROUP, "s2", block_ms=100, lease_prefix=prefix
+    )
+    assert [d.entry_id for d in taken] == [d.entry_id for d in first]
     await scheduler.release("r1", "w1")
     assert await scheduler.client.get(keys.queue_depth) == b"0"
 
@@ -202,11 +218,15 @@ async def test_a_worker_publishes_its_steps_but_cannot_touch_admission_state(bus
         pipe.sadd(keys.instances, "w1")
         await pipe.execute()
     tokens = np.asarray([5], TOKEN_DTYPE).tobytes()
-    finished = Finished(request_id="r1", instance_id="w1", outcome="done")
-    await worker.publish_step(
-        [("g1", output("r1"))], [("r1", 0, tokens)], [(keys.scheduler_replies, finished)]
+    epoch = await scheduler.claim_epoch("r1")
+    assert epoch is not None
+    finished = Finished(request_id="r1", instance_id="w1", outcome="done", epoch=epoch)
+    fenced = await worker.publish_step(
+        [("g1", output("r1"))], [("r1", epoch, 0, tokens)], [(keys.scheduler_replies, finished)]
     )
+    assert fenced == []
     assert await scheduler.delivered_tokens("r1") == ([5], False)
+    assert await worker.publish_step([("g1", output("r1"))], [("r1", epoch - 1, 1, tokens)]) == ["r1"]
 
     await refused(worker.admit("r2", submit("r2"), 10))
     await refused(worker.release("r1"))
@@ -234,7 +254,7 @@ async def test_the_suffix_cache_serves_look_ups_but_reads_no_outputs(bus_as) -> 
 async def test_a_restart_from_the_append_only_file_keeps_what_scripts_and_transactions_wrote(
     tmp_path: Path,
 ) -> None:
-    """Redis replays the file's MULTI/EXEC blocks as the default user: off, it must keep its grants."""
+    """Redis replays the file's scripts and MULTI/EXEC blocks as the default user: off, it must keep its grants."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
@@ -252,7 +272,9 @@ async def test_a_restart_from_the_append_only_file_keeps_what_scripts_and_transa
         settings = redis_at.settings("scheduler")
         scheduler = Bus(await connect(settings, attempts=1), settings.keys)
         assert await scheduler.admit("r1", submit("r1"), 10) == "admitted"  # a script
-        await scheduler.assign_and_publish("r1", ["w1"], scheduler.keys.inbox("w1"), submit("r1"))  # MULTI
+        epoch = await scheduler.claim_epoch("r1")  # scripts, each replayed as the default user
+        assert epoch is not None
+        assert await scheduler.dispatch("r1", epoch, ["w1"], scheduler.keys.inbox("w1"), submit("r1"))
         await scheduler.client.aclose()
         written = sorted(admin.keys("*"))
         server.kill()

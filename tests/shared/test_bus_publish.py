@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.bus import APPEND_AT_END, OUTPUT_END, OUTPUT_TTL_S, Bus
+from shared.bus import APPEND_AT_END, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
@@ -35,9 +35,12 @@ async def test_a_step_reaches_each_gateway_once_and_every_record(bus: Bus) -> No
                 ("g1", batch(TokenEvent(request_id="a", token_ids=[step]), TokenEvent(request_id="b"))),
                 ("g2", batch(TokenEvent(request_id="c", token_ids=[10 + step, 20 + step]))),
             ],
-            delivered=[("a", step, tokens(step)), ("c", 2 * step, tokens(10 + step, 20 + step))],
+            delivered=[("a", 1, step, tokens(step)), ("c", 1, 2 * step, tokens(10 + step, 20 + step))],
             messages=[
-                (bus.keys.scheduler_replies, Finished(request_id="b", instance_id="w", outcome="done"))
+                (
+                    bus.keys.scheduler_replies,
+                    Finished(request_id="b", instance_id="w", outcome="done", epoch=1),
+                )
             ],
         )
     g1 = [decode(f[PAYLOAD_FIELD]) for _, f in await bus.client.xrange(bus.keys.outputs("g1"))]
@@ -54,31 +57,31 @@ async def test_a_step_reaches_each_gateway_once_and_every_record(bus: Bus) -> No
 
 
 async def test_a_record_ending_in_the_end_marker_is_finished(bus: Bus) -> None:
-    await bus.publish_step([], [("r", 0, tokens(7, 8))])
-    await bus.publish_step([], [("r", 2, tokens(9, OUTPUT_END))])
+    await bus.publish_step([], [("r", 1, 0, tokens(7, 8))])
+    await bus.publish_step([], [("r", 1, 2, tokens(9, OUTPUT_END))])
     assert await bus.delivered_tokens("r") == ([7, 8, 9], True)
 
 
 async def test_a_repeated_publish_appends_its_tokens_once(bus: Bus) -> None:
     """A publish retried after its answer was lost (Redis had applied it) leaves the record as it was."""
     for _ in range(2):
-        await bus.publish_step([], [("r", 0, tokens(7, 8))])
-    await bus.publish_step([], [("r", 2, tokens(9))])
-    await bus.publish_step([], [("r", 1, tokens(8, 9))])
+        await bus.publish_step([], [("r", 1, 0, tokens(7, 8))])
+    await bus.publish_step([], [("r", 1, 2, tokens(9))])
+    await bus.publish_step([], [("r", 1, 1, tokens(8, 9))])
     assert await bus.delivered_tokens("r") == ([7, 8, 9], False)
 
 
 async def test_a_record_that_lost_its_tail_stays_a_prefix(bus: Bus) -> None:
     """Tokens that start past the record's end (a restarted Redis lost the ones between) are not
     appended: a re-dispatch resumes from the prefix, and the gateway drops what it already had."""
-    await bus.publish_step([], [("r", 0, tokens(7))])
-    await bus.publish_step([], [("r", 3, tokens(10, OUTPUT_END))])
+    await bus.publish_step([], [("r", 1, 0, tokens(7))])
+    await bus.publish_step([], [("r", 1, 3, tokens(10, OUTPUT_END))])
     assert await bus.delivered_tokens("r") == ([7], False)
 
 
 async def test_an_end_marker_appended_at_the_end_needs_no_position(bus: Bus) -> None:
-    await bus.publish_step([], [("r", 0, tokens(7))])
-    await bus.publish_step([], [("r", APPEND_AT_END, tokens(OUTPUT_END))])
+    await bus.publish_step([], [("r", 1, 0, tokens(7))])
+    await bus.publish_step([], [("r", 1, APPEND_AT_END, tokens(OUTPUT_END))])
     assert await bus.delivered_tokens("r") == ([7], True)
 
 
@@ -116,18 +119,82 @@ async def test_admission_takes_one_slot_once_and_refuses_past_the_limit(bus: Bus
 async def test_release_frees_the_slot_exactly_once(bus: Bus) -> None:
     await bus.admit("a", submit("a"), max_queue_len=8)
     await bus.client.sadd(bus.keys.assignments("w"), "a", "other")
-    await bus.publish_step([], [("a", 0, tokens(1))])
+    await bus.claim_epoch("a")
+    await bus.publish_step([], [("a", 1, 0, tokens(1))])
+    assert await bus.delivered_tokens("a") == ([1], False)
     await bus.release("a", "w")
     await bus.release("a", "w")
     assert int(await bus.client.get(bus.keys.queue_depth)) == 0
-    assert not await bus.client.exists(bus.keys.request_state("a"), bus.keys.delivered("a"))
+    assert not await bus.client.exists(bus.keys.delivered("a"))
+    assert await bus.client.hgetall(bus.keys.request_state("a")) == {b"ended": b"1"}
     assert await bus.client.smembers(bus.keys.assignments("w")) == {b"other"}
 
 
-async def test_assign_and_publish_records_the_placement_and_sends(bus: Bus) -> None:
-    await bus.assign_and_publish("a", ["d", "p"], bus.keys.inbox("p"), submit("a"))
-    assert await bus.client.hget(bus.keys.request_state("a"), "instances") == b"d,p"
+async def test_release_leaves_an_ended_mark_that_refuses_a_late_submit(bus: Bus) -> None:
+    await bus.admit("a", submit("a"), max_queue_len=8)
+    await bus.release("a")
+    assert await bus.admit("a", submit("a"), max_queue_len=8) == "ended"
+    assert int(await bus.client.get(bus.keys.queue_depth)) == 0
+    assert 0 < await bus.client.ttl(bus.keys.request_state("a")) <= OUTPUT_TTL_S
+
+
+async def test_each_placement_claims_the_next_epoch_once(bus: Bus) -> None:
+    """Two claims that saw the same epoch (a report and a dead instance's burial, two replicas):
+    one wins. An ended request has no epoch to claim."""
+    await bus.admit("a", submit("a"), max_queue_len=8)
+    assert await bus.claim_epoch("a") == 1
+    assert await bus.claim_epoch("a", seen=1) == 2
+    assert await bus.claim_epoch("a", seen=1) is None
+    assert await bus.placement("a") == Placement(epoch=2, instance_ids=[])
+    await bus.release("a")
+    assert await bus.claim_epoch("a") is None
+    assert await bus.placement("a") is None
+
+
+async def test_a_dispatch_goes_out_only_under_the_current_epoch(bus: Bus) -> None:
+    await bus.admit("a", submit("a"), max_queue_len=8)
+    epoch = await bus.claim_epoch("a")
+    assert epoch == 1
+    assert await bus.dispatch("a", epoch, ["d", "p"], bus.keys.inbox("p"), submit("a"))
+    assert await bus.placement("a") == Placement(epoch=1, instance_ids=["d", "p"])
     assert await bus.client.sismember(bus.keys.assignments("d"), "a")
     [(_, fields)] = await bus.client.xrange(bus.keys.inbox("p"))
     sent = decode(fields[PAYLOAD_FIELD])
     assert isinstance(sent, Submit) and sent.request.request_id == "a"
+    await bus.claim_epoch("a", seen=1)  # placed again by someone else meanwhile
+    assert not await bus.dispatch("a", 1, ["w"], bus.keys.inbox("w"), submit("a"))
+    assert await bus.client.xlen(bus.keys.inbox("w")) == 0
+    assert not await bus.client.exists(bus.keys.assignments("w"))
+
+
+async def test_rows_of_a_stale_epoch_are_fenced_and_nothing_of_the_step_is_written(bus: Bus) -> None:
+    """A worker taken for dead comes back and publishes a step with a row of a request placed
+    elsewhere since: the whole step is refused (the fenced ids come back) and writes nothing; the
+    current placement's rows go through."""
+    for request_id in ("a", "b"):
+        await bus.admit(request_id, submit(request_id), max_queue_len=8)
+        await bus.claim_epoch(request_id)
+    await bus.publish_step([], [("a", 1, 0, tokens(7))])
+    await bus.claim_epoch("a", seen=1)  # "a" re-dispatched: epoch 2
+    report = Finished(request_id="b", instance_id="w", outcome="done", epoch=1)
+    fenced = await bus.publish_step(
+        [("g", batch(TokenEvent(request_id="a", token_ids=[8])))],
+        [("a", 1, 1, tokens(8)), ("b", 1, 0, tokens(5, OUTPUT_END))],
+        [(bus.keys.scheduler_replies, report)],
+    )
+    assert fenced == ["a"]
+    assert not await bus.client.exists(bus.keys.outputs("g"), bus.keys.scheduler_replies)
+    assert await bus.delivered_tokens("a") == ([7], False)
+    assert await bus.delivered_tokens("b") == ([], False)
+    assert await bus.publish_step([], [("a", 2, 1, tokens(9))]) == []
+    assert await bus.delivered_tokens("a") == ([7, 9], False)
+
+
+async def test_rows_of_an_ended_request_are_fenced(bus: Bus) -> None:
+    await bus.admit("a", submit("a"), max_queue_len=8)
+    await bus.claim_epoch("a")
+    await bus.release("a")  # its client left
+    assert await bus.publish_step([("g", batch(TokenEvent(request_id="a")))], [("a", 1, 0, tokens(7))]) == [
+        "a"
+    ]
+    assert not await bus.client.exists(bus.keys.outputs("g"), bus.keys.delivered("a"))

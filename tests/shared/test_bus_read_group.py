@@ -3,7 +3,7 @@ group are made again instead of failing every read."""
 
 from __future__ import annotations
 
-from shared.bus import Bus
+from shared.bus import Bus, as_text
 from shared.protocol import Cancel
 
 
@@ -48,3 +48,23 @@ async def test_a_consumer_reads_what_it_failed_to_handle_again_first(bus: Bus) -
     await bus.ack(stream, "g", again.entry_id)
     [new] = await bus.read_group(stream, "g", "c", block_ms=10, claim_idle_ms=60_000)
     assert new.message == Cancel(request_id="b")
+
+
+async def test_a_consumer_whose_lease_is_gone_is_taken_over_at_once(bus: Bus) -> None:
+    """Scheduler replicas hold leases: a message pending with a replica whose lease is gone (a
+    restarted scheduler's predecessor) is taken over on the next read, not after `claim_idle_ms`;
+    one pending with a replica that still holds its lease stays with it."""
+    stream, lease = bus.keys.requests, bus.keys.scheduler_lease
+    await bus.ensure_group(stream, "g")
+    for consumer, request_id in (("dead", "a"), ("alive", "b")):
+        await bus.hold_lease(lease(consumer), ttl_s=60)
+        await bus.publish(stream, Cancel(request_id=request_id))
+        await bus.read_group(stream, "g", consumer, count=1, block_ms=10, lease_prefix=lease(""))
+    await bus.forget_scheduler("dead")
+    await bus.hold_lease(lease("new"), ttl_s=60)
+    [taken] = await bus.read_group(
+        stream, "g", "new", block_ms=10, claim_idle_ms=60_000, lease_prefix=lease("")
+    )
+    assert taken.message == Cancel(request_id="a")
+    pending = {as_text(c["name"]): c["pending"] for c in await bus.client.xinfo_consumers(stream, "g")}
+    assert (pending["alive"], pending["new"], pending.get("dead", 0)) == (1, 1, 0)

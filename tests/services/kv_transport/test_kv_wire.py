@@ -141,6 +141,10 @@ def test_expectation_problems() -> None:
     assert "unexpected cache 'mtp'" in problems
     assert any("[num_kv_heads, head_dim] [2, 8], expected [2, 4]" in p for p in problems)
     assert any("has layers [0, 1], expected 0..2" in p for p in problems)
+    stale = header(extras={"first_token_id": 7, "epoch": 1})  # KV of an earlier placement
+    assert KVExpectation(extras={"epoch": 2}).problems(stale) == ["extras 'epoch' is 1, expected 2"]
+    assert KVExpectation(extras={"epoch": 2}).problems(sent) == ["extras 'epoch' is None, expected 2"]
+    assert KVExpectation(extras={"epoch": 1}).problems(stale) == []
 
 
 def test_addresses() -> None:

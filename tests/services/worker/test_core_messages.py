@@ -17,6 +17,7 @@ def step(rows: dict[str, list[int]], ends: list[RowEnd] | None = None) -> StepBa
         token_ids=np.asarray([t for ts in rows.values() for t in ts], TOKEN_DTYPE),
         texts=[f"<{r}>" for r in ids],
         num_output_tokens=np.asarray([len(t) for t in rows.values()], TOKEN_DTYPE),
+        epochs=[1] * len(ids),
         ends=ends or [],
         logprobs=[(1, [(t, -0.5, [(t, -0.5)]) for t in rows[ids[1]]])] if len(ids) > 1 else [],
         handoffs=[],

@@ -46,45 +46,48 @@ async def core(model: str) -> AsyncIterator[EngineCoreClient]:
 
 async def run_to_end(
     core: EngineCoreClient, num_requests: int
-) -> tuple[dict[str, list[int]], dict[str, RowEnd]]:
+) -> tuple[dict[str, list[int]], dict[str, RowEnd], dict[str, set[int]]]:
     tokens: dict[str, list[int]] = {}
+    epochs: dict[str, set[int]] = {}
     ends: dict[str, RowEnd] = {}
     while len(ends) < num_requests:
         for batch in await asyncio.wait_for(core.next_batches(), 60):
             for row, request_id in enumerate(batch.request_ids):
                 tokens.setdefault(request_id, []).extend(batch.row_tokens(row).tolist())
+                epochs.setdefault(request_id, set()).add(batch.epochs[row])
             ends.update({batch.request_ids[end.row]: end for end in batch.ends})
-    return tokens, ends
+    return tokens, ends, epochs
 
 
 async def test_greedy_tokens_match_the_engine_in_process(core: EngineCoreClient, model: str) -> None:
     expected = LLM(model, device="cpu").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     for i, prompt in enumerate(PROMPTS):
-        await core.add_request(request(f"r{i}", prompt))
-    tokens, ends = await run_to_end(core, len(PROMPTS))
+        await core.add_request(request(f"r{i}", prompt), epoch=i + 1)
+    tokens, ends, epochs = await run_to_end(core, len(PROMPTS))
     assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == [o.token_ids for o in expected]
+    assert epochs == {f"r{i}": {i + 1} for i in range(len(PROMPTS))}  # every row carries its placement's
     assert {e.finish_reason for e in ends.values()} == {"length"}
     assert core.load.num_running == 0 and core.load.free_kv_blocks == core.info.total_kv_blocks
 
 
 async def test_a_refused_request_and_an_abort_come_back_as_ended_rows(core: EngineCoreClient) -> None:
-    await core.add_request(request("bad", [10**6]))
-    await core.add_request(request("long", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True)))
+    await core.add_request(request("bad", [10**6]), epoch=1)
+    await core.add_request(request("long", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True)), epoch=1)
     await core.abort("long")
     await core.abort("unknown")
-    _, ends = await run_to_end(core, 2)
+    _, ends, _ = await run_to_end(core, 2)
     assert ends["bad"].error is not None and ends["bad"].error.code == 400
     assert ends["long"].finish_reason == "abort" and ends["long"].outcome == "cancelled"
 
 
 async def test_a_crashed_core_is_reported(core: EngineCoreClient) -> None:
-    pending = await core.reserve(request("r", [5, 6, 7]))
+    pending = await core.reserve(request("r", [5, 6, 7]), epoch=1)
     await pending  # answered: the core is alive
     os.kill(core.pid, signal.SIGKILL)
     await asyncio.wait_for(core.died.wait(), 30)
     assert core.exit_code == -signal.SIGKILL
     with pytest.raises(EngineCoreDied):
-        await core.add_request(request("after", [5]))
+        await core.add_request(request("after", [5]), epoch=1)
 
 
 PARENT = """

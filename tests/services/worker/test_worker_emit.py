@@ -1,6 +1,7 @@
 """A worker's emitter against a real Redis: a step's outputs for 64 requests reach their gateway
 as ONE bus message, each request's delivered record holds what its gateway was sent, and the
-scheduler hears every ended request in the same command."""
+scheduler hears every ended request in the same command; rows of a placement that is no longer
+current reach nobody."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from services.worker.core_messages import EngineInfo, EngineLoad, RowEnd, StepBatch
 from services.worker.metrics import WorkerMetrics
-from services.worker.worker import Worker, WorkerOptions
+from services.worker.worker import Running, Worker, WorkerOptions
 from shared.bus import Bus
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -18,16 +19,23 @@ from shared.protocol import (
     Finished,
     GenerateRequest,
     OutputBatch,
+    Submit,
     decode,
 )
 from shared.sampling_params import SamplingParams
 
 
 class IdleCore:
-    """Stands in for the engine core: the emitter only reads its info and load."""
+    """Stands in for the engine core: the emitter reads its info and load, and aborts requests."""
 
     info = EngineInfo(max_model_len=512, total_kv_blocks=64, block_size=16)
     load = EngineLoad()
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[str, bool]] = []
+
+    async def abort(self, request_id: str, emit: bool = True) -> None:
+        self.aborted.append((request_id, emit))
 
 
 def worker(bus: Bus) -> Worker:
@@ -35,13 +43,16 @@ def worker(bus: Bus) -> Worker:
     return Worker(IdleCore(), bus, options, WorkerMetrics("w", "mixed"))  # type: ignore[arg-type]
 
 
-def admit(w: Worker, request_id: str, gateway_id: str) -> None:
-    w.requests[request_id] = GenerateRequest(
+def admit(w: Worker, request_id: str, gateway_id: str, epoch: int = 1) -> None:
+    request = GenerateRequest(
         request_id=request_id, prompt_token_ids=[1], params=SamplingParams(), gateway_id=gateway_id
     )
+    w.requests[request_id] = Running(request, epoch)
 
 
-def one_token_step(request_ids: list[str], step: int, ends: list[RowEnd] | None = None) -> StepBatch:
+def one_token_step(
+    request_ids: list[str], step: int, ends: list[RowEnd] | None = None, epochs: list[int] | None = None
+) -> StepBatch:
     n = len(request_ids)
     return StepBatch(
         request_ids=request_ids,
@@ -49,6 +60,7 @@ def one_token_step(request_ids: list[str], step: int, ends: list[RowEnd] | None 
         token_ids=np.arange(n, dtype=TOKEN_DTYPE) + 1000 * step,
         texts=["x"] * n,
         num_output_tokens=np.full(n, step + 1, TOKEN_DTYPE),
+        epochs=epochs or [1] * n,
         ends=ends or [],
         logprobs=[],
         handoffs=[],
@@ -104,3 +116,63 @@ async def test_a_handed_off_request_is_not_reported_done(bus: Bus) -> None:
     assert not batch.events()[0].finished
     assert await bus.delivered_tokens("p") == ([0], False)
     assert await bus.client.xlen(bus.keys.scheduler_replies) == 0
+
+
+async def place(bus: Bus, request_id: str, times: int = 1) -> None:
+    """Admits the request and places it `times` times (epochs 1 .. times), as the scheduler does."""
+    request = GenerateRequest(request_id=request_id, prompt_token_ids=[1], params=SamplingParams())
+    await bus.admit(request_id, Submit(request=request), max_queue_len=64)
+    for _ in range(times):
+        await bus.claim_epoch(request_id)
+
+
+async def test_a_fenced_request_stops_here_silently_and_the_others_go_out(bus: Bus) -> None:
+    """ "a" was placed elsewhere while this worker was taken for dead: its row is refused, it stops
+    here without a report or an error row, and "b"'s row of the same step is published."""
+    w = worker(bus)
+    await place(bus, "a", times=2)
+    await place(bus, "b")
+    admit(w, "a", "g")
+    admit(w, "b", "g")
+    batch = one_token_step(["a", "b"], 0, [RowEnd(row=0, finish_reason="length")])
+    await w._publish(batch)
+    w._retire(batch)
+    [published] = await batches_on(bus, "g")
+    assert [e.request_id for e in published.events()] == ["b"]
+    assert await bus.delivered_tokens("a") == ([], False)
+    assert await bus.delivered_tokens("b") == ([1], False)
+    assert await bus.client.xlen(bus.keys.scheduler_replies) == 0
+    assert list(w.requests) == ["b"]
+    assert w.core.aborted == [("a", False)]  # type: ignore[attr-defined]
+
+
+async def test_rows_of_an_earlier_placement_here_are_left_out(bus: Bus) -> None:
+    """The request was placed here again (epoch 2) while rows stepped for epoch 1 were in flight:
+    only the epoch-2 row is published, and the epoch-1 end does not retire the request."""
+    w = worker(bus)
+    await place(bus, "a", times=2)
+    admit(w, "a", "g", epoch=2)
+    batch = one_token_step(["a", "a"], 0, [RowEnd(row=0, finish_reason="length")], epochs=[1, 2])
+    await w._publish(batch)
+    w._retire(batch)
+    [published] = await batches_on(bus, "g")
+    assert [(e.request_id, e.token_ids, e.finished) for e in published.events()] == [("a", [1], False)]
+    assert list(w.requests) == ["a"]
+
+
+async def test_a_cancelled_request_s_fenced_rows_go_nowhere_until_its_end_retires_it(bus: Bus) -> None:
+    """The scheduler ended the cancelled request at once: its rows are refused, it stays (sending
+    nothing) until the abort's end row, which retires it."""
+    w = worker(bus)
+    await place(bus, "a")
+    admit(w, "a", "g")
+    w.requests["a"].cancelled = True
+    await bus.release("a")
+    await w._publish(one_token_step(["a"], 0))
+    assert w.requests["a"].fenced
+    last = one_token_step(["a"], 1, [RowEnd(row=0, finish_reason="abort")])
+    await w._publish(last)
+    w._retire(last)
+    assert w.requests == {}
+    assert not await bus.client.exists(bus.keys.outputs("g"), bus.keys.scheduler_replies)
+    assert w.core.aborted == []  # type: ignore[attr-defined]  # the abort was the cancel's, not the fence's

@@ -1,0 +1,93 @@
+"""Placement under epochs against a real Redis: an excluded instance is chosen when no other could
+run the request, a report of an earlier placement changes nothing, and two replicas placing one
+request again at once send one dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.scheduler import SchedulerOptions, SplitwiseScheduler
+from shared.bus import Bus
+from shared.protocol import PAYLOAD_FIELD, Dispatch, Finished, GenerateRequest, InstanceInfo, Submit, decode
+from shared.sampling_params import SamplingParams
+
+REQUEST = GenerateRequest(
+    request_id="r", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=4), gateway_id="g"
+)
+
+
+def scheduler(bus: Bus, consumer: str = "s1", live: tuple[str, ...] = ("w1",)) -> SplitwiseScheduler:
+    made = SplitwiseScheduler(bus, SchedulerOptions(consumer=consumer), SchedulerMetrics())
+    for instance_id in live:
+        made.registry.live[instance_id] = InstanceInfo(
+            instance_id=instance_id, role="mixed", model="m", max_model_len=512, free_kv_blocks=64
+        )
+    return made
+
+
+async def dispatches_to(bus: Bus, instance_id: str) -> list[Dispatch]:
+    entries: Any = await bus.client.xrange(bus.keys.inbox(instance_id))
+    return [m for _, f in entries if isinstance(m := decode(f[PAYLOAD_FIELD]), Dispatch)]
+
+
+async def test_an_excluded_instance_is_chosen_when_no_other_can_run_the_request(bus: Bus) -> None:
+    await bus.admit("r", Submit(request=REQUEST), max_queue_len=8)
+    epoch = await bus.claim_epoch("r")
+    assert epoch is not None
+    assert await scheduler(bus)._try_place(REQUEST, epoch, frozenset({"w1"}))
+    assert [d.epoch for d in await dispatches_to(bus, "w1")] == [1]
+
+
+async def test_a_report_of_an_earlier_placement_changes_nothing(bus: Bus) -> None:
+    s = scheduler(bus)
+    await s._admit(REQUEST)  # placed on w1 under epoch 1
+    await s._retry("r", "w1", "stopped responding", place_anywhere=True)  # epoch 2, on w1 again
+    await s._finished(Finished(request_id="r", instance_id="w1", outcome="done", epoch=1))
+    placement = await bus.placement("r")
+    assert placement is not None and placement.epoch == 2
+    await s._finished(Finished(request_id="r", instance_id="w1", outcome="done", epoch=2))
+    assert await bus.placement("r") is None
+    assert int(await bus.client.get(bus.keys.queue_depth)) == 0
+
+
+async def test_two_replicas_placing_a_request_again_at_once_send_one_dispatch(bus: Bus) -> None:
+    """Both saw w0 die (or one saw the death, the other a `failed` report): one claims the next
+    epoch, the other finds the placement gone from w0 or the epoch taken, and sends nothing."""
+    first, second = scheduler(bus, "s1"), scheduler(bus, "s2")
+    await bus.admit("r", Submit(request=REQUEST), max_queue_len=8)
+    epoch = await bus.claim_epoch("r")
+    assert epoch is not None
+    await bus.dispatch("r", epoch, ["w0"], bus.keys.inbox("w0"), Submit(request=REQUEST))
+    await asyncio.gather(
+        first._retry("r", "w0", "w0 stopped responding"),
+        second._retry("r", "w0", "failed", seen=epoch),
+    )
+    assert [d.epoch for d in await dispatches_to(bus, "w1")] == [2]
+
+
+async def test_a_reservation_unanswered_by_a_dead_decode_instance_is_placed_again(bus: Bus) -> None:
+    """A decode instance killed just before its reservation still looks live until its heartbeat
+    expires: its silence sends the request back to placement, not to its client as a 504. A live
+    instance's silence still fails the request."""
+    s = SplitwiseScheduler(bus, SchedulerOptions(consumer="s1", reserve_timeout_s=0.1), SchedulerMetrics())
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        s.registry.live[instance_id] = InstanceInfo(
+            instance_id=instance_id,
+            role=role,
+            model="m",
+            max_model_len=512,
+            free_kv_blocks=64,  # type: ignore[arg-type]
+        )
+    await bus.admit("r", Submit(request=REQUEST), max_queue_len=8)
+    epoch = await bus.claim_epoch("r")
+    assert epoch is not None
+    assert not await s._try_place(REQUEST, epoch, frozenset())  # d0 has no heartbeat: died
+    assert not await bus.client.exists(bus.keys.outputs("g"))
+    await bus.client.set(bus.keys.heartbeat("d0"), b"alive")
+    assert await s._try_place(REQUEST, epoch, frozenset())
+    [(_, fields)] = await bus.client.xrange(bus.keys.outputs("g"))
+    [event] = decode(fields[PAYLOAD_FIELD]).events()  # type: ignore[union-attr]
+    assert event.error is not None and event.error.code == 504
+    assert await bus.placement("r") is None
