@@ -8,6 +8,7 @@ imports only that module: a gateway, scheduler or suffix-cache pod starts withou
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import logging
 import sys
@@ -21,6 +22,34 @@ from redis.exceptions import NoPermissionError
 from shared.errors import ModelConfigError, describe_validation_error
 
 Command = Callable[[argparse.Namespace], int]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` gives every flag's default, flags without a help text included; a default of None,
+    an empty list or a switch's False (nothing set) is left unsaid."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return super()._get_help_string(action) if shows_default(action) else action.help
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` names this flag's default."""
+    unset = action.default in (None, argparse.SUPPRESS, []) or action.nargs == 0
+    return bool(action.option_strings) and not unset
+
+
+class CliParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose help shows defaults; its subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -111,9 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _top_level_parser(**options: Any) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specmesh", description="Speculative-decoding LLM serving mesh", **options
-    )
+    parser = CliParser(prog="specmesh", description="Speculative-decoding LLM serving mesh", **options)
     parser.add_argument("--log-level", default="WARNING")
     return parser
 

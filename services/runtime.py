@@ -24,6 +24,8 @@ API_KEY_ENV = "SPECMESH_API_KEY"  # the gateway's API keys, comma-separated
 KV_SECRET_ENV = "SPECMESH_KV_SECRET"  # the KV transport's shared secret
 STATUS_PORT_FILE_ENV = "SPECMESH_STATUS_PORT_FILE"
 
+logger = logging.getLogger(__name__)
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and any `extra=` fields."""
@@ -144,6 +146,12 @@ async def start_status_server(
     port_file = os.environ.get(STATUS_PORT_FILE_ENV)
     if port_file:  # lets a supervisor (tests, `specmesh serve`) find a port picked by the OS
         Path(port_file).write_text(str(bound_port(runner)))
+    logger.info(
+        "/health and /metrics on http://%s:%d",
+        host,
+        bound_port(runner),
+        extra={"metrics_port": bound_port(runner)},
+    )
     return runner
 
 

@@ -28,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +41,7 @@ from redis.exceptions import RedisError
 
 from services.engine.args import add_engine_args
 from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
+from services.serve_logs import log_root, new_log_dir
 from services.supervisor import RestartPolicy, RoleFailed, Supervisor
 from shared import acl
 from shared.bus import Bus, RedisSettings, connect
@@ -83,7 +83,9 @@ def add_serve_parser(subparsers: Any) -> None:
     group.add_argument(
         "--log-dir",
         type=Path,
-        help="where each process logs, and Redis keeps its data (default: a temporary folder)",
+        help="where each process logs, and Redis keeps its data (default: a new folder under "
+        f"{log_root()}; each start removes the folders there that no running serve owns and that "
+        "were idle for a day)",
     )
     group.add_argument("--redis-port", type=int, default=0, help="the embedded Redis's port (0: a free one)")
     group.add_argument(
@@ -361,8 +363,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     model = args.model or default_model()
     spec = args.speculative_config or default_speculative_config(model, args.device)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specmesh-"))
+    log_dir = args.log_dir or new_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"specmesh serve: logs in {log_dir}", file=sys.stderr, flush=True)
     mesh = Supervisor(log_dir, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s))
     redis_port = args.redis_port or free_port()
     bus = ["--scheduler-host", "127.0.0.1", "--scheduler-port", str(redis_port)]

@@ -26,12 +26,16 @@ MaxTokens = Annotated[int, Field(ge=1), INTEGRAL]
 MinTokens = Annotated[int, Field(ge=0), INTEGRAL]
 TokenId = Annotated[int, Field(ge=0), INTEGRAL]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
+"""Added to a token's logit (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""Most tokens one request may bias: the bias is written into every verified row's logits."""
 
 
 class SamplingParams(BaseModel):
     """How one request turns the target model's logits into tokens, and when it stops.
 
-    Processing order per step (as vLLM v1): repetition / frequency / presence penalties →
+    Processing order per step (as vLLM v1): logit bias → repetition / frequency / presence penalties →
     temperature → min_p → top_k → top_p → sample. `temperature == 0` means greedy (argmax of the
     penalised logits; the truncation settings are then irrelevant).
     """
@@ -64,6 +68,8 @@ class SamplingParams(BaseModel):
     """Token ids that end the request (kept in `token_ids`, left out of the text)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    logit_bias: dict[TokenId, LogitBias] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
+    """Token id -> value added to its logit before anything else, at every position."""
     logprobs: Logprobs | None = None
     """Return the sampled token's log-probability and the top-n alternatives of each step."""
     skip_special_tokens: bool = True
@@ -94,6 +100,11 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits are changed before temperature: penalties or a logit bias."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

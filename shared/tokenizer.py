@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from functools import cached_property
+import threading
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from shared.errors import ModelConfigError
+
+DEFAULT_TEMPLATE = "default"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where current transformers saves the default chat template (beside tokenizer_config.json)."""
 
 
 class Tokenizer:
@@ -27,9 +32,12 @@ class Tokenizer:
         self.config = _read_json(model_dir / "tokenizer_config.json")
         generation = _read_json(model_dir / "generation_config.json")
         model_config = _read_json(model_dir / "config.json")
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_templates = _chat_templates(model_dir, self.config.get("chat_template"))
+        """Named chat templates: `default`, and others a tokenizer may carry (`tool_use`, `rag`)."""
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        self._templates: dict[str, Template] = {}
+        self._compile_lock = threading.Lock()
         self.eos_token_ids = frozenset(
             _ids(generation.get("eos_token_id"))
             | _ids(model_config.get("eos_token_id"))
@@ -55,23 +63,45 @@ class Tokenizer:
     def decode_stream(self, prefix_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, prefix_ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders messages with the model's own chat template (from tokenizer_config.json)."""
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
-        return self._chat_template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get(DEFAULT_TEMPLATE)
 
-    @cached_property
-    def _chat_template(self) -> Template:
-        """Compiled once (milliseconds each time otherwise); rendering it is thread-safe."""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template or "")
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Renders messages with the model's own chat template, as transformers does: `tools` and
+        `documents` pick the `tool_use` / `rag` template where the tokenizer has one, and
+        `continue_final_message` leaves the last message open for the model to go on with."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        if continue_final_message and not (messages and isinstance(messages[-1].get("content"), str)):
+            raise ValueError("continue_final_message needs a last message with text content")
+        name = _template_name(self.chat_templates, tools, documents)
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        rendered = self._compiled(name).render(
+            **{**special, **(template_kwargs or {})},
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+        )
+        if continue_final_message:
+            return _cut_after_final_message(rendered, messages[-1]["content"])
+        return rendered
+
+    def _compiled(self, name: str) -> Template:
+        """Compiled once per template (milliseconds each time otherwise); rendering is thread-safe."""
+        with self._compile_lock:
+            if name not in self._templates:
+                self._templates[name] = _template_environment().from_string(self.chat_templates[name])
+            return self._templates[name]
 
     def _ids_of(self, tokens: list[str | None]) -> set[int]:
         ids = (self.backend.token_to_id(t) for t in tokens if t)
@@ -123,6 +153,88 @@ def _ids(value: object) -> set[int]:
     if isinstance(value, list | tuple):
         return {int(v) for v in value}
     raise ModelConfigError(f"eos_token_id must be an int or a list of ints, not {value!r}")
+
+
+def _chat_templates(model_dir: Path, configured: object) -> dict[str, str]:
+    """The tokenizer's templates by name: `chat_template.jinja` wins over tokenizer_config.json's
+    `chat_template`, a string or a list of `{"name", "template"}` (transformers' two layouts)."""
+    templates: dict[str, str] = {}
+    if isinstance(configured, str):
+        templates[DEFAULT_TEMPLATE] = configured
+    elif isinstance(configured, list):
+        for entry in configured:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)):
+                raise ModelConfigError(
+                    f"{model_dir / 'tokenizer_config.json'}: chat_template entries must be "
+                    f'{{"name": ..., "template": ...}}, got {entry!r}'
+                )
+            templates[entry["name"]] = str(entry.get("template", ""))
+    elif configured is not None:
+        raise ModelConfigError(
+            f"{model_dir / 'tokenizer_config.json'}: chat_template must be a string or a list, "
+            f"not {type(configured).__name__}"
+        )
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        templates[DEFAULT_TEMPLATE] = path.read_text()
+    return {name: text for name, text in templates.items() if text}
+
+
+def _template_name(
+    templates: dict[str, str], tools: list[dict[str, Any]] | None, documents: list[dict[str, Any]] | None
+) -> str:
+    if not templates:
+        raise NoChatTemplateError(
+            f"this model has no chat template (neither {CHAT_TEMPLATE_FILE} nor a chat_template in "
+            "tokenizer_config.json); use /v1/completions"
+        )
+    for wanted, name in ((tools, "tool_use"), (documents, "rag")):
+        if wanted and name in templates:
+            return name
+    if DEFAULT_TEMPLATE in templates:
+        return DEFAULT_TEMPLATE
+    names = ", ".join(sorted(templates))
+    raise NoChatTemplateError(f"this model has no default chat template (it has: {names})")
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as transformers sets it up for chat templates: trimmed blocks, loop controls,
+    `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII characters."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _cut_after_final_message(rendered: str, final_message: str) -> str:
+    """The rendering up to the end of the last message's content, so the model continues it (what
+    the template adds after it, an end-of-turn marker, is dropped)."""
+    stripped = final_message.strip()
+    at = rendered.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the last message's content"
+        )
+    if rendered[at : at + len(final_message.lstrip())] == final_message.lstrip():
+        return rendered[: at + len(final_message.lstrip())]
+    return rendered[: at + len(stripped)]
+
+
+def _tojson(
+    value: object, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class NoChatTemplateError(ValueError):
+    """The model has no chat template to render messages with."""
 
 
 def _raise_template_error(message: str) -> None:

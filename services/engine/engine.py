@@ -416,9 +416,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad_stop:
-            raise RequestError(f"stop_token_ids out of range [0, {vocab_size}): {bad_stop[:5]}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise RequestError(f"{name}: token ids out of range [0, {vocab_size}): {bad[:5]}")
         if num_resumed >= params.max_tokens:
             raise RequestError(f"{num_resumed} tokens already delivered, max_tokens is {params.max_tokens}")
         total = len(token_ids) - num_resumed + params.max_tokens

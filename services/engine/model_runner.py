@@ -337,17 +337,17 @@ class ModelRunner:
         return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs)
 
     def _fusable(self, seq: Sequence) -> bool:
-        """Whether the fused verify kernel alone samples this request's rows (nothing to apply to the
-        logits first, no log-probabilities to return) and its stop ids fit its slot."""
+        """Whether the fused verify kernel alone samples this request's rows (no penalties or logit
+        bias to apply to the logits first, no log-probabilities to return) and its stop ids fit its slot."""
         p = seq.params
         suppressing = seq.num_output_tokens < p.min_tokens
-        return not (p.has_penalties or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
+        return not (p.changes_logits or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
 
     def _tail_eagerly(
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
         """The tail without a graph; requests the fused kernel cannot verify go through the torch
-        `RejectionSampler` first (penalties, min_tokens suppression, logprobs)."""
+        `RejectionSampler` first (penalties, logit bias, min_tokens suppression, logprobs)."""
         assert self.tail is not None
         if fused:
             return self.tail(logits, t, plan), []

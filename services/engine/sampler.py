@@ -1,4 +1,4 @@
-"""Per-request logit processing: penalties, temperature, min_p, top_k, top_p.
+"""Per-request logit processing: logit bias, penalties, temperature, min_p, top_k, top_p.
 
 The rejection sampler turns the processed distribution into tokens with the exponential-race form
 of the Gumbel-max trick: with `e ~ Exp(1)` i.i.d. per token, `argmax(probs / e)` is a sample from
@@ -32,12 +32,17 @@ class SamplingBatch:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Suppressed ids, then repetition (prompt + output), frequency and presence (output) penalties.
-    Returns `logits` itself, uncopied, when no row has either (the common case on the hot path)."""
+    """Suppressed ids, logit bias, then repetition (prompt + output), frequency and presence (output)
+    penalties. Returns `logits` itself, uncopied, when no row has any (the common case on the hot path)."""
     rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
-    if not rows and not any(batch.suppressed_token_ids):
+    biased = [i for i, p in enumerate(batch.params) if p.logit_bias]
+    if not rows and not biased and not any(batch.suppressed_token_ids):
         return logits
     logits = logits.clone()
+    for i in biased:
+        bias = batch.params[i].logit_bias
+        bias_ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[i, bias_ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     for i, ids in enumerate(batch.suppressed_token_ids):
         if ids:
             logits[i, ids] = float("-inf")

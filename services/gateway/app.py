@@ -39,12 +39,22 @@ from services.gateway.metrics import GatewayMetrics, RequestStats, request_log
 from services.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     HealthStatus,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from services.gateway.openapi import OPERATIONS, openapi_document
-from services.gateway.prepare import Job, ServedModel, chat_job, completion_job
+from services.gateway.prepare import (
+    Job,
+    ServedModel,
+    chat_job,
+    check_model,
+    completion_job,
+    detokenize,
+    tokenize,
+)
 from services.gateway.render import ChoiceState, Renderer, TokenText
 from services.gateway.streaming import EventStream
 from shared.protocol import TokenEvent
@@ -58,6 +68,7 @@ CLIENT_CLOSED = 499
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT")
 
 
 @dataclass(frozen=True)
@@ -256,33 +267,34 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> APIErr
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, await _job(request, CompletionRequest, completion_job))
+    return await _generate(request, await _prepared(request, CompletionRequest, completion_job))
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, await _job(request, ChatCompletionRequest, chat_job))
+    return await _generate(request, await _prepared(request, ChatCompletionRequest, chat_job))
 
 
-async def _job(
-    request: web.Request, model: type[RequestT], make_job: Callable[[RequestT, ServedModel], Job]
-) -> Job:
+async def _prepared(
+    request: web.Request, model: type[RequestT], prepare: Callable[[RequestT, ServedModel], ResultT]
+) -> ResultT:
     """Reads the body within its limits, then parses and prepares it on the prepare pool."""
     app = request.app
     raw = await read_body(request, request.client_max_size, app[SETTINGS].body_timeout_s)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(
-        app[PREPARE_POOL], _parse_and_prepare, raw, model, make_job, app[SERVED]
-    )
+    return await loop.run_in_executor(app[PREPARE_POOL], _parse_and_prepare, raw, model, prepare, app[SERVED])
 
 
 def _parse_and_prepare(
-    raw: bytes, model: type[RequestT], make_job: Callable[[RequestT, ServedModel], Job], served: ServedModel
-) -> Job:
+    raw: bytes,
+    model: type[RequestT],
+    prepare: Callable[[RequestT, ServedModel], ResultT],
+    served: ServedModel,
+) -> ResultT:
     try:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise APIError.from_validation(exc) from None
-    return make_job(body, served)
+    return prepare(body, served)
 
 
 async def _generate(request: web.Request, job: Job) -> web.StreamResponse:
@@ -358,11 +370,27 @@ def _raise_if_failed(fanout: FanOut, event: TokenEvent) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    return _json(ModelList(data=[_model_card(request.app[SERVED])]))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
     served = request.app[SERVED]
-    card = ModelCard(
+    check_model(request.match_info["model"], served, param=None)
+    return _json(_model_card(served))
+
+
+def _model_card(served: ServedModel) -> ModelCard:
+    return ModelCard(
         id=served.name, created=served.created, root=served.name, max_model_len=served.max_model_len
     )
-    return _json(ModelList(data=[card]))
+
+
+async def tokenize_endpoint(request: web.Request) -> web.Response:
+    return _json(await _prepared(request, TokenizeRequest, tokenize))
+
+
+async def detokenize_endpoint(request: web.Request) -> web.Response:
+    return _json(await _prepared(request, DetokenizeRequest, detokenize))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -386,6 +414,9 @@ HANDLERS: dict[str, Handler] = {
     "createCompletion": create_completion,
     "createChatCompletion": create_chat_completion,
     "listModels": list_models,
+    "retrieveModel": retrieve_model,
+    "tokenize": tokenize_endpoint,
+    "detokenize": detokenize_endpoint,
     "health": health,
     "metrics": metrics_endpoint,
     "openapi": openapi_endpoint,

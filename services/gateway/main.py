@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.cli import CliParser
 from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
 from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
@@ -154,7 +155,7 @@ def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
     backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
     app = create_app(served, backend, gateway_settings(args))
     gc.freeze()  # what start-up made lives as long as the process: full collections skip it
-    logger.warning(
+    logger.info(
         "gateway serving %r (max_model_len %d) on http://%s:%d, bus %s",
         served.name,
         served.max_model_len,
@@ -226,7 +227,7 @@ def supervise(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    logger.warning("gateway supervising %d workers on port %d", args.workers, args.port)
+    logger.info("gateway supervising %d workers on port %d", args.workers, args.port)
     exit_code = 0
     for _ in children:
         pid, status = os.wait()
@@ -278,7 +279,7 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m services.gateway.main --model DIR ...`)."""
-    parser = argparse.ArgumentParser(prog="specmesh")
+    parser = CliParser(prog="specmesh")
     add_gateway_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["gateway", *(sys.argv[1:] if argv is None else argv)])
     return int(args.handler(args))

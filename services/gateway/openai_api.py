@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.json_types import INTEGRAL, JsonInt
 from shared.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    LogitBias,
     Logprobs,
     MaxTokens,
     MinP,
@@ -84,8 +86,8 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     """Accepted and ignored."""
-    logit_bias: dict[str, float] | None = None
-    """Refused when not empty: the engine has no logit bias."""
+    logit_bias: dict[str, LogitBias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    """Token id (a string, as OpenAI's JSON) -> value in [-100, 100] added to its logit before sampling."""
     speculative: SpeculativeOverride | None = None
     """specmesh extension: this request's own speculative method / k, or `{"enabled": false}`."""
 
@@ -158,19 +160,63 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's earlier tool calls, handed to the chat template as they are."""
+    tool_call_id: str | None = None
+    """The call a `tool` message answers, handed to the chat template."""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """How messages are rendered into a prompt: the chat template's inputs (vLLM's fields)."""
+
+    add_generation_prompt: bool = True
+    """vLLM extension: end the rendered prompt with the assistant's turn marker."""
+    continue_final_message: bool = False
+    """vLLM extension: leave the last message open (no end-of-turn marker) for the model to continue
+    it, as a prefill of the answer; needs `add_generation_prompt: false`."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM extension: extra variables for the chat template (`enable_thinking`, ...)."""
+    documents: list[dict[str, Any]] | None = None
+    """vLLM extension: documents for retrieval-augmented templates, handed to the chat template."""
+    tools: list[dict[str, Any]] | None = None
+    """Function definitions, handed to the chat template."""
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool = True
-    """vLLM extension: end the rendered prompt with the assistant's turn marker."""
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    """Tool calls are not parsed from the output: with `tools`, only `"none"` is accepted."""
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template (one of the two)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    """Add the tokenizer's special tokens (BOS); absent: true for a prompt, false for messages (the
+    template writes them)."""
+    return_token_strs: bool = False
+    """Also return each token's string."""
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's /detokenize."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def _is_none(value: object) -> bool:
@@ -323,6 +369,17 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class ErrorDetail(_Response):

@@ -24,9 +24,14 @@ from services.gateway.openai_api import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     HealthStatus,
+    ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 OPENAPI_VERSION = "3.1.0"
@@ -42,7 +47,7 @@ SSE_DONE = "[DONE]"
 ERRORS: dict[int, str] = {
     400: "Invalid request: the message says what is wrong, `param` names the field.",
     401: "Missing or unknown API key.",
-    404: "`model` names a model this gateway does not serve.",
+    404: "`model` (in the body or the path) names a model this gateway does not serve.",
     408: "The body did not arrive within the body timeout; the connection is closed.",
     413: "The body is larger than the gateway's body limit; the connection is closed.",
     429: "Too many requests in flight (this API key's, or the mesh's queue); retry after `Retry-After` s.",
@@ -85,6 +90,8 @@ class Operation:
     """Statuses it answers with an `ErrorResponse` (401 is added where API keys are required)."""
     json_object: bool = False
     """The 200 is a free-form JSON object (this document)."""
+    path_params: dict[str, str] = field(default_factory=dict)
+    """Each `{name}` of the path (a string) and what it is."""
 
     @property
     def authenticated(self) -> bool:
@@ -117,6 +124,33 @@ MODELS = Operation(
     "The one model this gateway serves.",
     answers={200: Answer("The served model.", ModelList)},
 )
+MODEL = Operation(
+    "GET",
+    "/v1/models/{model}",
+    "retrieveModel",
+    "The served model, by its id (OpenAI's retrieve model).",
+    answers={200: Answer("The served model.", ModelCard)},
+    errors=(404,),
+    path_params={"model": "The model's id: the served model's name."},
+)
+TOKENIZE = Operation(
+    "POST",
+    "/tokenize",
+    "tokenize",
+    "Token ids of a prompt, or of messages rendered with the chat template (vLLM's /tokenize).",
+    request=TokenizeRequest,
+    answers={200: Answer("The token ids.", TokenizeResponse)},
+    errors=(400, 404, 408, 413),
+)
+DETOKENIZE = Operation(
+    "POST",
+    "/detokenize",
+    "detokenize",
+    "The text of token ids (vLLM's /detokenize).",
+    request=DetokenizeRequest,
+    answers={200: Answer("The text.", DetokenizeResponse)},
+    errors=(400, 404, 408, 413),
+)
 HEALTH = Operation(
     "GET",
     "/health",
@@ -142,7 +176,17 @@ OPENAPI = Operation(
     answers={200: Answer("The OpenAPI 3.1 description of this gateway's HTTP API.")},
     json_object=True,
 )
-OPERATIONS = (COMPLETIONS, CHAT_COMPLETIONS, MODELS, HEALTH, METRICS, OPENAPI)
+OPERATIONS = (
+    COMPLETIONS,
+    CHAT_COMPLETIONS,
+    MODELS,
+    MODEL,
+    TOKENIZE,
+    DETOKENIZE,
+    HEALTH,
+    METRICS,
+    OPENAPI,
+)
 
 
 def openapi_document(
@@ -195,6 +239,11 @@ def _operation(
     api_keys_required: bool,
 ) -> dict[str, Any]:
     described: dict[str, Any] = {"operationId": operation.operation_id, "summary": operation.summary}
+    if operation.path_params:
+        described["parameters"] = [
+            {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
+            for name, text in operation.path_params.items()
+        ]
     if operation.request is not None:
         described["requestBody"] = {
             "required": True,

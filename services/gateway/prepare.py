@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,11 +17,22 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from services.gateway.errors import APIError
-from services.gateway.openai_api import MAX_N, ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.openai_api import (
+    MAX_N,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateFields,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from shared.errors import ModelConfigError
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import NoChatTemplateError, Tokenizer
 
 SEED_MODULUS = 2**63
 """Seeds of the n choices are seed + i, wrapped into SamplingParams' range."""
@@ -90,12 +101,16 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    echo_texts: tuple[str, ...] = ()
+    """With `echo`: the prompt text of each choice, which its text starts with; else empty."""
 
 
 def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
     _check_common(body, served)
-    if body.echo:
-        raise APIError.bad_request("echo is not supported", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise APIError.bad_request(
+            "echo with logprobs is not supported (the prompt's logprobs are not computed)", param="echo"
+        )
     if body.suffix:
         raise APIError.bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -108,38 +123,74 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
             param="n",
         )
     prompts = [_completion_prompt_ids(p, served) for p in prompt_list]
-    return _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs)
+    job = _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs)
+    if not body.echo:
+        return job
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(p) for p in prompt_list]
+    return replace(job, echo_texts=tuple(text for text in texts for _ in range(body.n)))
 
 
 def chat_job(body: ChatCompletionRequest, served: ServedModel) -> Job:
     _check_common(body, served)
-    if body.tools:
-        raise APIError.bad_request("tools are not supported", param="tools")
+    if body.tools and body.tool_choice != "none":
+        raise APIError.bad_request(
+            "tool calls are not parsed from the output: with tools, only tool_choice 'none' is "
+            "supported (the tools are rendered into the prompt by the chat template)",
+            param="tool_choice",
+        )
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError.bad_request("only response_format type 'text' is supported", param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.max_completion_tokens is not None:
         body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-    prompt_ids = served.tokenizer.encode(_render_chat(body, served), add_special_tokens=False)
+    prompt_ids = served.tokenizer.encode(render_chat(body.messages, body, served), add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, served, [prompt_ids], logprobs)
 
 
-def _check_common(body: SamplingFields, served: ServedModel) -> None:
-    if body.model is not None and body.model != served.name:
+def tokenize(body: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
+    """vLLM's /tokenize: the ids a prompt, or messages rendered with the chat template, become."""
+    check_model(body.model, served)
+    if body.messages is not None:
+        text = render_chat(body.messages, body, served)
+        add_special_tokens = bool(body.add_special_tokens)
+    else:
+        text = body.prompt or ""
+        add_special_tokens = body.add_special_tokens is not False
+    token_ids = served.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = [served.tokenizer.backend.id_to_token(t) or "" for t in token_ids]
+    return TokenizeResponse(
+        count=len(token_ids), max_model_len=served.max_model_len, tokens=token_ids, token_strs=token_strs
+    )
+
+
+def detokenize(body: DetokenizeRequest, served: ServedModel) -> DetokenizeResponse:
+    """vLLM's /detokenize: the text of token ids, special tokens included."""
+    check_model(body.model, served)
+    _check_vocabulary(body.tokens, served, "tokens")
+    return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+def check_model(model: str | None, served: ServedModel, param: str | None = "model") -> None:
+    """404 (OpenAI's `model_not_found`) unless `model` is absent or names the served model."""
+    if model is not None and model != served.name:
         raise APIError(
             404,
-            f"The model `{body.model}` does not exist; this server serves `{served.name}`.",
-            param="model",
+            f"The model `{model}` does not exist; this server serves `{served.name}`.",
+            param=param,
             code="model_not_found",
         )
+
+
+def _check_common(body: SamplingFields, served: ServedModel) -> None:
+    check_model(body.model, served)
     if body.stream_options is not None and not body.stream:
         raise APIError.bad_request(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if body.logit_bias:
-        raise APIError.bad_request("logit_bias is not supported", param="logit_bias")
 
 
 def _job(
@@ -199,6 +250,7 @@ def _sampling_params(
     fields["max_tokens"] = served.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
     fields["logprobs"] = logprobs
     fields["seed"] = body.seed
+    fields["logit_bias"] = _logit_bias(body.logit_bias or {}, served)
     try:
         params = SamplingParams(**fields)
     except ValidationError as exc:
@@ -220,6 +272,17 @@ def _sampling_params(
     return params
 
 
+def _logit_bias(bias: dict[str, float], served: ServedModel) -> dict[int, float]:
+    """OpenAI's string keys as token ids, each in the vocabulary."""
+    token_ids = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise APIError.bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        token_ids[int(key)] = value
+    _check_vocabulary(list(token_ids), served, "logit_bias")
+    return token_ids
+
+
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """OpenAI's prompt forms as a list of prompts: a string or one token-id list each."""
     if isinstance(prompt, str) or not prompt:
@@ -233,35 +296,51 @@ def _completion_prompt_ids(prompt: str | list[int], served: ServedModel) -> list
     token_ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     if not token_ids:
         raise APIError.bad_request("the prompt is empty", param="prompt")
-    bad = [t for t in token_ids if not 0 <= t < served.vocab_size]
-    if bad:
-        raise APIError.bad_request(
-            f"prompt token ids out of range [0, {served.vocab_size}): {bad[:5]}", param="prompt"
-        )
+    _check_vocabulary(token_ids, served, "prompt")
     return token_ids
 
 
-def _render_chat(body: ChatCompletionRequest, served: ServedModel) -> str:
-    messages: list[dict[str, Any]] = []
-    for i, message in enumerate(body.messages):
-        if isinstance(message.content, list):
-            other = [part.type for part in message.content if part.type != "text"]
-            if other:
-                raise APIError.bad_request(
-                    f"only text content parts are supported (got {other[0]!r})", param=f"messages.{i}.content"
-                )
-            content = "".join(part.text or "" for part in message.content)
-        else:
-            content = message.content or ""
-        rendered: dict[str, Any] = {"role": message.role, "content": content}
-        if message.name is not None:
-            rendered["name"] = message.name
-        messages.append(rendered)
+def _check_vocabulary(token_ids: list[int], served: ServedModel, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < served.vocab_size]
+    if bad:
+        raise APIError.bad_request(
+            f"{param} token ids out of range [0, {served.vocab_size}): {bad[:5]}", param=param
+        )
+
+
+def render_chat(messages_in: list[ChatMessage], body: ChatTemplateFields, served: ServedModel) -> str:
+    """The prompt text of `messages`, rendered by the model's chat template with `body`'s settings."""
+    messages = [_template_message(message, i) for i, message in enumerate(messages_in)]
     try:
         return served.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            documents=body.documents,
+            template_kwargs=body.chat_template_kwargs,
         )
-    except ValueError as exc:  # no template, or the template's raise_exception
+    except NoChatTemplateError as exc:
+        raise APIError.bad_request(str(exc), param="messages", code="chat_template_missing") from None
+    except ValueError as exc:  # conflicting flags, or the template's raise_exception
         raise APIError.bad_request(str(exc), param="messages") from None
     except TemplateError as exc:
         raise APIError(500, f"the model's chat template failed: {exc}") from None
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates read it: text content joined, tool fields where given."""
+    if isinstance(message.content, list):
+        other = [part.type for part in message.content if part.type != "text"]
+        if other:
+            raise APIError.bad_request(
+                f"only text content parts are supported (got {other[0]!r})", param=f"messages.{index}.content"
+            )
+        content: str | None = "".join(part.text or "" for part in message.content)
+    else:
+        content = message.content if message.content is not None or message.tool_calls else ""
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
+    for name in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, name) is not None:
+            rendered[name] = getattr(message, name)
+    return rendered

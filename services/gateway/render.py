@@ -141,7 +141,7 @@ class Renderer:
                 choices=[
                     CompletionChoice(
                         index=c.index,
-                        text=c.text,
+                        text=self._echo(c.index) + c.text,
                         logprobs=self._completion_logprobs(c, c.logprobs),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -168,9 +168,18 @@ class Renderer:
         )
 
     def first_chunks(self) -> list[OpenAIBody]:
-        """Chat streams open each choice with a chunk carrying `role: assistant`."""
+        """Chat streams open each choice with a chunk carrying `role: assistant`; completion streams
+        with `echo`, with one carrying the choice's prompt text."""
         if self.job.kind == "completion":
-            return []
+            return [
+                Completion(
+                    id=self.job.request_id,
+                    created=self.job.created,
+                    model=self.model,
+                    choices=[CompletionChoice(index=i, text=text)],
+                )
+                for i, text in enumerate(self.job.echo_texts)
+            ]
         return [
             self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
             for i in range(len(self.job.requests))
@@ -223,6 +232,9 @@ class Renderer:
             choices=[],
             usage=usage(self.job, choices),
         )
+
+    def _echo(self, index: int) -> str:
+        return self.job.echo_texts[index] if self.job.echo_texts else ""
 
     def _chat_chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(

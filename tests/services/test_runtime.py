@@ -5,6 +5,7 @@ mesh started by hand) still connects."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import subprocess
 import time
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
-from services.runtime import PASSWORD_ENV, add_redis_args, redis_settings
+from services.runtime import PASSWORD_ENV, add_redis_args, bound_port, redis_settings, start_status_server
 from services.serve import free_port
 from shared.bus import connect
 
@@ -86,3 +88,21 @@ async def test_one_shared_password_without_acl_users_still_connects(tmp_path: Pa
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+async def test_the_status_server_logs_the_port_it_took(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's metrics port is 0 (a free one) by default: its log is where an operator finds it."""
+
+    async def healthy() -> tuple[bool, str]:
+        return True, "ok"
+
+    with caplog.at_level(logging.INFO, logger="services.runtime"):
+        runner = await start_status_server("127.0.0.1", 0, CollectorRegistry(), healthy)
+    try:
+        port = bound_port(runner)
+        [record] = [r for r in caplog.records if "/metrics" in r.getMessage()]
+        assert record.levelno == logging.INFO
+        assert record.getMessage() == f"/health and /metrics on http://127.0.0.1:{port}"
+        assert record.__dict__["metrics_port"] == port
+    finally:
+        await runner.cleanup()

@@ -144,3 +144,27 @@ def test_logprobs_report_sampled_token_and_top_n() -> None:
     assert entry.token_id == int(logits[0].argmax())
     assert entry.logprob == pytest.approx(expected.max().item(), abs=1e-6)
     assert list(entry.top) == expected.topk(3).indices.tolist()
+
+
+def test_logit_bias_is_added_before_penalties_and_bans_at_minus_100() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1.0, 2.0, 3.0, 0.5]])
+    biased = SamplingParams(logit_bias={2: -100.0, 3: 2.0})
+    penalised = SamplingParams(logit_bias={0: 1.0}, repetition_penalty=2.0)
+    batch = SamplingBatch(
+        params=[biased, penalised],
+        prompt_token_ids=[[], [0]],
+        output_token_ids=[[], []],
+        suppressed_token_ids=[[], []],
+    )
+    out = apply_penalties(logits, batch)
+    assert out[0].tolist() == pytest.approx([1.0, 2.0, -97.0, 2.5])
+    assert out[1].tolist() == pytest.approx([1.0, 2.0, 3.0, 0.5])  # (1 + 1) / 2: biased, then penalised
+    assert logits[0, 2] == 3.0  # the caller's logits are left alone
+    assert int(out[0].argmax()) == 3
+
+
+def test_logit_bias_outside_its_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="less than or equal to 100"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        SamplingParams(logit_bias={-1: 1.0})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -152,6 +153,12 @@ async def test_process_serves_and_drains_a_stream_on_sigterm(
             chunks = sse_data(await response.text())
             assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Héllo" and chunks[-1] == "[DONE]"
         assert process.wait(timeout=15) == 0
+        assert process.stderr is not None
+        logged = [
+            json.loads(line) for line in process.stderr.read().decode().splitlines() if line.startswith("{")
+        ]
+        [start] = [entry for entry in logged if entry["msg"].startswith("gateway serving")]
+        assert start["level"] == "info"  # a normal start is no warning
     finally:
         if process.poll() is None:
             process.kill()

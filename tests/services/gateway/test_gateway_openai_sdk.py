@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from gateway_fake_backend import MODEL_NAME, REPLY, ClientFactory, InProcessBackend, error_script
 
+from services.gateway.prepare import ServedModel
+
 openai = pytest.importorskip("openai")
 
 API_KEY = "sk-gateway-test"
@@ -104,3 +106,39 @@ async def test_error_mid_stream_raises_in_the_sdk(sdk: Any, backend: InProcessBa
     with pytest.raises(openai.APIError, match="worker died"):
         async for _ in stream:
             pass
+
+
+async def test_models_retrieve(sdk: Any) -> None:
+    model = await sdk.models.retrieve(MODEL_NAME)
+    assert model.id == MODEL_NAME and model.object == "model"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await sdk.models.retrieve("gpt-4")
+
+
+async def test_completion_echo_and_logit_bias(sdk: Any, backend: InProcessBackend) -> None:
+    completion = await sdk.completions.create(
+        model=MODEL_NAME, prompt="def add(", max_tokens=100, echo=True, logit_bias={"5": -100, "9": 3}
+    )
+    assert completion.choices[0].text == "def add(" + REPLY
+    assert backend.submitted[0].params.logit_bias == {5: -100.0, 9: 3.0}
+
+
+async def test_chat_template_fields_as_extra_body(
+    sdk: Any, backend: InProcessBackend, served: ServedModel
+) -> None:
+    """vLLM's chat-template fields through the SDK's `extra_body`, as vLLM's docs send them."""
+    messages: list[Any] = [*MESSAGES, {"role": "assistant", "content": "Hello"}]
+    chat = await sdk.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=100,
+        extra_body={
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {},
+        },
+    )
+    assert chat.choices[0].message.content == REPLY
+    [request] = backend.submitted
+    prompt = served.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+    assert prompt == "<|user|>Say hello<|endoftext|><|assistant|>Hello"

@@ -4,6 +4,7 @@ streamed chunks, errors) is valid against it; requests it calls invalid get a 40
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema_rs
@@ -31,6 +32,13 @@ ANSWERS: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("invalid request", "POST", CMPL, {"prompt": "x", "temperature": -1}),
     ("unknown model", "POST", CHAT, {"model": "gpt-4", "messages": USER_X}),
     ("models", "GET", "/v1/models", None),
+    ("one model", "GET", f"/v1/models/{MODEL_NAME}", None),
+    ("unknown model id", "GET", "/v1/models/gpt-4", None),
+    ("tokenize prompt", "POST", "/tokenize", {"prompt": "def add(", "return_token_strs": True}),
+    ("tokenize messages", "POST", "/tokenize", {"messages": USER_X, "add_generation_prompt": False}),
+    ("tokenize neither", "POST", "/tokenize", {}),
+    ("detokenize", "POST", "/detokenize", {"tokens": [5, 6, 7]}),
+    ("echo", "POST", CMPL, {"prompt": "x", "echo": True, "stream": True, "logit_bias": {"5": -100}}),
     ("health", "GET", "/health", None),
     ("metrics", "GET", "/metrics", None),
 ]
@@ -50,6 +58,9 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("include_usage a string", CHAT, {"messages": USER_X, "stream": True, "stream_options": {"include_usage": "1"}}),
     ("no messages", CHAT, {"messages": []}),
     ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}),
+    ("logit_bias over 100", CHAT, {"messages": USER_X, "logit_bias": {"5": 100.5}}),
+    ("detokenize a negative id", "/detokenize", {"tokens": [-1]}),
+    ("tokenize empty messages", "/tokenize", {"messages": []}),
 ]
 # fmt: on
 
@@ -152,7 +163,7 @@ def check_answer(
 ) -> None:
     """The status is documented for the operation, with this media type, and the body (each `data:`
     payload of a stream) is valid against its schema."""
-    responses = document["paths"][path][method.lower()]["responses"]
+    responses = document["paths"][documented_path(document, path)][method.lower()]["responses"]
     assert str(status) in responses, f"{status} is not documented for {method} {path}: {text[:300]}"
     content = responses[str(status)]["content"]
     assert content_type in content, f"{content_type} is not documented for {status} of {method} {path}"
@@ -163,6 +174,15 @@ def check_answer(
         check_stream(document, schema, text)
     else:
         validator(document, schema).validate(text)
+
+
+def documented_path(document: dict[str, Any], path: str) -> str:
+    """The document's path that `path` is an instance of (`/v1/models/x` of `/v1/models/{model}`)."""
+    for template in document["paths"]:
+        pattern = re.sub(r"\\\{[^/]+\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            return str(template)
+    raise AssertionError(f"{path} is not in the document")
 
 
 def check_stream(document: dict[str, Any], event_schema: dict[str, Any], text: str) -> None:

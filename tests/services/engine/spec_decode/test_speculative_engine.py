@@ -423,3 +423,24 @@ def test_drafts_depend_only_on_the_context(target, mtp_head, method: str) -> Non
             engine.step()
             compared += record_drafts(engine, seen)
         assert compared > 0 or max_num_seqs == 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_logit_bias_applies_to_every_verified_row(target, naive_tokens, method: str) -> None:
+    """A token banned by logit_bias is never emitted, though drafts propose it (the target as its
+    own unbiased draft model proposes exactly the unbiased greedy tokens): the verifier biases each
+    draft row as plain decoding biases each step, so the output is plain biased decoding's."""
+    prompts = repetitive_prompts()
+    params = [
+        GREEDY.model_copy(update={"logit_bias": {expected[5]: -100.0, expected[7]: 5.0}})
+        for expected in naive_tokens
+    ]
+    plain = LLM(target, device="cpu", max_model_len=192)
+    biased = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    spec = dict(model=target, num_speculative_tokens=3) if method == "draft_model" else METHODS["ngram"]
+    llm = spec_llm(target, **{**spec, "method": method})
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outputs] == biased
+    assert sum(o.spec_stats["num_draft_tokens"] for o in outputs) > 0
+    for output, expected in zip(outputs, naive_tokens):
+        assert expected[5] not in output.token_ids and output.token_ids != expected
