@@ -241,7 +241,7 @@ class DecodeGraphs:
     def max_decode_tokens(self) -> int:
         """Tokens of the largest graph of a decode step (each request its last token and drafts):
         what drafts are trimmed to."""
-        return max(self.buckets_of(min(self.query_lens[-1], self.rows_per_seq)))
+        return min(self.max_num_seqs * self.rows_per_seq, self.max_tokens)
 
     def field(self, name: str) -> torch.Tensor:
         if name in self.LONG_FIELDS:
@@ -391,24 +391,36 @@ class DecodeGraphs:
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
         longs = np.empty((len(self.LONG_FIELDS), bucket), dtype=np.int64)
-        per_token = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("token_slots", scratch))
-        for row, (name, value) in enumerate(per_token):
-            longs[row, :num_tokens] = getattr(step, name)
-            longs[row, num_tokens:] = value
-        for row, (name, value) in enumerate(
-            (("logits_indices", 0), ("row_slots", scratch), ("row_positions", 0)), start=len(per_token)
-        ):
-            longs[row, :num_rows] = getattr(step, name)
-            longs[row, num_rows:] = value
-        longs[7, :num_sampled], longs[7, num_sampled:] = step.seq_slots, scratch
-        longs[8, :num_sampled] = step.seq_rows
-        longs[8, num_sampled:] = np.minimum(np.arange(num_seqs, num_seqs + bucket - num_sampled), bucket - 1)
         ints = np.empty((len(self.INT_FIELDS), bucket), dtype=np.int32)
-        ints[0, :num_rows], ints[0, num_rows:] = step.draft_ids, -1
-        ints[1, :num_rows] = step.request_of_row
-        ints[1, num_rows:] = np.arange(num_sampled, num_sampled + bucket - num_rows)
-        ints[2, :num_sampled], ints[2, num_sampled:] = step.seq_methods, -1
-        ints[3, :num_sampled], ints[3, num_sampled:] = step.num_wanted, 0
+
+        def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
+            """A field's leading entries from the step, the rest of the bucket padding."""
+            table, fields = (longs, self.LONG_FIELDS) if name in self.LONG_FIELDS else (ints, self.INT_FIELDS)
+            row = table[fields.index(name)]
+            row[: len(values)], row[len(values) :] = values, padding
+
+        for name, value in (
+            ("input_ids", 0),
+            ("positions", 0),
+            ("slot_mapping", -1),
+            ("token_slots", scratch),
+        ):
+            fill(name, getattr(step, name), value)
+        for name, value in (
+            ("logits_indices", 0),
+            ("row_slots", scratch),
+            ("row_positions", 0),
+            ("draft_ids", -1),
+        ):
+            fill(name, getattr(step, name), value)
+        fill("request_of_row", step.request_of_row, np.arange(num_sampled, num_sampled + bucket - num_rows))
+        for name, value in (("seq_slots", scratch), ("seq_methods", -1), ("num_wanted", 0)):
+            fill(name, getattr(step, name), value)
+        fill(
+            "seq_rows",
+            step.seq_rows,
+            np.minimum(np.arange(num_seqs, num_seqs + bucket - num_sampled), bucket - 1),
+        )
         cu_num_rows = np.full(rows + 1, rows, dtype=np.int32)
         cu_num_rows[: num_sampled + 1] = step.cu_num_rows
         cu_num_rows[num_sampled + 1 : num_sampled + 1 + num_pad_rows] = num_rows + np.arange(
