@@ -68,23 +68,18 @@ def expected(mesh_model: str) -> dict[str, str]:
     return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
 
 
+def serve_argv(port: int, log_dir: Path) -> list[str]:
+    """`specmesh serve` on `port`, logging under `log_dir`."""
+    return [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--log-dir", str(log_dir)]
+
+
 @contextlib.contextmanager
 def serve(tmp_path: Path, *flags: str) -> Iterator[Served]:
     """`specmesh serve` with SERVE_FLAGS and `flags`, once it says it is serving; stopped after."""
     port, stdout = free_port(), tmp_path / "serve.out"
-    argv = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-dir",
-        str(tmp_path / "logs"),
-    ]
     with open(stdout, "wb") as handle:
         popen = subprocess.Popen(
-            [*argv, *SERVE_FLAGS, *flags],
+            [*serve_argv(port, tmp_path / "logs"), *SERVE_FLAGS, *flags],
             stdout=handle,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -262,16 +257,7 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        argv = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ]
+        argv = serve_argv(port, tmp_path / "logs")
         result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 1
     assert (

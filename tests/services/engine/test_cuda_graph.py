@@ -116,6 +116,19 @@ CASES = {
 }
 
 
+def fixed_k_spec(case: str, target: str) -> dict:
+    """The speculative config of a CASES entry with adaptive speculation off, the drafting model
+    being the target itself (draft_model) or an untrained MTP head for it (mtp)."""
+    spec = dict(CASES[case])
+    if spec:
+        spec["adaptive"] = False
+    if spec.get("method") == "draft_model":
+        spec["model"] = target
+    if spec.get("method") == "mtp":
+        spec["model"] = str(mtp_head_for(target))
+    return spec
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "seeded", "stops"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sampling: str) -> None:
@@ -124,13 +137,7 @@ def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sa
     it does, for every drafting method; the MTP head and the draft model are the target's own
     (an MTP head initialised from the target's last layer)."""
     path = str(make_checkpoint("llama", num_hidden_layers=2))
-    spec = dict(CASES[case])
-    if spec:
-        spec["adaptive"] = False
-    if spec.get("method") == "draft_model":
-        spec["model"] = path
-    if spec.get("method") == "mtp":
-        spec["model"] = str(mtp_head_for(path))
+    spec = fixed_k_spec(case, path)
     eos = min(Tokenizer(path).eos_token_ids)
     prompts = repetitive_prompts(13, seed=3)
     params = []
@@ -165,13 +172,7 @@ def test_steps_with_prefill_chunks_replay_the_eager_tokens(make_checkpoint, case
     the graphs' static buffers too (prefill class of 24 tokens, chunks cut to fit) and emit the
     eager engine's tokens for every drafting method."""
     path = str(make_checkpoint("llama", num_hidden_layers=2))
-    spec = dict(CASES[case])
-    if spec:
-        spec["adaptive"] = False
-    if case == "draft_model":
-        spec["model"] = path
-    if case == "mtp":
-        spec["model"] = str(mtp_head_for(path))
+    spec = fixed_k_spec(case, path)
     prompts = repetitive_prompts(9, seed=5)
     params = []
     for i in range(9):
