@@ -10,6 +10,7 @@ import torch
 
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
+from tests.services.engine.test_generation import transformers_greedy
 from tests.shared.model.test_hf_logits import GEMMA2_CAPPED, GEMMA3, YARN_ROPE, hf_model
 
 MAX_TOKENS = 20
@@ -41,22 +42,6 @@ def checkpoints(make_checkpoint) -> dict[str, Any]:
     return {case: make_checkpoint(arch, **overrides) for case, (arch, overrides) in CASES.items()}
 
 
-def transformers_greedy(path) -> list[list[int]]:
-    model = hf_model(path)
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompts():
-            generated = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
-
-
 @pytest.mark.parametrize("speculation", sorted(SPECULATION))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_matches_transformers(checkpoints, case: str, speculation: str) -> None:
@@ -71,4 +56,4 @@ def test_greedy_matches_transformers(checkpoints, case: str, speculation: str) -
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts(), sampling_params=greedy)
-    assert [o.token_ids for o in outputs] == transformers_greedy(path)
+    assert [o.token_ids for o in outputs] == transformers_greedy(hf_model(path), prompts(), MAX_TOKENS)

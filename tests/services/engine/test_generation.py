@@ -22,23 +22,28 @@ def checkpoint(make_checkpoint):
     return make_checkpoint("llama", num_hidden_layers=3)
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+def transformers_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Exactly `max_tokens` greedy tokens after each prompt from a transformers model's generate()."""
     outputs = []
     with torch.inference_mode():
-        for ids in prompts():
+        for ids in prompt_ids:
             generated = model.generate(
                 torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )
             outputs.append(generated[0, len(ids) :].tolist())
     return outputs
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return transformers_greedy(model, prompts(), MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
