@@ -17,9 +17,9 @@ end — verify rows (1 + k tokens x the group) cost about what one decode row co
 Otherwise (float32, wider heads or groups) `append_attention` on CUDA cores: scores one thread per
 key, softmax one warp per row, P V one thread per head_dim chunk.
 
-A query longer than `MAX_KERNEL_QUERY_LEN` tokens (a long prefill chunk) is cut into pieces the
-kernel takes, each attending to the context up to its own last token (`split_queries`), which is
-faster than torch's SDPA over the gathered context even for long prompts (kernels/NOTES.md).
+A sequence's query of any length (a decode token, 1 + k verify tokens, a long prefill chunk) is cut
+into query tiles numbered densely across the step (`AttentionMetadata.tile_starts`), each tile
+attending to the context up to its own last token.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ SMALL_GRID_ROWS = 16
 """Query rows per block when (sequences x kv heads) give fewer blocks than two per SM, as at
 small batches: the verify rows (1 + k tokens x the GQA group) split over more blocks, each
 re-reading its context tiles from L2, instead of running one long chain of tiles per kv head."""
-MAX_KERNEL_QUERY_LEN = 256
-"""Longest query one sequence brings to the kernel; longer ones are cut into pieces."""
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = BLOCK_N
 """A context split takes at least one tile: at small batches even a short context is split,
@@ -754,35 +752,17 @@ def append_attention_cuda(
     num_seqs = meta.num_seqs
     if num_seqs == 0 or num_tokens == 0:
         return out
-    if meta.max_query_len is not None:  # launch bounds fixed for a CUDA graph
-        _cuda.check(
-            meta.max_query_len <= MAX_KERNEL_QUERY_LEN,
-            f"max_query_len {meta.max_query_len} exceeds the kernel's {MAX_KERNEL_QUERY_LEN}",
-        )
-        _launch_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta,
-            scale,
-            sliding_window,
-            out,
-            meta.max_query_len,
-            group,
-            num_splits,
-            tensor_cores,
-        )
-        return out
-    pieces = meta.split_queries(MAX_KERNEL_QUERY_LEN)
+    # a CUDA graph's launch bound, or the step's own longest query
+    max_query_len = meta.max_query_len if meta.max_query_len is not None else max(meta.query_lens_cpu)
     _launch_attention(
         query,
         key_cache,
         value_cache,
-        pieces,
+        meta,
         scale,
         sliding_window,
         out,
-        max(pieces.query_lens_cpu),
+        max_query_len,
         group,
         num_splits,
         tensor_cores,

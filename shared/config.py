@@ -52,9 +52,10 @@ class EngineConfig(BaseModel):
     """Draft method and verification; the default, naive, runs the speculative path with no drafts."""
     enforce_eager: bool = False
     """Run every step eagerly; by default a GPU replays decode steps from CUDA graphs."""
-    cuda_graph_max_tokens: int = Field(default=512, ge=1, le=8192)
-    """Largest decode step (tokens: sequences x (1 + drafts)) captured in a CUDA graph; larger
-    steps run eagerly. Graphs are captured for token counts up to it at start-up."""
+    cuda_graph_max_tokens: int = Field(default=2048, ge=1, le=8192)
+    """Largest step (tokens: prefill chunks, decode tokens and drafts) captured in a CUDA graph,
+    capped by the step's token budget; larger steps run eagerly. Graphs are captured for token
+    counts up to it at start-up."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

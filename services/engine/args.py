@@ -44,8 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     group.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
-        default=512,
-        help="largest decode step (sequences x (1 + drafts)) replayed from a CUDA graph",
+        default=2048,
+        help="largest step (tokens: prefill chunks, decode tokens and drafts; capped by the step's "
+        "token budget) replayed from a CUDA graph",
     )
     group.add_argument(
         "--speculative-config",

@@ -14,8 +14,9 @@ A step replays two graphs:
    length). The host then reads one packed tensor, the step's only synchronisation.
 
 Query classes bound the longest query of a step: 1 (plain decode), 1 + num_speculative_tokens
-(verification) and a prefill class (chunks up to the attention kernel's longest query), so a step
-that mixes a prefill chunk with decoding requests — most steps of a busy server — is replayed too.
+(verification) and a prefill class (chunks of any length that fits the largest bucket), so a step
+that carries prefill chunks — a burst of new prompts, or chunks beside decoding requests, most steps
+of a busy server — is replayed too.
 The attention kernel launches one block per query tile of the step (tiles numbered densely, not a
 grid of every sequence times the longest query), so a prefill class costs what its tokens cost.
 
@@ -31,10 +32,9 @@ A graph replays fixed shapes and fixed pointers. So:
 - the attention kernel's launch shape is fixed at capture from the bounds `max_query_len` and
   `max_model_len` (AttentionMetadata); the per-sequence lengths come from the buffers at replay.
 
-Steps with a query longer than the prefill class or more tokens than the largest bucket (large,
-compute-bound prefill chunks) run the same code eagerly; the tail is replayed only when the fused
-kernel verifies every request (no penalties, min_tokens suppression or logprobs), and otherwise
-runs eagerly after the forward's replay.
+Steps with more tokens than the largest bucket (`cuda_graph_max_tokens`) run the same code eagerly;
+the tail is replayed only when the fused kernel verifies every request (no penalties, min_tokens
+suppression or logprobs), and otherwise runs eagerly after the forward's replay.
 """
 
 from __future__ import annotations
@@ -58,7 +58,37 @@ from shared.model.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 1024)
+BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    12,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    1024,
+    1280,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+)
 """Token counts a graph is captured for (those up to the configured maximum)."""
 
 
@@ -214,7 +244,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
         self._pad_all()
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
-        self.logits = torch.zeros(size, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(
+            self.num_rows(size), model.config.vocab_size, dtype=torch.float32, device=device
+        )
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.tails: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 import kernels
 from kernels import AttentionMetadata
-from kernels.attention import MAX_KERNEL_QUERY_LEN
 from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
@@ -59,6 +58,9 @@ from shared.speculative_config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+WARM_UP_QUERY_LEN = 512
+"""Start-up forwards compile the attention kernel for queries of 1, 2, 4, ... up to this many tokens:
+past it every query takes the widest tile already compiled."""
 
 
 @dataclass
@@ -225,7 +227,7 @@ class ModelRunner:
             self.config.cuda_graph_max_tokens, self.config.resolved_max_num_batched_tokens(self.max_model_len)
         )
         verify_len = 1 + self.spec.k if self.spec.enabled else 1
-        prefill_len = min(MAX_KERNEL_QUERY_LEN, max_tokens)  # steps that carry prefill chunks
+        prefill_len = max_tokens  # steps that carry prefill chunks, any length that fits
         graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -597,7 +599,7 @@ class ModelRunner:
         for model, config in models:
             kv_caches = self._allocate_kv_cache(-(-context // self.block_size), config, model.tp)
             query_len = 1
-            while query_len <= min(context, 2 * MAX_KERNEL_QUERY_LEN):
+            while query_len <= min(context, WARM_UP_QUERY_LEN):
                 ids, positions, meta = self._one_sequence(query_len, context)
                 model(ids, positions, kv_caches, meta)
                 query_len *= 2
