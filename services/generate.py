@@ -1,6 +1,7 @@
 """`specmesh generate`: one prompt through an in-process engine, offline, streamed to stdout.
 
     specmesh generate --prompt "..." --max-tokens 128 --speculative-config '{"method": "ngram"}'
+    specmesh generate --prompt "..." --guided-json '{"type": "object", ...}'   # or --guided-regex / --guided-choice
 
 Load time, TTFT, decode throughput and, with drafts, the acceptance go to stderr.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from services.engine.args import add_engine_args, engine_config
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 
 def add_generate_parser(subparsers: Any) -> None:
@@ -27,7 +29,29 @@ def add_generate_parser(subparsers: Any) -> None:
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--request-seed", type=int, help="per-request sampling seed")
     generate.add_argument("--ignore-eos", action="store_true")
+    grammar = generate.add_mutually_exclusive_group()
+    grammar.add_argument(
+        "--guided-json", metavar="SCHEMA", help="constrain the output to this JSON Schema (JSON text)"
+    )
+    grammar.add_argument("--guided-regex", metavar="REGEX", help="constrain the output to match this regex")
+    grammar.add_argument(
+        "--guided-choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)"
+    )
     generate.set_defaults(handler=cmd_generate)
+
+
+def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The grammar the flags ask for; a bad schema or regex fails here, with the engine's reason."""
+    if args.guided_json is not None:
+        structured = StructuredOutput.json_schema(args.guided_json)
+    elif args.guided_regex is not None:
+        structured = StructuredOutput(kind="regex", spec=args.guided_regex)
+    elif args.guided_choice:
+        structured = StructuredOutput.choice(args.guided_choice)
+    else:
+        return None
+    structured.check()
+    return structured
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -41,6 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.request_seed,
         stop=args.stop or [],
+        structured=structured_output(args),
     )
     started = time.perf_counter()
     engine = LLMEngine(engine_config(args))

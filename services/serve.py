@@ -40,6 +40,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.engine.args import add_engine_args
+from services.gateway.tool_calls import TOOL_CALL_PARSERS
 from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
 from services.serve_logs import log_root, new_log_dir
 from services.supervisor import RestartPolicy, RoleFailed, Supervisor
@@ -78,6 +79,11 @@ def add_serve_parser(subparsers: Any) -> None:
         "which the gateway inherits)",
     )
     group.add_argument("--api-key-file", type=Path, help="require the keys in this file (one a line)")
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the gateway's parser of tool calls for tool_choice 'auto' (`gateway --tool-call-parser`; default: none)",
+    )
     group.add_argument("--max-queue-len", type=int, default=1024)
     group.add_argument("--scheduler-topic", default="default")
     group.add_argument(
@@ -394,7 +400,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
         context = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
-        gateway = ["gateway", "--model", model, *context, *http, *keys]
+        tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
+        gateway = ["gateway", "--model", model, *context, *http, *keys, *tools]
         roles.start("gateway", gateway, extra_env=_gateway_keys(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal

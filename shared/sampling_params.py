@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.json_types import INTEGRAL
 from shared.speculative_config import SpeculativeOverride
+from shared.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 """Upper bound on `logprobs` (top-n alternatives returned per generated token)."""
@@ -35,7 +36,7 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 class SamplingParams(BaseModel):
     """How one request turns the target model's logits into tokens, and when it stops.
 
-    Processing order per step (as vLLM v1): logit bias → repetition / frequency / presence penalties →
+    Processing order per step (as vLLM v1): grammar mask → logit bias → repetition / frequency / presence penalties →
     temperature → min_p → top_k → top_p → sample. `temperature == 0` means greedy (argmax of the
     penalised logits; the truncation settings are then irrelevant).
     """
@@ -76,6 +77,9 @@ class SamplingParams(BaseModel):
     """Leave special tokens (EOS, chat markers) out of the text."""
     speculative: SpeculativeOverride | None = None
     """This request's own speculative method / k, or speculation off (within the server's limits)."""
+    structured: StructuredOutput | None = None
+    """The grammar the output must follow (JSON schema, JSON object, regex, choice); every sampled
+    and verified row is masked to the tokens it allows."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -103,8 +107,8 @@ class SamplingParams(BaseModel):
 
     @property
     def changes_logits(self) -> bool:
-        """Whether the logits are changed before temperature: penalties or a logit bias."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether the logits are changed before temperature: penalties, a logit bias or a grammar."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
 
     @property
     def has_penalties(self) -> bool:

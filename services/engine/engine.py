@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.block_manager import BlockManager
+from services.engine.grammar import GrammarCompiler, GrammarState
 from services.engine.kv_export import KVExport
 from services.engine.model_runner import ModelRunner, StepOutput
 from services.engine.output_processor import OutputProcessor
@@ -30,6 +31,7 @@ from services.engine.verify_update import StepPlan
 from shared.config import EngineConfig
 from shared.model import ModelConfig
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutputError
 from shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class LLMEngine:
         self._stopped: list[Sequence] = []
         """Requests a stop string ended while the step in flight still ran them: freed after it."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         logger.info(
             "engine ready: %s on %s/%s x%d, %d KV blocks of %d tokens, max_model_len %d",
             self.model_config.architecture,
@@ -151,7 +154,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks (nothing to do with one)."""
+        """Stops the engine's other tensor-parallel ranks (nothing to do with one) and its grammar
+        compiler's thread."""
+        self.grammars.close()
         self.runner.close()
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -192,6 +197,9 @@ class LLMEngine:
         except SpeculationError as exc:
             raise RequestError(str(exc)) from None
         seq.seed = params.seed if params.seed is not None else self._draw_seed()
+        if params.structured is not None:
+            seq.grammar = GrammarState(self.grammars.submit(params.structured), seq.spec.max_k)
+            self._advance_grammar(seq, resumed)
         seq.token_ids += resumed
         self.sequences[request_id] = seq
         self.outputs.start(seq)
@@ -254,6 +262,7 @@ class LLMEngine:
         seq = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
         seq.append_token(first_token_id)
+        self._advance_grammar(seq, [first_token_id])
         self.outputs.observe(seq, 1)  # not a stop: the prefill side would have finished it
         self.outputs.take_delta(seq)
         self.block_manager.cache_full_blocks(seq)
@@ -321,6 +330,7 @@ class LLMEngine:
                 num_drafts = len(seq.spec.draft_token_ids)
                 for token_id in result.token_ids:
                     seq.append_token(token_id)
+                self._advance_grammar(seq, result.token_ids)
                 seq.finish_reason = result.finish_reason
                 seq.logprobs += [lp for lp in result.logprobs if lp is not None]
                 seq.num_computed_tokens = min(
@@ -340,6 +350,16 @@ class LLMEngine:
                 self.handoffs.append(self._export(seq))
             if seq not in self._stopped:
                 self._free(seq)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_ids: list[int]) -> None:
+        """Moves a structured request's grammar past tokens it kept. Every sampled token passed the
+        grammar's mask, so a refusal means a debugging accept policy forced a draft through: the
+        request then goes on unconstrained rather than with a grammar state that lies."""
+        if seq.grammar is None or seq.grammar.advance(token_ids):
+            return
+        logger.error("request %s: a kept token left its grammar; it goes on unconstrained", seq.request_id)
+        seq.grammar = None
 
     def _emit(self, emissions: list[Emission]) -> list[RequestOutput]:
         """The outputs of a step's tokens: detokenized, cut at a stop string (a request one ends
@@ -420,6 +440,11 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise RequestError(f"{name}: token ids out of range [0, {vocab_size}): {bad[:5]}")
+        if params.structured is not None:
+            try:
+                params.structured.check()
+            except StructuredOutputError as exc:
+                raise RequestError(str(exc)) from None
         if num_resumed >= params.max_tokens:
             raise RequestError(f"{num_resumed} tokens already delivered, max_tokens is {params.max_tokens}")
         total = len(token_ids) - num_resumed + params.max_tokens

@@ -23,6 +23,7 @@ from kernels import AttentionMetadata
 from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
+from services.engine.grammar import allocate_bitmask
 from services.engine.input_batch import InputBatch
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
@@ -362,7 +363,11 @@ class ModelRunner:
     ) -> tuple[np.ndarray, np.ndarray, list[list[TokenLogprobs | None]]]:
         """The torch `RejectionSampler` over the plan's requests (rank 0, which has them):
         (token_ids [num_seqs, max_rows] int32 -1 padded, num_accepted [num_seqs] int32, logprobs)."""
-        results = self.verifier(logits, row_batch(plan.seqs), [verify_request(seq) for seq in plan.seqs])
+        results = self.verifier(
+            logits,
+            row_batch(plan.seqs, self.model_config.vocab_size),
+            [verify_request(seq) for seq in plan.seqs],
+        )
         token_ids = np.full((len(results), t.max_rows), -1, dtype=np.int32)
         for row, result in zip(token_ids, results):
             row[: len(result.token_ids)] = result.token_ids
@@ -645,10 +650,12 @@ def token_span(seq: Sequence, start: int, end: int) -> list[int]:
     return tokens[start:] + drafts[max(0, start - num_tokens) : end - num_tokens]
 
 
-def row_batch(seqs: list[Sequence]) -> SamplingBatch:
+def row_batch(seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
     """Sampling inputs per logit row: row j of a sequence sees its output plus its first j drafts,
-    so penalties and min_tokens apply to each draft position as they would in plain decoding."""
+    so penalties, min_tokens and the grammar apply to each draft position as they would in plain
+    decoding."""
     batch = SamplingBatch(params=[], prompt_token_ids=[], output_token_ids=[], suppressed_token_ids=[])
+    batch.bitmask = _grammar_bitmask(seqs, vocab_size) if any(seq.grammar for seq in seqs) else None
     for seq in seqs:
         drafts = seq.spec.draft_token_ids
         penalties = seq.params.has_penalties
@@ -658,6 +665,17 @@ def row_batch(seqs: list[Sequence]) -> SamplingBatch:
             batch.output_token_ids.append(seq.output_token_ids + drafts[:j] if penalties else [])
             batch.suppressed_token_ids.append(_suppressed(seq, seq.num_output_tokens + j))
     return batch
+
+
+def _grammar_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)]: each grammar row's allowed tokens, every token elsewhere."""
+    bitmask = allocate_bitmask(sum(1 + len(seq.spec.draft_token_ids) for seq in seqs), vocab_size)
+    first_row = 0
+    for seq in seqs:
+        if seq.grammar is not None:
+            seq.grammar.fill_rows(seq.spec.draft_token_ids, bitmask, first_row)
+        first_row += 1 + len(seq.spec.draft_token_ids)
+    return bitmask
 
 
 def _suppressed(seq: Sequence, num_output_tokens: int) -> list[int]:

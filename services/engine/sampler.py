@@ -25,6 +25,9 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     suppressed_token_ids: list[list[int]]
     """Ids that must not be sampled now (EOS and stop ids before `min_tokens`)."""
+    bitmask: torch.Tensor | None = None
+    """[num_rows, ceil(vocab_size / 32)] int32: the tokens each row's grammar allows (None: no row
+    has a grammar)."""
 
     @property
     def num_rows(self) -> int:
@@ -32,20 +35,23 @@ class SamplingBatch:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Suppressed ids, logit bias, then repetition (prompt + output), frequency and presence (output)
-    penalties. Returns `logits` itself, uncopied, when no row has any (the common case on the hot path)."""
+    """Grammar mask, logit bias, suppressed ids, then repetition (prompt + output), frequency and
+    presence (output) penalties. Returns `logits` itself, uncopied, when no row has any (the common
+    case on the hot path)."""
     rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
     biased = [i for i, p in enumerate(batch.params) if p.logit_bias]
-    if not rows and not biased and not any(batch.suppressed_token_ids):
+    if not rows and not biased and not any(batch.suppressed_token_ids) and batch.bitmask is None:
         return logits
     logits = logits.clone()
+    if batch.bitmask is not None:
+        apply_bitmask(logits, batch.bitmask)
     for i in biased:
         bias = batch.params[i].logit_bias
         bias_ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
         logits[i, bias_ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     for i, ids in enumerate(batch.suppressed_token_ids):
         if ids:
-            logits[i, ids] = float("-inf")
+            _suppress(logits[i], ids)
     if not rows:
         return logits
     vocab_size = logits.shape[-1]
@@ -67,6 +73,28 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sub = sub - frequency * counts - presence * (counts > 0).float()
     logits[rows] = sub
     return logits
+
+
+def _suppress(row_logits: torch.Tensor, token_ids: list[int]) -> None:
+    """Bans `token_ids` (min_tokens) unless nothing else is left: where a grammar allows only its
+    stop token, the grammar wins over min_tokens."""
+    kept = row_logits[token_ids].clone()
+    row_logits[token_ids] = float("-inf")
+    if torch.isneginf(row_logits).all():
+        row_logits[token_ids] = kept
+
+
+BITS_PER_MASK_WORD = 32
+"""A token bitmask packs the allowed ids of a row into int32 words: bit `t % 32` of word `t // 32`."""
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf, in place, every logit whose bit is clear. logits: [num_rows, vocab_size];
+    bitmask: [num_rows, ceil(vocab_size / 32)] int32 (a grammar's allowed next tokens per row)."""
+    bits = torch.arange(BITS_PER_MASK_WORD, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.to(logits.device)[:, :, None] >> bits) & 1  # [num_rows, num_words, 32]
+    allowed = allowed.flatten(1)[:, : logits.shape[-1]].bool()
+    return logits.masked_fill_(~allowed, float("-inf"))
 
 
 def apply_temperature(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -117,5 +145,6 @@ def gather_logprobs(
         token = int(token_ids[i])
         top = torch.topk(logprobs[i], p.logprobs) if p.logprobs else None
         alternatives = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        alternatives = {t: v for t, v in alternatives.items() if v != float("-inf")}  # masked out
         out.append(TokenLogprobs(token, float(logprobs[i, token]), alternatives))
     return out

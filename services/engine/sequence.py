@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.engine.grammar import GrammarState
 from shared.sampling_params import SamplingParams
 
 
@@ -116,6 +117,8 @@ class Sequence:
     spec: SpecState = field(default_factory=SpecState)
     handoff: bool = False
     """Prefill-only: after the first token, the request's KV moves to a decode instance."""
+    grammar: GrammarState | None = None
+    """Where the request stands in its grammar (requests with structured output)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -348,8 +348,7 @@ async def _stream(
                 await sse.fail(APIError.from_mesh(event.error))
                 break
             choices[index].add(event)
-            chunk = renderer.chunk(choices[index], event)
-            if chunk is not None:
+            for chunk in renderer.chunks(choices[index], event):
                 await sse.send(chunk)
         else:
             if job.include_usage:

@@ -35,6 +35,7 @@ from services.gateway.app import GatewaySettings, create_app
 from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
 from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
+from services.gateway.tool_calls import TOOL_CALL_PARSERS
 from services.runtime import API_KEY_ENV, add_redis_args, redis_settings, setup_logging
 from shared.bus import RedisSettings
 from shared.reference import default_model
@@ -118,6 +119,12 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--served-model-name", help="name clients use in 'model' (default: the directory name)"
     )
     model.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool_choice 'auto' finds tool calls in the text: hermes (<tool_call>{...}</tool_call>, "
+        "Qwen2.5/Qwen3) or llama3_json (default: none; 'auto' is then refused)",
+    )
+    model.add_argument(
         "--max-model-len",
         type=int,
         help="longest prompt + output in tokens (default: config.json max_position_embeddings)",
@@ -150,7 +157,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
-    served = ServedModel.load(args.model or default_model(), args.served_model_name, args.max_model_len)
+    served = ServedModel.load(
+        args.model or default_model(), args.served_model_name, args.max_model_len, args.tool_call_parser
+    )
     settings: RedisSettings = args.bus
     backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
     app = create_app(served, backend, gateway_settings(args))

@@ -56,6 +56,34 @@ class StreamOptions(_Request):
     """Send a last chunk with `usage` (and `choices: []`) before `[DONE]`."""
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    """The JSON Schema the output must validate against."""
+    strict: bool | None = None
+    """true: objects take only their listed properties (no additional ones, whatever the schema
+    says); false or absent: the schema's own `additionalProperties` rules."""
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: `text` (unconstrained), `json_object` (any JSON object) or
+    `json_schema` (output constrained to the schema by the grammar engine)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+
 class SamplingFields(_Request):
     """What completions and chat requests share: model, sampling, stops, fan-out, streaming."""
 
@@ -90,6 +118,15 @@ class SamplingFields(_Request):
     """Token id (a string, as OpenAI's JSON) -> value in [-100, 100] added to its logit before sampling."""
     speculative: SpeculativeOverride | None = None
     """specmesh extension: this request's own speculative method / k, or `{"enabled": false}`."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM extension: a JSON Schema (an object, or its JSON text) the output must follow."""
+    guided_regex: str | None = Field(default=None, min_length=1)
+    """vLLM extension: a regular expression the whole output must match."""
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    """vLLM extension: the output is exactly one of these strings."""
+    guided_whitespace_pattern: str | None = None
+    """Accepted and ignored (vLLM's): JSON output is compact."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -166,6 +203,17 @@ class ChatMessage(_Request):
     """The call a `tool` message answers, handed to the chat template."""
 
 
+class FunctionName(_Request):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming one function: the output is one call of it."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatTemplateFields(_Request):
     """How messages are rendered into a prompt: the chat template's inputs (vLLM's fields)."""
 
@@ -188,9 +236,12 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """Takes precedence over the older `max_tokens`."""
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    """Tool calls are not parsed from the output: with `tools`, only `"none"` is accepted."""
-    response_format: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """`auto` (the default with tools): the model may call tools, parsed out of its text by the
+    gateway's `--tool-call-parser`; `required`: at least one call, constrained to the tools'
+    schemas; a named function: exactly one call of it; `none`: text only."""
+    parallel_tool_calls: bool | None = None
+    """Accepted and ignored: `auto` and `required` may give several calls."""
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -308,10 +359,41 @@ class ChatLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+    """The call's arguments as JSON text."""
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    """The text; null when the answer is only tool calls."""
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Calls of the request's tools (empty when there are none)."""
+
+
+class FunctionCallDelta(_Chunk):
+    """A stream's piece of a call: the name once, then fragments of the arguments' JSON text."""
+
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ToolCallDelta(_Chunk):
+    """A stream's piece of tool call `index`: its first piece carries `id`, `type` and the name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: FunctionCallDelta
 
 
 class ChatChoice(_Response):
@@ -333,10 +415,11 @@ class ChatCompletion(_Response):
 
 
 class ChatDelta(_Chunk):
-    """Only the fields a chunk carries: `role` in the first, `content` after."""
+    """Only the fields a chunk carries: `role` in the first, `content` or `tool_calls` after."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(_Response):

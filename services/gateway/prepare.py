@@ -29,9 +29,11 @@ from services.gateway.openai_api import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from services.gateway.tool_calls import ToolPlan, plan_tools
 from shared.errors import ModelConfigError
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput, StructuredOutputError
 from shared.tokenizer import NoChatTemplateError, Tokenizer
 
 SEED_MODULUS = 2**63
@@ -63,10 +65,16 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     created: int
+    tool_call_parser: str | None = None
+    """How `tool_choice: auto` finds calls in the text (services/gateway/tool_calls.py); None: refused."""
 
     @classmethod
     def load(
-        cls, model_dir: str | Path, name: str | None = None, max_model_len: int | None = None
+        cls,
+        model_dir: str | Path,
+        name: str | None = None,
+        max_model_len: int | None = None,
+        tool_call_parser: str | None = None,
     ) -> ServedModel:
         """Reads tokenizer and config.json only (no weights)."""
         model_dir = Path(model_dir)
@@ -85,6 +93,7 @@ class ServedModel:
             max_model_len=context,
             vocab_size=int(config.get("vocab_size") or tokenizer.vocab_size),
             created=int(time.time()),
+            tool_call_parser=tool_call_parser,
         )
 
 
@@ -103,6 +112,8 @@ class Job:
     logprobs: int | None
     echo_texts: tuple[str, ...] = ()
     """With `echo`: the prompt text of each choice, which its text starts with; else empty."""
+    tools: ToolPlan | None = None
+    """Chat with tools the model may call: how calls are read out of its text."""
 
 
 def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
@@ -123,7 +134,8 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
             param="n",
         )
     prompts = [_completion_prompt_ids(p, served) for p in prompt_list]
-    job = _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs)
+    structured = structured_output(body)
+    job = _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs, structured)
     if not body.echo:
         return job
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p) for p in prompt_list]
@@ -132,21 +144,24 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
 
 def chat_job(body: ChatCompletionRequest, served: ServedModel) -> Job:
     _check_common(body, served)
-    if body.tools and body.tool_choice != "none":
-        raise APIError.bad_request(
-            "tool calls are not parsed from the output: with tools, only tool_choice 'none' is "
-            "supported (the tools are rendered into the prompt by the chat template)",
-            param="tool_choice",
-        )
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError.bad_request("only response_format type 'text' is supported", param="response_format")
+    tools, tool_grammar = plan_tools(body.tools, body.tool_choice, served.tool_call_parser)
+    structured = structured_output(body)
+    if tool_grammar is not None:
+        if structured is not None:
+            raise APIError.bad_request(
+                "tool_choice 'required' or a named function constrains the output already: "
+                "give no response_format or guided_* with it",
+                param="tool_choice",
+            )
+        structured = tool_grammar
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.max_completion_tokens is not None:
         body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
     prompt_ids = served.tokenizer.encode(render_chat(body.messages, body, served), add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, served, [prompt_ids], logprobs)
+    job = _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, served, [prompt_ids], logprobs, structured)
+    return replace(job, tools=tools)
 
 
 def tokenize(body: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
@@ -200,8 +215,9 @@ def _job(
     served: ServedModel,
     prompts: list[list[int]],
     logprobs: int | None,
+    structured: StructuredOutput | None = None,
 ) -> Job:
-    params = [_sampling_params(body, served, prompt_ids, logprobs) for prompt_ids in prompts]
+    params = [_sampling_params(body, served, prompt_ids, logprobs, structured) for prompt_ids in prompts]
     num_choices = len(prompts) * body.n
     requests = []
     for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
@@ -233,7 +249,11 @@ def _job(
 
 
 def _sampling_params(
-    body: SamplingFields, served: ServedModel, prompt_ids: list[int], logprobs: int | None
+    body: SamplingFields,
+    served: ServedModel,
+    prompt_ids: list[int],
+    logprobs: int | None,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     fields: dict[str, Any] = {
         name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None
@@ -251,6 +271,7 @@ def _sampling_params(
     fields["logprobs"] = logprobs
     fields["seed"] = body.seed
     fields["logit_bias"] = _logit_bias(body.logit_bias or {}, served)
+    fields["structured"] = structured
     try:
         params = SamplingParams(**fields)
     except ValidationError as exc:
@@ -270,6 +291,55 @@ def _sampling_params(
             f"stop_token_ids out of range [0, {served.vocab_size}): {bad_stop[:5]}", param="stop_token_ids"
         )
     return params
+
+
+def structured_output(body: SamplingFields) -> StructuredOutput | None:
+    """The grammar `response_format` or one of vLLM's `guided_*` fields asks for (at most one of
+    them), checked by the grammar engine: 400 naming the field when it cannot be followed."""
+    given = {
+        name: value
+        for name, value in (
+            ("response_format", body.response_format if _constrains(body) else None),
+            ("guided_json", body.guided_json),
+            ("guided_regex", body.guided_regex),
+            ("guided_choice", body.guided_choice),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise APIError.bad_request(
+            f"give at most one of response_format, guided_json, guided_regex, guided_choice (got {', '.join(given)})",
+            param=list(given)[1],
+        )
+    if not given:
+        return None
+    [(param, value)] = given.items()
+    try:
+        structured = _structured(param, body)
+        structured.check()
+    except StructuredOutputError as exc:
+        raise APIError.bad_request(str(exc), param=param) from None
+    return structured
+
+
+def _constrains(body: SamplingFields) -> bool:
+    return body.response_format is not None and body.response_format.type != "text"
+
+
+def _structured(param: str, body: SamplingFields) -> StructuredOutput:
+    if param == "guided_json":
+        return StructuredOutput.json_schema(body.guided_json)
+    if param == "guided_regex":
+        return StructuredOutput(kind="regex", spec=body.guided_regex or "")
+    if param == "guided_choice":
+        return StructuredOutput.choice(body.guided_choice or [])
+    response_format = body.response_format
+    assert response_format is not None
+    if response_format.json_schema is None:
+        return StructuredOutput(kind="json_object")
+    return StructuredOutput.json_schema(
+        response_format.json_schema.json_schema, strict=bool(response_format.json_schema.strict)
+    )
 
 
 def _logit_bias(bias: dict[str, float], served: ServedModel) -> dict[int, float]:

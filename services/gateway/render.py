@@ -31,6 +31,7 @@ from services.gateway.openai_api import (
     Usage,
 )
 from services.gateway.prepare import Job
+from services.gateway.tool_calls import ToolCallStream, parse_tool_calls
 from shared.protocol import TokenEvent, TokenLogprob
 from shared.tokenizer import Tokenizer
 
@@ -50,6 +51,8 @@ class ChoiceState:
     spec_stats: dict[str, Any] = field(default_factory=dict)
     text_offset: int = 0
     """Characters of token strings given in completion logprobs so far (their `text_offset`)."""
+    tool_stream: ToolCallStream | None = None
+    """Chat with tools, streamed: what the text deltas become."""
     first_token_at: float | None = None
     finished_at: float | None = None
     """time.perf_counter() of the first token and of the end (TTFT and TPOT)."""
@@ -154,17 +157,24 @@ class Renderer:
             id=job.request_id,
             created=job.created,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=ChatMessageOut(content=c.text),
-                    logprobs=self._chat_logprobs(c.logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for c in choices
-            ],
+            choices=[self._chat_choice(c) for c in choices],
             usage=usage(job, choices),
+        )
+
+    def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
+        """The message, with the tool calls found in the text when the request has tools."""
+        message = ChatMessageOut(content=choice.text)
+        finish_reason = choice.finish_reason
+        if self.job.tools is not None:
+            content, calls = parse_tool_calls(self.job.tools, choice.text)
+            message = ChatMessageOut(content=content, tool_calls=[call.tool_call() for call in calls])
+            finish_reason = _tool_finish_reason(finish_reason, bool(calls))
+        return ChatChoice(
+            index=choice.index,
+            message=message,
+            logprobs=self._chat_logprobs(choice.logprobs),
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason,
         )
 
     def first_chunks(self) -> list[OpenAIBody]:
@@ -184,6 +194,34 @@ class Renderer:
             self._chat_chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
             for i in range(len(self.job.requests))
         ]
+
+    def chunks(self, choice: ChoiceState, event: TokenEvent) -> list[OpenAIBody]:
+        """The chunks for one event of `choice` (already added to it): one, none when it carries
+        nothing, or with tools one per content piece and tool-call piece."""
+        if self.job.tools is not None:
+            return self._tool_chunks(choice, event)
+        chunk = self.chunk(choice, event)
+        return [chunk] if chunk is not None else []
+
+    def _tool_chunks(self, choice: ChoiceState, event: TokenEvent) -> list[OpenAIBody]:
+        assert self.job.tools is not None
+        if choice.tool_stream is None:
+            choice.tool_stream = ToolCallStream(self.job.tools)
+        stream = choice.tool_stream
+        deltas = stream.feed(event.text) + (stream.finish() if event.finished else [])
+        chunks: list[OpenAIBody] = [
+            self._chat_chunk(ChatChunkChoice(index=choice.index, delta=delta)) for delta in deltas
+        ]
+        if event.finished:
+            finish_reason = _tool_finish_reason(event.finish_reason, stream.num_calls > 0)
+            last = ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(),
+                finish_reason=finish_reason,
+                stop_reason=event.stop_reason,
+            )
+            chunks.append(self._chat_chunk(last))
+        return chunks
 
     def chunk(self, choice: ChoiceState, event: TokenEvent) -> OpenAIBody | None:
         """The chunk for one event of `choice` (already added to it); None when it carries nothing."""
@@ -274,6 +312,11 @@ class Renderer:
                 for lp in logprobs
             ]
         )
+
+
+def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended with calls (a cut one stays `length`)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _decoder_type(tokenizer: Tokenizer) -> str | None:

@@ -11,11 +11,13 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
 
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 from tests.mesh.harness import LocalMesh, metric_value
 
 WORKER_FLAGS = ("--device", "cpu", "--max-model-len", "1024", "--no-suffix-cache")
@@ -190,3 +192,49 @@ def test_client_disconnect_frees_the_blocks(deployment) -> None:
         time.sleep(0.2)
     assert metric_value(text, "specmesh_worker_requests_finished_total", reason="abort") >= 1
     assert metric_value(deployment.metrics(worker), "specmesh_worker_kv_free_blocks") >= total
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_matches_the_offline_engine(deployment, offline) -> None:
+    """The grammar travels with the request to the workers (and from prefill to decode): the mesh's
+    constrained output is the offline engine's, and it follows its grammar."""
+    with client(deployment) as sdk:
+        check_structured_output(sdk, offline)
+
+
+def check_structured_output(sdk: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": STRUCTURED_SCHEMA}}
+    chat = sdk.chat.completions.create(
+        model="tiny", messages=messages, temperature=0.0, max_tokens=48, response_format=schema_format
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=48, structured=StructuredOutput.json_schema(STRUCTURED_SCHEMA)
+    )
+    assert chat.choices[0].message.content == offline.chat(messages, params).text
+    if chat.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(chat.choices[0].message.content), STRUCTURED_SCHEMA)
+    choices = ["def add", "class Point", "import os"]
+    with sdk.completions.create(
+        model="tiny",
+        prompt=PROMPTS[1],
+        temperature=0.0,
+        max_tokens=16,
+        stream=True,
+        extra_body={"guided_choice": choices},
+    ) as stream:
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    choice_params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured=StructuredOutput.choice(choices)
+    )
+    assert text == offline.generate(PROMPTS[1], choice_params)[0].text
+    assert text in choices
+    with pytest.raises(openai.BadRequestError, match="invalid regex"):
+        sdk.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})

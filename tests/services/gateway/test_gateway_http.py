@@ -270,7 +270,7 @@ async def test_chat_renders_the_template_and_answers_in_shape(
     assert status == 200
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     [choice] = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None}
+    assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None, "tool_calls": []}
     assert choice["finish_reason"] == "stop"
     tokenizer = served.tokenizer
     rendered = "<|system|>Be brief.<|endoftext|><|user|>hi<|endoftext|><|assistant|>"

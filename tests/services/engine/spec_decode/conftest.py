@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine.llm import LLM
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
@@ -17,3 +18,31 @@ def target(make_checkpoint):
 def naive_tokens(target) -> list[list[int]]:
     llm = LLM(target, device="cpu", max_model_len=192)
     return [o.token_ids for o in llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def mtp_head(target, tmp_path_factory) -> str:
+    """An MTP head trained for a few seconds on the target's own greedy continuations."""
+    from training.train_mtp import TrainMTPConfig, train_mtp
+
+    llm = LLM(target, device="cpu", max_model_len=192)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(8, seed=9), sampling_params=GREEDY)
+    corpus = torch.tensor([t for o in outputs for t in o.prompt_token_ids + o.token_ids] * 4)
+    out = tmp_path_factory.mktemp("mtp")
+    torch.save(corpus, out / "corpus.pt")
+    train_mtp(
+        TrainMTPConfig(
+            base=target,
+            out=out / "head",
+            data_tokens=out / "corpus.pt",
+            steps=150,
+            batch_size=8,
+            seq_len=32,
+            lr=1e-2,
+            warmup_steps=10,
+            eval_every=1000,
+            device="cpu",
+            progress=False,
+        )
+    )
+    return str(out / "head")

@@ -218,34 +218,6 @@ def test_bad_speculative_configs_say_what_to_change(target) -> None:
         spec_llm(target, method="draft_model", model=target, num_speculative_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def mtp_head(target, tmp_path_factory) -> str:
-    """An MTP head trained for a few seconds on the target's own greedy continuations."""
-    from training.train_mtp import TrainMTPConfig, train_mtp
-
-    llm = LLM(target, device="cpu", max_model_len=192)
-    outputs = llm.generate(prompt_token_ids=repetitive_prompts(8, seed=9), sampling_params=GREEDY)
-    corpus = torch.tensor([t for o in outputs for t in o.prompt_token_ids + o.token_ids] * 4)
-    out = tmp_path_factory.mktemp("mtp")
-    torch.save(corpus, out / "corpus.pt")
-    train_mtp(
-        TrainMTPConfig(
-            base=target,
-            out=out / "head",
-            data_tokens=out / "corpus.pt",
-            steps=150,
-            batch_size=8,
-            seq_len=32,
-            lr=1e-2,
-            warmup_steps=10,
-            eval_every=1000,
-            device="cpu",
-            progress=False,
-        )
-    )
-    return str(out / "head")
-
-
 @pytest.mark.parametrize("strategy", ["default", "with_ngram"])
 def test_mtp_keeps_greedy_output(target, naive_tokens, mtp_head, strategy: str) -> None:
     llm = spec_llm(

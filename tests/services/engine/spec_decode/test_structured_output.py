@@ -1,0 +1,191 @@
+"""Structured output under speculation: every verified row is masked by the grammar state after the
+drafts before it, so greedy output equals plain constrained decoding whatever the method, every
+output follows its grammar, and requests without one are untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from services.engine.engine import RequestError
+from services.engine.grammar import GrammarCompiler, GrammarState, allocate_bitmask
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
+from shared.tokenizer import Tokenizer
+from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["add", "sub"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "kind", "count"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"
+CHOICES = ["def add", "class Point", "import os"]
+GRAMMARS = {
+    "json_schema": StructuredOutput.json_schema(SCHEMA),
+    "regex": StructuredOutput(kind="regex", spec=REGEX),
+    "choice": StructuredOutput.choice(CHOICES),
+}
+PROMPTS = [
+    '{"name": "ab", "ok": true, "kind": "add", "count": 3}\n' * 3,
+    "me@home.org you@work.com us@",
+    "def add(a, b):\n    return a + b\nclass Point",
+    "for i in range(10):\n",
+]
+
+
+def spec_llm(target: str, **spec: object) -> LLM:
+    return LLM(target, device="cpu", max_model_len=256, speculative_config={"adaptive": False, **spec})
+
+
+def drafting(method: str, target: str, mtp_head: str) -> dict[str, object]:
+    return {
+        "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),
+        "suffix": dict(method="suffix", num_speculative_tokens=6),
+        "mtp": dict(method="mtp", model=mtp_head, num_speculative_tokens=3, mtp_strategy="with_ngram"),
+        # the target as its own unconstrained draft model proposes exactly the tokens the grammar
+        # must overrule: its drafts leave the grammar all the time
+        "draft_model": dict(method="draft_model", model=target, num_speculative_tokens=3),
+    }[method]
+
+
+def constrained(params: SamplingParams, grammar: str) -> SamplingParams:
+    return params.model_copy(update={"structured": GRAMMARS[grammar], "max_tokens": 48, "ignore_eos": False})
+
+
+def assert_follows(grammar: str, text: str, finish_reason: str | None) -> None:
+    if finish_reason != "stop":  # cut by max_tokens: a prefix of a legal answer
+        return
+    if grammar == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif grammar == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES
+
+
+@pytest.fixture(scope="module")
+def naive_by_grammar(target) -> dict[str, list[list[int]]]:
+    llm = LLM(target, device="cpu", max_model_len=256)
+    return {
+        grammar: [o.token_ids for o in llm.generate(PROMPTS, constrained(GREEDY, grammar))]
+        for grammar in GRAMMARS
+    }
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "mtp", "draft_model"])
+def test_greedy_output_under_a_grammar_equals_naive(target, mtp_head, naive_by_grammar, method: str) -> None:
+    llm = spec_llm(target, **drafting(method, target, mtp_head))
+    num_drafts = num_stops = 0
+    for grammar in GRAMMARS:
+        outputs = llm.generate(PROMPTS, constrained(GREEDY, grammar))
+        assert [o.token_ids for o in outputs] == naive_by_grammar[grammar], grammar
+        for output in outputs:
+            assert_follows(grammar, output.text, output.finish_reason)
+        num_drafts += sum(int(o.spec_stats["num_draft_tokens"]) for o in outputs)
+        num_stops += sum(o.finish_reason == "stop" for o in outputs)
+    assert num_drafts > 0
+    assert num_stops >= len(PROMPTS)  # the grammars end, so most answers are complete
+
+
+def test_drafts_that_leave_the_grammar_are_rejected(target, naive_by_grammar) -> None:
+    """The target drafting for itself without the grammar: a draft is accepted exactly when it is
+    the constrained greedy token, so unconstrained choices the grammar refuses are rejected at
+    their row and the accepted length drops below k + 1."""
+    llm = spec_llm(target, **drafting("draft_model", target, ""))
+    outputs = llm.generate(PROMPTS, constrained(GREEDY, "json_schema"))
+    assert [o.token_ids for o in outputs] == naive_by_grammar["json_schema"]
+    accepted = sum(int(o.spec_stats["num_accepted_tokens"]) for o in outputs)
+    assert 0 < accepted < sum(int(o.spec_stats["num_draft_tokens"]) for o in outputs)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_seeded_sampling_under_a_grammar_is_legal_and_lossless(target, mtp_head, method: str) -> None:
+    params = SamplingParams(temperature=0.9, top_k=50, seed=11)
+    prompts = PROMPTS[:2]
+    plain = LLM(target, device="cpu", max_model_len=256)
+    llm = spec_llm(target, **drafting(method, target, mtp_head))
+    for grammar in GRAMMARS:
+        naive = plain.generate(prompts, constrained(params, grammar))
+        drafted = llm.generate(prompts, constrained(params, grammar))
+        assert [o.token_ids for o in drafted] == [o.token_ids for o in naive], grammar
+        for output in drafted:
+            assert_follows(grammar, output.text, output.finish_reason)
+
+
+def test_a_request_without_a_grammar_beside_one_with_keeps_its_tokens(target, naive_tokens) -> None:
+    llm = spec_llm(target, **drafting("ngram", target, ""))
+    prompts = repetitive_prompts()
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"plain-{i}", prompt_token_ids=prompt, params=GREEDY)
+        engine.add_request(f"json-{i}", prompt=PROMPTS[0], params=constrained(GREEDY, "json_schema"))
+    tokens: dict[str, list[int]] = {}
+    fusable: dict[str, bool] = {}
+    while engine.has_unfinished_requests():
+        for seq in engine.scheduler.running:
+            fusable[seq.request_id] = engine.runner._fusable(seq)
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert [tokens[f"plain-{i}"] for i in range(len(prompts))] == naive_tokens
+    assert all(fusable[f"plain-{i}"] for i in range(len(prompts)))  # the fused verify keeps them
+    assert not any(fusable[f"json-{i}"] for i in range(len(prompts)))
+
+
+def test_each_distinct_grammar_is_compiled_once(target) -> None:
+    llm = LLM(target, device="cpu", max_model_len=256)
+    llm.generate(PROMPTS, constrained(GREEDY, "regex"))
+    llm.generate(PROMPTS[:2], constrained(GREEDY, "regex"))
+    assert llm.engine.grammars.num_compiled == 1
+    llm.generate(PROMPTS[:1], constrained(GREEDY, "choice"))
+    assert llm.engine.grammars.num_compiled == 2
+
+
+@pytest.mark.parametrize(
+    ("structured", "message"),
+    [
+        (StructuredOutput(kind="regex", spec="[a-z"), "invalid regex"),
+        (StructuredOutput.json_schema({"type": "objekt"}), 'Unsupported type "objekt"'),
+    ],
+)
+def test_a_grammar_the_engine_cannot_follow_is_refused(target, structured, message: str) -> None:
+    llm = LLM(target, device="cpu", max_model_len=256)
+    with pytest.raises(RequestError, match=re.escape(message)):
+        llm.generate(PROMPTS[:1], GREEDY.model_copy(update={"structured": structured}))
+
+
+def test_row_masks_follow_the_drafts_and_leave_the_state_where_it_was(target) -> None:
+    """Row j's mask is the grammar's after j drafts; a refused draft stops the rows there; filling
+    the masks does not move the state."""
+    tokenizer = Tokenizer(target)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, frozenset(tokenizer.eos_token_ids))
+    state = GrammarState(compiler.submit(GRAMMARS["choice"]), max_num_drafts=4)
+    drafts = tokenizer.encode("class Point", add_special_tokens=False)
+    bitmask = allocate_bitmask(len(drafts) + 1, tokenizer.vocab_size)
+    state.fill_rows(drafts, bitmask, 0)
+    for j, draft in enumerate(drafts):
+        assert allowed(bitmask, j, draft)
+    eos = min(tokenizer.eos_token_ids)
+    assert allowed(bitmask, len(drafts), eos) and not allowed(bitmask, 0, eos)
+
+    refused = [drafts[0], tokenizer.encode("@", add_special_tokens=False)[0], drafts[1]]
+    bitmask = allocate_bitmask(len(refused) + 1, tokenizer.vocab_size)
+    state.fill_rows(refused, bitmask, 0)
+    assert allowed(bitmask, 0, refused[0]) and not allowed(bitmask, 1, refused[1])
+    assert bool((bitmask[2:] == -1).all())  # untouched past the refused draft
+    assert state.advance(drafts)  # the state was still at the start
+    compiler.close()
+
+
+def allowed(bitmask, row: int, token_id: int) -> bool:
+    return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
