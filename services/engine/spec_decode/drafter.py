@@ -162,7 +162,8 @@ class Drafter:
             batch = DraftBatch.on_host(self.inputs, seqs, ks)
             drafted = time.perf_counter()
             drafts = proposer.propose(batch)
-            self.adaptive.record_drafting(method, ks, 0, time.perf_counter() - drafted)
+            seconds = time.perf_counter() - drafted
+            self.adaptive.record_drafting(method, ks, drafts.num_context_tokens, seconds)
             counts = drafts.num_drafts.tolist()
             for seq, row, n in zip(seqs, drafts.token_ids.tolist(), counts):
                 seq.spec.draft_token_ids = row[:n]

@@ -105,6 +105,8 @@ class DraftBatch:
 class Drafts:
     token_ids: torch.Tensor  # [num_seqs, width] int32, -1 past each request's count
     num_drafts: torch.Tensor  # [num_seqs] int32
+    num_context_tokens: int = 0
+    """Tokens a host proposer took in that it had not seen (index updates): its cost grows with them."""
 
     @classmethod
     def none(cls, num_seqs: int, device: torch.device) -> Drafts:
@@ -114,12 +116,12 @@ class Drafts:
         )
 
     @classmethod
-    def from_lists(cls, drafts: list[list[int]]) -> Drafts:
+    def from_lists(cls, drafts: list[list[int]], num_context_tokens: int = 0) -> Drafts:
         width = max((len(d) for d in drafts), default=0) or 1
-        token_ids = torch.full((len(drafts), width), -1, dtype=torch.int32)
-        for i, d in enumerate(drafts):
-            token_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int32)
-        return cls(token_ids, torch.tensor([len(d) for d in drafts], dtype=torch.int32))
+        rows = [d + [-1] * (width - len(d)) for d in drafts]
+        token_ids = torch.tensor(rows, dtype=torch.int32).view(len(drafts), width)
+        num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int32)
+        return cls(token_ids, num_drafts, num_context_tokens)
 
 
 class Proposer:

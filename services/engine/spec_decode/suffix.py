@@ -1,28 +1,30 @@
 """SuffixDecoding drafts: continue a request with what followed its context in earlier text.
 
-SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) keeps two suffix trees (see `suffix_tree`):
-a *per-request* tree over the request's own prompt and output, which catches a request repeating
-itself (code edits, lists, agent loops), and a *global* tree over the outputs of earlier requests,
-which catches requests repeating each other. Each step, both are matched against the end of the
-request's tokens and the draft with the higher score (expected accepted tokens) is proposed. The
-draft length follows the match length: at most `floor(max_spec_factor * match_len)` tokens.
+SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) keeps two suffix indexes: a *per-request*
+one over the request's own prompt and output (`suffix_automaton.SuffixAutomaton`), which catches a
+request repeating itself (code edits, lists, agent loops), and a *global* tree over the outputs of
+earlier requests (`suffix_tree.GlobalSuffixIndex`), which catches requests repeating each other.
+Each step, both are matched against the end of the request's tokens and the draft with the higher
+score (expected accepted tokens) is proposed. The draft length follows the match length: at most
+`floor(max_spec_factor * match_len)` tokens.
 
-A request's own tree is built at its first draft, from its tokens so far, and kept up to date from
-then on; until then its tokens are only recorded. Adaptive speculation leaves requests at k = 0 when
-drafting costs more than it saves, and those then cost a list append per step, not an index update.
-The tree built late is the one built token by token (`extend` appends one token at a time either
-way), so drafts do not depend on when it was built.
+A request's own index is built at its first draft, from its tokens so far. The engine's `append`
+only records a step's tokens; the index takes them in at the request's next `propose`, so that
+all of a step's index work happens in the one call the drafter times and prices (adaptive
+speculation charges it per context token). Requests left at k = 0 cost a list append per step,
+not an index update. The index drafts as a suffix tree of the same tokens would, whenever it is
+built, so drafts do not depend on when it was built.
 
-Cost per `propose`: O(k * D) worst case on the per-request tree (no matching: its active suffixes
-are kept as tokens arrive, O(D) per token), O(D log D + D * k) typical on the global tree, with
-`D = max_tree_depth` and `k` draft tokens; a request's first draft also indexes its n tokens so far,
-O(n * D) worst case.
+Cost per `propose`, with `D = max_tree_depth` and `k` draft tokens: on the per-request index
+O(min(s, D)) per new token, for the s states of the sequence's repeated suffixes (a few on copied
+text), and O(D + k * states tried) for the draft; O(D log D + D * k) typical on the global tree.
+A request's first draft also indexes its n tokens so far.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
 default) or in the `suffix-cache` service that every decode worker shares
 (`services.suffix_cache.client.RemoteSuffixIndex`), so a request drafts from outputs that any
 worker produced. It is asked once per step for the whole batch, and may answer None for a query
-(a remote index that did not answer in time): that request then drafts from its own tree only.
+(a remote index that did not answer in time): that request then drafts from its own index only.
 """
 
 from __future__ import annotations
@@ -34,13 +36,12 @@ from typing import Protocol
 
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
+from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_TREE_DEPTH,
     GlobalSuffixIndex,
-    IndexedSequence,
     SuffixDraft,
-    SuffixTree,
     check_spec_params,
     check_tree_params,
 )
@@ -135,10 +136,10 @@ class SuffixConfig:
 @dataclass
 class _RequestState:
     token_ids: list[int]
-    """The request's prompt and output so far; once it is indexed, the list its tree holds."""
+    """The request's prompt and output so far."""
     num_prompt_tokens: int
-    index: tuple[SuffixTree, IndexedSequence] | None = None
-    """The request's own tree and its sequence there; None until the request first drafts."""
+    index: SuffixAutomaton | None = None
+    """The request's own index over the first `index.num_tokens` of them; None until it first drafts."""
 
 
 class SuffixProposer(Proposer):
@@ -154,9 +155,11 @@ class SuffixProposer(Proposer):
         self.config = cfg = config or SuffixConfig()
         self.global_index: GlobalIndex = global_index if global_index is not None else cfg.global_index()
         self._requests: dict[str, _RequestState] = {}
+        self._num_indexed_tokens = 0
+        """Tokens put into per-request indexes so far (each `propose` reports its share)."""
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Records the prompt; the request's tree waits for its first draft."""
+        """Records the prompt; the request's index waits for its first draft."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
@@ -165,18 +168,25 @@ class SuffixProposer(Proposer):
         self.start_request(seq.request_id, seq.prompt_token_ids)
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        self.add_tokens(seq.request_id, token_ids)
+        """Only records the tokens: the request's index takes them in at its next `propose`, which the
+        drafter times and prices (with the step's other index work, in one pass)."""
+        self._state(seq.request_id).token_ids.extend(token_ids)
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
 
     def propose(self, batch: DraftBatch) -> Drafts:
         requests = [(seq.request_id, seq.token_ids, k) for seq, k in zip(batch.seqs, batch.num_wanted_cpu)]
-        return Drafts.from_lists(self.propose_batch(requests))
+        num_indexed = self._num_indexed_tokens
+        drafts = self.propose_batch(requests)
+        return Drafts.from_lists(drafts, num_context_tokens=self._num_indexed_tokens - num_indexed)
 
     def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """Appends accepted output tokens to the request's tree, or only to its tokens before its first draft."""
-        _extend(self._state(request_id), token_ids)
+        """Appends accepted output tokens to the request, and to its index once it has one."""
+        state = self._state(request_id)
+        state.token_ids.extend(token_ids)
+        if state.index is not None:
+            self._sync(state.index, state.token_ids)
 
     def stop_request(self, request_id: str) -> None:
         """Moves the request's output (and prompt, with `cache_prompts`) into the global tree."""
@@ -229,18 +239,21 @@ class SuffixProposer(Proposer):
         cfg = self.config
         check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
         if max_spec_tokens == 0:
-            return SuffixDraft()  # what any tree drafts for k = 0: no reason to build one
-        tree, seq = self._index(state)
-        return tree.speculate_sequence(seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
+            return SuffixDraft()  # what any index drafts for k = 0: no reason to build one
+        return self._index(state).speculate(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
 
-    def _index(self, state: _RequestState) -> tuple[SuffixTree, IndexedSequence]:
-        """The request's tree, built from its tokens so far the first time it is needed."""
+    def _index(self, state: _RequestState) -> SuffixAutomaton:
+        """The request's index over all its tokens; built from them the first time it is needed."""
         if state.index is None:
-            tree = SuffixTree(self.config.max_tree_depth)
-            seq = tree.new_sequence()
-            tree.extend(seq, state.token_ids)
-            state.index, state.token_ids = (tree, seq), seq.token_ids
+            state.index = SuffixAutomaton(self.config.max_tree_depth)
+        self._sync(state.index, state.token_ids)
         return state.index
+
+    def _sync(self, index: SuffixAutomaton, token_ids: list[int]) -> None:
+        """Indexes the tokens `index` has not seen yet."""
+        new = token_ids[index.num_tokens :]
+        index.extend(new)
+        self._num_indexed_tokens += len(new)
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
@@ -250,18 +263,9 @@ class SuffixProposer(Proposer):
 
     def _catch_up(self, state: _RequestState, token_ids: list[int]) -> None:
         """Takes in tokens the caller has but `add_tokens` did not bring, so both ways of feeding work."""
-        num_indexed = len(state.token_ids)
-        if len(token_ids) < num_indexed:
+        num_known = len(state.token_ids)
+        if len(token_ids) < num_known:
             raise ValueError(
-                f"token_ids has {len(token_ids)} tokens but the request already indexed {num_indexed}"
+                f"token_ids has {len(token_ids)} tokens but the request already indexed {num_known}"
             )
-        _extend(state, token_ids[num_indexed:])
-
-
-def _extend(state: _RequestState, token_ids: list[int]) -> None:
-    """Appends tokens to the request: to its tree once built (which appends them to its list too)."""
-    if state.index is None:
-        state.token_ids.extend(token_ids)
-    else:
-        tree, seq = state.index
-        tree.extend(seq, token_ids)
+        state.token_ids.extend(token_ids[num_known:])

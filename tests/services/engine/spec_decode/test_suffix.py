@@ -11,6 +11,7 @@ import pytest
 
 from services.engine.spec_decode import suffix
 from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import (
     GlobalSuffixIndex,
     IndexedSequence,
@@ -403,10 +404,10 @@ def test_node_count_follows_adds_and_removals(seed: int) -> None:
 # --- per-request trees built at the first draft ---
 
 
-def request_tree(proposer: SuffixProposer, request_id: str) -> SuffixTree:
+def request_tree(proposer: SuffixProposer, request_id: str) -> SuffixAutomaton:
     index = proposer._requests[request_id].index
     assert index is not None, f"{request_id} has no tree"
-    return index[0]
+    return index
 
 
 class EagerSuffixProposer(SuffixProposer):
@@ -502,7 +503,7 @@ def test_lazy_trees_draft_exactly_as_eager_ones(seed: int) -> None:
     assert recorded(lazy).local.tree.path_counts() == recorded(eager).local.tree.path_counts()
 
 
-class CountingTree(SuffixTree):
+class CountingTree(SuffixAutomaton):
     built = 0
 
     def __init__(self, max_depth: int) -> None:
@@ -511,7 +512,7 @@ class CountingTree(SuffixTree):
 
 
 def test_a_request_that_never_drafts_builds_no_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(suffix, "SuffixTree", CountingTree)
+    monkeypatch.setattr(suffix, "SuffixAutomaton", CountingTree)
     monkeypatch.setattr(CountingTree, "built", 0)
     proposer = SuffixProposer(SuffixConfig(max_tree_depth=4))
     prompts = {f"r{i}": [i, 1, 2, 1, 2] for i in range(8)}
@@ -536,7 +537,7 @@ def test_a_request_that_never_drafts_builds_no_tree(monkeypatch: pytest.MonkeyPa
     proposer.add_tokens("r1", [1])
     prompts["r0"].append(1)
     tree = request_tree(proposer, "r0")
-    assert tree.root.count == len(prompts["r0"])  # built once, then kept up to date
+    assert tree.num_tokens == len(prompts["r0"])  # built once, then kept up to date
     assert tree.path_counts() == substring_counts([prompts["r0"]], 4)
     assert proposer._requests["r1"].index is None and CountingTree.built == 1
     for request_id in prompts:
