@@ -10,6 +10,7 @@ in the step's tail, and the host proposers (suffix decoding) after the step's re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.engine.block_manager import BlockManager
@@ -145,6 +146,12 @@ class Drafter:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
         method = seq.spec.method
         return self.device_methods.index(method) if method in self.device_methods else -1
+
+    def prepare_on_host(self, device_busy: Callable[[], bool]) -> None:
+        """Host proposers' work that needs no result of the step in flight, while `device_busy()`."""
+        for proposer in self.proposers.values():
+            if not proposer.on_device:
+                proposer.prepare(device_busy)
 
     def propose_on_host(self, plan: StepPlan) -> None:
         """Drafts of the host proposers' requests that are still running (after the step's tokens)."""

@@ -10,6 +10,7 @@ requests' token lists. The drafter looks them up by method name (`drafter.make_p
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,10 @@ class Proposer:
 
     def start(self, seq: Sequence) -> None:
         """A request of this method joined."""
+
+    def prepare(self, device_busy: Callable[[], bool]) -> None:
+        """Host work that needs no step's result, done while `device_busy()` (the device runs a
+        step and the host would only wait): stop soon after it turns False."""
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         """The request kept `token_ids` this step (already in `seq.token_ids`)."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +48,9 @@ from services.engine.spec_decode.suffix_tree import (
     check_tree_params,
 )
 from shared.speculative_config import SpeculativeConfig
+
+PREPARE_CHUNK_TOKENS = 64
+"""Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
 
 class GlobalIndex(Protocol):
@@ -156,13 +161,16 @@ class SuffixProposer(Proposer):
         self.global_index: GlobalIndex = global_index if global_index is not None else cfg.global_index()
         self._requests: dict[str, _RequestState] = {}
         self._num_indexed_tokens = 0
-        """Tokens put into per-request indexes so far (each `propose` reports its share)."""
+        """Tokens put into per-request indexes by `propose` so far (each call reports its share)."""
+        self._unprepared: deque[str] = deque()
+        """Requests whose prompts `prepare` has not indexed yet, oldest first."""
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Records the prompt; the request's index waits for its first draft."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
+        self._unprepared.append(request_id)
 
     def start(self, seq: Sequence) -> None:
         self.start_request(seq.request_id, seq.prompt_token_ids)
@@ -174,6 +182,20 @@ class SuffixProposer(Proposer):
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
+
+    def prepare(self, device_busy: Callable[[], bool]) -> None:
+        """Indexes the tokens of requests that joined, oldest first, PREPARE_CHUNK_TOKENS at a time
+        while the device is busy: off the step's critical path, and not charged to drafting. An index
+        begun here is the one the request's first draft would build, so drafts do not change."""
+        while self._unprepared and device_busy():
+            state = self._requests.get(self._unprepared[0])
+            if state is None or (state.index is not None and state.index.num_tokens >= len(state.token_ids)):
+                self._unprepared.popleft()  # stopped, or indexed by a draft already
+                continue
+            if state.index is None:
+                state.index = SuffixAutomaton(self.config.max_tree_depth)
+            done = state.index.num_tokens
+            state.index.extend(state.token_ids[done : done + PREPARE_CHUNK_TOKENS])
 
     def propose(self, batch: DraftBatch) -> Drafts:
         requests = [(seq.request_id, seq.token_ids, k) for seq, k in zip(batch.seqs, batch.num_wanted_cpu)]

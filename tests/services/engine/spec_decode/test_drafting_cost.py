@@ -8,6 +8,7 @@ import time
 import pytest
 
 from services.engine.llm import LLM
+from services.engine.model_runner import LaunchedStep
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import (
     AdaptiveSpeculation,
@@ -138,3 +139,33 @@ def test_a_slow_suffix_index_is_priced_and_backs_off_at_high_concurrency(
     assert alone_tokens == batched_tokens == free_tokens == naive_tokens
     assert alone_share > 0.6 and free_share > 0.6
     assert batched_share < 0.25
+
+
+@pytest.mark.parametrize("device_busy", [False, True])
+def test_prompts_indexed_while_the_device_runs_are_not_charged(
+    target, naive_tokens, device_busy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the device is still at the step after the host's own work (a GPU), the requests'
+    prompts are indexed then, and drafting is charged only for the outputs it indexes; on the CPU
+    (never busy) the first drafts index the prompts. Greedy output is naive's either way."""
+    monkeypatch.setattr(LaunchedStep, "running", lambda self: device_busy)
+    context_tokens: list[int] = []
+    record = AdaptiveSpeculation.record_drafting
+
+    def recording(
+        self: AdaptiveSpeculation, method: str, ks: list[int], num_context_tokens: int, seconds: float
+    ) -> None:
+        context_tokens.append(num_context_tokens)
+        record(self, method, ks, num_context_tokens, seconds)
+
+    monkeypatch.setattr(AdaptiveSpeculation, "record_drafting", recording)
+    spec = dict(method="suffix", num_speculative_tokens=3, adaptive=False)
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+    prompts = repetitive_prompts()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    num_outputs = sum(len(o.token_ids) for o in outputs)
+    if device_busy:
+        assert 0 < sum(context_tokens) <= num_outputs
+    else:
+        assert sum(context_tokens) >= sum(map(len, prompts)) + len(prompts)

@@ -589,3 +589,54 @@ def test_background_global_index_answers_like_the_index_once_it_has_indexed() ->
     assert background.speculate_batch(queries) == sync.speculate_batch(queries)
     with background._lock:  # the thread is inside an insertion
         assert background.speculate_batch(queries) == [None, None, None]
+
+
+# --- prompts indexed while the device runs a step ---
+
+
+def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_change() -> None:
+    """`prepare` indexes joined requests' tokens a chunk per look at the device, oldest first, and
+    stops once the device is done; drafts then equal those of a proposer that never prepared, whose
+    `propose` reports the prompts as context tokens where the prepared one reports only the outputs."""
+    from services.engine.sequence import Sequence
+    from services.engine.spec_decode.proposer import DraftBatch
+    from shared.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    seqs = {
+        name: Sequence(name, [rng.randrange(6) for _ in range(150)], SamplingParams(), frozenset())
+        for name in ("first", "second")
+    }
+    prepared, plain = SuffixProposer(), SuffixProposer()
+    for proposer in (prepared, plain):
+        for seq in seqs.values():
+            proposer.start(seq)
+    looks = [3]
+
+    def device_busy() -> bool:
+        looks[0] -= 1
+        return looks[0] >= 0
+
+    prepared.prepare(device_busy)  # three chunks of 64: the first prompt whole, the second not begun
+    first, second = (prepared._requests[name].index for name in seqs)
+    assert first is not None and first.num_tokens == 150 and second is None
+    prepared.prepare(lambda: False)
+    assert prepared._requests["second"].index is None
+    prepared.prepare(lambda: True)
+    assert all(prepared._requests[name].index is not None for name in seqs)
+
+    num_outputs = 0
+    for step in range(12):
+        new = {name: [rng.randrange(6) for _ in range(rng.randint(1, 4))] for name in seqs}
+        for proposer in (prepared, plain):
+            for name, seq in seqs.items():
+                proposer.append(seq, new[name])
+        for name, seq in seqs.items():
+            seq.token_ids += new[name]
+            num_outputs += len(new[name])
+        batch = DraftBatch.on_host(None, list(seqs.values()), [4, 4])  # type: ignore[arg-type]
+        drafts, reference = prepared.propose(batch), plain.propose(batch)
+        assert drafts.token_ids.tolist() == reference.token_ids.tolist(), step
+        assert drafts.num_context_tokens == sum(map(len, new.values()))
+        assert reference.num_context_tokens == drafts.num_context_tokens + (300 if step == 0 else 0)
+    assert num_outputs > 0
