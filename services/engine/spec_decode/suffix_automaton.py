@@ -66,27 +66,35 @@ class SuffixAutomaton:
 
         Branch and bound as in `SuffixTree`: a draft scores at most its length, so once the best
         score reaches the next match's length limit no shorter match can beat it; ties keep the
-        longer match."""
-        best = SuffixDraft()
+        longer match. The match lengths of one state share one continuation: once a draft was not
+        cut short by the depth bound, its state's shorter matches give no longer one."""
         if not self.num_tokens:
-            return best
+            return SuffixDraft()
         length, link = self._length, self._link
         state = self._tail if self._tail != self._last else link[self._last]  # the whole sequence occurs once
         longest = min(self.num_tokens, self.max_depth - 1, length[state])
-        paths: dict[int, _GreedyPath] = {}
-        for match_len in range(longest, 0, -1):
+        best: tuple[_GreedyPath, int, int] | None = None
+        """(path, draft length, match length) of the best draft so far."""
+        best_score = 0.0
+        path = None
+        match_len = longest
+        while match_len > 0:
             if length[link[state]] >= match_len:
                 state = link[state]
+                path = None
             max_len = draft_limit(match_len, max_spec_tokens, max_spec_factor)
-            if max_len <= best.score:
+            if max_len <= best_score:
                 break
-            path = paths.get(state)
             if path is None:
-                path = paths[state] = _GreedyPath(state)
-            draft = path.draft(self, match_len, min(max_len, self.max_depth - match_len), min_token_prob)
-            if draft.score > best.score:
-                best = draft
-        return best
+                path = _GreedyPath(state)
+            num_drafts = path.grow(self, min(max_len, self.max_depth - match_len), min_token_prob)
+            if path.scores[num_drafts] > best_score:
+                best, best_score = (path, num_drafts, match_len), path.scores[num_drafts]
+            if num_drafts == max_len or num_drafts < self.max_depth - match_len:
+                match_len = length[link[state]]  # on to the next state
+            else:
+                match_len -= 1
+        return SuffixDraft() if best is None else best[0].draft(*best[1:])
 
     def path_counts(self) -> dict[tuple[int, ...], int]:
         """Every substring of at most `max_depth` tokens with its count; O(substrings), for tests."""
@@ -188,15 +196,14 @@ class _GreedyPath:
         """scores[i]: the sum of the first i cumulative probabilities (score of an i-token draft)."""
         self.stopped = False
 
-    def draft(
-        self, index: SuffixAutomaton, match_len: int, max_len: int, min_token_prob: float
-    ) -> SuffixDraft:
-        """The first `max_len` tokens (fewer where the continuation ends or falls below `min_token_prob`)."""
-        self._grow(index, max_len, min_token_prob)
-        n = min(max_len, len(self.token_ids))
-        return SuffixDraft(self.token_ids[:n], self.probs[:n], match_len, self.scores[n])
+    def draft(self, num_drafts: int, match_len: int) -> SuffixDraft:
+        return SuffixDraft(
+            self.token_ids[:num_drafts], self.probs[:num_drafts], match_len, self.scores[num_drafts]
+        )
 
-    def _grow(self, index: SuffixAutomaton, max_len: int, min_token_prob: float) -> None:
+    def grow(self, index: SuffixAutomaton, max_len: int, min_token_prob: float) -> int:
+        """Grows the path to `max_len` tokens where it goes on (stopping where it ends or falls
+        below `min_token_prob`); the length of the draft it then gives, at most `max_len`."""
         next_, count, best = index._next, index._count, index._best
         while not self.stopped and len(self.token_ids) < max_len:
             token_id = best[self.state]
@@ -214,3 +221,4 @@ class _GreedyPath:
             self.probs.append(prob)
             self.scores.append(self.scores[-1] + cum_prob)
             self.state = child
+        return min(max_len, len(self.token_ids))
