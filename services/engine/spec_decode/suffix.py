@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from services.engine.spec_decode.suffix_tree import (
 )
 from shared.speculative_config import SpeculativeConfig
 
+INSERT_CHUNK_TOKENS = 16
+"""Tokens the background global index inserts between two releases of the GIL."""
 PREPARE_CHUNK_TOKENS = 64
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
@@ -73,7 +76,11 @@ class BackgroundGlobalIndex:
     """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
     by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
     for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
-    thread is inside an insertion it answers None ("no answer in time") rather than wait."""
+    thread is inside a chunk of an insertion it answers None ("no answer in time") rather than wait.
+
+    The thread inserts INSERT_CHUNK_TOKENS tokens at a time and yields the GIL after each chunk:
+    an engine thread that wants the GIL waits at most a chunk, not the interpreter's switch
+    interval (5 ms) on every forced switch, and its look-ups find the tree free between chunks."""
 
     def __init__(self, index: GlobalSuffixIndex) -> None:
         self.index = index
@@ -100,8 +107,12 @@ class BackgroundGlobalIndex:
     def _run(self) -> None:
         while True:
             seq_id, token_ids = self._pending.get()
-            with self._lock:
-                self.index.add_sequence(seq_id, token_ids)
+            steps = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
+            done = False
+            while not done:
+                with self._lock:
+                    done = next(steps, True) is True
+                time.sleep(0)  # releases the GIL: a waiting engine thread runs now
 
 
 @dataclass(frozen=True)

@@ -640,3 +640,24 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
         assert drafts.num_context_tokens == sum(map(len, new.values()))
         assert reference.num_context_tokens == drafts.num_context_tokens + (300 if step == 0 else 0)
     assert num_outputs > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_sequence_added_in_chunks_is_the_one_added_whole(seed: int) -> None:
+    """The background index inserts a chunk at a time, with look-ups in between: the tree it ends
+    with (replacements and evictions included) is the one whole insertions make."""
+    rng = random.Random(seed)
+    whole = GlobalSuffixIndex(max_tree_depth=5, max_cached_requests=3)
+    chunked = GlobalSuffixIndex(max_tree_depth=5, max_cached_requests=3)
+    for i in range(8):
+        tokens = random_seq(rng, vocab=3, max_len=40)
+        whole.add_sequence(f"r{i % 4}", tokens)
+        pauses = 0
+        for _ in chunked.add_sequence_steps(f"r{i % 4}", tokens, 7):
+            pauses += 1
+            chunked.speculate(random_seq(rng, vocab=3, max_len=6), 3)
+        assert pauses == -(-len(tokens) // 7)
+        assert chunked.tree.path_counts() == whole.tree.path_counts()
+        assert list(chunked._sequences) == list(whole._sequences)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        next(chunked.add_sequence_steps("r9", [1], 0))
