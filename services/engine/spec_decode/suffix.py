@@ -32,7 +32,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -172,16 +171,16 @@ class SuffixProposer(Proposer):
         self.global_index: GlobalIndex = global_index if global_index is not None else cfg.global_index()
         self._requests: dict[str, _RequestState] = {}
         self._num_indexed_tokens = 0
-        """Tokens put into per-request indexes by `propose` so far (each call reports its share)."""
-        self._unprepared: deque[str] = deque()
-        """Requests whose prompts `prepare` has not indexed yet, oldest first."""
+        """Tokens put into per-request indexes so far, but by `prepare` (each `propose` reports its share)."""
+        self._unprepared: dict[str, None] = {}
+        """Running requests whose tokens `prepare` has not indexed yet, oldest first (an ordered set)."""
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Records the prompt; the request's index waits for its first draft."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
-        self._unprepared.append(request_id)
+        self._unprepared[request_id] = None
 
     def start(self, seq: Sequence) -> None:
         self.start_request(seq.request_id, seq.prompt_token_ids)
@@ -199,9 +198,10 @@ class SuffixProposer(Proposer):
         while the device is busy: off the step's critical path, and not charged to drafting. An index
         begun here is the one the request's first draft would build, so drafts do not change."""
         while self._unprepared and device_busy():
-            state = self._requests.get(self._unprepared[0])
-            if state is None or (state.index is not None and state.index.num_tokens >= len(state.token_ids)):
-                self._unprepared.popleft()  # stopped, or indexed by a draft already
+            request_id = next(iter(self._unprepared))
+            state = self._requests[request_id]
+            if state.index is not None and state.index.num_tokens >= len(state.token_ids):
+                del self._unprepared[request_id]  # all indexed (here, or by a draft)
                 continue
             if state.index is None:
                 state.index = SuffixAutomaton(self.config.max_tree_depth)
@@ -224,6 +224,7 @@ class SuffixProposer(Proposer):
     def stop_request(self, request_id: str) -> None:
         """Moves the request's output (and prompt, with `cache_prompts`) into the global tree."""
         state = self._requests.pop(request_id, None)
+        self._unprepared.pop(request_id, None)
         if state is None:
             return
         token_ids = state.token_ids

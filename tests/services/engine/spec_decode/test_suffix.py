@@ -640,6 +640,19 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
         assert drafts.num_context_tokens == sum(map(len, new.values()))
         assert reference.num_context_tokens == drafts.num_context_tokens + (300 if step == 0 else 0)
     assert num_outputs > 0
+    for name in seqs:
+        prepared.stop_request(name)
+    assert not prepared._unprepared and not prepared._requests  # nothing kept for stopped requests
+
+
+def test_prepare_skips_requests_that_stopped() -> None:
+    proposer = SuffixProposer()
+    proposer.start_request("gone", [1, 2, 3])
+    proposer.start_request("kept", [4, 5, 6])
+    proposer.stop_request("gone")
+    proposer.prepare(lambda: True)
+    assert request_tree(proposer, "kept").num_tokens == 3
+    assert "gone" not in proposer._requests
 
 
 @pytest.mark.parametrize("seed", range(4))
