@@ -52,10 +52,6 @@ class SuffixAutomaton:
         self._tail = ROOT
         """The state of the sequence's suffix of min(len, max_depth - 1) tokens."""
 
-    @property
-    def num_states(self) -> int:
-        return len(self._length)
-
     def extend(self, token_ids: list[int]) -> None:
         for token_id in token_ids:
             self._append(token_id)
@@ -73,8 +69,7 @@ class SuffixAutomaton:
         length, link = self._length, self._link
         state = self._tail if self._tail != self._last else link[self._last]  # the whole sequence occurs once
         longest = min(self.num_tokens, self.max_depth - 1, length[state])
-        best: tuple[_GreedyPath, int, int] | None = None
-        """(path, draft length, match length) of the best draft so far."""
+        best: tuple[_GreedyPath, int, int] | None = None  # (path, draft length, match length)
         best_score = 0.0
         path = None
         match_len = longest
