@@ -50,7 +50,7 @@ class SpeculativeConfig(BaseModel):
     """ngram: shortest suffix tried before giving up."""
     suffix_decoding_max_tree_depth: int = Field(default=64, ge=1, le=1024)
     suffix_decoding_max_cached_requests: int = Field(default=10000, ge=0)
-    """Requests whose outputs stay in the global suffix tree (0: per-request trees only)."""
+    """Requests whose outputs stay in the global suffix tree (0: per-request indexes only)."""
     suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0.0)
     """Draft length is at most this times the matched suffix length."""
     suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)

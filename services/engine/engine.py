@@ -4,6 +4,7 @@ batch = scheduler.schedule()
 plan = drafter.plan(batch)                   # each request's k for its next step
 launched = model_runner.launch(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
 outputs = emit(last step's tokens)           # detokenize, stop strings: while the device works
+drafter.prepare_on_host(launched.running)    # drafting work that needs no result of this step
 apply(batch, launched.result())              # tokens, finishes, KV lengths, next drafts
 
 A step's outputs are therefore returned by the next call of `step()` (or by the one after the
@@ -292,6 +293,7 @@ class LLMEngine:
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
         launched = self.runner.launch(batch, plan)
         outputs = self._emit(unemitted)  # while the device runs the step
+        self.drafter.prepare_on_host(launched.running)
         step = launched.result()
         self._apply(batch, plan, step)
         handed_off = [e for e in self._unemitted if e.seq.handoff]  # with their KV, not a step later

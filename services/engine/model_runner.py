@@ -107,6 +107,10 @@ class LaunchedStep:
     logprobs: list[list[TokenLogprobs | None]]
     """Per request, when the torch verifier returned them."""
 
+    def running(self) -> bool:
+        """Whether the device is still at the step (never on the CPU, where `launch` ran it)."""
+        return self.done is not None and not self.done.query()
+
     def result(self) -> StepOutput:
         if self.done is not None:
             self.done.synchronize()

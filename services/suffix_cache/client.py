@@ -3,7 +3,7 @@
 The engine step runs in its own thread; the worker's bus runs on an asyncio loop in another. A
 look-up is built in the engine thread, published through the loop, and waited for at most
 `deadline_s`: an answer that comes later is worth nothing to a step that has moved on, so the step
-drafts from the per-request trees alone (every query answers None) and the late reply is dropped
+drafts from the per-request indexes alone (every query answers None) and the late reply is dropped
 when it arrives. While the service's heartbeat key is missing, look-ups are not even sent.
 
 Terms: a *look-up* is one `SuffixLookup` (all of a step's queries); its *round trip* is from

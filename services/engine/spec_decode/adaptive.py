@@ -19,8 +19,9 @@ g(k) = a + ... + a^k tokens beyond the one every step emits.
 - host drafting: a host proposer's `propose()` (suffix decoding) is timed apart and fitted as
       D = fixed_s + per_request_s * R + per_draft_s * K + per_forward_s * F + per_context_token_s * C
   for R requests drafting K drafts in all, in F chained forwards, after reading C tokens the
-  drafter had not seen. The terms are what such methods pay: host work per request (suffix-tree
-  look-ups), work per draft. A fit of the whole step against its tokens sees none of the
+  drafter had not seen. The terms are what such methods pay: host work per request (suffix-index
+  look-ups), work per draft, work per new token (suffix decoding takes a step's tokens into its
+  per-request indexes inside `propose()`). A fit of the whole step against its tokens sees none of the
   per-request cost, which at high concurrency can exceed what the accepted drafts save.
   A device method's chain is priced by the step fit's chain slope (per_forward_s).
 

@@ -10,6 +10,7 @@ in the step's tail, and the host proposers (suffix decoding) after the step's re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.engine.block_manager import BlockManager
@@ -146,6 +147,12 @@ class Drafter:
         method = seq.spec.method
         return self.device_methods.index(method) if method in self.device_methods else -1
 
+    def prepare_on_host(self, device_busy: Callable[[], bool]) -> None:
+        """Host proposers' work that needs no result of the step in flight, while `device_busy()`."""
+        for proposer in self.proposers.values():
+            if not proposer.on_device:
+                proposer.prepare(device_busy)
+
     def propose_on_host(self, plan: StepPlan) -> None:
         """Drafts of the host proposers' requests that are still running (after the step's tokens)."""
         started = time.perf_counter()
@@ -162,7 +169,8 @@ class Drafter:
             batch = DraftBatch.on_host(self.inputs, seqs, ks)
             drafted = time.perf_counter()
             drafts = proposer.propose(batch)
-            self.adaptive.record_drafting(method, ks, 0, time.perf_counter() - drafted)
+            seconds = time.perf_counter() - drafted
+            self.adaptive.record_drafting(method, ks, drafts.num_context_tokens, seconds)
             counts = drafts.num_drafts.tolist()
             for seq, row, n in zip(seqs, drafts.token_ids.tolist(), counts):
                 seq.spec.draft_token_ids = row[:n]

@@ -10,6 +10,7 @@ requests' token lists. The drafter looks them up by method name (`drafter.make_p
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,8 @@ class DraftBatch:
 class Drafts:
     token_ids: torch.Tensor  # [num_seqs, width] int32, -1 past each request's count
     num_drafts: torch.Tensor  # [num_seqs] int32
+    num_context_tokens: int = 0
+    """Tokens a host proposer took in that it had not seen (index updates): its cost grows with them."""
 
     @classmethod
     def none(cls, num_seqs: int, device: torch.device) -> Drafts:
@@ -114,12 +117,12 @@ class Drafts:
         )
 
     @classmethod
-    def from_lists(cls, drafts: list[list[int]]) -> Drafts:
+    def from_lists(cls, drafts: list[list[int]], num_context_tokens: int = 0) -> Drafts:
         width = max((len(d) for d in drafts), default=0) or 1
-        token_ids = torch.full((len(drafts), width), -1, dtype=torch.int32)
-        for i, d in enumerate(drafts):
-            token_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int32)
-        return cls(token_ids, torch.tensor([len(d) for d in drafts], dtype=torch.int32))
+        rows = [d + [-1] * (width - len(d)) for d in drafts]
+        token_ids = torch.tensor(rows, dtype=torch.int32).view(len(drafts), width)
+        num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int32)
+        return cls(token_ids, num_drafts, num_context_tokens)
 
 
 class Proposer:
@@ -133,6 +136,10 @@ class Proposer:
 
     def start(self, seq: Sequence) -> None:
         """A request of this method joined."""
+
+    def prepare(self, device_busy: Callable[[], bool]) -> None:
+        """Host work that needs no step's result, done while `device_busy()` (the device runs a
+        step and the host would only wait): stop soon after it turns False."""
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         """The request kept `token_ids` this step (already in `seq.token_ids`)."""

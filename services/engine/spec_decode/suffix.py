@@ -1,50 +1,58 @@
 """SuffixDecoding drafts: continue a request with what followed its context in earlier text.
 
-SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) keeps two suffix trees (see `suffix_tree`):
-a *per-request* tree over the request's own prompt and output, which catches a request repeating
-itself (code edits, lists, agent loops), and a *global* tree over the outputs of earlier requests,
-which catches requests repeating each other. Each step, both are matched against the end of the
-request's tokens and the draft with the higher score (expected accepted tokens) is proposed. The
-draft length follows the match length: at most `floor(max_spec_factor * match_len)` tokens.
+SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975) keeps two suffix indexes: a *per-request*
+one over the request's own prompt and output (`suffix_automaton.SuffixAutomaton`), which catches a
+request repeating itself (code edits, lists, agent loops), and a *global* tree over the outputs of
+earlier requests (`suffix_tree.GlobalSuffixIndex`), which catches requests repeating each other.
+Each step, both are matched against the end of the request's tokens and the draft with the higher
+score (expected accepted tokens) is proposed. The draft length follows the match length: at most
+`floor(max_spec_factor * match_len)` tokens.
 
-A request's own tree is built at its first draft, from its tokens so far, and kept up to date from
-then on; until then its tokens are only recorded. Adaptive speculation leaves requests at k = 0 when
-drafting costs more than it saves, and those then cost a list append per step, not an index update.
-The tree built late is the one built token by token (`extend` appends one token at a time either
-way), so drafts do not depend on when it was built.
+A request's own index is built at its first draft, from its tokens so far. The engine's `append`
+only records a step's tokens; the index takes them in at the request's next `propose`, so that
+all of a step's index work happens in the one call the drafter times and prices (adaptive
+speculation charges it per context token). Requests left at k = 0 cost a list append per step,
+not an index update. The index drafts as a suffix tree of the same tokens would, whenever it is
+built, so drafts do not depend on when it was built.
 
-Cost per `propose`: O(k * D) worst case on the per-request tree (no matching: its active suffixes
-are kept as tokens arrive, O(D) per token), O(D log D + D * k) typical on the global tree, with
-`D = max_tree_depth` and `k` draft tokens; a request's first draft also indexes its n tokens so far,
-O(n * D) worst case.
+Cost per `propose`, with `D = max_tree_depth` and `k` draft tokens: on the per-request index
+O(min(s, D)) per new token, for the s states of the sequence's repeated suffixes (a few on copied
+text), and O(D + k * states tried) for the draft; O(D log D + D * k) typical on the global tree.
+A request's first draft also indexes its n tokens so far.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
 default) or in the `suffix-cache` service that every decode worker shares
 (`services.suffix_cache.client.RemoteSuffixIndex`), so a request drafts from outputs that any
 worker produced. It is asked once per step for the whole batch, and may answer None for a query
-(a remote index that did not answer in time): that request then drafts from its own tree only.
+(a remote index that did not answer in time): that request then drafts from its own index only.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
+from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import (
     DEFAULT_MAX_CACHED_REQUESTS,
     DEFAULT_MAX_TREE_DEPTH,
     GlobalSuffixIndex,
-    IndexedSequence,
     SuffixDraft,
-    SuffixTree,
     check_spec_params,
     check_tree_params,
 )
 from shared.speculative_config import SpeculativeConfig
+
+INSERT_CHUNK_TOKENS = 16
+"""Tokens the background global index inserts between two releases of the GIL."""
+PREPARE_CHUNK_TOKENS = 64
+"""Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
 
 class GlobalIndex(Protocol):
@@ -67,7 +75,11 @@ class BackgroundGlobalIndex:
     """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
     by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
     for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
-    thread is inside an insertion it answers None ("no answer in time") rather than wait."""
+    thread is inside a chunk of an insertion it answers None ("no answer in time") rather than wait.
+
+    The thread inserts INSERT_CHUNK_TOKENS tokens at a time and yields the GIL after each chunk:
+    an engine thread that wants the GIL waits at most a chunk, not the interpreter's switch
+    interval (5 ms) on every forced switch, and its look-ups find the tree free between chunks."""
 
     def __init__(self, index: GlobalSuffixIndex) -> None:
         self.index = index
@@ -94,8 +106,12 @@ class BackgroundGlobalIndex:
     def _run(self) -> None:
         while True:
             seq_id, token_ids = self._pending.get()
-            with self._lock:
-                self.index.add_sequence(seq_id, token_ids)
+            steps = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
+            done = False
+            while not done:
+                with self._lock:
+                    done = next(steps, True) is True
+                time.sleep(0)  # releases the GIL: a waiting engine thread runs now
 
 
 @dataclass(frozen=True)
@@ -135,10 +151,10 @@ class SuffixConfig:
 @dataclass
 class _RequestState:
     token_ids: list[int]
-    """The request's prompt and output so far; once it is indexed, the list its tree holds."""
+    """The request's prompt and output so far."""
     num_prompt_tokens: int
-    index: tuple[SuffixTree, IndexedSequence] | None = None
-    """The request's own tree and its sequence there; None until the request first drafts."""
+    index: SuffixAutomaton | None = None
+    """The request's own index over the first `index.num_tokens` of them; None until it first drafts."""
 
 
 class SuffixProposer(Proposer):
@@ -154,33 +170,61 @@ class SuffixProposer(Proposer):
         self.config = cfg = config or SuffixConfig()
         self.global_index: GlobalIndex = global_index if global_index is not None else cfg.global_index()
         self._requests: dict[str, _RequestState] = {}
+        self._num_indexed_tokens = 0
+        """Tokens put into per-request indexes so far, but by `prepare` (each `propose` reports its share)."""
+        self._unprepared: dict[str, None] = {}
+        """Running requests whose tokens `prepare` has not indexed yet, oldest first (an ordered set)."""
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Records the prompt; the request's tree waits for its first draft."""
+        """Records the prompt; the request's index waits for its first draft."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
+        self._unprepared[request_id] = None
 
     def start(self, seq: Sequence) -> None:
         self.start_request(seq.request_id, seq.prompt_token_ids)
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        self.add_tokens(seq.request_id, token_ids)
+        """Only records the tokens: the request's index takes them in at its next `propose`, which the
+        drafter times and prices (with the step's other index work, in one pass)."""
+        self._state(seq.request_id).token_ids.extend(token_ids)
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
 
+    def prepare(self, device_busy: Callable[[], bool]) -> None:
+        """Indexes the tokens of requests that joined, oldest first, PREPARE_CHUNK_TOKENS at a time
+        while the device is busy: off the step's critical path, and not charged to drafting. An index
+        begun here is the one the request's first draft would build, so drafts do not change."""
+        while self._unprepared and device_busy():
+            request_id = next(iter(self._unprepared))
+            state = self._requests[request_id]
+            if state.index is not None and state.index.num_tokens >= len(state.token_ids):
+                del self._unprepared[request_id]  # all indexed (here, or by a draft)
+                continue
+            if state.index is None:
+                state.index = SuffixAutomaton(self.config.max_tree_depth)
+            done = state.index.num_tokens
+            state.index.extend(state.token_ids[done : done + PREPARE_CHUNK_TOKENS])
+
     def propose(self, batch: DraftBatch) -> Drafts:
         requests = [(seq.request_id, seq.token_ids, k) for seq, k in zip(batch.seqs, batch.num_wanted_cpu)]
-        return Drafts.from_lists(self.propose_batch(requests))
+        num_indexed = self._num_indexed_tokens
+        drafts = self.propose_batch(requests)
+        return Drafts.from_lists(drafts, num_context_tokens=self._num_indexed_tokens - num_indexed)
 
     def add_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """Appends accepted output tokens to the request's tree, or only to its tokens before its first draft."""
-        _extend(self._state(request_id), token_ids)
+        """Appends accepted output tokens to the request, and to its index once it has one."""
+        state = self._state(request_id)
+        state.token_ids.extend(token_ids)
+        if state.index is not None:
+            self._sync(state.index, state.token_ids)
 
     def stop_request(self, request_id: str) -> None:
         """Moves the request's output (and prompt, with `cache_prompts`) into the global tree."""
         state = self._requests.pop(request_id, None)
+        self._unprepared.pop(request_id, None)
         if state is None:
             return
         token_ids = state.token_ids
@@ -229,18 +273,21 @@ class SuffixProposer(Proposer):
         cfg = self.config
         check_spec_params(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
         if max_spec_tokens == 0:
-            return SuffixDraft()  # what any tree drafts for k = 0: no reason to build one
-        tree, seq = self._index(state)
-        return tree.speculate_sequence(seq, max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
+            return SuffixDraft()  # what any index drafts for k = 0: no reason to build one
+        return self._index(state).speculate(max_spec_tokens, cfg.max_spec_factor, cfg.min_token_prob)
 
-    def _index(self, state: _RequestState) -> tuple[SuffixTree, IndexedSequence]:
-        """The request's tree, built from its tokens so far the first time it is needed."""
+    def _index(self, state: _RequestState) -> SuffixAutomaton:
+        """The request's index over all its tokens; built from them the first time it is needed."""
         if state.index is None:
-            tree = SuffixTree(self.config.max_tree_depth)
-            seq = tree.new_sequence()
-            tree.extend(seq, state.token_ids)
-            state.index, state.token_ids = (tree, seq), seq.token_ids
+            state.index = SuffixAutomaton(self.config.max_tree_depth)
+        self._sync(state.index, state.token_ids)
         return state.index
+
+    def _sync(self, index: SuffixAutomaton, token_ids: list[int]) -> None:
+        """Indexes the tokens `index` has not seen yet."""
+        new = token_ids[index.num_tokens :]
+        index.extend(new)
+        self._num_indexed_tokens += len(new)
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._requests.get(request_id)
@@ -250,18 +297,9 @@ class SuffixProposer(Proposer):
 
     def _catch_up(self, state: _RequestState, token_ids: list[int]) -> None:
         """Takes in tokens the caller has but `add_tokens` did not bring, so both ways of feeding work."""
-        num_indexed = len(state.token_ids)
-        if len(token_ids) < num_indexed:
+        num_known = len(state.token_ids)
+        if len(token_ids) < num_known:
             raise ValueError(
-                f"token_ids has {len(token_ids)} tokens but the request already indexed {num_indexed}"
+                f"token_ids has {len(token_ids)} tokens but the request already indexed {num_known}"
             )
-        _extend(state, token_ids[num_indexed:])
-
-
-def _extend(state: _RequestState, token_ids: list[int]) -> None:
-    """Appends tokens to the request: to its tree once built (which appends them to its list too)."""
-    if state.index is None:
-        state.token_ids.extend(token_ids)
-    else:
-        tree, seq = state.index
-        tree.extend(seq, token_ids)
+        state.token_ids.extend(token_ids[num_known:])

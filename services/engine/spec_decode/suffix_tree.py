@@ -327,11 +327,21 @@ class GlobalSuffixIndex:
 
     def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
         """Indexes `token_ids` under `seq_id` (replacing an earlier one), evicting the oldest if full."""
+        for _ in self.add_sequence_steps(seq_id, token_ids, max(len(token_ids), 1)):
+            pass
+
+    def add_sequence_steps(self, seq_id: str, token_ids: list[int], chunk_tokens: int) -> Iterator[None]:
+        """`add_sequence`, `chunk_tokens` tokens at a time: pauses after each chunk, where the caller
+        may look up (what is indexed so far) but must not add or remove another sequence."""
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if self.max_cached_requests == 0:
             return
         self.remove_sequence(seq_id)
         seq = self.tree.new_sequence()
-        self.tree.extend(seq, token_ids)
+        for start in range(0, len(token_ids), chunk_tokens):
+            self.tree.extend(seq, token_ids[start : start + chunk_tokens])
+            yield
         self._sequences[seq_id] = seq
         while len(self._sequences) > self.max_cached_requests:
             self.remove_sequence(next(iter(self._sequences)))

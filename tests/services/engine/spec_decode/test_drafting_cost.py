@@ -8,6 +8,7 @@ import time
 import pytest
 
 from services.engine.llm import LLM
+from services.engine.model_runner import LaunchedStep
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import (
     AdaptiveSpeculation,
@@ -16,6 +17,7 @@ from services.engine.spec_decode.adaptive import (
     StepCost,
     StepCostModel,
 )
+from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 CHOOSE = AdaptiveSpeculation.choose
@@ -86,3 +88,84 @@ def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monke
     steps = drafter.adaptive.cost.samples
     step_seconds = steps.rows[: min(steps.num_recorded, len(steps.rows)), -1]
     assert len(step_seconds) > 0 and max(abs(step_seconds)) < 1e-12
+
+
+def drafting_share(
+    target: str, concurrency: int, seconds_per_token: float, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], float]:
+    """Greedy suffix-decoding output at a concurrency, on a clock that only the requests' suffix
+    indexes advance (`seconds_per_token` for each token they take in), and the share of the
+    controller's choices that drafted."""
+    clock = [0.0]
+    extend = SuffixAutomaton.extend
+
+    def slow_extend(self: SuffixAutomaton, token_ids: list[int]) -> None:
+        clock[0] += seconds_per_token * len(token_ids)
+        extend(self, token_ids)
+
+    choices: list[int] = []
+
+    def counting_choose(
+        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+    ) -> list[int]:
+        ks = CHOOSE(self, seqs, num_other_tokens, mixed)
+        choices.append(sum(ks))
+        return ks
+
+    monkeypatch.setattr(SuffixAutomaton, "extend", slow_extend)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(AdaptiveSpeculation, "choose", counting_choose)
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(fixed_s=0.010))
+    spec = dict(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+    prompts = repetitive_prompts()
+    outputs = []
+    for start in range(0, len(prompts), concurrency):
+        batch = prompts[start : start + concurrency]
+        outputs += llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)
+    return [o.token_ids for o in outputs], sum(1 for k in choices if k > 0) / len(choices)
+
+
+def test_a_slow_suffix_index_is_priced_and_backs_off_at_high_concurrency(
+    target, naive_tokens, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requests' index updates are drafting time: with each indexed token costing 2 ms against
+    a 10 ms step, drafting pays for one request at a time (it saves whole steps) but not for six
+    (its time would buy six tokens a step); a free index drafts at six too. Greedy output is
+    naive's throughout."""
+    alone_tokens, alone_share = drafting_share(target, 1, 0.002, monkeypatch)
+    batched_tokens, batched_share = drafting_share(target, 6, 0.002, monkeypatch)
+    free_tokens, free_share = drafting_share(target, 6, 0.0, monkeypatch)
+    assert alone_tokens == batched_tokens == free_tokens == naive_tokens
+    assert alone_share > 0.6 and free_share > 0.6
+    assert batched_share < 0.25
+
+
+@pytest.mark.parametrize("device_busy", [False, True])
+def test_prompts_indexed_while_the_device_runs_are_not_charged(
+    target, naive_tokens, device_busy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the device is still at the step after the host's own work (a GPU), the requests'
+    prompts are indexed then, and drafting is charged only for the outputs it indexes; on the CPU
+    (never busy) the first drafts index the prompts. Greedy output is naive's either way."""
+    monkeypatch.setattr(LaunchedStep, "running", lambda self: device_busy)
+    context_tokens: list[int] = []
+    record = AdaptiveSpeculation.record_drafting
+
+    def recording(
+        self: AdaptiveSpeculation, method: str, ks: list[int], num_context_tokens: int, seconds: float
+    ) -> None:
+        context_tokens.append(num_context_tokens)
+        record(self, method, ks, num_context_tokens, seconds)
+
+    monkeypatch.setattr(AdaptiveSpeculation, "record_drafting", recording)
+    spec = dict(method="suffix", num_speculative_tokens=3, adaptive=False)
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+    prompts = repetitive_prompts()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    num_outputs = sum(len(o.token_ids) for o in outputs)
+    if device_busy:
+        assert 0 < sum(context_tokens) <= num_outputs
+    else:
+        assert sum(context_tokens) >= sum(map(len, prompts)) + len(prompts)

@@ -11,6 +11,7 @@ import pytest
 
 from services.engine.spec_decode import suffix
 from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import (
     GlobalSuffixIndex,
     IndexedSequence,
@@ -403,10 +404,10 @@ def test_node_count_follows_adds_and_removals(seed: int) -> None:
 # --- per-request trees built at the first draft ---
 
 
-def request_tree(proposer: SuffixProposer, request_id: str) -> SuffixTree:
+def request_tree(proposer: SuffixProposer, request_id: str) -> SuffixAutomaton:
     index = proposer._requests[request_id].index
     assert index is not None, f"{request_id} has no tree"
-    return index[0]
+    return index
 
 
 class EagerSuffixProposer(SuffixProposer):
@@ -502,7 +503,7 @@ def test_lazy_trees_draft_exactly_as_eager_ones(seed: int) -> None:
     assert recorded(lazy).local.tree.path_counts() == recorded(eager).local.tree.path_counts()
 
 
-class CountingTree(SuffixTree):
+class CountingTree(SuffixAutomaton):
     built = 0
 
     def __init__(self, max_depth: int) -> None:
@@ -511,7 +512,7 @@ class CountingTree(SuffixTree):
 
 
 def test_a_request_that_never_drafts_builds_no_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(suffix, "SuffixTree", CountingTree)
+    monkeypatch.setattr(suffix, "SuffixAutomaton", CountingTree)
     monkeypatch.setattr(CountingTree, "built", 0)
     proposer = SuffixProposer(SuffixConfig(max_tree_depth=4))
     prompts = {f"r{i}": [i, 1, 2, 1, 2] for i in range(8)}
@@ -536,7 +537,7 @@ def test_a_request_that_never_drafts_builds_no_tree(monkeypatch: pytest.MonkeyPa
     proposer.add_tokens("r1", [1])
     prompts["r0"].append(1)
     tree = request_tree(proposer, "r0")
-    assert tree.root.count == len(prompts["r0"])  # built once, then kept up to date
+    assert tree.num_tokens == len(prompts["r0"])  # built once, then kept up to date
     assert tree.path_counts() == substring_counts([prompts["r0"]], 4)
     assert proposer._requests["r1"].index is None and CountingTree.built == 1
     for request_id in prompts:
@@ -588,3 +589,88 @@ def test_background_global_index_answers_like_the_index_once_it_has_indexed() ->
     assert background.speculate_batch(queries) == sync.speculate_batch(queries)
     with background._lock:  # the thread is inside an insertion
         assert background.speculate_batch(queries) == [None, None, None]
+
+
+# --- prompts indexed while the device runs a step ---
+
+
+def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_change() -> None:
+    """`prepare` indexes joined requests' tokens a chunk per look at the device, oldest first, and
+    stops once the device is done; drafts then equal those of a proposer that never prepared, whose
+    `propose` reports the prompts as context tokens where the prepared one reports only the outputs."""
+    from services.engine.sequence import Sequence
+    from services.engine.spec_decode.proposer import DraftBatch
+    from shared.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    seqs = {
+        name: Sequence(name, [rng.randrange(6) for _ in range(150)], SamplingParams(), frozenset())
+        for name in ("first", "second")
+    }
+    prepared, plain = SuffixProposer(), SuffixProposer()
+    for proposer in (prepared, plain):
+        for seq in seqs.values():
+            proposer.start(seq)
+    looks = [3]
+
+    def device_busy() -> bool:
+        looks[0] -= 1
+        return looks[0] >= 0
+
+    prepared.prepare(device_busy)  # three chunks of 64: the first prompt whole, the second not begun
+    first, second = (prepared._requests[name].index for name in seqs)
+    assert first is not None and first.num_tokens == 150 and second is None
+    prepared.prepare(lambda: False)
+    assert prepared._requests["second"].index is None
+    prepared.prepare(lambda: True)
+    assert all(prepared._requests[name].index is not None for name in seqs)
+
+    num_outputs = 0
+    for step in range(12):
+        new = {name: [rng.randrange(6) for _ in range(rng.randint(1, 4))] for name in seqs}
+        for proposer in (prepared, plain):
+            for name, seq in seqs.items():
+                proposer.append(seq, new[name])
+        for name, seq in seqs.items():
+            seq.token_ids += new[name]
+            num_outputs += len(new[name])
+        batch = DraftBatch.on_host(None, list(seqs.values()), [4, 4])  # type: ignore[arg-type]
+        drafts, reference = prepared.propose(batch), plain.propose(batch)
+        assert drafts.token_ids.tolist() == reference.token_ids.tolist(), step
+        assert drafts.num_context_tokens == sum(map(len, new.values()))
+        assert reference.num_context_tokens == drafts.num_context_tokens + (300 if step == 0 else 0)
+    assert num_outputs > 0
+    for name in seqs:
+        prepared.stop_request(name)
+    assert not prepared._unprepared and not prepared._requests  # nothing kept for stopped requests
+
+
+def test_prepare_skips_requests_that_stopped() -> None:
+    proposer = SuffixProposer()
+    proposer.start_request("gone", [1, 2, 3])
+    proposer.start_request("kept", [4, 5, 6])
+    proposer.stop_request("gone")
+    proposer.prepare(lambda: True)
+    assert request_tree(proposer, "kept").num_tokens == 3
+    assert "gone" not in proposer._requests
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_sequence_added_in_chunks_is_the_one_added_whole(seed: int) -> None:
+    """The background index inserts a chunk at a time, with look-ups in between: the tree it ends
+    with (replacements and evictions included) is the one whole insertions make."""
+    rng = random.Random(seed)
+    whole = GlobalSuffixIndex(max_tree_depth=5, max_cached_requests=3)
+    chunked = GlobalSuffixIndex(max_tree_depth=5, max_cached_requests=3)
+    for i in range(8):
+        tokens = random_seq(rng, vocab=3, max_len=40)
+        whole.add_sequence(f"r{i % 4}", tokens)
+        pauses = 0
+        for _ in chunked.add_sequence_steps(f"r{i % 4}", tokens, 7):
+            pauses += 1
+            chunked.speculate(random_seq(rng, vocab=3, max_len=6), 3)
+        assert pauses == -(-len(tokens) // 7)
+        assert chunked.tree.path_counts() == whole.tree.path_counts()
+        assert list(chunked._sequences) == list(whole._sequences)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        next(chunked.add_sequence_steps("r9", [1], 0))
