@@ -38,6 +38,8 @@ from kernels import AttentionMetadata
 from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
 from shared.model.loader import SINGLE_FILE, iter_checkpoint_slices, load_named_tensors, unfused_state_dict
+from shared.model.quant_config import parse_quantization_config, resolve_quantization
+from shared.model.quantization import quantize_linears
 from shared.model.rope import RotaryEmbedding
 
 MTP_ARCHITECTURE = "SpecmeshMTPHead"
@@ -143,7 +145,7 @@ def mtp_config_dict(head: MTPHead) -> dict[str, Any]:
         "sliding_window": config.sliding_windows[0],
         "max_position_embeddings": config.max_position_embeddings,
         "num_nextn_predict_layers": NUM_NEXTN_PREDICT_LAYERS,
-        "torch_dtype": str(head.eh_proj.weight.dtype).removeprefix("torch."),
+        "torch_dtype": str(head.enorm.weight.dtype).removeprefix("torch."),
     }
 
 
@@ -158,15 +160,24 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path) -> Path:
 
 
 def load_mtp_head(
-    mtp_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    mtp_dir: str | Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
 ) -> MTPHead:
     """Loads a head saved by `save_mtp_head` for `target` (split as the target is); refuses one
-    trained for another model."""
+    trained for another model. `quantization` as in `load_model` (the head's linear layers)."""
     mtp_dir = Path(mtp_dir)
-    check_mtp_config(read_mtp_config(mtp_dir), target.config, mtp_dir)
+    raw = read_mtp_config(mtp_dir)
+    check_mtp_config(raw, target.config, mtp_dir)
+    stored = parse_quantization_config(raw["quantization_config"]) if raw.get("quantization_config") else None
+    scheme = resolve_quantization(quantization, stored, str(mtp_dir))
     with torch.device("meta"):
-        head = MTPHead(target)
-    head = head.to_empty(device=device).to(dtype)
+        head = MTPHead(target).to(dtype)
+        if scheme is not None:
+            quantize_linears(head, scheme)
+    head = head.to_empty(device=device)
     head.rotary.build(device)
     load_named_tensors(head, head.config, iter_checkpoint_slices(mtp_dir), str(mtp_dir), tp=target.tp)
     return head.eval()
