@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from kernels.quant_ref import pack_int32, quantize_weight_ref, unpack_int32
 from shared.model import ModelConfig, ModelConfigError, load_model
+from shared.model.parallel import TensorParallel
 from shared.model.quant_config import QuantScheme, parse_quantization_config
 from shared.model.quantization import QuantizedLinear
 
@@ -242,3 +243,46 @@ def test_bad_quantization_values_and_shapes_say_what_is_wrong(make_checkpoint) -
         load_model(small, torch.float32, CPU, 64, quantization="int3")
     with pytest.raises(ModelConfigError, match=r"qkv_proj cannot be quantized as int4 \(groups of 128\)"):
         load_model(small, torch.float32, CPU, 64, quantization="int4")
+
+
+# ---- tensor-parallel shards --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+@pytest.mark.parametrize("stored", [False, True])
+def test_each_rank_holds_its_slice_of_the_whole_quantized_matrices(
+    checkpoint, tmp_path, method, stored
+) -> None:
+    """Rows of column-parallel layers, packed words and groups of row-parallel ones, the scales with
+    them (a per-channel scale of a row-parallel layer whole on each rank): from a bf16 checkpoint
+    quantized at load, or from a compressed-tensors one."""
+    source = write_compressed_tensors(checkpoint, tmp_path / "ct", method) if stored else checkpoint
+    whole = load_model(checkpoint, torch.float32, CPU, 64, quantization=method)
+    for rank in range(2):
+        part = load_model(source, torch.float32, CPU, 64, TensorParallel(rank, 2), method)
+        for name in ("qweight", "weight_scale"):
+            full, local = (
+                getattr(whole.layers[0].self_attn.qkv_proj, name),
+                getattr(part.layers[0].self_attn.qkv_proj, name),
+            )
+            q = full[rank * 128 : (rank + 1) * 128]  # q rows [0, 256), k [256, 384), v [384, 512)
+            k = full[256 + rank * 64 : 256 + (rank + 1) * 64]
+            v = full[384 + rank * 64 : 384 + (rank + 1) * 64]
+            assert torch.equal(local, torch.cat([q, k, v])), f"qkv {name} rank {rank}"
+            down_full, down = (
+                getattr(whole.layers[0].mlp.down_proj, name),
+                getattr(part.layers[0].mlp.down_proj, name),
+            )
+            columns = down_full.shape[1] // 2
+            expected = (
+                down_full if down_full.shape[1] == 1 else down_full[:, rank * columns : (rank + 1) * columns]
+            )
+            assert torch.equal(down, expected), f"down_proj {name} rank {rank}"
+
+
+def test_a_rank_without_whole_groups_is_refused(make_checkpoint) -> None:
+    narrow = make_checkpoint(
+        "llama", **{**SHAPE, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
+    )
+    with pytest.raises(ModelConfigError, match=r"o_proj cannot be quantized as int4 \(groups of 128\)"):
+        load_model(narrow, torch.float32, CPU, 64, TensorParallel(0, 2), "int4")  # 64 input features a rank
