@@ -223,10 +223,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) fp8_quantize_rows(
 )
 
 
+def stored_in_features(qweight: torch.Tensor, scheme: str) -> int:
+    """Input features of a stored weight: its bytes a row, times two for int4."""
+    return qweight.shape[1] * qweight.element_size() * (2 if scheme == "int4" else 1)
+
+
 def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
-    """True when `quant_gemv` takes this product: 1..MAX_ROWS bf16 / fp16 rows, 16-byte aligned, the
-    input features and group size whole 16-byte chunks of the stored weight."""
+    """True when `quant_gemv` takes this product: 1..MAX_ROWS bf16 / fp16 rows, 16-byte aligned, a
+    weight of the scheme's storage and x's input features, those and the group size whole 16-byte
+    chunks of the stored weight."""
     if scheme not in SCHEMES or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if qweight.dim() != 2 or qweight.dtype != (FP8_DTYPE if scheme == "fp8" else torch.int32):
         return False
     num_rows, k = x.shape
     vals = VALUES_PER_CHUNK[scheme]
@@ -234,6 +242,7 @@ def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, schem
     return (
         0 < num_rows <= MAX_ROWS
         and k % vals == 0
+        and stored_in_features(qweight, scheme) == k
         and num_groups > 0
         and k % num_groups == 0
         and (k // num_groups) % vals == 0
@@ -323,7 +332,7 @@ def dequantize_weight_cuda(
     """Same result as `dequantize_weight_ref` (q * scale in float32, rounded once)."""
     device = qweight.device
     n = qweight.shape[0]
-    k = qweight.shape[1] * qweight.element_size() * (2 if scheme == "int4" else 1)
+    k = stored_in_features(qweight, scheme)
     vals = VALUES_PER_CHUNK[scheme]
     _cuda.check(
         dtype in (torch.bfloat16, torch.float16), f"dequantize_weight writes bf16 / fp16, not {dtype}"

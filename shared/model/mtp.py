@@ -132,7 +132,10 @@ class MTPHead(nn.Module):
 def head_config(target: ModelConfig) -> ModelConfig:
     """The config of the head's single layer: the target's shape, one layer, the target's last
     layer's attention window (the layer the head is initialised from)."""
-    return dataclasses.replace(target, num_hidden_layers=1, sliding_windows=target.sliding_windows[-1:])
+    # the head's own checkpoint says whether its weights are stored quantized (load_mtp_head)
+    return dataclasses.replace(
+        target, num_hidden_layers=1, sliding_windows=target.sliding_windows[-1:], quantization=None
+    )
 
 
 def mtp_config_dict(head: MTPHead) -> dict[str, Any]:

@@ -145,6 +145,10 @@ def test_cuda_wrappers_refuse_bad_inputs_with_a_clear_message() -> None:
     assert not gemv_fits(x.float(), qweight, scale, "int4")  # float32 takes the reference
     assert not gemv_fits(torch.randn(17, 128, dtype=torch.bfloat16), qweight, scale, "int4")
     assert not gemv_fits(x, qweight, quantize_weight_ref(random_weight(32, 128), "int4", 8)[1], "int4")
+    assert not gemv_fits(
+        torch.randn(2, 256, dtype=torch.bfloat16), qweight, scale, "int4"
+    )  # 256 != 128 features
+    assert not gemv_fits(x, qweight, scale, "int8")  # int4 storage read as int8: 64 features, not 128
     with pytest.raises(_cuda.KernelError, match="quant_gemv takes int4"):
         quant_gemv_cuda(x.float(), qweight, scale, "int4")
 
