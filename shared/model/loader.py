@@ -11,6 +11,7 @@ quantize it at load (shared/model/quantization.py: scales span whole rows).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +36,6 @@ from shared.model.quantization import (
     SKIPPED_SUFFIXES,
     QuantizedLinear,
     base_weight_name,
-    broadcast_scale,
     is_unquantized_weight,
     quantize_checkpoint_weight,
     quantize_linears,
@@ -281,11 +281,12 @@ def _copy_into(
         sizes = fused_part_sizes(config, target, tp)
         local = param.narrow(0, sum(sizes[:part]), sizes[part])
     shard = parameter_shard(base_weight_name(target), part, config, tp)
+    if target.endswith(SCALE_NAME):
+        whole_rows = shard.total if shard is not None and shard.dim == 0 else local.shape[0]
+        tensor = broadcast_scale(tensor, whole_rows)
     if shard is not None and base_weight_name(target) != target:
         shard = stored_shard(shard, tensor.get_shape()[1], label)
     expected = list(local.shape) if shard is None else _whole_shape(local, shard)
-    if target.endswith(SCALE_NAME) and tensor.get_shape() != expected:
-        tensor = InMemory(broadcast_scale(tensor[...], expected))
     if tensor.get_shape() != expected:
         raise ModelConfigError(f"{label}: checkpoint shape {tuple(tensor.get_shape())} != {tuple(expected)}")
     with torch.no_grad():
@@ -295,6 +296,14 @@ def _copy_into(
         index = slice(shard.start, shard.start + shard.length)
         local.narrow(shard.dim, 0, shard.length).copy_(tensor[index] if shard.dim == 0 else tensor[:, index])
         local.narrow(shard.dim, shard.length, local.shape[shard.dim] - shard.length).zero_()
+
+
+def broadcast_scale(scale: TensorSlices, whole_rows: int) -> TensorSlices:
+    """A per-tensor scale (one value) as the per-channel [whole_rows, 1] a quantized layer holds
+    (the whole checkpoint tensor's rows, before a rank takes its slice); other scales unchanged."""
+    if math.prod(scale.get_shape()) != 1:
+        return scale
+    return InMemory(scale[...].reshape(1, 1).expand(whole_rows, 1))
 
 
 def _whole_shape(local: torch.Tensor, shard: Shard) -> list[int]:

@@ -144,10 +144,3 @@ def stored_shard(shard: Shard, stored_cols: int, target: str) -> Shard | None:
             "choose a tensor-parallel size that splits the layer into whole quantization groups"
         )
     return Shard(1, shard.start // per_col, shard.length // per_col, stored_cols)
-
-
-def broadcast_scale(tensor: torch.Tensor, expected: list[int]) -> torch.Tensor:
-    """A per-tensor scale (one value) as the per-channel [rows, 1] the layer holds; others unchanged."""
-    if tensor.numel() == 1 and len(expected) == 2 and expected[1] == 1:
-        return tensor.reshape(1, 1).expand(expected[0], 1)
-    return tensor

@@ -286,3 +286,18 @@ def test_a_rank_without_whole_groups_is_refused(make_checkpoint) -> None:
     )
     with pytest.raises(ModelConfigError, match=r"o_proj cannot be quantized as int4 \(groups of 128\)"):
         load_model(narrow, torch.float32, CPU, 64, TensorParallel(0, 2), "int4")  # 64 input features a rank
+
+
+def test_per_tensor_fp8_scales_split_like_per_channel_ones(checkpoint, tmp_path) -> None:
+    quantized = write_compressed_tensors(checkpoint, tmp_path / "ct", "fp8", per_tensor_fp8=True)
+    whole = load_model(quantized, torch.float32, CPU, 64)
+    for rank in range(2):
+        part = load_model(quantized, torch.float32, CPU, 64, TensorParallel(rank, 2))
+        assert torch.equal(
+            part.layers[1].mlp.down_proj.weight_scale, whole.layers[1].mlp.down_proj.weight_scale
+        )
+        gate_up = whole.layers[1].mlp.gate_up_proj.weight_scale
+        expected = torch.cat(
+            [gate_up[rank * 256 : (rank + 1) * 256], gate_up[512 + rank * 256 : 512 + (rank + 1) * 256]]
+        )
+        assert torch.equal(part.layers[1].mlp.gate_up_proj.weight_scale, expected)
