@@ -14,7 +14,8 @@
 # the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
 # rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
 # quant: quantized weights (QUANT_SHAPES, QUANT_METHODS; split over calls as spec is): quant-tests.log (each
-# CUDA kernel vs its torch reference, quantized engine graphs vs eager), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# CUDA kernel vs its torch reference, quantized engine graphs vs eager), quant-kernels.json (benchmarks.gpu_kernels:
+# the quantized products' stored bytes / time per matrix and row count, cuBLAS bf16 beside), engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
@@ -137,6 +138,8 @@ if [[ " $stages " == *" quant "* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
         tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
+    timeout 300 python3 -m benchmarks.gpu_kernels --only quant_linear --out "$OUT/quant-kernels.json" 2>&1 \
+        | tee "$OUT/quant-kernels.log" | grep "^quant"
     for shape in ${QUANT_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
         python3 -m benchmarks.random_model $shape /tmp/specmesh-$shape
         for q in ${QUANT_METHODS:-none fp8 int8 int4}; do  # none (bf16) first: the baseline of the same call

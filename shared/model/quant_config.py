@@ -93,7 +93,9 @@ def _refuse_extras(raw: dict[str, Any]) -> None:
         raise ModelConfigError(
             f"compressed-tensors quantization_status {status!r}: only saved `compressed` weights load"
         )
-    others = [name for name in raw.get("ignore") or [] if name.rsplit(".", 1)[-1] != "lm_head"]
+    others = [
+        name for name in raw.get("ignore") or [] if not name.endswith("lm_head")
+    ]  # "lm_head", "re:.*lm_head"
     if others:
         raise ModelConfigError(
             f"compressed-tensors ignore lists layers besides the LM head ({', '.join(others[:4])}); "
