@@ -252,7 +252,7 @@ def test_cuda_quant_linear_dispatch_matches_reference_for_every_row_count(scheme
         out = kernels.quant_linear(x, qweight, scale, scheme)
         expected = quant_linear_ref(x.double(), qweight, scale, scheme)
         # FP8 past 16 rows also quantizes the activations (per token): a larger error
-        tolerance = 5e-2 if scheme == "fp8" and num_rows > 16 else 1e-2
+        tolerance = 6e-2 if scheme == "fp8" and num_rows > 16 else 1e-2
         assert rel_error(out, expected) < tolerance, f"{scheme} {num_rows} rows"
 
 
