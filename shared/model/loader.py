@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels.quant_ref import pack_int32
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import LlamaForCausalLM
 from shared.model.parallel import (
@@ -78,17 +79,23 @@ class TensorSlices(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
-FLOAT_DTYPE_NAMES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""safetensors' names of the unquantized floating dtypes."""
+SLICE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+}
+"""safetensors' names of the dtypes a checkpoint weight may need converting from."""
 
 
 def slice_dtype(tensor: TensorSlices) -> torch.dtype | None:
-    """The dtype of an `InMemory` tensor or of an unquantized floating safetensors slice; None
-    for any other stored dtype."""
+    """The dtype of an `InMemory` tensor or of a safetensors slice of `SLICE_DTYPES`; None for
+    any other stored dtype."""
     if isinstance(tensor, InMemory):
         return tensor.tensor.dtype
     get_dtype = getattr(tensor, "get_dtype", None)
-    return FLOAT_DTYPE_NAMES.get(get_dtype()) if get_dtype else None
+    return SLICE_DTYPES.get(get_dtype()) if get_dtype else None
 
 
 class InMemory:
@@ -227,11 +234,16 @@ def unfuse_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[
 def _as_stored(
     target: str, tensor: TensorSlices, layers: dict[str, QuantizedLinear]
 ) -> list[tuple[str, TensorSlices]]:
-    """(parameter name, tensor) pairs a checkpoint tensor fills: itself, or the quantized weight
-    and scale of a quantized layer's unquantized weight (the whole matrix, quantized here)."""
+    """(parameter name, tensor) pairs a checkpoint tensor fills: itself, the quantized weight and
+    scale of a quantized layer's unquantized weight (the whole matrix, quantized here), or an int8
+    layer's unpacked `weight` packed as the layer stores it."""
     layer = layers.get(target.removesuffix(".weight"))
     dtype = slice_dtype(tensor)
-    if layer is None or dtype is None or not is_unquantized_weight(target, dtype):
+    if layer is None or dtype is None or not target.endswith(".weight"):
+        return [(target, tensor)]
+    if dtype == torch.int8 and layer.scheme.method == "int8":
+        return [(f"{target}_packed", InMemory(pack_int32(tensor[...], 8)))]
+    if not is_unquantized_weight(target, dtype):
         return [(target, tensor)]
     return [(name, InMemory(t)) for name, t in quantize_checkpoint_weight(target, tensor[...], layer)]
 

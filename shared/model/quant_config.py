@@ -4,9 +4,11 @@ A checkpoint that llm-compressor wrote carries `quantization_config` with `quant
 compressed-tensors` in its config.json; specmesh reads the schemes its kernels run (formats in
 kernels/quant_ref.py): float8 e4m3 weights with per-channel (or one per-tensor) `weight_scale`
 (`float-quantized` / `naive-quantized`), and symmetric int8 / int4 `pack-quantized` weights
-(`weight_packed`, `weight_scale`, `weight_shape`) with per-channel or group-wise scales. Every other
-scheme (zero points, activation ordering, static activation scales, 2:4 sparsity, quantized KV
-caches, per-layer exceptions besides the LM head) is refused by name.
+(`weight_packed`, `weight_scale`, `weight_shape`; int8 also unpacked as `int-quantized` `weight`)
+with per-channel or group-wise scales; activation quantization (W8A8) is not applied: the
+activations stay in the model's dtype (fp8 quantizes them per token where it runs on tensor cores).
+Every other scheme (zero points, activation ordering, static activation scales, 2:4 sparsity,
+quantized KV caches, per-layer exceptions besides the LM head) is refused by name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ METHODS = ("fp8", "int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 128
 COMPRESSED_TENSORS = "compressed-tensors"
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
-INT_FORMATS = ("pack-quantized",)
+INT_FORMATS = {4: ("pack-quantized",), 8: ("pack-quantized", "int-quantized", "naive-quantized")}
+"""int8 may also be stored unpacked (`weight`, int8), as W8A8 checkpoints are."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +138,9 @@ def _weights_scheme(where: str, weights: dict[str, Any], fmt: str | None) -> Qua
             raise ModelConfigError(f"{where}: fp8 strategy {strategy!r}; supported: channel, tensor")
         return QuantScheme("fp8")
     if kind == "int" and bits in (4, 8):
-        if fmt not in INT_FORMATS:
+        if fmt not in INT_FORMATS[bits]:
             raise ModelConfigError(
-                f"{where}: int{bits} weights in format {fmt!r}; supported: {', '.join(INT_FORMATS)}"
+                f"{where}: int{bits} weights in format {fmt!r}; supported: {', '.join(INT_FORMATS[bits])}"
             )
         if strategy == "channel":
             return QuantScheme(f"int{bits}")

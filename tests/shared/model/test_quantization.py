@@ -134,10 +134,13 @@ def quantization_config(method: str, **changes: Any) -> dict[str, Any]:
     return config
 
 
-def write_compressed_tensors(source: Path, out: Path, method: str, per_tensor_fp8: bool = False) -> Path:
+def write_compressed_tensors(
+    source: Path, out: Path, method: str, per_tensor_fp8: bool = False, unpacked_int8: bool = False
+) -> Path:
     """`source` re-saved as compressed-tensors: every decoder projection as `weight_packed` (int32,
     8 / 4 values a word, + 2^(bits-1), low bits first), `weight_scale` ([out, groups]) and
-    `weight_shape`, or fp8 `weight` + `weight_scale`; the rest as it was."""
+    `weight_shape`, or fp8 `weight` + `weight_scale`, or (`unpacked_int8`, format `int-quantized`)
+    int8 `weight` + `weight_scale`; the rest as it was."""
     shutil.copytree(source, out)
     tensors = {}
     with safe_open(str(source / "model.safetensors"), framework="pt") as f:
@@ -156,6 +159,10 @@ def write_compressed_tensors(source: Path, out: Path, method: str, per_tensor_fp
             qweight, scale = quantize_weight_ref(tensor, method, WEIGHTS[method]["group_size"])
             bits = WEIGHTS[method]["num_bits"]
             assert torch.equal(pack_int32(unpack_int32(qweight, bits), bits), qweight)
+            if unpacked_int8:
+                tensors[f"{prefix}.weight"] = unpack_int32(qweight, 8)
+                tensors[f"{prefix}.weight_scale"] = scale
+                continue
             tensors[f"{prefix}.weight_packed"] = qweight
             tensors[f"{prefix}.weight_scale"] = scale
             tensors[f"{prefix}.weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int32)
@@ -164,6 +171,8 @@ def write_compressed_tensors(source: Path, out: Path, method: str, per_tensor_fp
     config["quantization_config"] = quantization_config(method)
     if per_tensor_fp8:
         config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    if unpacked_int8:
+        config["quantization_config"]["format"] = "int-quantized"
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -177,6 +186,17 @@ def test_compressed_tensors_checkpoint_loads_as_the_quantize_at_load_model(
     expected = logits_of(checkpoint, torch.float32, method)
     assert torch.equal(logits_of(quantized, torch.float32), expected)
     assert torch.equal(logits_of(quantized, torch.float32, method), expected)  # the same method asked for
+
+
+def test_unpacked_int8_checkpoint_loads_as_the_quantize_at_load_model(checkpoint, tmp_path) -> None:
+    """W8A8 checkpoints store int8 `weight` unpacked (format int-quantized); the weights run as int8
+    weight-only."""
+    quantized = write_compressed_tensors(checkpoint, tmp_path / "ct", "int8", unpacked_int8=True)
+    assert torch.equal(logits_of(quantized, torch.float32), logits_of(checkpoint, torch.float32, "int8"))
+    for rank in range(2):
+        part = load_model(quantized, torch.float32, CPU, 64, TensorParallel(rank, 2))
+        expected = load_model(checkpoint, torch.float32, CPU, 64, TensorParallel(rank, 2), "int8")
+        assert torch.equal(part.layers[0].mlp.down_proj.qweight, expected.layers[0].mlp.down_proj.qweight)
 
 
 def test_per_tensor_fp8_scales_load_as_one_scale_for_every_row(checkpoint, tmp_path) -> None:
