@@ -85,10 +85,11 @@ def quant_linear(
     bias: torch.Tensor | None = None,  # [out_features]
     out_dtype: torch.dtype | None = None,  # None: x's dtype
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """x @ dequantize(weight).T (+ bias) on CUDA: up to 16 bf16 / fp16 rows through the kernel that
-    dequantizes while it reads (kernels/quant_gemm.py); more rows on the FP8 tensor cores with
-    per-token activation scales (fp8, bf16, sm_89+), else the weight dequantized for cuBLAS.
-    Elsewhere (CPU, float32) the torch reference `quant_linear_ref`."""
+    """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py): up to 16 bf16 / fp16 rows
+    through the kernel that dequantizes while it reads; more on the FP8 tensor cores with per-token
+    activation scales (fp8, bf16, sm_89+), else on bf16 / fp16 tensor cores dequantizing in
+    registers (up to 256 rows), else the weight dequantized for cuBLAS. Elsewhere (CPU, float32)
+    the torch reference `quant_linear_ref`."""
     if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
         from kernels import quant_gemm
 
@@ -96,6 +97,8 @@ def quant_linear(
             result = quant_gemm.quant_gemv_cuda(x, qweight, scale, scheme, bias)
         elif scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1:
             result = quant_gemm.fp8_scaled_mm_cuda(x, qweight, scale, bias)
+        elif x.shape[0] <= quant_gemm.MMA_MAX_ROWS and quant_gemm.mma_fits(x, qweight, scale, scheme):
+            result = quant_gemm.quant_mma_cuda(x, qweight, scale, scheme, bias)
         else:
             weight = quant_gemm.dequantize_weight_cuda(qweight, scale, scheme, x.dtype)
             result = F.linear(x, weight, bias)

@@ -3,8 +3,9 @@
 On CPU: the compressed-tensors int32 packing, quantize -> dequantize round trips within each
 scheme's step, the weight-only product against F.linear of the dequantized weight, the per-token
 FP8 activations, the kernels' fp8 decoding formula over every e4m3 code, and the dispatch rules.
-On a GPU: each CUDA kernel against its torch reference over shapes, row counts, group sizes and
-dtypes (outputs poisoned first), and replay from a CUDA graph.
+On a GPU: each CUDA kernel (one-row, tensor-core, dequantize, FP8 activations + _scaled_mm) against
+its torch reference over shapes, row counts, group sizes and dtypes (outputs poisoned first), the
+dispatch over row counts, and replay from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -204,6 +205,52 @@ def test_cuda_quant_gemv_matches_reference(scheme: str, dtype: torch.dtype) -> N
 @needs_cuda
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_quant_mma_matches_reference(scheme: str, dtype: torch.dtype) -> None:
+    """The tensor-core kernel multiplies by the weight dequantized to x's dtype, as the reference
+    does: only the float32 summation order and the output rounding differ."""
+    from kernels.quant_gemm import MMA_MAX_ROWS, mma_fits, quant_mma_cuda
+
+    generator = torch.Generator().manual_seed(34)
+    worst = 0.0
+    for n, k in SHAPES:
+        for group_size in [g for g in GROUPS[scheme] if g is None or k % g == 0]:
+            qweight, scale = _cuda_weight(n, k, scheme, group_size, n + 2 * k)
+            weight = dequantize_weight_ref(qweight, scale, scheme, dtype).double()
+            bias = torch.randn(n, generator=generator).to("cuda", dtype)
+            for num_rows in (1, 17, 40, 64, 65, 130, MMA_MAX_ROWS) if n * k < 1e7 else (17, 64, 200):
+                x = torch.randn(num_rows, k, generator=generator).to("cuda", dtype)
+                assert mma_fits(x, qweight, scale, scheme)
+                for b in (None, bias):
+                    poison_allocator((num_rows, n), dtype, x.device)
+                    out = quant_mma_cuda(x, qweight, scale, scheme, b)
+                    torch.cuda.synchronize()
+                    expected = x.double() @ weight.t() + (b.double() if b is not None else 0)
+                    error = rel_error(out, expected)
+                    assert error < TOLERANCE[dtype], f"{scheme} g{group_size} {num_rows}x{k}x{n}: {error:.2e}"
+                    worst = max(worst, error)
+    print(f"\nquant_mma {scheme} {dtype}: max relative error vs the dequantized float64 product {worst:.2e}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_quant_mma_takes_only_whole_64_feature_steps_and_16_value_groups(monkeypatch) -> None:
+    from kernels.quant_gemm import MMA_ENV, mma_fits
+
+    x = torch.randn(20, 192, device="cuda", dtype=torch.bfloat16)
+    qweight, scale = _cuda_weight(64, 192, "int8", 64, 1)
+    assert mma_fits(x, qweight, scale, "int8")
+    assert not mma_fits(x.float(), qweight, scale, "int8")
+    assert not mma_fits(x, qweight, torch.ones(64, 24, device="cuda"), "int8")  # groups of 8 values
+    small, small_scale = _cuda_weight(64, 96, "int8", None, 1)
+    assert not mma_fits(x[:, :96].contiguous(), small, small_scale, "int8")  # 96 features: not whole steps
+    monkeypatch.setenv(MMA_ENV, "off")
+    assert not mma_fits(x, qweight, scale, "int8")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_dequantize_is_bit_identical_to_reference(scheme: str, dtype: torch.dtype) -> None:
     from kernels.quant_gemm import dequantize_weight_cuda
 
@@ -247,7 +294,7 @@ def test_cuda_quant_linear_dispatch_matches_reference_for_every_row_count(scheme
     generator = torch.Generator().manual_seed(32)
     n, k = 4608, 3584
     qweight, scale = _cuda_weight(n, k, scheme, 128 if scheme == "int4" else None, 5)
-    for num_rows in (1, 5, 16, 17, 64, 257):
+    for num_rows in (1, 5, 16, 17, 64, 256, 257, 600):  # one-row kernel, tensor cores, dequantize + cuBLAS
         x = torch.randn(num_rows, k, generator=generator).to("cuda", torch.bfloat16)
         out = kernels.quant_linear(x, qweight, scale, scheme)
         expected = quant_linear_ref(x.double(), qweight, scale, scheme)
