@@ -9,7 +9,8 @@ Measures, on the card it runs on (named in the output):
 - the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
-  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights;
+  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights (past 16
+  rows int8 / int4 also through dequantize + cuBLAS);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -365,6 +366,10 @@ def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
+                    if num_rows > 16 and scheme != "fp8":  # the tensor-core kernel vs dequantize + cuBLAS
+                        row[f"{scheme}_dequantize_us"] = (
+                            1e3 * _graph_ms_with(product, "SPECMESH_QUANT_MMA") / copies
+                        )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del weights, stored
@@ -623,6 +628,11 @@ def summarize(result: dict[str, Any]) -> None:
             + " ".join(
                 f"{s} {row[s + '_us']:7.1f} us ({100 * row[s + '_fraction_of_copy']:3.0f}%)"
                 for s in ("fp8", "int8", "int4")
+            )
+            + "".join(
+                f" | {s} dequantize + cuBLAS {row[s + '_dequantize_us']:7.1f} us"
+                for s in ("int8", "int4")
+                if s + "_dequantize_us" in row
             )
         )
     for key in ("step_llama", "step_qwen"):
