@@ -96,9 +96,14 @@ def available(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and cupy_module() is not None
 
 
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+@functools.cache
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
+
+
+def _arch(device: torch.device) -> str:
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

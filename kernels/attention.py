@@ -17,8 +17,9 @@ end — verify rows (1 + k tokens x the group) cost about what one decode row co
 Otherwise (float32, wider heads or groups) `append_attention` on CUDA cores: scores one thread per
 key, softmax one warp per row, P V one thread per head_dim chunk.
 
-Sequences with more than `MAX_KERNEL_QUERY_LEN` query tokens (long prefill chunks, compute-bound)
-go through the torch reference instead, in the same call.
+A query longer than `MAX_KERNEL_QUERY_LEN` tokens (a long prefill chunk) is cut into pieces the
+kernel takes, each attending to the context up to its own last token (`split_queries`), which is
+faster than torch's SDPA over the gathered context even for long prompts (kernels/NOTES.md).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import os
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import _cuda
-from kernels.attention_ref import AttentionMetadata, _gather_context, _sdpa, _visible
+from kernels.attention_ref import AttentionMetadata
 
 BLOCK_N = 64
 THREADS = 128
@@ -48,12 +48,11 @@ SMALL_GRID_ROWS = 16
 small batches: the verify rows (1 + k tokens x the GQA group) split over more blocks, each
 re-reading its context tiles from L2, instead of running one long chain of tiles per kv head."""
 MAX_KERNEL_QUERY_LEN = 256
+"""Longest query one sequence brings to the kernel; longer ones are cut into pieces."""
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = BLOCK_N
 """A context split takes at least one tile: at small batches even a short context is split,
 since one block walking its tiles one after another is latency-bound (kernels/NOTES.md)."""
-LONG_PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-"""SDPA backends for prefill chunks longer than the kernel takes (those with a mask)."""
 
 SOURCE = (
     _cuda.CONVERSIONS
@@ -774,25 +773,20 @@ def append_attention_cuda(
             tensor_cores,
         )
         return out
-    query_lens = meta.query_lens_cpu
-    short = [n for n in query_lens if n <= MAX_KERNEL_QUERY_LEN]
-    if short:
-        _launch_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta,
-            scale,
-            sliding_window,
-            out,
-            max(short),
-            group,
-            num_splits,
-            tensor_cores,
-        )
-    long_seqs = [i for i, n in enumerate(query_lens) if n > MAX_KERNEL_QUERY_LEN]
-    if long_seqs:
-        _reference_rows(query, key_cache, value_cache, meta, scale, sliding_window, out, long_seqs)
+    pieces = meta.split_queries(MAX_KERNEL_QUERY_LEN)
+    _launch_attention(
+        query,
+        key_cache,
+        value_cache,
+        pieces,
+        scale,
+        sliding_window,
+        out,
+        max(pieces.query_lens_cpu),
+        group,
+        num_splits,
+        tensor_cores,
+    )
     return out
 
 
@@ -930,31 +924,6 @@ def choose_splits(num_blocks: int, max_seq_len: int, device: torch.device) -> in
     by_occupancy = -(-2 * num_sms // num_blocks)
     by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-def _reference_rows(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-    out: torch.Tensor,
-    seqs: list[int],
-) -> None:
-    """The reference computation for the given sequences only (long prefill chunks)."""
-    starts = meta.query_start_loc.tolist()
-    for i in seqs:
-        query_len, seq_len, start = meta.query_lens_cpu[i], meta.seq_lens_cpu[i], starts[i]
-        keys, values = _gather_context(key_cache, value_cache, meta.block_tables[i], seq_len)
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)
-        seq_query = query[start : start + query_len].unsqueeze(0)
-        # not cuDNN: it builds a plan for every new (query, context) length, tens of ms each time
-        with sdpa_kernel(LONG_PREFILL_BACKENDS):
-            attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale)
-        out[start : start + query_len] = attended[0]
 
 
 def write_kv_cuda(

@@ -11,6 +11,7 @@ sequence's whole context, cached tokens first.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class AttentionMetadata:
     _tile_starts: dict[tuple[int, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _pieces: dict[int, AttentionMetadata] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -57,6 +59,37 @@ class AttentionMetadata:
             torch.cumsum(tiles, 0, out=cumulative[1:])
             self._tile_starts[key] = cumulative
         return self._tile_starts[key]
+
+    def split_queries(self, max_query_len: int) -> AttentionMetadata:
+        """The same attention with every query longer than `max_query_len` tokens cut into
+        consecutive pieces of at most that many, each a sequence of its own whose context ends at
+        its last token (same block table, same token order): a long prefill chunk becomes a few
+        short ones, which the attention kernel takes. Once per step, whatever the number of
+        layers; `self` when nothing is cut."""
+        if max(self.query_lens_cpu, default=0) <= max_query_len:
+            return self
+        if max_query_len not in self._pieces:
+            owners: list[int] = []
+            query_lens: list[int] = []
+            seq_lens: list[int] = []
+            for i, (query_len, seq_len) in enumerate(zip(self.query_lens_cpu, self.seq_lens_cpu)):
+                for start in range(0, query_len, max_query_len):
+                    piece = min(max_query_len, query_len - start)
+                    owners.append(i)
+                    query_lens.append(piece)
+                    seq_lens.append(seq_len - query_len + start + piece)
+            host = torch.tensor([0, *itertools.accumulate(query_lens), *seq_lens, *owners], dtype=torch.int32)
+            packed = host.to(self.query_start_loc.device, non_blocking=True)
+            num = len(owners)
+            self._pieces[max_query_len] = AttentionMetadata(
+                slot_mapping=self.slot_mapping,
+                query_start_loc=packed[: num + 1],
+                seq_lens=packed[num + 1 : 2 * num + 1],
+                block_tables=self.block_tables.index_select(0, packed[2 * num + 1 :]),
+                query_lens_cpu=query_lens,
+                seq_lens_cpu=seq_lens,
+            )
+        return self._pieces[max_query_len]
 
     @property
     def all_single_token(self) -> bool:

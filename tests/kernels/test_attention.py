@@ -102,6 +102,26 @@ def test_reference_matches_plain_loop(window: int | None) -> None:
         assert rel_error(out, loop_attention(query, key_cache, value_cache, meta, scale, window)) < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_long_queries_cut_into_pieces_attend_as_whole(window: int | None) -> None:
+    """The kernel takes queries of at most MAX_KERNEL_QUERY_LEN tokens: longer prefill chunks are
+    cut into pieces that each attend to the context up to their own last token."""
+    generator = torch.Generator().manual_seed(3)
+    query, key_cache, value_cache, meta = make_batch(
+        [9, 1, 20, 3], [0, 5, 7, 2], 6, 2, 8, 4, torch.float32, "cpu", generator
+    )
+    pieces = meta.split_queries(8)
+    assert pieces.query_lens_cpu == [8, 1, 1, 8, 8, 4, 3]
+    assert pieces.seq_lens_cpu == [8, 9, 6, 15, 23, 27, 5]
+    assert pieces.query_start_loc.tolist() == [0, 8, 9, 10, 18, 26, 30, 33]
+    assert torch.equal(pieces.block_tables, meta.block_tables[[0, 0, 1, 2, 2, 2, 3]])
+    assert meta.split_queries(8) is pieces and meta.split_queries(20) is meta
+    scale = 8**-0.5
+    whole = append_attention_ref(query, key_cache, value_cache, meta, scale, window)
+    cut = append_attention_ref(query, key_cache, value_cache, pieces, scale, window)
+    assert rel_error(cut, whole) < 1e-6
+
+
 def test_write_kv_reference_writes_each_slot() -> None:
     key = torch.randn(5, 2, 4)
     value = torch.randn(5, 2, 4)
@@ -127,6 +147,10 @@ CASES = [
     (16, 1, 128, 16, [1, 9], [6000, 300], None),
     (12, 12, 64, 16, [3, 1], [31, 8192], None),
     (40, 2, 64, 16, [1, 6], [300, 1000], None),  # 20 query heads per kv head: CUDA cores only
+    # prefill chunks longer than the kernel's query: cut into pieces
+    (32, 8, 64, 16, [433, 1, 300, 2100, 6], [0, 50, 700, 0, 90], None),
+    (4, 4, 16, 16, [5000], [3000], None),
+    (8, 2, 64, 16, [600, 3], [100, 40], 128),
 ]
 
 
