@@ -163,7 +163,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, tp).to(dtype)
         if scheme is not None:
-            quantize_linears(model, scheme)
+            quantize_linears(model, scheme, str(model_dir))
     model = model.to_empty(device=device)
     model.tie_weights()
     model.build_rotary(device)

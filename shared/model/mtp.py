@@ -179,7 +179,7 @@ def load_mtp_head(
     with torch.device("meta"):
         head = MTPHead(target).to(dtype)
         if scheme is not None:
-            quantize_linears(head, scheme)
+            quantize_linears(head, scheme, str(mtp_dir))
     head = head.to_empty(device=device)
     head.rotary.build(device)
     load_named_tensors(head, head.config, iter_checkpoint_slices(mtp_dir), str(mtp_dir), tp=target.tp)

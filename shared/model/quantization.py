@@ -79,9 +79,10 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
 
-def quantize_linears(module: nn.Module, scheme: QuantScheme) -> None:
+def quantize_linears(module: nn.Module, scheme: QuantScheme, source: str) -> None:
     """Replaces every `nn.Linear` of `module` but the LM head with a `QuantizedLinear` of the same
-    shape (on the same device, typically meta before the weights load)."""
+    shape (on the same device, typically meta before the weights load); `source` (the checkpoint)
+    names the model in errors."""
     for name, child in list(module.named_modules()):
         if not isinstance(child, nn.Linear) or name.rsplit(".", 1)[-1] in UNQUANTIZED_LINEARS:
             continue
@@ -91,7 +92,7 @@ def quantize_linears(module: nn.Module, scheme: QuantScheme) -> None:
                     child.in_features, child.out_features, child.bias is not None, scheme, child.weight.dtype
                 )
         except ValueError as exc:
-            raise ModelConfigError(f"{name} cannot be quantized as {scheme}: {exc}") from exc
+            raise ModelConfigError(f"{source}: {name} cannot be quantized as {scheme}: {exc}") from exc
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
 

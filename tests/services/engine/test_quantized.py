@@ -90,6 +90,17 @@ def test_bad_quantization_values_are_refused_with_the_choices(target, make_check
     small = str(make_checkpoint("llama"))  # hidden_size 96: no whole groups of 128
     with pytest.raises(ModelConfigError, match=r"qkv_proj cannot be quantized as int4 \(groups of 128\)"):
         LLM(small, device="cpu", max_model_len=64, quantization="int4")
+    draft = str(REPO_ROOT / "models" / "specmesh-code-draft")  # 192 input features
+    with pytest.raises(
+        ModelConfigError, match=rf"{draft}: layers.0.self_attn.qkv_proj cannot be quantized as int4"
+    ):
+        LLM(
+            target,
+            device="cpu",
+            max_model_len=64,
+            quantization="int4",
+            speculative_config={"method": "draft_model", "model": draft},
+        )
     result = subprocess.run(
         [
             sys.executable,
