@@ -9,8 +9,8 @@ Measures, on the card it runs on (named in the output):
 - the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
-  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights (past 16
-  rows int8 / int4 also through dequantize + cuBLAS);
+  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights (int8 /
+  int4 also on tensor cores up to 16 rows, and through dequantize + cuBLAS past them);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -40,6 +40,7 @@ from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from kernels.quant_gemm import quant_mma_cuda
 from kernels.quant_ref import quantize_weight_ref
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
@@ -340,7 +341,6 @@ def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
     weight copies (>= 256 MiB of bf16) to stream from HBM."""
-
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -370,6 +370,9 @@ def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 
                         row[f"{scheme}_dequantize_us"] = (
                             1e3 * _graph_ms_with(product, "SPECMESH_QUANT_MMA") / copies
                         )
+                    if num_rows <= 16 and scheme != "fp8":  # where the one-row kernel should hand over
+                        mma = functools.partial(_each_quantized, scheme, x, quantized, quant_mma_cuda)
+                        row[f"{scheme}_mma_us"] = 1e3 * graph_time_ms(mma) / copies
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del weights, stored
@@ -377,9 +380,14 @@ def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 
     return rows
 
 
-def _each_quantized(scheme: str, x: torch.Tensor, stored: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _each_quantized(
+    scheme: str,
+    x: torch.Tensor,
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    product: Callable[..., torch.Tensor] = kernels.quant_linear,
+) -> None:
     for qweight, scale in stored:
-        kernels.quant_linear(x, qweight, scale, scheme)
+        product(x, qweight, scale, scheme)
 
 
 def _each_weight(product: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -630,9 +638,10 @@ def summarize(result: dict[str, Any]) -> None:
                 for s in ("fp8", "int8", "int4")
             )
             + "".join(
-                f" | {s} dequantize + cuBLAS {row[s + '_dequantize_us']:7.1f} us"
+                f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
                 for s in ("int8", "int4")
-                if s + "_dequantize_us" in row
+                for key, path in (("dequantize", "dequantize + cuBLAS"), ("mma", "tensor cores"))
+                if f"{s}_{key}_us" in row
             )
         )
     for key in ("step_llama", "step_qwen"):
