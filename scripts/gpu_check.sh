@@ -13,7 +13,8 @@
 # = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes, bus GB/s,
 # the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
 # rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
-# quant: quantized weights (QUANT_SHAPES, QUANT_METHODS; split over calls as spec is): quant-tests.log (each
+# quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
+# over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
 # CUDA kernel vs its torch reference, quantized engine graphs vs eager), quant-kernels.json (benchmarks.gpu_kernels:
 # the quantized products' stored bytes / time per matrix and row count, cuBLAS bf16 beside), engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
@@ -134,12 +135,17 @@ if [[ " $stages " == *" tp "* ]]; then
     done
     rm -rf $model
 fi
-if [[ " $stages " == *" quant "* ]]; then
+quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
         tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
     timeout 300 python3 -m benchmarks.gpu_kernels --only quant_linear --out "$OUT/quant-kernels.json" 2>&1 \
         | tee "$OUT/quant-kernels.log" | grep "^quant"
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" engine "* ]]; then
     for shape in ${QUANT_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
         python3 -m benchmarks.random_model $shape /tmp/specmesh-$shape
         for q in ${QUANT_METHODS:-none fp8 int8 int4}; do  # none (bf16) first: the baseline of the same call
@@ -151,6 +157,8 @@ if [[ " $stages " == *" quant "* ]]; then
         done
         rm -rf /tmp/specmesh-$shape
     done
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
     for shape in ${QUANT_SPEC_SHAPES:-llama-3.2-1b}; do
         dir=/tmp/widened-$shape
         [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
