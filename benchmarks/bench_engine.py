@@ -4,13 +4,16 @@
     python -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 --batch-sizes 1 16 64  # GPU
     python -m benchmarks.bench_engine ... --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.bench_engine ... --tensor-parallel-size 2   # split over cuda:0 and cuda:1
+    python -m benchmarks.bench_engine ... --quantization int4   # fp8 / int8 / int4 weights, quantized at load
 
 Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
 tokens each (greedy, EOS ignored), after one warm-up run. The decode step time is the mean of the
 engine steps after every prompt is in (the whole step: scheduling, inputs, forward, sampling,
-outputs). On a GPU it is set against the weight-read floor: (weight bytes + the KV bytes a step
-reads) / device-to-device copy bandwidth, the least time any engine needs to read them once (per
-rank under tensor parallelism: its shards and its KV heads).
+outputs). On a GPU it is set against the weight-read floor: (the weight bytes a step reads + the KV
+bytes it reads) / device-to-device copy bandwidth, the least time any engine needs to read them once
+(per rank under tensor parallelism: its shards and its KV heads). The weight bytes are those stored:
+quantized weights and their scales, the embedding rows of the batch's tokens only (unless tied to
+the LM head, which reads the whole table).
 Results are printed as a table and written as JSON.
 """
 
@@ -68,10 +71,24 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
     }
 
 
+def weight_bytes_read(model: torch.nn.Module, batch: int) -> int:
+    """Bytes of parameters one decode step of `batch` single-token rows reads, as stored (quantized
+    weights, their scales): all of them but an untied embedding table, of which only `batch` rows."""
+    embedding = model.get_submodule("embed_tokens").weight
+    tied = model.get_submodule("lm_head").weight is embedding
+    total = 0
+    for param in model.parameters():
+        if param is embedding and not tied:
+            total += min(batch, param.shape[0]) * param.shape[1] * param.element_size()
+        else:
+            total += param.numel() * param.element_size()
+    return total
+
+
 def floor_ms(llm: LLM, batch: int, context: int, copy_gbs: float) -> float:
     """(weights + KV read by one decode step at this context) / copy bandwidth, in ms (rank 0's)."""
     runner = llm.engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = weight_bytes_read(runner.model, batch)
     c = runner.model_config
     kv_heads = num_local_kv_heads(c, runner.tp)
     kv_bytes = batch * context * 2 * c.num_hidden_layers * kv_heads * c.head_dim
@@ -144,6 +161,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     parser.add_argument("--speculative-config", help="JSON, as for `specmesh serve` (default: naive)")
+    parser.add_argument(
+        "--quantization", choices=["fp8", "int8", "int4"], help="quantize the linear layers at load"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,6 +176,7 @@ def main() -> None:
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
             speculative_config=SpeculativeConfig.from_json(args.speculative_config),
+            quantization=args.quantization,
         )
         vocab = llm.engine.model_config.vocab_size
         rows = [run(llm, b, args.prompt_len, args.output_len, vocab) for b in args.batch_sizes]
@@ -177,6 +198,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "quantization": str(llm.engine.runner.quantization or "none"),
+        "weight_bytes_batch_1": weight_bytes_read(llm.engine.runner.model, 1),
         "speculative_config": args.speculative_config,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
@@ -189,7 +212,8 @@ def main() -> None:
     )
     print(
         f"CUDA graphs: {result['cuda_graphs']}, tensor parallel: {args.tensor_parallel_size}, "
-        f"speculative config: {args.speculative_config or 'naive'}"
+        f"speculative config: {args.speculative_config or 'naive'}, weights: {result['quantization']} "
+        f"({result['weight_bytes_batch_1'] / 2**20:.1f} MiB read a step at batch 1)"
     )
     print("| batch | output tokens | seconds | output tok/s | decode step ms | floor ms | step / floor |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

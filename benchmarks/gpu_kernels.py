@@ -8,6 +8,9 @@ Measures, on the card it runs on (named in the output):
 - the n-gram kernel at batch 256 with 8k-token histories; the fused verify + sample kernel;
 - the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
+- the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
+  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights (int8 /
+  int4 also on tensor cores up to 16 rows, and through dequantize + cuBLAS past them);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -32,10 +35,13 @@ from typing import Any
 
 import torch
 
+import kernels
 from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from kernels.quant_gemm import quant_mma_cuda
+from kernels.quant_ref import quantize_weight_ref
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
@@ -331,6 +337,59 @@ def linear_rows(
     return rows
 
 
+def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 64)) -> list[dict[str, Any]]:
+    """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
+    (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
+    weight copies (>= 256 MiB of bf16) to stream from HBM."""
+    rows = []
+    for model, matrices in LINEAR_SHAPES.items():
+        for name, (n, k) in matrices.items():
+            if name == "lm_head":  # stays in the model dtype
+                continue
+            copies = min(32, -(-256 * 2**20 // (2 * n * k)))
+            weights = [
+                torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)
+            ]
+            stored = {
+                scheme: [quantize_weight_ref(w, scheme, 128 if scheme == "int4" else None) for w in weights]
+                for scheme in ("fp8", "int8", "int4")
+            }
+            for num_rows in row_counts:
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
+                us = 1e3 * graph_time_ms(
+                    functools.partial(_each_weight, torch.nn.functional.linear, x, weights)
+                )
+                row["bf16_us"] = us / copies
+                for scheme, quantized in stored.items():
+                    product = functools.partial(_each_quantized, scheme, x, quantized)
+                    row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
+                    num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
+                    row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
+                    if num_rows > 16 and scheme != "fp8":  # the tensor-core kernel vs dequantize + cuBLAS
+                        row[f"{scheme}_dequantize_us"] = (
+                            1e3 * _graph_ms_with(product, "SPECMESH_QUANT_MMA") / copies
+                        )
+                    if num_rows <= 16 and scheme != "fp8":  # where the one-row kernel should hand over
+                        mma = functools.partial(_each_quantized, scheme, x, quantized, quant_mma_cuda)
+                        row[f"{scheme}_mma_us"] = 1e3 * graph_time_ms(mma) / copies
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del weights, stored
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _each_quantized(
+    scheme: str,
+    x: torch.Tensor,
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    product: Callable[..., torch.Tensor] = kernels.quant_linear,
+) -> None:
+    for qweight, scale in stored:
+        product(x, qweight, scale, scheme)
+
+
 def _each_weight(product: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]) -> None:
     for weight in weights:
         product(x, weight)
@@ -519,6 +578,7 @@ def main() -> None:
         ("verify", verify_rows),
         ("fused_layers", fused_layer_rows),
         ("linear", lambda: linear_rows(result["copy_gb_per_s"])),
+        ("quant_linear", lambda: quant_linear_rows(result["copy_gb_per_s"])),
     ]
     if not args.skip_steps:
         sections += [
@@ -568,6 +628,20 @@ def summarize(result: dict[str, Any]) -> None:
             + " ".join(
                 f"{label} {row[label + '_us']:7.1f} us ({100 * row[label + '_fraction_of_copy']:3.0f}%)"
                 for label in ("cublas", "skinny1", "skinny2")
+            )
+        )
+    for row in result.get("quant_linear", []) if isinstance(result.get("quant_linear"), list) else []:
+        print(
+            f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:2d} bf16 {row['bf16_us']:7.1f} us "
+            + " ".join(
+                f"{s} {row[s + '_us']:7.1f} us ({100 * row[s + '_fraction_of_copy']:3.0f}%)"
+                for s in ("fp8", "int8", "int4")
+            )
+            + "".join(
+                f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
+                for s in ("int8", "int4")
+                for key, path in (("dequantize", "dequantize + cuBLAS"), ("mma", "tensor cores"))
+                if f"{s}_{key}_us" in row
             )
         )
     for key in ("step_llama", "step_qwen"):

@@ -21,6 +21,7 @@ from kernels.fused_layers_ref import (
 )
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref
+from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.verify_ref import verify_sample_ref
 
 
@@ -74,6 +75,46 @@ def linear(
     if out is not None:
         return out.copy_(result)
     return result if out_dtype is None else result.to(out_dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,  # [num_rows, in_features]
+    qweight: torch.Tensor,  # fp8 [out_features, in_features] or packed int32 (kernels/quant_ref.py)
+    scale: torch.Tensor,  # [out_features, num_groups] float32
+    scheme: str,  # fp8, int8 or int4
+    bias: torch.Tensor | None = None,  # [out_features]
+    out_dtype: torch.dtype | None = None,  # None: x's dtype
+) -> torch.Tensor:  # [num_rows, out_features]
+    """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py): up to 16 bf16 / fp16 rows
+    through the kernel that dequantizes while it reads; more on the FP8 tensor cores with per-token
+    activation scales (fp8, bf16, sm_89+), else on bf16 / fp16 tensor cores dequantizing in
+    registers (up to 256 rows), else the weight dequantized for cuBLAS. Elsewhere (CPU, float32)
+    the torch reference `quant_linear_ref`."""
+    if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
+        from kernels import quant_gemm
+
+        if quant_gemm.gemv_fits(x, qweight, scale, scheme):
+            result = quant_gemm.quant_gemv_cuda(x, qweight, scale, scheme, bias)
+        elif scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1:
+            result = quant_gemm.fp8_scaled_mm_cuda(x, qweight, scale, bias)
+        elif x.shape[0] <= quant_gemm.MMA_MAX_ROWS and quant_gemm.mma_fits(x, qweight, scale, scheme):
+            result = quant_gemm.quant_mma_cuda(x, qweight, scale, scheme, bias)
+        else:
+            weight = quant_gemm.dequantize_weight_cuda(qweight, scale, scheme, x.dtype)
+            result = F.linear(x, weight, bias)
+        return result if out_dtype is None else result.to(out_dtype)
+    return quant_linear_ref(x, qweight, scale, scheme, bias, out_dtype)
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype
+) -> torch.Tensor:  # [out_features, in_features] in `dtype`
+    """See `dequantize_weight_ref`; the CUDA kernel for bf16 / fp16 on a CUDA device."""
+    if _cuda.available(qweight) and dtype in (torch.bfloat16, torch.float16):
+        from kernels.quant_gemm import dequantize_weight_cuda
+
+        return dequantize_weight_cuda(qweight, scale, scheme, dtype)
+    return dequantize_weight_ref(qweight, scale, scheme, dtype)
 
 
 def write_kv(
@@ -212,11 +253,13 @@ __all__ = [
     "AttentionMetadata",
     "append_attention",
     "cuda_available",
+    "dequantize_weight",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "linear",
     "ngram_match",
     "post_step_update",
+    "quant_linear",
     "rotary_embedding",
     "silu_and_mul",
     "verify_sample",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -13,6 +13,13 @@
 # = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes, bus GB/s,
 # the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
 # rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
+# quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
+# over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
+# CUDA kernel vs its torch reference, quantized engine graphs vs eager), quant-kernels.json (benchmarks.gpu_kernels:
+# the quantized products' stored bytes / time per matrix and row count, cuBLAS bf16 beside), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
+# and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
+# the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -127,5 +134,47 @@ if [[ " $stages " == *" tp "* ]]; then
             --no-plots --no-progress --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
     done
     rm -rf $model
+fi
+quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
+        tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
+    timeout 300 python3 -m benchmarks.gpu_kernels --only quant_linear --out "$OUT/quant-kernels.json" 2>&1 \
+        | tee "$OUT/quant-kernels.log" | grep "^quant"
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" engine "* ]]; then
+    for shape in ${QUANT_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
+        python3 -m benchmarks.random_model $shape /tmp/specmesh-$shape
+        for q in ${QUANT_METHODS:-none fp8 int8 int4}; do  # none (bf16) first: the baseline of the same call
+            flag=$([ "$q" = none ] || echo "--quantization $q")
+            # shellcheck disable=SC2086
+            timeout 200 python3 -m benchmarks.bench_engine --model /tmp/specmesh-$shape --dtype bfloat16 $flag \
+                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine-$shape-quant-$q.json" 2>&1 \
+                | tee -a "$OUT/quant.log" | tail -6
+        done
+        rm -rf /tmp/specmesh-$shape
+    done
+fi
+if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
+    for shape in ${QUANT_SPEC_SHAPES:-llama-3.2-1b}; do
+        dir=/tmp/widened-$shape
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
+        mtp='{"method":"mtp","model":"'$dir/mtp'"'
+        draft='{"method":"draft_model","model":"models/specmesh-code-draft","num_speculative_tokens":3}'
+        for q in ${QUANT_METHODS:-none fp8 int8 int4}; do
+            flag=$([ "$q" = none ] || echo "--quantization $q")
+            methods="naive ngram suffix mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3}"
+            [ "$q" = int4 ] || methods="$methods draft3=$draft"
+            # shellcheck disable=SC2086
+            timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 $flag --workload code_editing \
+                --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
+                --methods $methods --out "$OUT/offline-$shape-quant-$q.json" 2>&1 | tee -a "$OUT/quant.log" | grep "^| [a-z]"
+        done
+        rm -rf $dir
+    done
 fi
 exit $status

@@ -86,6 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_generated = len(final.token_ids)
     decode_s = finished - loaded
     stats = final.spec_stats
+    quantization = engine.runner.quantization
+    weights = f" | weights {quantization}" if quantization else ""
     spec = ""
     if stats.get("num_verify_steps"):
         spec = (
@@ -93,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"mean accepted length {stats['mean_accepted_length']:.2f}"
         )
     print(
-        f"load {loaded - started:.2f} s | prompt {len(final.prompt_token_ids)} tokens | "
+        f"load {loaded - started:.2f} s{weights} | prompt {len(final.prompt_token_ids)} tokens | "
         f"generated {num_generated} tokens in {decode_s:.2f} s ({num_generated / decode_s:.1f} tok/s) | "
         f"TTFT {final.metrics.get('ttft_s', 0.0) * 1000:.0f} ms | finish {final.finish_reason}{spec}",
         file=sys.stderr,

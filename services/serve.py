@@ -457,6 +457,7 @@ def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:
         "--max-model-len": args.max_model_len,
         "--num-kv-blocks": args.num_kv_blocks,
         "--max-num-batched-tokens": args.max_num_batched_tokens,
+        "--quantization": args.quantization,
     }
     flags += [item for name, value in optional.items() if value is not None for item in (name, str(value))]
     flags += [] if args.enable_chunked_prefill else ["--no-enable-chunked-prefill"]

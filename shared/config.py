@@ -23,6 +23,11 @@ class EngineConfig(BaseModel):
     """Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype; auto is float32 on CPU, bfloat16 on GPU."""
+    quantization: Literal["fp8", "int8", "int4"] | None = None
+    """Quantize every linear layer of the target, its MTP head and the draft model at load (LM head
+    and embeddings stay in `dtype`): fp8 (e4m3, per-channel scales), int8 (weight-only, per channel)
+    or int4 (weight-only, groups of 128). None: as the checkpoint is (a compressed-tensors checkpoint
+    loads quantized)."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or auto (cuda when available)."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=8)

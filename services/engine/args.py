@@ -20,6 +20,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     group.add_argument(
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16"
     )
+    group.add_argument(
+        "--quantization",
+        "-q",
+        choices=["fp8", "int8", "int4"],
+        help="quantize the linear layers at load: fp8 (per-channel scales), int8 (weight-only, per channel), "
+        "int4 (weight-only, groups of 128); default: as the checkpoint is (compressed-tensors checkpoints "
+        "load quantized)",
+    )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument(
         "--tensor-parallel-size",
@@ -58,6 +66,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model or default_model(),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,

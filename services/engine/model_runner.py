@@ -54,6 +54,7 @@ from shared.model import LlamaForCausalLM, ModelConfig, ModelConfigError, load_m
 from shared.model.llama import KVCache
 from shared.model.mtp import MTPHead, load_mtp_head
 from shared.model.parallel import SINGLE, TensorParallel, check_divisible, kv_head_owners, kv_head_range
+from shared.model.quant_config import resolve_quantization
 from shared.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -163,15 +164,18 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         _check_kernels_support(model_config, self.device)
+        # the target's scheme (asked for, or its checkpoint's) quantizes the drafting models too
+        self.quantization = resolve_quantization(config.quantization, model_config.quantization, config.model)
+        method = self.quantization.method if self.quantization else None
         self.model: LlamaForCausalLM = load_model(
-            config.model, self.dtype, self.device, max_model_len, self.tp
+            config.model, self.dtype, self.device, max_model_len, self.tp, method
         )
         # replicated: small, latency-bound chains, and its heads need not split like the target's
         self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
         self.mtp_head: MTPHead | None = None
         if spec.method == "mtp":
             assert spec.model is not None
-            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device).eval()
+            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config, self.tp)
         self.draft_kv_caches = (
@@ -268,7 +272,8 @@ class ModelRunner:
 
     def _load_draft_model(self) -> LlamaForCausalLM:
         assert self.spec.model is not None
-        draft = load_model(self.spec.model, self.dtype, self.device, self.max_model_len)
+        method = self.quantization.method if self.quantization else None
+        draft = load_model(self.spec.model, self.dtype, self.device, self.max_model_len, quantization=method)
         if draft.config.vocab_size != self.model_config.vocab_size:
             raise ModelConfigError(
                 f"draft model {self.spec.model} has vocab_size {draft.config.vocab_size}, the target "

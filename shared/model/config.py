@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ModelConfigError
+from shared.model.quant_config import QuantScheme, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -88,6 +89,9 @@ class ModelConfig:
     """RoPE base of the sliding-window layers where it differs from the global layers' (Gemma-3);
     None: every layer uses `rope_theta` / `rope_scaling`."""
     local_rope_scaling: dict[str, Any] | None = None
+    quantization: QuantScheme | None = None
+    """The scheme the checkpoint's linear layers are stored in (a compressed-tensors
+    `quantization_config`); None: unquantized."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -148,6 +152,7 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(raw, "final_logit_softcapping") if is_gemma else None,
             local_rope_theta=None if local_rope is None else local_rope[0],
             local_rope_scaling=None if local_rope is None else local_rope[1],
+            quantization=_quantization(raw),
         )
 
     @property
@@ -181,11 +186,13 @@ def _architecture(raw: dict[str, Any]) -> str:
     return architecture
 
 
+def _quantization(raw: dict[str, Any]) -> QuantScheme | None:
+    quantization = raw.get("quantization_config")
+    return parse_quantization_config(quantization) if quantization else None
+
+
 def _refuse_unsupported_fields(raw: dict[str, Any]) -> None:
     """Fields whose non-default value would change the computation in a way the model code lacks."""
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ModelConfigError(f"quantization_config ({method}) is not supported: serve unquantized weights")
     if raw.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention is not supported (causal decoders only)")
     if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:

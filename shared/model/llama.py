@@ -46,6 +46,7 @@ from shared.model.parallel import (
     num_local_kv_heads,
     vocab_shard,
 )
+from shared.model.quantization import QuantizedLinear
 from shared.model.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -53,19 +54,28 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def linear(
-    layer: nn.Linear, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    layer: nn.Linear | QuantizedLinear,
+    x: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    with_bias: bool = True,
 ) -> torch.Tensor:
     """`layer(x)` (in `out_dtype`, or into `out`) through `kernels.linear`: the skinny CUDA kernel
-    where it beats cuBLAS, cuBLAS otherwise (and always when training)."""
-    return kernels.linear(x, layer.weight, layer.bias, out_dtype, out)
+    where it beats cuBLAS, cuBLAS otherwise (and always when training); a quantized layer through
+    `kernels.quant_linear`."""
+    bias = layer.bias if with_bias else None
+    if isinstance(layer, QuantizedLinear):
+        result = layer.matmul(x, with_bias, out_dtype)
+        return result if out is None else out.copy_(result)
+    return kernels.linear(x, layer.weight, bias, out_dtype, out)
 
 
-def row_parallel(layer: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def row_parallel(layer: nn.Linear | QuantizedLinear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """`layer(x)` for a layer whose input features are split over the ranks: each rank's partial
     product, summed by one all-reduce, the bias added once after it."""
     if tp.size == 1:
         return linear(layer, x)
-    out = tp.all_reduce(kernels.linear(x, layer.weight))
+    out = tp.all_reduce(linear(layer, x, with_bias=False))
     return out if layer.bias is None else out + layer.bias
 
 

@@ -4,12 +4,14 @@ Checkpoints store q/k/v_proj and gate/up_proj apart (Llama) or already fused (Ph
 gate_up_proj); either way each part lands in its rows of the model's fused parameter.
 
 Under tensor parallelism each rank reads only its slices of the checkpoint (`safe_open(...).get_slice`,
-shared/model/parallel.py `parameter_shard`), never a whole matrix it would then cut.
+shared/model/parallel.py `parameter_shard`), never a whole matrix it would then cut, except to
+quantize it at load (shared/model/quantization.py: scales span whole rows).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels.quant_ref import pack_int32
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import LlamaForCausalLM
 from shared.model.parallel import (
@@ -27,6 +30,18 @@ from shared.model.parallel import (
     num_local_heads,
     num_local_kv_heads,
     parameter_shard,
+)
+from shared.model.quant_config import resolve_quantization
+from shared.model.quantization import (
+    SCALE_NAME,
+    SKIPPED_SUFFIXES,
+    QuantizedLinear,
+    base_weight_name,
+    is_unquantized_weight,
+    quantize_checkpoint_weight,
+    quantize_linears,
+    quantized_layers,
+    stored_shard,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -62,6 +77,25 @@ class TensorSlices(Protocol):
     def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+SLICE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+}
+"""safetensors' names of the dtypes a checkpoint weight may need converting from."""
+
+
+def slice_dtype(tensor: TensorSlices) -> torch.dtype | None:
+    """The dtype of an `InMemory` tensor or of a safetensors slice of `SLICE_DTYPES`; None for
+    any other stored dtype."""
+    if isinstance(tensor, InMemory):
+        return tensor.tensor.dtype
+    get_dtype = getattr(tensor, "get_dtype", None)
+    return SLICE_DTYPES.get(get_dtype()) if get_dtype else None
 
 
 class InMemory:
@@ -118,14 +152,19 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model without initialising weights, then fills every parameter from the
-    checkpoint (rank `tp.rank`'s slices of it)."""
+    checkpoint (rank `tp.rank`'s slices of it). `quantization` (fp8, int8, int4): quantize the
+    linear layers at load, or check a quantized checkpoint's method; None: as the checkpoint is."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    scheme = resolve_quantization(quantization, config.quantization, str(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, tp)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(config, max_positions, tp).to(dtype)
+        if scheme is not None:
+            quantize_linears(model, scheme, str(model_dir))
+    model = model.to_empty(device=device)
     model.tie_weights()
     model.build_rotary(device)
     _load_weights(model, model_dir)
@@ -149,19 +188,22 @@ def load_named_tensors(
     """Fills every parameter of `module` (whose layers are shaped by `config`, split as rank
     `tp.rank` holds them) from Hugging Face named tensors, stacking q/k/v_proj and gate/up_proj
     into the fused parameters and reading only the rank's slice of each; parameters named in
-    `ignored` are neither loaded nor required."""
+    `ignored` are neither loaded nor required. Quantized layers take a quantized checkpoint's
+    tensors by name, or quantize an unquantized checkpoint's weights."""
     params = dict(module.named_parameters())
+    layers = quantized_layers(module)
     loaded: set[str] = set()
     for name, tensor in tensors:
         target, part = _target_name(name)
-        if target is None or target in ignored:
+        if target is None or target in ignored or name.endswith(SKIPPED_SUFFIXES):
             continue
-        if target not in params:
-            raise ModelConfigError(f"checkpoint tensor {name!r} has no place in the model")
         slices = InMemory(tensor) if isinstance(tensor, torch.Tensor) else tensor
-        for part_index, part_slices in _parts(config, name, target, part, slices):
-            _copy_into(config, params[target], target, part_index, part_slices, tp)
-            loaded.add(target if part_index is None else f"{target}#{part_index}")
+        for stored_name, stored in _as_stored(target, slices, layers):
+            if stored_name not in params:
+                raise ModelConfigError(f"checkpoint tensor {name!r} has no place in the model")
+            for part_index, part_slices in _parts(config, name, stored_name, part, stored):
+                _copy_into(config, params[stored_name], stored_name, part_index, part_slices, tp)
+                loaded.add(stored_name if part_index is None else f"{stored_name}#{part_index}")
     missing = sorted(_expected_parts(params) - ignored - loaded)
     if missing:
         raise ModelConfigError(f"checkpoint in {source} is missing weights: {', '.join(missing[:8])}")
@@ -187,6 +229,23 @@ def unfuse_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[
                 name.replace(marker, f".{proj}."): part.contiguous() for proj, part in zip(projections, parts)
             }
     return {name: tensor.contiguous()}
+
+
+def _as_stored(
+    target: str, tensor: TensorSlices, layers: dict[str, QuantizedLinear]
+) -> list[tuple[str, TensorSlices]]:
+    """(parameter name, tensor) pairs a checkpoint tensor fills: itself, the quantized weight and
+    scale of a quantized layer's unquantized weight (the whole matrix, quantized here), or an int8
+    layer's unpacked `weight` packed as the layer stores it."""
+    layer = layers.get(target.removesuffix(".weight"))
+    dtype = slice_dtype(tensor)
+    if layer is None or dtype is None or not target.endswith(".weight"):
+        return [(target, tensor)]
+    if dtype == torch.int8 and layer.scheme.method == "int8":
+        return [(f"{target}_packed", InMemory(pack_int32(tensor[...], 8)))]
+    if not is_unquantized_weight(target, dtype):
+        return [(target, tensor)]
+    return [(name, InMemory(t)) for name, t in quantize_checkpoint_weight(target, tensor[...], layer)]
 
 
 def _target_name(name: str) -> tuple[str | None, int | None]:
@@ -233,7 +292,12 @@ def _copy_into(
     if part is not None:
         sizes = fused_part_sizes(config, target, tp)
         local = param.narrow(0, sum(sizes[:part]), sizes[part])
-    shard = parameter_shard(target, part, config, tp)
+    shard = parameter_shard(base_weight_name(target), part, config, tp)
+    if target.endswith(SCALE_NAME):
+        whole_rows = shard.total if shard is not None and shard.dim == 0 else local.shape[0]
+        tensor = broadcast_scale(tensor, whole_rows)
+    if shard is not None and base_weight_name(target) != target:
+        shard = stored_shard(shard, tensor.get_shape()[1], label)
     expected = list(local.shape) if shard is None else _whole_shape(local, shard)
     if tensor.get_shape() != expected:
         raise ModelConfigError(f"{label}: checkpoint shape {tuple(tensor.get_shape())} != {tuple(expected)}")
@@ -244,6 +308,14 @@ def _copy_into(
         index = slice(shard.start, shard.start + shard.length)
         local.narrow(shard.dim, 0, shard.length).copy_(tensor[index] if shard.dim == 0 else tensor[:, index])
         local.narrow(shard.dim, shard.length, local.shape[shard.dim] - shard.length).zero_()
+
+
+def broadcast_scale(scale: TensorSlices, whole_rows: int) -> TensorSlices:
+    """A per-tensor scale (one value) as the per-channel [whole_rows, 1] a quantized layer holds
+    (the whole checkpoint tensor's rows, before a rank takes its slice); other scales unchanged."""
+    if math.prod(scale.get_shape()) != 1:
+        return scale
+    return InMemory(scale[...].reshape(1, 1).expand(whole_rows, 1))
 
 
 def _whole_shape(local: torch.Tensor, shard: Shard) -> list[int]:

@@ -38,6 +38,8 @@ from kernels import AttentionMetadata
 from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
 from shared.model.loader import SINGLE_FILE, iter_checkpoint_slices, load_named_tensors, unfused_state_dict
+from shared.model.quant_config import parse_quantization_config, resolve_quantization
+from shared.model.quantization import quantize_linears
 from shared.model.rope import RotaryEmbedding
 
 MTP_ARCHITECTURE = "SpecmeshMTPHead"
@@ -130,7 +132,10 @@ class MTPHead(nn.Module):
 def head_config(target: ModelConfig) -> ModelConfig:
     """The config of the head's single layer: the target's shape, one layer, the target's last
     layer's attention window (the layer the head is initialised from)."""
-    return dataclasses.replace(target, num_hidden_layers=1, sliding_windows=target.sliding_windows[-1:])
+    # the head's own checkpoint says whether its weights are stored quantized (load_mtp_head)
+    return dataclasses.replace(
+        target, num_hidden_layers=1, sliding_windows=target.sliding_windows[-1:], quantization=None
+    )
 
 
 def mtp_config_dict(head: MTPHead) -> dict[str, Any]:
@@ -143,7 +148,7 @@ def mtp_config_dict(head: MTPHead) -> dict[str, Any]:
         "sliding_window": config.sliding_windows[0],
         "max_position_embeddings": config.max_position_embeddings,
         "num_nextn_predict_layers": NUM_NEXTN_PREDICT_LAYERS,
-        "torch_dtype": str(head.eh_proj.weight.dtype).removeprefix("torch."),
+        "torch_dtype": str(head.enorm.weight.dtype).removeprefix("torch."),
     }
 
 
@@ -158,15 +163,24 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path) -> Path:
 
 
 def load_mtp_head(
-    mtp_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    mtp_dir: str | Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
 ) -> MTPHead:
     """Loads a head saved by `save_mtp_head` for `target` (split as the target is); refuses one
-    trained for another model."""
+    trained for another model. `quantization` as in `load_model` (the head's linear layers)."""
     mtp_dir = Path(mtp_dir)
-    check_mtp_config(read_mtp_config(mtp_dir), target.config, mtp_dir)
+    raw = read_mtp_config(mtp_dir)
+    check_mtp_config(raw, target.config, mtp_dir)
+    stored = parse_quantization_config(raw["quantization_config"]) if raw.get("quantization_config") else None
+    scheme = resolve_quantization(quantization, stored, str(mtp_dir))
     with torch.device("meta"):
-        head = MTPHead(target)
-    head = head.to_empty(device=device).to(dtype)
+        head = MTPHead(target).to(dtype)
+        if scheme is not None:
+            quantize_linears(head, scheme, str(mtp_dir))
+    head = head.to_empty(device=device)
     head.rotary.build(device)
     load_named_tensors(head, head.config, iter_checkpoint_slices(mtp_dir), str(mtp_dir), tp=target.tp)
     return head.eval()

@@ -34,3 +34,23 @@ def test_without_acl_users_every_role_shares_the_admin_password_as_the_default_u
         assert secrets.env(role, {})[PASSWORD_ENV] == secrets.redis_passwords[acl.ADMIN]
         assert secrets.redis_flags(role) == []
         assert REDIS_USER_ENV not in secrets.env(role, {})
+
+
+def test_serve_hands_its_quantization_to_every_worker() -> None:
+    import argparse
+
+    from services.engine.args import engine_config
+    from services.serve import _engine_flags, add_serve_parser
+    from services.worker.main import add_worker_parsers
+
+    parsers = argparse.ArgumentParser().add_subparsers()
+    add_serve_parser(parsers)
+    add_worker_parsers(parsers)
+    root = parsers._name_parser_map  # noqa: SLF001 - the subcommands' own parsers
+    for quantization in ("int4", None):
+        serve_args = root["serve"].parse_args(
+            [] if quantization is None else ["--quantization", quantization]
+        )
+        flags = _engine_flags(serve_args, "models/specmesh-code-15m", "{}")
+        worker_args = root["decode"].parse_args(flags)
+        assert engine_config(worker_args).quantization == quantization
