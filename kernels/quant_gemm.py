@@ -42,6 +42,9 @@ SCHEME_IDS = {"fp8": 0, "int8": 1, "int4": 2}
 VALUES_PER_CHUNK = {"fp8": 16, "int8": 16, "int4": 32}
 """Weight values in the 16 bytes one lane loads at a time."""
 SCALED_MM_MIN_CAPABILITY = (8, 9)
+FP8_GEMV_MAX_ROWS = 4
+"""fp8 products of more rows go to `_scaled_mm` where it applies: the one-row kernel's time grows with
+the rows (kernels/NOTES.md, quant_linear on an H200)."""
 MMA_MIN_CAPABILITY = (8, 0)
 MMA_MAX_ROWS = 256
 """Most rows `quant_mma` takes in `kernels.quant_linear`; more go to dequantize + cuBLAS."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import _cuda
+from kernels.quant_gemm import FP8_GEMV_MAX_ROWS
 from kernels.quant_ref import (
     FP8_DTYPE,
     FP8_MAX,
@@ -278,9 +279,12 @@ def test_cuda_fp8_row_quantization_and_scaled_mm_match_references() -> None:
             assert torch.allclose(x_scale, ref_scale, rtol=1e-6)
             # each value within one e4m3 step (3 mantissa bits) of the reference's rounding
             assert torch.allclose(x_q.float(), ref_q.float(), rtol=2**-3, atol=2**-9)
-            assert (x_q.float() != ref_q.float()).float().mean() < 1e-3
+            # the kernel multiplies by the scale's reciprocal: a few values round the other way
+            assert (x_q.float() != ref_q.float()).float().mean() < 1e-2
             qweight, scale = _cuda_weight(n, k, "fp8", None, n)
-            assert scaled_mm_fits(x, qweight)
+            assert scaled_mm_fits(x, qweight) == (n % 16 == 0)  # _scaled_mm takes 16-multiple sizes
+            if n % 16:
+                continue
             bias = torch.randn(n, generator=generator).to("cuda", torch.bfloat16)
             out = fp8_scaled_mm_cuda(x, qweight, scale, bias)
             expected = fp8_scaled_mm_ref(x, qweight, scale, bias, torch.float64)
@@ -298,8 +302,8 @@ def test_cuda_quant_linear_dispatch_matches_reference_for_every_row_count(scheme
         x = torch.randn(num_rows, k, generator=generator).to("cuda", torch.bfloat16)
         out = kernels.quant_linear(x, qweight, scale, scheme)
         expected = quant_linear_ref(x.double(), qweight, scale, scheme)
-        # FP8 past 16 rows also quantizes the activations (per token): a larger error
-        tolerance = 6e-2 if scheme == "fp8" and num_rows > 16 else 1e-2
+        # FP8 past FP8_GEMV_MAX_ROWS also quantizes the activations (per token): a larger error
+        tolerance = 6e-2 if scheme == "fp8" and num_rows > FP8_GEMV_MAX_ROWS else 1e-2
         assert rel_error(out, expected) < tolerance, f"{scheme} {num_rows} rows"
 
 
