@@ -29,6 +29,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+import torch
 
 from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
 from services.runtime import setup_logging
@@ -330,6 +331,11 @@ def serve(channel: BlockingChannel) -> int:
         if options.suffix_cache is not None:
             suffix = SuffixCacheThread(options.suffix_cache)
         engine = LLMEngine(options.config, suffix.index if suffix else None)
+        if engine.runner.device.type == "cuda":
+            # the model runs on the GPU: torch's CPU work here (received KV layers) is copies, and
+            # a pool of intra-op threads spinning after each would take the cores of the mesh's
+            # other processes
+            torch.set_num_threads(1)
     except Exception as exc:
         logger.exception("the engine could not be built")
         channel.send(EngineInfo(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
