@@ -64,7 +64,10 @@ def add_serve_parser(subparsers: Any) -> None:
     group.add_argument("--host", default="127.0.0.1", help="gateway address")
     group.add_argument("--port", type=int, default=8000, help="gateway port")
     group.add_argument(
-        "--pd", action="store_true", help="one prefill and one decode worker instead of one mixed worker"
+        "--pd",
+        action="store_true",
+        help="one prefill and one decode worker instead of one mixed worker, each on GPUs of its own "
+        "where the host has enough (2 x --tensor-parallel-size)",
     )
     group.add_argument(
         "--gateway-workers",
@@ -136,6 +139,34 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def visible_gpus(device: str) -> list[str]:
+    """The GPUs serve's workers may use, as CUDA_VISIBLE_DEVICES names them: the variable's own list
+    where it is set, else 0..N-1 for the N GPUs torch sees; none on a CPU device."""
+    if not (device == "auto" or device.startswith("cuda")) or device.startswith("cuda:"):
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch  # only where a GPU is looked for, as in default_speculative_config
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def place_workers(roles: list[str], gpus: list[str], tensor_parallel_size: int) -> dict[str, dict[str, str]]:
+    """Each worker's CUDA_VISIBLE_DEVICES: with `--pd` on a host with GPUs enough for both, the
+    prefill worker takes the first `tensor_parallel_size` of them and the decode worker the next, so
+    that one role's steps never queue behind the other's on one card; otherwise every worker sees
+    what serve sees (nothing set)."""
+    if len(roles) < 2 or len(gpus) < len(roles) * tensor_parallel_size:
+        return {role: {} for role in roles}
+    return {
+        role: {
+            "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size])
+        }
+        for i, role in enumerate(roles)
+    }
 
 
 def default_speculative_config(model: str, device: str = "auto") -> str:
@@ -395,8 +426,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         roles.start("suffix-cache", ["suffix-cache"])
         engine = _engine_flags(args, model, spec)
-        for role in ["prefill", "decode"] if args.pd else ["mixed"]:
-            roles.start(role, [role, *engine], on_exit=partial(_forget_worker, admin, role))
+        workers = ["prefill", "decode"] if args.pd else ["mixed"]
+        placement = place_workers(workers, visible_gpus(args.device), args.tensor_parallel_size)
+        for role in workers:
+            if placement[role]:
+                mesh.report(f"{role} worker on GPU {placement[role]['CUDA_VISIBLE_DEVICES']}")
+            roles.start(
+                role,
+                [role, *engine],
+                extra_env=placement[role],
+                on_exit=partial(_forget_worker, admin, role),
+            )
         http = ["--host", args.host, "--port", str(args.port), "--workers", str(args.gateway_workers)]
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
         context = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []

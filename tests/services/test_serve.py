@@ -54,3 +54,32 @@ def test_serve_hands_its_quantization_to_every_worker() -> None:
         flags = _engine_flags(serve_args, "models/specmesh-code-15m", "{}")
         worker_args = root["decode"].parse_args(flags)
         assert engine_config(worker_args).quantization == quantization
+
+
+def test_serve_pd_puts_prefill_and_decode_on_gpus_of_their_own() -> None:
+    from services.serve import place_workers
+
+    assert place_workers(["prefill", "decode"], ["0", "1"], 1) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "0"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "1"},
+    }
+    assert place_workers(["prefill", "decode"], ["4", "5", "6", "7"], 2) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "4,5"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "6,7"},
+    }
+    # too few GPUs to split, or one mixed worker: every worker sees what serve sees
+    assert place_workers(["prefill", "decode"], ["0", "1", "2"], 2) == {"prefill": {}, "decode": {}}
+    assert place_workers(["prefill", "decode"], ["0"], 1) == {"prefill": {}, "decode": {}}
+    assert place_workers(["mixed"], ["0", "1"], 1) == {"mixed": {}}
+
+
+def test_serve_takes_the_gpus_cuda_visible_devices_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.serve import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert visible_gpus("auto") == ["2", "3"]
+    assert visible_gpus("cuda") == ["2", "3"]
+    assert visible_gpus("cuda:1") == []  # the user placed the workers
+    assert visible_gpus("cpu") == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus("auto") == []  # this machine has no GPU
