@@ -140,6 +140,8 @@ class TokenLogprob(BaseModel):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = Field(default_factory=list)
+    rank: int | None = None
+    """The token's rank by logprob in the vocabulary (1: the most likely); given for prompt tokens."""
 
 
 class ErrorInfo(BaseModel):
@@ -165,6 +167,8 @@ class TokenEvent:
     """Output tokens so far (all of them, also across a resume)."""
     spec_stats: dict[str, Any] = field(default_factory=dict)
     error: ErrorInfo | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Per prompt position (None at 0), on the request's first row when it asked for them."""
 
 
 class OutputEnd(BaseModel):
@@ -181,6 +185,14 @@ class OutputEnd(BaseModel):
 class RowLogprobs(BaseModel):
     row: int = Field(ge=0)
     logprobs: list[TokenLogprob]
+
+
+class RowPromptLogprobs(BaseModel):
+    """The prompt's logprobs of a request that asked for them, on its first row."""
+
+    row: int = Field(ge=0)
+    logprobs: list[TokenLogprob | None]
+    """One per prompt position; None at 0 (nothing before it to score it)."""
 
 
 class OutputBatch(Message):
@@ -205,6 +217,8 @@ class OutputBatch(Message):
     ends: list[OutputEnd] = Field(default_factory=list)
     logprobs: list[RowLogprobs] = Field(default_factory=list)
     """Rows of requests that asked for logprobs: one entry per new token."""
+    prompt_logprobs: list[RowPromptLogprobs] = Field(default_factory=list)
+    """First rows of requests that asked for prompt logprobs (computed where the prompt ran)."""
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="python")  # the byte fields stay bytes (msgpack bin)
@@ -219,7 +233,9 @@ class OutputBatch(Message):
             raise ValueError("token_ids / num_output_tokens do not match cu_num_tokens")
         if len(self.texts) != num_rows:
             raise ValueError(f"{len(self.texts)} texts for {num_rows} rows")
-        if any(end.row >= num_rows for end in self.ends) or any(r.row >= num_rows for r in self.logprobs):
+        rows = [end.row for end in self.ends] + [r.row for r in self.logprobs]
+        rows += [r.row for r in self.prompt_logprobs]
+        if any(row >= num_rows for row in rows):
             raise ValueError(f"an end or logprobs row is past the {num_rows} rows")
         return self
 
@@ -230,6 +246,7 @@ class OutputBatch(Message):
         num_output = np.frombuffer(self.num_output_tokens, TOKEN_DTYPE).tolist()
         ends = {end.row: end for end in self.ends}
         logprobs = {row.row: row.logprobs for row in self.logprobs}
+        prompt_logprobs = {row.row: row.logprobs for row in self.prompt_logprobs}
         events = []
         for row, request_id in enumerate(self.request_ids):
             end = ends.get(row)
@@ -240,6 +257,7 @@ class OutputBatch(Message):
                 logprobs.get(row, []),
                 end is not None,
                 num_output_tokens=num_output[row],
+                prompt_logprobs=prompt_logprobs.get(row),
             )
             if end is not None:
                 event.finish_reason, event.stop_reason = end.finish_reason, end.stop_reason
@@ -270,6 +288,11 @@ class OutputBatch(Message):
                 if e.finished or e.error is not None
             ],
             logprobs=[RowLogprobs(row=i, logprobs=e.logprobs) for i, e in enumerate(events) if e.logprobs],
+            prompt_logprobs=[
+                RowPromptLogprobs(row=i, logprobs=e.prompt_logprobs)
+                for i, e in enumerate(events)
+                if e.prompt_logprobs is not None
+            ],
         )
 
 

@@ -73,6 +73,10 @@ class SamplingParams(BaseModel):
     """Token id -> value added to its logit before anything else, at every position."""
     logprobs: Logprobs | None = None
     """Return the sampled token's log-probability and the top-n alternatives of each step."""
+    prompt_logprobs: Logprobs | None = None
+    """Return each prompt token's log-probability (given the tokens before it; the first token has
+    none) and the top-n alternatives at its position; 0: the prompt token's own only (vLLM's field).
+    Such a request takes no prefix-cache hits: every prompt position must run through the model."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
     speculative: SpeculativeOverride | None = None

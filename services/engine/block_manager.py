@@ -56,8 +56,9 @@ class BlockManager:
     # ---- admission: prefix-cache look-up and allocation -------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix of `seq`, leaving at least one token to compute
+        (none for a request that scores its prompt: cached blocks come without their logits)."""
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return []
         matched: list[int] = []
         parent = NO_HASH

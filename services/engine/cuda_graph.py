@@ -52,6 +52,7 @@ import torch
 import kernels
 from kernels import AttentionMetadata
 from services.engine.input_batch import InputBatch
+from services.engine.prompt_logprobs import PromptRows
 from services.engine.spec_decode.proposer import ForwardContext
 from services.engine.verify_update import StepPlan, StepTensors, VerifyAndUpdate
 from shared.model.llama import KVCache, LlamaForCausalLM
@@ -116,6 +117,8 @@ class HostStep:
     num_wanted: np.ndarray  # [num_sampled] int32
     max_seq_len: int
     """A bound on every context length this step and its drafting reach."""
+    prompt_rows: PromptRows | None = None
+    """Forward rows that score prompt tokens (requests that asked for prompt logprobs)."""
 
     @property
     def num_tokens(self) -> int:

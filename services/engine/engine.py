@@ -24,6 +24,7 @@ from services.engine.grammar import GrammarCompiler, GrammarState
 from services.engine.kv_export import KVExport
 from services.engine.model_runner import ModelRunner, StepOutput
 from services.engine.output_processor import OutputProcessor
+from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from services.engine.spec_decode.drafter import Drafter, SpeculationError
@@ -78,6 +79,9 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt position (None at 0), complete from the first output on; None when not asked
+    for, or when the prompt ran elsewhere (a resumed request, the decode side of a hand-off)."""
     num_cached_prompt_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     spec_stats: dict[str, object] = field(default_factory=dict)
@@ -198,6 +202,8 @@ class LLMEngine:
         except SpeculationError as exc:
             raise RequestError(str(exc)) from None
         seq.seed = params.seed if params.seed is not None else self._draw_seed()
+        if params.prompt_logprobs is not None and not resumed:  # a resumed request sent them already
+            seq.prompt_logprobs = [None] * len(token_ids)
         if params.structured is not None:
             seq.grammar = GrammarState(self.grammars.submit(params.structured), seq.spec.max_k)
             self._advance_grammar(seq, resumed)
@@ -237,6 +243,7 @@ class LLMEngine:
     ) -> None:
         """Holds blocks for a request being prefilled elsewhere; its KV then arrives by `import_kv`."""
         seq = self._new_sequence(request_id, None, params, prompt_token_ids, resumed_token_ids)
+        seq.prompt_logprobs = None  # the prefill instance computes and sends them
         if not self.block_manager.can_allocate(seq, seq.num_tokens, []):
             self.sequences.pop(request_id)
             self.outputs.release(request_id)
@@ -323,6 +330,8 @@ class LLMEngine:
         length), takes the post-step update's finish reason and the next drafts; frees the requests
         that finished (handing off their KV on the prefill side). Their text waits for `_emit`."""
         results = {seq.request_id: r for seq, r in zip(plan.seqs, step.results)}
+        if step.prompt is not None:
+            record_prompt_logprobs(batch.seqs, *step.prompt)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             result = results.get(seq.request_id)
@@ -418,6 +427,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             metrics=metrics,
             spec_stats=seq.spec.stats() if finished else {},

@@ -25,6 +25,7 @@ from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.grammar import allocate_bitmask
 from services.engine.input_batch import InputBatch
+from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
@@ -107,6 +108,8 @@ class LaunchedStep:
     is_decode: bool
     logprobs: list[list[TokenLogprobs | None]]
     """Per request, when the torch verifier returned them."""
+    prompt: tuple[PromptRows, PromptScores] | None = None
+    """The step's scored prompt rows, when a request asked for prompt logprobs."""
 
     def running(self) -> bool:
         """Whether the device is still at the step (never on the CPU, where `launch` ran it)."""
@@ -118,7 +121,7 @@ class LaunchedStep:
         results = [SeqResult.unpack(row, self.max_rows) for row in self.packed.tolist()]
         for result, token_logprobs in zip(results, self.logprobs):
             result.logprobs = token_logprobs[: len(result.token_ids)]
-        return StepOutput(results, self.num_tokens, self.is_decode)
+        return StepOutput(results, self.num_tokens, self.is_decode, self.prompt)
 
 
 @dataclass
@@ -129,6 +132,8 @@ class StepOutput:
     """Tokens in the target forward."""
     is_decode: bool
     """Every request brought only its last token and its drafts (no prefill chunk)."""
+    prompt: tuple[PromptRows, PromptScores] | None = None
+    """Scored prompt rows (on the host once the step is done), when a request asked for them."""
 
 
 class ModelRunner:
@@ -295,8 +300,8 @@ class ModelRunner:
         fused = all(self._fusable(seq) for seq in plan.seqs)
         joins = self.inputs.take_joins()
         self.ranks.send(StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, fused))
-        packed, logprobs = self._run(step, plan, fused)
-        return self._read_back(packed, step, logprobs)
+        packed, logprobs, prompt = self._run(step, plan, fused)
+        return self._read_back(packed, step, logprobs, prompt)
 
     @torch.inference_mode()
     def follow_step(self, command: StepCommand) -> None:
@@ -309,14 +314,16 @@ class ModelRunner:
 
     def _run(
         self, step: HostStep, plan: StepPlan, fused: bool
-    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
-        """The step's forward and tail; (the packed results on the device, logprobs per request)."""
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
+        """The step's forward and tail; (the packed results on the device, logprobs per request,
+        the scored prompt rows)."""
         key = None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
-            return self.graphs.replay(step, key, plan), []
+            packed = self.graphs.replay(step, key, plan)
+            return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if key is not None:
             assert self.graphs is not None
@@ -327,14 +334,28 @@ class ModelRunner:
             forward = tensors.forward
             forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
             logits = self.model.compute_logits(forward.hidden[logits_indices])
-        return self._tail_eagerly(logits, tensors, plan, fused)
+        prompt = self._score_prompt(tensors.forward.hidden, step)
+        return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
+
+    def _score_prompt(self, hidden: torch.Tensor, step: HostStep) -> PromptScores | None:
+        """Prompt logprobs of the step's prompt rows, from its final hidden states (a graph's
+        replay leaves them in its buffer): eager kernels after the step's own."""
+        if step.prompt_rows is None:
+            return None
+        return score_prompt_rows(
+            hidden, step.prompt_rows, self.model.compute_logits, self.model_config.vocab_size
+        )
 
     def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
         """`launch`, then wait for the result."""
         return self.launch(batch, plan).result()
 
     def _read_back(
-        self, packed: torch.Tensor, step: HostStep, logprobs: list[list[TokenLogprobs | None]]
+        self,
+        packed: torch.Tensor,
+        step: HostStep,
+        logprobs: list[list[TokenLogprobs | None]],
+        prompt: PromptScores | None,
     ) -> LaunchedStep:
         """Starts the copy of the packed results to the host (pinned memory on a GPU, so that it
         runs behind the step's kernels while the host works on)."""
@@ -346,7 +367,8 @@ class ModelRunner:
             done.record()
             packed = host
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
-        return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs)
+        scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
+        return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored)
 
     def _fusable(self, seq: Sequence) -> bool:
         """Whether the fused verify kernel alone samples this request's rows (no penalties or logit
@@ -434,6 +456,7 @@ class ModelRunner:
             seq_methods=np.array(plan.methods, dtype=np.int32),
             num_wanted=np.array(plan.num_wanted, dtype=np.int32),
             max_seq_len=min(int(seq_lens.max()) + self.max_num_drafts + 1, self.max_model_len),
+            prompt_rows=PromptRows.of(seqs, starts, lens, cu, self.config.logprobs_mode),
         )
 
     def caches(self, name: str) -> list[KVCache]:

@@ -30,6 +30,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None
+    """The token's rank in the vocabulary by logprob (1: the most likely); prompt tokens only."""
 
 
 @dataclass
@@ -111,6 +113,9 @@ class Sequence:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt position (None at 0, and where not computed yet), for requests that asked for
+    them and run their prompt here; None otherwise."""
     seed: int = 0
     """Sampling seed: the request's own, or drawn for it at admission."""
     first_token_time: float | None = None
@@ -147,6 +152,12 @@ class Sequence:
     def is_decoding(self) -> bool:
         """All tokens but the last sampled one are in the cache: the next step is a decode."""
         return self.num_uncomputed_tokens == 1 and self.finish_reason is None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this request's prefill must compute its prompt's logprobs (it asked for them and
+        has not produced a token yet): it then takes no prefix-cache hit."""
+        return self.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:

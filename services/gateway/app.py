@@ -335,10 +335,11 @@ async def _stream(
         _raise_if_failed(fanout, item[1])
         early.append(item)
         waiting.discard(item[0])
+        choices[item[0]].note_prompt(item[1])
     sse = EventStream(job.include_usage)
     try:
         await sse.start(request)
-        for opening in renderer.first_chunks():
+        for opening in renderer.first_chunks(choices):
             await sse.send(opening)
         while (item := early.popleft() if early else await fanout.next()) is not None:
             index, event = item

@@ -6,8 +6,9 @@ accepted and ignored, as vLLM does; unknown fields are ignored. The sampling fie
 ranges from `shared.sampling_params`' types, so the request, its OpenAPI schema and the
 `SamplingParams` it becomes agree; limits that depend on the model (context length, vocabulary)
 are checked in `prepare`.
-Responses follow OpenAI's shapes field for field, plus two specmesh extensions: `usage.speculative`
-and `choices[].stop_reason` (as vLLM).
+Responses follow OpenAI's shapes field for field, plus `usage.speculative` (specmesh's) and vLLM's
+`choices[].stop_reason` and `prompt_logprobs` (in each completion choice; at the top of a chat
+completion).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ class SamplingFields(_Request):
     """Token id (a string, as OpenAI's JSON) -> value in [-100, 100] added to its logit before sampling."""
     speculative: SpeculativeOverride | None = None
     """specmesh extension: this request's own speculative method / k, or `{"enabled": false}`."""
+    prompt_logprobs: Logprobs | None = None
+    """vLLM extension: return each prompt token's log-probability and the `prompt_logprobs` most
+    likely tokens at its position (0: the prompt token's own); not with `stream`."""
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     """vLLM extension: a JSON Schema (an object, or its JSON text) the output must follow."""
@@ -159,8 +163,10 @@ class CompletionRequest(SamplingFields):
     """A string, a list of strings, a list of token ids, or a list of token-id lists; each list
     item is a separate prompt (OpenAI's batch form), its choices indexed prompt-major."""
     logprobs: Logprobs | None = None
-    """Return the log-probability of each generated token and of the `logprobs` most likely ones."""
+    """Return the log-probability of each generated token and of the `logprobs` most likely ones
+    (with `echo`, of each prompt token too: the first one's is null)."""
     echo: bool = False
+    """Return the prompt before the completion, in the text and in `logprobs`."""
     best_of: JsonInt | None = None
     suffix: str | None = None
 
@@ -326,12 +332,28 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    """The token's rank by logprob in the vocabulary (1: the most likely)."""
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt position, the prompt token and the top alternatives keyed by
+token id (JSON keys are strings); null at position 0."""
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM extension, when the request asked for it."""
 
 
 class Completion(_Chunk):
@@ -412,6 +434,8 @@ class ChatCompletion(_Response):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM extension, when the request asked for it (the prompt's, shared by every choice)."""
 
 
 class ChatDelta(_Chunk):

@@ -112,16 +112,14 @@ class Job:
     logprobs: int | None
     echo_texts: tuple[str, ...] = ()
     """With `echo`: the prompt text of each choice, which its text starts with; else empty."""
+    prompt_logprobs: int | None = None
+    """vLLM's `prompt_logprobs` field: alternatives per prompt position to return (None: not asked)."""
     tools: ToolPlan | None = None
     """Chat with tools the model may call: how calls are read out of its text."""
 
 
 def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
     _check_common(body, served)
-    if body.echo and body.logprobs is not None:
-        raise APIError.bad_request(
-            "echo with logprobs is not supported (the prompt's logprobs are not computed)", param="echo"
-        )
     if body.suffix:
         raise APIError.bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -135,7 +133,12 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
         )
     prompts = [_completion_prompt_ids(p, served) for p in prompt_list]
     structured = structured_output(body)
-    job = _job("completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs, structured)
+    scored = _most(
+        body.prompt_logprobs, body.logprobs if body.echo else None
+    )  # echo's logprobs score the prompt
+    job = _job(
+        "completion", f"cmpl-{uuid.uuid4().hex}", body, served, prompts, body.logprobs, structured, scored
+    )
     if not body.echo:
         return job
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p) for p in prompt_list]
@@ -160,7 +163,16 @@ def chat_job(body: ChatCompletionRequest, served: ServedModel) -> Job:
         body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
     prompt_ids = served.tokenizer.encode(render_chat(body.messages, body, served), add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    job = _job("chat", f"chatcmpl-{uuid.uuid4().hex}", body, served, [prompt_ids], logprobs, structured)
+    job = _job(
+        "chat",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        body,
+        served,
+        [prompt_ids],
+        logprobs,
+        structured,
+        body.prompt_logprobs,
+    )
     return replace(job, tools=tools)
 
 
@@ -206,6 +218,18 @@ def _check_common(body: SamplingFields, served: ServedModel) -> None:
         raise APIError.bad_request(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError.bad_request(
+            "prompt_logprobs is not available with stream (as in vLLM); a streamed completion "
+            "with echo and logprobs has the prompt's in its first chunks",
+            param="prompt_logprobs",
+        )
+
+
+def _most(*counts: int | None) -> int | None:
+    """The largest of the counts given (None: none given)."""
+    given = [count for count in counts if count is not None]
+    return max(given) if given else None
 
 
 def _job(
@@ -215,9 +239,14 @@ def _job(
     served: ServedModel,
     prompts: list[list[int]],
     logprobs: int | None,
-    structured: StructuredOutput | None = None,
+    structured: StructuredOutput | None,
+    prompt_logprobs: int | None,
 ) -> Job:
-    params = [_sampling_params(body, served, prompt_ids, logprobs, structured) for prompt_ids in prompts]
+    """`prompt_logprobs`: what the workers compute (the field's, or more for echo with logprobs)."""
+    params = [
+        _sampling_params(body, served, prompt_ids, logprobs, structured, prompt_logprobs)
+        for prompt_ids in prompts
+    ]
     num_choices = len(prompts) * body.n
     requests = []
     for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
@@ -245,6 +274,7 @@ def _job(
         stream=body.stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -254,6 +284,7 @@ def _sampling_params(
     prompt_ids: list[int],
     logprobs: int | None,
     structured: StructuredOutput | None,
+    prompt_logprobs: int | None,
 ) -> SamplingParams:
     fields: dict[str, Any] = {
         name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None
@@ -269,6 +300,7 @@ def _sampling_params(
     max_tokens = body.max_tokens
     fields["max_tokens"] = served.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
     fields["logprobs"] = logprobs
+    fields["prompt_logprobs"] = prompt_logprobs
     fields["seed"] = body.seed
     fields["logit_bias"] = _logit_bias(body.logit_bias or {}, served)
     fields["structured"] = structured

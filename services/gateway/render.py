@@ -26,6 +26,8 @@ from services.gateway.openai_api import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     SpeculativeUsage,
     TopLogprob,
     Usage,
@@ -53,11 +55,19 @@ class ChoiceState:
     """Characters of token strings given in completion logprobs so far (their `text_offset`)."""
     tool_stream: ToolCallStream | None = None
     """Chat with tools, streamed: what the text deltas become."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The prompt's, per position (None at 0), when the request asked for them."""
     first_token_at: float | None = None
     finished_at: float | None = None
     """time.perf_counter() of the first token and of the end (TTFT and TPOT)."""
 
+    def note_prompt(self, event: TokenEvent) -> None:
+        """Keeps the prompt's logprobs, which ride on the request's first event."""
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+
     def add(self, event: TokenEvent) -> None:
+        self.note_prompt(event)
         now = time.perf_counter()
         if self.first_token_at is None and (event.token_ids or event.text):
             self.first_token_at = now
@@ -145,9 +155,10 @@ class Renderer:
                     CompletionChoice(
                         index=c.index,
                         text=self._echo(c.index) + c.text,
-                        logprobs=self._completion_logprobs(c, c.logprobs),
+                        logprobs=self._completion_logprobs(c, c.logprobs, echo=bool(job.echo_texts)),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(c),
                     )
                     for c in choices
                 ],
@@ -159,6 +170,7 @@ class Renderer:
             model=self.model,
             choices=[self._chat_choice(c) for c in choices],
             usage=usage(job, choices),
+            prompt_logprobs=self._prompt_logprobs(choices[0]) if choices else None,
         )
 
     def _chat_choice(self, choice: ChoiceState) -> ChatChoice:
@@ -177,16 +189,21 @@ class Renderer:
             stop_reason=choice.stop_reason,
         )
 
-    def first_chunks(self) -> list[OpenAIBody]:
+    def first_chunks(self, choices: list[ChoiceState]) -> list[OpenAIBody]:
         """Chat streams open each choice with a chunk carrying `role: assistant`; completion streams
-        with `echo`, with one carrying the choice's prompt text."""
+        with `echo`, with one carrying the choice's prompt text (and with `logprobs`, the prompt's:
+        each choice's first event brought them)."""
         if self.job.kind == "completion":
             return [
                 Completion(
                     id=self.job.request_id,
                     created=self.job.created,
                     model=self.model,
-                    choices=[CompletionChoice(index=i, text=text)],
+                    choices=[
+                        CompletionChoice(
+                            index=i, text=text, logprobs=self._completion_logprobs(choices[i], [], echo=True)
+                        )
+                    ],
                 )
                 for i, text in enumerate(self.job.echo_texts)
             ]
@@ -280,20 +297,57 @@ class Renderer:
         )
 
     def _completion_logprobs(
-        self, choice: ChoiceState, logprobs: list[TokenLogprob]
+        self, choice: ChoiceState, logprobs: list[TokenLogprob], echo: bool = False
     ) -> CompletionLogprobs | None:
-        """OpenAI's legacy format; `text_offset` runs on across the chunks of a stream."""
+        """OpenAI's legacy format, after the prompt's with `echo` (the first prompt token's logprob
+        and alternatives are null); `text_offset` runs on across the chunks of a stream."""
         if self.job.logprobs is None:
             return None
         out = CompletionLogprobs()
+        if echo:
+            prompt_ids = self.job.requests[choice.index].prompt_token_ids
+            entries = choice.prompt_logprobs or [None] * len(prompt_ids)
+            for token_id, entry in zip(prompt_ids, entries):
+                top = None if entry is None else entry.top[: self.job.logprobs]
+                self._add_legacy(out, choice, token_id, None if entry is None else entry.logprob, top)
         for lp in logprobs:
-            token = self.token_text.text(lp.token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.token_text.text(t): v for t, v in lp.top})
-            out.text_offset.append(choice.text_offset)
-            choice.text_offset += len(token)
+            self._add_legacy(out, choice, lp.token_id, lp.logprob, lp.top)
         return out
+
+    def _add_legacy(
+        self,
+        out: CompletionLogprobs,
+        choice: ChoiceState,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+    ) -> None:
+        token = self.token_text.text(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(None if top is None else {self.token_text.text(t): v for t, v in top})
+        out.text_offset.append(choice.text_offset)
+        choice.text_offset += len(token)
+
+    def _prompt_logprobs(self, choice: ChoiceState) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per position the prompt token's entry, then its alternatives."""
+        if self.job.prompt_logprobs is None:
+            return None
+        prompt_ids = self.job.requests[choice.index].prompt_token_ids
+        entries = choice.prompt_logprobs or [None] * len(prompt_ids)
+        out: PromptLogprobs = []
+        for token_id, entry in zip(prompt_ids, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            tokens = {str(token_id): self._prompt_logprob(token_id, entry.logprob, entry.rank)}
+            for rank, (t, v) in enumerate(entry.top[: self.job.prompt_logprobs], start=1):
+                tokens.setdefault(str(t), self._prompt_logprob(t, v, rank))
+            out.append(tokens)
+        return out
+
+    def _prompt_logprob(self, token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token_text.text(token_id))
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
         if self.job.logprobs is None:

@@ -21,7 +21,15 @@ import torch
 from services.engine.kv_export import KVExport
 from shared.bus import RedisSettings
 from shared.config import EngineConfig
-from shared.protocol import TOKEN_DTYPE, ErrorInfo, OutputBatch, OutputEnd, RowLogprobs, TokenLogprob
+from shared.protocol import (
+    TOKEN_DTYPE,
+    ErrorInfo,
+    OutputBatch,
+    OutputEnd,
+    RowLogprobs,
+    RowPromptLogprobs,
+    TokenLogprob,
+)
 from shared.sampling_params import SamplingParams
 
 # ---- worker -> core ---------------------------------------------------------------------------------
@@ -160,6 +168,8 @@ class RowEnd:
 
 Logprobs = list[tuple[int, float, list[tuple[int, float]]]]
 """(token id, logprob, top (token id, logprob) pairs) per new token."""
+PromptLogprobs = list[tuple[int, float, int | None, list[tuple[int, float]]] | None]
+"""(token id, logprob, rank, top (token id, logprob) pairs) per prompt position; None at 0."""
 
 
 @dataclass
@@ -179,6 +189,8 @@ class StepBatch:
     """Prefill role: requests' KV to send to their decode instances (host tensors once received)."""
     step_s: float
     load: EngineLoad
+    prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
+    """(row, its request's prompt logprobs) on the first row of requests that asked for them."""
 
     @property
     def num_rows(self) -> int:
@@ -224,7 +236,21 @@ class StepBatch:
                 for row, entries in self.logprobs
                 if row in renumber
             ],
+            prompt_logprobs=[
+                RowPromptLogprobs(row=renumber[row], logprobs=[_prompt_entry(e) for e in entries])
+                for row, entries in self.prompt_logprobs
+                if row in renumber
+            ],
         )
+
+
+def _prompt_entry(
+    entry: tuple[int, float, int | None, list[tuple[int, float]]] | None,
+) -> TokenLogprob | None:
+    if entry is None:
+        return None
+    token_id, logprob, rank, top = entry
+    return TokenLogprob(token_id=token_id, logprob=logprob, top=top, rank=rank)
 
 
 def concat(batches: list[StepBatch]) -> StepBatch:
@@ -248,4 +274,7 @@ def concat(batches: list[StepBatch]) -> StepBatch:
         handoffs=[h for b in batches for h in b.handoffs],
         step_s=sum(b.step_s for b in batches),
         load=batches[-1].load,
+        prompt_logprobs=[
+            (row + int(o), lps) for b, o in zip(batches, offsets) for row, lps in b.prompt_logprobs
+        ],
     )

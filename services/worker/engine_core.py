@@ -44,6 +44,7 @@ from services.worker.core_messages import (
     EngineLoad,
     ImportKV,
     Logprobs,
+    PromptLogprobs,
     Reply,
     Reserve,
     RowEnd,
@@ -76,6 +77,7 @@ class RowBuilder:
         self.epochs: list[int] = []
         self.ends: list[RowEnd] = []
         self.logprobs: list[tuple[int, Logprobs]] = []
+        self.prompt_logprobs: list[tuple[int, PromptLogprobs]] = []
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -92,6 +94,12 @@ class RowBuilder:
         if output.logprobs is not None and new:
             entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in output.logprobs[-len(new) :]]
             self.logprobs.append((row, entries))
+        if output.prompt_logprobs is not None and new and len(output.token_ids) == len(new):  # first row
+            prompt = [
+                None if lp is None else (lp.token_id, lp.logprob, lp.rank, list(lp.top.items()))
+                for lp in output.prompt_logprobs
+            ]
+            self.prompt_logprobs.append((row, prompt))
         if output.finished:
             self.ends.append(
                 RowEnd(
@@ -131,6 +139,7 @@ class RowBuilder:
             epochs=self.epochs,
             ends=self.ends,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             handoffs=handoffs,
             step_s=step_s,
             load=load,

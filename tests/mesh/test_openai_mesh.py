@@ -238,3 +238,38 @@ def check_structured_output(sdk: openai.OpenAI, offline: LLM) -> None:
     assert text in choices
     with pytest.raises(openai.BadRequestError, match="invalid regex"):
         sdk.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
+
+
+@pytest.mark.parametrize("deployment", ["split"], indirect=True)
+def test_echo_with_logprobs_through_prefill_and_decode(deployment, offline) -> None:
+    """The prefill worker scores the prompt and its logprobs ride with the first token to the
+    gateway, the decode worker's tokens follow: the offline engine's prompt logprobs, whole and
+    streamed. (Only the prefill worker's values are compared: the decode worker's output logprobs
+    are one token off in a split deployment, a fault of their own.)"""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    [want] = offline.generate(PROMPTS[0], params)
+    assert want.prompt_logprobs is not None and want.logprobs is not None
+    # the prompt's positions 1.., then the first token (sampled by the prefill worker)
+    want_logprobs = [e.logprob for e in want.prompt_logprobs[1:]] + [want.logprobs[0].logprob]
+    num_prompt = len(want.prompt_token_ids)
+    with client(deployment) as sdk:
+        response = sdk.completions.create(model="tiny", prompt=PROMPTS[0], echo=True, logprobs=2, **GREEDY)
+        with sdk.completions.create(
+            model="tiny", prompt=PROMPTS[0], echo=True, logprobs=2, stream=True, **GREEDY
+        ) as stream:
+            chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    [choice] = response.choices
+    assert choice.text == PROMPTS[0] + want.text
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == num_prompt + MAX_TOKENS
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1 : num_prompt + 1] == pytest.approx(want_logprobs, abs=1e-3)
+    assert choice.logprobs.top_logprobs[1] == {
+        offline.tokenizer.token_to_text(t): pytest.approx(v, abs=1e-3)
+        for t, v in want.prompt_logprobs[1].top.items()
+    }
+    assert chunks[0].text == PROMPTS[0] and len(chunks[0].logprobs.tokens) == num_prompt
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1 : num_prompt + 1] == pytest.approx(want_logprobs, abs=1e-3)
+    assert "".join(c.text for c in chunks) == PROMPTS[0] + want.text

@@ -108,6 +108,21 @@ def test_seeded_sampling_with_penalties_and_logprobs_matches_one_rank(split, sin
     assert split.engine.runner.rows_agree()
 
 
+def test_prompt_logprobs_of_two_ranks_are_one_ranks(split, single) -> None:
+    """Every rank scores the prompt rows (the LM head gathers the vocabulary over the ranks)."""
+    params = GREEDY.model_copy(update={"prompt_logprobs": 2, "max_tokens": 4})
+    expected = generate(single, params)
+    outputs = generate(split, params)
+    for a, b in zip(outputs, expected):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x is not None and y is not None
+            assert (x.token_id, x.rank, list(x.top)) == (y.token_id, y.rank, list(y.top))
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert split.engine.runner.rows_agree()
+
+
 def test_kv_blocks_exported_from_two_ranks_carry_every_head(split, single) -> None:
     """What a split prefill worker hands off (gathered from both ranks) equals one rank's KV,
     and what a split decode worker imports is scattered back to each rank's heads."""

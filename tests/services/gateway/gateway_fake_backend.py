@@ -35,6 +35,13 @@ def reply_script(tokenizer: Tokenizer, reply: str = REPLY, delay_s: float = 0.0)
         params = request.params
         token_ids = reply_ids[: params.max_tokens]
         decoder = tokenizer.decode_stream(request.prompt_token_ids)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_ids = request.prompt_token_ids
+            prompt_logprobs = [
+                None,
+                *(_logprob(t, params.prompt_logprobs, rank=1 + t % 3) for t in prompt_ids[1:]),
+            ]
         start, step = 0, 0
         while start < len(token_ids):
             new_ids = token_ids[start : start + TOKENS_PER_EVENT[step % len(TOKENS_PER_EVENT)]]
@@ -52,6 +59,7 @@ def reply_script(tokenizer: Tokenizer, reply: str = REPLY, delay_s: float = 0.0)
                 finish_reason=("length" if len(token_ids) < len(reply_ids) else "stop") if finished else None,
                 num_output_tokens=start,
                 spec_stats=SPEC_STATS if finished else {},
+                prompt_logprobs=prompt_logprobs if step == 1 else None,
             )
             if delay_s:
                 await asyncio.sleep(delay_s)
@@ -146,10 +154,10 @@ class InProcessBackend:
         await asyncio.wait_for(self._cancel_seen.wait(), timeout_s)
 
 
-def _logprob(token_id: int, top_n: int | None) -> TokenLogprob:
+def _logprob(token_id: int, top_n: int | None, rank: int | None = None) -> TokenLogprob:
     logprob = -0.1 - (token_id % 7) / 10
     top = [(token_id, logprob), *((t, logprob - 1.0 - i) for i, t in enumerate((10, 11, 12, 13)))]
-    return TokenLogprob(token_id=token_id, logprob=logprob, top=top[: top_n or 0])
+    return TokenLogprob(token_id=token_id, logprob=logprob, top=top[: top_n or 0], rank=rank)
 
 
 def sse_data(body: str) -> list[Any]:

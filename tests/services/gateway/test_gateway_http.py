@@ -61,6 +61,7 @@ async def test_completion_has_openai_shape_text_and_usage(
         "logprobs": None,
         "finish_reason": "stop",
         "stop_reason": None,
+        "prompt_logprobs": None,
     }
     [request] = backend.submitted
     assert request.request_id == body["id"]

@@ -142,3 +142,67 @@ async def test_chat_template_fields_as_extra_body(
     [request] = backend.submitted
     prompt = served.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
     assert prompt == "<|user|>Say hello<|endoftext|><|assistant|>Hello"
+
+
+async def test_completion_echo_with_logprobs(
+    sdk: Any, backend: InProcessBackend, served: ServedModel
+) -> None:
+    """OpenAI's legacy echo: the prompt's tokens, offsets and logprobs (the first one null), then
+    the completion's, in one `logprobs` as in one text."""
+    completion = await sdk.completions.create(
+        model=MODEL_NAME, prompt="def add(", max_tokens=100, echo=True, logprobs=2
+    )
+    [choice] = completion.choices
+    [request] = backend.submitted
+    prompt_ids = request.prompt_token_ids
+    assert request.params.prompt_logprobs == 2  # the workers score the prompt for echo's logprobs
+    assert choice.text == "def add(" + REPLY
+    lp = choice.logprobs
+    num_prompt = len(prompt_ids)
+    assert len(lp.tokens) == num_prompt + completion.usage.completion_tokens
+    assert lp.tokens[:num_prompt] == [served.tokenizer.token_to_text(t) for t in prompt_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset[num_prompt] == len("def add(")  # the completion's offsets start after the prompt
+    assert choice.model_extra["prompt_logprobs"] is None  # vLLM's field only when asked for
+
+
+async def test_completion_echo_with_logprobs_streamed(sdk: Any, backend: InProcessBackend) -> None:
+    """The prompt's part comes in the first chunk; the completion's follow with offsets after it."""
+    stream = await sdk.completions.create(
+        model=MODEL_NAME, prompt="def add(", max_tokens=100, echo=True, logprobs=1, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    num_prompt = len(backend.submitted[0].prompt_token_ids)
+    first = chunks[0].choices[0]
+    assert first.text == "def add(" and len(first.logprobs.tokens) == num_prompt
+    assert first.logprobs.token_logprobs[0] is None
+    text = "".join(c.choices[0].text for c in chunks)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text == "def add(" + REPLY
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+async def test_prompt_logprobs_as_vllm_returns_them(sdk: Any, backend: InProcessBackend) -> None:
+    """vLLM's extension field: per prompt position {token id: {logprob, rank, decoded_token}}, the
+    prompt token first; in each completion choice, at the top of a chat completion."""
+    completion = await sdk.completions.create(
+        model=MODEL_NAME, prompt="def add(", max_tokens=5, extra_body={"prompt_logprobs": 1}
+    )
+    prompt_ids = backend.submitted[0].prompt_token_ids
+    entries = completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for token_id, entry in zip(prompt_ids[1:], entries[1:]):
+        assert next(iter(entry)) == str(token_id)
+        assert set(entry[str(token_id)]) == {"logprob", "rank", "decoded_token"}
+        assert 1 <= len(entry) <= 2
+    chat = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, extra_body={"prompt_logprobs": 0}
+    )
+    chat_ids = backend.submitted[-1].prompt_token_ids
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == len(chat_ids) and entries[0] is None
+    assert [list(e) for e in entries[1:]] == [[str(t)] for t in chat_ids[1:]]

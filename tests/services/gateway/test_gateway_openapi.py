@@ -39,6 +39,9 @@ ANSWERS: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("tokenize neither", "POST", "/tokenize", {}),
     ("detokenize", "POST", "/detokenize", {"tokens": [5, 6, 7]}),
     ("echo", "POST", CMPL, {"prompt": "x", "echo": True, "stream": True, "logit_bias": {"5": -100}}),
+    ("echo with logprobs", "POST", CMPL, {"prompt": "def add(", "echo": True, "logprobs": 2, "prompt_logprobs": 1}),
+    ("echo with logprobs, streamed", "POST", CMPL, {"prompt": "def add(", "echo": True, "logprobs": 2, "stream": True}),
+    ("chat prompt_logprobs", "POST", CHAT, {"messages": USER_X, "prompt_logprobs": 2}),
     ("health", "GET", "/health", None),
     ("metrics", "GET", "/metrics", None),
 ]

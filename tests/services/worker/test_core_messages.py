@@ -63,3 +63,21 @@ def test_concatenated_steps_keep_each_request_in_order() -> None:
     ]
     assert [row for row, _ in both.logprobs] == [1, 3]
     assert both.step_s == 0.02
+
+
+def test_prompt_logprobs_stay_on_their_request_through_selection_concat_and_the_bus() -> None:
+    first = step({"a": [1], "b": [2]})
+    second = step({"c": [3], "d": [4]})
+    second.prompt_logprobs = [(1, [None, (9, -1.5, 4, [(8, -0.5)])])]
+    both = concat([first, second])
+    selected = decode(encode(both.output_batch(np.asarray([0, 3]))))
+    assert isinstance(selected, OutputBatch)
+    events = {e.request_id: e for e in selected.events()}
+    assert events["a"].prompt_logprobs is None
+    entries = events["d"].prompt_logprobs
+    assert entries is not None and entries[0] is None
+    assert entries[1] is not None and (entries[1].token_id, entries[1].rank, entries[1].top) == (
+        9,
+        4,
+        [(8, -0.5)],
+    )
