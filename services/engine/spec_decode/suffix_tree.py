@@ -25,8 +25,11 @@ Complexity, with `D = max_depth`, `k` draft tokens:
 - appending a token to a sequence: O(K + 1) dict operations, where `K < D` is the length of the
   longest suffix of the sequence that occurred before (its *active* suffixes are kept);
 - removing a sequence of `n` tokens: O(n * (K + 1)), walking each start down to its leaf;
-- speculating from a context: O(D log D) to find the longest match by binary search, then
-  O(m + k) per candidate match length, longest first, until no shorter match can score higher.
+- speculating from a context: O(D log D) to find the longest match by binary search, then the
+  shorter matches by suffix links, longest first, until no shorter match can score higher: O(1)
+  per match length through explicit nodes, O(leaf part) where the longer match ended in a leaf,
+  and O(k) to grow a draft where the match's count differs from the longer match's (equal counts
+  mean every occurrence of the shorter match extends to the longer one: the same continuation).
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ class SuffixNode:
     is `seq[start + d]`, and the chain grows with `seq` up to the tree's depth bound.
     """
 
-    __slots__ = ("best_token", "children", "count", "seq", "start")
+    __slots__ = ("best_token", "children", "count", "link", "seq", "start")
 
     def __init__(self, seq: list[int] | None = None, start: int = 0) -> None:
         self.count = 1 if seq is not None else 0
         self.children: dict[int, SuffixNode] | None = None if seq is not None else {}
         self.best_token: int | None = None
         """The child token with the highest count (ties: smallest id); None when not yet known."""
+        self.link: SuffixNode | None = None
+        """Explicit nodes below the root: the node of the path without its first token (its
+        *suffix link*), explicit too, as it occurs wherever this path does."""
         self.seq = seq
         self.start = start
 
@@ -132,8 +138,9 @@ class SuffixTree:
         """The best-scored draft over every suffix of `context` that is a path."""
         context = context[-self.max_depth :]
         longest = self.longest_match(context)
-        candidates = ((m, self.find(context[-m:])) for m in range(longest, 0, -1))
-        return self._best_draft(candidates, max_spec_tokens, max_spec_factor, min_token_prob)
+        return self._best_draft(
+            self._suffix_nodes(context, longest), max_spec_tokens, max_spec_factor, min_token_prob
+        )
 
     def speculate_sequence(
         self, seq: IndexedSequence, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -182,11 +189,33 @@ class SuffixTree:
             stack.extend((path + (t,), child) for t, child in node.children.items())
         return counts
 
+    def _suffix_nodes(self, context: list[int], longest: int) -> Iterator[tuple[int, SuffixNode]]:
+        """(m, the node `find(context[-m:])` gives) for m from `longest` (a path) down to 1, each
+        from the one before by a suffix link: the deepest explicit node on the longer path links
+        to one on the shorter, from which only the rest of the path (within a leaf) is walked."""
+        if longest == 0:
+            return
+        # `explicit`: the deepest explicit node on the current path, at `depth`
+        node, explicit, depth = _walk(self.root, 0, context[-longest:])
+        yield longest, node
+        for match_len in range(longest - 1, 0, -1):
+            if node.children is not None:  # explicit: its link is the shorter path's node
+                link = node.link
+                assert link is not None
+                node, explicit, depth = link, link, match_len
+            elif depth == 0:  # a leaf below the root
+                node, explicit, depth = _walk(self.root, 0, context[-match_len:])
+            else:
+                assert explicit.link is not None
+                node, explicit, depth = _walk(explicit.link, depth - 1, context[-match_len:])
+            yield match_len, node
+
     def _append(self, seq: IndexedSequence, token_id: int) -> None:
         seq.token_ids.append(token_id)
         self.root.count += 1
         end = len(seq.token_ids)
         active = [self.root]
+        shorter = self.root  # the node of the new suffix one token shorter than the current one
         for length, node in enumerate(seq.active):
             assert node.children is not None
             child = node.children.get(token_id)
@@ -198,6 +227,8 @@ class SuffixTree:
                 continue
             if child.children is None:
                 self._materialise(child, length + 1)
+                child.link = shorter  # counted one more time just before: explicit already
+            shorter = child
             child.count += 1
             _bump_best(node, token_id)
             if length + 1 < self.max_depth:
@@ -241,15 +272,22 @@ class SuffixTree:
 
         Branch and bound: a draft's score is at most its length, so once the best score reaches
         the length limit of the next (shorter) match, no shorter match can beat it. Ties keep the
-        longer match.
+        longer match. A match whose count equals the longer match's occurs only inside it: its
+        continuation is the same (same counts below it), so its draft is no longer unless the
+        longer one's was cut short by the depth bound, and it is not grown.
         """
         best = SuffixDraft()
+        longer_count, longer_at_depth = 0, True
         for match_len, node in candidates:
             max_len = draft_limit(match_len, max_spec_tokens, max_spec_factor)
             if max_len <= best.score:
                 break
             assert node is not None
+            if node.count == longer_count and not longer_at_depth:
+                continue
             draft = self._grow_draft(node, match_len, max_len, min_token_prob)
+            longer_count = node.count
+            longer_at_depth = match_len + len(draft.token_ids) >= self.max_depth
             if draft.score > best.score:
                 best = draft
         return best
@@ -371,6 +409,20 @@ class GlobalSuffixIndex:
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """`speculate` for each (context, max_spec_tokens), with the index's limits; never None here."""
         return [self.speculate(context, max_spec_tokens) for context, max_spec_tokens in queries]
+
+
+def _walk(node: SuffixNode, depth: int, path: list[int]) -> tuple[SuffixNode, SuffixNode, int]:
+    """From the explicit `node` of `path[:depth]`, down `path` (a path of the tree) to its node or
+    the leaf containing it: (that node, the deepest explicit node passed, its depth)."""
+    explicit, explicit_depth = node, depth
+    for token_id in path[depth:]:
+        if node.children is None:
+            break
+        node = node.children[token_id]
+        depth += 1
+        if node.children is not None:
+            explicit, explicit_depth = node, depth
+    return node, explicit, explicit_depth
 
 
 def _chain_length(node: SuffixNode) -> int:
