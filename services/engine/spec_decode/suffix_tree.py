@@ -137,10 +137,7 @@ class SuffixTree:
     ) -> SuffixDraft:
         """The best-scored draft over every suffix of `context` that is a path."""
         context = context[-self.max_depth :]
-        longest = self.longest_match(context)
-        return self._best_draft(
-            self._suffix_nodes(context, longest), max_spec_tokens, max_spec_factor, min_token_prob
-        )
+        return self._best_draft(self._suffix_nodes(context), max_spec_tokens, max_spec_factor, min_token_prob)
 
     def speculate_sequence(
         self, seq: IndexedSequence, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -165,15 +162,8 @@ class SuffixTree:
         return node
 
     def longest_match(self, context: list[int]) -> int:
-        """Largest `m` with `context[-m:]` a path; binary search, as every shorter suffix is a path too."""
-        lo, hi = 0, min(len(context), self.max_depth)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.find(context[-mid:]) is None:
-                hi = mid - 1
-            else:
-                lo = mid
-        return lo
+        """Largest `m` with `context[-m:]` a path (at most `max_depth`)."""
+        return self._match_end(context)[0]
 
     def path_counts(self) -> dict[tuple[int, ...], int]:
         """Every path with its count, leaves expanded; O(paths), for tests and debugging."""
@@ -189,25 +179,59 @@ class SuffixTree:
             stack.extend((path + (t,), child) for t, child in node.children.items())
         return counts
 
-    def _suffix_nodes(self, context: list[int], longest: int) -> Iterator[tuple[int, SuffixNode]]:
-        """(m, the node `find(context[-m:])` gives) for m from `longest` (a path) down to 1, each
-        from the one before by a suffix link: the deepest explicit node on the longer path links
-        to one on the shorter, from which only the rest of the path (within a leaf) is walked."""
-        if longest == 0:
-            return
-        # `explicit`: the deepest explicit node on the current path, at `depth`
-        node, explicit, depth = _walk(self.root, 0, context[-longest:])
-        yield longest, node
-        for match_len in range(longest - 1, 0, -1):
-            if node.children is not None:  # explicit: its link is the shorter path's node
-                link = node.link
-                assert link is not None
-                node, explicit, depth = link, link, match_len
-            elif depth == 0:  # a leaf below the root
-                node, explicit, depth = _walk(self.root, 0, context[-match_len:])
-            else:
-                assert explicit.link is not None
-                node, explicit, depth = _walk(explicit.link, depth - 1, context[-match_len:])
+    def _match_end(self, context: list[int]) -> tuple[int, SuffixNode, SuffixNode, int]:
+        """(m, node, explicit, depth): the longest suffix `context[-m:]` that is a path, its node as
+        `find` gives it, and the deepest explicit node on it with its depth.
+
+        Matching statistics (as in Chang & Lawler 1994): left to right, the longest path ending at
+        each token is the longest one ending before it, shortened by suffix links until the token
+        extends it. O(len(context)) look-ups, plus a walk within a leaf where a leaf is shortened."""
+        root = self.root
+        node, explicit, depth, length = root, root, 0, 0
+        for end, token_id in enumerate(context):
+            while True:
+                if length < self.max_depth:
+                    if node.children is not None:
+                        child = node.children.get(token_id)
+                        if child is not None:
+                            node, length = child, length + 1
+                            if child.children is not None:
+                                explicit, depth = child, length
+                            break
+                    else:
+                        assert node.seq is not None
+                        at = node.start + length
+                        if at < len(node.seq) and node.seq[at] == token_id:
+                            length += 1
+                            break
+                if length == 0:
+                    break  # the token is in no indexed sequence
+                node, explicit, depth = self._shorter(node, explicit, depth, context[end - length + 1 : end])
+                length -= 1
+        return length, node, explicit, depth
+
+    def _shorter(
+        self, node: SuffixNode, explicit: SuffixNode, depth: int, path: list[int]
+    ) -> tuple[SuffixNode, SuffixNode, int]:
+        """(node, explicit, depth) of `path`, from those of the path one token longer before it: by
+        the longer path's suffix link where it is explicit, else by its deepest explicit node's
+        link and a walk down the rest (within a leaf)."""
+        if node.children is not None:
+            link = node.link
+            assert link is not None
+            return link, link, len(path)
+        if depth == 0:  # a leaf below the root
+            return _walk(self.root, 0, path)
+        assert explicit.link is not None
+        return _walk(explicit.link, depth - 1, path)
+
+    def _suffix_nodes(self, context: list[int]) -> Iterator[tuple[int, SuffixNode]]:
+        """(m, the node `find(context[-m:])` gives) for every suffix of `context` that is a path,
+        longest first, each from the one before by a suffix link."""
+        longest, node, explicit, depth = self._match_end(context)
+        for match_len in range(longest, 0, -1):
+            if match_len < longest:
+                node, explicit, depth = self._shorter(node, explicit, depth, context[-match_len:])
             yield match_len, node
 
     def _append(self, seq: IndexedSequence, token_id: int) -> None:

@@ -682,7 +682,8 @@ def drafts_matching_from_the_root(
     """The best draft, every match length's node found from the root and every one grown."""
     context = context[-tree.max_depth :]
     best = SuffixDraft()
-    for m in range(tree.longest_match(context), 0, -1):
+    longest = max(m for m in range(len(context) + 1) if tree.find(context[-m:] if m else []))
+    for m in range(longest, 0, -1):
         max_len = min(k, math.floor(factor * m))
         if max_len <= best.score:
             break
@@ -722,8 +723,9 @@ def test_suffix_links_find_every_match_and_draft_as_matching_from_the_root(seed:
             context = copied_seq(rng, live)[-rng.randint(1, 30) :]
             k, factor, min_prob = rng.randint(1, 8), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4])
             trimmed = context[-tree.max_depth :]
-            longest = tree.longest_match(trimmed)
-            linked = list(tree._suffix_nodes(trimmed, longest))
+            longest = max(m for m in range(len(trimmed) + 1) if tree.find(trimmed[-m:] if m else []))
+            assert tree.longest_match(trimmed) == tree.longest_match(context) == longest
+            linked = list(tree._suffix_nodes(trimmed))
             assert [(m, node) for m, node in linked] == [
                 (m, tree.find(trimmed[-m:])) for m in range(longest, 0, -1)
             ]
