@@ -318,6 +318,10 @@ class SuffixTree:
 
     def _grow_draft(self, node: SuffixNode, depth: int, max_len: int, min_token_prob: float) -> SuffixDraft:
         """Greedy draft from the path `node` at `depth`: the most frequent continuation each step."""
+        if node.seq is not None:  # a leaf: the rest of its one occurrence, every token certain
+            begin = node.start + depth
+            token_ids = node.seq[begin : begin + min(max_len, self.max_depth - depth)]
+            return SuffixDraft(token_ids, [1.0] * len(token_ids), depth, float(len(token_ids)))
         draft = SuffixDraft(match_len=depth)
         cum_prob = 1.0
         for token_id, prob, _ in self._greedy_path(node, depth):
