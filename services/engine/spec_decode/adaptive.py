@@ -56,7 +56,8 @@ whose gain was overestimated, and speculation should not lose to plain decoding.
 - Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
   the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
   all drafted for as many requests) goes to the fixed cost: the next choice may then try drafting
-  at full scale, which measures it.
+  at full scale, which measures it; a sample at a new scale is refitted at once, so such a trial
+  lasts one step.
 """
 
 from __future__ import annotations
@@ -175,12 +176,21 @@ class SampleWindow:
 
     def fit(self, step: int = 0) -> list[float] | None:
         """(fixed, per term...) seconds; None without samples."""
-        rows = self.rows[: min(self.num_recorded, len(self.rows))]
-        if self.max_age_steps is not None:
-            rows = rows[rows[:, 0] > step - self.max_age_steps]
+        rows = self._live(step)
         if not len(rows):
             return None
         return nonnegative_least_squares(rows[:, 1:-1], rows[:, -1])
+
+    def covers(self, step: int, term: int, value: float) -> bool:
+        """Whether `value` of term number `term` lies within the values the live samples hold."""
+        values = self._live(step)[:, 2 + term]
+        return len(values) > 0 and values.min() <= value <= values.max()
+
+    def _live(self, step: int) -> np.ndarray:  # [num_live, num_terms + 3]
+        rows = self.rows[: min(self.num_recorded, len(self.rows))]
+        if self.max_age_steps is not None:
+            rows = rows[rows[:, 0] > step - self.max_age_steps]
+        return rows
 
 
 @dataclass(frozen=True)
@@ -242,8 +252,12 @@ class DraftCostModel:
         num_forwards: int,
         num_context_tokens: int,
         seconds: float,
-    ) -> None:
+    ) -> bool:
+        """Books a sample; True where its request count lies outside those of the live samples (a
+        fit without it may have priced the cost per request as a fixed cost, or the reverse)."""
+        new_scale = not self.samples.covers(step, 0, num_requests)
         self.samples.record(step, (num_requests, num_drafts, num_forwards, num_context_tokens), seconds)
+        return new_scale
 
     def fit(self, step: int) -> DraftCost:
         coef = self.samples.fit(step)
@@ -347,7 +361,10 @@ class AdaptiveSpeculation:
         `num_context_tokens` tokens the drafter had not seen."""
         model = self.draft_cost.setdefault(method, DraftCostModel())
         forwards = min(max(ks), self.max_forwards.get(method, 0))
-        model.record(self.step, len(ks), sum(ks), forwards, num_context_tokens, seconds)
+        if model.record(self.step, len(ks), sum(ks), forwards, num_context_tokens, seconds):
+            # drafting at a new scale (a retrial at full scale) is refitted at once, not after
+            # REFIT_EVERY_STEPS steps more at a scale the cached fit may have priced wrong
+            self._fits.clear()
 
     def forget(self, request_id: str) -> None:
         self.last_drafted.pop(request_id, None)

@@ -158,11 +158,14 @@ class Drafter:
         started = time.perf_counter()
         self.host_drafting_s = 0.0
         for method, proposer in self.proposers.items():
-            group = [
-                (seq, k)
-                for seq, k in zip(plan.seqs, plan.num_wanted)
-                if seq.spec.method == method and not proposer.on_device and seq.finish_reason is None
-            ]
+            group = []
+            for seq, k in zip(plan.seqs, plan.num_wanted):
+                if seq.spec.method != method or proposer.on_device or seq.finish_reason is not None:
+                    continue
+                if k == 0:  # not drafting: neither asked nor counted in the drafting cost
+                    seq.spec.draft_token_ids, seq.spec.k = [], 0
+                else:
+                    group.append((seq, k))
             if not group:
                 continue
             seqs, ks = [seq for seq, _ in group], [k for _, k in group]

@@ -17,7 +17,8 @@ built, so drafts do not depend on when it was built.
 
 Cost per `propose`, with `D = max_tree_depth` and `k` draft tokens: on the per-request index
 O(min(s, D)) per new token, for the s states of the sequence's repeated suffixes (a few on copied
-text), and O(D + k * states tried) for the draft; O(D log D + D * k) typical on the global tree.
+text), and O(D + k * states tried) for the draft; on the global tree O(D) to match the context,
+then O(1) per shorter match reached by a suffix link and O(k) per distinct continuation tried.
 A request's first draft also indexes its n tokens so far.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the

@@ -25,8 +25,11 @@ Complexity, with `D = max_depth`, `k` draft tokens:
 - appending a token to a sequence: O(K + 1) dict operations, where `K < D` is the length of the
   longest suffix of the sequence that occurred before (its *active* suffixes are kept);
 - removing a sequence of `n` tokens: O(n * (K + 1)), walking each start down to its leaf;
-- speculating from a context: O(D log D) to find the longest match by binary search, then
-  O(m + k) per candidate match length, longest first, until no shorter match can score higher.
+- speculating from a context: O(D log D) to find the longest match by binary search, then the
+  shorter matches by suffix links, longest first, until no shorter match can score higher: O(1)
+  per match length through explicit nodes, O(leaf part) where the longer match ended in a leaf,
+  and O(k) to grow a draft where the match's count differs from the longer match's (equal counts
+  mean every occurrence of the shorter match extends to the longer one: the same continuation).
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ class SuffixNode:
     is `seq[start + d]`, and the chain grows with `seq` up to the tree's depth bound.
     """
 
-    __slots__ = ("best_token", "children", "count", "seq", "start")
+    __slots__ = ("best_token", "children", "count", "link", "seq", "start")
 
     def __init__(self, seq: list[int] | None = None, start: int = 0) -> None:
         self.count = 1 if seq is not None else 0
         self.children: dict[int, SuffixNode] | None = None if seq is not None else {}
         self.best_token: int | None = None
         """The child token with the highest count (ties: smallest id); None when not yet known."""
+        self.link: SuffixNode | None = None
+        """Explicit nodes below the root: the node of the path without its first token (its
+        *suffix link*), explicit too, as it occurs wherever this path does."""
         self.seq = seq
         self.start = start
 
@@ -131,9 +137,7 @@ class SuffixTree:
     ) -> SuffixDraft:
         """The best-scored draft over every suffix of `context` that is a path."""
         context = context[-self.max_depth :]
-        longest = self.longest_match(context)
-        candidates = ((m, self.find(context[-m:])) for m in range(longest, 0, -1))
-        return self._best_draft(candidates, max_spec_tokens, max_spec_factor, min_token_prob)
+        return self._best_draft(self._suffix_nodes(context), max_spec_tokens, max_spec_factor, min_token_prob)
 
     def speculate_sequence(
         self, seq: IndexedSequence, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -158,15 +162,8 @@ class SuffixTree:
         return node
 
     def longest_match(self, context: list[int]) -> int:
-        """Largest `m` with `context[-m:]` a path; binary search, as every shorter suffix is a path too."""
-        lo, hi = 0, min(len(context), self.max_depth)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.find(context[-mid:]) is None:
-                hi = mid - 1
-            else:
-                lo = mid
-        return lo
+        """Largest `m` with `context[-m:]` a path (at most `max_depth`)."""
+        return self._match_end(context)[0]
 
     def path_counts(self) -> dict[tuple[int, ...], int]:
         """Every path with its count, leaves expanded; O(paths), for tests and debugging."""
@@ -182,11 +179,67 @@ class SuffixTree:
             stack.extend((path + (t,), child) for t, child in node.children.items())
         return counts
 
+    def _match_end(self, context: list[int]) -> tuple[int, SuffixNode, SuffixNode, int]:
+        """(m, node, explicit, depth): the longest suffix `context[-m:]` that is a path, its node as
+        `find` gives it, and the deepest explicit node on it with its depth.
+
+        Matching statistics (as in Chang & Lawler 1994): left to right, the longest path ending at
+        each token is the longest one ending before it, shortened by suffix links until the token
+        extends it. O(len(context)) look-ups, plus a walk within a leaf where a leaf is shortened."""
+        root = self.root
+        node, explicit, depth, length = root, root, 0, 0
+        for end, token_id in enumerate(context):
+            while True:
+                if length < self.max_depth:
+                    if node.children is not None:
+                        child = node.children.get(token_id)
+                        if child is not None:
+                            node, length = child, length + 1
+                            if child.children is not None:
+                                explicit, depth = child, length
+                            break
+                    else:
+                        assert node.seq is not None
+                        at = node.start + length
+                        if at < len(node.seq) and node.seq[at] == token_id:
+                            length += 1
+                            break
+                if length == 0:
+                    break  # the token is in no indexed sequence
+                node, explicit, depth = self._shorter(node, explicit, depth, context[end - length + 1 : end])
+                length -= 1
+        return length, node, explicit, depth
+
+    def _shorter(
+        self, node: SuffixNode, explicit: SuffixNode, depth: int, path: list[int]
+    ) -> tuple[SuffixNode, SuffixNode, int]:
+        """(node, explicit, depth) of `path`, from those of the path one token longer before it: by
+        the longer path's suffix link where it is explicit, else by its deepest explicit node's
+        link and a walk down the rest (within a leaf)."""
+        if node.children is not None:
+            link = node.link
+            assert link is not None
+            return link, link, len(path)
+        if depth == 0:  # a leaf below the root
+            return _walk(self.root, 0, path)
+        assert explicit.link is not None
+        return _walk(explicit.link, depth - 1, path)
+
+    def _suffix_nodes(self, context: list[int]) -> Iterator[tuple[int, SuffixNode]]:
+        """(m, the node `find(context[-m:])` gives) for every suffix of `context` that is a path,
+        longest first, each from the one before by a suffix link."""
+        longest, node, explicit, depth = self._match_end(context)
+        for match_len in range(longest, 0, -1):
+            if match_len < longest:
+                node, explicit, depth = self._shorter(node, explicit, depth, context[-match_len:])
+            yield match_len, node
+
     def _append(self, seq: IndexedSequence, token_id: int) -> None:
         seq.token_ids.append(token_id)
         self.root.count += 1
         end = len(seq.token_ids)
         active = [self.root]
+        shorter = self.root  # the node of the new suffix one token shorter than the current one
         for length, node in enumerate(seq.active):
             assert node.children is not None
             child = node.children.get(token_id)
@@ -198,6 +251,8 @@ class SuffixTree:
                 continue
             if child.children is None:
                 self._materialise(child, length + 1)
+                child.link = shorter  # counted one more time just before: explicit already
+            shorter = child
             child.count += 1
             _bump_best(node, token_id)
             if length + 1 < self.max_depth:
@@ -241,21 +296,32 @@ class SuffixTree:
 
         Branch and bound: a draft's score is at most its length, so once the best score reaches
         the length limit of the next (shorter) match, no shorter match can beat it. Ties keep the
-        longer match.
+        longer match. A match whose count equals the longer match's occurs only inside it: its
+        continuation is the same (same counts below it), so its draft is no longer unless the
+        longer one's was cut short by the depth bound, and it is not grown.
         """
         best = SuffixDraft()
+        longer_count, longer_at_depth = 0, True
         for match_len, node in candidates:
             max_len = draft_limit(match_len, max_spec_tokens, max_spec_factor)
             if max_len <= best.score:
                 break
             assert node is not None
+            if node.count == longer_count and not longer_at_depth:
+                continue
             draft = self._grow_draft(node, match_len, max_len, min_token_prob)
+            longer_count = node.count
+            longer_at_depth = match_len + len(draft.token_ids) >= self.max_depth
             if draft.score > best.score:
                 best = draft
         return best
 
     def _grow_draft(self, node: SuffixNode, depth: int, max_len: int, min_token_prob: float) -> SuffixDraft:
         """Greedy draft from the path `node` at `depth`: the most frequent continuation each step."""
+        if node.seq is not None:  # a leaf: the rest of its one occurrence, every token certain
+            begin = node.start + depth
+            token_ids = node.seq[begin : begin + min(max_len, self.max_depth - depth)]
+            return SuffixDraft(token_ids, [1.0] * len(token_ids), depth, float(len(token_ids)))
         draft = SuffixDraft(match_len=depth)
         cum_prob = 1.0
         for token_id, prob, _ in self._greedy_path(node, depth):
@@ -371,6 +437,20 @@ class GlobalSuffixIndex:
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """`speculate` for each (context, max_spec_tokens), with the index's limits; never None here."""
         return [self.speculate(context, max_spec_tokens) for context, max_spec_tokens in queries]
+
+
+def _walk(node: SuffixNode, depth: int, path: list[int]) -> tuple[SuffixNode, SuffixNode, int]:
+    """From the explicit `node` of `path[:depth]`, down `path` (a path of the tree) to its node or
+    the leaf containing it: (that node, the deepest explicit node passed, its depth)."""
+    explicit, explicit_depth = node, depth
+    for token_id in path[depth:]:
+        if node.children is None:
+            break
+        node = node.children[token_id]
+        depth += 1
+        if node.children is not None:
+            explicit, explicit_depth = node, depth
+    return node, explicit, explicit_depth
 
 
 def _chain_length(node: SuffixNode) -> int:

@@ -394,6 +394,20 @@ def test_exploration_resumes_drafting_once_it_is_cheap_again() -> None:
     assert after.count(64) >= 0.95 * len(after)
 
 
+def test_a_retrial_at_full_scale_lasts_one_step() -> None:
+    """Once the samples of many drafting requests expire, the probes' (one request each) cannot
+    tell the per-request cost from the fixed one, and the controller tries drafting for the whole
+    batch again: that sample is refitted at once, so a costly retrial is one step, not the
+    REFIT_EVERY_STEPS steps until the next refit."""
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2)
+    batch = seqs([0.7] * 64)
+    drafting = simulate(adaptive, batch, per_request_s=0.002, num_steps=3 * DRAFT_COST_MAX_AGE_STEPS)
+    retrials = [step for step, n in enumerate(drafting) if n > 32 and step > 0]
+    assert retrials  # the retrials this is about happen
+    assert all(drafting[step + 1] <= 32 for step in retrials if step + 1 < len(drafting))
+    assert sum(drafting) <= 0.03 * 64 * len(drafting)
+
+
 def test_acceptance_estimate_tracks_verify_results() -> None:
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.2)
     (seq,) = seqs([0.7])

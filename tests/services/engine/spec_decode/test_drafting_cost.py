@@ -18,6 +18,7 @@ from services.engine.spec_decode.adaptive import (
     StepCostModel,
 )
 from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
+from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 CHOOSE = AdaptiveSpeculation.choose
@@ -91,17 +92,30 @@ def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monke
 
 
 def drafting_share(
-    target: str, concurrency: int, seconds_per_token: float, monkeypatch: pytest.MonkeyPatch
+    target: str,
+    concurrency: int,
+    monkeypatch: pytest.MonkeyPatch,
+    seconds_per_token: float = 0.0,
+    seconds_per_global_query: float = 0.0,
+    max_cached_requests: int = 0,
 ) -> tuple[list[list[int]], float]:
-    """Greedy suffix-decoding output at a concurrency, on a clock that only the requests' suffix
-    indexes advance (`seconds_per_token` for each token they take in), and the share of the
-    controller's choices that drafted."""
+    """Greedy suffix-decoding output at a concurrency, on a clock that only the suffix indexes
+    advance (`seconds_per_token` for each token a request's index takes in, and
+    `seconds_per_global_query` for each context the global index is asked about), and the share of
+    the controller's choices that drafted."""
     clock = [0.0]
     extend = SuffixAutomaton.extend
+    speculate_batch = GlobalSuffixIndex.speculate_batch
 
     def slow_extend(self: SuffixAutomaton, token_ids: list[int]) -> None:
         clock[0] += seconds_per_token * len(token_ids)
         extend(self, token_ids)
+
+    def slow_speculate_batch(
+        self: GlobalSuffixIndex, queries: list[tuple[list[int], int]]
+    ) -> list[SuffixDraft | None]:
+        clock[0] += seconds_per_global_query * len(queries)
+        return speculate_batch(self, queries)
 
     choices: list[int] = []
 
@@ -113,10 +127,15 @@ def drafting_share(
         return ks
 
     monkeypatch.setattr(SuffixAutomaton, "extend", slow_extend)
+    monkeypatch.setattr(GlobalSuffixIndex, "speculate_batch", slow_speculate_batch)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(AdaptiveSpeculation, "choose", counting_choose)
     monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(fixed_s=0.010))
-    spec = dict(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    spec = dict(
+        method="suffix",
+        num_speculative_tokens=3,
+        suffix_decoding_max_cached_requests=max_cached_requests,
+    )
     llm = LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
     prompts = repetitive_prompts()
     outputs = []
@@ -133,12 +152,29 @@ def test_a_slow_suffix_index_is_priced_and_backs_off_at_high_concurrency(
     a 10 ms step, drafting pays for one request at a time (it saves whole steps) but not for six
     (its time would buy six tokens a step); a free index drafts at six too. Greedy output is
     naive's throughout."""
-    alone_tokens, alone_share = drafting_share(target, 1, 0.002, monkeypatch)
-    batched_tokens, batched_share = drafting_share(target, 6, 0.002, monkeypatch)
-    free_tokens, free_share = drafting_share(target, 6, 0.0, monkeypatch)
+    alone_tokens, alone_share = drafting_share(target, 1, monkeypatch, seconds_per_token=0.002)
+    batched_tokens, batched_share = drafting_share(target, 6, monkeypatch, seconds_per_token=0.002)
+    free_tokens, free_share = drafting_share(target, 6, monkeypatch)
     assert alone_tokens == batched_tokens == free_tokens == naive_tokens
     assert alone_share > 0.6 and free_share > 0.6
     assert batched_share < 0.25
+
+
+def test_slow_global_look_ups_are_priced_and_back_off_at_high_concurrency(
+    target, naive_tokens, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The global index's look-ups are drafting time of the requests that draft: at 3 ms a look-up
+    against a 10 ms step, drafting pays for one request at a time (where its acceptance is high
+    enough) but not for six; free look-ups draft at six. Requests left at k = 0 are not counted
+    as drafting (counted, they made the per-request cost look like a fixed cost shared by all).
+    Greedy output is naive's throughout."""
+    slow = dict(seconds_per_global_query=0.003, max_cached_requests=1000)
+    alone_tokens, alone_share = drafting_share(target, 1, monkeypatch, **slow)
+    batched_tokens, batched_share = drafting_share(target, 6, monkeypatch, **slow)
+    free_tokens, free_share = drafting_share(target, 6, monkeypatch, max_cached_requests=1000)
+    assert alone_tokens == batched_tokens == free_tokens == naive_tokens
+    assert alone_share > 0.3 and free_share > 0.6
+    assert batched_share < 0.15
 
 
 @pytest.mark.parametrize("device_busy", [False, True])

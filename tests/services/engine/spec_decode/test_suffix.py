@@ -674,3 +674,70 @@ def test_a_sequence_added_in_chunks_is_the_one_added_whole(seed: int) -> None:
         assert list(chunked._sequences) == list(whole._sequences)
     with pytest.raises(ValueError, match="chunk_tokens"):
         next(chunked.add_sequence_steps("r9", [1], 0))
+
+
+def drafts_matching_from_the_root(
+    tree: SuffixTree, context: list[int], k: int, factor: float, min_prob: float
+) -> SuffixDraft:
+    """The best draft, every match length's node found from the root and every one grown."""
+    context = context[-tree.max_depth :]
+    best = SuffixDraft()
+    longest = max(m for m in range(len(context) + 1) if tree.find(context[-m:] if m else []))
+    for m in range(longest, 0, -1):
+        max_len = min(k, math.floor(factor * m))
+        if max_len <= best.score:
+            break
+        node = tree.find(context[-m:])
+        assert node is not None
+        draft = tree._grow_draft(node, m, max_len, min_prob)
+        if draft.score > best.score:
+            best = draft
+    return best
+
+
+def copied_seq(rng: random.Random, earlier: list[list[int]]) -> list[int]:
+    """A random sequence that copies spans of earlier ones (long matches, repeated counts)."""
+    tokens = random_seq(rng, vocab=4, max_len=10)
+    while len(tokens) < rng.randint(10, 60):
+        if earlier and rng.random() < 0.7:
+            source = rng.choice(earlier)
+            start = rng.randrange(len(source))
+            tokens += source[start : start + rng.randint(1, 20)]
+        else:
+            tokens.append(rng.randrange(4))
+    return tokens
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_suffix_links_find_every_match_and_draft_as_matching_from_the_root(seed: int) -> None:
+    """Under random adds (in chunks, looked up between them), removals and evictions, the shorter
+    matches reached by suffix links are the nodes `find` gives, and drafts (shorter matches of
+    equal count not grown) equal those that grow every match found from the root."""
+    rng = random.Random(seed)
+    index = GlobalSuffixIndex(max_tree_depth=rng.randint(3, 16), max_cached_requests=rng.randint(2, 6))
+    tree = index.tree
+    live: list[list[int]] = []
+
+    def check() -> None:
+        for _ in range(10):
+            context = copied_seq(rng, live)[-rng.randint(1, 30) :]
+            k, factor, min_prob = rng.randint(1, 8), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4])
+            trimmed = context[-tree.max_depth :]
+            longest = max(m for m in range(len(trimmed) + 1) if tree.find(trimmed[-m:] if m else []))
+            assert tree.longest_match(trimmed) == tree.longest_match(context) == longest
+            linked = list(tree._suffix_nodes(trimmed))
+            assert [(m, node) for m, node in linked] == [
+                (m, tree.find(trimmed[-m:])) for m in range(longest, 0, -1)
+            ]
+            expected = drafts_matching_from_the_root(tree, context, k, factor, min_prob)
+            assert index.speculate(context, k, factor, min_prob) == expected
+
+    for step in range(25):
+        if len(index) and rng.random() < 0.2:
+            index.remove_sequence(rng.choice(sorted(index._sequences)))
+        else:
+            tokens = copied_seq(rng, live)
+            live.append(tokens)
+            for _ in index.add_sequence_steps(f"r{step % 9}", tokens, rng.randint(1, 16)):
+                check()
+        check()
