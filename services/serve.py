@@ -39,7 +39,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from services.engine.args import add_engine_args
+from services.engine.args import add_engine_args, engine_argv
 from services.gateway.tool_calls import TOOL_CALL_PARSERS
 from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
 from services.serve_logs import log_root, new_log_dir
@@ -431,38 +431,9 @@ def _gateway_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:
-    flags = [
-        "--model",
-        model,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-        "--block-size",
-        str(args.block_size),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--cpu-kv-cache-space-gib",
-        str(args.cpu_kv_cache_space_gib),
-        "--seed",
-        str(args.seed),
-        "--speculative-config",
-        spec,
-    ]
-    optional = {
-        "--max-model-len": args.max_model_len,
-        "--num-kv-blocks": args.num_kv_blocks,
-        "--max-num-batched-tokens": args.max_num_batched_tokens,
-        "--quantization": args.quantization,
-    }
-    flags += [item for name, value in optional.items() if value is not None for item in (name, str(value))]
-    flags += [] if args.enable_chunked_prefill else ["--no-enable-chunked-prefill"]
-    flags += [] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]
-    return flags
+    """Every engine flag of `args` for a worker's command line, with the model and speculative
+    config serve chose where the user gave none."""
+    return engine_argv(argparse.Namespace(**{**vars(args), "model": model, "speculative_config": spec}))
 
 
 def _wait_ready(mesh: Supervisor, health_url: str, stopped: Any) -> None:
