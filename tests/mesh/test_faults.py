@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -150,6 +152,101 @@ def test_a_killed_worker_s_streams_complete_elsewhere_with_the_offline_text(
     assert num_running > 0
     assert_whole_or_failed(PROMPTS, outcomes, expected)
     assert metric_value(mesh.metrics("scheduler"), "specmesh_scheduler_redispatched_total") >= 1
+
+
+# ---- logprobs across a resume ---------------------------------------------------------------------------------
+
+LOGPROB_PROMPTS = [f"class Stack_{i}:" for i in range(3)]
+LOGPROB_MAX_TOKENS = 64
+
+
+@dataclass
+class LogprobStream:
+    """What a client of a streamed completion with `logprobs` saw: per chunk, its text and its
+    tokens' logprobs (the sampled token's, and the top alternatives')."""
+
+    text: str = ""
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+
+
+async def stream_logprobs(
+    session: aiohttp.ClientSession, url: str, prompt: str, record: LogprobStream
+) -> None:
+    body = {
+        "prompt": prompt,
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": LOGPROB_MAX_TOKENS,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            data = line.decode().removeprefix("data: ").strip()
+            if not line.startswith(b"data: "):
+                continue
+            if data == "[DONE]":
+                record.done = True
+            elif "error" in (chunk := json.loads(data)):
+                record.error = chunk["error"]["message"]
+            elif chunk["choices"]:
+                choice = chunk["choices"][0]
+                record.text += choice["text"]
+                if choice["logprobs"] is not None:
+                    record.token_logprobs += choice["logprobs"]["token_logprobs"]
+                    record.top_logprobs += choice["logprobs"]["top_logprobs"]
+
+
+def test_logprobs_of_a_stream_resumed_on_another_decode_worker_are_whole_and_equal_the_offline_run(
+    mesh_factory: Any, mesh_model: str
+) -> None:
+    """Greedy streams with `logprobs: 2` through 1 prefill + 2 decode workers; the decode worker
+    running them is SIGKILLed mid-stream, and they resume on the other. Every streamed token has
+    exactly one logprob entry (the sampled token's and its top 2), equal to the offline run's."""
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=LOGPROB_MAX_TOKENS, ignore_eos=True, logprobs=2)
+    offline = {prompt: out for prompt, out in zip(LOGPROB_PROMPTS, llm.generate(LOGPROB_PROMPTS, params))}
+    mesh: LocalMesh = mesh_factory("logprobs-resume")
+    mesh.start_role("scheduler", "scheduler")
+    for name, role in DEPLOYMENTS["decode"].items():
+        mesh.start_role(name, role, "--model", mesh_model, "--instance-id", name, *WORKER_FLAGS)
+    url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
+
+    async def scenario() -> tuple[list[LogprobStream], int]:
+        async with bus_of(mesh) as bus:
+            records = [LogprobStream() for _ in LOGPROB_PROMPTS]
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                streams = asyncio.gather(
+                    *(stream_logprobs(session, url, p, r) for p, r in zip(LOGPROB_PROMPTS, records))
+                )
+
+                async def decoding() -> bool:
+                    return all(len(r.token_logprobs) >= 4 for r in records)
+
+                await wait_for(decoding, "every stream decoding")
+                loads = {d: await bus.client.scard(bus.keys.assignments(d)) for d in ("d1", "d2")}
+                victim = max(loads, key=lambda d: loads[d])
+                mesh.kill(victim)
+                await streams
+        return records, loads[victim]
+
+    records, num_stranded = asyncio.run(scenario())
+    assert num_stranded > 0
+    for prompt, record in zip(LOGPROB_PROMPTS, records):
+        want = offline[prompt]
+        assert record.done and record.error is None, f"{prompt!r}: {record.error}"
+        assert record.text == want.text, prompt
+        assert want.logprobs is not None
+        assert len(record.token_logprobs) == len(record.top_logprobs) == LOGPROB_MAX_TOKENS, prompt
+        assert record.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-3), prompt
+        got_top = [sorted(top.values()) for top in record.top_logprobs]
+        want_top = [sorted(lp.top.values()) for lp in want.logprobs]
+        assert got_top == [pytest.approx(values, abs=1e-3) for values in want_top], prompt
 
 
 # ---- a worker stopped past its TTL, then continued -----------------------------------------------------------
