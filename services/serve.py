@@ -53,6 +53,7 @@ SUPERVISE_EVERY_S = 0.2
 FORGET_TIMEOUT_S = 2.0
 ADMIN_PASSWORD_FILE = "redis-admin-password"
 """Under the log dir: the password of Redis's admin user, for an operator's redis-cli."""
+GATEWAY_ID = "local-gateway"
 ACL_ROLE_OF = {"gateway": "gateway", "scheduler": "scheduler", "suffix-cache": "suffix-cache"}
 """serve's roles by ACL role; every other one is a worker."""
 
@@ -401,7 +402,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
         context = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
         tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
-        gateway = ["gateway", "--model", model, *context, *http, *keys, *tools]
+        # one id for every start: a restarted gateway's liveness replaces the dead one's at once,
+        # so the scheduler aborts what the dead one left without waiting out its TTL
+        gateway = ["gateway", "--gateway-id", GATEWAY_ID, "--model", model, *context, *http, *keys, *tools]
         roles.start("gateway", gateway, extra_env=_gateway_keys(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal

@@ -410,6 +410,111 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     assert all(p.alive() for name, p in mesh.processes.items() if name != "gateway")
 
 
+# ---- a gateway SIGKILLed: its requests aborted once its liveness lapses ---------------------------------------
+
+ORPHAN_MAX_TOKENS = 448
+"""The dead gateway's requests: far longer than the TTL, so only the abort can end them early."""
+SURVIVOR_MAX_TOKENS = 128
+SURVIVOR_PROMPTS = [f"def survivor_{i}(items):" for i in range(6)]
+LIVENESS_TTL_S = 2.0
+"""`LocalMesh.bus_flags`' --scheduler-ttl: the gateways' liveness TTL too."""
+
+
+async def long_stream(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, outcome: Outcome
+) -> None:
+    try:
+        await stream_completion(session, url, prompt, max_tokens, outcome)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        outcome.error = f"connection lost: {exc!r}"
+
+
+def test_a_killed_gateway_s_requests_stop_within_its_liveness_ttl_and_no_others(
+    mesh_factory: Any, mesh_model: str
+) -> None:
+    """Gateways ga and gb stream on one worker. ga is SIGKILLed mid-stream and restarted under the
+    same id at once: the dead incarnation's 4 requests are aborted by the scheduler within about
+    the TTL (2 s here) of the kill, long before their max_tokens, and the worker frees them;
+    gb's streams, and those of ga's new incarnation, complete with the offline text."""
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=SURVIVOR_MAX_TOKENS, ignore_eos=True)
+    expected = {p: o.text for p, o in zip(SURVIVOR_PROMPTS, llm.generate(SURVIVOR_PROMPTS, params))}
+    mesh: LocalMesh = mesh_factory("gateway-liveness")
+    mesh.start_role("scheduler", "scheduler")
+    mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
+    ga = f"http://127.0.0.1:{mesh.start_gateway(mesh_model, '--gateway-id', 'ga', name='ga')}"
+    gb = f"http://127.0.0.1:{mesh.start_gateway(mesh_model, '--gateway-id', 'gb', name='gb')}"
+
+    async def scenario() -> tuple[list[Outcome], list[Outcome], float, dict[str, int]]:
+        async with bus_of(mesh) as bus:
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                cut = [Outcome() for _ in range(4)]
+                survivors = [Outcome() for _ in SURVIVOR_PROMPTS]
+                streams = [
+                    long_stream(session, ga, prompt, ORPHAN_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(PROMPTS[:4], cut)
+                ]
+                streams += [
+                    long_stream(session, gb, prompt, SURVIVOR_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(SURVIVOR_PROMPTS[:4], survivors)
+                ]
+                running = asyncio.gather(*streams)
+
+                async def all_under_way() -> bool:
+                    return all(o.text or o.error for o in cut + survivors[:4])
+
+                await wait_for(all_under_way, "every stream under way")
+                orphans = await bus.gateway_requests("ga")
+                assert len(orphans) == 4, orphans
+                mesh.kill("ga")
+                killed_at = time.monotonic()
+                lengths: dict[str, int] = {}
+
+                async def orphans_ended() -> bool:
+                    for request_id in orphans:
+                        if await bus.placement(request_id) is not None:
+                            tokens, _ = await bus.delivered_tokens(request_id)
+                            lengths[request_id] = len(tokens)
+                    return all([await bus.placement(r) is None for r in orphans])
+
+                await wait_for(orphans_ended, "the dead gateway's requests aborted")
+                stopped_after_s = time.monotonic() - killed_at
+                port = await asyncio.to_thread(
+                    mesh.start_gateway, mesh_model, "--gateway-id", "ga", name="ga-restarted"
+                )
+                url = f"http://127.0.0.1:{port}"
+                streams = [
+                    long_stream(session, url, prompt, SURVIVOR_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(SURVIVOR_PROMPTS[4:], survivors[4:])
+                ]
+                await asyncio.gather(running, *streams)
+
+            left: dict[str, float] = {}
+
+            async def cleaned_up() -> bool:
+                left["queue depth"] = int(await bus.client.get(bus.keys.queue_depth) or 0)
+                metrics = mesh.metrics("w1")
+                left["running"] = metric_value(metrics, "specmesh_worker_running_requests")
+                left["KV in use"] = metric_value(metrics, "specmesh_worker_kv_usage_ratio")
+                return not any(left.values())
+
+            try:
+                await wait_for(cleaned_up, "everything freed")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; left: {left}") from None
+        return cut, survivors, stopped_after_s, lengths
+
+    cut, survivors, stopped_after_s, lengths = asyncio.run(scenario())
+    assert all(o.error is not None and not o.done for o in cut)
+    assert_whole_or_failed(SURVIVOR_PROMPTS, survivors, expected)
+    # the TTL, a sweep and a loaded 2-core machine's slack: not the minutes max_tokens would take
+    assert stopped_after_s < LIVENESS_TTL_S + 10.0, stopped_after_s
+    assert all(n < ORPHAN_MAX_TOKENS for n in lengths.values()), lengths
+    scheduler = mesh.metrics("scheduler")
+    assert metric_value(scheduler, "specmesh_scheduler_orphans_aborted_total") == 4
+
+
 # ---- the scheduler killed and replaced -----------------------------------------------------------------------
 
 
