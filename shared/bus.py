@@ -292,12 +292,12 @@ end
 redis.call('DEL', KEYS[1], KEYS[3])
 redis.call('HSET', KEYS[1], 'ended', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-if KEYS[4] then
-    redis.call('SREM', KEYS[4], ARGV[1])
+for i = 4, #KEYS do
+    redis.call('SREM', KEYS[i], ARGV[1])
 end
 return 1
 """
-"""`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id,
+"""`release`. KEYS: state hash, queue depth, delivered record, then assignment sets. ARGV: the id,
 how long the `ended` mark stays, the gateways' requests key prefix (the gateway's own key is read
 from the state hash: only ever on a single Redis)."""
 
@@ -471,12 +471,11 @@ class Bus:
         result = await self._run_script(ADMIT_LUA, keys, args)
         return ADMISSIONS[int(result)]
 
-    async def release(self, request_id: str, instance_id: str | None = None) -> None:
+    async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
-        `OUTPUT_TTL_S`, and takes it off `instance_id`'s assignments, in one round trip."""
+        `OUTPUT_TTL_S`, and takes it off the assignments of `instance_ids`, in one round trip."""
         keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.delivered(request_id)]
-        if instance_id is not None:
-            keys.append(self.keys.assignments(instance_id))
+        keys += [self.keys.assignments(instance_id) for instance_id in instance_ids]
         await self._run_script(RELEASE_LUA, keys, [request_id, OUTPUT_TTL_S, self.keys.gateway_requests("")])
 
     async def placement(self, request_id: str) -> Placement | None:

@@ -403,10 +403,13 @@ class SplitwiseScheduler:
             await self.bus.release(message.request_id, message.instance_id)
 
     async def _cancel(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Stops the request where it runs and ends it (off its instances' assignments too: the
+        fenced worker reports nothing)."""
         placement = await self.bus.placement(request_id)
-        for instance_id in placement.instance_ids if placement else []:
+        instance_ids = placement.instance_ids if placement else []
+        for instance_id in instance_ids:
             await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id, reason=reason))
-        await self.bus.release(request_id)
+        await self.bus.release(request_id, *instance_ids)
 
     async def _retry(
         self, request_id: str, failed: str, reason: str, place_anywhere: bool = False, seen: int | None = None

@@ -364,8 +364,8 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     mesh_factory: Any, mesh_model: str, expected: dict[str, str]
 ) -> None:
     """The dead gateway's clients lose their connections (nothing can keep those); its requests
-    run out on the worker and are cleaned up (queue slot, assignment, KV blocks); a new gateway
-    serves new requests with the offline text."""
+    are aborted once its liveness lapses, or have run out, and are cleaned up (queue slot,
+    assignment, KV blocks); a new gateway serves new requests with the offline text."""
     mesh: LocalMesh = mesh_factory("gateway-restart")
     mesh.start_role("scheduler", "scheduler")
     mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)

@@ -57,6 +57,11 @@ async def test_requests_of_an_incarnation_without_liveness_are_aborted_and_no_ot
     assert await bus.placement("of-g-first") is None
     assert all([await bus.placement(r.request_id) for r in requests[1:]])
     assert await cancels_to(bus, "w1") == ["of-g-first"]
+    assert await bus.client.smembers(bus.keys.assignments("w1")) == {
+        b"of-g-second",
+        b"of-h",
+        b"no-incarnation",
+    }
     assert await errors_to(bus, "g") == ["of-g-first"]
     assert orphans_aborted(s) == 1
     assert await bus.gateway_requests("g") == {"of-g-second": "g-second"}
