@@ -39,7 +39,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from services.engine.args import add_engine_args
+from services.engine.args import add_engine_args, engine_argv
 from services.gateway.tool_calls import TOOL_CALL_PARSERS
 from services.runtime import API_KEY_ENV, KV_SECRET_ENV, PASSWORD_ENV, REDIS_USER_ENV
 from services.serve_logs import log_root, new_log_dir
@@ -53,6 +53,7 @@ SUPERVISE_EVERY_S = 0.2
 FORGET_TIMEOUT_S = 2.0
 ADMIN_PASSWORD_FILE = "redis-admin-password"
 """Under the log dir: the password of Redis's admin user, for an operator's redis-cli."""
+GATEWAY_ID = "local-gateway"
 ACL_ROLE_OF = {"gateway": "gateway", "scheduler": "scheduler", "suffix-cache": "suffix-cache"}
 """serve's roles by ACL role; every other one is a worker."""
 
@@ -441,7 +442,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = ["--api-key-file", str(args.api_key_file)] if args.api_key_file else []
         context = ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
         tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
-        gateway = ["gateway", "--model", model, *context, *http, *keys, *tools]
+        # one id for every start: a restarted gateway's liveness replaces the dead one's at once,
+        # so the scheduler aborts what the dead one left without waiting out its TTL
+        gateway = ["gateway", "--gateway-id", GATEWAY_ID, "--model", model, *context, *http, *keys, *tools]
         roles.start("gateway", gateway, extra_env=_gateway_keys(args))
         url = f"http://{args.host}:{args.port}"
         _wait_ready(mesh, f"{url}/health", lambda: stop)  # a death until then is a setup error: fatal
@@ -471,38 +474,9 @@ def _gateway_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _engine_flags(args: argparse.Namespace, model: str, spec: str) -> list[str]:
-    flags = [
-        "--model",
-        model,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-        "--block-size",
-        str(args.block_size),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--cpu-kv-cache-space-gib",
-        str(args.cpu_kv_cache_space_gib),
-        "--seed",
-        str(args.seed),
-        "--speculative-config",
-        spec,
-    ]
-    optional = {
-        "--max-model-len": args.max_model_len,
-        "--num-kv-blocks": args.num_kv_blocks,
-        "--max-num-batched-tokens": args.max_num_batched_tokens,
-        "--quantization": args.quantization,
-    }
-    flags += [item for name, value in optional.items() if value is not None for item in (name, str(value))]
-    flags += [] if args.enable_chunked_prefill else ["--no-enable-chunked-prefill"]
-    flags += [] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]
-    return flags
+    """Every engine flag of `args` for a worker's command line, with the model and speculative
+    config serve chose where the user gave none."""
+    return engine_argv(argparse.Namespace(**{**vars(args), "model": model, "speculative_config": spec}))
 
 
 def _wait_ready(mesh: Supervisor, health_url: str, stopped: Any) -> None:

@@ -84,11 +84,13 @@ def role_acl(role: str, topic: str) -> RoleAcl:
 
 
 def _gateway(keys: Keys) -> RoleAcl:
-    """Submits and cancels; follows, trims and finally deletes its output stream; counts live workers."""
+    """Submits and cancels; follows, trims and finally deletes its output stream; counts live workers;
+    renews its liveness and drops it as it stops (`delete_if_equal`)."""
     return RoleAcl(
-        ("ping",),
+        ("ping", SCRIPTS),
         (
             Grant(("xadd",), (keys.requests, keys.dead_letters)),
+            Grant(("set", "evalsha", "get", "del"), (keys.gateway_liveness("*"),)),
             Grant(("xread", "xtrim", "del"), (keys.outputs("*"),)),
             Grant(("smembers",), (keys.instances,)),
             Grant(("exists",), (keys.heartbeat("*"),)),
@@ -99,8 +101,10 @@ def _gateway(keys: Keys) -> RoleAcl:
 def _scheduler(keys: Keys) -> RoleAcl:
     """Admits (`Bus.admit` / `release`), places (`claim_epoch`, `dispatch`), re-dispatches from
     delivered records, holds its lease and takes over a dead replica's pending messages, reads the
-    registry, and answers refusals on a gateway's stream (`publish_step`)."""
+    registry, answers refusals on a gateway's stream (`publish_step`), and aborts the requests of
+    gateways whose liveness lapsed (`gateway_owners`, `gateway_requests`, `forget_gateway`)."""
     request, delivered, assigned = keys.request_state("*"), keys.delivered("*"), keys.assignments("*")
+    owned = keys.gateway_requests("*")
     return RoleAcl(
         ("ping", SCRIPTS, "multi", "exec", "discard"),
         (
@@ -120,8 +124,13 @@ def _scheduler(keys: Keys) -> RoleAcl:
                     keys.outputs("*"),
                     keys.inbox("*"),
                     keys.requests,
+                    owned,
+                    keys.gateways,
                 ),
             ),
+            Grant(("hset", "hdel", "hgetall", "exists"), (owned,)),
+            Grant(("sadd", "srem", "smembers"), (keys.gateways,)),
+            Grant(("mget",), (keys.gateway_liveness("*"),)),
             Grant(
                 ("hsetnx", "hset", "hget", "hmget", "hexists", "hincrby", "hdel", "exists", "set", "expire"),
                 (request,),

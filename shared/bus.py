@@ -27,7 +27,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
-from shared.protocol import PAYLOAD_FIELD, TOKEN_DTYPE, AnyMessage, Message, ProtocolError, decode, encode
+from shared.protocol import (
+    PAYLOAD_FIELD,
+    TOKEN_DTYPE,
+    AnyMessage,
+    Message,
+    ProtocolError,
+    Submit,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -261,24 +270,45 @@ if redis.call('INCR', KEYS[2]) > tonumber(ARGV[2]) then
     return -1
 end
 redis.call('HSET', KEYS[1], 'slot', 1, 'attempts', 0, 'epoch', 0)
+if KEYS[3] then
+    redis.call('HSET', KEYS[1], 'gateway', ARGV[4])
+    redis.call('HSET', KEYS[3], ARGV[3], ARGV[5])
+    redis.call('SADD', KEYS[4], ARGV[4])
+end
 return 1
 """
-"""`admit`. KEYS: the request's state hash, the queue depth. ARGV: the Submit, the longest queue."""
+"""`admit`. KEYS: the request's state hash, the queue depth[, its gateway's requests hash, the
+gateways set]. ARGV: the Submit, the longest queue[, the request id, the gateway id, the
+gateway's incarnation]."""
 
 RELEASE_LUA = """
 if redis.call('HDEL', KEYS[1], 'slot') == 1 then
     redis.call('DECR', KEYS[2])
 end
+local gateway = redis.call('HGET', KEYS[1], 'gateway')
+if gateway then
+    redis.call('HDEL', ARGV[3] .. gateway, ARGV[1])
+end
 redis.call('DEL', KEYS[1], KEYS[3])
 redis.call('HSET', KEYS[1], 'ended', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-if KEYS[4] then
-    redis.call('SREM', KEYS[4], ARGV[1])
+for i = 4, #KEYS do
+    redis.call('SREM', KEYS[i], ARGV[1])
 end
 return 1
 """
-"""`release`. KEYS: state hash, queue depth, delivered record[, an assignment set]. ARGV: the id,
-how long the `ended` mark stays."""
+"""`release`. KEYS: state hash, queue depth, delivered record, then assignment sets. ARGV: the id,
+how long the `ended` mark stays, the gateways' requests key prefix (the gateway's own key is read
+from the state hash: only ever on a single Redis)."""
+
+FORGET_GATEWAY_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('SREM', KEYS[2], ARGV[1])
+    return 1
+end
+return 0
+"""
+"""`forget_gateway`. KEYS: the gateway's requests hash, the gateways set. ARGV: the gateway id."""
 
 DELETE_IF_EQUAL_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -430,21 +460,23 @@ class Bus:
 
     async def admit(self, request_id: str, submit: Message, max_queue_len: int) -> Admission:
         """Records a new request and takes a queue slot for it, in one round trip ("ended": the
-        request was here and has ended; a late repeat of its Submit)."""
-        result = await self._run_script(
-            ADMIT_LUA,
-            [self.keys.request_state(request_id), self.keys.queue_depth],
-            [encode(submit), max_queue_len],
-        )
+        request was here and has ended; a late repeat of its Submit). A request that names its
+        gateway's incarnation is also listed under its gateway (`Keys.gateway_requests`)."""
+        keys = [self.keys.request_state(request_id), self.keys.queue_depth]
+        args: list[bytes | str | int] = [encode(submit), max_queue_len]
+        request = submit.request if isinstance(submit, Submit) else None
+        if request is not None and request.gateway_id and request.gateway_incarnation:
+            keys += [self.keys.gateway_requests(request.gateway_id), self.keys.gateways]
+            args += [request_id, request.gateway_id, request.gateway_incarnation]
+        result = await self._run_script(ADMIT_LUA, keys, args)
         return ADMISSIONS[int(result)]
 
-    async def release(self, request_id: str, instance_id: str | None = None) -> None:
+    async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
-        `OUTPUT_TTL_S`, and takes it off `instance_id`'s assignments, in one round trip."""
+        `OUTPUT_TTL_S`, and takes it off the assignments of `instance_ids`, in one round trip."""
         keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.delivered(request_id)]
-        if instance_id is not None:
-            keys.append(self.keys.assignments(instance_id))
-        await self._run_script(RELEASE_LUA, keys, [request_id, OUTPUT_TTL_S])
+        keys += [self.keys.assignments(instance_id) for instance_id in instance_ids]
+        await self._run_script(RELEASE_LUA, keys, [request_id, OUTPUT_TTL_S, self.keys.gateway_requests("")])
 
     async def placement(self, request_id: str) -> Placement | None:
         """Where the request runs now; None once it ended (or was never admitted)."""
@@ -485,9 +517,29 @@ class Bus:
         ]
         return bool(await self._run_script(DISPATCH_LUA, keys, args))
 
-    async def hold_lease(self, key: str, ttl_s: float) -> None:
-        """Sets (or renews) a lease key that expires `ttl_s` after this call."""
-        await self.client.set(key, b"1", px=max(1, int(ttl_s * 1000)))
+    async def hold_lease(self, key: str, ttl_s: float, value: bytes | str = b"1") -> None:
+        """Sets (or renews) a lease key, holding `value`, that expires `ttl_s` after this call."""
+        await self.client.set(key, value, px=max(1, int(ttl_s * 1000)))
+
+    async def gateway_owners(self) -> dict[str, str | None]:
+        """Each gateway with admitted requests -> the incarnation holding its liveness now (None:
+        none does), in two round trips."""
+        gateway_ids = sorted(as_text(g) for g in await self.client.smembers(self.keys.gateways))
+        if not gateway_ids:
+            return {}
+        values: Any = await self.client.mget([self.keys.gateway_liveness(g) for g in gateway_ids])
+        return {g: None if v is None else as_text(v) for g, v in zip(gateway_ids, values)}
+
+    async def gateway_requests(self, gateway_id: str) -> dict[str, str]:
+        """A gateway's admitted, unfinished requests -> the incarnation that submitted each."""
+        raw: Any = await self.client.hgetall(self.keys.gateway_requests(gateway_id))
+        return {as_text(request_id): as_text(incarnation) for request_id, incarnation in raw.items()}
+
+    async def forget_gateway(self, gateway_id: str) -> bool:
+        """Drops a gateway from the watched set if it has no request left (atomically: a request
+        admitted meanwhile keeps it there). Whether it was dropped."""
+        keys = [self.keys.gateway_requests(gateway_id), self.keys.gateways]
+        return bool(await self._run_script(FORGET_GATEWAY_LUA, keys, [gateway_id]))
 
     async def forget_instance(self, instance_id: str) -> None:
         """Removes an instance's heartbeat: the scheduler takes it for dead on its next look (for a

@@ -81,6 +81,22 @@ class Keys:
         """An instance's load report; expires after --scheduler-ttl unless refreshed."""
         return self._key("heartbeat", instance_id)
 
+    def gateway_liveness(self, gateway_id: str) -> str:
+        """A gateway's liveness: its incarnation (one per process start), expiring after
+        --scheduler-ttl unless refreshed. The requests of an incarnation that no longer holds it
+        (the key expired, or a restart with the same id replaced it) are aborted."""
+        return self._key("gateway", gateway_id)
+
+    def gateway_requests(self, gateway_id: str) -> str:
+        """Hash: the admitted, unfinished requests of a gateway -> the incarnation that submitted
+        each (written by admission, emptied by release)."""
+        return self._key("gateway-requests", gateway_id)
+
+    @property
+    def gateways(self) -> str:
+        """Set of gateway ids with requests in `gateway_requests` (the scheduler watches them)."""
+        return self._key("gateways")
+
     def scheduler_lease(self, consumer: str) -> str:
         """A scheduler replica's lease, named by its consumer name; expires after --scheduler-ttl
         unless renewed. Messages pending with a consumer that has none are taken over at once."""

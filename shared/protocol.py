@@ -54,6 +54,9 @@ class GenerateRequest(BaseModel):
     gateway_id: str | None = Field(default=None, min_length=1, max_length=128)
     """The gateway that submitted the request: its outputs go to that gateway's output stream
     (set by the gateway; the scheduler refuses a request without one)."""
+    gateway_incarnation: str | None = Field(default=None, min_length=1, max_length=64)
+    """The submitting gateway process's incarnation (`Keys.gateway_liveness`): the request is
+    aborted once that incarnation stops renewing its liveness. None: kept however long it runs."""
 
 
 class Submit(Message):

@@ -62,6 +62,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     )
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags that give another command the engine settings of `args` (serve and the
+    benchmark launcher hand them to their workers): every flag of `add_engine_args` that is set,
+    so a flag added there is forwarded without a change here."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its flags nowhere public
+        flag, value = max(action.option_strings, key=len), getattr(args, action.dest)
+        if action.nargs == 0:  # store_true / store_false: given only where it changes the default
+            argv += [flag] if value == action.const else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model or default_model(),

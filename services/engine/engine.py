@@ -78,7 +78,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
+    """One per output token so far (`Sequence.logprobs`), when the request asked for them."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Per prompt position (None at 0), complete from the first output on; None when not asked
     for, or when the prompt ran elsewhere (a resumed request, the decode side of a hand-off)."""
@@ -208,6 +209,8 @@ class LLMEngine:
             seq.grammar = GrammarState(self.grammars.submit(params.structured), seq.spec.max_k)
             self._advance_grammar(seq, resumed)
         seq.token_ids += resumed
+        if params.logprobs is not None:  # sampled elsewhere: their logprobs went out from there
+            seq.logprobs = [None] * len(resumed)
         self.sequences[request_id] = seq
         self.outputs.start(seq)
         self.outputs.prime(seq, resumed)
@@ -270,6 +273,8 @@ class LLMEngine:
         seq = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
         seq.append_token(first_token_id)
+        if seq.params.logprobs is not None:  # the prefill instance sent its logprob with it
+            seq.logprobs.append(None)
         self._advance_grammar(seq, [first_token_id])
         self.outputs.observe(seq, 1)  # not a stop: the prefill side would have finished it
         self.outputs.take_delta(seq)
@@ -426,7 +431,8 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            # a copy: the next step appends to the sequence's list before this output is read
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             metrics=metrics,

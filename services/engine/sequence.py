@@ -112,7 +112,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """One per output token when the request asked for logprobs; None for a token sampled on
+    another instance (a resumed request's earlier output, a handed-off request's first token)."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Per prompt position (None at 0, and where not computed yet), for requests that asked for
     them and run their prompt here; None otherwise."""

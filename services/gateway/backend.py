@@ -57,6 +57,8 @@ HEALTH_EVERY_S = 1.0
 """How often the background health probe asks Redis."""
 HEALTH_PROBE_TIMEOUT_S = 2.0
 """A probe that takes longer than this counts as Redis not answering."""
+DEFAULT_LIVENESS_TTL_S = 5.0
+LIVENESS_RENEWALS_PER_TTL = 3
 
 
 class MeshBackend(Protocol):
@@ -105,6 +107,8 @@ class RedisBackend:
         read_block_ms: int = READ_BLOCK_MS,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         submit_retry_s: float = SUBMIT_RETRY_S,
+        gateway_id: str | None = None,
+        liveness_ttl_s: float = DEFAULT_LIVENESS_TTL_S,
     ):
         self.settings = settings
         self.keys = settings.keys
@@ -112,12 +116,17 @@ class RedisBackend:
         self.replay_timeout_s = replay_timeout_s
         self.submit_retry_s = submit_retry_s
         self.read_block_ms = read_block_ms
-        self.gateway_id = uuid.uuid4().hex[:12]
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self.incarnation = uuid.uuid4().hex
+        """This process's liveness value: a restart under the same `gateway_id` has another, so
+        the requests of the one before are aborted while this one's are kept."""
+        self.liveness_ttl_s = liveness_ttl_s
         self.stream = self.keys.outputs(self.gateway_id)
         self._client: aioredis.Redis | None = None
         self._bus: Bus | None = None
         self._reader: asyncio.Task[None] | None = None
         self._health_probe: asyncio.Task[None] | None = None
+        self._liveness: asyncio.Task[None] | None = None
         self._health: tuple[bool, str] = (False, "not checked yet")
         self._follows: dict[str, _Follow] = {}
         """Open requests by id."""
@@ -128,17 +137,22 @@ class RedisBackend:
     async def start(self) -> None:
         self._client = await connect(self.settings)
         self._bus = Bus(self._client, self.keys)
+        await self._hold_liveness()  # before any submit: the scheduler aborts requests of the unknown
+        self._liveness = asyncio.create_task(self._keep_liveness(), name="gateway-liveness")
         self._reader = asyncio.create_task(self._read_outputs(), name="gateway-output-reader")
         self._health = await self.check_health()
         self._health_probe = asyncio.create_task(self._probe_health(), name="gateway-health-probe")
         logger.info("gateway %s follows outputs on %s", self.gateway_id, self.settings.describe())
 
     async def close(self) -> None:
-        await stop_tasks([task for task in (self._reader, self._health_probe) if task is not None])
-        self._reader = self._health_probe = None
+        tasks = (self._reader, self._health_probe, self._liveness)
+        await stop_tasks([task for task in tasks if task is not None])
+        self._reader = self._health_probe = self._liveness = None
         if self._client is not None:
             with contextlib.suppress(RedisError):
                 await self._client.delete(self.stream)
+                # what is left of ours is aborted at once (a successor's liveness is not ours to drop)
+                await self.bus.delete_if_equal(self.keys.gateway_liveness(self.gateway_id), self.incarnation)
             await self._client.aclose()
             self._client = None
 
@@ -160,7 +174,8 @@ class RedisBackend:
         continuity = Continuity(request_id, self.replay_timeout_s)
         try:
             try:
-                submit = Submit(request=request.model_copy(update={"gateway_id": self.gateway_id}))
+                stamp = {"gateway_id": self.gateway_id, "gateway_incarnation": self.incarnation}
+                submit = Submit(request=request.model_copy(update=stamp))
                 # a repeat is harmless: the scheduler admits a request id once
                 await retry_transient(
                     lambda: self.bus.publish(self.keys.requests, submit), "submitting", self.submit_retry_s
@@ -233,6 +248,21 @@ class RedisBackend:
         while True:
             await asyncio.sleep(HEALTH_EVERY_S)
             self._health = await self.check_health()
+
+    async def _hold_liveness(self) -> None:
+        key = self.keys.gateway_liveness(self.gateway_id)
+        await self.bus.hold_lease(key, self.liveness_ttl_s, self.incarnation)
+
+    async def _keep_liveness(self) -> None:
+        """Renews the liveness every third of its TTL, until cancelled; through a Redis outage it
+        retries each turn (the scheduler waits a TTL after an outage before it judges)."""
+        while True:
+            await asyncio.sleep(self.liveness_ttl_s / LIVENESS_RENEWALS_PER_TTL)
+            try:
+                await self._hold_liveness()
+            except RedisError as exc:
+                reraise_if_cancelled(exc)
+                logger.warning("renewing the gateway's liveness failed: %s", exc)
 
     def _follow(self, request_id: str) -> _Follow:
         if request_id in self._follows:

@@ -22,6 +22,7 @@ import ctypes
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ from shared.reference import default_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+GATEWAY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -105,6 +107,12 @@ def add_gateway_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="gateway processes sharing the port (SO_REUSEPORT); 1: this process serves",
     )
     http.add_argument(
+        "--gateway-id",
+        help="this gateway's id on the bus, unique among live gateways (default: random per start; "
+        "with --workers N, process i is ID-i); its liveness lasts --scheduler-ttl, then the "
+        "scheduler aborts its requests, and a restart with the same id aborts those of the one before",
+    )
+    http.add_argument(
         "--shutdown-timeout-s",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -149,6 +157,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     for flag in ("body_timeout_s", "keepalive_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    if args.gateway_id is not None and not GATEWAY_ID.fullmatch(args.gateway_id):
+        raise ValueError(f"--gateway-id {args.gateway_id!r}: use 1 to 64 letters, digits, '.', '_' or '-'")
     args.api_keys = sorted(load_api_keys(args, os.environ))  # read before forking: a bad file fails once
     args.bus = redis_settings(args)
     if args.workers > 1:
@@ -161,7 +171,12 @@ def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
         args.model or default_model(), args.served_model_name, args.max_model_len, args.tool_call_parser
     )
     settings: RedisSettings = args.bus
-    backend = RedisBackend(settings, request_timeout_s=args.request_timeout_s)
+    backend = RedisBackend(
+        settings,
+        request_timeout_s=args.request_timeout_s,
+        gateway_id=args.gateway_id,
+        liveness_ttl_s=args.scheduler_ttl,
+    )
     app = create_app(served, backend, gateway_settings(args))
     gc.freeze()  # what start-up made lives as long as the process: full collections skip it
     logger.info(
@@ -256,6 +271,8 @@ def _fork_gateway(args: argparse.Namespace, index: int) -> int:
     if pid:
         return pid
     code = 1
+    if args.gateway_id is not None:
+        args.gateway_id = f"{args.gateway_id}-{index}"
     try:
         _die_with_parent(supervisor, f"gateway-{index}".encode())
         code = serve(args, reuse_port=True)

@@ -26,6 +26,11 @@ class SchedulerMetrics:
         self.rejected = Counter(
             "specmesh_scheduler_rejected_total", "Requests refused with 429 (queue full)", registry=r
         )
+        self.orphans_aborted = Counter(
+            "specmesh_scheduler_orphans_aborted_total",
+            "Requests aborted because the gateway incarnation that submitted them stopped renewing its liveness",
+            registry=r,
+        )
         self.reserve_timeouts = Counter(
             "specmesh_scheduler_reserve_timeouts_total", "Decode reservations that timed out", registry=r
         )

@@ -162,7 +162,7 @@ class SplitwiseScheduler:
             if isinstance(message, Submit):
                 await self._admit(message.request)
             elif isinstance(message, Cancel):
-                await self._cancel(message.request_id)
+                await self._cancel(message.request_id, message.reason)
             elif isinstance(message, Finished):
                 await self._finished(message)
             else:
@@ -402,11 +402,14 @@ class SplitwiseScheduler:
         elif message.outcome != "handed_off":
             await self.bus.release(message.request_id, message.instance_id)
 
-    async def _cancel(self, request_id: str) -> None:
+    async def _cancel(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Stops the request where it runs and ends it (off its instances' assignments too: the
+        fenced worker reports nothing)."""
         placement = await self.bus.placement(request_id)
-        for instance_id in placement.instance_ids if placement else []:
-            await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id))
-        await self.bus.release(request_id)
+        instance_ids = placement.instance_ids if placement else []
+        for instance_id in instance_ids:
+            await self.bus.publish(self.keys.inbox(instance_id), Cancel(request_id=request_id, reason=reason))
+        await self.bus.release(request_id, *instance_ids)
 
     async def _retry(
         self, request_id: str, failed: str, reason: str, place_anywhere: bool = False, seen: int | None = None
@@ -475,6 +478,7 @@ class SplitwiseScheduler:
     # ---- watching instances -------------------------------------------------------------------------------
 
     async def _watch(self, stop: asyncio.Event) -> None:
+        bus_lost_at = time.monotonic()  # a fresh replica cannot tell whether Redis just came back
         while not stop.is_set():
             try:
                 await self.registry.refresh(self.bus)
@@ -482,10 +486,45 @@ class SplitwiseScheduler:
                 self.metrics.queue_depth.set(int(await self.bus.client.get(self.keys.queue_depth) or 0))
                 for instance_id in self.registry.dead:
                     await self._bury(instance_id)
+                if time.monotonic() - bus_lost_at >= self.options.ttl_s:
+                    await self._abort_orphans()
             except RedisError as exc:
                 reraise_if_cancelled(exc)
+                bus_lost_at = time.monotonic()
                 logger.warning("registry refresh failed", extra={"error": str(exc)})
             await asyncio.sleep(REGISTRY_REFRESH_S)
+
+    async def _abort_orphans(self) -> None:
+        """Aborts the requests of gateway incarnations that no longer hold their liveness (the
+        process died, or was restarted: its clients are gone), freeing their slots and KV. Only
+        once this replica has seen the bus answer for a whole TTL (see `_watch`): a gateway that
+        was only cut off by a Redis outage has renewed its liveness by then."""
+        for gateway_id, live in (await self.bus.gateway_owners()).items():
+            owned = await self.bus.gateway_requests(gateway_id)
+            orphans = [rid for rid, incarnation in owned.items() if incarnation != live]
+            for request_id in orphans:
+                await self._abort_orphan(gateway_id, request_id)
+            if live is None and len(orphans) == len(owned):
+                await self.bus.forget_gateway(gateway_id)
+
+    async def _abort_orphan(self, gateway_id: str, request_id: str) -> None:
+        """Ends a request whose gateway is gone, as a client's cancel would, and says so on the
+        gateway's stream (a gateway wrongly taken for dead answers its client with the error)."""
+        if await self.bus.placement(request_id) is None:
+            return  # ended meanwhile
+        logger.warning(
+            "aborting a request of a gateway gone", extra={"request_id": request_id, "gateway": gateway_id}
+        )
+        await self._cancel(request_id, reason=f"gateway {gateway_id} stopped renewing its liveness")
+        self.metrics.orphans_aborted.inc()
+        message = f"request aborted: its gateway ({gateway_id}) was taken for dead"
+        event = TokenEvent(
+            request_id=request_id,
+            finished=True,
+            finish_reason="error",
+            error=ErrorInfo(code=503, type="service_unavailable", message=message),
+        )
+        await self.bus.publish_step([(gateway_id, encode(OutputBatch.of([event])))])
 
     async def _bury(self, instance_id: str) -> None:
         """An instance stopped heart-beating: one scheduler (holding the lock) re-dispatches its work."""

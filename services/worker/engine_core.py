@@ -91,8 +91,9 @@ class RowBuilder:
         self.texts.append(output.new_text)
         self.num_output_tokens.append(len(output.token_ids))
         self.epochs.append(epoch)
-        if output.logprobs is not None and new:
-            entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in output.logprobs[-len(new) :]]
+        if output.logprobs is not None and new:  # new tokens were sampled here: none is None
+            new_logprobs = [lp for lp in output.logprobs[-len(new) :] if lp is not None]
+            entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in new_logprobs]
             self.logprobs.append((row, entries))
         if output.prompt_logprobs is not None and new and len(output.token_ids) == len(new):  # first row
             prompt = [

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -152,6 +154,101 @@ def test_a_killed_worker_s_streams_complete_elsewhere_with_the_offline_text(
     assert metric_value(mesh.metrics("scheduler"), "specmesh_scheduler_redispatched_total") >= 1
 
 
+# ---- logprobs across a resume ---------------------------------------------------------------------------------
+
+LOGPROB_PROMPTS = [f"class Stack_{i}:" for i in range(3)]
+LOGPROB_MAX_TOKENS = 64
+
+
+@dataclass
+class LogprobStream:
+    """What a client of a streamed completion with `logprobs` saw: per chunk, its text and its
+    tokens' logprobs (the sampled token's, and the top alternatives')."""
+
+    text: str = ""
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+
+
+async def stream_logprobs(
+    session: aiohttp.ClientSession, url: str, prompt: str, record: LogprobStream
+) -> None:
+    body = {
+        "prompt": prompt,
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": LOGPROB_MAX_TOKENS,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            data = line.decode().removeprefix("data: ").strip()
+            if not line.startswith(b"data: "):
+                continue
+            if data == "[DONE]":
+                record.done = True
+            elif "error" in (chunk := json.loads(data)):
+                record.error = chunk["error"]["message"]
+            elif chunk["choices"]:
+                choice = chunk["choices"][0]
+                record.text += choice["text"]
+                if choice["logprobs"] is not None:
+                    record.token_logprobs += choice["logprobs"]["token_logprobs"]
+                    record.top_logprobs += choice["logprobs"]["top_logprobs"]
+
+
+def test_logprobs_of_a_stream_resumed_on_another_decode_worker_are_whole_and_equal_the_offline_run(
+    mesh_factory: Any, mesh_model: str
+) -> None:
+    """Greedy streams with `logprobs: 2` through 1 prefill + 2 decode workers; the decode worker
+    running them is SIGKILLed mid-stream, and they resume on the other. Every streamed token has
+    exactly one logprob entry (the sampled token's and its top 2), equal to the offline run's."""
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=LOGPROB_MAX_TOKENS, ignore_eos=True, logprobs=2)
+    offline = {prompt: out for prompt, out in zip(LOGPROB_PROMPTS, llm.generate(LOGPROB_PROMPTS, params))}
+    mesh: LocalMesh = mesh_factory("logprobs-resume")
+    mesh.start_role("scheduler", "scheduler")
+    for name, role in DEPLOYMENTS["decode"].items():
+        mesh.start_role(name, role, "--model", mesh_model, "--instance-id", name, *WORKER_FLAGS)
+    url = f"http://127.0.0.1:{mesh.start_gateway(mesh_model)}"
+
+    async def scenario() -> tuple[list[LogprobStream], int]:
+        async with bus_of(mesh) as bus:
+            records = [LogprobStream() for _ in LOGPROB_PROMPTS]
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                streams = asyncio.gather(
+                    *(stream_logprobs(session, url, p, r) for p, r in zip(LOGPROB_PROMPTS, records))
+                )
+
+                async def decoding() -> bool:
+                    return all(len(r.token_logprobs) >= 4 for r in records)
+
+                await wait_for(decoding, "every stream decoding")
+                loads = {d: await bus.client.scard(bus.keys.assignments(d)) for d in ("d1", "d2")}
+                victim = max(loads, key=lambda d: loads[d])
+                mesh.kill(victim)
+                await streams
+        return records, loads[victim]
+
+    records, num_stranded = asyncio.run(scenario())
+    assert num_stranded > 0
+    for prompt, record in zip(LOGPROB_PROMPTS, records):
+        want = offline[prompt]
+        assert record.done and record.error is None, f"{prompt!r}: {record.error}"
+        assert record.text == want.text, prompt
+        assert want.logprobs is not None
+        assert len(record.token_logprobs) == len(record.top_logprobs) == LOGPROB_MAX_TOKENS, prompt
+        assert record.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-3), prompt
+        got_top = [sorted(top.values()) for top in record.top_logprobs]
+        want_top = [sorted(lp.top.values()) for lp in want.logprobs]
+        assert got_top == [pytest.approx(values, abs=1e-3) for values in want_top], prompt
+
+
 # ---- a worker stopped past its TTL, then continued -----------------------------------------------------------
 
 
@@ -267,8 +364,8 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     mesh_factory: Any, mesh_model: str, expected: dict[str, str]
 ) -> None:
     """The dead gateway's clients lose their connections (nothing can keep those); its requests
-    run out on the worker and are cleaned up (queue slot, assignment, KV blocks); a new gateway
-    serves new requests with the offline text."""
+    are aborted once its liveness lapses, or have run out, and are cleaned up (queue slot,
+    assignment, KV blocks); a new gateway serves new requests with the offline text."""
     mesh: LocalMesh = mesh_factory("gateway-restart")
     mesh.start_role("scheduler", "scheduler")
     mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
@@ -311,6 +408,111 @@ def test_a_killed_gateway_s_clients_see_a_clean_error_and_a_new_gateway_serves(
     assert any(o.error is not None and o.error.startswith("connection lost") for o in cut)
     assert_whole_or_failed(PROMPTS[8:12], served, expected)
     assert all(p.alive() for name, p in mesh.processes.items() if name != "gateway")
+
+
+# ---- a gateway SIGKILLed: its requests aborted once its liveness lapses ---------------------------------------
+
+ORPHAN_MAX_TOKENS = 448
+"""The dead gateway's requests: far longer than the TTL, so only the abort can end them early."""
+SURVIVOR_MAX_TOKENS = 128
+SURVIVOR_PROMPTS = [f"def survivor_{i}(items):" for i in range(6)]
+LIVENESS_TTL_S = 2.0
+"""`LocalMesh.bus_flags`' --scheduler-ttl: the gateways' liveness TTL too."""
+
+
+async def long_stream(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, outcome: Outcome
+) -> None:
+    try:
+        await stream_completion(session, url, prompt, max_tokens, outcome)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        outcome.error = f"connection lost: {exc!r}"
+
+
+def test_a_killed_gateway_s_requests_stop_within_its_liveness_ttl_and_no_others(
+    mesh_factory: Any, mesh_model: str
+) -> None:
+    """Gateways ga and gb stream on one worker. ga is SIGKILLed mid-stream and restarted under the
+    same id at once: the dead incarnation's 4 requests are aborted by the scheduler within about
+    the TTL (2 s here) of the kill, long before their max_tokens, and the worker frees them;
+    gb's streams, and those of ga's new incarnation, complete with the offline text."""
+    llm = LLM(mesh_model, device="cpu", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=SURVIVOR_MAX_TOKENS, ignore_eos=True)
+    expected = {p: o.text for p, o in zip(SURVIVOR_PROMPTS, llm.generate(SURVIVOR_PROMPTS, params))}
+    mesh: LocalMesh = mesh_factory("gateway-liveness")
+    mesh.start_role("scheduler", "scheduler")
+    mesh.start_role("w1", "mixed", "--model", mesh_model, "--instance-id", "w1", *WORKER_FLAGS)
+    ga = f"http://127.0.0.1:{mesh.start_gateway(mesh_model, '--gateway-id', 'ga', name='ga')}"
+    gb = f"http://127.0.0.1:{mesh.start_gateway(mesh_model, '--gateway-id', 'gb', name='gb')}"
+
+    async def scenario() -> tuple[list[Outcome], list[Outcome], float, dict[str, int]]:
+        async with bus_of(mesh) as bus:
+            timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                cut = [Outcome() for _ in range(4)]
+                survivors = [Outcome() for _ in SURVIVOR_PROMPTS]
+                streams = [
+                    long_stream(session, ga, prompt, ORPHAN_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(PROMPTS[:4], cut)
+                ]
+                streams += [
+                    long_stream(session, gb, prompt, SURVIVOR_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(SURVIVOR_PROMPTS[:4], survivors)
+                ]
+                running = asyncio.gather(*streams)
+
+                async def all_under_way() -> bool:
+                    return all(o.text or o.error for o in cut + survivors[:4])
+
+                await wait_for(all_under_way, "every stream under way")
+                orphans = await bus.gateway_requests("ga")
+                assert len(orphans) == 4, orphans
+                mesh.kill("ga")
+                killed_at = time.monotonic()
+                lengths: dict[str, int] = {}
+
+                async def orphans_ended() -> bool:
+                    for request_id in orphans:
+                        if await bus.placement(request_id) is not None:
+                            tokens, _ = await bus.delivered_tokens(request_id)
+                            lengths[request_id] = len(tokens)
+                    return all([await bus.placement(r) is None for r in orphans])
+
+                await wait_for(orphans_ended, "the dead gateway's requests aborted")
+                stopped_after_s = time.monotonic() - killed_at
+                port = await asyncio.to_thread(
+                    mesh.start_gateway, mesh_model, "--gateway-id", "ga", name="ga-restarted"
+                )
+                url = f"http://127.0.0.1:{port}"
+                streams = [
+                    long_stream(session, url, prompt, SURVIVOR_MAX_TOKENS, outcome)
+                    for prompt, outcome in zip(SURVIVOR_PROMPTS[4:], survivors[4:])
+                ]
+                await asyncio.gather(running, *streams)
+
+            left: dict[str, float] = {}
+
+            async def cleaned_up() -> bool:
+                left["queue depth"] = int(await bus.client.get(bus.keys.queue_depth) or 0)
+                metrics = mesh.metrics("w1")
+                left["running"] = metric_value(metrics, "specmesh_worker_running_requests")
+                left["KV in use"] = metric_value(metrics, "specmesh_worker_kv_usage_ratio")
+                return not any(left.values())
+
+            try:
+                await wait_for(cleaned_up, "everything freed")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; left: {left}") from None
+        return cut, survivors, stopped_after_s, lengths
+
+    cut, survivors, stopped_after_s, lengths = asyncio.run(scenario())
+    assert all(o.error is not None and not o.done for o in cut)
+    assert_whole_or_failed(SURVIVOR_PROMPTS, survivors, expected)
+    # the TTL, a sweep and a loaded 2-core machine's slack: not the minutes max_tokens would take
+    assert stopped_after_s < LIVENESS_TTL_S + 10.0, stopped_after_s
+    assert all(n < ORPHAN_MAX_TOKENS for n in lengths.values()), lengths
+    scheduler = mesh.metrics("scheduler")
+    assert metric_value(scheduler, "specmesh_scheduler_orphans_aborted_total") == 4
 
 
 # ---- the scheduler killed and replaced -----------------------------------------------------------------------

@@ -216,6 +216,18 @@ def test_secrets_reach_each_role_off_its_command_line(tmp_path: Path) -> None:
         assert asyncio.run(models())["data"][0]["max_model_len"] == 512  # serve's, not the model's
 
 
+def test_engine_flags_given_to_serve_reach_the_workers_command_line(tmp_path: Path) -> None:
+    flags = ("--enforce-eager", "--cuda-graph-max-tokens", "64", "--max-num-batched-tokens", "384")
+    with serve(tmp_path, *flags) as mesh:
+        argv = [
+            arg.decode() for arg in Path(f"/proc/{mesh.roles()['mixed']}/cmdline").read_bytes().split(b"\0")
+        ]
+    assert "--enforce-eager" in argv
+    assert argv[argv.index("--cuda-graph-max-tokens") + 1] == "64"
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "384"
+    assert argv[argv.index("--max-model-len") + 1] == "512"  # SERVE_FLAGS'
+
+
 def assert_each_role_is_its_own_redis_user(mesh: Served) -> None:
     passwords = {}
     for role, pid in mesh.roles().items():

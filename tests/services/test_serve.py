@@ -83,3 +83,56 @@ def test_serve_takes_the_gpus_cuda_visible_devices_lists(monkeypatch: pytest.Mon
     assert visible_gpus("cpu") == []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus("auto") == []  # this machine has no GPU
+
+
+NON_DEFAULT_ENGINE_FLAGS = {
+    "model": ["--model", "models/elsewhere"],
+    "dtype": ["--dtype", "bfloat16"],
+    "quantization": ["--quantization", "int8"],
+    "device": ["--device", "cuda:1"],
+    "tensor_parallel_size": ["--tensor-parallel-size", "2"],
+    "max_model_len": ["--max-model-len", "777"],
+    "block_size": ["--block-size", "32"],
+    "num_kv_blocks": ["--num-kv-blocks", "99"],
+    "gpu_memory_utilization": ["--gpu-memory-utilization", "0.5"],
+    "cpu_kv_cache_space_gib": ["--cpu-kv-cache-space-gib", "0.25"],
+    "max_num_seqs": ["--max-num-seqs", "7"],
+    "max_num_batched_tokens": ["--max-num-batched-tokens", "333"],
+    "enable_chunked_prefill": ["--no-enable-chunked-prefill"],
+    "enable_prefix_caching": ["--no-enable-prefix-caching"],
+    "seed": ["--seed", "5"],
+    "enforce_eager": ["--enforce-eager"],
+    "cuda_graph_max_tokens": ["--cuda-graph-max-tokens", "64"],
+    "speculative_config": ["--speculative-config", '{"method": "suffix"}'],
+}
+"""A value unlike the default for every engine flag (a new flag must be added here)."""
+
+
+def test_serve_hands_every_engine_flag_the_user_gives_to_its_workers() -> None:
+    import argparse
+
+    from services.engine.args import add_engine_args
+    from services.serve import _engine_flags, add_serve_parser
+    from services.worker.main import add_worker_parsers
+
+    parsers = argparse.ArgumentParser().add_subparsers()
+    add_serve_parser(parsers)
+    add_worker_parsers(parsers)
+    root = parsers._name_parser_map  # noqa: SLF001 - the subcommands' own parsers
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    dests = {action.dest for action in engine._actions}  # noqa: SLF001
+    assert dests == set(NON_DEFAULT_ENGINE_FLAGS), "every engine flag needs a value in this test"
+    defaults = root["serve"].parse_args([])
+    for dest, flag in NON_DEFAULT_ENGINE_FLAGS.items():
+        serve_args = root["serve"].parse_args(flag)
+        assert getattr(serve_args, dest) != getattr(defaults, dest), flag
+        model = serve_args.model or "models/specmesh-code-15m"
+        spec = serve_args.speculative_config or "{}"
+        for role in ("mixed", "prefill", "decode"):
+            worker_args = root[role].parse_args(_engine_flags(serve_args, model, spec))
+            assert {d: getattr(worker_args, d) for d in dests} == {
+                **{d: getattr(serve_args, d) for d in dests},
+                "model": model,
+                "speculative_config": spec,
+            }, flag

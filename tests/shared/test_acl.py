@@ -156,6 +156,8 @@ async def test_the_gateway_submits_and_follows_its_stream_and_nothing_else(bus_a
     assert await gateway.client.smembers(keys.instances) == set()
     assert await gateway.client.exists(keys.heartbeat("w1")) == 0
     await gateway.client.delete(keys.outputs("g1"))
+    await gateway.hold_lease(keys.gateway_liveness("g1"), 10, "incarnation")
+    assert await gateway.delete_if_equal(keys.gateway_liveness("g1"), "incarnation")
 
     await refused(gateway.client.flushall())
     await refused(gateway.client.keys("*"))
@@ -168,6 +170,8 @@ async def test_the_gateway_submits_and_follows_its_stream_and_nothing_else(bus_a
     await refused(gateway.client.xadd(keys.outputs("g2"), {"m": "x"}))  # only workers write outputs
     await refused(gateway.client.xadd(Keys("other").requests, {"m": "x"}))  # another topic
     await refused(gateway.admit("r2", submit("r2"), 10))
+    await refused(gateway.client.hgetall(keys.gateway_requests("g1")))
+    await refused(gateway.client.smembers(keys.gateways))
 
 
 async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush(bus_as) -> None:
@@ -197,6 +201,14 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     assert [d.entry_id for d in taken] == [d.entry_id for d in first]
     await scheduler.release("r1", "w1")
     assert await scheduler.client.get(keys.queue_depth) == b"0"
+    # the requests of a gateway incarnation, listed at admission, off the list at release
+    owned = submit("r3")
+    owned.request.gateway_id, owned.request.gateway_incarnation = "g1", "first"
+    assert await scheduler.admit("r3", owned, 10) == "admitted"
+    assert await scheduler.gateway_owners() == {"g1": None}
+    assert await scheduler.gateway_requests("g1") == {"r3": "first"}
+    await scheduler.release("r3")
+    assert await scheduler.forget_gateway("g1")
 
     await refused(scheduler.client.flushall())
     await refused(scheduler.client.acl_list())

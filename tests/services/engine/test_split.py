@@ -95,3 +95,65 @@ def test_reservation_needs_free_blocks(checkpoint) -> None:
     assert "b" not in engine.sequences
     engine.abort_request("a")
     assert engine.block_manager.num_free_blocks == 4
+
+
+LOGPROB_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def streamed_logprobs(engine: LLMEngine) -> dict[str, list[float]]:
+    """Each request's logprobs as a worker streams them: those of each output's new tokens, read
+    once the step that produced the output returned (as the engine core reads them)."""
+    streamed: dict[str, list[float]] = {}
+    while engine.has_unfinished_requests():
+        for rid, values in streamed_logprobs_of_step(engine).items():
+            streamed.setdefault(rid, []).extend(values)
+    return streamed
+
+
+@pytest.mark.parametrize("num_resumed", [0, 7])
+def test_streamed_logprobs_of_split_and_resumed_requests_equal_the_offline_run(
+    checkpoint, num_resumed
+) -> None:
+    """Every output token streamed has exactly one logprob, the offline run's, whether it was
+    sampled by a mixed engine, a prefill engine or a decode engine, and after a resume."""
+    offline = LLM(checkpoint, device="cpu", max_model_len=128).generate(
+        prompt_token_ids=prompts(), sampling_params=LOGPROB_PARAMS
+    )
+    want = {f"r{i}": [lp.logprob for lp in o.logprobs or []][num_resumed:] for i, o in enumerate(offline)}
+    resumed = {f"r{i}": o.token_ids[:num_resumed] for i, o in enumerate(offline)}
+    mixed = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128))
+    prefill = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=8))
+    decode = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=4))
+    for i, prompt in enumerate(prompts()):
+        rid = f"r{i}"
+        mixed.add_request(rid, prompt_token_ids=prompt, params=LOGPROB_PARAMS, resumed_token_ids=resumed[rid])
+        decode.reserve(rid, prompt, LOGPROB_PARAMS, resumed[rid])
+        prefill.add_request(
+            rid, prompt_token_ids=prompt, params=LOGPROB_PARAMS, resumed_token_ids=resumed[rid], handoff=True
+        )
+    split: dict[str, list[float]] = {}
+    while prefill.has_unfinished_requests():
+        for rid, values in streamed_logprobs_of_step(prefill).items():
+            split.setdefault(rid, []).extend(values)
+        for export in prefill.handoffs:
+            for cache, index, key, value in export.layers:
+                decode.import_kv(export.request_id, cache, index, key, value)
+            decode.activate(export.request_id, export.first_token_id)
+        prefill.handoffs.clear()
+    for rid, values in streamed_logprobs(decode).items():
+        split[rid] += values
+    for streamed in (streamed_logprobs(mixed), split):
+        assert streamed.keys() == want.keys()
+        for rid, values in want.items():
+            assert streamed[rid] == pytest.approx(values, abs=1e-5), rid
+
+
+def streamed_logprobs_of_step(engine: LLMEngine) -> dict[str, list[float]]:
+    """`streamed_logprobs` of one step."""
+    streamed: dict[str, list[float]] = {}
+    for out in engine.step():
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        new = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
+        assert None not in new, "a new token without its logprob"
+        streamed.setdefault(out.request_id, []).extend(lp.logprob for lp in new if lp is not None)
+    return streamed

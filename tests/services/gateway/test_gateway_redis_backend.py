@@ -102,13 +102,42 @@ async def test_events_published_by_hand_reach_the_submitter_in_order(backend: Re
     events = asyncio.create_task(collect(backend.submit(generate_request("r1"))))
     [submit] = await requests_on_bus(bus, 1)
     assert isinstance(submit, Submit) and submit.request == generate_request("r1").model_copy(
-        update={"arrival_time": submit.request.arrival_time, "gateway_id": backend.gateway_id}
+        update={
+            "arrival_time": submit.request.arrival_time,
+            "gateway_id": backend.gateway_id,
+            "gateway_incarnation": backend.incarnation,
+        }
     )
     for i in range(5):
         await publish(bus, backend.gateway_id, token_event("r1", i, last=i == 4))
     received = await asyncio.wait_for(events, 5)
     assert [e.text for e in received] == [f"<r1:{i}>" for i in range(5)]
     assert received[-1].finished
+
+
+async def test_a_gateway_holds_its_liveness_while_it_runs_and_drops_it_as_it_stops(
+    redis_settings: RedisSettings, bus: Bus
+) -> None:
+    """The liveness (`Keys.gateway_liveness`) holds this process's incarnation, is renewed past its
+    TTL, and is gone once the gateway closed; a restart under the same id holds another."""
+    key = bus.keys.gateway_liveness("g")
+    first = RedisBackend(redis_settings, gateway_id="g", liveness_ttl_s=1.5)
+    await first.start()
+    try:
+        assert await bus.client.get(key) == first.incarnation.encode()
+        await asyncio.sleep(3.0)  # twice the TTL: still held, so renewed
+        assert await bus.client.get(key) == first.incarnation.encode()
+        assert 0 < await bus.client.pttl(key) <= 1500
+    finally:
+        await first.close()
+    assert await bus.client.get(key) is None
+    second = RedisBackend(redis_settings, gateway_id="g", liveness_ttl_s=1.5)
+    await second.start()
+    try:
+        assert second.incarnation != first.incarnation
+        assert await bus.client.get(key) == second.incarnation.encode()
+    finally:
+        await second.close()
 
 
 async def test_one_batch_reaches_each_of_its_requests(backend: RedisBackend, bus: Bus) -> None:
