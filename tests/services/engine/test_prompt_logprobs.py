@@ -109,3 +109,21 @@ def test_no_prefix_cache_hit_for_prompt_logprobs(checkpoint: Path, reference_log
     assert_match(scored.prompt_logprobs, prompt[0], reference_logits[0], 1)
     [again] = llm.generate(prompt_token_ids=prompt, sampling_params=plain)
     assert again.num_cached_prompt_tokens > 0  # the cache was warm all along
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=16)], ids=["whole", "chunked"])
+def test_prompt_logprobs_on_gpu_from_cuda_graphs(checkpoint: Path, reference_logits, engine_args) -> None:
+    """On a GPU the prompt rows are scored after the step's graph replay, from its hidden buffer."""
+    llm = LLM(str(checkpoint), device="cuda", dtype="float32", max_model_len=128, **engine_args)
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    outputs = llm.generate(prompt_token_ids=prompts(), sampling_params=params)
+    for output, prompt, logits in zip(outputs, prompts(), reference_logits):
+        entries = output.prompt_logprobs
+        assert entries is not None and entries[0] is None and len(entries) == len(prompt)
+        expected = torch.log_softmax(logits, dim=-1)
+        for position in range(1, len(prompt)):
+            assert entries[position].token_id == prompt[position]
+            assert abs(entries[position].logprob - float(expected[position - 1, prompt[position]])) < 1e-3
