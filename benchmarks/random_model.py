@@ -68,12 +68,17 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def write_random_checkpoint(
-    shape: str, out_dir: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    shape: str,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Writes config.json, model.safetensors and a byte-level tokenizer.json (ids past its
-    vocabulary decode to nothing, which is fine for timing)."""
+    vocabulary decode to nothing, which is fine for timing). `overrides` replace fields of the shape."""
     raw = {
         **SHAPES[shape],
+        **(overrides or {}),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
         "eos_token_id": 0,

@@ -1,0 +1,377 @@
+"""Throughput and per-layer latency of the split mesh's KV hand-off on the CPU, hop by hop and whole.
+
+Hops, each through the code and the kind of process boundary the mesh uses:
+- wire: a sender process (the prefill worker's side) -> `TcpKVTransport` receiver in this process,
+  authenticated with a shared secret, every frame checked by its crc32;
+- channel: this process's `AsyncChannel` (the decode worker's bus process) -> a consumer process
+  reading a `BlockingChannel` (the engine core's side), one import command per layer or request;
+- import: `LLMEngine.import_kv` into a real engine's CPU KV cache, in this process;
+- end-to-end: sender process -> receiver -> channel -> a consumer process that imports into a real
+  engine, as `Worker._on_kv_layer` forwards.
+
+A layer's latency is from the sender's call (the monotonic clock is shared by the processes of one
+host; the time rides in the layer's first bytes) to its arrival at the end of the hop.
+
+    python -m benchmarks.kv_handoff --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.random_model import write_random_checkpoint
+from services.engine.engine import LLMEngine
+from services.kv_transport import KVHeader, TcpKVTransport
+from services.kv_transport.base import DTYPES, LayerShape, ReceivedLayer, ReceivedTransfer
+from services.worker.channel import AsyncChannel, BlockingChannel
+from services.worker.core_messages import ImportKV, Shutdown
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+SECRET = b"kv-handoff-benchmark-secret"
+STAMP_BYTES = 8
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """One request's KV: `num_layers` target layers of [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_tokens: int
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_bytes(self) -> int:
+        """K and V of one layer."""
+        return 2 * self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+    def header(self, request_id: str) -> KVHeader:
+        layers = [LayerShape(cache="target", index=i, shape=self.layer_shape) for i in range(self.num_layers)]
+        return KVHeader(
+            request_id=request_id,
+            num_tokens=self.num_tokens,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            layer_shapes=layers,
+        )
+
+    def layers(self, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        return [
+            tuple(torch.randn(self.layer_shape, generator=generator).to(DTYPES[self.dtype]) for _ in "kv")  # type: ignore[misc]
+            for _ in range(self.num_layers)
+        ]
+
+
+@dataclass
+class HopResult:
+    hop: str
+    num_bytes: int
+    seconds: float
+    layer_latencies_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        latencies = sorted(self.layer_latencies_s) or [0.0]
+        return {
+            "hop": self.hop,
+            "MB": round(self.num_bytes / 1e6, 1),
+            "seconds": round(self.seconds, 3),
+            "MB_per_s": round(self.num_bytes / 1e6 / self.seconds, 1),
+            "layer_latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
+            "layer_latency_ms_p90": round(1e3 * latencies[int(0.9 * (len(latencies) - 1))], 2),
+        }
+
+
+# ---- time stamps in a layer's first bytes --------------------------------------------------------------
+
+
+def stamp(key: torch.Tensor) -> None:
+    key.reshape(-1).view(torch.uint8)[:STAMP_BYTES] = torch.tensor([time.monotonic()], dtype=torch.float64).view(torch.uint8)
+
+
+def stamped_at(key: torch.Tensor) -> float:
+    return float(key.reshape(-1).view(torch.uint8)[:STAMP_BYTES].clone().view(torch.float64)[0])
+
+
+def request_ids(num_requests: int) -> Iterator[str]:
+    return (f"kv-{i}" for i in range(num_requests))
+
+
+# ---- the sender process --------------------------------------------------------------------------------
+
+
+def sender_main(address: str, shape: KVShape, num_requests: int, concurrency: int) -> None:
+    torch.set_num_threads(1)
+    asyncio.run(_send_all(address, shape, num_requests, concurrency))
+
+
+async def _send_all(address: str, shape: KVShape, num_requests: int, concurrency: int) -> None:
+    transport = TcpKVTransport(secret=SECRET)
+    slots: asyncio.Queue[list[tuple[torch.Tensor, torch.Tensor]]] = asyncio.Queue()
+    for seed in range(concurrency):  # a slot's tensors are reused once its transfer is acknowledged
+        slots.put_nowait(shape.layers(seed))
+
+    async def send(request_id: str) -> None:
+        layers = await slots.get()
+        async with await transport.open(address, shape.header(request_id)) as session:
+            for index, (key, value) in enumerate(layers):
+                stamp(key)
+                await session.send_layer("target", index, key, value)
+            await session.close()
+        slots.put_nowait(layers)
+
+    await asyncio.gather(*(send(request_id) for request_id in request_ids(num_requests)))
+    await transport.close()
+
+
+def start_sender(address: str, shape: KVShape, num_requests: int, concurrency: int) -> Any:
+    process = multiprocessing.get_context("spawn").Process(
+        target=sender_main, args=(address, shape, num_requests, concurrency), daemon=True
+    )
+    process.start()
+    return process
+
+
+# ---- the consumer process (engine-core-like) -----------------------------------------------------------
+
+
+def consumer_main(sock: socket.socket, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int) -> None:
+    """Reads import commands until Shutdown, importing into a real engine when `checkpoint` is given;
+    answers with the layers' latencies and when the last one was done."""
+    if threads:
+        torch.set_num_threads(threads)
+    channel = BlockingChannel(sock)
+    engine = build_engine(checkpoint, shape, num_requests) if checkpoint else None
+    channel.send("ready")
+    latencies: list[float] = []
+    last_s = 0.0
+    while not isinstance(command := channel.recv(), Shutdown):
+        for key, value, index in _layers_of(command):
+            if engine is not None:
+                engine.import_kv(command.request_id, "target", index, key, value)
+            last_s = time.monotonic()
+            latencies.append(last_s - stamped_at(key))
+    channel.send({"latencies": latencies, "last_s": last_s})
+
+
+def _layers_of(command: ImportKV) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    yield command.key, command.value, command.index
+
+
+def build_engine(checkpoint: str, shape: KVShape, num_requests: int) -> LLMEngine:
+    """A CPU engine whose cache holds every request, each reserved as the decode worker does."""
+    config = EngineConfig(
+        model=checkpoint,
+        device="cpu",
+        dtype=shape.dtype if shape.dtype != "float16" else "float16",  # type: ignore[arg-type]
+        max_model_len=shape.num_tokens + 8,
+        block_size=shape.block_size,
+        num_kv_blocks=num_requests * (shape.num_blocks + 1),
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    prompt = [(7 * i) % 97 + 3 for i in range(shape.num_tokens)]
+    for request_id in request_ids(num_requests):
+        engine.reserve(request_id, prompt, SamplingParams(max_tokens=1))
+    return engine
+
+
+def write_checkpoint(shape: KVShape, out_dir: Path) -> str:
+    overrides = {
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_kv_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "hidden_size": shape.num_kv_heads * shape.head_dim,
+        "intermediate_size": 256,
+        "vocab_size": 512,
+    }
+    return str(write_random_checkpoint("llama-tiny", out_dir, DTYPES[shape.dtype], overrides=overrides))
+
+
+class Consumer:
+    """A consumer process on the far end of a socket pair, as the worker starts its engine core."""
+
+    def __init__(self, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int):
+        ours, theirs = socket.socketpair()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=consumer_main, args=(theirs, checkpoint, shape, num_requests, threads), daemon=True
+        )
+        self.process.start()
+        theirs.close()
+        self.channel = AsyncChannel(ours, asyncio.get_running_loop())
+
+    async def ready(self) -> None:
+        assert await self.channel.recv() == "ready"
+
+    async def import_layer(self, request_id: str, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        await self.channel.send(ImportKV(request_id, "target", index, key, value))
+
+    async def finish(self) -> dict[str, Any]:
+        await self.channel.send(Shutdown())
+        result: dict[str, Any] = await self.channel.recv()
+        self.channel.close()
+        self.process.join(10)
+        return result
+
+
+# ---- the hops ------------------------------------------------------------------------------------------
+
+
+class Receiver:
+    """The decode worker's side of the wire: expects every request; `forward` takes each layer."""
+
+    def __init__(self, num_requests: int, forward: Any = None):
+        self.transport = TcpKVTransport(secret=SECRET)
+        self.forward = forward
+        self.latencies: list[float] = []
+        self.num_done = 0
+        self.all_done = asyncio.Event()
+        self.num_requests = num_requests
+        self.first_s = float("inf")
+
+    async def start(self) -> str:
+        address = await self.transport.start("127.0.0.1", 0, advertise_host="127.0.0.1")
+        for request_id in request_ids(self.num_requests):
+            self.transport.expect(request_id, self.on_layer, self.on_done, self.on_error, timeout_s=600)
+        return address
+
+    async def on_layer(self, layer: ReceivedLayer) -> None:
+        sent_s = stamped_at(layer.key)
+        self.first_s = min(self.first_s, sent_s)
+        self.latencies.append(time.monotonic() - sent_s)
+        if self.forward is not None:
+            await self.forward(layer.request_id, layer.index, layer.key, layer.value)
+
+    def on_done(self, transfer: ReceivedTransfer) -> None:
+        self.num_done += 1
+        if self.num_done == self.num_requests:
+            self.all_done.set()
+
+    def on_error(self, error: Exception) -> None:
+        raise SystemExit(f"KV transfer failed: {error}")
+
+
+async def wire_hop(shape: KVShape, num_requests: int, concurrency: int) -> HopResult:
+    receiver = Receiver(num_requests)
+    sender = start_sender(await receiver.start(), shape, num_requests, concurrency)
+    await receiver.all_done.wait()
+    seconds = time.monotonic() - receiver.first_s
+    await receiver.transport.close()
+    sender.join(10)
+    return HopResult("wire", num_requests * shape.num_layers * shape.layer_bytes, seconds, receiver.latencies)
+
+
+async def channel_hop(shape: KVShape, num_requests: int, threads: int) -> HopResult:
+    consumer = Consumer(None, shape, num_requests, threads)
+    await consumer.ready()
+    layers = shape.layers(0)
+    first_s = time.monotonic()
+    for request_id in request_ids(num_requests):
+        for index, (key, value) in enumerate(layers):
+            stamp(key)
+            await consumer.import_layer(request_id, index, key, value)
+    result = await consumer.finish()
+    num_bytes = num_requests * shape.num_layers * shape.layer_bytes
+    return HopResult("channel", num_bytes, result["last_s"] - first_s, result["latencies"])
+
+
+def import_hop(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult:
+    engine = build_engine(checkpoint, shape, num_requests)
+    layers = shape.layers(0)
+    latencies = []
+    started = time.monotonic()
+    for request_id in request_ids(num_requests):
+        for index, (key, value) in enumerate(layers):
+            begin = time.monotonic()
+            engine.import_kv(request_id, "target", index, key, value)
+            latencies.append(time.monotonic() - begin)
+    seconds = time.monotonic() - started
+    return HopResult("import", num_requests * shape.num_layers * shape.layer_bytes, seconds, latencies)
+
+
+async def end_to_end(checkpoint: str, shape: KVShape, num_requests: int, concurrency: int, threads: int) -> HopResult:
+    consumer = Consumer(checkpoint, shape, num_requests, threads)
+    await consumer.ready()
+    receiver = Receiver(num_requests, consumer.import_layer)
+    sender = start_sender(await receiver.start(), shape, num_requests, concurrency)
+    await receiver.all_done.wait()
+    result = await consumer.finish()
+    await receiver.transport.close()
+    sender.join(10)
+    num_bytes = num_requests * shape.num_layers * shape.layer_bytes
+    return HopResult("end-to-end", num_bytes, result["last_s"] - receiver.first_s, result["latencies"])
+
+
+# ---- main ----------------------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace, shape: KVShape, checkpoint: str) -> list[HopResult]:
+    hops = set(args.hops)
+    results = []
+    if "wire" in hops:
+        results.append(await wire_hop(shape, args.num_requests, args.concurrency))
+    if "channel" in hops:
+        results.append(await channel_hop(shape, args.num_requests, args.core_threads))
+    if "import" in hops:
+        results.append(import_hop(checkpoint, shape, args.num_requests))
+    if "end-to-end" in hops:
+        results.append(await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--num-tokens", type=int, default=300, help="tokens of KV per request")
+    parser.add_argument("--num-layers", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8, help="transfers in flight at once")
+    parser.add_argument("--core-threads", type=int, default=1, help="torch threads of the consumer (0: torch's default)")
+    parser.add_argument("--hops", nargs="+", default=["wire", "channel", "import", "end-to-end"],
+                        choices=["wire", "channel", "import", "end-to-end"])  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    for name in ("num_requests", "num_tokens", "num_layers", "num_kv_heads", "head_dim", "block_size", "concurrency"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.num_tokens, args.block_size)
+    if shape.layer_bytes // 2 < STAMP_BYTES:
+        parser.error("a layer's K must hold at least 8 bytes (the time stamp)")
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_checkpoint(shape, Path(tmp))
+        results = asyncio.run(run(args, shape, checkpoint))
+    summaries = [result.summary() for result in results]
+    print(json.dumps({"shape": asdict(shape), "num_requests": args.num_requests, "hops": summaries}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"shape": asdict(shape), "hops": summaries}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
