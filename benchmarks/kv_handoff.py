@@ -67,7 +67,14 @@ class KVShape:
     @property
     def layer_bytes(self) -> int:
         """K and V of one layer."""
-        return 2 * self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        return (
+            2
+            * self.num_blocks
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * DTYPES[self.dtype].itemsize
+        )
 
     def header(self, request_id: str) -> KVHeader:
         layers = [LayerShape(cache="target", index=i, shape=self.layer_shape) for i in range(self.num_layers)]
@@ -110,7 +117,9 @@ class HopResult:
 
 
 def stamp(key: torch.Tensor) -> None:
-    key.reshape(-1).view(torch.uint8)[:STAMP_BYTES] = torch.tensor([time.monotonic()], dtype=torch.float64).view(torch.uint8)
+    key.reshape(-1).view(torch.uint8)[:STAMP_BYTES] = torch.tensor(
+        [time.monotonic()], dtype=torch.float64
+    ).view(torch.uint8)
 
 
 def stamped_at(key: torch.Tensor) -> float:
@@ -159,7 +168,9 @@ def start_sender(address: str, shape: KVShape, num_requests: int, concurrency: i
 # ---- the consumer process (engine-core-like) -----------------------------------------------------------
 
 
-def consumer_main(sock: socket.socket, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int) -> None:
+def consumer_main(
+    sock: socket.socket, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int
+) -> None:
     """Reads import commands until Shutdown, importing into a real engine when `checkpoint` is given;
     answers with the layers' latencies and when the last one was done."""
     if threads:
@@ -187,7 +198,7 @@ def build_engine(checkpoint: str, shape: KVShape, num_requests: int) -> LLMEngin
     config = EngineConfig(
         model=checkpoint,
         device="cpu",
-        dtype=shape.dtype if shape.dtype != "float16" else "float16",  # type: ignore[arg-type]
+        dtype=shape.dtype,  # type: ignore[arg-type]
         max_model_len=shape.num_tokens + 8,
         block_size=shape.block_size,
         num_kv_blocks=num_requests * (shape.num_blocks + 1),
@@ -299,7 +310,17 @@ async def channel_hop(shape: KVShape, num_requests: int, threads: int) -> HopRes
     return HopResult("channel", num_bytes, result["last_s"] - first_s, result["latencies"])
 
 
-def import_hop(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult:
+def import_hop(checkpoint: str, shape: KVShape, num_requests: int, threads: int) -> HopResult:
+    """In this process, with the consumer's torch thread count."""
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        return _import_all(checkpoint, shape, num_requests)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _import_all(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult:
     engine = build_engine(checkpoint, shape, num_requests)
     layers = shape.layers(0)
     latencies = []
@@ -313,7 +334,9 @@ def import_hop(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult:
     return HopResult("import", num_requests * shape.num_layers * shape.layer_bytes, seconds, latencies)
 
 
-async def end_to_end(checkpoint: str, shape: KVShape, num_requests: int, concurrency: int, threads: int) -> HopResult:
+async def end_to_end(
+    checkpoint: str, shape: KVShape, num_requests: int, concurrency: int, threads: int
+) -> HopResult:
     consumer = Consumer(checkpoint, shape, num_requests, threads)
     await consumer.ready()
     receiver = Receiver(num_requests, consumer.import_layer)
@@ -337,14 +360,18 @@ async def run(args: argparse.Namespace, shape: KVShape, checkpoint: str) -> list
     if "channel" in hops:
         results.append(await channel_hop(shape, args.num_requests, args.core_threads))
     if "import" in hops:
-        results.append(import_hop(checkpoint, shape, args.num_requests))
+        results.append(import_hop(checkpoint, shape, args.num_requests, args.core_threads))
     if "end-to-end" in hops:
-        results.append(await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads))
+        results.append(
+            await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads)
+        )
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--num-tokens", type=int, default=300, help="tokens of KV per request")
     parser.add_argument("--num-layers", type=int, default=16)
@@ -353,22 +380,36 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="transfers in flight at once")
-    parser.add_argument("--core-threads", type=int, default=1, help="torch threads of the consumer (0: torch's default)")
+    parser.add_argument(
+        "--core-threads", type=int, default=1, help="torch threads of the consumer (0: torch's default)"
+    )
     parser.add_argument("--hops", nargs="+", default=["wire", "channel", "import", "end-to-end"],
                         choices=["wire", "channel", "import", "end-to-end"])  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    for name in ("num_requests", "num_tokens", "num_layers", "num_kv_heads", "head_dim", "block_size", "concurrency"):
+    for name in (
+        "num_requests",
+        "num_tokens",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+        "concurrency",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.num_tokens, args.block_size)
+    shape = KVShape(
+        args.num_layers, args.num_kv_heads, args.head_dim, args.dtype, args.num_tokens, args.block_size
+    )
     if shape.layer_bytes // 2 < STAMP_BYTES:
         parser.error("a layer's K must hold at least 8 bytes (the time stamp)")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(shape, Path(tmp))
         results = asyncio.run(run(args, shape, checkpoint))
     summaries = [result.summary() for result in results]
-    print(json.dumps({"shape": asdict(shape), "num_requests": args.num_requests, "hops": summaries}, indent=1))
+    print(
+        json.dumps({"shape": asdict(shape), "num_requests": args.num_requests, "hops": summaries}, indent=1)
+    )
     if args.json:
         args.json.write_text(json.dumps({"shape": asdict(shape), "hops": summaries}, indent=1))
 
