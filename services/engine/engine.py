@@ -261,10 +261,26 @@ class LLMEngine:
     ) -> None:
         """Writes one received layer ([num_blocks, block_size, kv_heads, head_dim], the sender's block
         size) into the reserved blocks."""
+        self.import_layers(request_id, [(cache, index, key, value)])
+
+    def import_layers(
+        self, request_id: str, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Writes received layers (cache, index, key, value), as `import_kv` does one, with one
+        copy to the device for all of them."""
         seq = self.reserved[request_id]
-        if key.shape[1] != self.config.block_size:
-            key, value = (reblock(t, self.config.block_size, seq.num_tokens) for t in (key, value))
-        self.runner.import_blocks(cache, index, seq.block_table[: key.shape[0]], key, value)
+        layers = [
+            (cache, index, self._reblocked(key, seq), self._reblocked(value, seq))
+            for cache, index, key, value in layers
+        ]
+        num_blocks = max((key.shape[0] for _, _, key, _ in layers), default=0)
+        self.runner.import_layers(seq.block_table[:num_blocks], layers)
+
+    def _reblocked(self, cache_blocks: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Blocks of the sender's block size in this engine's."""
+        if cache_blocks.shape[1] == self.config.block_size:
+            return cache_blocks
+        return reblock(cache_blocks, self.config.block_size, seq.num_tokens)
 
     def activate(self, request_id: str, first_token_id: int) -> None:
         """All KV arrived: the request joins the running batch after its first token (which the

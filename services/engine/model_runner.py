@@ -481,6 +481,10 @@ class ModelRunner:
         num_kv_heads, head_dim], rank 0 only) into blocks `block_ids` of cache `cache`; each rank
         keeps its heads."""
         key_cache, value_cache = self.caches(cache)[index]  # an unknown cache fails before any rank acts
+        if self.tp.size == 1:
+            assert key is not None and value is not None
+            self.import_layers(block_ids, [(cache, index, key, value)])
+            return
         self.ranks.send(ImportBlocks(cache, index, block_ids))
         local = key_cache.new_empty(2, len(block_ids), *key_cache.shape[1:])
         whole = None
@@ -490,6 +494,42 @@ class ModelRunner:
         blocks = torch.tensor(block_ids, device=self.device)
         key_cache[blocks] = local[0]
         value_cache[blocks] = local[1]
+
+    @torch.inference_mode()
+    def import_layers(
+        self, block_ids: list[int], layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Writes a request's layers (cache, index, key, value; key and value [num_blocks, block_size,
+        num_kv_heads, head_dim], every head, one dtype) into its blocks `block_ids`: on one rank
+        straight into the caches, through a single host-to-device copy; with several, layer by layer."""
+        targets = [self.caches(cache)[index] for cache, index, _, _ in layers]  # unknown ones fail first
+        if self.tp.size > 1:
+            for cache, index, key, value in layers:
+                self.import_blocks(cache, index, block_ids[: key.shape[0]], key, value)
+            return
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (key_cache, value_cache), key, value in zip(targets, *self._to_device(layers)):
+            num_blocks = key.shape[0]
+            key_cache.index_copy_(0, blocks[:num_blocks], key.to(key_cache.dtype))
+            value_cache.index_copy_(0, blocks[:num_blocks], value.to(value_cache.dtype))
+
+    def _to_device(
+        self, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every key and value of `layers` on the device. To a GPU they go packed in one page-locked
+        staging buffer with one asynchronous copy, so the host never waits on a copy per layer."""
+        tensors = [tensor for _, _, key, value in layers for tensor in (key, value)]
+        if self.device.type == "cpu" or not tensors:
+            return tensors[0::2], tensors[1::2]
+        if len({tensor.dtype for tensor in tensors}) != 1:
+            raise ValueError(
+                f"layers of one request differ in dtype: {sorted({str(t.dtype) for t in tensors})}"
+            )
+        staging = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+        torch.cat([tensor.reshape(-1) for tensor in tensors], out=staging)
+        flat = staging.to(self.device, non_blocking=True).split([t.numel() for t in tensors])
+        on_device = [part.view(tensor.shape) for part, tensor in zip(flat, tensors)]
+        return on_device[0::2], on_device[1::2]
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:

@@ -157,3 +157,51 @@ def streamed_logprobs_of_step(engine: LLMEngine) -> dict[str, list[float]]:
         assert None not in new, "a new token without its logprob"
         streamed.setdefault(out.request_id, []).extend(lp.logprob for lp in new if lp is not None)
     return streamed
+
+
+def received_layers(
+    engine: LLMEngine, num_blocks: int, block_size: int
+) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    """Random K and V for every target layer of `engine`, as a sender of `block_size` sends them."""
+    generator = torch.Generator().manual_seed(5)
+    layers = []
+    for index, (key_cache, _) in enumerate(engine.runner.caches("target")):
+        shape = (num_blocks, block_size, *key_cache.shape[2:])
+        key, value = (torch.randn(shape, generator=generator).to(key_cache.dtype) for _ in "kv")
+        layers.append(("target", index, key, value))
+    return layers
+
+
+def stored(engine: LLMEngine, request_id: str) -> list[torch.Tensor]:
+    """The request's blocks of every target layer, K and V, as the cache holds them."""
+    blocks = engine.reserved[request_id].block_table
+    return [cache[blocks].clone() for pair in engine.runner.caches("target") for cache in pair]
+
+
+@pytest.mark.parametrize("sender_block_size", [4, 8])
+def test_importing_a_request_at_once_stores_what_layer_by_layer_does(checkpoint, sender_block_size) -> None:
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=4))
+    prompt = prompts()[2]  # 40 tokens: 10 blocks of 4, 5 of 8
+    for request_id in ("by-layer", "at-once"):
+        engine.reserve(request_id, prompt, PARAMS)
+    layers = received_layers(engine, -(-len(prompt) // sender_block_size), sender_block_size)
+    for cache, index, key, value in layers:
+        engine.import_kv("by-layer", cache, index, key, value)
+    engine.import_layers("at-once", layers)
+    by_layer, at_once = stored(engine, "by-layer"), stored(engine, "at-once")
+    for one, other in zip(by_layer, at_once, strict=True):
+        assert torch.equal(one, other)
+    sent_key = layers[1][2].flatten(0, 1)[: len(prompt)]
+    assert torch.equal(at_once[2].flatten(0, 1)[: len(prompt)], sent_key)  # layer 1's K, token by token
+
+
+def test_importing_an_unknown_cache_writes_nothing(checkpoint) -> None:
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=4))
+    engine.reserve("r", prompts()[1], PARAMS)
+    before = stored(engine, "r")
+    layers = received_layers(engine, 6, 4)
+    key, value = layers[0][2:]
+    with pytest.raises(ValueError, match="unknown KV cache 'nope'"):
+        engine.import_layers("r", [*layers, ("nope", 0, key, value)])
+    for old, now in zip(before, stored(engine, "r"), strict=True):
+        assert torch.equal(old, now)
