@@ -5,9 +5,10 @@ Hops, each through the code and the kind of process boundary the mesh uses:
   authenticated with a shared secret, every frame checked by its crc32;
 - channel: this process's `AsyncChannel` (the decode worker's bus process) -> a consumer process
   reading a `BlockingChannel` (the engine core's side), one import command per layer or request;
-- import: `LLMEngine.import_kv` into a real engine's CPU KV cache, in this process;
+- import: `LLMEngine.import_layers` (a request's layers at once) into a real engine's CPU KV cache,
+  in this process;
 - end-to-end: sender process -> receiver -> channel -> a consumer process that imports into a real
-  engine, as `Worker._on_kv_layer` forwards.
+  engine, as the decode worker forwards it (`Worker._on_kv_layer`, `_on_kv_done`).
 
 A layer's latency is from the sender's call (the monotonic clock is shared by the processes of one
 host; the time rides in the layer's first bytes) to its arrival at the end of the hop.
@@ -181,16 +182,11 @@ def consumer_main(
     latencies: list[float] = []
     last_s = 0.0
     while not isinstance(command := channel.recv(), Shutdown):
-        for key, value, index in _layers_of(command):
-            if engine is not None:
-                engine.import_kv(command.request_id, "target", index, key, value)
-            last_s = time.monotonic()
-            latencies.append(last_s - stamped_at(key))
+        if engine is not None:
+            engine.import_layers(command.request_id, command.layers)
+        last_s = time.monotonic()
+        latencies += [last_s - stamped_at(key) for _, _, key, _ in command.layers]
     channel.send({"latencies": latencies, "last_s": last_s})
-
-
-def _layers_of(command: ImportKV) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-    yield command.key, command.value, command.index
 
 
 def build_engine(checkpoint: str, shape: KVShape, num_requests: int) -> LLMEngine:
@@ -238,8 +234,10 @@ class Consumer:
     async def ready(self) -> None:
         assert await self.channel.recv() == "ready"
 
-    async def import_layer(self, request_id: str, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        await self.channel.send(ImportKV(request_id, "target", index, key, value))
+    async def import_kv(
+        self, request_id: str, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    ) -> None:
+        await self.channel.send(ImportKV(request_id, layers))
 
     async def finish(self) -> dict[str, Any]:
         await self.channel.send(Shutdown())
@@ -253,11 +251,13 @@ class Consumer:
 
 
 class Receiver:
-    """The decode worker's side of the wire: expects every request; `forward` takes each layer."""
+    """The decode worker's side of the wire: expects every request; `forward` takes each request's
+    layers once all arrived, as the worker hands them to its core."""
 
     def __init__(self, num_requests: int, forward: Any = None):
         self.transport = TcpKVTransport(secret=SECRET)
         self.forward = forward
+        self.received: dict[str, list[tuple[str, int, torch.Tensor, torch.Tensor]]] = {}
         self.latencies: list[float] = []
         self.num_done = 0
         self.all_done = asyncio.Event()
@@ -274,10 +274,12 @@ class Receiver:
         sent_s = stamped_at(layer.key)
         self.first_s = min(self.first_s, sent_s)
         self.latencies.append(time.monotonic() - sent_s)
-        if self.forward is not None:
-            await self.forward(layer.request_id, layer.index, layer.key, layer.value)
+        self.received.setdefault(layer.request_id, []).append(("target", layer.index, layer.key, layer.value))
 
-    def on_done(self, transfer: ReceivedTransfer) -> None:
+    async def on_done(self, transfer: ReceivedTransfer) -> None:
+        layers = self.received.pop(transfer.header.request_id)
+        if self.forward is not None:
+            await self.forward(transfer.header.request_id, layers)
         self.num_done += 1
         if self.num_done == self.num_requests:
             self.all_done.set()
@@ -302,9 +304,11 @@ async def channel_hop(shape: KVShape, num_requests: int, threads: int) -> HopRes
     layers = shape.layers(0)
     first_s = time.monotonic()
     for request_id in request_ids(num_requests):
-        for index, (key, value) in enumerate(layers):
+        for key, _ in layers:
             stamp(key)
-            await consumer.import_layer(request_id, index, key, value)
+        await consumer.import_kv(
+            request_id, [("target", i, key, value) for i, (key, value) in enumerate(layers)]
+        )
     result = await consumer.finish()
     num_bytes = num_requests * shape.num_layers * shape.layer_bytes
     return HopResult("channel", num_bytes, result["last_s"] - first_s, result["latencies"])
@@ -326,10 +330,9 @@ def _import_all(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult
     latencies = []
     started = time.monotonic()
     for request_id in request_ids(num_requests):
-        for index, (key, value) in enumerate(layers):
-            begin = time.monotonic()
-            engine.import_kv(request_id, "target", index, key, value)
-            latencies.append(time.monotonic() - begin)
+        begin = time.monotonic()
+        engine.import_layers(request_id, [("target", i, key, value) for i, (key, value) in enumerate(layers)])
+        latencies += [(time.monotonic() - begin) / len(layers)] * len(layers)
     seconds = time.monotonic() - started
     return HopResult("import", num_requests * shape.num_layers * shape.layer_bytes, seconds, latencies)
 
@@ -339,7 +342,7 @@ async def end_to_end(
 ) -> HopResult:
     consumer = Consumer(checkpoint, shape, num_requests, threads)
     await consumer.ready()
-    receiver = Receiver(num_requests, consumer.import_layer)
+    receiver = Receiver(num_requests, consumer.import_kv)
     sender = start_sender(await receiver.start(), shape, num_requests, concurrency)
     await receiver.all_done.wait()
     result = await consumer.finish()

@@ -53,7 +53,7 @@ class Connection:
         # mark (a plain one at > it), so 0 there would never let drain() return.
         tls = writer.get_extra_info("sslcontext") is not None
         writer.transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
-        return cls(FrameReader(reader, chunk_bytes), FrameWriter(writer, chunk_bytes))
+        return cls(FrameReader(reader), FrameWriter(writer, chunk_bytes))
 
     @property
     def stream(self) -> asyncio.StreamWriter:

@@ -163,7 +163,7 @@ class TcpKVTransport(KVTransport):
         connect_timeout_s: connecting to a receiver and its accepting the header.
         ack_timeout_s: from the sender's end frame to the receiver's acknowledgement (the receiver
             stores the last layers meanwhile).
-        chunk_bytes: bytes written (and checksummed) between `drain()`s; reads go in chunks of this too.
+        chunk_bytes: bytes written (and checksummed) between `drain()`s; reads take what has arrived.
         max_idle_connections: idle connections kept per destination for reuse.
         delivery_depth: verified layers a receiver holds while `on_layer` is busy.
         read_buffer_bytes: the stream reader's buffer limit on received connections.

@@ -215,9 +215,8 @@ class FrameReader:
     payload was consumed exactly and that the trailer matches.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, chunk_bytes: int = 1 << 20):
+    def __init__(self, reader: asyncio.StreamReader):
         self.reader = reader
-        self.chunk_bytes = chunk_bytes
         self.num_bytes = 0
         self._crc = 0
         self._remaining = 0
@@ -241,11 +240,12 @@ class FrameReader:
         return data
 
     async def read_into(self, view: memoryview) -> None:
-        """Fill `view` with the next `len(view)` payload bytes, chunk by chunk."""
+        """Fill `view` with the next `len(view)` payload bytes, taking whatever the stream holds each time
+        (taking less than all of it would shift the rest of the stream's buffer down)."""
         self._take(len(view))
         filled = 0
         while filled < len(view):
-            chunk = await self._read_some(min(len(view) - filled, self.chunk_bytes))
+            chunk = await self._read_some(len(view) - filled)
             view[filled : filled + len(chunk)] = chunk
             self._crc = zlib.crc32(chunk, self._crc)
             filled += len(chunk)

@@ -144,9 +144,10 @@ class EngineCoreClient:
         return future
 
     async def import_kv(
-        self, request_id: str, cache: str, index: int, key: torch.Tensor, value: torch.Tensor
+        self, request_id: str, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
     ) -> None:
-        await self._send(ImportKV(request_id, cache, index, key, value))
+        """Sends every layer of a request's KV, (cache, index, key, value), in one command."""
+        await self._send(ImportKV(request_id, layers))
 
     async def activate(self, request_id: str, first_token_id: int) -> None:
         await self._send(Activate(request_id, first_token_id))

@@ -86,12 +86,11 @@ class Reserve:
 
 @dataclass(frozen=True)
 class ImportKV:
+    """Every layer of one request's received KV, in one command once all arrived and were verified."""
+
     request_id: str
-    cache: str
-    index: int
-    key: torch.Tensor
-    value: torch.Tensor
-    """[num_blocks, block_size, kv_heads, head_dim] each."""
+    layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
+    """(cache, index, key, value); key and value [num_blocks, block_size, kv_heads, head_dim]."""
 
 
 @dataclass(frozen=True)

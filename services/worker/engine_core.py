@@ -253,12 +253,10 @@ class EngineCore:
         return None
 
     def _receive_kv(self, command: ImportKV | Activate) -> None:
-        """A KV layer, or the first token once all arrived; a request cancelled meanwhile is gone."""
+        """A request's KV, or its first token after it; a request cancelled meanwhile is gone."""
         try:
             if isinstance(command, ImportKV):
-                self.engine.import_kv(
-                    command.request_id, command.cache, command.index, command.key, command.value
-                )
+                self.engine.import_layers(command.request_id, command.layers)
             else:
                 self.engine.activate(command.request_id, command.first_token_id)
         except KeyError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from redis.exceptions import RedisError
 
 from services.engine.kv_export import KVExport
@@ -119,6 +120,9 @@ class Worker:
         self.kv_address: str | None = None
         self.handoff_targets: dict[str, str] = {}
         """Prefill role: request id -> the decode instance's KV address."""
+        self.received_kv: dict[str, list[tuple[str, int, torch.Tensor, torch.Tensor]]] = {}
+        """Decode role: the layers of each transfer under way, handed to the core in one command at
+        its end (one command per request, not per layer, between the core's steps)."""
         self.requests: dict[str, Running] = {}
         """Requests in the engine (or reserved there), until their last row is published."""
         self.draining = False
@@ -296,18 +300,21 @@ class Worker:
             reply.ok, reply.kv_address = True, self.kv_address
         await self.bus.publish(message.reply_to, reply, maxlen=10_000)
 
-    async def _on_kv_layer(self, layer: ReceivedLayer) -> None:
-        await self.core.import_kv(layer.request_id, layer.cache, layer.index, layer.key, layer.value)
+    def _on_kv_layer(self, layer: ReceivedLayer) -> None:
+        received = self.received_kv.setdefault(layer.request_id, [])
+        received.append((layer.cache, layer.index, layer.key, layer.value))
 
     async def _on_kv_done(self, transfer: ReceivedTransfer) -> None:
-        first_token = int(transfer.extras["first_token_id"])
-        await self.core.activate(transfer.header.request_id, first_token)
+        request_id = transfer.header.request_id
+        await self.core.import_kv(request_id, self.received_kv.pop(request_id, []))
+        await self.core.activate(request_id, int(transfer.extras["first_token_id"]))
         self.metrics.kv_received_bytes.inc(transfer.header.num_bytes)
 
     async def _on_kv_error(self, request_id: str, epoch: int, error: KVTransferError) -> None:
         """The request goes back to the scheduler, to be placed again (nothing reaches its client)."""
         if not self._is_current(request_id, epoch):
             return  # stopped here meanwhile
+        self.received_kv.pop(request_id, None)
         logger.warning("KV transfer failed", extra={"request_id": request_id, "error": str(error)})
         await self.core.abort(request_id, emit=False)
         self.requests.pop(request_id, None)
@@ -320,9 +327,14 @@ class Worker:
         if running is None or (epoch is not None and running.epoch > epoch):
             return
         running.cancelled = True
+        self._stop_receiving(request_id)
+        await self.core.abort(request_id)
+
+    def _stop_receiving(self, request_id: str) -> None:
+        """Forget a transfer of the request's KV under way (its sender is told)."""
         if self.transport is not None:
             self.transport.cancel(request_id)
-        await self.core.abort(request_id)
+        self.received_kv.pop(request_id, None)
 
     def _is_current(self, request_id: str, epoch: int) -> bool:
         running = self.requests.get(request_id)
@@ -389,8 +401,7 @@ class Worker:
         for request_id in request_ids:  # first, so rows already stepped for them are not published
             self.requests.pop(request_id, None)
             self.handoff_targets.pop(request_id, None)
-            if self.transport is not None:
-                self.transport.cancel(request_id)
+            self._stop_receiving(request_id)
         for request_id in request_ids:
             await self.core.abort(request_id, emit=False)
 
