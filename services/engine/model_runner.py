@@ -534,8 +534,9 @@ class ModelRunner:
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
         """(cache, layer, key, value) of every layer of every cache for blocks `block_ids`, each
-        [num_blocks, block_size, num_kv_heads, head_dim] with every head (on rank 0; the other ranks
-        send theirs and get an empty list)."""
+        [num_blocks, block_size, num_kv_heads, head_dim] with every head, on the host: one copy from
+        the device per cache, not one per tensor (on rank 0; the other ranks send theirs and get an
+        empty list)."""
         self.ranks.send(ExportBlocks(block_ids))
         blocks = torch.tensor(block_ids, device=self.device)
         layers = []
@@ -548,7 +549,7 @@ class ModelRunner:
                 cache, local
             )  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
             if whole is not None:
-                layers += [(cache, i, kv[0], kv[1]) for i, kv in enumerate(whole)]
+                layers += [(cache, i, kv[0], kv[1]) for i, kv in enumerate(whole.cpu())]
         return layers
 
     def rows_agree(self) -> bool:

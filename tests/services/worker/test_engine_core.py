@@ -70,6 +70,32 @@ async def test_greedy_tokens_match_the_engine_in_process(core: EngineCoreClient,
     assert core.load.num_running == 0 and core.load.free_kv_blocks == core.info.total_kv_blocks
 
 
+async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
+    core: EngineCoreClient, model: str
+) -> None:
+    """A prefill core's KV export, sent to a decode core as one `ImportKV` per request over the
+    real channel, then `Activate`: the decode core's tokens continue the offline run exactly."""
+    expected = LLM(model, device="cpu").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    decode = await EngineCoreClient.start(CoreOptions(EngineConfig(model=model, device="cpu", block_size=4)))
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            assert (await (await decode.reserve(request(f"r{i}", prompt), epoch=1))).error is None
+            await core.add_request(request(f"r{i}", prompt), epoch=1, handoff=True)
+        num_handed = 0
+        while num_handed < len(PROMPTS):
+            for batch in await asyncio.wait_for(core.next_batches(), 60):
+                for handoff in batch.handoffs:
+                    await decode.import_kv(handoff.request_id, handoff.layers)
+                    await decode.activate(handoff.request_id, handoff.first_token_id)
+                num_handed += len(batch.handoffs)
+        tokens, ends, _ = await run_to_end(decode, len(PROMPTS))
+    finally:
+        await decode.shutdown()
+    for i, want in enumerate(expected):
+        assert want.token_ids[:1] + tokens[f"r{i}"] == want.token_ids
+    assert {e.finish_reason for e in ends.values()} == {"length"}
+
+
 async def test_a_refused_request_and_an_abort_come_back_as_ended_rows(core: EngineCoreClient) -> None:
     await core.add_request(request("bad", [10**6]), epoch=1)
     await core.add_request(request("long", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True)), epoch=1)
