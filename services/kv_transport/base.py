@@ -10,8 +10,8 @@ Terms:
 
 The receiver (decode worker) registers what it expects with `expect()` before the sender (prefill
 worker) calls `open()`; the scheduler's Reserve/ReserveReply handshake orders the two. Layers are
-delivered one by one as they are verified, so the decode worker copies layer i into its paged cache
-while layer i + 1 is still on the wire.
+delivered one by one as they are verified, while the next is still on the wire (the decode worker
+collects them and hands its engine core the whole request at the end).
 """
 
 from __future__ import annotations
