@@ -385,24 +385,25 @@ def stored_in_features(qweight: torch.Tensor, scheme: str) -> int:
     return qweight.shape[1] * qweight.element_size() * (2 if scheme == "int4" else 1)
 
 
-def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
-    """True when `quant_gemv` takes this product: 1..MAX_ROWS bf16 / fp16 rows, 16-byte aligned, a
-    weight of the scheme's storage and x's input features, those and the group size whole 16-byte
-    chunks of the stored weight."""
+def _operands_fit(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str, group_multiple: int
+) -> bool:
+    """What both dequantizing kernels need: 2-D bf16 / fp16 rows, 16-byte aligned; a contiguous,
+    16-byte aligned weight of the scheme's storage and x's input features; float32 scales, one row
+    per output, in groups that divide the input features in multiples of `group_multiple`."""
     if scheme not in SCHEMES or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if qweight.dim() != 2 or qweight.dtype != (FP8_DTYPE if scheme == "fp8" else torch.int32):
         return False
-    num_rows, k = x.shape
-    vals = VALUES_PER_CHUNK[scheme]
-    num_groups = scale.shape[1] if scale.dim() == 2 else 0
+    if scale.dim() != 2:
+        return False
+    k = x.shape[1]
+    num_groups = scale.shape[1]
     return (
-        0 < num_rows <= MAX_ROWS
-        and k % vals == 0
-        and stored_in_features(qweight, scheme) == k
+        stored_in_features(qweight, scheme) == k
         and num_groups > 0
         and k % num_groups == 0
-        and (k // num_groups) % vals == 0
+        and (k // num_groups) % group_multiple == 0
         and x.stride(1) == 1
         and x.stride(0) % 8 == 0
         and x.data_ptr() % 16 == 0
@@ -414,33 +415,23 @@ def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, schem
     )
 
 
+def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
+    """True when `quant_gemv` takes this product: 1..MAX_ROWS rows (`_operands_fit`), the input
+    features and the group size whole 16-byte chunks of the stored weight."""
+    if not _operands_fit(x, qweight, scale, scheme, VALUES_PER_CHUNK.get(scheme, 1)):
+        return False
+    num_rows, k = x.shape
+    return 0 < num_rows <= MAX_ROWS and k % VALUES_PER_CHUNK[scheme] == 0
+
+
 def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
-    """True when `quant_mma` takes this product: bf16 / fp16 rows on sm_80+, 16-byte aligned, a weight
-    of the scheme's storage and x's input features, those a multiple of 64 and groups of 16 or more
-    (and SPECMESH_QUANT_MMA is not `off`)."""
-    if os.environ.get(MMA_ENV, "").lower() == "off" or scheme not in SCHEMES:
+    """True when `quant_mma` takes this product (`_operands_fit`) on sm_80+: input features a
+    multiple of 64, groups of 16 or more (and SPECMESH_QUANT_MMA is not `off`)."""
+    if os.environ.get(MMA_ENV, "").lower() == "off" or not _operands_fit(x, qweight, scale, scheme, 16):
         return False
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or qweight.dim() != 2:
-        return False
-    if qweight.dtype != (FP8_DTYPE if scheme == "fp8" else torch.int32) or scale.dim() != 2:
-        return False
-    k = x.shape[1]
-    num_groups = scale.shape[1]
     return (
         x.shape[0] > 0
-        and k % MMA_K == 0
-        and stored_in_features(qweight, scheme) == k
-        and num_groups > 0
-        and k % num_groups == 0
-        and (k // num_groups) % 16 == 0
-        and x.stride(1) == 1
-        and x.stride(0) % 8 == 0
-        and x.data_ptr() % 16 == 0
-        and qweight.is_contiguous()
-        and qweight.data_ptr() % 16 == 0
-        and qweight.shape[0] == scale.shape[0]
-        and scale.dtype == torch.float32
-        and scale.is_contiguous()
+        and x.shape[1] % MMA_K == 0
         and x.is_cuda
         and torch.cuda.get_device_capability(x.device) >= MMA_MIN_CAPABILITY
     )
