@@ -98,6 +98,44 @@ class SlotJoin:
     """`SlotParams.row` of the slot."""
 
 
+@dataclass
+class GatheredParams:
+    """Some slots' sampling and stopping parameters, gathered with three copies (one per packed
+    tensor) instead of one per parameter: the step's tail launches few kernels."""
+
+    floats: torch.Tensor  # [3, n] float32: temperature, top_p, min_p
+    ints: torch.Tensor  # [4, n] int32: top_k, max_tokens, min_tokens, ignore_eos
+    seeds: torch.Tensor  # [n] int64
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.floats[0]
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        return self.floats[1]
+
+    @property
+    def min_p(self) -> torch.Tensor:
+        return self.floats[2]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        return self.ints[0]
+
+    @property
+    def max_tokens(self) -> torch.Tensor:
+        return self.ints[1]
+
+    @property
+    def min_tokens(self) -> torch.Tensor:
+        return self.ints[2]
+
+    @property
+    def ignore_eos(self) -> torch.Tensor:
+        return self.ints[3]
+
+
 class InputBatch:
     def __init__(self, max_num_seqs: int, row_capacity: int, max_num_drafts: int, device: torch.device):
         """`row_capacity`: tokens one row holds (the longest request plus room for drafts written
@@ -167,6 +205,14 @@ class InputBatch:
     @property
     def stop_ids(self) -> torch.Tensor:  # [num_slots + 1, MAX_STOP_IDS]
         return self._ints[4 + MAX_EOS_IDS :].t()
+
+    def gather(self, slots: torch.Tensor) -> GatheredParams:
+        """The parameters of `slots` ([n] int64), each a contiguous [n] tensor."""
+        return GatheredParams(
+            self._floats.index_select(1, slots),
+            self._ints[:4].index_select(1, slots),
+            self.seeds.index_select(0, slots),
+        )
 
     # ---- requests joining and leaving ---------------------------------------------------------------
 

@@ -25,8 +25,9 @@ import torch
 
 import kernels
 from kernels.post_step_ref import RUNNING
-from services.engine.input_batch import InputBatch
+from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
+from services.engine.spec_decode.draft_sampling import DraftSampling
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
 
 ACCEPTED, KEPT, FINISH, STOP_TOKEN, NUM_DRAFTS, TOKENS = range(6)
@@ -93,14 +94,14 @@ class VerifyAndUpdate:
 
     def verify(self, logits: torch.Tensor, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(token_ids [num_seqs, max_rows] int32, -1 padded; num_accepted [num_seqs] int32)."""
-        inputs, slots = self.inputs, t.row_slots
+        params = self.inputs.gather(t.row_slots)
         token_ids, num_accepted, *_ = kernels.verify_sample(
             logits,
-            inputs.temperature[slots],
-            inputs.top_k[slots],
-            inputs.top_p[slots],
-            inputs.min_p[slots],
-            inputs.seeds[slots],
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            params.seeds,
             t.row_positions,
             t.draft_ids,
             t.cu_num_rows,
@@ -115,40 +116,52 @@ class VerifyAndUpdate:
         self, token_ids: torch.Tensor, num_accepted: torch.Tensor, t: StepTensors, plan: StepPlan
     ) -> torch.Tensor:
         """Post-step update and drafting after any verifier; the packed result."""
-        num_kept, finish, stop_token = self.update(token_ids, num_accepted, t.seq_slots)
-        drafts = self.draft(t, plan, finish)
+        params = self.inputs.gather(t.seq_slots)
+        num_kept, finish, stop_token, num_output = self.update(token_ids, num_accepted, t.seq_slots, params)
+        drafts = self.draft(t, plan, finish, params, num_output, num_accepted)
         columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
         packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
         return torch.cat(packed, dim=1)
 
     def update(
-        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor, params: GatheredParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Appends each request's emitted tokens to its row, up to the one that ends it; (num_kept,
-        finish, stop_token) per request. Lengths are gathered per request and scattered back."""
+        finish, stop_token, num_output after the update) per request. Lengths are gathered per
+        request and scattered back."""
         inputs = self.inputs
         lengths, num_output = inputs.num_tokens[slots], inputs.num_output[slots]
-        result = kernels.post_step_update(
+        num_kept, finish, stop_token = kernels.post_step_update(
             inputs.token_rows,
             slots,
             lengths,
             num_output,
             token_ids,
             num_accepted + 1,
-            inputs.max_tokens[slots],
-            inputs.min_tokens[slots],
-            inputs.ignore_eos[slots],
+            params.max_tokens,
+            params.min_tokens,
+            params.ignore_eos,
             inputs.eos_ids[slots],
             inputs.stop_ids[slots],
         )
         inputs.num_tokens[slots] = lengths
         inputs.num_output[slots] = num_output
-        return result
+        return num_kept, finish, stop_token, num_output
 
-    def draft(self, t: StepTensors, plan: StepPlan, finish: torch.Tensor) -> Drafts:
-        """Each device proposer drafts for its running requests; [num_seqs, max_num_drafts]."""
+    def draft(
+        self,
+        t: StepTensors,
+        plan: StepPlan,
+        finish: torch.Tensor,
+        params: GatheredParams,
+        num_output: torch.Tensor,
+        num_accepted: torch.Tensor,
+    ) -> Drafts:
+        """Each device proposer drafts for its running requests (after the update: `num_output`
+        each one's output tokens now); [num_seqs, max_num_drafts]."""
         inputs, slots = self.inputs, t.seq_slots
-        room = (inputs.max_tokens[slots] - inputs.num_output[slots] - 1).clamp(min=0)
+        room = (params.max_tokens - num_output - 1).clamp(min=0)
+        sampling = DraftSampling.of(params, num_output)
         wanted = torch.where(finish == RUNNING, torch.minimum(t.num_wanted, room), 0)
         width = max(self.max_num_drafts, 1)
         token_ids = torch.full((len(slots), width), -1, dtype=torch.int32, device=slots.device)
@@ -164,6 +177,9 @@ class VerifyAndUpdate:
                 num_wanted_cpu=plan.num_wanted,
                 num_steps=plan.num_steps,
                 forward=t.forward,
+                sampling=sampling,
+                num_accepted=num_accepted,
+                cu_num_rows=t.cu_num_rows,
             )
             drafts = proposer.propose(batch)
             found = drafts.token_ids[:, :width]

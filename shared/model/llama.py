@@ -116,9 +116,12 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * RMSNorm(x) over the last dimension, in plain torch ops (differentiable)."""
+        """weight * RMSNorm(x) over the last dimension: plain torch ops while autograd records
+        (training) or for other than [num_tokens, hidden_size] input, else the fused kernel."""
         if self.weight_offset:
             return offset_add_rms_norm_ref(x, None, self.weight, self.eps, self.weight_offset)[0]
+        if x.dim() == 2 and not torch.is_grad_enabled():
+            return kernels.fused_add_rms_norm(x.contiguous(), None, self.weight, self.eps)[0]
         return fused_add_rms_norm_ref(x, None, self.weight, self.eps)[0]
 
     def add_and_norm(

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels.verify_ref import GREEDY
-from services.engine.input_batch import InputBatch
+from services.engine.input_batch import GatheredParams, InputBatch
 
 
 @dataclass
@@ -39,16 +39,21 @@ class DraftSampling:
     @classmethod
     def gather(cls, inputs: InputBatch, slots: torch.Tensor) -> DraftSampling:
         """For the requests in `slots` ([num_seqs] int64), their drafts following the tokens they have."""
-        num_seqs = slots.shape[0]
+        return cls.of(inputs.gather(slots), inputs.num_output[slots])
+
+    @classmethod
+    def of(cls, params: GatheredParams, num_output: torch.Tensor) -> DraftSampling:
+        """From the requests' gathered parameters and output counts ([num_seqs] int32)."""
+        num_seqs, device = num_output.shape[0], num_output.device
         return cls(
-            temperature=inputs.temperature[slots],
-            top_k=inputs.top_k[slots],
-            top_p=inputs.top_p[slots],
-            min_p=inputs.min_p[slots],
-            seeds=inputs.seeds[slots],
-            first_position=inputs.num_output[slots].long(),
-            rows=torch.arange(num_seqs + 1, dtype=torch.int32, device=slots.device),
-            no_drafts=torch.full((num_seqs,), -1, dtype=torch.int32, device=slots.device),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seeds=params.seeds,
+            first_position=num_output.long(),
+            rows=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+            no_drafts=torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
         )
 
     def sample(self, logits: torch.Tensor, draft_index: int) -> torch.Tensor:

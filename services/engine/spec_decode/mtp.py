@@ -39,14 +39,16 @@ class MTPProposer(Proposer):
         head_hidden = self._catch_up(batch)
         if batch.num_steps == 0:
             return Drafts.none(len(batch.seq_slots), batch.seq_slots.device)
-        inputs, slots = batch.inputs, batch.seq_slots
-        newest = (inputs.num_tokens[slots].long() - 1).clamp(min=0)  # each request's newest token
-        hidden = head_hidden[self._last_verified_rows(batch, newest - 1)]
+        forward, rows = batch.forward, batch.newest_rows
+        assert forward is not None
+        hidden = head_hidden.index_select(0, rows)
+        newest = forward.positions.index_select(0, rows) + 1  # each request's newest token's position
+        num_steps = min(batch.num_steps, self.num_steps)
         draft_ids = []
-        for step in range(min(batch.num_steps, self.num_steps)):
+        for step in range(num_steps):
             draft = batch.sample(self.head.logits(hidden), step)
             draft_ids.append(draft)
-            if step + 1 < min(batch.num_steps, self.num_steps):
+            if step + 1 < num_steps:
                 positions, meta = batch.chain_inputs(newest + step, step + 1, self.block_size)
                 hidden = self.head(draft, positions, hidden, self.kv_cache, meta)
         token_ids = torch.stack(draft_ids, dim=1).int()
@@ -64,18 +66,6 @@ class MTPProposer(Proposer):
         # padding rows read the scratch row, which holds whatever padding appended
         next_ids = rows[forward.token_slots, following].long().clamp(0, self.head.config.vocab_size - 1)
         return self.head(next_ids, forward.positions, forward.hidden, self.kv_cache, forward.meta)
-
-    @staticmethod
-    def _last_verified_rows(batch: DraftBatch, positions: torch.Tensor) -> torch.Tensor:
-        """[num_seqs] the row of the step that holds each request's `positions` (clamped to the
-        request's rows: a finished request drafts nothing either way)."""
-        forward = batch.forward
-        assert forward is not None
-        last_row = forward.positions.shape[0] - 1  # a CUDA graph's trailing requests have no rows
-        starts = forward.meta.query_start_loc.long()
-        first, end = starts[batch.seq_rows].clamp(max=last_row), starts[batch.seq_rows + 1]
-        offset = positions - forward.positions[first]
-        return first + torch.minimum(offset.clamp(min=0), (end - first - 1).clamp(min=0))
 
     def _append_ngram(self, batch: DraftBatch, token_ids: torch.Tensor, num_drafts: torch.Tensor) -> Drafts:
         """MTP drafts, then n-gram drafts matched as if the MTP drafts had been accepted: they are

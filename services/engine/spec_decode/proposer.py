@@ -52,6 +52,12 @@ class DraftBatch:
     """The most drafts any request wants: how long a drafting model's chain runs."""
     forward: ForwardContext | None
     """The step's forward (device proposers only)."""
+    sampling: DraftSampling | None = None
+    """The requests' sampling parameters, where the tail already gathered them."""
+    num_accepted: torch.Tensor | None = None
+    """[num_seqs] int32 drafts each request's verification accepted this step (device proposers)."""
+    cu_num_rows: torch.Tensor | None = None
+    """[num_seqs + 1] int32 where each request's logit rows start (device proposers)."""
 
     @classmethod
     def on_host(cls, inputs: InputBatch, seqs: list[Sequence], num_wanted: list[int]) -> DraftBatch:
@@ -67,7 +73,20 @@ class DraftBatch:
 
     @functools.cached_property
     def _sampling(self) -> DraftSampling:
-        return DraftSampling.gather(self.inputs, self.seq_slots)
+        return self.sampling or DraftSampling.gather(self.inputs, self.seq_slots)
+
+    @functools.cached_property
+    def newest_rows(self) -> torch.Tensor:
+        """[num_seqs] int64 the row of the step's forward at each request's newest position but one,
+        whose hidden state and the newest token predict the next token: a request brought d drafts
+        in the last d of its rows and kept the first `num_accepted` of them (clamped to the step's
+        rows: a CUDA graph's padding requests, and requests that ended, draft nothing either way)."""
+        forward, cu_num_rows, num_accepted = self.forward, self.cu_num_rows, self.num_accepted
+        assert forward is not None and cu_num_rows is not None and num_accepted is not None
+        ends = forward.meta.query_start_loc[1:].index_select(0, self.seq_rows)
+        num_rows = cu_num_rows[1:] - cu_num_rows[:-1]
+        rows = (ends - num_rows + num_accepted).long()
+        return rows.clamp_(0, forward.positions.shape[0] - 1)
 
     @functools.cached_property
     def _tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] each request's block table
