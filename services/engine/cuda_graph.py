@@ -40,6 +40,7 @@ suppression or logprobs), and otherwise runs eagerly after the forward's replay.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -192,7 +193,7 @@ def _upload(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list
 
 class DecodeGraphs:
     """Captured steps of one model over its KV caches: forward graphs looked up by (tokens, query
-    class), tail graphs by (tokens, query class, chain length)."""
+    class), tail graphs by (tokens, query class, chain length, the proposer run alone or None)."""
 
     LONG_FIELDS = (
         "input_ids",
@@ -216,13 +217,15 @@ class DecodeGraphs:
         max_tokens: int,
         query_lens: list[int],
         chain_lengths: list[int],
+        onlys: list[int | None],
         max_model_len: int,
         block_size: int,
         max_num_seqs: int | None = None,
     ):
         """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
         num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
-        drafting-model chain lengths a tail may run (0 when none); `max_num_seqs`: the most
+        drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
+        `StepPlan.only` steps come with (None: every device proposer); `max_num_seqs`: the most
         requests of a step (None: one per token), which bounds each class's buckets and the
         logit rows of a step (each request brings at most 1 + num_speculative_tokens)."""
         self.model = model
@@ -233,6 +236,7 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [max_tokens]
         self.query_lens = sorted(set(query_lens))
         self.chain_lengths = sorted(set(chain_lengths))
+        self.onlys = onlys
         self.max_num_seqs = max_num_seqs if max_num_seqs is not None else max_tokens
         self.rows_per_seq = 1 + inputs.max_num_drafts
         device = next(model.parameters()).device
@@ -251,7 +255,7 @@ class DecodeGraphs:
             self.num_rows(size), model.config.vocab_size, dtype=torch.float32, device=device
         )
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.tails: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.tails: dict[tuple[int, int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
         self.num_tail_replays = 0
         self.num_mixed_replays = 0
@@ -312,10 +316,11 @@ class DecodeGraphs:
         for bucket, query_len in self.shapes():
             forward = functools.partial(self._forward, bucket, query_len)
             self.graphs[bucket, query_len] = self._capture(forward, pool)
-            for chain in self.chain_lengths:
+            for chain, only in itertools.product(self.chain_lengths, self.onlys):
                 packed: list[torch.Tensor] = []
-                tail = functools.partial(self._tail, bucket, query_len, StepPlan([], [], chain), packed)
-                self.tails[bucket, query_len, chain] = (self._capture(tail, pool), packed[-1])
+                plan = StepPlan([], [], chain, only=only)
+                tail = functools.partial(self._tail, bucket, query_len, plan, packed)
+                self.tails[bucket, query_len, chain, only] = (self._capture(tail, pool), packed[-1])
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (tokens %s, query classes %s, chains %s) in %.1f s",
@@ -411,7 +416,7 @@ class DecodeGraphs:
         """Forward and tail; [num_sampled, width] int32 packed results of the real requests (a
         view of the tail's output, which the next replay overwrites)."""
         self.replay_forward(step, key)
-        graph, packed = self.tails[(*key, plan.num_steps)]
+        graph, packed = self.tails[(*key, plan.num_steps, plan.only)]
         graph.replay()
         self.num_tail_replays += 1
         return packed[: len(step.seq_slots)]

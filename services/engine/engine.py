@@ -131,7 +131,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.drafter = Drafter(config.speculative_config, self.runner, self.block_manager, suffix_index)
-        self.runner.start(self.drafter.device_proposers)
+        self.runner.start(self.drafter.device_proposers, self.drafter.own)
         if self.runner.graphs is not None:
             self.drafter.max_graph_tokens = self.runner.graphs.max_decode_tokens
             self.scheduler.decode_chunk_limit = self.runner.graphs.query_lens[-1]

@@ -206,8 +206,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_kernels()
 
-    def start(self, proposers: list[Proposer]) -> None:
-        """Sets the step's tail over the device proposers and captures the CUDA graphs."""
+    def start(self, proposers: list[Proposer], own: int | None = None) -> None:
+        """Sets the step's tail over the device proposers and captures the CUDA graphs; `own`: the
+        proposer steps may run alone (`StepPlan.only`), whose tails get graphs of their own."""
         self.tail = VerifyAndUpdate(
             self.inputs,
             proposers,
@@ -216,7 +217,7 @@ class ModelRunner:
             self.max_num_drafts,
         )
         if self._use_graphs():
-            self.graphs = self._capture_graphs(self.chain_lengths())
+            self.graphs = self._capture_graphs(self.chain_lengths(), [None] if own is None else [None, own])
 
     def chain_lengths(self) -> list[int]:
         """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
@@ -235,7 +236,7 @@ class ModelRunner:
             and kernels.cuda_available(torch.empty(0, device=self.device))
         )
 
-    def _capture_graphs(self, chain_lengths: list[int]) -> DecodeGraphs:
+    def _capture_graphs(self, chain_lengths: list[int], onlys: list[int | None]) -> DecodeGraphs:
         assert self.tail is not None
         max_tokens = min(
             self.config.cuda_graph_max_tokens, self.config.resolved_max_num_batched_tokens(self.max_model_len)
@@ -250,6 +251,7 @@ class ModelRunner:
             max_tokens,
             [1, verify_len, max(prefill_len, verify_len)],
             chain_lengths,
+            onlys,
             self.max_model_len,
             self.block_size,
             self.config.max_num_seqs,
@@ -299,7 +301,9 @@ class ModelRunner:
         step = self.prepare(batch, plan)
         fused = all(self._fusable(seq) for seq in plan.seqs)
         joins = self.inputs.take_joins()
-        self.ranks.send(StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, fused))
+        self.ranks.send(
+            StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, plan.only, fused)
+        )
         packed, logprobs, prompt = self._run(step, plan, fused)
         return self._read_back(packed, step, logprobs, prompt)
 
@@ -309,7 +313,7 @@ class ModelRunner:
         for join in command.joins:
             self.inputs.write(join)
         self.inputs.flush()
-        plan = StepPlan([], command.num_wanted, command.num_steps, command.methods)
+        plan = StepPlan([], command.num_wanted, command.num_steps, command.methods, command.only)
         self._run(command.step, plan, command.fused)
 
     def _run(

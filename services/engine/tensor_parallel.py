@@ -84,6 +84,7 @@ class StepCommand:
     num_wanted: list[int]
     num_steps: int
     methods: list[int]
+    only: int | None
     fused: bool
     """The fused kernel verifies every request (else rank 0 sends its verification)."""
 

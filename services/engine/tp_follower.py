@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from services.engine.model_runner import ModelRunner
-from services.engine.spec_decode.drafter import make_device_proposers
+from services.engine.spec_decode.drafter import make_device_proposers, own_proposer
 from services.engine.tensor_parallel import (
     CompareRows,
     ExportBlocks,
@@ -65,7 +65,8 @@ def serve(conn: Connection) -> None:
     ranks = Follower(join_group(config, setup.rank, setup.size, store), conn)
     spec = config.speculative_config
     runner = ModelRunner(config, ModelConfig.from_dir(config.model), setup.max_model_len, spec, ranks)
-    runner.start(list(make_device_proposers(spec, runner).values()))
+    proposers = make_device_proposers(spec, runner)
+    runner.start(list(proposers.values()), own_proposer(list(proposers), spec.method))
     logger.info("tensor-parallel rank %d of %d ready on %s", setup.rank, setup.size, runner.device)
     try:
         follow(runner, ranks)

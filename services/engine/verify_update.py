@@ -65,6 +65,9 @@ class StepPlan:
     """The longest drafting-model chain any request needs."""
     methods: list[int] = field(default_factory=list)
     """Each request's device proposer (its index in the tail's list), -1 for none."""
+    only: int | None = None
+    """The one device proposer the tail runs (every request of the step uses it or none), or
+    None: each of them."""
 
 
 class VerifyAndUpdate:
@@ -166,7 +169,9 @@ class VerifyAndUpdate:
         width = max(self.max_num_drafts, 1)
         token_ids = torch.full((len(slots), width), -1, dtype=torch.int32, device=slots.device)
         num_drafts = torch.zeros_like(wanted)
-        for index, proposer in enumerate(self.proposers):
+        chosen = range(len(self.proposers)) if plan.only is None else [plan.only]
+        for index in chosen:
+            proposer = self.proposers[index]
             mine = t.seq_methods == index
             batch = DraftBatch(
                 inputs=inputs,

@@ -52,6 +52,7 @@ class Drafter:
         self.proposers = make_proposers(config, runner, suffix_index)
         self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
         """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
+        self.own = own_proposer(self.device_methods, config.method)
         self.chain_steps = {"mtp": config.mtp_steps, "draft_model": config.k}
         """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
         self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
@@ -140,7 +141,9 @@ class Drafter:
         num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
         ks = [self._reserve_chain(seq, k, num_new[seq.request_id]) for seq, k in zip(seqs, ks)]
         chains = [k for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps]
-        return StepPlan(seqs, ks, max(chains, default=0), [self.method_index(seq) for seq in seqs])
+        methods = [self.method_index(seq) for seq in seqs]
+        only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
+        return StepPlan(seqs, ks, max(chains, default=0), methods, only)
 
     def method_index(self, seq: Sequence) -> int:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
@@ -240,6 +243,15 @@ def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dic
     if runner.draft_model is not None:
         proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)
     return proposers
+
+
+def own_proposer(device_methods: list[str], method: str) -> int | None:
+    """The server's own device proposer, where the tail carries others too (n-gram for requests
+    that ask for it): steps whose requests all use the server's method run it alone, from CUDA
+    graphs of their own. None where there is nothing to leave out."""
+    if method not in device_methods or len(device_methods) == 1:
+        return None
+    return device_methods.index(method)
 
 
 def fit_draft_budget(ks: list[int], acceptance: list[float], budget: int) -> list[int]:

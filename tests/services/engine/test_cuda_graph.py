@@ -4,7 +4,9 @@ steps for every drafting method, one output buffer for every graph."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from services.engine.llm import LLM
 from services.engine.verify_update import StepPlan
 from shared.model import load_model
 from shared.sampling_params import SamplingParams
+from shared.speculative_config import SpeculativeOverride
 from shared.tokenizer import Tokenizer
 from tests.services.engine.spec_decode.helpers import repetitive_prompts
 
@@ -65,12 +68,12 @@ class EagerGraphs(DecodeGraphs):
         for bucket, query_len in self.shapes():
             forward = functools.partial(self._forward, bucket, query_len)
             self.graphs[bucket, query_len] = EagerGraph(forward)  # type: ignore[assignment]
-            for chain in self.chain_lengths:
-                plan = StepPlan([], [], chain)
+            for chain, only in itertools.product(self.chain_lengths, self.onlys):
+                plan = StepPlan([], [], chain, only=only)
                 width = self.tail.width(self.max_rows(query_len))
                 out = torch.empty(self.num_rows(bucket), width, dtype=torch.int32)
                 run = functools.partial(self._run_tail, bucket, query_len, plan)
-                self.tails[bucket, query_len, chain] = (EagerGraph(run, out), out)  # type: ignore[assignment]
+                self.tails[bucket, query_len, chain, only] = (EagerGraph(run, out), out)  # type: ignore[assignment]
 
     def _run_tail(self, bucket: int, query_len: int, plan: StepPlan) -> torch.Tensor:
         rows = self.num_rows(bucket)
@@ -91,6 +94,7 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         max_tokens,
         [1, 1 + k] + ([prefill_len] if prefill_len else []),
         list(range(k + 1)),
+        [None] if drafter.own is None else [None, drafter.own],
         runner.max_model_len,
         runner.block_size,
         runner.config.max_num_seqs,
@@ -162,6 +166,50 @@ def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sa
         if fake is not None:
             assert fake.num_tail_replays > 10
     assert outputs[1] == outputs[0]
+
+
+def recording(plan: Callable[..., StepPlan], planned: list[StepPlan]) -> Callable[..., StepPlan]:
+    """`plan`, keeping what it returns in `planned`."""
+
+    def record(*args: Any, **kwargs: Any) -> StepPlan:
+        planned.append(plan(*args, **kwargs))
+        return planned[-1]
+
+    return record
+
+
+def test_the_servers_own_proposer_runs_alone_unless_a_request_asks_for_another(make_checkpoint) -> None:
+    """On an MTP server, a step whose requests all draft with the MTP head replays tails that run
+    only the head; once a request asks for n-gram drafting its steps run both proposers. The tokens
+    and acceptance equal the eager engine's either way."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = fixed_k_spec("mtp", path)
+    prompts = repetitive_prompts(5, seed=5)
+    ngram = SpeculativeOverride(method="ngram")
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=8 + 2 * i, ignore_eos=True, speculative=ngram if i == 4 else None
+        )
+        for i in range(5)
+    ]
+    outputs, onlys = [], []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", max_model_len=192, speculative_config=spec)
+        drafter = llm.engine.drafter
+        fake = with_eager_graphs(llm, max_tokens=24) if graphs else None
+        drafter.max_graph_tokens = 24
+        planned: list[StepPlan] = []
+        drafter.plan = recording(drafter.plan, planned)  # type: ignore[method-assign]
+        first = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4])
+        mixed = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in first + mixed])
+        onlys.append({p.only for p in planned})
+        if fake is not None:
+            assert fake.num_tail_replays > 10
+    assert outputs[1] == outputs[0]
+    mtp = drafter.device_methods.index("mtp")
+    assert drafter.own == mtp
+    assert onlys[1] == {mtp, None}
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
