@@ -33,8 +33,9 @@ class DraftModelProposer(Proposer):
         # padding requests read the scratch row, which holds whatever padding appended
         token = inputs.token_rows[slots, newest].long().clamp(0, self.model.config.vocab_size - 1)
         draft_ids = []
-        for step in range(batch.num_steps):
-            positions, meta = batch.chain_inputs(newest + step, step, self.block_size)
+        for step, (positions, meta) in enumerate(
+            batch.chain_inputs(newest, 0, batch.num_steps, self.block_size)
+        ):
             hidden = self.model(token, positions, self.kv_caches, meta)
             token = batch.sample(self.model.compute_logits(hidden), step)
             draft_ids.append(token)

@@ -44,13 +44,11 @@ class MTPProposer(Proposer):
         hidden = head_hidden.index_select(0, rows)
         newest = forward.positions.index_select(0, rows) + 1  # each request's newest token's position
         num_steps = min(batch.num_steps, self.num_steps)
-        draft_ids = []
-        for step in range(num_steps):
-            draft = batch.sample(self.head.logits(hidden), step)
-            draft_ids.append(draft)
-            if step + 1 < num_steps:
-                positions, meta = batch.chain_inputs(newest + step, step + 1, self.block_size)
-                hidden = self.head(draft, positions, hidden, self.kv_cache, meta)
+        chain = batch.chain_inputs(newest, 1, num_steps - 1, self.block_size) if num_steps > 1 else []
+        draft_ids = [batch.sample(self.head.logits(hidden), 0)]
+        for step, (positions, meta) in enumerate(chain, start=1):
+            hidden = self.head(draft_ids[-1], positions, hidden, self.kv_cache, meta)
+            draft_ids.append(batch.sample(self.head.logits(hidden), step))
         token_ids = torch.stack(draft_ids, dim=1).int()
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, len(draft_ids)))
         if self.ngram is not None and batch.num_steps > len(draft_ids):

@@ -94,31 +94,39 @@ class DraftBatch:
         return self.forward.meta.block_tables[self.seq_rows]
 
     def chain_inputs(
-        self, positions: torch.Tensor, step: int, block_size: int
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Positions and attention metadata of one chained drafting forward: one new token per
-        request at `positions` ([num_seqs] int64), over the request's blocks. Requests that want at
-        most `step` drafts (their blocks may not reach that far) sit at position 0, write no KV
-        and attend to one key: their rows are not used."""
+        self, first: torch.Tensor, first_step: int, num_forwards: int, block_size: int
+    ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """Positions and attention metadata of a chain of drafting forwards, computed at once:
+        forward j brings one new token per request at `first + j` (`first` [num_seqs] int64), over
+        the request's blocks. Requests that want at most `first_step + j` drafts (their blocks may
+        not reach that far) sit at position 0 in forward j, write no KV and attend to one key:
+        their rows are not used."""
         assert self.forward is not None
         tables = self._tables
-        drafting = self.num_wanted > step
-        positions = torch.where(drafting, positions, 0)
-        blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
+        offsets = torch.arange(num_forwards, device=first.device)[:, None]
+        drafting = self.num_wanted[None, :] > offsets + first_step
+        positions = torch.where(drafting, first[None, :] + offsets, 0)  # [num_forwards, num_seqs]
+        blocks = tables.t().gather(0, positions // block_size).long()
         slots = torch.where(drafting, blocks * block_size + positions % block_size, -1)
-        num_seqs = positions.shape[0]
         seq_lens = (positions + 1).int()
-        on_host = not kernels.cuda_available(positions)  # the torch twin reads lengths on the host
-        return positions, AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=self._sampling.rows,  # one query token per request
-            seq_lens=seq_lens,
-            block_tables=tables,
-            query_lens_cpu=[1] * num_seqs,
-            seq_lens_cpu=seq_lens.tolist() if on_host else [1] * num_seqs,
-            max_query_len=1,
-            max_seq_len=self.forward.max_seq_len,
-        )
+        num_seqs = first.shape[0]
+        on_host = not kernels.cuda_available(first)  # the torch twin reads lengths on the host
+        return [
+            (
+                positions[j],
+                AttentionMetadata(
+                    slot_mapping=slots[j],
+                    query_start_loc=self._sampling.rows,  # one query token per request
+                    seq_lens=seq_lens[j],
+                    block_tables=tables,
+                    query_lens_cpu=[1] * num_seqs,
+                    seq_lens_cpu=seq_lens[j].tolist() if on_host else [1] * num_seqs,
+                    max_query_len=1,
+                    max_seq_len=self.forward.max_seq_len,
+                ),
+            )
+            for j in range(num_forwards)
+        ]
 
 
 @dataclass
