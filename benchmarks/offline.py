@@ -146,13 +146,18 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
+    """The engine of a cell, warmed up, its start-up frozen out of garbage collection as the
+    worker's engine core freezes it (`free_memory` thaws it once the cell is done)."""
     engine = LLMEngine(config)
     warm_up(engine)
+    gc.collect()
+    gc.freeze()
     return engine
 
 
 def free_memory() -> None:
     """Returns a dropped engine's memory (the next cell's engine sizes its KV cache from what is free)."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import select
@@ -332,6 +333,14 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def freeze_start_up() -> None:
+    """What start-up made (the model's modules, graphs, tokenizer, tables) lives as long as this
+    process: full garbage collections skip it from now on instead of walking all of it, which
+    paused a step for ~150 ms at a time at 256 requests."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(channel: BlockingChannel) -> int:
     options: CoreOptions = channel.recv()
     suffix = None
@@ -344,6 +353,7 @@ def serve(channel: BlockingChannel) -> int:
             # a pool of intra-op threads spinning after each would take the cores of the mesh's
             # other processes
             torch.set_num_threads(1)
+        freeze_start_up()
     except Exception as exc:
         logger.exception("the engine could not be built")
         channel.send(EngineInfo(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
