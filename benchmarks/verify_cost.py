@@ -158,7 +158,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 row["kernels"] = {
                     "forward": kernel_table(graphs.graphs[key]),
-                    "tail": kernel_table(graphs.tails[(*key, max(graphs.chain_lengths), own_tail(graphs))][0]),
+                    "tail": kernel_table(
+                        graphs.tails[(*key, max(graphs.chain_lengths), own_tail(graphs))][0]
+                    ),
                 }
             rows.append(row)
             print(json.dumps({name: value for name, value in row.items() if name != "kernels"}), flush=True)

@@ -25,6 +25,11 @@ from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.verify_ref import verify_sample_ref
 
 
+def compiled_variants() -> int:
+    """CUDA kernel variants built so far in this process (0 without CuPy)."""
+    return _cuda.compiled_variants()
+
+
 def cuda_available(*tensors: torch.Tensor) -> bool:
     """True when the CUDA kernels run for these tensors (all on CUDA, CuPy importable)."""
     return _cuda.available(*tensors)
@@ -252,6 +257,7 @@ def post_step_update(
 
 
 __all__ = [
+    "compiled_variants",
     "AttentionMetadata",
     "append_attention",
     "cuda_available",

@@ -114,6 +114,11 @@ def _kernel(source: str, name: str, defines: tuple[tuple[str, int], ...], arch: 
     return cupy.RawKernel(source, name, options=options)
 
 
+def compiled_variants() -> int:
+    """Kernel variants built so far in this process (each is compiled on its first launch)."""
+    return _kernel.cache_info().currsize
+
+
 def function(source: str, name: str, device: torch.device, **defines: int) -> Any:
     """The kernel `name` of `source` compiled with the given -D macros (cached per variant)."""
     return _kernel(source, name, tuple(sorted(defines.items())), _arch(device))
