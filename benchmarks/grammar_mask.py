@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from services.engine.sampler import apply_bitmask
@@ -226,10 +225,10 @@ def decode_steps_ms(engine: Any, batch: int, params: SamplingParams) -> list[flo
     return times[1:]  # the first decode step still brings the first drafts' set-up
 
 
-def timed(record: list[float], fill: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+def timed(record: list[float], fill: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`fill`, appending the host time of each call (ms) to `record`."""
 
-    def wrapper(*args: Any) -> np.ndarray:
+    def wrapper(*args: Any) -> torch.Tensor:
         started = time.perf_counter()
         masks = fill(*args)
         record.append(1e3 * (time.perf_counter() - started))

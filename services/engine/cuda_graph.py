@@ -427,15 +427,10 @@ class DecodeGraphs:
         self.num_mixed_replays += not step.is_decode
         return self.tensors(bucket, query_len)
 
-    def replay(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
-        """Forward and tail; [num_sampled, width] int32 packed results of the real requests (a
-        view of the tail's output, which the next replay overwrites)."""
-        self.replay_forward(step, key)
-        return self.replay_tail(step, key, plan)
-
     def replay_tail(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
-        """The tail of a step whose forward `replay_forward` replayed (and whose grammar rows'
-        masks are in `self.bitmask`): as `replay`."""
+        """The tail of a step whose forward `replay_forward` replayed (its grammar rows' masks in
+        `self.bitmask`); [num_sampled, width] int32 packed results of the real requests (a view of
+        the tail's output, which the next replay overwrites)."""
         graph, packed = self.tails[(*key, plan.num_steps)]
         graph.replay()
         self.num_tail_replays += 1

@@ -57,8 +57,8 @@ class StepMasks:
         self._host = torch.empty(0, self.num_words, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
 
-    def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> np.ndarray:
-        """[num_rows, num_words] int32: request i's rows `cu_num_rows[i] ..` get the masks of its
+    def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> torch.Tensor:
+        """[num_rows, num_words] int32 on the host: request i's rows `cu_num_rows[i] ..` get the masks of its
         grammar after its first drafts (every token allowed where the grammar is terminated or a
         draft was refused before); rows of requests without a grammar are left unwritten."""
         host = self._buffer(int(cu_num_rows[-1]))
@@ -66,11 +66,11 @@ class StepMasks:
             if seq.grammar is not None:
                 host[start:end] = -1
                 seq.grammar.fill_rows(seq.spec.draft_token_ids[: end - start - 1], host, start)
-        return host.numpy()
+        return host
 
-    def copy_to(self, masks: np.ndarray, out: torch.Tensor) -> None:
+    def copy_to(self, masks: torch.Tensor, out: torch.Tensor) -> None:
         """`masks` into `out` ([num_rows, num_words] on the device), queued behind the step's work."""
-        out.copy_(torch.from_numpy(masks), non_blocking=True)
+        out.copy_(masks, non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -327,7 +327,8 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
             assert graphs.num_tail_replays == 0  # penalties are applied by the eager verifier
         else:
             assert graphs.num_tail_replays == graphs.num_replays
-        if method != "naive" and sampling != "penalty":  # a repetition penalty rejects repeats
+        # a repetition penalty rejects repeats; a random model's drafts rarely follow a grammar
+        if method != "naive" and sampling not in ("penalty", "grammar"):
             assert sum(o.spec_stats["num_accepted_tokens"] for o in generated) > 0
     if dtype == "float32":
         assert outputs[False] == outputs[True]
