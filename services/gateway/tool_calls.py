@@ -385,8 +385,9 @@ class ToolCallStream:
             return []
         scanner = self._scanner
         if scanner is not None and scanner.num_calls + scanner.in_call > 0:
-            rest = scanner.text[scanner.last_call_end :].strip(" \t\r\n;]")
-            return [ChatDelta(content=rest)] if rest and not scanner.in_call else []
+            # after calls: text that is no call is content; a call cut short, or the start of one, is not
+            rest = scanner.text[scanner.last_call_end :].strip(" \t\r\n;,]")
+            return [ChatDelta(content=rest)] if rest and scanner.failed and not scanner.in_call else []
         if not held:
             return []
         content, calls = parse_tool_calls(self.plan, held)

@@ -312,6 +312,27 @@ def test_calls_stream_their_name_first_then_their_arguments_as_they_come(plan: T
     assert not streamed_content([d for deltas in steps for d in deltas])
 
 
+@pytest.mark.parametrize(
+    ("plan", "text", "content", "calls"),
+    [
+        (ToolPlan("required"), '[{"name": "f", "parameters": {"a": 1}}, {"na', "", [("f", '{"a": 1}')]),
+        (
+            ToolPlan("auto", parser="llama3_json"),
+            '{"name": "f", "parameters": {}} and then text',
+            "and then text",
+            [("f", "{}")],
+        ),
+        (ToolPlan("auto", parser="llama3_json"), '{"name": "f"}', "", [("f", "{}")]),
+    ],
+)
+def test_what_follows_the_streamed_calls(plan: ToolPlan, text: str, content: str, calls: list) -> None:
+    """After whole calls, a call cut off before its name sends nothing, text that is no call is
+    content, and a call without arguments has arguments `{}`."""
+    deltas = stream_in_pieces(ToolCallStream(plan), text, 3)
+    assert streamed_calls(deltas) == calls
+    assert streamed_content(deltas) == content
+
+
 def test_hermes_stream_holds_back_a_marker_split_over_deltas() -> None:
     stream = ToolCallStream(ToolPlan("auto", parser="hermes"))
     text = "a <tool_c"
