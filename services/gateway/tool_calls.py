@@ -291,7 +291,7 @@ class CallScanner:
             elif self._depth == level + 1:
                 self._value_starts(i)
         elif c in "}]":
-            if self._depth == level + 1 and self._key_is_arguments():
+            if self._depth == level + 1 and self._key_is_arguments() and self._args_end < 0:
                 self._args_end = i + 1
             if self._depth == level:
                 self._value_ends(i)
