@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from benchmarks.dataset import BenchRequest
 from benchmarks.metrics import RequestRecord, SpecCounts
+from shared.structured_output import StructuredOutput
 
 Send = Callable[[BenchRequest], Awaitable[RequestRecord]]
 
@@ -31,6 +32,8 @@ class Sampling:
     ignore_eos: bool = False
     seed: int | None = None
     top_p: float = 1.0
+    structured: StructuredOutput | None = None
+    """The grammar every output follows (the offline benchmark's `--json-schema`)."""
 
 
 def arrival_offsets(num_requests: int, request_rate: float | None, seed: int = 0) -> list[float]:

@@ -1,12 +1,21 @@
-"""Per-step token-mask cost of the grammar engines on the shipped model's vocabulary, side by side.
+"""Per-step token-mask cost of structured output: the grammar engines on the host, side by side,
+and (`--engine-model`) what a grammar adds to the engine's decode step.
 
     python -m benchmarks.grammar_mask --batch 1 64
+    python -m benchmarks.grammar_mask --engine-model /tmp/widened-llama-3.2-1b/target --device cuda \
+        --batch 1 64 --out grammar-mask.json
 
 For each engine (llguidance, xgrammar: whichever is importable) and each workload (a JSON schema,
 free JSON, a regex): the compile time of the grammar, then the host time of one decode step's
 masks: every row of the batch advanced by one token of a legal answer and its next-token bitmask
 filled, plus the bitmask applied to a [batch, vocab] float32 logits tensor. A speculative step
 fills one mask per verified row; the per-row figure is the same work.
+
+With `--engine-model` (a checkpoint: on a GPU, the 1B-cost widened target of benchmarks.widen), the
+engine decodes `batch` requests side by side twice: plain, then each constrained to a JSON schema
+that cannot end before max_tokens (so every step masks every row). The figure is the median decode
+step with the grammar against the plain one (the goal: at most 5% more), beside the host time
+spent filling the masks per step, which runs while the forward runs.
 """
 
 from __future__ import annotations
@@ -15,12 +24,15 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.engine.sampler import apply_bitmask
+from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 MODEL = Path("models/specmesh-code-15m")
 SCHEMA = {
@@ -54,6 +66,24 @@ WORKLOADS: dict[str, tuple[str, str, str]] = {
     "json_object": ("json_object", "", ANSWER),
     "regex": ("regex", REGEX, REGEX_ANSWER),
 }
+
+
+LONG_SCHEMA = {
+    "type": "array",
+    "minItems": 512,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "count": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "count", "ok"],
+        "additionalProperties": False,
+    },
+}
+"""The engine mode's grammar: an answer this long outlasts any max_tokens measured."""
+ENGINE_PROMPT = "# the inventory as JSON: name, count, ok\n"
 
 
 class Engine:
@@ -177,13 +207,98 @@ def time_workload(
     }
 
 
+def decode_steps_ms(engine: Any, batch: int, params: SamplingParams) -> list[float]:
+    """Wall time of each step of `batch` requests decoding together (steps that carry a prompt are
+    left out), in ms."""
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompt=ENGINE_PROMPT, params=params)
+    times = []
+    while engine.has_unfinished_requests():
+        scheduler = engine.scheduler
+        prefilling = bool(scheduler.waiting) or any(
+            seq.num_computed_tokens < seq.num_prompt_tokens for seq in scheduler.running
+        )
+        started = time.perf_counter()
+        engine.step()
+        if not prefilling:
+            times.append(1e3 * (time.perf_counter() - started))
+    return times[1:]  # the first decode step still brings the first drafts' set-up
+
+
+def timed(record: list[float], fill: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fill`, appending the host time of each call (ms) to `record`."""
+
+    def wrapper(*args: Any) -> torch.Tensor:
+        started = time.perf_counter()
+        masks = fill(*args)
+        record.append(1e3 * (time.perf_counter() - started))
+        return masks
+
+    return wrapper
+
+
+def engine_step_cost(
+    model: str, device: str, dtype: str, batches: list[int], max_tokens: int, repeats: int
+) -> list[dict]:
+    """Per batch: the median decode step plain and with every request under LONG_SCHEMA (runs
+    interleaved `repeats` times, the smallest median kept), and the median host time of one step's
+    mask filling."""
+    from services.engine.llm import LLM
+
+    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=max(batches), max_model_len=512)
+    engine = llm.engine
+    fills: list[float] = []
+    masks = engine.runner.step_masks
+    masks.fill = timed(fills, masks.fill)  # type: ignore[method-assign]
+    plain = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    constrained = plain.model_copy(update={"structured": StructuredOutput.json_schema(LONG_SCHEMA)})
+    decode_steps_ms(engine, 1, constrained)  # warm-up: compiles the grammar, fills the caches
+    rows = []
+    for batch in batches:
+        plain_ms = grammar_ms = float("inf")
+        fills.clear()
+        for _ in range(repeats):
+            plain_ms = min(plain_ms, statistics.median(decode_steps_ms(engine, batch, plain)))
+            grammar_ms = min(grammar_ms, statistics.median(decode_steps_ms(engine, batch, constrained)))
+        rows.append(
+            {
+                "batch": batch,
+                "plain_step_ms": plain_ms,
+                "grammar_step_ms": grammar_ms,
+                "mask_cost_ms": grammar_ms - plain_ms,
+                "mask_cost_fraction": (grammar_ms - plain_ms) / plain_ms,
+                "host_fill_ms_median": statistics.median(fills) if fills else None,
+                "num_fills": len(fills),
+            }
+        )
+        print(
+            f"batch {batch:>3}: plain step {plain_ms:.3f} ms, with the grammar {grammar_ms:.3f} ms "
+            f"({100 * rows[-1]['mask_cost_fraction']:+.1f}%), host fill {rows[-1]['host_fill_ms_median'] or 0:.3f} ms/step"
+        )
+    llm.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="rows per step (default: 1 64)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the best is kept (default: 3)")
+    parser.add_argument("--engine-model", help="a checkpoint: time the engine's decode step with a grammar")
+    parser.add_argument("--device", default="cuda", help="the engine's device (default: cuda)")
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (default: bfloat16)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    parser.add_argument("--out", type=Path, help="write the engine mode's result JSON here")
     args = parser.parse_args(argv)
+    if args.engine_model:
+        rows = engine_step_cost(
+            args.engine_model, args.device, args.dtype, args.batch, args.max_tokens, args.repeats
+        )
+        if args.out:
+            result = {"model": args.engine_model, "device": device_name(args.device), "rows": rows}
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     from shared.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(MODEL)
@@ -203,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"{engine.name:<11} {workload:<12} {batch:>5}  {min(r['compile_ms'] for r in runs):>10.2f}"
                     f"  {best['step_ms_median']:>12.3f}  {best['step_ms_p90']:>12.3f}  {best['apply_ms_median']:>13.3f}"
                 )
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ the engine at once (the engine's `max_num_seqs` too); `--request-rate` makes arr
 process instead of a closed loop. TTFT counts from a request's arrival to the end of the step that
 produced its first token; TPOT and ITL come from the step timestamps. `--k-sweep` re-runs each
 method with several k at the first concurrency (acceptance vs k); `--hf-baseline` adds Hugging Face
-`generate()` (plain and prompt lookup) at concurrency 1 on the same model and device.
+`generate()` (plain and prompt lookup) at concurrency 1 on the same model and device;
+`--json-schema` constrains every output to a schema (structured output under speculation).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import time
@@ -47,6 +49,7 @@ from shared.config import EngineConfig
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig
+from shared.structured_output import StructuredOutput, StructuredOutputError
 
 DEFAULT_CONCURRENCY = (1, 16, 64, 256)
 
@@ -61,6 +64,7 @@ def sampling_params(request: BenchRequest, sampling: Sampling) -> SamplingParams
         max_tokens=request.max_tokens,
         ignore_eos=sampling.ignore_eos,
         seed=sampling.seed,
+        structured=sampling.structured,
     )
 
 
@@ -421,7 +425,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--hf-device", default="auto", help="auto: the engine's device")
     group.add_argument("--hf-prompt-lookup-num-tokens", type=int, default=10)
+    group.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="constrain every output to this JSON schema (JSON text, or the path of a .json file), as "
+        "the API's response_format json_schema does",
+    )
     return parser
+
+
+def json_schema_grammar(schema: str) -> StructuredOutput:
+    """The grammar of `--json-schema`: a file's schema or the text itself; checked by the engine's
+    grammar library, so a bad schema fails here with its reason."""
+    path = Path(schema)
+    text = path.read_text() if schema.endswith(".json") and path.is_file() else schema
+    try:
+        structured = StructuredOutput.json_schema(text)
+        structured.check()
+    except StructuredOutputError as exc:
+        raise SystemExit(f"--json-schema: {exc}") from None
+    return structured
 
 
 def cell_requests(workload: str, concurrency: int | None, args: argparse.Namespace) -> list[BenchRequest]:
@@ -444,7 +467,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.hf_device_resolved = resolve_hf_device(base, args)
     cells: list[Cell] = []
     sweep: list[dict[str, Any]] = []
-    extra = {"concurrency": args.concurrency, "k_sweep": args.k_sweep, "engine": base.model_dump(mode="json")}
+    extra = {
+        "concurrency": args.concurrency,
+        "k_sweep": args.k_sweep,
+        "engine": base.model_dump(mode="json"),
+        "json_schema": args.json_schema,
+    }
 
     def result(complete: bool) -> dict[str, Any]:
         header = result_header("offline", args.model, settings(args, extra))
@@ -475,6 +503,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     finish_args(args)
+    if args.json_schema:
+        args.sampling = dataclasses.replace(args.sampling, structured=json_schema_grammar(args.json_schema))
     args.out = args.out or Path("benchmarks/results/offline.json")
     result = run(args)
     save_and_print(result, args.out, plot=not args.no_plots)

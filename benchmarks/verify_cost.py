@@ -58,6 +58,7 @@ def synthetic_step(
         row_positions=np.zeros(num_tokens, dtype=np.int64),
         draft_ids=rng.integers(0, graphs.logits.shape[1], num_tokens).astype(np.int32),
         request_of_row=seq_of_token.astype(np.int32),
+        masked_rows=np.zeros(num_tokens, dtype=np.int32),
         cu_num_rows=np.arange(0, num_tokens + 1, query_len, dtype=np.int32),
         seq_slots=np.full(batch, scratch, dtype=np.int64),
         seq_rows=np.arange(batch, dtype=np.int64),

@@ -213,15 +213,20 @@ def verify_sample(
     policy: int = 0,
     max_rows: int | None = None,
     request_of_row: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    masked_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `verify_sample_ref`; `max_rows` (the most rows of one request, the tokens' width) and
-    `request_of_row` ([num_rows] int32) spare the CUDA kernel a host read of `cu_num_rows`."""
+    `request_of_row` ([num_rows] int32) spare the CUDA kernel a host read of `cu_num_rows`;
+    `bitmask` ([num_rows, num_words] int32) and `masked_rows` ([num_rows] int32) constrain the rows
+    marked to their grammar's tokens (both or neither)."""
     rows = (temperature, top_k, top_p, min_p, seeds, positions, draft_ids, cu_num_rows)
+    masks = (bitmask, masked_rows)
     if _cuda.available(logits):
         from kernels.verify import verify_sample_cuda
 
-        return verify_sample_cuda(logits, *rows, strategy, policy, max_rows, request_of_row)
-    return verify_sample_ref(logits, *rows, strategy, policy, max_rows)
+        return verify_sample_cuda(logits, *rows, strategy, policy, max_rows, request_of_row, *masks)
+    return verify_sample_ref(logits, *rows, strategy, policy, max_rows, *masks)
 
 
 def post_step_update(

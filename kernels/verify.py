@@ -9,6 +9,10 @@ reference); and whether the row's draft passes. The last block of a request to f
 counter per request) walks the request's rows, accepts the leading passing drafts and writes the
 emitted tokens, so acceptance needs no second launch and no host round trip.
 
+A row marked in `masked_rows` reads its grammar's bitmask as it reads its logits: a token whose
+bit is clear counts as a logit of -inf in every pass, so the mask costs one 4-byte word per 32
+logits and no pass of its own; unmarked rows read no mask.
+
 Covered: one-hot drafts (model-free methods, greedy model drafts) with every strategy and accept
 policy. Rows whose drafts carry a draft distribution (rejection sampling against a draft model's
 probabilities) and requests that want logprobs stay on the torch path (RejectionSampler).
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 
 from kernels import _cuda
-from kernels.verify_ref import NORMAL
+from kernels.verify_ref import NORMAL, num_mask_words
 
 THREADS = 512
 
@@ -44,19 +48,32 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
     return z ^ (z >> 31);
 }
 
-/* Calls f(value, index) for every logit of a row, 16-byte loads when the row allows. */
+/* The logit of token i under the row's grammar mask (null: no mask): -inf where its bit is clear. */
+__device__ __forceinline__ float masked(float x, const unsigned* __restrict__ mask, int i) {
+    return mask == nullptr || ((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u) ? x : NEG_INF;
+}
+
+/* Calls f(value, index) for every logit of a row (masked), 16-byte loads when the row allows. */
 template <class F>
-__device__ __forceinline__ void scan_row(const float* __restrict__ row, int vocab, F f) {
+__device__ __forceinline__ void scan_row(const float* __restrict__ row, const unsigned* __restrict__ mask,
+                                         int vocab, F f) {
     if ((vocab & 3) == 0) {
         const float4* row4 = reinterpret_cast<const float4*>(row);
         const int n4 = vocab >> 2;
 #pragma unroll 4
         for (int j = threadIdx.x; j < n4; j += THREADS) {
-            const float4 v = __ldg(row4 + j);
+            float4 v = __ldg(row4 + j);
+            if (mask != nullptr) {  /* 4 | 32: the four tokens share one word */
+                const unsigned bits = __ldg(mask + (j >> 3)) >> ((4 * j) & 31);
+                if (!(bits & 1u)) v.x = NEG_INF;
+                if (!(bits & 2u)) v.y = NEG_INF;
+                if (!(bits & 4u)) v.z = NEG_INF;
+                if (!(bits & 8u)) v.w = NEG_INF;
+            }
             f(v.x, 4 * j); f(v.y, 4 * j + 1); f(v.z, 4 * j + 2); f(v.w, 4 * j + 3);
         }
     } else {
-        for (int i = threadIdx.x; i < vocab; i += THREADS) f(__ldg(row + i), i);
+        for (int i = threadIdx.x; i < vocab; i += THREADS) f(masked(__ldg(row + i), mask, i), i);
     }
 }
 
@@ -94,25 +111,27 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
     }
 }
 
-/* Radix step: given candidates (bits >= lower and bits matching prefix under mask), returns the
-   digit at `shift` where the running count (COUNT) or mass (!COUNT) from the top reaches `target`;
-   `above` accumulates what lies in higher digits. Returns -1 if the target is never reached. */
 /* The target probability of token i, computed as the reference does: exp(l / t - max) / sum. */
-__device__ __forceinline__ float prob(const float* __restrict__ row, int i, float t, float m, float z) {
-    return expf(row[i] / t - m) / z;
+__device__ __forceinline__ float prob(const float* __restrict__ row, const unsigned* __restrict__ mask, int i,
+                                      float t, float m, float z) {
+    return expf(masked(row[i], mask, i) / t - m) / z;
 }
 
+/* Radix step: given candidates (bits >= lower and bits matching prefix under digits), returns the
+   digit at `shift` where the running count (COUNT) or mass (!COUNT) from the top reaches `target`;
+   `above` accumulates what lies in higher digits. Returns -1 if the target is never reached. */
 template <bool COUNT>
-__device__ int radix_digit(const float* __restrict__ row, int vocab, float t, float m, float z,
-                           unsigned lower, unsigned prefix, unsigned mask, int shift, float target,
+__device__ int radix_digit(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab,
+                           float t, float m, float z,
+                           unsigned lower, unsigned prefix, unsigned digits, int shift, float target,
                            float* above, float* hist)
 {
     for (int b = threadIdx.x; b < 256; b += THREADS) hist[b] = 0.f;
     __syncthreads();
-    scan_row(row, vocab, [&](float x, int) {
+    scan_row(row, mask, vocab, [&](float x, int) {
         const float q = expf(x / t - m) / z;
         const unsigned bits = __float_as_uint(q);
-        if (bits >= lower && (bits & mask) == prefix)
+        if (bits >= lower && (bits & digits) == prefix)
             atomicAdd(&hist[(bits >> shift) & 255], COUNT ? 1.f : q);
     });
     __syncthreads();
@@ -135,27 +154,28 @@ __device__ int radix_digit(const float* __restrict__ row, int vocab, float t, fl
 /* Smallest bit pattern kept: the k-th largest (COUNT, target = k) or the last element of the
    shortest top set whose mass reaches target (!COUNT); `lower` if the target is never reached. */
 template <bool COUNT>
-__device__ unsigned radix_select(const float* __restrict__ row, int vocab, float t, float m, float z,
+__device__ unsigned radix_select(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab,
+                                 float t, float m, float z,
                                  unsigned lower, float target, float* hist, float* above_s)
 {
     if (threadIdx.x == 0) *above_s = 0.f;
     __syncthreads();
-    unsigned prefix = 0, mask = 0;
+    unsigned prefix = 0, digits = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        const int d = radix_digit<COUNT>(row, vocab, t, m, z, lower, prefix, mask, shift, target,
+        const int d = radix_digit<COUNT>(row, mask, vocab, t, m, z, lower, prefix, digits, shift, target,
                                          above_s, hist);
         if (d < 0) return lower;
         prefix |= ((unsigned)d) << shift;
-        mask |= 255u << shift;
+        digits |= 255u << shift;
     }
     return prefix > lower ? prefix : lower;
 }
 
-__device__ float kept_sum(const float* __restrict__ row, int vocab, float t, float m, float z,
-                          unsigned lower, float* scratch)
+__device__ float kept_sum(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab, float t,
+                          float m, float z, unsigned lower, float* scratch)
 {
     float s = 0.f;
-    scan_row(row, vocab, [&](float x, int) {
+    scan_row(row, mask, vocab, [&](float x, int) {
         const float q = expf(x / t - m) / z;
         if (__float_as_uint(q) >= lower) s += q;
     });
@@ -177,7 +197,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     int* __restrict__ counters,                /* [num_reqs], zero; left zero */
     int* __restrict__ token_ids,               /* [num_reqs, max_rows] */
     int* __restrict__ num_accepted,            /* [num_reqs] */
-    int vocab, int max_rows, int strategy, int policy)
+    const unsigned* __restrict__ bitmask,      /* [num_rows, num_words] grammar masks, or null */
+    const int* __restrict__ masked_rows,       /* [num_rows] nonzero: the row's mask applies; or null */
+    int vocab, int num_words, int max_rows, int strategy, int policy)
 {
     __shared__ float hist[256];
     __shared__ float scratch[32];
@@ -188,10 +210,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     const float* row = logits + (long long)r * vocab;
     const float t = temperature[r];
     const int draft = draft_ids[r];
+    const unsigned* mask = masked_rows != nullptr && masked_rows[r] ? bitmask + (long long)r * num_words : nullptr;
 
     /* pass 1: argmax of the logits (greedy id) */
     float best = NEG_INF; int best_i = 0x7fffffff;
-    scan_row(row, vocab, [&](float x, int i) { better(best, best_i, x, i); });
+    scan_row(row, mask, vocab, [&](float x, int i) { better(best, best_i, x, i); });
     block_argmax(best, best_i, scratch, scratch_i);
     const int greedy_id = best_i;
     int sampled_id = greedy_id;
@@ -201,25 +224,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
         /* max(l / t) = max(l) / t exactly: division by t > 0 is monotone */
         const float m = best / t;
         float z = 0.f;
-        scan_row(row, vocab, [&](float x, int) { z += expf(x / t - m); });
+        scan_row(row, mask, vocab, [&](float x, int) { z += expf(x / t - m); });
         z = block_sum(z, scratch);
         /* candidates: bits(q) >= lower */
         unsigned lower = 1u;  /* q > 0 */
         const float mp = min_p[r];
         if (mp > 0.f) lower = max(lower, __float_as_uint(mp * (1.f / z)));
         const int k = top_k[r];
-        if (k > 0 && k < vocab) lower = radix_select<true>(row, vocab, t, m, z, lower, (float)k, hist, &above_s);
+        if (k > 0 && k < vocab) lower = radix_select<true>(row, mask, vocab, t, m, z, lower, (float)k, hist, &above_s);
         const float tp = top_p[r];
         if (tp < 1.f) {
-            const float s2 = kept_sum(row, vocab, t, m, z, lower, scratch);
-            lower = radix_select<false>(row, vocab, t, m, z, lower, tp * s2, hist, &above_s);
+            const float s2 = kept_sum(row, mask, vocab, t, m, z, lower, scratch);
+            lower = radix_select<false>(row, mask, vocab, t, m, z, lower, tp * s2, hist, &above_s);
         }
-        const float total = kept_sum(row, vocab, t, m, z, lower, scratch);
+        const float total = kept_sum(row, mask, vocab, t, m, z, lower, scratch);
         /* sample: argmax over kept tokens of (q / total) / e, e = -log(u) keyed by (seed, position, column) */
         const unsigned long long key = splitmix64((unsigned long long)seeds[r] ^
             splitmix64((unsigned long long)positions[r] * 4ull + STREAM_TARGET));
         float sbest = NEG_INF; int sbest_i = 0x7fffffff;
-        scan_row(row, vocab, [&](float x, int i) {
+        scan_row(row, mask, vocab, [&](float x, int i) {
             const float q = expf(x / t - m) / z;
             if (__float_as_uint(q) < lower) return;
             const float p = q / total;
@@ -239,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
         if (strategy == S_TOPP) {
             bool kept = false;
             if (draft >= 0) {
-                const float q = prob(row, draft, t, m, z);
+                const float q = prob(row, mask, draft, t, m, z);
                 kept = __float_as_uint(q) >= lower && q / total > 0.f;
             }
             pass = kept;
@@ -359,6 +382,8 @@ def verify_sample_cuda(
     policy: int = NORMAL,
     max_rows: int | None = None,
     request_of_row: torch.Tensor | None = None,  # [num_rows] int32
+    bitmask: torch.Tensor | None = None,  # [num_rows, num_words] int32
+    masked_rows: torch.Tensor | None = None,  # [num_rows] int32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `verify_sample_ref`. `max_rows` (the most rows of one request) and
     `request_of_row` may be given to skip a host read of `cu_num_rows`."""
@@ -377,6 +402,7 @@ def verify_sample_cuda(
     ):
         _cuda.check_cuda_tensor(name, t, [dtype], 1, device)
         _cuda.check(t.shape[0] == num_rows and t.is_contiguous(), f"{name} must be contiguous [num_rows]")
+    _check_masks(bitmask, masked_rows, num_rows, vocab, device)
     _cuda.check_cuda_tensor("cu_num_rows", cu_num_rows, [torch.int32], 1, device)
     num_reqs = cu_num_rows.shape[0] - 1
     if max_rows is None or request_of_row is None:
@@ -419,7 +445,10 @@ def verify_sample_cuda(
             scratch_counters(num_reqs, device),
             token_ids,
             num_accepted,
+            bitmask,
+            masked_rows,
             i32(vocab),
+            i32(num_mask_words(vocab)),
             i32(max_rows),
             i32(strategy),
             i32(policy),
@@ -427,3 +456,28 @@ def verify_sample_cuda(
         device,
     )
     return token_ids, num_accepted, row_greedy, row_sampled, row_pass
+
+
+def _check_masks(
+    bitmask: torch.Tensor | None,
+    masked_rows: torch.Tensor | None,
+    num_rows: int,
+    vocab: int,
+    device: torch.device,
+) -> None:
+    _cuda.check(
+        (bitmask is None) == (masked_rows is None), "bitmask and masked_rows go together: both or neither"
+    )
+    if bitmask is None or masked_rows is None:
+        return
+    num_words = num_mask_words(vocab)
+    _cuda.check_cuda_tensor("bitmask", bitmask, [torch.int32], 2, device)
+    _cuda.check(
+        bitmask.shape == (num_rows, num_words) and bitmask.is_contiguous(),
+        f"bitmask must be contiguous int32 [{num_rows}, {num_words}] (num_rows, ceil(vocab_size / 32))",
+    )
+    _cuda.check_cuda_tensor("masked_rows", masked_rows, [torch.int32], 1, device)
+    _cuda.check(
+        masked_rows.shape == (num_rows,) and masked_rows.is_contiguous(),
+        "masked_rows must be contiguous [num_rows]",
+    )

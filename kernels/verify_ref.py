@@ -4,6 +4,11 @@ Every request contributes `k + 1` rows of logits (row `j < k` scores draft `j`, 
 row); `cu_num_rows` holds their prefix sums. Per row: temperature (0 = greedy), top_k (0 = off),
 top_p, min_p, and the (seed, position) that key its noise (kernels/sampling_noise_ref.py).
 
+A row may carry a grammar's token bitmask (`bitmask`, bit `t % 32` of word `t // 32` set: token `t`
+allowed), applied where `masked_rows` says so before anything else: a masked token's logit is -inf,
+so it is never the argmax, never sampled, never inside the truncated set, and a draft the grammar
+refuses fails at its own row whatever the strategy. Rows not marked read no mask.
+
 Strategies (services/engine/rejection_sampler.py explains them): GREEDY accepts a draft equal to
 the argmax; TARGET_MATCH and REJECTION (one-hot drafts, where Leviathan et al.'s test reduces to
 it) accept a draft equal to the target's own sample at that row; TOPP accepts a draft inside the
@@ -21,6 +26,55 @@ GREEDY, TARGET_MATCH, TOPP, REJECTION = 0, 1, 2, 3
 STRATEGIES = {"greedy": GREEDY, "target_match": TARGET_MATCH, "topp": TOPP, "rejection": REJECTION}
 NORMAL, ACCEPT_ALL, REJECT_ALL = 0, 1, 2
 POLICIES = {"normal": NORMAL, "accept_all": ACCEPT_ALL, "reject_all": REJECT_ALL}
+BITS_PER_MASK_WORD = 32
+"""A token bitmask packs the allowed ids of a row into int32 words: bit `t % 32` of word `t // 32`."""
+
+
+def num_mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask."""
+    return -(-vocab_size // BITS_PER_MASK_WORD)
+
+
+def allowed_tokens_ref(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] bool: the tokens each row's bitmask ([num_rows, num_words] int32) allows."""
+    bits = torch.arange(BITS_PER_MASK_WORD, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # [num_rows, num_words, 32]
+    return allowed.flatten(1)[:, :vocab_size].bool()
+
+
+def check_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor | None, masked_rows: torch.Tensor | None
+) -> None:
+    """Refuses grammar masks that do not fit `logits` [num_rows, vocab_size]: ValueError saying why."""
+    if (bitmask is None) != (masked_rows is None):
+        raise ValueError("bitmask and masked_rows go together: pass both or neither")
+    if bitmask is None or masked_rows is None:
+        return
+    num_rows, vocab_size = logits.shape
+    if bitmask.dtype != torch.int32 or bitmask.shape != (num_rows, num_mask_words(vocab_size)):
+        raise ValueError(
+            f"bitmask must be int32 [{num_rows}, {num_mask_words(vocab_size)}] (num_rows, ceil(vocab_size / 32)), "
+            f"got {bitmask.dtype} {list(bitmask.shape)}"
+        )
+    if masked_rows.dtype != torch.int32 or masked_rows.shape != (num_rows,):
+        raise ValueError(
+            f"masked_rows must be int32 [{num_rows}], got {masked_rows.dtype} {list(masked_rows.shape)}"
+        )
+
+
+def mask_logits_ref(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    bitmask: torch.Tensor | None,  # [num_rows, num_words] int32
+    masked_rows: torch.Tensor | None,  # [num_rows] int32, nonzero: the row's bitmask applies
+) -> torch.Tensor:
+    """The logits with every token a marked row's grammar refuses at -inf (`logits` itself when no
+    row is marked)."""
+    check_bitmask(logits, bitmask, masked_rows)
+    if bitmask is None or masked_rows is None or not bool(masked_rows.any()):
+        return logits
+    refused = ~allowed_tokens_ref(bitmask.to(logits.device), logits.shape[-1])
+    refused &= masked_rows.to(logits.device).bool()[:, None]
+    return logits.masked_fill(refused, float("-inf"))
 
 
 def truncated_probs_ref(
@@ -60,9 +114,12 @@ def verify_sample_ref(
     strategy: int,
     policy: int = NORMAL,
     max_rows: int | None = None,  # the tokens' width (default: the most rows of one request)
+    bitmask: torch.Tensor | None = None,  # [num_rows, num_words] int32 grammar masks
+    masked_rows: torch.Tensor | None = None,  # [num_rows] int32, nonzero: apply the row's bitmask
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (token_ids [num_reqs, max_rows] int32 padded with -1, num_accepted [num_reqs] int32,
     and per row: greedy_ids, sampled_ids, passes [num_rows] int32)."""
+    logits = mask_logits_ref(logits, bitmask, masked_rows)
     greedy_rows = temperature == 0
     greedy_ids = logits.argmax(dim=-1)
     drafts = draft_ids.long()

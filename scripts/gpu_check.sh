@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -20,6 +20,10 @@
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
+# grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
+# grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
+# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
+# widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -175,6 +179,30 @@ if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
                 --methods $methods --out "$OUT/offline-$shape-quant-$q.json" 2>&1 | tee -a "$OUT/quant.log" | grep "^| [a-z]"
         done
         rm -rf $dir
+    done
+fi
+if [[ " $stages " == *" grammar "* ]]; then
+    # structured output on the GPU (xgrammar must be among the carried wheels): the fused verify with
+    # the grammar bitmask against its reference and the torch sampler, graph replays with grammar
+    # requests; the per-step mask cost on the 1B-cost widened target at batch 1 / 64 against a plain
+    # step (grammar-mask.json); ngram / mtp over naive with a JSON schema off and on, in the same call
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_verify.py \
+        tests/services/engine/test_cuda_graph.py -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
+        --batch 1 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee "$OUT/grammar.log" | tail -3
+    mtp='{"method":"mtp","model":"'$dir/mtp'"'
+    methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
+    for schema in off on; do
+        flag=$([ $schema = on ] && echo "--json-schema benchmarks/workloads/edit_schema.json" || echo "")
+        # shellcheck disable=SC2086
+        timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+            --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
+            $flag --methods $methods --out "$OUT/offline-grammar-$schema.json" 2>&1 | tee -a "$OUT/grammar.log" \
+            | grep "^| [a-z]"
     done
 fi
 exit $status

@@ -12,12 +12,22 @@ from typing import Annotated, Any, Literal
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
-"""Bumped on any incompatible schema change; `Message.version` must equal it."""
+PROTOCOL_VERSION = 4
+"""Bumped on any incompatible schema change, new fields included (a process of the previous build
+refuses them: `extra="forbid"`); `Message.version` must equal it. 4: prompt logprobs in output
+rows, `structured` in sampling params, the gateway incarnation on requests."""
 TOKEN_DTYPE = np.dtype("<i4")
 """Token ids and counts packed in `OutputBatch`'s byte fields: little-endian int32."""
 
@@ -29,7 +39,15 @@ class ProtocolError(ValueError):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: Literal[3] = 3
+    version: int = PROTOCOL_VERSION
+    """Set from PROTOCOL_VERSION, never written by hand: a message of another version is refused."""
+
+    @field_validator("version")
+    @classmethod
+    def _same_version(cls, version: int) -> int:
+        if version != PROTOCOL_VERSION:
+            raise ValueError(mixed_versions(version))
+        return version
 
     def to_wire(self) -> dict[str, Any]:
         """The map msgpack packs: JSON-compatible values."""
@@ -380,6 +398,14 @@ PAYLOAD_FIELD = b"m"
 """Stream entries hold one field: the msgpack-encoded message."""
 
 
+def mixed_versions(version: object) -> str:
+    """The refusal of a message from another build of specmesh."""
+    return (
+        f"unsupported protocol version {version!r} (this build speaks {PROTOCOL_VERSION}): a process "
+        "of another specmesh build is on this bus; run every process of the mesh from one build"
+    )
+
+
 def encode(message: Message) -> bytes:
     return msgpack.packb(message.to_wire(), use_bin_type=True)
 
@@ -394,9 +420,7 @@ def decode(data: bytes) -> AnyMessage:
         raise ProtocolError(f"message must be a map, not {type(raw).__name__}")
     version = raw.get("version")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"unsupported protocol version {version!r} (this build speaks {PROTOCOL_VERSION})"
-        )
+        raise ProtocolError(mixed_versions(version))
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:

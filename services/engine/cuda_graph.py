@@ -25,6 +25,8 @@ A graph replays fixed shapes and fixed pointers. So:
   copies of integers: per token, per logit row, per request);
 - outputs (final hidden states, float32 logits) land in one persistent buffer, each graph writing
   its leading rows; what a capture allocates is a temporary of the shared graph pool;
+- the grammar masks of a step's rows are a persistent input too: the host fills them while the
+  forward's replay runs and copies them in before the tail's;
 - a step's tokens are padded up to the next bucket: padding tokens form one-token sequences of
   context 1 over block 0 that write no KV (slot -1), the grid's remaining sequences are empty;
   logit rows are padded up to the bucket's row count with one-row padding requests on the input
@@ -52,6 +54,7 @@ import torch
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.verify_ref import num_mask_words
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows
 from services.engine.spec_decode.proposer import ForwardContext
@@ -111,6 +114,7 @@ class HostStep:
     row_positions: np.ndarray  # [num_rows] int64 output position each row samples
     draft_ids: np.ndarray  # [num_rows] int32, -1 on bonus rows
     request_of_row: np.ndarray  # [num_rows] int32
+    masked_rows: np.ndarray  # [num_rows] int32 1: the row's request follows a grammar
     cu_num_rows: np.ndarray  # [num_sampled + 1] int32
     seq_slots: np.ndarray  # [num_sampled] int64
     seq_rows: np.ndarray  # [num_sampled] int64 index among the step's sequences
@@ -131,6 +135,11 @@ class HostStep:
         return int(np.diff(self.cu_num_rows).max(initial=1))
 
     @property
+    def has_grammar(self) -> bool:
+        """Whether a row of the step is masked by its request's grammar."""
+        return bool(self.masked_rows.any())
+
+    @property
     def is_decode(self) -> bool:
         """Every token is scored: each sequence brings only its last token and its drafts."""
         return len(self.logits_indices) == self.num_tokens > 0
@@ -149,19 +158,20 @@ class HostStep:
             self.seq_slots,
             self.seq_rows,
         ]
-        small = [self.query_lens, self.seq_lens, self.draft_ids, self.request_of_row]
+        small = [self.query_lens, self.seq_lens, self.draft_ids, self.request_of_row, self.masked_rows]
         small += [self.cu_num_rows, self.seq_methods, self.num_wanted, self.block_tables.ravel()]
         longs, int32s = _upload(ints, np.int64, device), _upload(small, np.int32, device)
         (input_ids, positions, slot_mapping, token_slots, logits_indices) = longs[:5]
         row_slots, row_positions, seq_slots, seq_rows = longs[5:]
-        query_lens, seq_lens, draft_ids, request_of_row, cu_num_rows, seq_methods, num_wanted = int32s[:7]
+        query_lens, seq_lens, draft_ids, request_of_row, masked_rows = int32s[:5]
+        cu_num_rows, seq_methods, num_wanted = int32s[5:8]
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32, device=device)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=int32s[7].view(self.block_tables.shape),
+            block_tables=int32s[8].view(self.block_tables.shape),
             query_lens_cpu=self.query_lens.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
         )
@@ -178,6 +188,7 @@ class HostStep:
             seq_rows=seq_rows,
             seq_methods=seq_methods,
             num_wanted=num_wanted,
+            masked_rows=masked_rows,
             max_rows=self.max_rows,
         )
         return logits_indices, tensors
@@ -206,7 +217,7 @@ class DecodeGraphs:
         "seq_slots",
         "seq_rows",
     )
-    INT_FIELDS = ("draft_ids", "request_of_row", "seq_methods", "num_wanted")
+    INT_FIELDS = ("draft_ids", "request_of_row", "masked_rows", "seq_methods", "num_wanted")
 
     def __init__(
         self,
@@ -254,6 +265,13 @@ class DecodeGraphs:
         self.logits = torch.zeros(
             self.num_rows(size), model.config.vocab_size, dtype=torch.float32, device=device
         )
+        self.bitmask = torch.full(
+            (self.num_rows(size), num_mask_words(model.config.vocab_size)),
+            -1,
+            dtype=torch.int32,
+            device=device,
+        )
+        """The grammar masks of the step's rows (read where `masked_rows` is 1)."""
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.tails: dict[tuple[int, int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
@@ -375,7 +393,9 @@ class DecodeGraphs:
             seq_rows=self.field("seq_rows")[:rows],
             seq_methods=self.field("seq_methods")[:rows],
             num_wanted=self.field("num_wanted")[:rows],
+            masked_rows=self.field("masked_rows")[:rows],
             max_rows=self.max_rows(query_len),
+            bitmask=self.bitmask[:rows],
         )
 
     def _forward(self, bucket: int, query_len: int) -> None:
@@ -412,10 +432,10 @@ class DecodeGraphs:
         self.num_mixed_replays += not step.is_decode
         return self.tensors(bucket, query_len)
 
-    def replay(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
-        """Forward and tail; [num_sampled, width] int32 packed results of the real requests (a
-        view of the tail's output, which the next replay overwrites)."""
-        self.replay_forward(step, key)
+    def replay_tail(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
+        """The tail of a step whose forward `replay_forward` replayed (its grammar rows' masks in
+        `self.bitmask`); [num_sampled, width] int32 packed results of the real requests (a view of
+        the tail's output, which the next replay overwrites)."""
         graph, packed = self.tails[(*key, plan.num_steps, plan.only)]
         graph.replay()
         self.num_tail_replays += 1
@@ -451,6 +471,7 @@ class DecodeGraphs:
             ("row_slots", scratch),
             ("row_positions", 0),
             ("draft_ids", -1),
+            ("masked_rows", 0),
         ):
             fill(name, getattr(step, name), value)
         fill("request_of_row", step.request_of_row, np.arange(num_sampled, num_sampled + bucket - num_rows))

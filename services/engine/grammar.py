@@ -6,6 +6,12 @@ tokens and its first `j` drafts, so its mask is the grammar's allowed next token
 draft the grammar refuses is masked out of its own row and so rejected there (whatever the
 verification strategy); the rows after it are never used. The matcher is advanced over the drafts
 only to fill the masks, rolled back at once, and then advanced by the tokens the step kept.
+
+The masks are an input of the fused verify (`kernels.verify_sample`); no draft distribution needs
+one: drafting models draw their drafts with the target's own noise and the verifier treats every
+draft as a fixed token (services/engine/rejection_sampler.py), so the acceptance test reads only the
+masked target distribution. A drafting model proposes without the grammar (its chain runs on the
+device, the matcher on the host); a draft it proposes outside the grammar is rejected at its row.
 """
 
 from __future__ import annotations
@@ -16,13 +22,17 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from kernels.verify_ref import num_mask_words
 from shared.structured_output import StructuredOutput
 from shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from services.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +42,48 @@ MAX_CACHED_GRAMMARS = 256
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, ceil(vocab_size / 32)] int32, every token allowed."""
-    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+    return torch.full((num_rows, num_mask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+class StepMasks:
+    """The grammar masks of a step's verified rows, filled on the host while the step's forward
+    runs and copied into the verifier's input behind it. On a GPU the host buffer is page-locked,
+    so the copy is queued on the stream and the host goes on; it is refilled only once the last
+    copy out of it is done."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.num_words = num_mask_words(vocab_size)
+        self.device = device
+        self._host = torch.empty(0, self.num_words, dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None
+
+    def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> torch.Tensor:
+        """[num_rows, num_words] int32 on the host: request i's rows `cu_num_rows[i] ..` get the masks of its
+        grammar after its first drafts (every token allowed where the grammar is terminated or a
+        draft was refused before); rows of requests without a grammar are left unwritten."""
+        host = self._buffer(int(cu_num_rows[-1]))
+        for seq, start, end in zip(seqs, cu_num_rows[:-1].tolist(), cu_num_rows[1:].tolist()):
+            if seq.grammar is not None:
+                host[start:end] = -1
+                seq.grammar.fill_rows(seq.spec.draft_token_ids[: end - start - 1], host, start)
+        return host
+
+    def copy_to(self, masks: torch.Tensor, out: torch.Tensor) -> None:
+        """`masks` into `out` ([num_rows, num_words] on the device), queued behind the step's work."""
+        out.copy_(masks, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._host.shape[0] < num_rows:
+            pinned = self.device.type == "cuda"
+            self._host = torch.empty(
+                max(num_rows, 2 * self._host.shape[0]), self.num_words, dtype=torch.int32, pin_memory=pinned
+            )
+        return self._host[:num_rows]
 
 
 class GrammarCompiler:

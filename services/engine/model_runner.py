@@ -23,7 +23,7 @@ from kernels import AttentionMetadata
 from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
-from services.engine.grammar import allocate_bitmask
+from services.engine.grammar import StepMasks, allocate_bitmask
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
@@ -201,6 +201,7 @@ class ModelRunner:
         if self.tp.size > 1 and self.ranks.is_driver:
             self.inputs.record_joins()
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
+        self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
@@ -326,7 +327,9 @@ class ModelRunner:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
-            packed = self.graphs.replay(step, key, plan)
+            self.graphs.replay_forward(step, key)
+            self._copy_masks(step, plan, self.graphs.bitmask)
+            packed = self.graphs.replay_tail(step, key, plan)
             return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if key is not None:
@@ -338,8 +341,23 @@ class ModelRunner:
             forward = tensors.forward
             forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
             logits = self.model.compute_logits(forward.hidden[logits_indices])
+        if fused and step.has_grammar:
+            tensors.bitmask = torch.empty(
+                len(step.masked_rows), self.step_masks.num_words, dtype=torch.int32, device=self.device
+            )
+            self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
+
+    def _copy_masks(self, step: HostStep, plan: StepPlan, out: torch.Tensor) -> None:
+        """The grammar masks of the step's rows into `out` ([>= num_rows, num_words] on the device),
+        filled on the host once the forward is launched, so that the filling runs while the device
+        computes it (rank 0 fills; the other ranks receive its masks). Nothing for a step without a
+        grammar: no row reads a mask."""
+        if not step.has_grammar:
+            return
+        masks = self.ranks.share(lambda: self.step_masks.fill(plan.seqs, step.cu_num_rows))
+        self.step_masks.copy_to(masks, out[: len(masks)])
 
     def _score_prompt(self, hidden: torch.Tensor, step: HostStep) -> PromptScores | None:
         """Prompt logprobs of the step's prompt rows, from its final hidden states (a graph's
@@ -376,10 +394,12 @@ class ModelRunner:
 
     def _fusable(self, seq: Sequence) -> bool:
         """Whether the fused verify kernel alone samples this request's rows (no penalties or logit
-        bias to apply to the logits first, no log-probabilities to return) and its stop ids fit its slot."""
+        bias to apply to the logits first, no log-probabilities to return; a grammar's mask is one
+        of its inputs) and its stop ids fit its slot."""
         p = seq.params
         suppressing = seq.num_output_tokens < p.min_tokens
-        return not (p.changes_logits or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
+        changed = p.has_penalties or bool(p.logit_bias)
+        return not (changed or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
 
     def _tail_eagerly(
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
@@ -435,6 +455,7 @@ class ModelRunner:
         np.cumsum(num_rows, out=cu_rows[1:])
         rows_start = cu[seq_rows + 1] - num_rows
         request_of_row = np.repeat(np.arange(len(plan.seqs), dtype=np.int32), num_rows)
+        has_grammar = np.array([seq.grammar is not None for seq in plan.seqs], dtype=np.int32)
         row_in_request = np.arange(cu_rows[-1]) - np.repeat(cu_rows[:-1], num_rows)
         num_output = np.array([seq.num_output_tokens for seq in plan.seqs], dtype=np.int64)
         drafts = (seq.spec.draft_token_ids[: n - 1] + [-1] for seq, n in zip(plan.seqs, num_rows.tolist()))
@@ -454,6 +475,7 @@ class ModelRunner:
                 itertools.chain.from_iterable(drafts), dtype=np.int32, count=int(cu_rows[-1])
             ),
             request_of_row=request_of_row,
+            masked_rows=np.repeat(has_grammar, num_rows),
             cu_num_rows=cu_rows,
             seq_slots=slots[seq_rows],
             seq_rows=seq_rows,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.verify_ref import allowed_tokens_ref
 from services.engine.sequence import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -84,16 +85,10 @@ def _suppress(row_logits: torch.Tensor, token_ids: list[int]) -> None:
         row_logits[token_ids] = kept
 
 
-BITS_PER_MASK_WORD = 32
-"""A token bitmask packs the allowed ids of a row into int32 words: bit `t % 32` of word `t // 32`."""
-
-
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Sets to -inf, in place, every logit whose bit is clear. logits: [num_rows, vocab_size];
     bitmask: [num_rows, ceil(vocab_size / 32)] int32 (a grammar's allowed next tokens per row)."""
-    bits = torch.arange(BITS_PER_MASK_WORD, dtype=torch.int32, device=bitmask.device)
-    allowed = (bitmask.to(logits.device)[:, :, None] >> bits) & 1  # [num_rows, num_words, 32]
-    allowed = allowed.flatten(1)[:, : logits.shape[-1]].bool()
+    allowed = allowed_tokens_ref(bitmask.to(logits.device), logits.shape[-1])
     return logits.masked_fill_(~allowed, float("-inf"))
 
 

@@ -13,6 +13,8 @@ largest graph, CPU) calls it eagerly, so both paths keep the same tokens and sto
    after the tokens just kept (services/engine/spec_decode/);
 4. one packed int32 tensor per request (the `Column`s below), the step's only device-to-host read.
 
+Grammar requests verify here too: their rows are marked in `masked_rows` and the kernel applies the
+grammar bitmask the host filled while the forward ran (services/engine/grammar.py, `StepMasks`).
 Steps whose verification the fused kernel cannot do (penalties, min_tokens suppression, logprobs)
 verify with the torch `RejectionSampler` and run steps 2-4 with `update_and_draft`.
 """
@@ -49,8 +51,11 @@ class StepTensors:
     seq_rows: torch.Tensor  # [num_seqs] int64 each request's index among the step's sequences
     seq_methods: torch.Tensor  # [num_seqs] int32 index of each request's device proposer, -1: none
     num_wanted: torch.Tensor  # [num_seqs] int32 drafts each request wants next step
+    masked_rows: torch.Tensor  # [num_rows] int32 1: the row's request follows a grammar
     max_rows: int
     """The most logit rows of one request (1 + its drafts)."""
+    bitmask: torch.Tensor | None = None  # [num_rows, num_words] int32, read on `masked_rows` only
+    """The grammar masks of the rows, filled once the forward is launched; None: no row is masked."""
 
 
 @dataclass
@@ -112,6 +117,8 @@ class VerifyAndUpdate:
             self.policy,
             max_rows=t.max_rows,
             request_of_row=t.request_of_row,
+            bitmask=t.bitmask,
+            masked_rows=None if t.bitmask is None else t.masked_rows,
         )
         return token_ids, num_accepted
 

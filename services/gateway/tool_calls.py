@@ -208,17 +208,160 @@ def _json_or_none(text: str) -> Any:
 # ---- streaming ----------------------------------------------------------------------------------------
 
 
+@dataclass
+class CallHeader:
+    """A call's name is known: its first delta (index, id, type, name) can go out."""
+
+    call: ParsedCall
+
+
+@dataclass
+class ArgumentsFragment:
+    """More of the arguments' JSON text of the call opened last, as the model wrote it."""
+
+    text: str
+
+
+class CallScanner:
+    """Reads `{"name": ..., "parameters" | "arguments": ...}` objects out of JSON text as it arrives:
+    each call's header once its name is read, then its arguments' text as it comes (arguments
+    written before the name go out once the name is read). Call objects sit `call_depth`
+    brackets deep: 2 in `required`'s array, 1 for llama3_json's calls separated by `;`. One pass over
+    each character, whatever the number of feeds."""
+
+    def __init__(self, call_depth: int):
+        self.call_depth = call_depth
+        self.text = ""
+        self.failed = False
+        """Text that is not a call where one should be (not JSON, an object without a name)."""
+        self.num_calls = 0
+        self.last_call_end = 0
+        """Where the last whole call object ended in `text`."""
+        self._pos = 0
+        self._depth = 0
+        self._in_string = self._escape = False
+        self._start_object()
+
+    def _start_object(self) -> None:
+        self._token_start = -1  # the object-level string or scalar being read
+        self._key: str | None = None
+        self._after_colon = False
+        self._args_start = self._args_end = -1
+        self._sent = 0  # argument characters out so far
+        self._header: ParsedCall | None = None
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the scanner is inside a call whose header went out."""
+        return self._header is not None
+
+    def feed(self, text: str) -> list[CallHeader | ArgumentsFragment]:
+        self.text += text
+        events: list[CallHeader | ArgumentsFragment] = []
+        while self._pos < len(self.text) and not self.failed:
+            self._step(self.text[self._pos], self._pos, events)
+            self._pos += 1
+        if self._header is not None and self._args_start >= 0:
+            events += self._arguments(len(self.text))
+        return events
+
+    def _step(self, c: str, i: int, events: list[CallHeader | ArgumentsFragment]) -> None:
+        level = self.call_depth  # the depth of a call object's keys and values
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self._in_string = False
+                if self._depth == level:
+                    self._object_string(self.text[self._token_start : i + 1], events)
+            return
+        if c == '"':
+            self._in_string = True
+            if self._depth == level:
+                self._token_start = i
+                self._value_starts(i)
+        elif c in "{[":
+            self._depth += 1
+            if self._depth == level and c == "{":
+                self._start_object()
+            elif self._depth == level and c == "[" or self._depth < level and c == "{":
+                self.failed = True
+            elif self._depth == level + 1:
+                self._value_starts(i)
+        elif c in "}]":
+            if self._depth == level + 1 and self._key_is_arguments() and self._args_end < 0:
+                self._args_end = i + 1
+            if self._depth == level:
+                self._value_ends(i)
+                if c == "}":
+                    self._close_object(i, events)
+            self._depth -= 1
+            self.failed |= self._depth < 0
+        elif self._depth == level:
+            self._object_punctuation(c, i)
+        elif self._depth < level and not c.isspace() and c not in ",;":
+            self.failed = True
+
+    def _object_punctuation(self, c: str, i: int) -> None:
+        if c == ":":
+            self._after_colon = True
+        elif c == ",":
+            self._value_ends(i)
+            self._key, self._after_colon = None, False
+        elif not c.isspace():
+            self._value_starts(i)
+
+    def _value_starts(self, i: int) -> None:
+        if self._after_colon and self._key_is_arguments() and self._args_start < 0:
+            self._args_start = i
+
+    def _value_ends(self, i: int) -> None:
+        if self._key_is_arguments() and self._args_start >= 0 and self._args_end < 0:
+            self._args_end = i
+
+    def _key_is_arguments(self) -> bool:
+        return self._key in ("parameters", "arguments") and self._after_colon
+
+    def _object_string(self, literal: str, events: list[CallHeader | ArgumentsFragment]) -> None:
+        value = _json_or_none(literal)
+        if not self._after_colon:
+            self._key = value if isinstance(value, str) else None
+        elif self._key == "name" and isinstance(value, str) and self._header is None:
+            self._header = ParsedCall(value, "")
+            events.append(CallHeader(self._header))
+
+    def _close_object(self, i: int, events: list[CallHeader | ArgumentsFragment]) -> None:
+        if self._header is None:
+            self.failed = True
+            return
+        events += self._arguments(i) if self._args_start >= 0 else [ArgumentsFragment("{}")]
+        self.num_calls += 1
+        self.last_call_end = i + 1
+        self._start_object()
+
+    def _arguments(self, end: int) -> list[ArgumentsFragment]:
+        if self._args_end >= 0:
+            fragment = self.text[self._args_start + self._sent : self._args_end]
+        else:  # whitespace at the end may be the value's last: it goes out with what follows it
+            fragment = self.text[self._args_start + self._sent : end].rstrip()
+        self._sent += len(fragment)
+        return [ArgumentsFragment(fragment)] if fragment else []
+
+
 class ToolCallStream:
     """Turns one choice's text deltas into OpenAI deltas: content as it comes, and each call as a
-    delta with its index, id, type and name, then its arguments. Text that may open a call is held
-    back until it is known not to."""
+    delta with its index, id, type and name as soon as its name is generated, then its arguments
+    as they are (`required`, named functions, llama3_json; a hermes call goes out once its closing
+    tag is read). Text that may open a call is held back until it is known not to. A call cut off
+    by max_tokens has sent the arguments it got."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.num_calls = 0
         self._held = ""
-        self._buffering = plan.mode == "required"
-        """Everything goes to the buffer and is parsed at the end."""
+        self._scanner: CallScanner | None = CallScanner(call_depth=2) if plan.mode == "required" else None
         self._passthrough = False
         """llama3_json: the answer did not open with a call, so it is all content."""
 
@@ -226,8 +369,8 @@ class ToolCallStream:
         if self.plan.mode == "named":
             return self._named(text)
         self._held += text
-        if self._buffering:
-            return []
+        if self._scanner is not None:
+            return self._scan(text)
         if self._passthrough:
             return self._content_so_far()
         if self.plan.parser == "llama3_json":
@@ -235,15 +378,32 @@ class ToolCallStream:
         return self._hermes()
 
     def finish(self) -> list[ChatDelta]:
-        """What is left once the answer ended: the buffered calls, or held text as content."""
+        """What is left once the answer ended: held text as content (or as calls, where the whole
+        answer parses as calls although the scan found none)."""
         held, self._held = self._held, ""
-        if not held:
-            return []
         if self.plan.mode == "named":
+            return []
+        scanner = self._scanner
+        if scanner is not None and scanner.num_calls + scanner.in_call > 0:
+            # after calls: text that is no call is content; a call cut short, or the start of one, is not
+            rest = scanner.text[scanner.last_call_end :].strip(" \t\r\n;,]")
+            return [ChatDelta(content=rest)] if rest and scanner.failed and not scanner.in_call else []
+        if not held:
             return []
         content, calls = parse_tool_calls(self.plan, held)
         deltas = [ChatDelta(content=content)] if content else []
         return deltas + [d for call in calls for d in self._call_deltas(call)]
+
+    def _scan(self, text: str) -> list[ChatDelta]:
+        assert self._scanner is not None
+        deltas = []
+        for event in self._scanner.feed(text):
+            if isinstance(event, CallHeader):
+                deltas.append(self._header(event.call, self.num_calls))
+                self.num_calls += 1
+            else:
+                deltas.append(self._arguments(self.num_calls - 1, event.text))
+        return deltas
 
     def _named(self, text: str) -> list[ChatDelta]:
         deltas = []
@@ -259,11 +419,17 @@ class ToolCallStream:
         stripped = self._held.lstrip()
         if not stripped:
             return []
-        if stripped.startswith("{") or LLAMA3_PYTHON_TAG.startswith(stripped[: len(LLAMA3_PYTHON_TAG)]):
-            self._buffering = True  # a call, or the start of one: parsed when the answer ends
-            return []
-        self._passthrough = True
-        return self._content_so_far()
+        if stripped.startswith(LLAMA3_PYTHON_TAG):
+            body = stripped[len(LLAMA3_PYTHON_TAG) :]
+        elif stripped.startswith("{"):
+            body = stripped
+        elif LLAMA3_PYTHON_TAG.startswith(stripped):
+            return []  # the tag, or the start of it
+        else:
+            self._passthrough = True
+            return self._content_so_far()
+        self._scanner = CallScanner(call_depth=1)
+        return self._scan(body)
 
     def _hermes(self) -> list[ChatDelta]:
         deltas: list[ChatDelta] = []

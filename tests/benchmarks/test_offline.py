@@ -7,7 +7,7 @@ import pytest
 from benchmarks.client import Sampling
 from benchmarks.dataset import BenchRequest
 from benchmarks.methods import BASELINE, max_k, request_override, resolve_methods, with_k
-from benchmarks.offline import Admission, run_requests
+from benchmarks.offline import Admission, json_schema_grammar, run_requests, sampling_params
 from services.engine.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.reference import default_model
@@ -55,6 +55,21 @@ def test_run_requests_times_every_request(ngram_engine: LLMEngine) -> None:
         assert len(r.token_times) <= r.num_output_tokens  # a step may deliver several tokens
     assert sum(r.spec.num_verify_steps for r in records) > 0
     assert not ngram_engine.has_unfinished_requests()
+
+
+def test_json_schema_constrains_every_request(ngram_engine: LLMEngine, tmp_path) -> None:
+    """`--json-schema` (a file or the text) reaches every request's sampling parameters; a schema
+    the grammar engine cannot follow stops the run with its reason."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    structured = json_schema_grammar(str(schema))
+    assert structured == json_schema_grammar(schema.read_text())
+    sampling = Sampling(ignore_eos=False, structured=structured)
+    records = run_requests(ngram_engine, REQUESTS[:2], sampling, concurrency=2)
+    assert all(r.ok for r in records)
+    assert all(sampling_params(r, sampling).structured == structured for r in REQUESTS)
+    with pytest.raises(SystemExit, match="--json-schema: unsupported or invalid JSON schema"):
+        json_schema_grammar('{"type": "objekt"}')
 
 
 def test_methods_put_naive_first_and_validate() -> None:

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kernels.sampling_noise_ref import STREAM_ACCEPT, STREAM_TARGET, exponential_noise_ref, uniform_ref
-from kernels.verify_ref import POLICIES, STRATEGIES, verify_sample_ref
+from kernels.verify_ref import (
+    POLICIES,
+    REJECTION,
+    STRATEGIES,
+    allowed_tokens_ref,
+    num_mask_words,
+    verify_sample_ref,
+)
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
@@ -72,9 +79,47 @@ def plant_drafts(requests: list[VerifyRequest], logits: torch.Tensor) -> None:
         row += r.num_rows
 
 
-def sampler_batch(requests: list[VerifyRequest]) -> SamplingBatch:
+def sampler_batch(requests: list[VerifyRequest], bitmask: torch.Tensor | None = None) -> SamplingBatch:
     params = [r.params for r in requests for _ in range(r.num_rows)]
-    return SamplingBatch(params, [[] for _ in params], [[] for _ in params], [[] for _ in params])
+    return SamplingBatch(params, [[] for _ in params], [[] for _ in params], [[] for _ in params], bitmask)
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[num_rows, num_words] int32 bitmask of an [num_rows, vocab_size] bool tensor of allowed tokens."""
+    num_rows, vocab = allowed.shape
+    bits = torch.zeros(num_rows, num_mask_words(vocab) * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(num_rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def random_allowed(logits: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """[num_rows, vocab_size] bool: a random subset of tokens per row that leaves out the row's
+    argmax (so that greedy choices change) and holds at least one token."""
+    num_rows, vocab = logits.shape
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    allowed = torch.rand(num_rows, vocab, generator=generator) < rng.choice([0.05, 0.3, 0.8])
+    allowed[torch.arange(num_rows), logits.argmax(dim=-1).cpu()] = False
+    allowed[torch.arange(num_rows), torch.randint(vocab, (num_rows,), generator=generator)] = True
+    return allowed
+
+
+def random_masks(
+    logits: torch.Tensor, requests: list[VerifyRequest], rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bitmask [num_rows, num_words] int32, masked_rows [num_rows] int32) on `logits`' device: the
+    rows of about half the requests carry `random_allowed` masks; the other rows' words are zero,
+    which an unmarked row must never read."""
+    masked = torch.tensor(
+        [int(flag) for r in requests for flag in [rng.random() < 0.5] * r.num_rows], dtype=torch.int32
+    )
+    bitmask = torch.where(masked[:, None].bool(), pack_bitmask(random_allowed(logits, rng)), 0)
+    return bitmask.to(logits.device), masked.to(logits.device)
+
+
+def sampler_bitmask(bitmask: torch.Tensor, masked_rows: torch.Tensor) -> torch.Tensor:
+    """The torch sampler's form of the same masks: every token allowed on unmarked rows."""
+    return torch.where(masked_rows[:, None].bool(), bitmask, -1).cpu()
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -95,6 +140,114 @@ def test_reference_matches_rejection_sampler(strategy: str, policy: str) -> None
     for i, result in enumerate(expected):
         assert int(num_accepted[i]) == result.num_accepted
         assert token_ids[i, : result.num_accepted + 1].tolist() == result.token_ids
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_masked_reference_matches_the_torch_path(strategy: str, policy: str) -> None:
+    """With grammar masks the reference verifies as today's torch path (the RejectionSampler with
+    the mask in its batch) does, while the rows without a grammar read nothing of theirs."""
+    rng = random.Random(hash(("mask", strategy, policy)) % 1000)
+    vocab = 300
+    requests = random_requests(12, vocab, rng)
+    logits = (
+        torch.randn(sum(r.num_rows for r in requests), vocab, generator=torch.Generator().manual_seed(7)) * 3
+    )
+    plant_drafts(requests, logits)
+    bitmask, masked_rows = random_masks(logits, requests, rng)
+    batch = sampler_batch(requests, sampler_bitmask(bitmask, masked_rows))
+    expected = RejectionSampler(strategy, policy)(logits, batch, requests)
+    token_ids, num_accepted, *_ = verify_sample_ref(
+        logits,
+        **row_tensors(requests, "cpu"),
+        strategy=STRATEGIES[strategy],
+        policy=POLICIES[policy],
+        bitmask=bitmask,
+        masked_rows=masked_rows,
+    )
+    assert bool(masked_rows.any()) and not bool(masked_rows.all())
+    for i, result in enumerate(expected):
+        assert int(num_accepted[i]) == result.num_accepted
+        assert token_ids[i, : result.num_accepted + 1].tolist() == result.token_ids
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_draft_the_grammar_refuses_is_rejected_at_its_row(strategy: str) -> None:
+    """Drafts that are each row's unmasked argmax, refused by the mask of their row: none passes,
+    and every emitted token is one the grammar allows."""
+    rng = random.Random(3)
+    vocab = 200
+    requests = [r for r in random_requests(16, vocab, rng) if r.draft_token_ids]
+    logits = (
+        torch.randn(sum(r.num_rows for r in requests), vocab, generator=torch.Generator().manual_seed(9)) * 4
+    )
+    row = 0
+    for r in requests:
+        r.draft_token_ids = [int(logits[row + j].argmax()) for j in range(len(r.draft_token_ids))]
+        row += r.num_rows
+    bitmask = pack_bitmask(random_allowed(logits, rng))
+    masked_rows = torch.ones(len(logits), dtype=torch.int32)
+    token_ids, num_accepted, _, _, passes = verify_sample_ref(
+        logits,
+        **row_tensors(requests, "cpu"),
+        strategy=STRATEGIES[strategy],
+        bitmask=bitmask,
+        masked_rows=masked_rows,
+    )
+    assert not passes.any() and not num_accepted.any()
+    allowed = allowed_tokens_ref(bitmask, vocab)
+    starts = row_tensors(requests, "cpu")["cu_num_rows"][:-1]
+    assert allowed[starts, token_ids[:, 0].long()].all()
+
+
+def test_sampling_under_a_mask_is_the_masked_target_distribution() -> None:
+    """Lossless under the grammar: with rejection sampling and drafts drawn from an unmasked draft
+    distribution (often outside the grammar), the first emitted token of many seeded requests is
+    distributed as the target restricted to the allowed tokens and renormalised."""
+    vocab, num_reqs = 12, 20_000
+    generator = torch.Generator().manual_seed(1)
+    target_logits = torch.randn(vocab, generator=generator)
+    allowed = torch.tensor([i % 3 != 0 for i in range(vocab)])
+    draft_probs = torch.softmax(torch.randn(vocab, generator=generator) * 2, dim=-1)
+    drafts = torch.multinomial(draft_probs, num_reqs, replacement=True, generator=generator)
+    rows = num_reqs * 2  # one draft and the bonus row each
+    word = int(sum(1 << i for i in range(vocab) if allowed[i]))
+    token_ids, num_accepted, *_ = verify_sample_ref(
+        target_logits.expand(rows, vocab).contiguous(),
+        temperature=torch.ones(rows),
+        top_k=torch.zeros(rows, dtype=torch.int32),
+        top_p=torch.ones(rows),
+        min_p=torch.zeros(rows),
+        seeds=torch.arange(num_reqs, dtype=torch.long).repeat_interleave(2),
+        positions=torch.tensor([0, 1], dtype=torch.long).repeat(num_reqs),
+        draft_ids=torch.stack([drafts.int(), torch.full_like(drafts.int(), -1)], dim=1).ravel(),
+        cu_num_rows=torch.arange(0, rows + 1, 2, dtype=torch.int32),
+        strategy=REJECTION,
+        bitmask=torch.full((rows, 1), word, dtype=torch.int32),
+        masked_rows=torch.ones(rows, dtype=torch.int32),
+    )
+    expected = torch.softmax(target_logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    seen = torch.bincount(token_ids[:, 0].long(), minlength=vocab).double() / num_reqs
+    assert seen[~allowed].sum() == 0
+    assert 0 < float(num_accepted.float().mean()) < 1
+    assert float((seen - expected).abs().sum()) / 2 < 0.02  # total variation; about 0.01 expected by chance
+
+
+def test_masks_that_do_not_fit_are_refused() -> None:
+    requests = random_requests(3, 40, random.Random(2))
+    logits = torch.randn(sum(r.num_rows for r in requests), 40)
+    rows = row_tensors(requests, "cpu")
+    marked = torch.ones(len(logits), dtype=torch.int32)
+    with pytest.raises(ValueError, match="both or neither"):
+        verify_sample_ref(logits, **rows, strategy=0, masked_rows=marked)
+    with pytest.raises(ValueError, match=r"bitmask must be int32 \[\d+, 2\]"):
+        verify_sample_ref(
+            logits,
+            **rows,
+            strategy=0,
+            bitmask=torch.zeros(len(logits), 1, dtype=torch.int32),
+            masked_rows=marked,
+        )
 
 
 @pytest.mark.gpu
@@ -148,4 +301,54 @@ def test_fused_kernel_matches_the_torch_rejection_sampler() -> None:
         token_ids, num_accepted, *_ = verify_sample_cuda(logits, **rows, strategy=STRATEGIES[strategy])
         fused = [(t[: n + 1].tolist(), n) for t, n in zip(token_ids.cpu(), num_accepted.tolist())]
         torch_path = RejectionSampler(strategy)(logits, sampler_batch(requests), requests)
+        assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [384, 1001, 32_000, 128_256])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_cuda_masked_verify_matches_reference(vocab: int, strategy: str) -> None:
+    """The kernel under grammar masks (vocabularies a multiple of 4 and not, of 32 and not) gives
+    the reference's every output; unmarked rows, whose words are zero, read none of them."""
+    from kernels.verify import verify_sample_cuda
+
+    rng = random.Random(vocab * 7 + len(strategy))
+    for policy in sorted(POLICIES):
+        requests = random_requests(rng.choice([1, 7, 33]), vocab, rng)
+        num_rows = sum(r.num_rows for r in requests)
+        logits = (torch.randn(num_rows, vocab, device="cuda") * rng.choice([1.0, 4.0])).contiguous()
+        plant_drafts(requests, logits)
+        bitmask, masked_rows = random_masks(logits, requests, rng)
+        rows = row_tensors(requests, "cuda")
+        args = dict(
+            strategy=STRATEGIES[strategy], policy=POLICIES[policy], bitmask=bitmask, masked_rows=masked_rows
+        )
+        expected = verify_sample_ref(logits, **rows, **args)
+        poison_allocator((num_rows,), torch.int32, logits.device)
+        got = verify_sample_cuda(logits, **rows, **args)
+        names = ["token_ids", "num_accepted", "greedy_ids", "sampled_ids", "passes"]
+        for name, g, e in zip(names, got, expected):
+            assert torch.equal(g.cpu(), e.cpu()), f"{name} differs (policy {policy})"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_masked_verify_matches_the_torch_rejection_sampler() -> None:
+    """What the step's tail verifies grammar requests with equals today's torch path for them."""
+    from kernels.verify import verify_sample_cuda
+
+    rng = random.Random(12)
+    requests = random_requests(20, 1000, rng)
+    logits = torch.randn(sum(r.num_rows for r in requests), 1000, device="cuda") * 2
+    plant_drafts(requests, logits)
+    bitmask, masked_rows = random_masks(logits, requests, rng)
+    rows = row_tensors(requests, "cuda")
+    batch = sampler_batch(requests, sampler_bitmask(bitmask, masked_rows))
+    for strategy in sorted(STRATEGIES):
+        token_ids, num_accepted, *_ = verify_sample_cuda(
+            logits, **rows, strategy=STRATEGIES[strategy], bitmask=bitmask, masked_rows=masked_rows
+        )
+        fused = [(t[: n + 1].tolist(), n) for t, n in zip(token_ids.cpu(), num_accepted.tolist())]
+        torch_path = RejectionSampler(strategy)(logits, batch, requests)
         assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy

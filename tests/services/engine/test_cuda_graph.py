@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from services.engine.verify_update import StepPlan
 from shared.model import load_model
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
+from shared.structured_output import StructuredOutput
 from shared.tokenizer import Tokenizer
 from tests.services.engine.spec_decode.helpers import repetitive_prompts
 
@@ -250,6 +252,43 @@ def test_steps_with_prefill_chunks_replay_the_eager_tokens(make_checkpoint, case
     assert outputs[1] == outputs[0]
 
 
+GRAMMAR_REGEX = r"[a-e]{3,40}"
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("case", ["naive", "ngram", "draft_model"])
+def test_grammar_steps_replay_the_tail_with_their_masks(make_checkpoint, case: str, sampling: str) -> None:
+    """Grammar requests beside plain ones go through the tail graph: the host fills their rows'
+    masks into the graphs' persistent buffer after the forward's replay, and the tokens equal the
+    eager engine's, every constrained output following its regex (a random model's own choices
+    almost never would)."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = fixed_k_spec(case, path)
+    prompts = repetitive_prompts(8, seed=9)
+    extra: dict = {"temperature": 0.0}
+    if sampling == "seeded":
+        extra = {"temperature": 0.8, "top_k": 40, "seed": 3}
+    grammar = StructuredOutput(kind="regex", spec=GRAMMAR_REGEX)
+    params = [
+        SamplingParams(max_tokens=10 + 2 * i, structured=grammar if i % 2 else None, **extra)
+        for i in range(8)
+    ]
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", max_model_len=192, speculative_config=spec)
+        fake = with_eager_graphs(llm, max_tokens=24) if graphs else None
+        llm.engine.drafter.max_graph_tokens = 24
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs.append([(o.token_ids, o.finish_reason) for o in generated])
+        for i, output in enumerate(generated):
+            text = llm.engine.tokenizer.decode(output.token_ids)
+            if i % 2:  # the whole answer, or a prefix of one cut by max_tokens
+                assert re.fullmatch(GRAMMAR_REGEX if output.finish_reason == "stop" else "[a-e]*", text), text
+        if fake is not None:
+            assert fake.num_tail_replays == fake.num_replays > 5
+    assert outputs[1] == outputs[0]
+
+
 _HEADS: dict[str, object] = {}
 
 
@@ -281,6 +320,9 @@ def mtp_head_for(target: str):
         ("mtp", "seeded"),
         ("draft_model", "greedy"),
         ("draft_model", "seeded"),
+        ("ngram", "grammar"),
+        ("mtp", "grammar"),
+        ("draft_model", "grammar"),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -289,7 +331,8 @@ def mtp_head_for(target: str):
 def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampling: str, dtype: str) -> None:
     """Tokens from graph replays (forward, then verify + drafting in the tail graph) equal eager
     ones, with batches that cross bucket sizes (sequences finish at different lengths) and drafts
-    of varying length; penalties take the eager verifier after the forward replay."""
+    of varying length; penalties take the eager verifier after the forward replay, grammar requests
+    the tail graph with their masks."""
     path = str(make_checkpoint("llama", num_hidden_layers=2))
     spec: dict = {"method": method}
     if method != "naive":
@@ -307,6 +350,7 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
         "greedy": {"temperature": 0.0},
         "seeded": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7},
         "penalty": {"temperature": 0.0, "repetition_penalty": 1.2},
+        "grammar": {"temperature": 0.0, "structured": StructuredOutput(kind="regex", spec="[a-e ]+")},
     }[sampling]
     params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True, **extra) for i in range(21)]
     outputs = {}
@@ -331,7 +375,8 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
             assert graphs.num_tail_replays == 0  # penalties are applied by the eager verifier
         else:
             assert graphs.num_tail_replays == graphs.num_replays
-        if method != "naive" and sampling != "penalty":  # a repetition penalty rejects repeats
+        # a repetition penalty rejects repeats; a random model's drafts rarely follow a grammar
+        if method != "naive" and sampling not in ("penalty", "grammar"):
             assert sum(o.spec_stats["num_accepted_tokens"] for o in generated) > 0
     if dtype == "float32":
         assert outputs[False] == outputs[True]

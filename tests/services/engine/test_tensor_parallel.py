@@ -4,6 +4,7 @@ output of one rank, for every speculative method, and its ranks stay in step."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from shared.model.mtp import MTPHead, save_mtp_head
 from shared.model.parallel import TensorParallel
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
+from shared.structured_output import StructuredOutput
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 SHAPES = {
@@ -105,6 +107,23 @@ def test_seeded_sampling_with_penalties_and_logprobs_matches_one_rank(split, sin
         assert a.logprobs is not None and b.logprobs is not None
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert split.engine.runner.rows_agree()
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram"])
+def test_grammar_requests_of_two_ranks_are_one_ranks(split, single, method: str) -> None:
+    """Rank 0 fills the grammar masks and sends them: both ranks verify the same masked rows in the
+    fused tail, so the split engine follows the grammar exactly as one rank does."""
+    grammar = StructuredOutput(kind="regex", spec="[a-e ]{4,60}")
+    params = GREEDY.model_copy(
+        update={"speculative": OVERRIDES[method], "structured": grammar, "ignore_eos": False}
+    )
+    expected = generate(single, params)
+    outputs = generate(split, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    for output in outputs:
+        text = split.tokenizer.decode(output.token_ids)
+        assert re.fullmatch("[a-e ]*", text), text
     assert split.engine.runner.rows_agree()
 
 

@@ -31,8 +31,10 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.fixture
-def served(make_checkpoint: Any) -> ServedModel:
-    return ServedModel.load(make_checkpoint("llama"), name=MODEL_NAME, tool_call_parser="hermes")
+def served(make_checkpoint: Any, request: pytest.FixtureRequest) -> ServedModel:
+    """The gateway's model, with the tool-call parser a test names (`indirect`), hermes if none."""
+    parser = getattr(request, "param", "hermes")
+    return ServedModel.load(make_checkpoint("llama"), name=MODEL_NAME, tool_call_parser=parser)
 
 
 @pytest.fixture
@@ -170,6 +172,35 @@ async def test_auto_parses_hermes_calls(sdk: Any, backend, served) -> None:
     assert chat.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("served", ["llama3_json", "hermes"], indirect=True)
+async def test_required_and_llama3_json_calls_stream_through_the_sdk(
+    sdk: Any, backend: InProcessBackend, served: ServedModel
+) -> None:
+    """Through a live gateway and the openai SDK's stream: each call's id and name arrive in a chunk
+    of their own before its arguments, which come in several chunks as the tokens do (`required`
+    with either parser; llama3_json's own calls under `auto`)."""
+    parser = served.tool_call_parser
+    cases: list[tuple[Any, str]] = [("required", REQUIRED_ANSWER)]
+    if parser == "llama3_json":
+        cases.append(("auto", '<|python_tag|>{"name": "get_time", "parameters": {}}; ' + WEATHER_CALL))
+    for tool_choice, text in cases:
+        answer(backend, served, text)
+        stream = await sdk.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        _, whole = parse_tool_calls(ToolPlan(tool_choice, parser=parser), text)
+        calls = streamed_calls(deltas)
+        assert [(n, json.loads(a)) for n, a in calls] == [(c.name, json.loads(c.arguments)) for c in whole]
+        pieces = [(i, p) for i, d in enumerate(deltas) for p in d.tool_calls or []]
+        weather = next(p.index for _, p in pieces if p.function.name == "get_weather")
+        chunk_indices = [i for i, p in pieces if p.index == weather]
+        assert len(set(chunk_indices)) >= 3  # the header, then arguments over several chunks
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not streamed_content(deltas)
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "named"])
 async def test_tool_calls_stream_as_openai_streams_them(sdk: Any, backend, served, tool_choice: str) -> None:
     if tool_choice == "auto":
@@ -196,6 +227,9 @@ async def test_tool_calls_stream_as_openai_streams_them(sdk: Any, backend, serve
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+CUT_CALL = '{"name": "f", "parameters": {"a": 1'
+
+
 @pytest.mark.parametrize(
     ("text", "content", "calls"),
     [
@@ -206,7 +240,7 @@ async def test_tool_calls_stream_as_openai_streams_them(sdk: Any, backend, serve
             [("f", {}), ("g", {"b": "x"})],
         ),
         ("Plain answer {not a call}", "Plain answer {not a call}", []),
-        ('{"name": "f", "parameters": {"a": 1', '{"name": "f", "parameters": {"a": 1', []),
+        (CUT_CALL, CUT_CALL, []),
     ],
 )
 def test_llama3_json_parser_whole_and_streamed(text: str, content: str | None, calls: list) -> None:
@@ -214,11 +248,89 @@ def test_llama3_json_parser_whole_and_streamed(text: str, content: str | None, c
     found_content, found = parse_tool_calls(plan, text)
     assert found_content == content
     assert [(c.name, json.loads(c.arguments)) for c in found] == calls
+    deltas = stream_in_pieces(ToolCallStream(plan), text, 5)
+    if text == CUT_CALL:  # streamed as it came: the call and the arguments it got
+        assert streamed_calls(deltas) == [("f", '{"a": 1')] and not streamed_content(deltas)
+        return
+    assert streamed_content(deltas) == (content or "")
+    assert [(name, json.loads(arguments)) for name, arguments in streamed_calls(deltas)] == calls
+
+
+def stream_in_pieces(stream: ToolCallStream, text: str, size: int) -> list[Any]:
+    return [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
+
+
+def streamed_content(deltas: list[Any]) -> str:
+    return "".join(d.content or "" for d in deltas)
+
+
+def streamed_calls(deltas: list[Any]) -> list[tuple[str, str]]:
+    """(name, arguments text) per call index, from OpenAI tool-call deltas: the first piece of a
+    call carries its id, type and name, the rest only argument fragments."""
+    calls: dict[int, list[str]] = {}
+    for piece in [p for d in deltas for p in d.tool_calls or []]:
+        if piece.index not in calls:
+            assert piece.id.startswith("call_") and piece.type == "function" and piece.function.name
+            calls[piece.index] = [piece.function.name, ""]
+        else:
+            assert piece.id is None and piece.function.name is None
+        calls[piece.index][1] += piece.function.arguments or ""
+    assert list(calls) == list(range(len(calls)))
+    return [(name, arguments) for name, arguments in calls.values()]
+
+
+WEATHER_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+REQUIRED_ANSWER = "[" + WEATHER_CALL + ', {"name": "get_time", "parameters": {}}]'
+
+
+@pytest.mark.parametrize(
+    ("plan", "text"),
+    [
+        (ToolPlan("required"), REQUIRED_ANSWER),
+        (ToolPlan("auto", parser="llama3_json"), WEATHER_CALL),
+        (ToolPlan("auto", parser="llama3_json"), ' {"parameters": {"city": "Paris"}, "name": "get_weather"}'),
+    ],
+)
+def test_calls_stream_their_name_first_then_their_arguments_as_they_come(plan: ToolPlan, text: str) -> None:
+    """Character by character: a call's header goes out as soon as its name is read, before the
+    rest of its arguments exist; the fragments join to the arguments of the whole answer (arguments
+    written before the name go out with it)."""
     stream = ToolCallStream(plan)
-    deltas = [d for i in range(0, len(text), 5) for d in stream.feed(text[i : i + 5])] + stream.finish()
-    assert "".join(d.content or "" for d in deltas) == (content or "")
-    names = [c.function.name for d in deltas for c in d.tool_calls or [] if c.function.name]
-    assert names == [name for name, _ in calls]
+    steps = [stream.feed(c) for c in text] + [stream.finish()]
+    _, whole = parse_tool_calls(plan, text)
+    calls = streamed_calls([d for deltas in steps for d in deltas])
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == [
+        (c.name, json.loads(c.arguments)) for c in whole
+    ]
+    header_at = next(
+        i for i, deltas in enumerate(steps) for d in deltas if d.tool_calls and d.tool_calls[0].id
+    )
+    assert header_at == text.index('"get_weather"') + len('"get_weather"') - 1
+    fragments = [d for deltas in steps for d in deltas if d.tool_calls and not d.tool_calls[0].id]
+    if text.index('"name"') < text.index('"parameters"'):
+        assert len(fragments) > 10  # arguments arrive as they are generated, not whole at the end
+    assert not streamed_content([d for deltas in steps for d in deltas])
+
+
+@pytest.mark.parametrize(
+    ("plan", "text", "content", "calls"),
+    [
+        (ToolPlan("required"), '[{"name": "f", "parameters": {"a": 1}}, {"na', "", [("f", '{"a": 1}')]),
+        (
+            ToolPlan("auto", parser="llama3_json"),
+            '{"name": "f", "parameters": {}} and then text',
+            "and then text",
+            [("f", "{}")],
+        ),
+        (ToolPlan("auto", parser="llama3_json"), '{"name": "f"}', "", [("f", "{}")]),
+    ],
+)
+def test_what_follows_the_streamed_calls(plan: ToolPlan, text: str, content: str, calls: list) -> None:
+    """After whole calls, a call cut off before its name sends nothing, text that is no call is
+    content, and a call without arguments has arguments `{}`."""
+    deltas = stream_in_pieces(ToolCallStream(plan), text, 3)
+    assert streamed_calls(deltas) == calls
+    assert streamed_content(deltas) == content
 
 
 def test_hermes_stream_holds_back_a_marker_split_over_deltas() -> None:

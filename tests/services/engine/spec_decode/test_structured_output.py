@@ -12,6 +12,7 @@ import pytest
 from services.engine.engine import RequestError
 from services.engine.grammar import GrammarCompiler, GrammarState, allocate_bitmask
 from services.engine.llm import LLM
+from services.engine.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutput
 from shared.tokenizer import Tokenizer
@@ -140,7 +141,37 @@ def test_a_request_without_a_grammar_beside_one_with_keeps_its_tokens(target, na
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert [tokens[f"plain-{i}"] for i in range(len(prompts))] == naive_tokens
     assert all(fusable[f"plain-{i}"] for i in range(len(prompts)))  # the fused verify keeps them
-    assert not any(fusable[f"json-{i}"] for i in range(len(prompts)))
+    assert all(fusable[f"json-{i}"] for i in range(len(prompts)))  # and the grammar requests too
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "suffix", "mtp", "draft_model"])
+def test_the_fused_verify_under_a_grammar_emits_what_the_torch_path_does(
+    target, mtp_head, monkeypatch, method: str
+) -> None:
+    """Grammar requests verify in the fused tail (the bitmask an input of the kernel; its reference
+    on CPU) and emit exactly what the torch RejectionSampler, which verified them before, emits:
+    greedy under every grammar, and seeded sampling."""
+    llm = (
+        LLM(target, device="cpu", max_model_len=256)
+        if method == "naive"
+        else spec_llm(target, **drafting(method, target, mtp_head))
+    )
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=11)
+    params = [constrained(GREEDY, grammar) for grammar in GRAMMARS] + [constrained(sampled, "json_schema")]
+    torch_calls = []
+    verify_on_host = ModelRunner._verify_on_host
+    monkeypatch.setattr(
+        ModelRunner,
+        "_verify_on_host",
+        lambda self, *args: torch_calls.append(1) or verify_on_host(self, *args),
+    )
+    fused = [[o.token_ids for o in llm.generate(PROMPTS[:2], p)] for p in params]
+    assert not torch_calls
+    fusable = ModelRunner._fusable
+    monkeypatch.setattr(ModelRunner, "_fusable", lambda self, seq: seq.grammar is None and fusable(self, seq))
+    on_torch_path = [[o.token_ids for o in llm.generate(PROMPTS[:2], p)] for p in params]
+    assert torch_calls
+    assert fused == on_torch_path
 
 
 def test_each_distinct_grammar_is_compiled_once(target) -> None:
