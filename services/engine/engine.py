@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +143,9 @@ class LLMEngine:
         """Decode side of a split deployment: requests holding blocks while their KV arrives."""
         self.handoffs: list[KVExport] = []
         """Prefill side: KV of requests whose prefill finished this step, for the worker to send."""
+        self.allocate_export: Callable[[int], torch.Tensor] | None = None
+        """Prefill side: where exported KV goes. None: copied to the host; else gathered on the device
+        into the uint8 buffer this gives for a number of bytes (one another process can open)."""
         self._unemitted: list[Emission] = []
         """Tokens the last step appended to requests, whose outputs the next call produces."""
         self._stopped: list[Sequence] = []
@@ -304,8 +308,23 @@ class LLMEngine:
         """Copies out the KV of a request whose prefill finished here: the target's layers and
         those of its drafting model (the MTP head or the draft model), which caught up on the prompt."""
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
-        layers = self.runner.export_blocks(seq.block_table[:num_blocks])
-        return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
+        block_ids = seq.block_table[:num_blocks]
+        if self.allocate_export is None:
+            layers = self.runner.export_blocks(block_ids)
+            return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
+        buffer, caches = self.runner.gather_blocks(block_ids, self.allocate_export)
+        layers = [
+            (cache, i, kv[0], kv[1]) for cache, stacked in caches.items() for i, kv in enumerate(stacked)
+        ]
+        return KVExport(
+            seq.request_id,
+            seq.num_computed_tokens,
+            seq.token_ids[-1],
+            layers,
+            {},
+            buffer=buffer,
+            caches=caches,
+        )
 
     # ---- the step ---------------------------------------------------------------------------------
 

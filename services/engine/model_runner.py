@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -521,6 +523,9 @@ class ModelRunner:
         tensors = [tensor for _, _, key, value in layers for tensor in (key, value)]
         if self.device.type == "cpu" or not tensors:
             return tensors[0::2], tensors[1::2]
+        if all(tensor.is_cuda for tensor in tensors):  # opened from another process's GPU memory
+            on_gpu = [tensor.to(self.device) for tensor in tensors]
+            return on_gpu[0::2], on_gpu[1::2]
         if len({tensor.dtype for tensor in tensors}) != 1:
             raise ValueError(
                 f"layers of one request differ in dtype: {sorted({str(t.dtype) for t in tensors})}"
@@ -552,6 +557,42 @@ class ModelRunner:
                 layers += [(cache, i, kv[0], kv[1]) for i, kv in enumerate(whole.cpu())]
         return layers
 
+    @torch.inference_mode()
+    def gather_blocks(
+        self, block_ids: list[int], allocate: Callable[[int], torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every layer of every cache for blocks `block_ids`, with every head, gathered on the device
+        into one buffer `allocate(num_bytes)` gives (uint8): the buffer and each cache's view of it,
+        [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]. Only enqueued
+        on the current stream: nothing here waits for the device."""
+        self.ranks.send(ExportBlocks(block_ids))
+        blocks = torch.tensor(block_ids, device=self.device)
+        shapes = {
+            cache: (
+                len(caches),
+                2,
+                len(block_ids),
+                *caches[0][0].shape[1:-2],
+                self._num_heads(cache),
+                caches[0][0].shape[-1],
+            )
+            for cache in ("target", "mtp", "draft")
+            if (caches := self.caches(cache))
+        }
+        sizes = [math.prod(shape) * self.dtype.itemsize for shape in shapes.values()]
+        buffer = allocate(sum(sizes))
+        views = {
+            cache: part.view(self.dtype).view(shape)
+            for (cache, shape), part in zip(shapes.items(), buffer.split(sizes))
+        }
+        for cache, view in views.items():
+            stacked = [torch.stack([k[blocks], v[blocks]]) for k, v in self.caches(cache)]
+            if not self._sharded(cache):
+                torch.stack(stacked, out=view)
+            elif (whole := self._gather_heads(cache, torch.stack(stacked))) is not None:
+                view.copy_(whole)
+        return buffer, views
+
     def rows_agree(self) -> bool:
         """Whether every rank's input batch holds the same tokens: the rank-consistency check (the
         same tokens accepted everywhere, so the same rows)."""
@@ -566,6 +607,12 @@ class ModelRunner:
     def _sharded(self, cache: str) -> bool:
         """Whether each rank holds only its heads of `cache` (the draft model's is replicated)."""
         return self.tp.size > 1 and cache != "draft"
+
+    def _num_heads(self, cache: str) -> int:
+        """KV heads of `cache` in all (a rank holds only its share of a sharded one)."""
+        if self._sharded(cache):
+            return self._cache_config(cache).num_key_value_heads
+        return int(self.caches(cache)[0][0].shape[2])
 
     def _cache_config(self, cache: str) -> ModelConfig:
         if cache == "mtp":

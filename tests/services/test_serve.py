@@ -92,6 +92,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "device": ["--device", "cuda:1"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2"],
     "max_model_len": ["--max-model-len", "777"],
+    "kv_transport": ["--kv-transport", "ipc"],
     "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "99"],
     "gpu_memory_utilization": ["--gpu-memory-utilization", "0.5"],
