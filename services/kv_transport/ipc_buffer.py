@@ -219,6 +219,10 @@ class SharedBuffers:
     """Buffer data pointer -> its /dev/shm file (CPU buffers)."""
     _held: dict[str, _Held] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.device.type == "cpu":
+            remove_orphans()
+
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """A uint8 buffer of `num_bytes` on the device that another process can open."""
         if self.device.type == "cuda":
@@ -311,6 +315,30 @@ class SharedBuffers:
         if name is None:
             raise ValueError("not a buffer of SharedBuffers.allocate()")
         return lambda view: ShmRegion(name=name, offset=view.data_ptr() - base, num_bytes=_num_bytes(view))
+
+
+def remove_orphans() -> list[str]:
+    """Removes the shared KV files of processes that no longer run (a core killed while it held
+    some); the names removed."""
+    removed = []
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        match = SHM_NAME.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _num_bytes(tensor: torch.Tensor) -> int:
