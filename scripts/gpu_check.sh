@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|kvipc ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -20,6 +20,9 @@
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
+# kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
+# in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
+# and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -134,6 +137,19 @@ if [[ " $stages " == *" tp "* ]]; then
             --no-plots --no-progress --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
     done
     rm -rf $model
+fi
+if [[ " $stages " == *" kvipc "* ]]; then
+    # the ipc KV transport: two processes on one GPU (and across two where present), then the hand-off
+    # benchmark with tcp and ipc in the same call (a 300-token and a 4k-token request, 1B-cost KV)
+    timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
+        tests/services/kv_transport/test_ipc_gpu.py 2>&1 | tee "$OUT/kvipc-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
+    for tokens in 300 4096; do
+        requests=$([ $tokens = 300 ] && echo 64 || echo 16)
+        timeout 300 python3 -m benchmarks.kv_handoff --device cuda --hops wire end-to-end --transport tcp ipc \
+            --num-tokens $tokens --num-requests $requests --json "$OUT/kv-handoff-cuda-$tokens.json" 2>&1 \
+            | tee "$OUT/kv-handoff-cuda-$tokens.log" | tail -8
+    done
 fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then

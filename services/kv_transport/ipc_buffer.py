@@ -39,6 +39,10 @@ SHM_NAME = re.compile(rf"^{SHM_PREFIX}(\d+)-[0-9a-f]{{16}}$")
 """Shared buffer files: the producer's pid, then a random tag (a handle naming another file is refused)."""
 
 
+ALIGN_BYTES = 16
+"""Where extra tensors start in their buffer (every dtype's alignment divides it)."""
+
+
 class SharedKVError(ValueError):
     """A handle that does not describe a usable shared buffer (malformed, or it cannot be opened)."""
 
@@ -244,16 +248,17 @@ class SharedBuffers:
         `release`."""
         buffers = [buffer]
         if tensors:
-            sizes = [_num_bytes(tensor) for tensor in tensors.values()]
+            sizes = [-(-_num_bytes(tensor) // ALIGN_BYTES) * ALIGN_BYTES for tensor in tensors.values()]
             buffers.append(self.allocate(sum(sizes)))
             parts = buffers[1].split(sizes)
             tensors = {
-                name: part.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                name: part[: _num_bytes(tensor)].view(tensor.dtype).view(tensor.shape).copy_(tensor)
                 for (name, tensor), part in zip(tensors.items(), parts)
             }
+        regions = [self._region_maker(b) for b in buffers]  # one handle a buffer
         shared = SharedKV(
-            caches=[_segment(name, view, self._region_maker(buffer)) for name, view in caches.items()],
-            tensors=[_segment(name, view, self._region_maker(buffers[1])) for name, view in tensors.items()],
+            caches=[_segment(name, view, regions[0]) for name, view in caches.items()],
+            tensors=[_segment(name, view, regions[-1]) for name, view in tensors.items()],
         )
         self.release(request_id)  # a placement of the request shared earlier is superseded
         files = [self._files.pop(b.data_ptr()) for b in buffers if b.data_ptr() in self._files]
@@ -354,27 +359,18 @@ def _segment(
 
 
 def _cuda_handle(buffer: torch.Tensor) -> dict[str, Any]:
-    """The IPC handle torch makes for `buffer`'s allocation (it records the event the opener waits on)."""
+    """The IPC handle torch makes for `buffer`'s allocation (it records the event the opener waits on).
+
+    torch counts the opener's reference in a counter the opener releases when done, and keeps a
+    buffer freed before that in limbo; an opener that never opens (another host, a refusal) or dies
+    would leak it. Here the buffer's life is `SharedBuffers`' (until the decode side acknowledged,
+    the transfer failed, or the deadline), so the producer releases the counter at once."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
-    (
-        _,
-        _,
-        _,
-        tensor_offset,
-        _,
-        _,
-        device,
-        handle,
-        size,
-        storage_offset,
-        _,
-        counter,
-        counter_offset,
-        event,
-        sync,
-    ) = args
+    tensor_offset, device, handle, size, storage_offset = args[3], args[6], args[7], args[8], args[9]
+    counter, counter_offset, event, sync = args[11:15]
+    torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
     return {
         "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
         "handle": handle,

@@ -73,6 +73,20 @@ def test_serve_pd_puts_prefill_and_decode_on_gpus_of_their_own() -> None:
     assert place_workers(["mixed"], ["0", "1"], 1) == {"mixed": {}}
 
 
+def test_with_the_ipc_transport_each_pd_worker_also_sees_the_others_gpus_after_its_own() -> None:
+    from services.serve import place_workers
+
+    assert place_workers(["prefill", "decode"], ["0", "1"], 1, see_peers=True) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "0,1"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "1,0"},
+    }
+    assert place_workers(["prefill", "decode"], ["4", "5", "6", "7"], 2, see_peers=True) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"},
+    }
+    assert place_workers(["prefill", "decode"], ["0"], 1, see_peers=True) == {"prefill": {}, "decode": {}}
+
+
 def test_serve_takes_the_gpus_cuda_visible_devices_lists(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.serve import visible_gpus
 
