@@ -546,10 +546,9 @@ class ModelRunner:
         blocks = torch.tensor(block_ids, device=self.device)
         layers = []
         for cache in ("target", "mtp", "draft"):
-            caches = self.caches(cache)
-            if not caches:
+            if not self.caches(cache):
                 continue
-            local = torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in caches])
+            local = self._stacked(cache, blocks)
             whole = self._gather_heads(
                 cache, local
             )  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
@@ -579,17 +578,19 @@ class ModelRunner:
             for cache in ("target", "mtp", "draft")
             if (caches := self.caches(cache))
         }
-        sizes = [math.prod(shape) * self.dtype.itemsize for shape in shapes.values()]
+        dtypes = {cache: self.caches(cache)[0][0].dtype for cache in shapes}
+        sizes = [math.prod(shape) * dtypes[cache].itemsize for cache, shape in shapes.items()]
         buffer = allocate(sum(sizes))
         views = {
-            cache: part.view(self.dtype).view(shape)
+            cache: part.view(dtypes[cache]).view(shape)
             for (cache, shape), part in zip(shapes.items(), buffer.split(sizes))
         }
         for cache, view in views.items():
-            stacked = [torch.stack([k[blocks], v[blocks]]) for k, v in self.caches(cache)]
-            if not self._sharded(cache):
-                torch.stack(stacked, out=view)
-            elif (whole := self._gather_heads(cache, torch.stack(stacked))) is not None:
+            if not self._sharded(cache):  # straight into the buffer, no intermediate
+                for layer, (key_cache, value_cache) in enumerate(self.caches(cache)):
+                    torch.index_select(key_cache, 0, blocks, out=view[layer, 0])
+                    torch.index_select(value_cache, 0, blocks, out=view[layer, 1])
+            elif (whole := self._gather_heads(cache, self._stacked(cache, blocks))) is not None:
                 view.copy_(whole)
         return buffer, views
 
@@ -607,6 +608,10 @@ class ModelRunner:
     def _sharded(self, cache: str) -> bool:
         """Whether each rank holds only its heads of `cache` (the draft model's is replicated)."""
         return self.tp.size > 1 and cache != "draft"
+
+    def _stacked(self, cache: str, blocks: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of `cache` for `blocks`: [num_layers, 2, num_blocks, block_size, heads, head_dim]."""
+        return torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in self.caches(cache)])
 
     def _num_heads(self, cache: str) -> int:
         """KV heads of `cache` in all (a rank holds only its share of a sharded one)."""
