@@ -16,7 +16,7 @@ import torch
 
 from services.engine.llm import LLM
 from services.kv_transport.ipc import IpcKVTransport
-from services.kv_transport.ipc_buffer import SharedKV, open_shared
+from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
 from services.worker.core_client import EngineCoreClient
 from services.worker.core_messages import CoreOptions
 from shared.config import EngineConfig
@@ -51,6 +51,7 @@ PRODUCER = textwrap.dedent(
 
     async def main(address, device):
         buffers = SharedBuffers(torch.device(device))
+        baseline = torch.cuda.memory_allocated(device)
         buffer = buffers.allocate(torch.Size(SHAPE).numel() * 2)
         target = buffer.view(torch.bfloat16).view(SHAPE)
         target.copy_(expected_kv().to(device, non_blocking=True))  # no host wait: the handle's event orders it
@@ -62,10 +63,10 @@ PRODUCER = textwrap.dedent(
             refusal = await session.send_shared(shared)
             assert refusal is None, refusal
             await session.close()
-        del target
+        del target, buffer
         buffers.release("r")
         await transport.close()
-        print("released", flush=True)
+        print("released", torch.cuda.memory_allocated(device) - baseline, flush=True)
 
     asyncio.run(main(sys.argv[1], sys.argv[2]))
     """
@@ -100,9 +101,23 @@ async def test_kv_in_one_processs_gpu_memory_is_opened_in_another(producer: str,
         if process.returncode is None:
             process.kill()
         await receiver.close()
-    assert process.returncode == 0 and out.strip().endswith(b"released")
+    assert process.returncode == 0 and out.strip().endswith(b"released 0")  # no device memory left behind
     assert not isinstance(await done, Exception)
     assert torch.equal(received["target"].view(torch.int16), expected_kv().view(torch.int16))
+
+
+def test_a_buffer_nobody_opened_is_freed_at_its_release() -> None:
+    """A handle made but never opened (the decode worker was elsewhere, or refused) holds nothing
+    once the buffer is released: torch's IPC reference counting does not keep it in limbo."""
+    buffers = SharedBuffers(torch.device("cuda:0"))
+    baseline = torch.cuda.memory_allocated(0)
+    buffer = buffers.allocate(8 << 20)
+    target = buffer.view(torch.bfloat16).view(-1, 2, 1, 16, 2, 64)
+    buffers.share("r", buffer, {"target": target}, {"hidden": torch.ones(64, device="cuda:0")})
+    del buffer, target
+    assert torch.cuda.memory_allocated(0) > baseline
+    assert buffers.release("r")
+    assert torch.cuda.memory_allocated(0) == baseline
 
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14], [7] * 40]
