@@ -506,6 +506,8 @@ class Worker:
         for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
             if handoff.request_id in handing_off:
                 self._spawn(self._hand_off(handoff, handing_off[handoff.request_id].epoch))
+            elif handoff.shared is not None:  # dropped here meanwhile: its buffer goes now
+                self._spawn(self._release_shared(handoff))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

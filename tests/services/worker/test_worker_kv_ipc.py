@@ -21,11 +21,12 @@ from services.engine.kv_export import KVExport
 from services.kv_transport import KVTransferError
 from services.kv_transport.ipc import IpcKVTransport
 from services.kv_transport.ipc_buffer import SHM_DIR, SharedBuffers, SharedKV, open_shared
-from services.worker.core_messages import EngineInfo, EngineLoad, Reply
+from services.worker.core_messages import EngineInfo, EngineLoad, Reply, RowEnd
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker, WorkerOptions
 from shared.bus import Bus
 from shared.protocol import PAYLOAD_FIELD, decode
+from tests.services.worker.test_worker_emit import one_token_step
 
 REPO = Path(__file__).resolve().parents[3]
 NUM_LAYERS = 2
@@ -214,3 +215,13 @@ async def test_a_decode_worker_on_another_host_gets_bytes_and_it_is_said_once(
     said = [r.getMessage() for r in caplog.records if "goes over TCP" in r.getMessage()]
     assert len(said) == 1 and "another host" in said[0]
     await receiver.close()
+
+
+async def test_a_shared_export_of_a_request_dropped_meanwhile_is_released_at_once(prefill) -> None:
+    worker, core = prefill  # the request left this worker (fenced, or given back) before its KV came up
+    export = core.export("gone")
+    batch = one_token_step(["gone"], 0, [RowEnd(row=0, handoff=True)])
+    batch.handoffs = [export]
+    worker._retire(batch)
+    await asyncio.wait_for(asyncio.gather(*worker.pending), 10)
+    assert core.released == ["gone"] and not os.path.exists(shm_file(export.shared))  # type: ignore[arg-type]
