@@ -25,7 +25,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
@@ -212,19 +212,17 @@ class _Held:
     deadline: float
 
 
-@dataclass
 class SharedBuffers:
     """A prefill engine core's shared buffers: allocated for an export, held by request id until
     released or `timeout_s` after they were shared."""
 
-    device: torch.device
-    timeout_s: float = 120.0
-    _files: dict[int, str] = field(default_factory=dict)
-    """Buffer data pointer -> its /dev/shm file (CPU buffers)."""
-    _held: dict[str, _Held] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.device.type == "cpu":
+    def __init__(self, device: torch.device, timeout_s: float = 120.0):
+        self.device = device
+        self.timeout_s = timeout_s
+        self._files: dict[int, str] = {}
+        """Buffer data pointer -> its /dev/shm file (CPU buffers)."""
+        self._held: dict[str, _Held] = {}
+        if device.type == "cpu":
             remove_orphans()
 
     def allocate(self, num_bytes: int) -> torch.Tensor:

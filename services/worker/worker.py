@@ -527,7 +527,7 @@ class Worker:
         try:
             session = await self.transport.open(address, header)
             async with session:
-                path = await self._send_kv(session, handoff)
+                path = await self._send_kv(session, handoff, address)
                 await session.close(extras={"first_token_id": handoff.first_token_id})
         except KVTransferError as exc:
             await self._report(handoff.request_id, epoch, "failed", f"KV handoff failed: {exc}")
@@ -539,14 +539,15 @@ class Worker:
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
         await self._report(handoff.request_id, epoch, "handed_off")
 
-    async def _send_kv(self, session: KVSendSession, handoff: KVExport) -> Literal["shared", "bytes"]:
-        """By handle where the KV is shared and the receiver takes it; else the bytes, layer by layer.
-        Returns which."""
+    async def _send_kv(
+        self, session: KVSendSession, handoff: KVExport, address: str
+    ) -> Literal["shared", "bytes"]:
+        """By handle where the KV is shared and the receiver (at `address`) takes it; else the bytes,
+        layer by layer. Returns which."""
         if handoff.shared is not None:
             refusal = await session.send_shared(handoff.shared)
             if refusal is None:
                 return "shared"
-            address = getattr(session, "address", "?")
             if address not in self.bytes_to:
                 self.bytes_to.add(address)
                 logger.warning("KV to %s goes over TCP, not shared memory: %s", address, refusal)

@@ -65,7 +65,7 @@ def shared_files(pid: int) -> list[str]:
     return [name for name in os.listdir(SHM_DIR) if name.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # four workers start one after another on 2 shared cores
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_ipc_handoff_gives_the_tcp_paths_greedy_tokens(tmp_path, mesh_model, method) -> None:
     spec = speculative_config(method, mesh_model)
