@@ -111,6 +111,8 @@ async def test_a_released_buffer_leaves_dev_shm_and_a_held_one_has_a_host_copy(
     reply = await (await prefill.fetch_kv("r"))  # answered after the release: in order
     assert reply.export is None and reply.error is not None and "no shared KV" in reply.error.message
     assert not os.path.exists(shm_path(export))
+    late = await (await prefill.import_shared("r", export.shared))  # a decode core opening it now
+    assert late.error is not None and "does not exist" in late.error.message
 
 
 async def test_a_buffer_nobody_releases_is_freed_at_its_deadline(model: str) -> None:
