@@ -280,6 +280,20 @@ class LLMEngine:
         num_blocks = max((key.shape[0] for _, _, key, _ in layers), default=0)
         self.runner.import_layers(seq.block_table[:num_blocks], layers)
 
+    def import_stacked(self, request_id: str, caches: dict[str, torch.Tensor]) -> None:
+        """Writes received caches (name -> [num_layers, 2, num_blocks, block_size, kv_heads, head_dim],
+        as a prefill instance gathered them) into the reserved blocks: one copy per cache where the
+        block sizes agree, else layer by layer through `import_layers`."""
+        seq = self.reserved[request_id]
+        if any(source.shape[3] != self.config.block_size for source in caches.values()):
+            layers = [
+                (name, i, kv[0], kv[1]) for name, source in caches.items() for i, kv in enumerate(source)
+            ]
+            self.import_layers(request_id, layers)
+            return
+        num_blocks = max((source.shape[2] for source in caches.values()), default=0)
+        self.runner.import_stacked(seq.block_table[:num_blocks], caches)
+
     def _reblocked(self, cache_blocks: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Blocks of the sender's block size in this engine's."""
         if cache_blocks.shape[1] == self.config.block_size:

@@ -311,10 +311,7 @@ class EngineCore:
         sender should send the bytes instead."""
         try:
             caches, tensors = open_shared(command.shared)
-            layers = [
-                (cache, i, kv[0], kv[1]) for cache, stacked in caches.items() for i, kv in enumerate(stacked)
-            ]
-            self.engine.import_layers(command.request_id, layers)
+            self.engine.import_stacked(command.request_id, caches)
             if self.engine.runner.device.type == "cuda":
                 torch.cuda.current_stream(self.engine.runner.device).synchronize()
             return Reply(command.call_id, tensors={name: t.cpu() for name, t in tensors.items()})
