@@ -242,14 +242,13 @@ def consumer_main(
     latencies: list[float] = []
     first_s, last_s = float("inf"), 0.0
     while not isinstance(command := channel.recv(), Shutdown):
-        layers = command.layers if isinstance(command, ImportKV) else _opened(command.shared)
-        if engine is not None:
-            engine.import_layers(command.request_id, layers)
-            if engine.runner.device.type == "cuda":
-                torch.cuda.synchronize(engine.runner.device)
+        if isinstance(command, ImportKV):
+            stamps = _import_bytes(engine, command)
+        else:
+            stamps = _import_shared(engine, command)
+        if engine is not None and engine.runner.device.type == "cuda":
+            torch.cuda.synchronize(engine.runner.device)
         last_s = time.monotonic()
-        stamps = [stamped_at(key) for _, _, key, _ in layers] if isinstance(command, ImportKV) else []
-        stamps = stamps or [stamped_at(layers[0][2])] * len(layers)  # shared: one stamp a request
         first_s = min(first_s, *stamps)
         latencies += [last_s - stamped for stamped in stamps]
         if isinstance(command, ImportShared):
@@ -257,9 +256,21 @@ def consumer_main(
     channel.send({"latencies": latencies, "first_s": first_s, "last_s": last_s})
 
 
-def _opened(shared: SharedKV) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
-    caches, _ = open_shared(shared)
-    return [(cache, i, kv[0], kv[1]) for cache, stacked in caches.items() for i, kv in enumerate(stacked)]
+def _import_bytes(engine: LLMEngine | None, command: ImportKV) -> list[float]:
+    """As the decode engine core takes `ImportKV`; each layer's send time."""
+    if engine is not None:
+        engine.import_layers(command.request_id, command.layers)
+    return [stamped_at(key) for _, _, key, _ in command.layers]
+
+
+def _import_shared(engine: LLMEngine | None, command: ImportShared) -> list[float]:
+    """As the decode engine core takes `ImportShared` (one copy per cache); the request's send time,
+    once per layer."""
+    caches, _ = open_shared(command.shared)
+    if engine is not None:
+        engine.import_stacked(command.request_id, caches)
+    target = caches["target"]
+    return [stamped_at(target[0, 0])] * len(target)
 
 
 def build_engine(checkpoint: str, shape: KVShape, num_requests: int, device: str = "cpu") -> LLMEngine:
