@@ -10,10 +10,19 @@ Hops, each through the code and the kind of process boundary the mesh uses:
 - end-to-end: sender process -> receiver -> channel -> a consumer process that imports into a real
   engine, as the decode worker forwards it (`Worker._on_kv_layer`, `_on_kv_done`).
 
-A layer's latency is from the sender's call (the monotonic clock is shared by the processes of one
-host; the time rides in the layer's first bytes) to its arrival at the end of the hop.
+`--transport ipc` runs the wire and end-to-end hops through the ipc transport instead: the sender puts
+each request's KV in a shared buffer (`SharedBuffers`, on `--device`) and sends its handle; the
+receiver (wire) or the consumer process (end-to-end, as `ImportShared` reaches the decode engine core)
+opens it and copies it; the sender frees the buffer once acknowledged. `--transport tcp ipc` runs both
+in one call. On `--device cuda` the sender's KV is on the GPU (tcp copies it to the host first, as a
+prefill engine core does) and the consumer's engine too.
+
+A layer's latency is from the start of its request's send (the monotonic clock is shared by the
+processes of one host; the time rides in the first layer's first bytes) to its arrival at the end of
+the hop.
 
     python -m benchmarks.kv_handoff --num-requests 16
+    python -m benchmarks.kv_handoff --hops wire end-to-end --transport tcp ipc
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from benchmarks.random_model import write_random_checkpoint
 from services.engine.engine import LLMEngine
 from services.kv_transport import KVHeader, TcpKVTransport
 from services.kv_transport.base import DTYPES, LayerShape, ReceivedLayer, ReceivedTransfer
+from services.kv_transport.ipc import IpcKVTransport
+from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
 from services.worker.channel import AsyncChannel, BlockingChannel
-from services.worker.core_messages import ImportKV, Shutdown
+from services.worker.core_messages import ImportKV, ImportShared, Reply, Shutdown
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -134,22 +145,38 @@ def request_ids(num_requests: int) -> Iterator[str]:
 # ---- the sender process --------------------------------------------------------------------------------
 
 
-def sender_main(address: str, shape: KVShape, num_requests: int, concurrency: int) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """How the KV moves: which transport, and where the KV lives at both ends."""
+
+    transport: str = "tcp"
+    device: str = "cpu"
+
+
+def sender_main(address: str, shape: KVShape, num_requests: int, concurrency: int, setup: Setup) -> None:
     torch.set_num_threads(1)
-    asyncio.run(_send_all(address, shape, num_requests, concurrency))
+    if setup.transport == "ipc":
+        asyncio.run(_share_all(address, shape, num_requests, concurrency, torch.device(setup.device)))
+    else:
+        asyncio.run(_send_all(address, shape, num_requests, concurrency, torch.device(setup.device)))
 
 
-async def _send_all(address: str, shape: KVShape, num_requests: int, concurrency: int) -> None:
+async def _send_all(
+    address: str, shape: KVShape, num_requests: int, concurrency: int, device: torch.device
+) -> None:
+    """As a prefill worker over tcp: each request's KV (on `device`) copied to the host, then sent."""
     transport = TcpKVTransport(secret=SECRET)
     slots: asyncio.Queue[list[tuple[torch.Tensor, torch.Tensor]]] = asyncio.Queue()
     for seed in range(concurrency):  # a slot's tensors are reused once its transfer is acknowledged
-        slots.put_nowait(shape.layers(seed))
+        slots.put_nowait([(k.to(device), v.to(device)) for k, v in shape.layers(seed)])
 
     async def send(request_id: str) -> None:
         layers = await slots.get()
+        for key, _ in layers:
+            stamp(key)
+        on_host = [(key.cpu(), value.cpu()) for key, value in layers]
         async with await transport.open(address, shape.header(request_id)) as session:
-            for index, (key, value) in enumerate(layers):
-                stamp(key)
+            for index, (key, value) in enumerate(on_host):
                 await session.send_layer("target", index, key, value)
             await session.close()
         slots.put_nowait(layers)
@@ -158,9 +185,41 @@ async def _send_all(address: str, shape: KVShape, num_requests: int, concurrency
     await transport.close()
 
 
-def start_sender(address: str, shape: KVShape, num_requests: int, concurrency: int) -> Any:
+async def _share_all(
+    address: str, shape: KVShape, num_requests: int, concurrency: int, device: torch.device
+) -> None:
+    """As a prefill worker over ipc: each request's KV gathered into a shared buffer on `device`, its
+    handle sent, the buffer freed once the receiver acknowledged."""
+    transport = IpcKVTransport(secret=SECRET)
+    buffers = SharedBuffers(device)
+    layers = [(k.to(device), v.to(device)) for k, v in shape.layers(0)]
+    in_flight = asyncio.Semaphore(concurrency)
+
+    async def send(request_id: str) -> None:
+        async with in_flight:
+            stacked_shape = (shape.num_layers, 2, *shape.layer_shape)
+            buffer = buffers.allocate(shape.num_layers * shape.layer_bytes)
+            stacked = buffer.view(DTYPES[shape.dtype]).view(stacked_shape)
+            torch.stack([torch.stack(kv) for kv in layers], out=stacked)  # the gather, as the engine's
+            stamp(stacked[0, 0])
+            shared = buffers.share(request_id, buffer, {"target": stacked}, {})
+            try:
+                async with await transport.open(address, shape.header(request_id)) as session:
+                    refusal = await session.send_shared(shared)
+                    if refusal is not None:
+                        raise SystemExit(f"the receiver did not take the shared KV: {refusal}")
+                    await session.close()
+            finally:
+                buffers.release(request_id)
+
+    await asyncio.gather(*(send(request_id) for request_id in request_ids(num_requests)))
+    await transport.close()
+    buffers.close()
+
+
+def start_sender(address: str, shape: KVShape, num_requests: int, concurrency: int, setup: Setup) -> Any:
     process = multiprocessing.get_context("spawn").Process(
-        target=sender_main, args=(address, shape, num_requests, concurrency), daemon=True
+        target=sender_main, args=(address, shape, num_requests, concurrency, setup), daemon=True
     )
     process.start()
     return process
@@ -170,30 +229,55 @@ def start_sender(address: str, shape: KVShape, num_requests: int, concurrency: i
 
 
 def consumer_main(
-    sock: socket.socket, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int
+    sock: socket.socket, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int, device: str
 ) -> None:
-    """Reads import commands until Shutdown, importing into a real engine when `checkpoint` is given;
-    answers with the layers' latencies and when the last one was done."""
+    """Reads import commands until Shutdown, importing into a real engine when `checkpoint` is given
+    (`ImportShared`: opened, imported, then answered, as the decode engine core does); answers with
+    the layers' latencies and when the last one was done."""
     if threads:
         torch.set_num_threads(threads)
     channel = BlockingChannel(sock)
-    engine = build_engine(checkpoint, shape, num_requests) if checkpoint else None
+    engine = build_engine(checkpoint, shape, num_requests, device) if checkpoint else None
     channel.send("ready")
     latencies: list[float] = []
-    last_s = 0.0
+    first_s, last_s = float("inf"), 0.0
     while not isinstance(command := channel.recv(), Shutdown):
-        if engine is not None:
-            engine.import_layers(command.request_id, command.layers)
+        if isinstance(command, ImportKV):
+            stamps = _import_bytes(engine, command)
+        else:
+            stamps = _import_shared(engine, command)
+        if engine is not None and engine.runner.device.type == "cuda":
+            torch.cuda.synchronize(engine.runner.device)
         last_s = time.monotonic()
-        latencies += [last_s - stamped_at(key) for _, _, key, _ in command.layers]
-    channel.send({"latencies": latencies, "last_s": last_s})
+        first_s = min(first_s, *stamps)
+        latencies += [last_s - stamped for stamped in stamps]
+        if isinstance(command, ImportShared):
+            channel.send(Reply(command.call_id))
+    channel.send({"latencies": latencies, "first_s": first_s, "last_s": last_s})
 
 
-def build_engine(checkpoint: str, shape: KVShape, num_requests: int) -> LLMEngine:
-    """A CPU engine whose cache holds every request, each reserved as the decode worker does."""
+def _import_bytes(engine: LLMEngine | None, command: ImportKV) -> list[float]:
+    """As the decode engine core takes `ImportKV`; each layer's send time."""
+    if engine is not None:
+        engine.import_layers(command.request_id, command.layers)
+    return [stamped_at(key) for _, _, key, _ in command.layers]
+
+
+def _import_shared(engine: LLMEngine | None, command: ImportShared) -> list[float]:
+    """As the decode engine core takes `ImportShared` (one copy per cache); the request's send time,
+    once per layer."""
+    caches, _ = open_shared(command.shared)
+    if engine is not None:
+        engine.import_stacked(command.request_id, caches)
+    target = caches["target"]
+    return [stamped_at(target[0, 0])] * len(target)
+
+
+def build_engine(checkpoint: str, shape: KVShape, num_requests: int, device: str = "cpu") -> LLMEngine:
+    """An engine whose cache holds every request, each reserved as the decode worker does."""
     config = EngineConfig(
         model=checkpoint,
-        device="cpu",
+        device=device,
         dtype=shape.dtype,  # type: ignore[arg-type]
         max_model_len=shape.num_tokens + 8,
         block_size=shape.block_size,
@@ -222,14 +306,18 @@ def write_checkpoint(shape: KVShape, out_dir: Path) -> str:
 class Consumer:
     """A consumer process on the far end of a socket pair, as the worker starts its engine core."""
 
-    def __init__(self, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int):
+    def __init__(
+        self, checkpoint: str | None, shape: KVShape, num_requests: int, threads: int, device: str = "cpu"
+    ):
         ours, theirs = socket.socketpair()
         self.process = multiprocessing.get_context("spawn").Process(
-            target=consumer_main, args=(theirs, checkpoint, shape, num_requests, threads), daemon=True
+            target=consumer_main, args=(theirs, checkpoint, shape, num_requests, threads, device), daemon=True
         )
         self.process.start()
         theirs.close()
         self.channel = AsyncChannel(ours, asyncio.get_running_loop())
+        self.call_ids = iter(range(1 << 62))
+        self._one_call = asyncio.Lock()
 
     async def ready(self) -> None:
         assert await self.channel.recv() == "ready"
@@ -238,6 +326,15 @@ class Consumer:
         self, request_id: str, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
     ) -> None:
         await self.channel.send(ImportKV(request_id, layers))
+
+    async def import_shared(self, request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
+        """As the decode worker's `_import_shared`: one command, then its answer (the only command in
+        flight: transfers are serialised here, as their imports are in the engine core)."""
+        async with self._one_call:
+            await self.channel.send(ImportShared(next(self.call_ids), request_id, shared))
+            reply = await self.channel.recv()
+        assert isinstance(reply, Reply) and reply.error is None, reply
+        return {}
 
     async def finish(self) -> dict[str, Any]:
         await self.channel.send(Shutdown())
@@ -254,8 +351,16 @@ class Receiver:
     """The decode worker's side of the wire: expects every request; `forward` takes each request's
     layers once all arrived, as the worker hands them to its core."""
 
-    def __init__(self, num_requests: int, forward: Any = None):
-        self.transport = TcpKVTransport(secret=SECRET)
+    def __init__(
+        self, num_requests: int, forward: Any = None, import_shared: Any = None, transport: str = "tcp"
+    ):
+        """`import_shared`: what takes a shared transfer's handle (ipc); default: open and copy here."""
+        if transport == "ipc":
+            self.transport: TcpKVTransport = IpcKVTransport(
+                secret=SECRET, import_shared=import_shared or self.copy_shared
+            )
+        else:
+            self.transport = TcpKVTransport(secret=SECRET)
         self.forward = forward
         self.received: dict[str, list[tuple[str, int, torch.Tensor, torch.Tensor]]] = {}
         self.latencies: list[float] = []
@@ -270,6 +375,17 @@ class Receiver:
             self.transport.expect(request_id, self.on_layer, self.on_done, self.on_error, timeout_s=600)
         return address
 
+    async def copy_shared(self, request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
+        """The wire hop's ipc receiver: open the handle and copy the KV out, in this process."""
+        caches, _ = open_shared(shared)
+        sent_s = stamped_at(caches["target"][0, 0])
+        self.first_s = min(self.first_s, sent_s)
+        copies = {name: cache.clone() for name, cache in caches.items()}
+        if copies["target"].is_cuda:
+            torch.cuda.synchronize()
+        self.latencies += [time.monotonic() - sent_s] * len(copies["target"])
+        return {}
+
     async def on_layer(self, layer: ReceivedLayer) -> None:
         sent_s = stamped_at(layer.key)
         self.first_s = min(self.first_s, sent_s)
@@ -277,8 +393,8 @@ class Receiver:
         self.received.setdefault(layer.request_id, []).append(("target", layer.index, layer.key, layer.value))
 
     async def on_done(self, transfer: ReceivedTransfer) -> None:
-        layers = self.received.pop(transfer.header.request_id)
-        if self.forward is not None:
+        layers = self.received.pop(transfer.header.request_id, [])
+        if self.forward is not None and layers:
             await self.forward(transfer.header.request_id, layers)
         self.num_done += 1
         if self.num_done == self.num_requests:
@@ -288,14 +404,15 @@ class Receiver:
         raise SystemExit(f"KV transfer failed: {error}")
 
 
-async def wire_hop(shape: KVShape, num_requests: int, concurrency: int) -> HopResult:
-    receiver = Receiver(num_requests)
-    sender = start_sender(await receiver.start(), shape, num_requests, concurrency)
+async def wire_hop(shape: KVShape, num_requests: int, concurrency: int, setup: Setup) -> HopResult:
+    receiver = Receiver(num_requests, transport=setup.transport)
+    sender = start_sender(await receiver.start(), shape, num_requests, concurrency, setup)
     await receiver.all_done.wait()
     seconds = time.monotonic() - receiver.first_s
     await receiver.transport.close()
     sender.join(10)
-    return HopResult("wire", num_requests * shape.num_layers * shape.layer_bytes, seconds, receiver.latencies)
+    num_bytes = num_requests * shape.num_layers * shape.layer_bytes
+    return HopResult(f"wire {setup.transport}", num_bytes, seconds, receiver.latencies)
 
 
 async def channel_hop(shape: KVShape, num_requests: int, threads: int) -> HopResult:
@@ -338,18 +455,21 @@ def _import_all(checkpoint: str, shape: KVShape, num_requests: int) -> HopResult
 
 
 async def end_to_end(
-    checkpoint: str, shape: KVShape, num_requests: int, concurrency: int, threads: int
+    checkpoint: str, shape: KVShape, num_requests: int, concurrency: int, threads: int, setup: Setup
 ) -> HopResult:
-    consumer = Consumer(checkpoint, shape, num_requests, threads)
+    consumer = Consumer(checkpoint, shape, num_requests, threads, setup.device)
     await consumer.ready()
-    receiver = Receiver(num_requests, consumer.import_kv)
-    sender = start_sender(await receiver.start(), shape, num_requests, concurrency)
+    receiver = Receiver(num_requests, consumer.import_kv, consumer.import_shared, setup.transport)
+    sender = start_sender(await receiver.start(), shape, num_requests, concurrency, setup)
     await receiver.all_done.wait()
     result = await consumer.finish()
     await receiver.transport.close()
     sender.join(10)
     num_bytes = num_requests * shape.num_layers * shape.layer_bytes
-    return HopResult("end-to-end", num_bytes, result["last_s"] - receiver.first_s, result["latencies"])
+    first_s = min(receiver.first_s, result["first_s"])
+    return HopResult(
+        f"end-to-end {setup.transport}", num_bytes, result["last_s"] - first_s, result["latencies"]
+    )
 
 
 # ---- main ----------------------------------------------------------------------------------------------
@@ -357,18 +477,29 @@ async def end_to_end(
 
 async def run(args: argparse.Namespace, shape: KVShape, checkpoint: str) -> list[HopResult]:
     hops = set(args.hops)
+    setups = [Setup(transport, args.device) for transport in args.transport]
     results = []
-    if "wire" in hops:
-        results.append(await wire_hop(shape, args.num_requests, args.concurrency))
+    for setup in setups if "wire" in hops else []:
+        results.append(await wire_hop(shape, args.num_requests, args.concurrency, setup))
     if "channel" in hops:
         results.append(await channel_hop(shape, args.num_requests, args.core_threads))
     if "import" in hops:
         results.append(import_hop(checkpoint, shape, args.num_requests, args.core_threads))
-    if "end-to-end" in hops:
+    for setup in setups if "end-to-end" in hops else []:
         results.append(
-            await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads)
+            await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads, setup)
         )
     return results
+
+
+def ratios(results: list[HopResult]) -> dict[str, float]:
+    """Each ipc hop's throughput over the same hop's over tcp in this run."""
+    by_hop = {result.hop: result.num_bytes / result.seconds for result in results}
+    return {
+        f"{hop} ipc / tcp": round(by_hop[f"{hop} ipc"] / by_hop[f"{hop} tcp"], 2)
+        for hop in ("wire", "end-to-end")
+        if f"{hop} ipc" in by_hop and f"{hop} tcp" in by_hop
+    }
 
 
 def main() -> None:
@@ -388,8 +519,15 @@ def main() -> None:
     )
     parser.add_argument("--hops", nargs="+", default=["wire", "channel", "import", "end-to-end"],
                         choices=["wire", "channel", "import", "end-to-end"])  # fmt: skip
+    parser.add_argument(
+        "--transport", nargs="+", default=["tcp"], choices=["tcp", "ipc"],
+        help="KV transports of the wire and end-to-end hops (several: each, in this order)",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="where the KV lives at both ends: cpu or cuda")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: cpu, or cuda where a GPU is present")
     for name in (
         "num_requests",
         "num_tokens",
@@ -409,12 +547,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(shape, Path(tmp))
         results = asyncio.run(run(args, shape, checkpoint))
-    summaries = [result.summary() for result in results]
-    print(
-        json.dumps({"shape": asdict(shape), "num_requests": args.num_requests, "hops": summaries}, indent=1)
-    )
+    report = {
+        "shape": asdict(shape),
+        "num_requests": args.num_requests,
+        "device": args.device,
+        "hops": [result.summary() for result in results],
+        "ratios": ratios(results),
+    }
+    print(json.dumps(report, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"shape": asdict(shape), "hops": summaries}, indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

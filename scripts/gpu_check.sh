@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -24,6 +24,9 @@
 # grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
 # widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
+# kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
+# in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
+# and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -138,6 +141,19 @@ if [[ " $stages " == *" tp "* ]]; then
             --no-plots --no-progress --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
     done
     rm -rf $model
+fi
+if [[ " $stages " == *" kvipc "* ]]; then
+    # the ipc KV transport: two processes on one GPU (and across two where present), then the hand-off
+    # benchmark with tcp and ipc in the same call (a 300-token and a 4k-token request, 1B-cost KV)
+    timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
+        tests/services/kv_transport/test_ipc_gpu.py 2>&1 | tee "$OUT/kvipc-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
+    for tokens in 300 4096; do
+        requests=$([ $tokens = 300 ] && echo 64 || echo 16)
+        timeout 300 python3 -m benchmarks.kv_handoff --device cuda --hops wire end-to-end --transport tcp ipc \
+            --num-tokens $tokens --num-requests $requests --json "$OUT/kv-handoff-cuda-$tokens.json" 2>&1 \
+            | tee "$OUT/kv-handoff-cuda-$tokens.log" | tail -8
+    done
 fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then

@@ -155,18 +155,25 @@ def visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def place_workers(roles: list[str], gpus: list[str], tensor_parallel_size: int) -> dict[str, dict[str, str]]:
+def place_workers(
+    roles: list[str], gpus: list[str], tensor_parallel_size: int, see_peers: bool = False
+) -> dict[str, dict[str, str]]:
     """Each worker's CUDA_VISIBLE_DEVICES: with `--pd` on a host with GPUs enough for both, the
     prefill worker takes the first `tensor_parallel_size` of them and the decode worker the next, so
     that one role's steps never queue behind the other's on one card; otherwise every worker sees
-    what serve sees (nothing set)."""
+    what serve sees (nothing set). With `see_peers` (the ipc KV transport) each also sees the other's
+    GPUs after its own: its engine runs on its first `tensor_parallel_size`, and the decode worker
+    opens the prefill worker's KV buffers where they are."""
     if len(roles) < 2 or len(gpus) < len(roles) * tensor_parallel_size:
         return {role: {} for role in roles}
+    owned = [gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(len(roles))]
     return {
         role: {
-            "CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tensor_parallel_size : (i + 1) * tensor_parallel_size])
+            "CUDA_VISIBLE_DEVICES": ",".join(
+                own + [gpu for other in owned if other is not own for gpu in other] if see_peers else own
+            )
         }
-        for i, role in enumerate(roles)
+        for role, own in zip(roles, owned)
     }
 
 
@@ -428,10 +435,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         roles.start("suffix-cache", ["suffix-cache"])
         engine = _engine_flags(args, model, spec)
         workers = ["prefill", "decode"] if args.pd else ["mixed"]
-        placement = place_workers(workers, visible_gpus(args.device), args.tensor_parallel_size)
+        gpus, size = visible_gpus(args.device), args.tensor_parallel_size
+        placement = place_workers(workers, gpus, size, see_peers=args.kv_transport == "ipc")
         for role in workers:
             if placement[role]:
-                mesh.report(f"{role} worker on GPU {placement[role]['CUDA_VISIBLE_DEVICES']}")
+                own = placement[role]["CUDA_VISIBLE_DEVICES"].split(",")[:size]
+                mesh.report(f"{role} worker on GPU {','.join(own)}")
             roles.start(
                 role,
                 [role, *engine],

@@ -36,6 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         default=1,
         help="split the model over this many devices (cuda:N onwards; on CPU, processes joined by gloo)",
     )
+    group.add_argument(
+        "--kv-transport",
+        choices=["tcp", "ipc"],
+        default="tcp",
+        help="prefill -> decode KV hand-off: tcp (host memory, any hosts), or ipc (the KV stays in device "
+        "memory between workers on one host; TCP where the peer is elsewhere or cannot open it)",
+    )
     group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--num-kv-blocks", type=int, help="fixed KV-cache size in blocks")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +143,9 @@ class LLMEngine:
         """Decode side of a split deployment: requests holding blocks while their KV arrives."""
         self.handoffs: list[KVExport] = []
         """Prefill side: KV of requests whose prefill finished this step, for the worker to send."""
+        self.allocate_export: Callable[[int], torch.Tensor] | None = None
+        """Prefill side: where exported KV goes. None: copied to the host; else gathered on the device
+        into the uint8 buffer this gives for a number of bytes (one another process can open)."""
         self._unemitted: list[Emission] = []
         """Tokens the last step appended to requests, whose outputs the next call produces."""
         self._stopped: list[Sequence] = []
@@ -276,6 +280,20 @@ class LLMEngine:
         num_blocks = max((key.shape[0] for _, _, key, _ in layers), default=0)
         self.runner.import_layers(seq.block_table[:num_blocks], layers)
 
+    def import_stacked(self, request_id: str, caches: dict[str, torch.Tensor]) -> None:
+        """Writes received caches (name -> [num_layers, 2, num_blocks, block_size, kv_heads, head_dim],
+        as a prefill instance gathered them) into the reserved blocks: one copy per cache where the
+        block sizes agree, else layer by layer through `import_layers`."""
+        seq = self.reserved[request_id]
+        if any(source.shape[3] != self.config.block_size for source in caches.values()):
+            layers = [
+                (name, i, kv[0], kv[1]) for name, source in caches.items() for i, kv in enumerate(source)
+            ]
+            self.import_layers(request_id, layers)
+            return
+        num_blocks = max((source.shape[2] for source in caches.values()), default=0)
+        self.runner.import_stacked(seq.block_table[:num_blocks], caches)
+
     def _reblocked(self, cache_blocks: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Blocks of the sender's block size in this engine's."""
         if cache_blocks.shape[1] == self.config.block_size:
@@ -304,8 +322,23 @@ class LLMEngine:
         """Copies out the KV of a request whose prefill finished here: the target's layers and
         those of its drafting model (the MTP head or the draft model), which caught up on the prompt."""
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
-        layers = self.runner.export_blocks(seq.block_table[:num_blocks])
-        return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
+        block_ids = seq.block_table[:num_blocks]
+        if self.allocate_export is None:
+            layers = self.runner.export_blocks(block_ids)
+            return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
+        buffer, caches = self.runner.gather_blocks(block_ids, self.allocate_export)
+        layers = [
+            (cache, i, kv[0], kv[1]) for cache, stacked in caches.items() for i, kv in enumerate(stacked)
+        ]
+        return KVExport(
+            seq.request_id,
+            seq.num_computed_tokens,
+            seq.token_ids[-1],
+            layers,
+            {},
+            buffer=buffer,
+            caches=caches,
+        )
 
     # ---- the step ---------------------------------------------------------------------------------
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.kv_transport.ipc_buffer import SharedKV
 
 
 @dataclass
@@ -21,3 +25,10 @@ class KVExport:
     the target's layers and its drafting model's (MTP head or draft model)."""
     tensors: dict[str, torch.Tensor]
     """Named extra tensors the transport carries after the layers."""
+    buffer: torch.Tensor | None = None
+    """The device buffer (uint8) `layers` are views of, when gathered for another process to open."""
+    caches: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With `buffer`: each cache's layers stacked, [num_layers, 2, num_blocks, block_size, kv_heads,
+    head_dim] (views of it)."""
+    shared: SharedKV | None = None
+    """The handle of `buffer`, which the worker sends instead of the bytes (`layers` is then empty)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -539,6 +541,19 @@ class ModelRunner:
             key_cache.index_copy_(0, blocks[:num_blocks], key.to(key_cache.dtype))
             value_cache.index_copy_(0, blocks[:num_blocks], value.to(value_cache.dtype))
 
+    @torch.inference_mode()
+    def import_stacked(self, block_ids: list[int], caches: dict[str, torch.Tensor]) -> None:
+        """Writes a request's caches, each [num_layers, 2, num_blocks, block_size, heads, head_dim]
+        with every head (as `gather_blocks` made them, on any device), into its blocks `block_ids`:
+        one copy per cache where this rank holds the whole cache as one tensor, else layer by layer."""
+        for cache, source in caches.items():
+            stack = self._stack(cache) if self.tp.size == 1 else None
+            if stack is None or source.shape[:2] != stack.shape[:2] or source.shape[3:] != stack.shape[3:]:
+                self.import_layers(block_ids, [(cache, i, kv[0], kv[1]) for i, kv in enumerate(source)])
+                continue
+            blocks = torch.tensor(block_ids[: source.shape[2]], dtype=torch.long, device=self.device)
+            stack.index_copy_(2, blocks, source.to(self.device, stack.dtype))
+
     def _to_device(
         self, layers: list[tuple[str, int, torch.Tensor, torch.Tensor]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -547,6 +562,9 @@ class ModelRunner:
         tensors = [tensor for _, _, key, value in layers for tensor in (key, value)]
         if self.device.type == "cpu" or not tensors:
             return tensors[0::2], tensors[1::2]
+        if all(tensor.is_cuda for tensor in tensors):  # opened from another process's GPU memory
+            on_gpu = [tensor.to(self.device) for tensor in tensors]
+            return on_gpu[0::2], on_gpu[1::2]
         if len({tensor.dtype for tensor in tensors}) != 1:
             raise ValueError(
                 f"layers of one request differ in dtype: {sorted({str(t.dtype) for t in tensors})}"
@@ -567,16 +585,55 @@ class ModelRunner:
         blocks = torch.tensor(block_ids, device=self.device)
         layers = []
         for cache in ("target", "mtp", "draft"):
-            caches = self.caches(cache)
-            if not caches:
+            if not self.caches(cache):
                 continue
-            local = torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in caches])
+            local = self._stacked(cache, blocks)
             whole = self._gather_heads(
                 cache, local
             )  # [num_layers, 2, num_blocks, block_size, heads, head_dim]
             if whole is not None:
                 layers += [(cache, i, kv[0], kv[1]) for i, kv in enumerate(whole.cpu())]
         return layers
+
+    @torch.inference_mode()
+    def gather_blocks(
+        self, block_ids: list[int], allocate: Callable[[int], torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every layer of every cache for blocks `block_ids`, with every head, gathered on the device
+        into one buffer `allocate(num_bytes)` gives (uint8): the buffer and each cache's view of it,
+        [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]. Only enqueued
+        on the current stream: nothing here waits for the device."""
+        self.ranks.send(ExportBlocks(block_ids))
+        blocks = torch.tensor(block_ids, device=self.device)
+        shapes = {
+            cache: (
+                len(caches),
+                2,
+                len(block_ids),
+                *caches[0][0].shape[1:-2],
+                self._num_heads(cache),
+                caches[0][0].shape[-1],
+            )
+            for cache in ("target", "mtp", "draft")
+            if (caches := self.caches(cache))
+        }
+        dtypes = {cache: self.caches(cache)[0][0].dtype for cache in shapes}
+        sizes = [math.prod(shape) * dtypes[cache].itemsize for cache, shape in shapes.items()]
+        buffer = allocate(sum(sizes))
+        views = {
+            cache: part.view(dtypes[cache]).view(shape)
+            for (cache, shape), part in zip(shapes.items(), buffer.split(sizes))
+        }
+        for cache, view in views.items():
+            if not self._sharded(cache) and (stack := self._stack(cache)) is not None:
+                torch.index_select(stack, 2, blocks, out=view)  # one op for every layer, into the buffer
+            elif not self._sharded(cache):
+                for layer, (key_cache, value_cache) in enumerate(self.caches(cache)):
+                    torch.index_select(key_cache, 0, blocks, out=view[layer, 0])
+                    torch.index_select(value_cache, 0, blocks, out=view[layer, 1])
+            elif (whole := self._gather_heads(cache, self._stacked(cache, blocks))) is not None:
+                view.copy_(whole)
+        return buffer, views
 
     def rows_agree(self) -> bool:
         """Whether every rank's input batch holds the same tokens: the rank-consistency check (the
@@ -592,6 +649,41 @@ class ModelRunner:
     def _sharded(self, cache: str) -> bool:
         """Whether each rank holds only its heads of `cache` (the draft model's is replicated)."""
         return self.tp.size > 1 and cache != "draft"
+
+    def _stacked(self, cache: str, blocks: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of `cache` for `blocks`: [num_layers, 2, num_blocks, block_size, heads, head_dim]."""
+        stack = self._stack(cache)
+        if stack is not None:
+            return stack.index_select(2, blocks)
+        return torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in self.caches(cache)])
+
+    def _stack(self, cache: str) -> torch.Tensor | None:
+        """Every layer of `cache` as the one tensor they are views of, [num_layers, 2, num_blocks,
+        block_size, heads, head_dim]; None if they are not laid out so."""
+        caches = self.caches(cache)
+        if not caches:
+            return None
+        first = caches[0][0]
+        size = (len(caches), 2, *first.shape)
+        stride = [1] * len(size)
+        for dim in range(len(size) - 2, -1, -1):
+            stride[dim] = stride[dim + 1] * size[dim + 1]
+        if first.untyped_storage().nbytes() < math.prod(size) * first.element_size() + first.storage_offset():
+            return None
+        stack = first.as_strided(size, stride, first.storage_offset())
+        views = [tensor for kv in caches for tensor in kv]
+        if any(
+            view.data_ptr() != stack[i // 2, i % 2].data_ptr() or not view.is_contiguous()
+            for i, view in enumerate(views)
+        ):
+            return None
+        return stack
+
+    def _num_heads(self, cache: str) -> int:
+        """KV heads of `cache` in all (a rank holds only its share of a sharded one)."""
+        if self._sharded(cache):
+            return self._cache_config(cache).num_key_value_heads
+        return int(self.caches(cache)[0][0].shape[2])
 
     def _cache_config(self, cache: str) -> ModelConfig:
         if cache == "mtp":
@@ -724,15 +816,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _allocate_kv_cache(self, num_blocks: int, c: ModelConfig, tp: TensorParallel) -> list[KVCache]:
-        """Per layer, this rank's heads of (key, value) caches."""
+        """Per layer, this rank's heads of (key, value) caches: views of one allocation
+        [num_layers, 2, num_blocks, block_size, heads, head_dim], so that a request's blocks of every
+        layer move in one operation (`_stack`)."""
         shape = (num_blocks, self.block_size, len(kv_head_range(c.num_key_value_heads, tp)), c.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(c.num_hidden_layers)
-        ]
+        stack = torch.zeros((c.num_hidden_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        return [(stack[layer, 0], stack[layer, 1]) for layer in range(c.num_hidden_layers)]
 
 
 def verify_request(seq: Sequence) -> VerifyRequest:

@@ -10,7 +10,9 @@
     ...
     await session.close(extras={"first_token_id": token_id})
 
-See `base.py` for the data model and interface, `wire.py` for the frame format, `tcp.py` for TCP.
+See `base.py` for the data model and interface, `wire.py` for the frame format, `tcp.py` for TCP,
+`ipc.py` and `ipc_buffer.py` for the ipc transport (on one host the KV stays in device memory and
+only a handle travels: `session.send_shared(handle)` in place of the layers).
 """
 
 from services.kv_transport.base import (

@@ -406,6 +406,12 @@ class KVSendSession(ABC):
     async def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Send one of the header's named extra tensors."""
 
+    async def send_shared(self, shared: Any) -> str | None:
+        """Hand over every layer and tensor at once by the handle of memory the receiver opens (a
+        `SharedKV`, ipc transport); returns None once the receiver copied them, or why it did not (the
+        caller then sends them with `send_layer` / `send_tensor`)."""
+        return f"the {type(self).__name__} moves KV only as bytes"
+
     @abstractmethod
     async def close(self, extras: Mapping[str, Any] | None = None) -> TransferStats:
         """Mark the end (adding `extras`) and wait until the receiver has stored everything."""

@@ -1,4 +1,5 @@
-"""KV transports by name: `make_transport("tcp")`; a GPU-to-GPU (NCCL) transport registers here later."""
+"""KV transports by name: `make_transport("tcp")`, `make_transport("ipc")` (shared device memory on one
+host, TCP otherwise); a GPU-to-GPU (NCCL) transport registers here later."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from services.kv_transport.base import KVTransport
+from services.kv_transport.ipc import IpcKVTransport
 from services.kv_transport.tcp import TcpKVTransport
 
-TRANSPORTS: dict[str, Callable[..., KVTransport]] = {"tcp": TcpKVTransport}
+TRANSPORTS: dict[str, Callable[..., KVTransport]] = {"tcp": TcpKVTransport, "ipc": IpcKVTransport}
 
 
 def register_transport(name: str, factory: Callable[..., KVTransport]) -> None:

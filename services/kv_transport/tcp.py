@@ -419,7 +419,7 @@ class TcpKVTransport(KVTransport):
         assert expected.task is not None
         error: KVTransferError | None = None
         try:
-            await connection.writer.write_control(FrameKind.ACCEPT, pack({"request_id": header.request_id}))
+            await connection.writer.write_control(FrameKind.ACCEPT, pack(self._accept_fields(header)))
             remaining_s = max(expected.deadline - asyncio.get_running_loop().time(), 0.0)
             done, _ = await asyncio.wait({expected.task}, timeout=remaining_s)
         except (ConnectionError, OSError) as exc:
@@ -497,7 +497,7 @@ class TcpKVTransport(KVTransport):
                     message = unpack(await reader.read_control(frame)).get("message", "")
                     raise KVTransferCancelled(f"sender aborted: {message}")
                 else:
-                    raise KVIntegrityError(f"unexpected {kind.name} frame during a transfer")
+                    await self._other_frame(connection, frame, header, stats, received_layers, tensors)
             self._check_complete(header, received_layers, tensors)
             await delivery.finish()
         finally:
@@ -550,6 +550,22 @@ class TcpKVTransport(KVTransport):
         await reader.read_into(tensor_bytes)
         await reader.finish()
         return spec.name, tensor
+
+    def _accept_fields(self, header: KVHeader) -> dict[str, Any]:
+        """What the ACCEPT frame tells the sender."""
+        return {"request_id": header.request_id}
+
+    async def _other_frame(
+        self,
+        connection: Connection,
+        frame: tuple[FrameKind, int],
+        header: KVHeader,
+        stats: TransferStats,
+        received_layers: set[int],
+        tensors: dict[str, torch.Tensor],
+    ) -> None:
+        """A frame of a kind this transport does not take during a transfer."""
+        raise KVIntegrityError(f"unexpected {frame[0].name} frame during a transfer")
 
     @staticmethod
     def _check_complete(
@@ -676,11 +692,23 @@ class TcpKVTransport(KVTransport):
             raise KVIntegrityError(
                 f"the KV receiver at {address} answered {kind.name}, not ACCEPT", header.request_id
             )
-        session = TcpSendSession(
-            address, connection, header, stats, bytes_before, self.ack_timeout_s, self._finish_send
-        )
+        session = self._new_session(address, connection, header, stats, bytes_before, unpack(payload))
         self._sessions.add(session)
         return session
+
+    def _new_session(
+        self,
+        address: str,
+        connection: Connection,
+        header: KVHeader,
+        stats: TransferStats,
+        bytes_before: int,
+        accepted: dict[str, Any],
+    ) -> TcpSendSession:
+        """The session of a transfer whose header the receiver accepted with `accepted`."""
+        return TcpSendSession(
+            address, connection, header, stats, bytes_before, self.ack_timeout_s, self._finish_send
+        )
 
     def _finish_send(self, session: TcpSendSession, reusable: Connection | None) -> None:
         """Book-keeping when a session ends; `reusable` is its connection if it ended cleanly."""

@@ -172,10 +172,17 @@ class TcpSendSession(KVSendSession):
             self._on_finish(self, None)
         raise error
 
+    def _interim(self, kind: FrameKind, payload: bytes) -> bool:
+        """Whether `kind` is an answer mid-transfer that this session takes (then the watcher goes on
+        waiting for the final one)."""
+        return False
+
     async def _watch(self) -> None:
         """Wait for the receiver's one answer to the transfer: ACK, or ERROR at any time."""
         try:
             kind, payload = await self._connection.reader.next_control()
+            while self._interim(kind, payload):
+                kind, payload = await self._connection.reader.next_control()
             if kind == FrameKind.ERROR:
                 self._error = error_from_payload(payload, self.header.request_id)
             elif kind != FrameKind.ACK:

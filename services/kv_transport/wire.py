@@ -18,10 +18,14 @@ Sender -> receiver, in order (layers and tensors in any order, each exactly once
     TENSOR  position: u32 (index into header.tensors) | tensor bytes
     END     msgpack({"extras": {...}})
     ABORT   msgpack({"message": str})              (the sender gives up; the connection closes)
+    SHARED  msgpack(SharedKV.model_dump())         (ipc: every layer and tensor, by handle, instead)
 
 Receiver -> sender:
 
-    ACCEPT  msgpack({"request_id": str})           (after HEADER: the transfer is expected and fits)
+    ACCEPT  msgpack({"request_id": str, "host": str})  (after HEADER: the transfer is expected and fits;
+                                                    "host" only from an ipc receiver)
+    SHARED_TAKEN    msgpack({})                    (after SHARED: the KV is copied; END follows)
+    SHARED_REFUSED  msgpack({"message": str})      (after SHARED: not opened; the layers follow)
     ACK     msgpack({"request_id": str})           (after END: everything verified and stored)
     ERROR   msgpack({"request_id": str | None, "code": str, "message": str})  (the connection closes)
 
@@ -75,9 +79,12 @@ class FrameKind(IntEnum):
     TENSOR = 3
     END = 4
     ABORT = 5
+    SHARED = 6
     ACCEPT = 16
     ACK = 17
     ERROR = 18
+    SHARED_TAKEN = 19
+    SHARED_REFUSED = 20
     CHALLENGE = 32
     RESPONSE = 33
     PROOF = 34

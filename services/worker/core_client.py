@@ -16,11 +16,13 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import services
+from services.kv_transport.ipc_buffer import SharedKV
 from services.worker.channel import AsyncChannel, ChannelClosed
 from services.worker.core_messages import (
     Abort,
@@ -30,7 +32,10 @@ from services.worker.core_messages import (
     CoreOptions,
     EngineInfo,
     EngineLoad,
+    FetchKV,
     ImportKV,
+    ImportShared,
+    ReleaseKV,
     Reply,
     Reserve,
     Shutdown,
@@ -124,20 +129,38 @@ class EngineCoreClient:
     async def reserve(self, request: GenerateRequest, epoch: int) -> asyncio.Future[Reply]:
         """Sends a reservation of KV blocks for `request` (in order with the other commands) and
         returns its answer to await: a `Reply` whose error is None, 400 (invalid) or 503 (no room)."""
+        return await self._call(
+            lambda call_id: Reserve(
+                call_id,
+                request.request_id,
+                epoch,
+                request.prompt_token_ids,
+                request.params,
+                request.resumed_token_ids,
+            )
+        )
+
+    async def import_shared(self, request_id: str, shared: SharedKV) -> asyncio.Future[Reply]:
+        """Decode role: sends the handle of a request's shared KV; the `Reply` to await comes once the
+        core copied it into the request's blocks (error: it could not)."""
+        return await self._call(lambda call_id: ImportShared(call_id, request_id, shared))
+
+    async def fetch_kv(self, request_id: str) -> asyncio.Future[Reply]:
+        """Prefill role: a `Reply` to await whose `export` is the shared export's host copy."""
+        return await self._call(lambda call_id: FetchKV(call_id, request_id))
+
+    async def release_kv(self, request_id: str) -> None:
+        """Prefill role: the transfer of a shared export ended: its buffer may go."""
+        await self._send(ReleaseKV(request_id))
+
+    async def _call(self, make: Callable[[int], Command]) -> asyncio.Future[Reply]:
+        """Sends the command `make(call_id)` and returns the future of its `Reply`."""
         call_id = next(self._call_ids)
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         future.add_done_callback(lambda _: self._calls.pop(call_id, None))
-        command = Reserve(
-            call_id,
-            request.request_id,
-            epoch,
-            request.prompt_token_ids,
-            request.params,
-            request.resumed_token_ids,
-        )
         try:
-            await self._send(command)
+            await self._send(make(call_id))
         except BaseException:
             future.cancel()
             raise

@@ -1,7 +1,8 @@
 """What a worker and its engine-core process say to each other over their channel.
 
-worker -> core: commands (`AddRequest`, `Abort`, `Reserve`, `ImportKV`, `Activate`, `Shutdown`);
-only `Reserve` is answered (a `Reply`), the others' effects come back in step batches.
+worker -> core: commands (`AddRequest`, `Abort`, `Reserve`, `ImportKV`, `ImportShared`, `Activate`,
+`FetchKV`, `ReleaseKV`, `Shutdown`); `Reserve`, `ImportShared` and `FetchKV` are answered (a `Reply`),
+the others' effects come back in step batches.
 core -> worker: `EngineInfo` once, then a `StepBatch` after every step (and after commands that
 produced outputs while idle), and `Reply`s.
 
@@ -13,7 +14,7 @@ Python objects. This module imports no engine code: the worker side never loads 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from shared.protocol import (
     TokenLogprob,
 )
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.kv_transport.ipc_buffer import SharedKV
 
 # ---- worker -> core ---------------------------------------------------------------------------------
 
@@ -50,6 +54,11 @@ class CoreOptions:
 
     config: EngineConfig
     suffix_cache: SuffixCacheOptions | None = None
+    share_kv: bool = False
+    """Prefill role: gather exported KV into device buffers the decode side opens by handle (the
+    ipc KV transport), not copies on the host."""
+    share_timeout_s: float = 120.0
+    """A shared export not released by then is freed anyway (its transfer is long dead)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,32 @@ class ImportKV:
 
 
 @dataclass(frozen=True)
+class ImportShared:
+    """Decode role: open a request's KV shared by a prefill instance on this host and copy it into the
+    reserved blocks (answered with a `Reply` once the copy is complete: then the buffer may go)."""
+
+    call_id: int
+    request_id: str
+    shared: SharedKV
+
+
+@dataclass(frozen=True)
+class FetchKV:
+    """Prefill role: a host copy of a shared export, for a decode instance that could not open it
+    (answered with a `Reply` carrying it)."""
+
+    call_id: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReleaseKV:
+    """Prefill role: the transfer of a shared export ended (acknowledged or failed): free its buffer."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Activate:
     request_id: str
     first_token_id: int
@@ -104,7 +139,7 @@ class Shutdown:
     pass
 
 
-Command = AddRequest | Abort | Reserve | ImportKV | Activate | Shutdown
+Command = AddRequest | Abort | Reserve | ImportKV | ImportShared | FetchKV | ReleaseKV | Activate | Shutdown
 
 
 # ---- core -> worker ---------------------------------------------------------------------------------
@@ -125,6 +160,10 @@ class EngineInfo:
 class Reply:
     call_id: int
     error: ErrorInfo | None = None
+    export: KVExport | None = None
+    """`FetchKV`: the export, its layers on the host."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """`ImportShared`: the extra tensors that came with the KV, on the host."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
+from services.kv_transport.ipc_buffer import SharedBuffers, open_shared
 from services.runtime import setup_logging
 from services.worker.channel import BlockingChannel, ChannelClosed
 from services.worker.core_messages import (
@@ -43,9 +44,12 @@ from services.worker.core_messages import (
     CoreOptions,
     EngineInfo,
     EngineLoad,
+    FetchKV,
     ImportKV,
+    ImportShared,
     Logprobs,
     PromptLogprobs,
+    ReleaseKV,
     Reply,
     Reserve,
     RowEnd,
@@ -151,10 +155,20 @@ class RowBuilder:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, channel: BlockingChannel, suffix_index: Any = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        channel: BlockingChannel,
+        suffix_index: Any = None,
+        shared: SharedBuffers | None = None,
+    ):
         self.engine = engine
         self.channel = channel
         self.suffix_index = suffix_index
+        self.shared = shared
+        """Prefill role with the ipc transport: exports gathered on the device, held until released."""
+        if shared is not None:
+            engine.allocate_export = shared.allocate
         self.rows = RowBuilder()
         self.poller = select.poll()
         self.poller.register(channel.fileno(), select.POLLIN)
@@ -171,12 +185,22 @@ class EngineCore:
                 self._step()
             elif self.dirty:
                 self._send([], 0.0)
+            self._expire_shared()
 
     def _apply_commands(self, wait: bool) -> None:
-        timeout_ms = None if wait else 0
+        timeout_ms = self._idle_wait_ms() if wait else 0
         while self.running and self.poller.poll(timeout_ms):
             self._apply(self.channel.recv())
             timeout_ms = 0
+
+    def _idle_wait_ms(self) -> int | None:
+        """How long an idle core waits for a command: for ever, or until a shared export expires."""
+        seconds = self.shared.seconds_to_deadline() if self.shared is not None else None
+        return None if seconds is None else int(seconds * 1000) + 1
+
+    def _expire_shared(self) -> None:
+        if self.shared is not None and (expired := self.shared.expire()):
+            logger.warning("shared KV of %s never released: freed at its deadline", ", ".join(expired))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -192,8 +216,16 @@ class EngineCore:
         self._send(exports, time.perf_counter() - started)
 
     def _send(self, handoffs: list[KVExport], step_s: float) -> None:
+        handoffs = [self._share(export) for export in handoffs]
         self.channel.send(self.rows.take(handoffs, step_s, self._load()))
         self.dirty = False
+
+    def _share(self, export: KVExport) -> KVExport:
+        """An export gathered on the device, as its handle alone (the buffer stays here, held)."""
+        if self.shared is None or export.buffer is None:
+            return export
+        shared = self.shared.share(export.request_id, export.buffer, export.caches, export.tensors)
+        return KVExport(export.request_id, export.num_tokens, export.first_token_id, [], {}, shared=shared)
 
     # ---- commands ----------------------------------------------------------------------------------
 
@@ -211,6 +243,13 @@ class EngineCore:
             self.channel.send(Reply(command.call_id, self._reserve(command)))
         elif isinstance(command, ImportKV | Activate):
             self._receive_kv(command)
+        elif isinstance(command, ImportShared):
+            self.channel.send(self._import_shared(command))
+        elif isinstance(command, FetchKV):
+            self.channel.send(self._fetch_shared(command))
+        elif isinstance(command, ReleaseKV):
+            if self.shared is not None:
+                self.shared.release(command.request_id)
         elif isinstance(command, Shutdown):
             self.running = False
         else:
@@ -266,6 +305,35 @@ class EngineCore:
             logger.exception("taking the KV of %s failed", command.request_id)
             self.engine.abort_request(command.request_id)
             self._fail_row(command.request_id, 500, f"taking the prefilled KV failed: {exc}")
+
+    def _import_shared(self, command: ImportShared) -> Reply:
+        """Copies a request's KV from another process's buffer into its reserved blocks, and waits
+        for the copy: the answer lets the producer free the buffer. An error answer means the
+        sender should send the bytes instead."""
+        try:
+            caches, tensors = open_shared(command.shared)
+            self.engine.import_stacked(command.request_id, caches)
+            if self.engine.runner.device.type == "cuda":
+                torch.cuda.current_stream(self.engine.runner.device).synchronize()
+            return Reply(command.call_id, tensors={name: t.cpu() for name, t in tensors.items()})
+        except KeyError:
+            message = f"{command.request_id} is no longer reserved here"
+        except Exception as exc:
+            logger.warning("opening the shared KV of %s failed: %s", command.request_id, exc)
+            message = f"cannot take the shared KV: {exc}"
+        return Reply(command.call_id, ErrorInfo(code=502, type="server_error", message=message))
+
+    def _fetch_shared(self, command: FetchKV) -> Reply:
+        """A host copy of a held export (the decode side could not open it)."""
+        copy = self.shared.host_copy(command.request_id) if self.shared is not None else None
+        if copy is None:
+            message = f"no shared KV of {command.request_id} is held here (released, or expired)"
+            return Reply(command.call_id, ErrorInfo(code=500, type="server_error", message=message))
+        caches, tensors = copy
+        layers = [
+            (cache, i, kv[0], kv[1]) for cache, stacked in caches.items() for i, kv in enumerate(stacked)
+        ]
+        return Reply(command.call_id, export=KVExport(command.request_id, 0, 0, layers, tensors))
 
     def _abort_all(self, reason: str) -> None:
         for request_id in list(self.engine.sequences):
@@ -366,11 +434,14 @@ def serve(channel: BlockingChannel) -> int:
             speculative_method=engine.config.speculative_config.method,
         )
     )
+    shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
     try:
-        EngineCore(engine, channel, suffix.index if suffix else None).run()
+        EngineCore(engine, channel, suffix.index if suffix else None, shared).run()
     except ChannelClosed:
         logger.warning("the worker closed the channel; the engine core stops")
     finally:
+        if shared is not None:
+            shared.close()
         engine.close()
         if suffix is not None:
             suffix.close()

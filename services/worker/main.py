@@ -49,7 +49,6 @@ def add_worker_parsers(subparsers: Any) -> None:
         parser.set_defaults(handler=cmd_worker, splitwise_role=None if name == "worker" else name)
         group = parser.add_argument_group("worker")
         group.add_argument("--instance-id", help="unique name on the bus (default: host-role-random)")
-        group.add_argument("--kv-transport", default="tcp", help="how KV moves between prefill and decode")
         group.add_argument("--kv-host", default="127.0.0.1", help="address the decode role listens on for KV")
         group.add_argument("--kv-port", type=int, default=0, help="0 picks a free port")
         group.add_argument(
@@ -116,7 +115,10 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
     if not args.no_suffix_cache and role != "prefill":  # the shared suffix cache serves decoding
         suffix_cache = SuffixCacheOptions(settings, instance_id, args.suffix_cache_deadline_ms / 1000)
     try:
-        core = await EngineCoreClient.start(CoreOptions(config, suffix_cache), args.worker_log_level)
+        share_kv = role == "prefill" and args.kv_transport == "ipc"
+        core = await EngineCoreClient.start(
+            CoreOptions(config, suffix_cache, share_kv), args.worker_log_level
+        )
     except EngineCoreDied as exc:
         logger.error("the engine could not start: %s", exc)
         await client.aclose()

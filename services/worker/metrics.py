@@ -73,6 +73,11 @@ class WorkerMetrics:
         self.kv_received_bytes = counter(
             "specmesh_worker_kv_received_bytes_total", "KV bytes received from prefill instances"
         ).labels(**labels)
+        self.kv_handoffs = counter(
+            "specmesh_worker_kv_handoffs_total",
+            "Requests' KV handed to decode instances, by path: shared (device memory, by handle) or bytes",
+            "path",
+        )
         self.kv_transfer_seconds = histogram(
             "specmesh_worker_kv_transfer_seconds", "Time to send one request's KV"
         ).labels(**labels)

@@ -33,6 +33,8 @@ from services.engine.kv_export import KVExport
 from services.kv_transport import (
     KVExpectation,
     KVHeader,
+    KVSendSession,
+    KVTransferCancelled,
     KVTransferError,
     KVTransport,
     LayerShape,
@@ -42,8 +44,10 @@ from services.kv_transport import (
     make_transport,
 )
 from services.kv_transport.base import dtype_name
+from services.kv_transport.ipc import KVSharedUnusable
+from services.kv_transport.ipc_buffer import SharedKV
 from services.kv_transport.tls import TlsFiles
-from services.worker.core_client import EngineCoreClient
+from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
 from shared.bus import (
@@ -120,6 +124,8 @@ class Worker:
         self.kv_address: str | None = None
         self.handoff_targets: dict[str, str] = {}
         """Prefill role: request id -> the decode instance's KV address."""
+        self.bytes_to: set[str] = set()
+        """Prefill role: decode instances shared KV could not go to (said once in the log)."""
         self.received_kv: dict[str, list[tuple[str, int, torch.Tensor, torch.Tensor]]] = {}
         """Decode role: the layers of each transfer under way, handed to the core in one command at
         its end (one command per request, not per layer, between the core's steps)."""
@@ -133,9 +139,10 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> int:
         """Serves until `stop` (drains, returns 0) or until the engine core dies (returns 1)."""
         if self.options.role in ("prefill", "decode"):
-            self.transport = make_transport(
-                self.options.kv_transport, secret=self.options.kv_secret, tls=self.options.kv_tls
-            )
+            options: dict[str, Any] = {"secret": self.options.kv_secret, "tls": self.options.kv_tls}
+            if self.options.kv_transport == "ipc" and self.options.role == "decode":
+                options["import_shared"] = self._import_shared
+            self.transport = make_transport(self.options.kv_transport, **options)
             if self.options.role == "decode":
                 self.kv_address = await self.transport.start(
                     self.options.kv_host, self.options.kv_port, advertise_host=self.options.kv_advertise_host
@@ -304,9 +311,18 @@ class Worker:
         received = self.received_kv.setdefault(layer.request_id, [])
         received.append((layer.cache, layer.index, layer.key, layer.value))
 
+    async def _import_shared(self, request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
+        """Decode role, ipc transport: the core copies the KV from the prefill instance's buffer."""
+        reply = await (await self.core.import_shared(request_id, shared))
+        if reply.error is not None:
+            raise KVSharedUnusable(reply.error.message, request_id)
+        return reply.tensors
+
     async def _on_kv_done(self, transfer: ReceivedTransfer) -> None:
         request_id = transfer.header.request_id
-        await self.core.import_kv(request_id, self.received_kv.pop(request_id, []))
+        layers = self.received_kv.pop(request_id, [])
+        if layers:  # none when they came by handle: the core has them already
+            await self.core.import_kv(request_id, layers)
         await self.core.activate(request_id, int(transfer.extras["first_token_id"]))
         self.metrics.kv_received_bytes.inc(transfer.header.num_bytes)
 
@@ -490,6 +506,8 @@ class Worker:
         for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
             if handoff.request_id in handing_off:
                 self._spawn(self._hand_off(handoff, handing_off[handoff.request_id].epoch))
+            elif handoff.shared is not None:  # dropped here meanwhile: its buffer goes now
+                self._spawn(self._release_shared(handoff))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -501,23 +519,54 @@ class Worker:
         address = self.handoff_targets.pop(handoff.request_id, None)
         self.requests.pop(handoff.request_id, None)
         if address is None or self.transport is None:
+            await self._release_shared(handoff)
             await self._report(handoff.request_id, epoch, "failed", "no decode instance to hand the KV to")
             return
         started = time.perf_counter()
+        header = kv_header(handoff, epoch)
         try:
-            session = await self.transport.open(address, kv_header(handoff, epoch))
+            session = await self.transport.open(address, header)
             async with session:
-                for cache, index, key, value in handoff.layers:
-                    await session.send_layer(cache, index, key, value)
-                for name, tensor in handoff.tensors.items():
-                    await session.send_tensor(name, tensor)
+                path = await self._send_kv(session, handoff, address)
                 await session.close(extras={"first_token_id": handoff.first_token_id})
         except KVTransferError as exc:
             await self._report(handoff.request_id, epoch, "failed", f"KV handoff failed: {exc}")
             return
-        self.metrics.kv_sent_bytes.inc(sum(2 * k.numel() * k.element_size() for _, _, k, _ in handoff.layers))
+        finally:  # acknowledged, failed, cancelled or timed out: the decode side is done with it
+            await self._release_shared(handoff)
+        self.metrics.kv_sent_bytes.inc(header.num_bytes)
+        self.metrics.kv_handoffs.labels(**self.metrics.labels, path=path).inc()
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
         await self._report(handoff.request_id, epoch, "handed_off")
+
+    async def _send_kv(
+        self, session: KVSendSession, handoff: KVExport, address: str
+    ) -> Literal["shared", "bytes"]:
+        """By handle where the KV is shared and the receiver (at `address`) takes it; else the bytes,
+        layer by layer. Returns which."""
+        if handoff.shared is not None:
+            refusal = await session.send_shared(handoff.shared)
+            if refusal is None:
+                return "shared"
+            if address not in self.bytes_to:
+                self.bytes_to.add(address)
+                logger.warning("KV to %s goes over TCP, not shared memory: %s", address, refusal)
+            reply = await (await self.core.fetch_kv(handoff.request_id))
+            if reply.export is None:
+                message = reply.error.message if reply.error else "no export"
+                raise KVTransferCancelled(message, handoff.request_id)
+            handoff = reply.export
+        for cache, index, key, value in handoff.layers:
+            await session.send_layer(cache, index, key, value)
+        for name, tensor in handoff.tensors.items():
+            await session.send_tensor(name, tensor)
+        return "bytes"
+
+    async def _release_shared(self, handoff: KVExport) -> None:
+        """Frees the engine core's buffer of a shared export (its deadline frees it if this cannot)."""
+        if handoff.shared is not None:
+            with contextlib.suppress(EngineCoreDied):
+                await self.core.release_kv(handoff.request_id)
 
     def _finished(
         self,
@@ -612,6 +661,17 @@ class Worker:
 
 
 def kv_header(handoff: KVExport, epoch: int) -> KVHeader:
+    if handoff.shared is not None:
+        shared = handoff.shared
+        return KVHeader(
+            request_id=handoff.request_id,
+            extras={"epoch": epoch},
+            num_tokens=handoff.num_tokens,
+            block_size=shared.caches[0].shape[3],
+            dtype=shared.dtype,
+            layer_shapes=shared.layer_shapes(),
+            tensors=shared.tensor_specs(),
+        )
     first_key = handoff.layers[0][2]
     return KVHeader(
         request_id=handoff.request_id,

@@ -26,10 +26,27 @@ def test_every_hop_moves_every_layer_of_every_request(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     shape = KVShape(2, 8, 64, "bfloat16", 40, 16)
     hops = json.loads(out.read_text())["hops"]
-    assert [hop["hop"] for hop in hops] == ["wire", "channel", "import", "end-to-end"]
+    assert [hop["hop"] for hop in hops] == ["wire tcp", "channel", "import", "end-to-end tcp"]
     for hop in hops:
         assert hop["MB"] == round(3 * 2 * shape.layer_bytes / 1e6, 1)
         assert hop["MB_per_s"] > 0 and 0 <= hop["layer_latency_ms_p50"] <= hop["layer_latency_ms_p90"]
+
+
+def test_the_ipc_transport_moves_every_request_by_handle_beside_tcp(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    done = run("--num-requests", "3", "--num-layers", "2", "--num-tokens", "40", "--hops", "wire", "end-to-end",
+               "--transport", "tcp", "ipc", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [hop["hop"] for hop in report["hops"]] == [
+        "wire tcp",
+        "wire ipc",
+        "end-to-end tcp",
+        "end-to-end ipc",
+    ]
+    shape = KVShape(2, 8, 64, "bfloat16", 40, 16)
+    assert {hop["MB"] for hop in report["hops"]} == {round(3 * 2 * shape.layer_bytes / 1e6, 1)}
+    assert set(report["ratios"]) == {"wire ipc / tcp", "end-to-end ipc / tcp"}
 
 
 def test_a_size_below_one_is_refused_by_name() -> None:

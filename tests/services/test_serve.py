@@ -73,6 +73,20 @@ def test_serve_pd_puts_prefill_and_decode_on_gpus_of_their_own() -> None:
     assert place_workers(["mixed"], ["0", "1"], 1) == {"mixed": {}}
 
 
+def test_with_the_ipc_transport_each_pd_worker_also_sees_the_others_gpus_after_its_own() -> None:
+    from services.serve import place_workers
+
+    assert place_workers(["prefill", "decode"], ["0", "1"], 1, see_peers=True) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "0,1"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "1,0"},
+    }
+    assert place_workers(["prefill", "decode"], ["4", "5", "6", "7"], 2, see_peers=True) == {
+        "prefill": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        "decode": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"},
+    }
+    assert place_workers(["prefill", "decode"], ["0"], 1, see_peers=True) == {"prefill": {}, "decode": {}}
+
+
 def test_serve_takes_the_gpus_cuda_visible_devices_lists(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.serve import visible_gpus
 
@@ -92,6 +106,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "device": ["--device", "cuda:1"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2"],
     "max_model_len": ["--max-model-len", "777"],
+    "kv_transport": ["--kv-transport", "ipc"],
     "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "99"],
     "gpu_memory_utilization": ["--gpu-memory-utilization", "0.5"],

@@ -205,3 +205,40 @@ def test_importing_an_unknown_cache_writes_nothing(checkpoint) -> None:
         engine.import_layers("r", [*layers, ("nope", 0, key, value)])
     for old, now in zip(before, stored(engine, "r"), strict=True):
         assert torch.equal(old, now)
+
+
+@pytest.mark.parametrize("sender_block_size", [4, 8])
+def test_importing_stacked_caches_stores_what_layer_by_layer_does(checkpoint, sender_block_size) -> None:
+    """The ipc transport's import, one copy per cache (same block size) or reblocked layer by layer."""
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=4))
+    assert engine.runner._stack("target") is not None  # the caches are views of one tensor
+    prompt = prompts()[2]
+    for request_id in ("by-layer", "stacked"):
+        engine.reserve(request_id, prompt, PARAMS)
+    layers = received_layers(engine, -(-len(prompt) // sender_block_size), sender_block_size)
+    engine.import_layers("by-layer", layers)
+    engine.import_stacked("stacked", {"target": torch.stack([torch.stack([k, v]) for _, _, k, v in layers])})
+    for one, other in zip(stored(engine, "by-layer"), stored(engine, "stacked"), strict=True):
+        assert torch.equal(one, other)
+
+
+def test_gathered_blocks_of_every_layer_come_out_in_one_buffer_as_exported(checkpoint) -> None:
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", max_model_len=128, block_size=4))
+    engine.add_request("r", prompt_token_ids=prompts()[2], params=PARAMS.model_copy(update={"max_tokens": 1}))
+    run_to_end(engine)
+    block_ids = [3, 0, 7, 2]
+    blocks = torch.tensor(block_ids)
+    want = [(k[blocks], v[blocks]) for k, v in engine.runner.caches("target")]
+    assert any(key.abs().sum() > 0 for key, _ in want)  # the prompt's KV is in those blocks
+    for layers in (engine.runner.export_blocks(block_ids), gathered_layers(engine, block_ids)):
+        assert [(c, i) for c, i, *_ in layers] == [("target", i) for i in range(len(want))]
+        for (*_, key, value), (want_key, want_value) in zip(layers, want, strict=True):
+            assert torch.equal(key, want_key) and torch.equal(value, want_value)
+
+
+def gathered_layers(
+    engine: LLMEngine, block_ids: list[int]
+) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    buffer, caches = engine.runner.gather_blocks(block_ids, lambda n: torch.empty(n, dtype=torch.uint8))
+    assert caches["target"].untyped_storage().data_ptr() == buffer.data_ptr()
+    return [(c, i, kv[0], kv[1]) for c, stacked in caches.items() for i, kv in enumerate(stacked)]

@@ -158,11 +158,24 @@ def test_kv_blocks_exported_from_two_ranks_carry_every_head(split, single) -> No
         torch.testing.assert_close(key, want_key, atol=atol, rtol=1e-4, msg=cache)
         torch.testing.assert_close(value, want_value, atol=atol, rtol=1e-4, msg=cache)
 
+    # gathered into one device buffer for the ipc transport: the same KV, views of that buffer
+    for llm, host_copy in ((split, exported), (single, expected)):
+        buffer, caches = llm.engine.runner.gather_blocks(cached_blocks(llm, prompt), host_buffer)
+        gathered = [(c, i, kv[0], kv[1]) for c, stacked in caches.items() for i, kv in enumerate(stacked)]
+        assert [(c, i) for c, i, *_ in gathered] == [(c, i) for c, i, *_ in host_copy]
+        for (*_, key, value), (*_, want_key, want_value) in zip(gathered, host_copy):
+            assert torch.equal(key, want_key) and torch.equal(value, want_value)
+        assert {view.untyped_storage().data_ptr() for view in caches.values()} == {buffer.data_ptr()}
+
     spare = [split.engine.runner.num_kv_blocks - 1 - i for i in range(key.shape[0])]
     _, _, key, value = exported[1]
     split.engine.runner.import_blocks("target", 1, spare, key.flip(0), value.flip(0))
     again = split.engine.runner.export_blocks(spare)
     assert torch.equal(again[1][2], key.flip(0)) and torch.equal(again[1][3], value.flip(0))
+
+
+def host_buffer(num_bytes: int) -> torch.Tensor:
+    return torch.empty(num_bytes, dtype=torch.uint8)
 
 
 def cached_blocks(llm: LLM, token_ids: list[int]) -> list[int]:

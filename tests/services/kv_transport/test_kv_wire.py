@@ -158,5 +158,6 @@ def test_addresses() -> None:
 
 def test_make_transport() -> None:
     assert isinstance(make_transport("tcp", connect_timeout_s=1.0), TcpKVTransport)
-    with pytest.raises(ValueError, match=r"unknown KV transport 'nccl'; known: tcp"):
+    assert make_transport("ipc", connect_timeout_s=1.0).name == "ipc"
+    with pytest.raises(ValueError, match=r"unknown KV transport 'nccl'; known: ipc, tcp"):
         make_transport("nccl")
