@@ -94,6 +94,7 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         runner.max_model_len,
         runner.block_size,
         runner.config.max_num_seqs,
+        runner.aux_layers,
     )
     graphs.capture()
     runner.graphs = graphs
@@ -112,6 +113,7 @@ CASES = {
         "num_model_steps": 2,
         "mtp_strategy": "with_ngram",
     },
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
 
@@ -126,6 +128,8 @@ def fixed_k_spec(case: str, target: str) -> dict:
         spec["model"] = target
     if spec.get("method") == "mtp":
         spec["model"] = str(mtp_head_for(target))
+    if spec.get("method") == "eagle3":
+        spec["model"] = str(eagle3_head_for(target))
     return spec
 
 
@@ -165,7 +169,7 @@ def test_padded_graph_steps_give_the_eager_tokens(make_checkpoint, case: str, sa
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("case", ["naive", "ngram", "mtp", "draft_model"])
+@pytest.mark.parametrize("case", ["naive", "ngram", "mtp", "eagle3", "draft_model"])
 def test_steps_with_prefill_chunks_replay_the_eager_tokens(make_checkpoint, case: str, sampling: str) -> None:
     """With 3 requests running at a time out of 9, a request joins as another finishes, so most
     steps carry a prefill chunk beside decoding requests and their drafts; those steps go through
@@ -221,6 +225,25 @@ def mtp_head_for(target: str):
     return _HEADS[target]
 
 
+def eagle3_head_for(target: str):
+    """An untrained EAGLE-3 head for `target` over every other token of its vocabulary, saved once."""
+    import tempfile
+
+    from shared.model.eagle3 import default_aux_layers, save_eagle3_head
+    from training.train_eagle3 import init_head_from_target
+
+    key = f"eagle3:{target}"
+    if key not in _HEADS:
+        model = load_model(target, torch.float32, torch.device("cpu"), 192)
+        draft_ids = torch.arange(0, model.config.vocab_size, 2)
+        head = init_head_from_target(model, draft_ids, default_aux_layers(2), torch.device("cpu"))
+        torch.manual_seed(0)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        _HEADS[key] = save_eagle3_head(head, tempfile.mkdtemp(prefix="eagle3-"))
+    return _HEADS[key]
+
+
 @pytest.mark.parametrize(
     "method,sampling",
     [
@@ -231,6 +254,8 @@ def mtp_head_for(target: str):
         ("ngram", "penalty"),
         ("mtp", "greedy"),
         ("mtp", "seeded"),
+        ("eagle3", "greedy"),
+        ("eagle3", "seeded"),
         ("draft_model", "greedy"),
         ("draft_model", "seeded"),
     ],
@@ -250,6 +275,8 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
         spec["model"] = path
     if method == "mtp":
         spec["model"] = str(mtp_head_for(path))
+    if method == "eagle3":
+        spec["model"] = str(eagle3_head_for(path))
     generator = torch.Generator().manual_seed(5)
     prompts = []
     for i in range(21):
