@@ -15,7 +15,7 @@ from services.engine.verify_update import StepPlan
 from shared.model import load_model
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.services.engine.spec_decode.helpers import repetitive_prompts
+from tests.services.engine.spec_decode.helpers import eagle3_head_for, repetitive_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -223,25 +223,6 @@ def mtp_head_for(target: str):
             torch.nn.init.normal_(p, std=0.05)
         _HEADS[target] = save_mtp_head(head, tempfile.mkdtemp(prefix="mtp-"))
     return _HEADS[target]
-
-
-def eagle3_head_for(target: str):
-    """An untrained EAGLE-3 head for `target` over every other token of its vocabulary, saved once."""
-    import tempfile
-
-    from shared.model.eagle3 import default_aux_layers, save_eagle3_head
-    from training.train_eagle3 import init_head_from_target
-
-    key = f"eagle3:{target}"
-    if key not in _HEADS:
-        model = load_model(target, torch.float32, torch.device("cpu"), 192)
-        draft_ids = torch.arange(0, model.config.vocab_size, 2)
-        head = init_head_from_target(model, draft_ids, default_aux_layers(2), torch.device("cpu"))
-        torch.manual_seed(0)
-        for p in head.parameters():
-            torch.nn.init.normal_(p, std=0.05)
-        _HEADS[key] = save_eagle3_head(head, tempfile.mkdtemp(prefix="eagle3-"))
-    return _HEADS[key]
 
 
 @pytest.mark.parametrize(
