@@ -38,7 +38,13 @@ from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from shared.model import LlamaForCausalLM, ModelConfig, load_model
-from shared.model.eagle3 import Eagle3Head, default_aux_layers, head_layer_config, save_eagle3_head
+from shared.model.eagle3 import (
+    Eagle3Head,
+    default_aux_layers,
+    head_layer_config,
+    load_eagle3_head,
+    save_eagle3_head,
+)
 from shared.model.llama import DecoderLayer
 from shared.tokenizer import Tokenizer
 from training.build_reference import PRESETS
@@ -69,6 +75,8 @@ class TrainEagle3Config(TrainingRunConfig):
     """The frozen target: a Hugging Face model directory with config.json and tokenizer.json."""
     out: Path
     """Directory the head (config.json, model.safetensors), train_log.json and loss.png go to."""
+    head: Path | None = None
+    """Continue training this head (its draft vocabulary and target layers) instead of a new one."""
     data: list[Path] = Field(min_length=1)
     """Source roots (directories of .py files), split by package as the reference models' corpus."""
     max_train_tokens: int = Field(default=5_000_000, ge=1)
@@ -208,6 +216,16 @@ def _raw_config(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def start_head(config: TrainEagle3Config, target: LlamaForCausalLM, streams: Streams) -> Eagle3Head:
+    """The head `config.head` names (float32, to train), or a new one initialised from the target."""
+    device = config.torch_device
+    if config.head is not None:
+        return load_eagle3_head(config.head, target, torch.float32, device, config.eagle3_layers)
+    draft_ids = draft_vocabulary(streams.token_counts, config.draft_vocab_size).to(device)
+    aux_layers = config.eagle3_layers or default_aux_layers(target.config.num_hidden_layers)
+    return init_head_from_target(target, draft_ids, aux_layers, device)
+
+
 # ---------------------------------------------------------------------------------------------- loss
 
 
@@ -298,9 +316,8 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
     target = load_model(config.base, target_dtype, device, config.seq_len + config.ttt_steps).requires_grad_(
         False
     )
-    draft_ids = draft_vocabulary(streams.token_counts, config.draft_vocab_size).to(device)
-    aux_layers = config.eagle3_layers or default_aux_layers(model_config.num_hidden_layers)
-    head = init_head_from_target(target, draft_ids, aux_layers, device)
+    head = start_head(config, target, streams)
+    draft_ids, aux_layers = head.target_ids, head.aux_layers
     data_s = time.perf_counter() - started
     losses, evals, stopped_early = train_loop(head, target, streams, draft_ids, config, started)
     save_eagle3_head(head.to(SAVED_DTYPE), config.out)
@@ -480,6 +497,7 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
         parser.add_argument(
             flag, type=kind, help=f"{text} (default: {TrainEagle3Config.model_fields[name].default})"
         )
+    parser.add_argument("--head", type=Path, help="continue training this head instead of a new one")
     parser.add_argument("--eagle3-layers", type=int, nargs=3, help="the three target layers the head reads")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
