@@ -50,6 +50,13 @@ def test_training_runs_end_to_end(base: Path, roots: Path, tmp_path: Path) -> No
     head = load_eagle3_head(out, target, torch.float32, torch.device("cpu"))
     assert head.draft_vocab_size == 200 and head.aux_layers == (1, 1, 0)
     assert int(head.t2d.sum()) == 200
+    resumed = ["--head", str(out), "--out", str(tmp_path / "resumed"), "--steps", "2", "--warmup-steps", "1"]
+    assert main([*args[:3], *args[5:], *flags, *resumed, "--no-progress"]) == 0
+    again = load_eagle3_head(tmp_path / "resumed", target, torch.float32, torch.device("cpu"))
+    assert torch.equal(again.t2d, head.t2d) and again.aux_layers == head.aux_layers
+    assert json.loads((tmp_path / "resumed" / "train_log.json").read_text())["evals"][0][
+        "kl"
+    ] == pytest.approx(last["kl"], rel=0.1)
 
 
 @pytest.mark.parametrize(
