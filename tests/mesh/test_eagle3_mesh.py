@@ -46,15 +46,14 @@ def deployment(request, tmp_path_factory, mesh_model) -> Iterator[LocalMesh]:
 def test_eagle3_completions_match_the_offline_engine(deployment, mesh_model) -> None:
     offline = LLM(mesh_model, device="cpu", max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    sdk = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{deployment.gateway_port}/v1", api_key="none", max_retries=0
-    )  # type: ignore[attr-defined]
-    for prompt in PROMPTS:
-        response = sdk.completions.create(
-            model="tiny",
-            prompt=prompt,
-            temperature=0.0,
-            max_tokens=MAX_TOKENS,
-            extra_body={"ignore_eos": True},
-        )
-        assert response.choices[0].text == offline.generate(prompt, params)[0].text
+    base_url = f"http://127.0.0.1:{deployment.gateway_port}/v1"  # type: ignore[attr-defined]
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as sdk:
+        for prompt in PROMPTS:
+            response = sdk.completions.create(
+                model="tiny",
+                prompt=prompt,
+                temperature=0.0,
+                max_tokens=MAX_TOKENS,
+                extra_body={"ignore_eos": True},
+            )
+            assert response.choices[0].text == offline.generate(prompt, params)[0].text
