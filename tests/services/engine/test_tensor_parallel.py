@@ -24,7 +24,7 @@ from shared.model.mtp import MTPHead, save_mtp_head
 from shared.model.parallel import TensorParallel
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
-from tests.services.engine.spec_decode.helpers import GREEDY, eagle3_head_for, repetitive_prompts
+from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 SHAPES = {
     "llama": ("llama", {"num_key_value_heads": 2}),  # GQA: one KV head per rank
@@ -94,20 +94,6 @@ def test_greedy_output_of_two_ranks_is_one_ranks(split, single, method: str) -> 
         assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     assert (drafted > 0) == (method != "naive")
     assert split.engine.runner.rows_agree()
-
-
-def test_eagle3_output_of_two_ranks_is_one_ranks(make_checkpoint) -> None:
-    """The EAGLE-3 head is replicated: every rank drafts the same chain from the same streams."""
-    path = str(make_checkpoint(*SHAPES["llama"][:1], **SHAPES["llama"][1]))
-    spec = dict(method="eagle3", model=str(eagle3_head_for(path)), num_speculative_tokens=3, adaptive=False)
-    single = LLM(path, device="cpu", max_model_len=192, speculative_config=spec)
-    seeded = SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=20, ignore_eos=True)
-    with LLM(path, device="cpu", max_model_len=192, tensor_parallel_size=2, speculative_config=spec) as split:
-        for params in (GREEDY, seeded):
-            outputs, expected = generate(split, params), generate(single, params)
-            assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-            assert sum(o.spec_stats["num_draft_tokens"] for o in outputs) > 0
-        assert split.engine.runner.rows_agree()
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_matches_one_rank(split, single) -> None:
