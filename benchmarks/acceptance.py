@@ -18,7 +18,7 @@ finds fewer, or where max_tokens is near). Terms, as in vLLM's spec-decode metri
 
 Methods: `ngram`, `suffix` (with a global suffix tree that starts empty for each workload),
 `mtp` (num_model_steps = k, k <= 3), `mtp_ngram` (mtp_strategy with_ngram: m MTP drafts then
-n-gram drafts up to k, m = 1 or 2 < k) and `draft_model`. Runs that share models share one engine
+n-gram drafts up to k, m = 1 or 2 < k), `eagle3` (a chain of k EAGLE-3 drafts) and `draft_model`. Runs that share models share one engine
 (each request asks for its method and k by a per-request override), so a workload's prompts are
 prefilled once per engine and then served from the prefix cache. Speculation is lossless at
 temperature 0: every method must produce the same output tokens, and the JSON counts requests
@@ -50,12 +50,12 @@ from services.engine.spec_decode.suffix import SuffixConfig
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.config import EngineConfig
 from shared.model import ModelConfig
-from shared.reference import BASE_MODEL, DRAFT_MODEL, MTP_HEAD, reference_dir
+from shared.reference import BASE_MODEL, DRAFT_MODEL, EAGLE3_HEAD, MTP_HEAD, reference_dir
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-METHODS = ("ngram", "suffix", "mtp", "mtp_ngram", "draft_model")
+METHODS = ("ngram", "suffix", "mtp", "mtp_ngram", "eagle3", "draft_model")
 MAX_MTP_STEPS = 3
 """The MTP head is chained at most this many times (k = num_model_steps <= 3)."""
 MTP_NGRAM_STEPS = (1, 2)
@@ -117,6 +117,8 @@ def engine_speculative_config(key: str, configs: list[MethodConfig]) -> Speculat
         return SpeculativeConfig(method="ngram", **common)
     if key == "draft_model":
         return SpeculativeConfig(method="draft_model", model=str(reference_dir(DRAFT_MODEL)), **common)
+    if key == "eagle3":
+        return SpeculativeConfig(method="eagle3", model=str(reference_dir(EAGLE3_HEAD)), **common)
     mtp_dir = str(reference_dir(MTP_HEAD))
     if key == "mtp":
         return SpeculativeConfig(method="mtp", model=mtp_dir, num_model_steps=max_k, **common)
@@ -463,6 +465,7 @@ CARD_METHODS = {
     BASE_MODEL: None,  # every method (summary table)
     DRAFT_MODEL: ("draft_model",),
     MTP_HEAD: ("mtp", "mtp_ngram"),
+    EAGLE3_HEAD: ("eagle3",),
 }
 
 

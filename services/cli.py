@@ -68,6 +68,7 @@ class Subcommand:
 SUBCOMMANDS = (
     Subcommand(("generate",), "services.generate:add_generate_parser"),
     Subcommand(("train-mtp",), "training.train_mtp:add_train_mtp_parser"),
+    Subcommand(("train-eagle3",), "training.train_eagle3:add_train_eagle3_parser"),
     Subcommand(("serve",), "services.serve:add_serve_parser"),
     Subcommand(("redis-acl",), "services.redis_acl:add_redis_acl_parser"),
     Subcommand(("scheduler",), "services.scheduler.main:add_scheduler_parser"),

@@ -9,6 +9,7 @@ MODELS_DIR = Path(os.environ.get("SPECMESH_MODELS_DIR", Path(__file__).resolve()
 BASE_MODEL = "specmesh-code-15m"
 DRAFT_MODEL = "specmesh-code-draft"
 MTP_HEAD = "specmesh-code-15m-mtp"
+EAGLE3_HEAD = "specmesh-code-15m-eagle3"
 
 
 def reference_dir(name: str = BASE_MODEL) -> Path:

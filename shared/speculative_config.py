@@ -16,12 +16,19 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from shared.errors import describe_validation_error
 from shared.json_types import INTEGRAL
 
-Method = Literal["naive", "ngram", "suffix", "mtp", "draft_model"]
+Method = Literal["naive", "ngram", "suffix", "mtp", "eagle3", "draft_model"]
 MODEL_FREE_METHODS: tuple[str, ...] = ("naive", "ngram", "suffix")
-MODEL_BASED_METHODS: tuple[str, ...] = ("mtp", "draft_model")
+MODEL_BASED_METHODS: tuple[str, ...] = ("mtp", "eagle3", "draft_model")
 MAX_MODEL_FREE_TOKENS = 15
 MAX_MODEL_BASED_TOKENS = 5
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"naive": 0, "ngram": 5, "suffix": 8, "mtp": 1, "draft_model": 3}
+DEFAULT_NUM_SPECULATIVE_TOKENS = {
+    "naive": 0,
+    "ngram": 5,
+    "suffix": 8,
+    "mtp": 1,
+    "eagle3": 3,
+    "draft_model": 3,
+}
 
 
 class SpeculativeConfig(BaseModel):
@@ -30,16 +37,19 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
     method: Method = "naive"
-    """naive (the speculative path with no drafts), ngram, suffix, mtp or draft_model."""
+    """naive (the speculative path with no drafts), ngram, suffix, mtp, eagle3 or draft_model."""
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_MODEL_FREE_TOKENS)
     """k: most draft tokens per request per step (model-based methods: at most 5). Defaults per
-    method: naive 0, ngram 5, suffix 8, mtp 1, draft_model 3."""
+    method: naive 0, ngram 5, suffix 8, mtp 1, eagle3 3, draft_model 3."""
     num_model_steps: int | None = Field(default=None, ge=1, le=MAX_MODEL_BASED_TOKENS)
     """mtp: how many times the MTP head is chained per step (defaults to k)."""
     mtp_strategy: Literal["default", "with_ngram"] = "default"
     """with_ngram: after the MTP drafts, n-gram drafts fill the remaining slots up to k."""
     model: str | None = None
-    """Checkpoint directory of the MTP head or the draft model."""
+    """Checkpoint directory of the MTP head, the EAGLE-3 head or the draft model."""
+    eagle3_layers: tuple[int, int, int] | None = None
+    """eagle3: the target layers whose entering streams the head reads (low, mid, high); None:
+    the head's config.json, else EAGLE-3's default (2, L / 2, L - 3 of L layers)."""
     prompt_lookup_max: int = Field(
         default=4, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_max", "max_ngram_size")
     )
@@ -87,7 +97,11 @@ class SpeculativeConfig(BaseModel):
                     f"method {self.method!r} needs 'model': the checkpoint directory of the {_what(self.method)}"
                 )
         elif self.model:
-            raise ValueError(f"'model' is only used by mtp and draft_model, not by {self.method!r}")
+            raise ValueError(f"'model' is only used by mtp, eagle3 and draft_model, not by {self.method!r}")
+        if self.eagle3_layers is not None and self.method != "eagle3":
+            raise ValueError("eagle3_layers applies to method 'eagle3' only")
+        if self.eagle3_layers is not None and min(self.eagle3_layers) < 0:
+            raise ValueError(f"eagle3_layers {list(self.eagle3_layers)} must be layer indices (0 or more)")
         if self.num_model_steps is not None and self.method != "mtp":
             raise ValueError("num_model_steps applies to method 'mtp' only")
         if self.mtp_strategy != "default" and self.method != "mtp":
@@ -148,4 +162,4 @@ class SpeculativeOverride(BaseModel):
 
 
 def _what(method: str) -> str:
-    return "MTP head" if method == "mtp" else "draft model"
+    return {"mtp": "MTP head", "eagle3": "EAGLE-3 head"}.get(method, "draft model")

@@ -9,8 +9,8 @@ A step replays two graphs:
    last token and drafts) and the LM head over the rows that are sampled, keyed by (token bucket,
    query class);
 2. the *tail* (services/engine/verify_update.py): verify + sample, the post-step update and the
-   next step's drafting by every device proposer — n-gram matching, the MTP head's catch-up and
-   chain, or the draft model's — keyed by (token bucket, query class, drafting-model chain
+   next step's drafting by every device proposer — n-gram matching, the MTP or EAGLE-3 head's
+   catch-up and chain, or the draft model's — keyed by (token bucket, query class, drafting-model chain
    length). The host then reads one packed tensor, the step's only synchronisation.
 
 Query classes bound the longest query of a step: 1 (plain decode), 1 + num_speculative_tokens
@@ -232,14 +232,17 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         max_num_seqs: int | None = None,
+        aux_layers: tuple[int, ...] = (),
     ):
         """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
         num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
         drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
         `StepPlan.only` steps come with (None: every device proposer); `max_num_seqs`: the most
         requests of a step (None: one per token), which bounds each class's buckets and the
-        logit rows of a step (each request brings at most 1 + num_speculative_tokens)."""
+        logit rows of a step (each request brings at most 1 + num_speculative_tokens);
+        `aux_layers`: the target layers whose entering streams the forward keeps (the EAGLE-3 head's)."""
         self.model = model
+        self.aux_layers = aux_layers
         self.kv_caches = kv_caches
         self.tail = tail
         self.inputs = inputs
@@ -262,6 +265,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
         self._pad_all()
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
+        aux_size = len(aux_layers) * model.config.hidden_size
+        self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
         self.logits = torch.zeros(
             self.num_rows(size), model.config.vocab_size, dtype=torch.float32, device=device
         )
@@ -380,6 +385,7 @@ class DecodeGraphs:
             self.hidden[:bucket],
             self.field("token_slots")[:bucket],
             self.max_model_len,
+            None if self.aux_hidden is None else self.aux_hidden[:bucket],
         )
         rows = self.num_rows(bucket)
         return StepTensors(
@@ -401,7 +407,12 @@ class DecodeGraphs:
     def _forward(self, bucket: int, query_len: int) -> None:
         """Into the persistent outputs: what the model allocates is a temporary of the capture."""
         forward = self.tensors(bucket, query_len).forward
-        hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
+        args = (forward.input_ids, forward.positions, self.kv_caches, forward.meta)
+        if self.aux_hidden is None:
+            hidden = self.model(*args)
+        else:
+            hidden, aux_hidden = self.model.forward_with_aux(*args, self.aux_layers)
+            self.aux_hidden[:bucket].copy_(aux_hidden)
         self.hidden[:bucket].copy_(hidden)
         rows = self.num_rows(bucket)
         logits_indices = self.field("logits_indices")[:rows]
@@ -431,6 +442,12 @@ class DecodeGraphs:
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode
         return self.tensors(bucket, query_len)
+
+    def fill_outputs(self, forward: ForwardContext) -> None:
+        """Points an eager tail's forward at the replayed forward's outputs (its leading rows)."""
+        num_tokens = forward.input_ids.shape[0]
+        forward.hidden = self.hidden[:num_tokens]
+        forward.aux_hidden = None if self.aux_hidden is None else self.aux_hidden[:num_tokens]
 
     def replay_tail(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
         """The tail of a step whose forward `replay_forward` replayed (its grammar rows' masks in

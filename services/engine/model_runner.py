@@ -32,7 +32,7 @@ from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
-from services.engine.spec_decode.proposer import Proposer
+from services.engine.spec_decode.proposer import ForwardContext, Proposer
 from services.engine.tensor_parallel import (
     CompareRows,
     ExportBlocks,
@@ -54,6 +54,7 @@ from services.engine.verify_update import (
 )
 from shared.config import EngineConfig
 from shared.model import LlamaForCausalLM, ModelConfig, ModelConfigError, load_model
+from shared.model.eagle3 import Eagle3Head, load_eagle3_head
 from shared.model.llama import KVCache
 from shared.model.mtp import MTPHead, load_mtp_head
 from shared.model.parallel import SINGLE, TensorParallel, check_divisible, kv_head_owners, kv_head_range
@@ -183,6 +184,14 @@ class ModelRunner:
         if spec.method == "mtp":
             assert spec.model is not None
             self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
+        self.eagle3_head: Eagle3Head | None = None
+        if spec.method == "eagle3":
+            assert spec.model is not None
+            self.eagle3_head = load_eagle3_head(
+                spec.model, self.model, self.dtype, self.device, spec.eagle3_layers
+            )
+        self.aux_layers: tuple[int, ...] = self.eagle3_head.aux_layers if self.eagle3_head else ()
+        """Target layers whose entering streams the forward keeps (the EAGLE-3 head's; none otherwise)."""
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config, self.tp)
         self.draft_kv_caches = (
@@ -193,6 +202,12 @@ class ModelRunner:
         self.mtp_kv_caches = (
             self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config, self.tp)
             if self.mtp_head
+            else []
+        )
+        # replicated, as the head is
+        self.eagle3_kv_caches = (
+            self._allocate_kv_cache(self.num_kv_blocks, self.eagle3_head.config, SINGLE)
+            if self.eagle3_head
             else []
         )
         self.max_num_drafts = spec.k
@@ -225,7 +240,7 @@ class ModelRunner:
     def chain_lengths(self) -> list[int]:
         """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
         model loaded, else only 0."""
-        has_model = self.mtp_head is not None or self.draft_model is not None
+        has_model = any(m is not None for m in (self.mtp_head, self.eagle3_head, self.draft_model))
         return list(range(self.spec.k + 1)) if has_model else [0]
 
     def close(self) -> None:
@@ -258,6 +273,7 @@ class ModelRunner:
             self.max_model_len,
             self.block_size,
             self.config.max_num_seqs,
+            self.aux_layers,
         )
         graphs.capture()
         return graphs
@@ -265,10 +281,11 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on this rank in every cache that shares the block tables (target,
-        draft, MTP)."""
+        draft, MTP, EAGLE-3)."""
         configs = [(self.model_config, self.tp)]
         configs += [(self.draft_model.config, SINGLE)] if self.draft_model else []
         configs += [(self.mtp_head.config, self.tp)] if self.mtp_head else []
+        configs += [(self.eagle3_head.config, SINGLE)] if self.eagle3_head else []
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
             2
@@ -337,12 +354,11 @@ class ModelRunner:
         if key is not None:
             assert self.graphs is not None
             self.graphs.replay_forward(step, key)
-            tensors.forward.hidden = self.graphs.hidden[: step.num_tokens]
+            self.graphs.fill_outputs(tensors.forward)
             logits = self.graphs.logits[: len(step.logits_indices)]
         else:
-            forward = tensors.forward
-            forward.hidden = self.model(forward.input_ids, forward.positions, self.kv_caches, forward.meta)
-            logits = self.model.compute_logits(forward.hidden[logits_indices])
+            self._target_forward(tensors.forward)
+            logits = self.model.compute_logits(tensors.forward.hidden[logits_indices])
         if fused and step.has_grammar:
             tensors.bitmask = torch.empty(
                 len(step.masked_rows), self.step_masks.num_words, dtype=torch.int32, device=self.device
@@ -350,6 +366,15 @@ class ModelRunner:
             self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
+
+    def _target_forward(self, forward: ForwardContext) -> None:
+        """The target over the step's tokens, eagerly: its final hidden states and, for the
+        EAGLE-3 head, the streams entering its layers, in the same pass."""
+        args = (forward.input_ids, forward.positions, self.kv_caches, forward.meta)
+        if not self.aux_layers:
+            forward.hidden = self.model(*args)
+            return
+        forward.hidden, forward.aux_hidden = self.model.forward_with_aux(*args, self.aux_layers)
 
     def _copy_masks(self, step: HostStep, plan: StepPlan, out: torch.Tensor) -> None:
         """The grammar masks of the step's rows into `out` ([>= num_rows, num_words] on the device),
@@ -488,8 +513,13 @@ class ModelRunner:
         )
 
     def caches(self, name: str) -> list[KVCache]:
-        """The per-layer KV caches that share the block tables: target, draft or mtp."""
-        caches = {"target": self.kv_caches, "draft": self.draft_kv_caches, "mtp": self.mtp_kv_caches}
+        """The per-layer KV caches that share the block tables: target, draft, mtp or eagle3."""
+        caches = {
+            "target": self.kv_caches,
+            "draft": self.draft_kv_caches,
+            "mtp": self.mtp_kv_caches,
+            "eagle3": self.eagle3_kv_caches,
+        }
         if name not in caches:
             raise ValueError(f"unknown KV cache {name!r}; known: {', '.join(caches)}")
         return caches[name]
@@ -584,7 +614,7 @@ class ModelRunner:
         self.ranks.send(ExportBlocks(block_ids))
         blocks = torch.tensor(block_ids, device=self.device)
         layers = []
-        for cache in ("target", "mtp", "draft"):
+        for cache in ("target", "mtp", "eagle3", "draft"):
             if not self.caches(cache):
                 continue
             local = self._stacked(cache, blocks)
@@ -647,8 +677,9 @@ class ModelRunner:
         return bool((self.tp.all_gather(digest) == digest).all())
 
     def _sharded(self, cache: str) -> bool:
-        """Whether each rank holds only its heads of `cache` (the draft model's is replicated)."""
-        return self.tp.size > 1 and cache != "draft"
+        """Whether each rank holds only its heads of `cache` (the draft model's and the EAGLE-3
+        head's are replicated)."""
+        return self.tp.size > 1 and cache not in ("draft", "eagle3")
 
     def _stacked(self, cache: str, blocks: torch.Tensor) -> torch.Tensor:
         """This rank's heads of `cache` for `blocks`: [num_layers, 2, num_blocks, block_size, heads, head_dim]."""
@@ -689,6 +720,9 @@ class ModelRunner:
         if cache == "mtp":
             assert self.mtp_head is not None
             return self.mtp_head.config
+        if cache == "eagle3":
+            assert self.eagle3_head is not None
+            return self.eagle3_head.config
         return self.model_config
 
     def _scatter_heads(self, cache: str, whole: torch.Tensor | None, local: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """Wire dtype names; a header naming any other dtype is refused."""
 
-KNOWN_CACHES = ("target", "draft", "mtp")
+KNOWN_CACHES = ("target", "draft", "mtp", "eagle3")
 """Cache names the workers use; others are allowed (a transport does not interpret them)."""
 
 

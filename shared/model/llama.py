@@ -332,15 +332,47 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return self.norm.add_and_norm(hidden, residual)[0]
 
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the residual stream entering each layer of `aux_layers` (layer 0's is the
+        embedding), concatenated: [num_tokens, len(aux_layers) * hidden_size]. What an EAGLE-3
+        head reads (shared/model/eagle3.py); the same pass, not a second one."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        streams: dict[int, torch.Tensor] = {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in aux_layers:
+                streams[index] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        aux = torch.cat([streams[index] for index in aux_layers], dim=-1)
+        return self.norm.add_and_norm(hidden, residual)[0], aux
+
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [batch, seq] -> final-normed hidden [batch, seq, hidden]; for training and scoring."""
+        return self.forward_dense_with_aux(input_ids, ())[0]
+
+    def forward_dense_with_aux(
+        self, input_ids: torch.Tensor, aux_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_dense` and, as `forward_with_aux`, the streams entering `aux_layers`
+        ([batch, seq, len(aux_layers) * hidden]; empty for none)."""
         if self.tp.size > 1:
             raise NotImplementedError("the dense (training / scoring) forward runs on one rank only")
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         hidden = self.embed_tokens(input_ids)
-        for layer in cast(list[DecoderLayer], self.layers):
+        streams: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(cast(list[DecoderLayer], self.layers)):
+            if index in aux_layers:
+                streams[index] = hidden
             hidden = layer.forward_dense(positions, hidden)
-        return self.norm(hidden)
+        aux = torch.cat([streams[index] for index in aux_layers], dim=-1) if aux_layers else hidden[..., :0]
+        return self.norm(hidden), aux
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [num_rows, hidden_size] (or [batch, seq, hidden_size] in training) -> float32

@@ -41,13 +41,13 @@ def test_tiny_matrix_writes_sane_json_and_markdown(tmp_path: Path) -> None:
 
 
 def test_the_matrix_is_the_one_the_issue_asks_for() -> None:
-    configs = method_matrix(["ngram", "suffix", "mtp", "mtp_ngram", "draft_model"], [1, 2, 3, 4, 5])
+    configs = method_matrix(["ngram", "suffix", "mtp", "mtp_ngram", "eagle3", "draft_model"], [1, 2, 3, 4, 5])
     by_method: dict[str, list[tuple[int, int | None]]] = {}
     for c in configs:
         by_method.setdefault(c.method, []).append((c.k, c.num_model_steps))
     assert by_method["mtp"] == [(1, 1), (2, 2), (3, 3)]
     assert sorted(by_method["mtp_ngram"]) == [(2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (5, 1), (5, 2)]
-    for method in ("ngram", "suffix", "draft_model"):
+    for method in ("ngram", "suffix", "eagle3", "draft_model"):
         assert [k for k, _ in by_method[method]] == [1, 2, 3, 4, 5]
 
 

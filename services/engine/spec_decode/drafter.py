@@ -18,6 +18,7 @@ from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import AdaptiveSpeculation
 from services.engine.spec_decode.draft_model import DraftModelProposer
+from services.engine.spec_decode.eagle3 import Eagle3Proposer
 from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import DraftBatch, Proposer
@@ -33,6 +34,10 @@ from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner
+
+
+HEAD_METHODS = ("mtp", "eagle3")
+"""Drafting models that are one-layer heads over the target's hidden states."""
 
 
 class SpeculationError(ValueError):
@@ -53,7 +58,7 @@ class Drafter:
         self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
         """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
         self.own = own_proposer(self.device_methods, config.method)
-        self.chain_steps = {"mtp": config.mtp_steps, "draft_model": config.k}
+        self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
         """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
         self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
         self.max_graph_tokens: int | None = None
@@ -203,7 +208,8 @@ class Drafter:
         steps = self.chain_steps.get(seq.spec.method)
         if k == 0 or steps is None:
             return k
-        lookahead = min(k, steps) - 1 if seq.spec.method == "mtp" else k
+        # a head's chain writes KV from the newest token on; the draft model's from the one after
+        lookahead = min(k, steps) - 1 if seq.spec.method in HEAD_METHODS else k
         if lookahead <= 0:
             return k
         if not self.block_manager.can_append(seq, num_new + lookahead):
@@ -239,6 +245,10 @@ def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dic
         ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
         proposers["mtp"] = MTPProposer(
             runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram
+        )
+    if runner.eagle3_head is not None:
+        proposers["eagle3"] = Eagle3Proposer(
+            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size
         )
     if runner.draft_model is not None:
         proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)

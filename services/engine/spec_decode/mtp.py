@@ -16,17 +16,42 @@ the MTP drafts fill the rest of the request's k.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 import kernels
-from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
+from kernels import AttentionMetadata
+from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
+from shared.model.config import ModelConfig
 from shared.model.llama import KVCache
-from shared.model.mtp import MTPHead
+
+
+class ChainedHead(Protocol):
+    """A one-layer draft head chained on its own output: the MTP head, the EAGLE-3 head."""
+
+    config: ModelConfig
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]: t_{i+1}
+        positions: torch.Tensor,  # [num_tokens]: i
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: features of position i
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden_size]: the head's output, fed to the next draft
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [num_rows, vocab_size] float32
 
 
 class MTPProposer(Proposer):
     def __init__(
-        self, head: MTPHead, kv_cache: KVCache, num_steps: int, block_size: int, ngram: tuple[int, int] | None
+        self,
+        head: ChainedHead,
+        kv_cache: KVCache,
+        num_steps: int,
+        block_size: int,
+        ngram: tuple[int, int] | None,
     ):
         """`ngram`: (prompt_lookup_min, prompt_lookup_max) for with_ngram, else None."""
         self.head = head
@@ -63,7 +88,11 @@ class MTPProposer(Proposer):
         following = (forward.positions + 1).clamp(max=rows.shape[1] - 1)
         # padding rows read the scratch row, which holds whatever padding appended
         next_ids = rows[forward.token_slots, following].long().clamp(0, self.head.config.vocab_size - 1)
-        return self.head(next_ids, forward.positions, forward.hidden, self.kv_cache, forward.meta)
+        return self.head(next_ids, forward.positions, self._features(forward), self.kv_cache, forward.meta)
+
+    def _features(self, forward: ForwardContext) -> torch.Tensor:
+        """[num_tokens, hidden_size] what the head reads of the target at each row: h_i."""
+        return forward.hidden
 
     def _append_ngram(self, batch: DraftBatch, token_ids: torch.Tensor, num_drafts: torch.Tensor) -> Drafts:
         """MTP drafts, then n-gram drafts matched as if the MTP drafts had been accepted: they are

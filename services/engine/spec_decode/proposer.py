@@ -1,7 +1,7 @@
 """The one interface every draft method implements: `propose(batch) -> Drafts`.
 
 A proposer drafts the next step of the requests that got a token this step. Device proposers
-(n-gram, MTP, draft model) run inside the step's tail, right after verification and the post-step
+(n-gram, MTP, EAGLE-3, draft model) run inside the step's tail, right after verification and the post-step
 update, on tensors only (so the tail can be captured in a CUDA graph); the host reads their drafts
 back with the step's tokens. Host proposers (suffix decoding) run after that read-back, on the
 requests' token lists. The drafter looks them up by method name (`drafter.make_proposers`).
@@ -33,6 +33,9 @@ class ForwardContext:
     token_slots: torch.Tensor  # [num_tokens] int64 slot of each token's request (padding: scratch)
     max_seq_len: int
     """A bound on every context length this step and its drafting reach (attention launch shape)."""
+    aux_hidden: torch.Tensor | None = None
+    """[num_tokens, 3 * hidden_size] the target's streams entering the EAGLE-3 head's three layers
+    (only when the eagle3 method is loaded)."""
 
 
 @dataclass

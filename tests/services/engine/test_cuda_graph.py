@@ -20,7 +20,7 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
 from shared.structured_output import StructuredOutput
 from shared.tokenizer import Tokenizer
-from tests.services.engine.spec_decode.helpers import repetitive_prompts
+from tests.services.engine.spec_decode.helpers import eagle3_head_for, repetitive_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -100,6 +100,7 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         runner.max_model_len,
         runner.block_size,
         runner.config.max_num_seqs,
+        runner.aux_layers,
     )
     graphs.capture()
     runner.graphs = graphs
@@ -118,6 +119,7 @@ CASES = {
         "num_model_steps": 2,
         "mtp_strategy": "with_ngram",
     },
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
 
@@ -132,6 +134,8 @@ def fixed_k_spec(case: str, target: str) -> dict:
         spec["model"] = target
     if spec.get("method") == "mtp":
         spec["model"] = str(mtp_head_for(target))
+    if spec.get("method") == "eagle3":
+        spec["model"] = str(eagle3_head_for(target))
     return spec
 
 
@@ -215,7 +219,7 @@ def test_the_servers_own_proposer_runs_alone_unless_a_request_asks_for_another(m
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("case", ["naive", "ngram", "mtp", "draft_model"])
+@pytest.mark.parametrize("case", ["naive", "ngram", "mtp", "eagle3", "draft_model"])
 def test_steps_with_prefill_chunks_replay_the_eager_tokens(make_checkpoint, case: str, sampling: str) -> None:
     """With 3 requests running at a time out of 9, a request joins as another finishes, so most
     steps carry a prefill chunk beside decoding requests and their drafts; those steps go through
@@ -318,6 +322,8 @@ def mtp_head_for(target: str):
         ("ngram", "penalty"),
         ("mtp", "greedy"),
         ("mtp", "seeded"),
+        ("eagle3", "greedy"),
+        ("eagle3", "seeded"),
         ("draft_model", "greedy"),
         ("draft_model", "seeded"),
         ("ngram", "grammar"),
@@ -341,6 +347,8 @@ def test_graph_replay_gives_the_eager_tokens(make_checkpoint, method: str, sampl
         spec["model"] = path
     if method == "mtp":
         spec["model"] = str(mtp_head_for(path))
+    if method == "eagle3":
+        spec["model"] = str(eagle3_head_for(path))
     generator = torch.Generator().manual_seed(5)
     prompts = []
     for i in range(21):

@@ -40,13 +40,20 @@ def coupled_drafts(draft_logits: torch.Tensor, seeds: torch.Tensor, k: int) -> t
     return torch.stack(columns, dim=1) if columns else torch.empty(num, 0, dtype=torch.long)
 
 
-def run(k: int, drafts: str = "coupled", strategy: str = "rejection", seed: int = 0) -> list[VerifyResult]:
+def run(
+    k: int,
+    drafts: str = "coupled",
+    strategy: str = "rejection",
+    seed: int = 0,
+    draft_logits: torch.Tensor | None = None,
+) -> list[VerifyResult]:
     """Verifies k drafts for each of NUM_REQUESTS requests at temperature 1: drafts sampled from the
-    draft distribution with the target's noise (coupled), or independently of it."""
+    draft distribution with the target's noise (coupled), or independently of it. `draft_logits`
+    of coupled drafts: DRAFT_PROBS's unless given."""
     params = SamplingParams(temperature=1.0)
     seeds = torch.arange(NUM_REQUESTS) + seed * NUM_REQUESTS
     if drafts == "coupled":
-        draft_ids = coupled_drafts(DRAFT_PROBS.log(), seeds, k)
+        draft_ids = coupled_drafts(DRAFT_PROBS.log() if draft_logits is None else draft_logits, seeds, k)
     else:
         generator = torch.Generator().manual_seed(seed)
         draft_ids = torch.multinomial(DRAFT_PROBS, NUM_REQUESTS * k, replacement=True, generator=generator)
@@ -75,6 +82,24 @@ def test_every_position_follows_the_target_with_several_drafts() -> None:
         tokens = [r.token_ids[position] for r in results if len(r.token_ids) > position]
         assert len(tokens) > 1000
         assert total_variation(tokens, TARGET) < 2.5 * TOLERANCE
+
+
+def test_drafts_over_a_reduced_vocabulary_keep_the_target_distribution() -> None:
+    """An EAGLE-3 head drafts over its draft vocabulary only (-inf elsewhere,
+    `Eagle3Head.logits`): the target's most likely token is never drafted, yet every position
+    still follows the target."""
+    in_draft_vocabulary = torch.tensor([1, 2, 4])
+    draft_logits = torch.full((VOCAB,), float("-inf")).index_copy_(
+        0, in_draft_vocabulary, DRAFT_PROBS[in_draft_vocabulary].log()
+    )
+    results = run(k=2, seed=2, draft_logits=draft_logits)
+    drafted = coupled_drafts(draft_logits, torch.arange(NUM_REQUESTS) + 2 * NUM_REQUESTS, 2)
+    assert torch.isin(drafted, in_draft_vocabulary).all()
+    for position in range(2):
+        tokens = [r.token_ids[position] for r in results if len(r.token_ids) > position]
+        assert len(tokens) > 1000
+        assert total_variation(tokens, TARGET) < 2.5 * TOLERANCE
+    assert TARGET[0] > 0.4  # the test has power: the token the drafts never propose is the likeliest
 
 
 def test_coupled_drafts_are_accepted_as_the_gumbel_coupling_promises() -> None:

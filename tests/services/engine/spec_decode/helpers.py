@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 from shared.sampling_params import SamplingParams
@@ -21,3 +24,25 @@ def repetitive_prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+_EAGLE3_HEADS: dict[str, Path] = {}
+
+
+def eagle3_head_for(target: str) -> Path:
+    """An untrained EAGLE-3 head for `target` over every other token of its vocabulary (random
+    weights: its drafts are mostly rejected, which exercises rollback), saved once per target."""
+    from shared.model import load_model
+    from shared.model.eagle3 import default_aux_layers, save_eagle3_head
+    from training.train_eagle3 import init_head_from_target
+
+    if target not in _EAGLE3_HEADS:
+        model = load_model(target, torch.float32, torch.device("cpu"), 192)
+        draft_ids = torch.arange(0, model.config.vocab_size, 2)
+        layers = default_aux_layers(model.config.num_hidden_layers)
+        head = init_head_from_target(model, draft_ids, layers, torch.device("cpu"))
+        torch.manual_seed(0)
+        for param in head.parameters():
+            torch.nn.init.normal_(param, std=0.05)
+        _EAGLE3_HEADS[target] = save_eagle3_head(head, tempfile.mkdtemp(prefix="eagle3-"))
+    return _EAGLE3_HEADS[target]

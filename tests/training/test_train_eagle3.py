@@ -1,0 +1,90 @@
+"""`specmesh train-eagle3` runs end to end on a tiny model: it trains on the train split only,
+writes a head the engine loads, raises held-out agreement; bad runs are refused clearly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.cli import main
+from shared.model import load_model
+from shared.model.eagle3 import load_eagle3_head
+from tests.conftest import CORPUS
+
+
+@pytest.fixture
+def base(make_checkpoint) -> Path:
+    return make_checkpoint("llama", num_hidden_layers=2)
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> Path:
+    """A source root of four packages: three to split into train and validation, and `json`, one
+    of the held-out packages."""
+    root = tmp_path / "root"
+    for i, text in enumerate(CORPUS * 4):
+        package = ["alpha", "beta", "gamma", "json"][i % 4]
+        (root / package).mkdir(parents=True, exist_ok=True)
+        (root / package / f"module_{i:03d}.py").write_text(text + f"\n# {package} {i}\n")
+    return root
+
+
+def test_training_runs_end_to_end(base: Path, roots: Path, tmp_path: Path) -> None:
+    out = tmp_path / "head"
+    flags = ["--steps", "40", "--batch-size", "4", "--seq-len", "24", "--lr", "1e-2", "--warmup-steps", "4"]
+    flags += ["--eval-every", "20", "--eval-batches", "2", "--draft-vocab-size", "200", "--ttt-steps", "2"]
+    args = ["train-eagle3", "--base", str(base), "--out", str(out), "--data", str(roots), "--device", "cpu"]
+    assert main([*args, *flags, "--no-progress"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["data"]["held_out_packages"] == ["json"]
+    assert "json" not in log["data"]["validation_packages"]
+    assert [e["step"] for e in log["evals"]] == [0, 20, 40]
+    first, last = log["evals"][0], log["evals"][-1]
+    assert len(last["agreement"]) == 2
+    assert last["kl"] < first["kl"]
+    assert last["chain_agreement"][0] > first["chain_agreement"][0]
+    target = load_model(base, torch.float32, torch.device("cpu"), max_positions=64)
+    head = load_eagle3_head(out, target, torch.float32, torch.device("cpu"))
+    assert head.draft_vocab_size == 200 and head.aux_layers == (1, 1, 0)
+    assert int(head.t2d.sum()) == 200
+    resumed = ["--head", str(out), "--out", str(tmp_path / "resumed"), "--steps", "2", "--warmup-steps", "1"]
+    assert main([*args[:3], *args[5:], *flags, *resumed, "--no-progress"]) == 0
+    again = load_eagle3_head(tmp_path / "resumed", target, torch.float32, torch.device("cpu"))
+    assert torch.equal(again.t2d, head.t2d) and again.aux_layers == head.aux_layers
+    assert json.loads((tmp_path / "resumed" / "train_log.json").read_text())["evals"][0][
+        "kl"
+    ] == pytest.approx(last["kl"], rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "0"], "steps: Input should be greater than or equal to 1"),
+        (["--ttt-steps", "9"], "ttt_steps: Input should be less than or equal to 5"),
+        (["--data", "/nonexistent/root"], "not a directory of source files: /nonexistent/root"),
+        (["--warmup-steps", "50", "--steps", "10"], "warmup_steps (50) must be smaller than steps (10)"),
+    ],
+    ids=["steps-0", "ttt-steps", "missing-root", "warmup"],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    base: Path, roots: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, message
+) -> None:
+    args = ["train-eagle3", "--base", str(base), "--out", str(tmp_path / "out"), "--data", str(roots)]
+    assert main([*args, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_roots_without_held_out_packages_are_refused(
+    base: Path, roots: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path in (roots / "json").iterdir():
+        path.unlink()
+    (roots / "json").rmdir()
+    assert (
+        main(["train-eagle3", "--base", str(base), "--out", str(tmp_path / "out"), "--data", str(roots)]) == 2
+    )
+    assert "hold none of the held-out packages" in capsys.readouterr().err
