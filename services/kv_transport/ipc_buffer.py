@@ -312,7 +312,7 @@ class SharedBuffers:
         if buffer.device.type == "cuda":
             cuda = _cuda_handle(buffer)
             return lambda view: CudaRegion(
-                **cuda, offset=cuda["offset"] + view.data_ptr() - base, num_bytes=_num_bytes(view)
+                **{**cuda, "offset": cuda["offset"] + view.data_ptr() - base}, num_bytes=_num_bytes(view)
             )
         name = self._files.get(base)
         if name is None:
