@@ -109,8 +109,12 @@ def _scheduler(keys: Keys) -> RoleAcl:
         ("ping", SCRIPTS, "multi", "exec", "discard"),
         (
             Grant(GROUP_CONSUMER, (keys.requests, keys.scheduler_replies)),
-            # taking over the pending messages of a replica whose lease is gone (`read_group`)
-            Grant(("xinfo|consumers", "xgroup|delconsumer", "xpending", "xclaim"), (keys.requests,)),
+            # taking over the pending messages of a replica whose lease is gone (`read_group`), on
+            # both streams it consumes
+            Grant(
+                ("xinfo|consumers", "xgroup|delconsumer", "xpending", "xclaim"),
+                (keys.requests, keys.scheduler_replies),
+            ),
             Grant(("set", "exists", "del"), (keys.scheduler_lease("*"),)),
             Grant(("xread",), (keys.reservation_replies("*"),)),
             Grant(("xadd",), (keys.inbox("*"), keys.dead_letters)),
@@ -124,6 +128,7 @@ def _scheduler(keys: Keys) -> RoleAcl:
                     keys.outputs("*"),
                     keys.inbox("*"),
                     keys.requests,
+                    keys.scheduler_replies,
                     owned,
                     keys.gateways,
                 ),

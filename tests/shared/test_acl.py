@@ -217,6 +217,34 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     await refused(scheduler.client.xadd(keys.suffix_updates, {"m": "x"}))
 
 
+async def test_the_scheduler_reads_its_replies_as_its_loop_does(bus_as) -> None:
+    """`scheduler-replies` is consumed with the lease prefix like `requests`: a refused take-over
+    left every `Finished` unread, so no request ever gave its queue slot back."""
+    scheduler, worker = await bus_as("scheduler"), await bus_as("worker")
+    keys = scheduler.keys
+    await scheduler.ensure_group(keys.scheduler_replies, SCHEDULER_GROUP)
+    assert await scheduler.admit("f1", submit("f1"), 10) == "admitted"
+    epoch = await scheduler.claim_epoch("f1")
+    assert epoch is not None
+    finished = Finished(request_id="f1", instance_id="w1", outcome="done", epoch=epoch)
+    assert await worker.publish_step([], [], [(keys.scheduler_replies, finished)]) == []
+    prefix = keys.scheduler_lease("")
+    await scheduler.hold_lease(keys.scheduler_lease("s1"), 10)
+    first = await scheduler.read_group(
+        keys.scheduler_replies, SCHEDULER_GROUP, "s1", block_ms=100, lease_prefix=prefix
+    )
+    assert [d.message for d in first] == [finished]
+    # s1 dies before acknowledging it: the next replica takes it over on its first read
+    await scheduler.forget_scheduler("s1")
+    await scheduler.hold_lease(keys.scheduler_lease("s2"), 10)
+    taken = await scheduler.read_group(
+        keys.scheduler_replies, SCHEDULER_GROUP, "s2", block_ms=100, lease_prefix=prefix
+    )
+    assert [d.entry_id for d in taken] == [d.entry_id for d in first]
+    await scheduler.ack(keys.scheduler_replies, SCHEDULER_GROUP, taken[0].entry_id)
+    await scheduler.release("f1")
+
+
 async def test_a_worker_publishes_its_steps_but_cannot_touch_admission_state(bus_as) -> None:
     scheduler, worker = await bus_as("scheduler"), await bus_as("worker")
     keys = worker.keys
