@@ -101,6 +101,8 @@ class LLMEngine:
         """`suffix_index`: where the global suffix tree lives (default: in this process; a worker
         passes the shared suffix-cache service's client)."""
         self.config = config
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
         context_len = self.model_config.max_context_len

@@ -52,6 +52,7 @@ from services.worker.core_messages import (
     StepBatch,
     SuffixCacheOptions,
 )
+from shared.config import EngineConfig
 from shared.protocol import TOKEN_DTYPE, ErrorInfo
 
 logger = logging.getLogger(__name__)
@@ -332,18 +333,33 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def core_cpu_threads(config: EngineConfig, num_cores: int) -> int:
+    """The core's torch CPU threads: `config.cpu_threads`, else one with a GPU (torch's CPU work
+    there is copies, and idle intra-op threads spinning after each would take the cores of the
+    mesh's other processes), else half the cores: the bus side, the gateway and Redis need the
+    rest, and an op whose threads wait for a core they lost stalls the whole step."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if config.torch_device.type == "cuda":
+        return 1
+    return max(1, num_cores // 2)
+
+
 def serve(channel: BlockingChannel) -> int:
     options: CoreOptions = channel.recv()
     suffix = None
     try:
         if options.suffix_cache is not None:
             suffix = SuffixCacheThread(options.suffix_cache)
+        torch.set_num_threads(core_cpu_threads(options.config, available_cores()))
         engine = LLMEngine(options.config, suffix.index if suffix else None)
-        if engine.runner.device.type == "cuda":
-            # the model runs on the GPU: torch's CPU work here (received KV layers) is copies, and
-            # a pool of intra-op threads spinning after each would take the cores of the mesh's
-            # other processes
-            torch.set_num_threads(1)
     except Exception as exc:
         logger.exception("the engine could not be built")
         channel.send(EngineInfo(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
