@@ -177,13 +177,18 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         resumed_token_ids: list[int] | None = None,
         handoff: bool = False,
+        arrival_time: float | None = None,
     ) -> None:
         """Queues a request. `resumed_token_ids`: output an earlier instance already delivered (the
-        request continues after them). `handoff`: prefill only; the KV then goes to a decode instance."""
+        request continues after them). `handoff`: prefill only; the KV then goes to a decode instance.
+        `arrival_time`: when the request first arrived (wall clock; default now): it waits behind
+        every request that arrived before it, so one placed again keeps its place in line."""
         seq = self._new_sequence(
             request_id, prompt, params or SamplingParams(), prompt_token_ids, resumed_token_ids
         )
         seq.handoff = handoff
+        if arrival_time is not None:
+            seq.queued_at = arrival_time
         self.scheduler.add(seq)
 
     def _new_sequence(

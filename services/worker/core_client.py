@@ -113,6 +113,7 @@ class EngineCoreClient:
                 request.params,
                 request.resumed_token_ids,
                 handoff,
+                request.arrival_time,
             )
         )
 

@@ -235,6 +235,7 @@ class EngineCore:
                 params=command.params,
                 resumed_token_ids=command.resumed_token_ids,
                 handoff=command.handoff,
+                arrival_time=command.arrival_time,
             )
         except RequestError as exc:
             self._fail_row(command.request_id, 400, str(exc))
