@@ -30,7 +30,7 @@ USER_PREFIX = "specmesh-"
 MIN_REDIS_VERSION = (7, 0)
 """Selectors (a grant's commands tied to its keys) came with Redis 7.0."""
 
-GROUP_CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xack")
+GROUP_CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xack", "xdel")
 """A consumer of a stream through its group (`Bus.read_group`, `Bus.ensure_group`, `Bus.ack`)."""
 SCRIPTS = "script|load"
 """Loads a script before its first EVALSHA (and after Redis lost its script cache)."""
