@@ -142,6 +142,8 @@ def _scheduler(keys: Keys) -> RoleAcl:
             ),
             Grant(("incr", "decr", "get"), (keys.queue_depth,)),
             Grant(("get",), (delivered,)),
+            # a request the scheduler fails ends its delivered record (`publish_step` from `_fail`)
+            Grant(("append", "expire"), (delivered,)),
             Grant(("del",), (request, delivered)),  # `release` deletes both in one DEL
             Grant(("sadd", "srem", "smembers", "del"), (assigned,)),
             Grant(("smembers", "srem"), (keys.instances,)),
