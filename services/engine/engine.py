@@ -239,6 +239,20 @@ class LLMEngine:
         self._forget(seq)
         return output
 
+    def discard_request(self, request_id: str) -> None:
+        """Forgets a request at once, outputs still due included: between steps, for a request that
+        ended here (its last output is emitted a step later) and arrives again, placed anew."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return
+        self._unemitted = [e for e in self._unemitted if e.seq is not seq]
+        if seq in self._stopped:
+            self._stopped.remove(seq)
+        if not seq.is_finished:
+            seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+            self._free(seq)
+        self._forget(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._unemitted)
 

@@ -227,6 +227,9 @@ class EngineCore:
         self.rows.fail(request_id, self.epochs.pop(request_id, 0), code, message)
 
     def _add(self, command: AddRequest) -> None:
+        # placed here again: its earlier placement, which its worker already dropped, ended in the
+        # last step and its last row is still due; that row must not go out under the new epoch
+        self.engine.discard_request(command.request_id)
         self.epochs[command.request_id] = command.epoch
         try:
             self.engine.add_request(

@@ -219,3 +219,23 @@ def test_a_request_placed_again_keeps_its_place_in_line(llm: LLM) -> None:
     finally:
         for request_id in ("newest", "oldest", "middle", "now"):
             engine.abort_request(request_id)
+
+
+def test_a_request_that_ended_can_come_back_at_once_under_its_id(llm: LLM) -> None:
+    """A worker placed again with a request whose earlier placement just ended here (its last
+    output is emitted a step later) discards that one: the new one runs, and no output of the old
+    one comes out after it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request("again", prompt_token_ids=[5, 6, 7], params=params)
+    engine.step()  # the token is sampled and the request ends; its output comes with the next step
+    assert "again" in engine.sequences
+    engine.discard_request("again")
+    engine.add_request(
+        "again", prompt_token_ids=[5, 6, 7], params=params.model_copy(update={"max_tokens": 3})
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == "again"]
+    assert [len(o.token_ids) for o in outputs if o.finished] == [3]
+    assert "again" not in engine.sequences
