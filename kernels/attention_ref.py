@@ -58,10 +58,6 @@ class AttentionMetadata:
             self._tile_starts[key] = cumulative
         return self._tile_starts[key]
 
-    @property
-    def all_single_token(self) -> bool:
-        return all(n == 1 for n in self.query_lens_cpu)
-
 
 def write_kv_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -79,6 +75,12 @@ def write_kv_ref(
     value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
 
+SHORT_QUERY_MAX = 16
+"""Queries up to this many tokens (a decode token, 1 + k tokens to verify) are padded to the
+longest of them and attended in one batched call; longer ones (prefill chunks) one call each, where
+padding every query to the longest would cost more than the loop saves."""
+
+
 def append_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -94,11 +96,16 @@ def append_attention_ref(
     window `w`, `p - c < w`. With `softcap`, scores become softcap * tanh(score / softcap) before
     the mask (Gemma-2).
     """
-    if meta.all_single_token:
-        return _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     out = torch.empty_like(query)
+    short = [i for i, n in enumerate(meta.query_lens_cpu) if n <= SHORT_QUERY_MAX]
+    if short:
+        _padded_attention(query, key_cache, value_cache, meta, short, scale, sliding_window, softcap, out)
+    if len(short) == meta.num_seqs:
+        return out
     starts = meta.query_start_loc.tolist()
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if query_len <= SHORT_QUERY_MAX:
+            continue
         start = starts[i]
         keys, values = _gather_context(key_cache, value_cache, meta.block_tables[i], seq_len)
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
@@ -110,27 +117,46 @@ def append_attention_ref(
     return out
 
 
-def _decode_attention(
-    query: torch.Tensor,
+def _padded_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
+    rows: list[int],
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-) -> torch.Tensor:
-    """All sequences have one query token: one padded batched call instead of a loop."""
-    max_len = max(meta.seq_lens_cpu)
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the rows' tokens are written
+) -> None:
+    """The sequences `rows`, each query padded to the longest of them, in one batched call.
+
+    A padding slot repeats its sequence's last query token (same position, same visible context),
+    so it never sees past the context; its result is dropped."""
+    device = query.device
+    query_lens_cpu = [meta.query_lens_cpu[i] for i in rows]
+    max_query_len = max(query_lens_cpu)
+    max_len = max(meta.seq_lens_cpu[i] for i in rows)
+    if len(rows) == meta.num_seqs:
+        starts, seq_lens, tables = meta.query_start_loc[:-1], meta.seq_lens, meta.block_tables
+    else:
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        starts, seq_lens, tables = meta.query_start_loc[index], meta.seq_lens[index], meta.block_tables[index]
+    query_lens = torch.tensor(query_lens_cpu, dtype=torch.long, device=device)[:, None]  # [num_rows, 1]
+    offsets = torch.minimum(torch.arange(max_query_len, device=device)[None, :], query_lens - 1)
+    token_ids = starts.long()[:, None] + offsets  # [num_rows, max_query_len]: flat token of each slot
+    q_pos = seq_lens.long()[:, None] - query_lens + offsets  # [num_rows, max_query_len]
+    k_pos = torch.arange(max_len, device=device)
+    mask = _visible(
+        q_pos[:, :, None], k_pos[None, None, :], sliding_window
+    )  # [num_rows, max_query_len, max_len]
     block_size = key_cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[:, :num_blocks].long().flatten()
-    # index_select, not key_cache[tables]: 2-D advanced indexing is orders of magnitude slower on CPU
-    keys = key_cache.index_select(0, tables).view(meta.num_seqs, -1, *key_cache.shape[2:])[:, :max_len]
-    values = value_cache.index_select(0, tables).view(meta.num_seqs, -1, *value_cache.shape[2:])[:, :max_len]
-    k_pos = torch.arange(max_len, device=query.device)[None, :]
-    q_pos = (meta.seq_lens.long() - 1)[:, None]
-    mask = _visible(q_pos, k_pos, sliding_window)[:, None, :]  # [num_seqs, 1, max_len]
-    return _sdpa(query.unsqueeze(1), keys, values, mask, scale, softcap)[:, 0]
+    blocks = tables[:, : -(-max_len // block_size)].long().flatten()
+    # index_select, not key_cache[blocks]: 2-D advanced indexing is orders of magnitude slower on CPU
+    keys = key_cache.index_select(0, blocks).view(len(rows), -1, *key_cache.shape[2:])[:, :max_len]
+    values = value_cache.index_select(0, blocks).view(len(rows), -1, *value_cache.shape[2:])[:, :max_len]
+    attended = _sdpa(query[token_ids], keys, values, mask, scale, softcap)  # [num_rows, max_query_len, ...]
+    real = torch.arange(max_query_len, device=device)[None, :] < query_lens
+    out[token_ids[real]] = attended[real]
 
 
 def _gather_context(

@@ -30,7 +30,7 @@ USER_PREFIX = "specmesh-"
 MIN_REDIS_VERSION = (7, 0)
 """Selectors (a grant's commands tied to its keys) came with Redis 7.0."""
 
-GROUP_CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xack")
+GROUP_CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xack", "xdel")
 """A consumer of a stream through its group (`Bus.read_group`, `Bus.ensure_group`, `Bus.ack`)."""
 SCRIPTS = "script|load"
 """Loads a script before its first EVALSHA (and after Redis lost its script cache)."""
@@ -109,8 +109,12 @@ def _scheduler(keys: Keys) -> RoleAcl:
         ("ping", SCRIPTS, "multi", "exec", "discard"),
         (
             Grant(GROUP_CONSUMER, (keys.requests, keys.scheduler_replies)),
-            # taking over the pending messages of a replica whose lease is gone (`read_group`)
-            Grant(("xinfo|consumers", "xgroup|delconsumer", "xpending", "xclaim"), (keys.requests,)),
+            # taking over the pending messages of a replica whose lease is gone (`read_group`), on
+            # both streams it consumes
+            Grant(
+                ("xinfo|consumers", "xgroup|delconsumer", "xpending", "xclaim"),
+                (keys.requests, keys.scheduler_replies),
+            ),
             Grant(("set", "exists", "del"), (keys.scheduler_lease("*"),)),
             Grant(("xread",), (keys.reservation_replies("*"),)),
             Grant(("xadd",), (keys.inbox("*"), keys.dead_letters)),
@@ -124,6 +128,7 @@ def _scheduler(keys: Keys) -> RoleAcl:
                     keys.outputs("*"),
                     keys.inbox("*"),
                     keys.requests,
+                    keys.scheduler_replies,
                     owned,
                     keys.gateways,
                 ),
@@ -137,6 +142,8 @@ def _scheduler(keys: Keys) -> RoleAcl:
             ),
             Grant(("incr", "decr", "get"), (keys.queue_depth,)),
             Grant(("get",), (delivered,)),
+            # a request the scheduler fails ends its delivered record (`publish_step` from `_fail`)
+            Grant(("append", "expire"), (delivered,)),
             Grant(("del",), (request, delivered)),  # `release` deletes both in one DEL
             Grant(("sadd", "srem", "smembers", "del"), (assigned,)),
             Grant(("smembers", "srem"), (keys.instances,)),

@@ -619,8 +619,15 @@ class Bus:
         return response[0][1] if response else []
 
     async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
+        """Acknowledges the entries and deletes them from the stream: every stream read through a
+        group has that one group, so an acknowledged entry is needed by no one, and a stream
+        (`requests`, `scheduler-replies`, an inbox) holds only what is unhandled instead of growing
+        with every message ever sent."""
         if entry_ids:
-            await self.client.xack(stream, group, *entry_ids)
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, group, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+                await pipe.execute()
 
     async def read_stream(
         self, stream: str, last_id: str, block_ms: int = 1000, count: int = 256

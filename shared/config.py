@@ -61,6 +61,11 @@ class EngineConfig(BaseModel):
     """Largest step (tokens: prefill chunks, decode tokens and drafts) captured in a CUDA graph,
     capped by the step's token budget; larger steps run eagerly. Graphs are captured for token
     counts up to it at start-up."""
+    cpu_threads: int | None = Field(default=None, ge=1)
+    """Torch CPU (intra-op) threads of the process that runs the engine. None: in a worker's engine
+    core on CPU, half the cores the process may run on (at least one), leaving the rest to the
+    mesh's other processes, since threads of one op that wait on each other for a busy core stall
+    the whole step; on a GPU the core keeps one; in-process (`LLM`), torch's default."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

@@ -64,6 +64,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "token budget) replayed from a CUDA graph",
     )
     group.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="torch CPU threads of the engine's process (default in a worker: half the cores on CPU, "
+        "one with a GPU; in-process: torch's default)",
+    )
+    group.add_argument(
         "--speculative-config",
         help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
@@ -104,5 +110,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        cpu_threads=args.cpu_threads,
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )

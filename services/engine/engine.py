@@ -102,6 +102,8 @@ class LLMEngine:
         """`suffix_index`: where the global suffix tree lives (default: in this process; a worker
         passes the shared suffix-cache service's client)."""
         self.config = config
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
         context_len = self.model_config.max_context_len
@@ -179,13 +181,18 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         resumed_token_ids: list[int] | None = None,
         handoff: bool = False,
+        arrival_time: float | None = None,
     ) -> None:
         """Queues a request. `resumed_token_ids`: output an earlier instance already delivered (the
-        request continues after them). `handoff`: prefill only; the KV then goes to a decode instance."""
+        request continues after them). `handoff`: prefill only; the KV then goes to a decode instance.
+        `arrival_time`: when the request first arrived (wall clock; default now): it waits behind
+        every request that arrived before it, so one placed again keeps its place in line."""
         seq = self._new_sequence(
             request_id, prompt, params or SamplingParams(), prompt_token_ids, resumed_token_ids
         )
         seq.handoff = handoff
+        if arrival_time is not None:
+            seq.queued_at = arrival_time
         self.scheduler.add(seq)
 
     def _new_sequence(
@@ -235,6 +242,20 @@ class LLMEngine:
         self._free(seq)
         self._forget(seq)
         return output
+
+    def discard_request(self, request_id: str) -> None:
+        """Forgets a request at once, outputs still due included: between steps, for a request that
+        ended here (its last output is emitted a step later) and arrives again, placed anew."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return
+        self._unemitted = [e for e in self._unemitted if e.seq is not seq]
+        if seq in self._stopped:
+            self._stopped.remove(seq)
+        if not seq.is_finished:
+            seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+            self._free(seq)
+        self._forget(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._unemitted)

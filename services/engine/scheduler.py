@@ -72,7 +72,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queues `seq` behind every waiting sequence that arrived before it (`queued_at`)."""
+        position = len(self.waiting)
+        while position > 0 and self.waiting[position - 1].queued_at > seq.queued_at:
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -100,6 +100,9 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.time)
+    """Wall-clock time the request arrived at the mesh (kept when it is placed again): its place in
+    the waiting queue."""
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)

@@ -34,6 +34,7 @@ from shared.bus import (
     TRANSIENT_ERRORS,
     Bus,
     Delivery,
+    Placement,
     as_bytes,
     as_text,
     reraise_if_cancelled,
@@ -80,6 +81,19 @@ class SchedulerOptions:
     """How long a decode instance waits for the KV of a request it reserved blocks for."""
     dispatch_timeout_s: float = 30.0
     """How long a request may wait for any instance to be live before it fails (503)."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A request being placed again under its claimed `epoch`, after `previous` failed on `failed`."""
+
+    request_id: str
+    epoch: int
+    attempts: int
+    previous: Placement
+    failed: str
+    reason: str
+    place_anywhere: bool
 
 
 class SplitwiseScheduler:
@@ -425,33 +439,51 @@ class SplitwiseScheduler:
         epoch = await self.bus.claim_epoch(request_id, placement.epoch if seen is None else seen)
         if epoch is None:
             return  # placed again meanwhile (another report, another replica)
-        state = self.keys.request_state(request_id)
-        raw = await self.bus.client.hget(state, "request")
+        # from here on nothing else would place it (a report read again is of an earlier epoch
+        # now, and ignored): a Redis outage is waited out here, until the scheduler stops
+        attempts = await retry_transient(
+            lambda: self._count_attempt(request_id), f"counting the attempts of {request_id}", None
+        )
+        again = Retry(request_id, epoch, attempts, placement, failed, reason, place_anywhere)
+        await retry_transient(lambda: self._place_again(again), f"placing {request_id} again", None)
+
+    async def _count_attempt(self, request_id: str) -> int:
+        return int(await self.bus.client.hincrby(self.keys.request_state(request_id), "attempts", 1))
+
+    async def _place_again(self, again: Retry) -> None:
+        """Places the claimed epoch `again.epoch`, resuming after the delivered tokens (safe to repeat)."""
+        request_id, epoch = again.request_id, again.epoch
+        raw = await self.bus.client.hget(self.keys.request_state(request_id), "request")
         if raw is None:
             return
         message = decode(as_bytes(raw))
         assert isinstance(message, Submit)
-        attempts = await self.bus.client.hincrby(state, "attempts", 1)
         delivered, finished = await self.bus.delivered_tokens(request_id)  # final: the old epoch is fenced
         if finished:
             await self.bus.release(request_id)
             return
-        if attempts >= MAX_ATTEMPTS:
-            await self._give_up(
-                message.request, epoch, 500, f"request failed {attempts} times; last error: {reason}"
-            )
+        if again.attempts >= MAX_ATTEMPTS:
+            error = f"request failed {again.attempts} times; last error: {again.reason}"
+            await self._give_up(message.request, epoch, 500, error)
             return
-        for instance_id in set(placement.instance_ids) - {failed}:
-            cancel = Cancel(request_id=request_id, reason="re-dispatched", epoch=placement.epoch)
+        previous = again.previous
+        for instance_id in set(previous.instance_ids) - {again.failed}:
+            cancel = Cancel(request_id=request_id, reason="re-dispatched", epoch=previous.epoch)
             await self.bus.publish(self.keys.inbox(instance_id), cancel)
             await self.bus.client.srem(self.keys.assignments(instance_id), request_id)
         request = message.request.model_copy(update={"resumed_token_ids": delivered})
         self.metrics.redispatched.inc()
         logger.warning(
             "re-dispatching",
-            extra={"request_id": request_id, "reason": reason, "resumed": len(delivered), "epoch": epoch},
+            extra={
+                "request_id": request_id,
+                "reason": again.reason,
+                "resumed": len(delivered),
+                "epoch": epoch,
+            },
         )
-        await self._place(request, epoch, exclude=frozenset() if place_anywhere else frozenset({failed}))
+        exclude = frozenset() if again.place_anywhere else frozenset({again.failed})
+        await self._place(request, epoch, exclude=exclude)
 
     async def _give_up(self, request: GenerateRequest, epoch: int, code: int, message: str) -> None:
         """Ends the placement of `epoch` with an error, unless it is no longer current."""

@@ -118,6 +118,7 @@ class EngineCoreClient:
                 request.params,
                 request.resumed_token_ids,
                 handoff,
+                request.arrival_time,
             )
         )
 

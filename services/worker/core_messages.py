@@ -71,6 +71,8 @@ class AddRequest:
     resumed_token_ids: list[int]
     handoff: bool = False
     """Prefill role: stop after the first token and export the KV."""
+    arrival_time: float | None = None
+    """When the request first arrived (wall clock): its place in the engine's queue."""
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from services.worker.core_messages import (
     StepBatch,
     SuffixCacheOptions,
 )
+from shared.config import EngineConfig
 from shared.protocol import TOKEN_DTYPE, ErrorInfo
 
 logger = logging.getLogger(__name__)
@@ -266,6 +267,9 @@ class EngineCore:
         self.rows.fail(request_id, self.epochs.pop(request_id, 0), code, message)
 
     def _add(self, command: AddRequest) -> None:
+        # placed here again: its earlier placement, which its worker already dropped, ended in the
+        # last step and its last row is still due; that row must not go out under the new epoch
+        self.engine.discard_request(command.request_id)
         self.epochs[command.request_id] = command.epoch
         try:
             self.engine.add_request(
@@ -274,6 +278,7 @@ class EngineCore:
                 params=command.params,
                 resumed_token_ids=command.resumed_token_ids,
                 handoff=command.handoff,
+                arrival_time=command.arrival_time,
             )
         except RequestError as exc:
             self._fail_row(command.request_id, 400, str(exc))
@@ -409,18 +414,33 @@ def freeze_start_up() -> None:
     gc.freeze()
 
 
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def core_cpu_threads(config: EngineConfig, num_cores: int) -> int:
+    """The core's torch CPU threads: `config.cpu_threads`, else one with a GPU (torch's CPU work
+    there is copies, and idle intra-op threads spinning after each would take the cores of the
+    mesh's other processes), else half the cores: the bus side, the gateway and Redis need the
+    rest, and an op whose threads wait for a core they lost stalls the whole step."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if config.torch_device.type == "cuda":
+        return 1
+    return max(1, num_cores // 2)
+
+
 def serve(channel: BlockingChannel) -> int:
     options: CoreOptions = channel.recv()
     suffix = None
     try:
         if options.suffix_cache is not None:
             suffix = SuffixCacheThread(options.suffix_cache)
+        torch.set_num_threads(core_cpu_threads(options.config, available_cores()))
         engine = LLMEngine(options.config, suffix.index if suffix else None)
-        if engine.runner.device.type == "cuda":
-            # the model runs on the GPU: torch's CPU work here (received KV layers) is copies, and
-            # a pool of intra-op threads spinning after each would take the cores of the mesh's
-            # other processes
-            torch.set_num_threads(1)
         freeze_start_up()
     except Exception as exc:
         logger.exception("the engine could not be built")

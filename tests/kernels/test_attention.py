@@ -93,9 +93,15 @@ def loop_attention(
 @pytest.mark.parametrize("window", [None, 5])
 def test_reference_matches_plain_loop(window: int | None) -> None:
     generator = torch.Generator().manual_seed(0)
-    for query_lens in ([1, 1, 1], [3, 1, 6]):
+    # decode tokens; verify queries of several lengths; prefill chunks (longer than
+    # SHORT_QUERY_MAX) beside them, which are attended apart from the padded short ones
+    for query_lens, context_lens in (
+        ([1, 1, 1], [7, 20, 2]),
+        ([3, 1, 6], [7, 20, 2]),
+        ([17, 1, 5, 40, 16], [0, 20, 2, 9, 33]),
+    ):
         query, key_cache, value_cache, meta = make_batch(
-            query_lens, [7, 20, 2], 6, 2, 8, 4, torch.float32, "cpu", generator
+            query_lens, context_lens, 6, 2, 8, 4, torch.float32, "cpu", generator
         )
         scale = 8**-0.5
         out = append_attention_ref(query, key_cache, value_cache, meta, scale, window)

@@ -24,7 +24,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 from services.runtime import PASSWORD_ENV
 from services.serve import free_port, write_private
 from shared import acl
-from shared.bus import Bus, RedisSettings, connect
+from shared.bus import APPEND_AT_END, END_BYTES, Bus, RedisSettings, connect
 from shared.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
 from shared.protocol import (
     TOKEN_DTYPE,
@@ -201,6 +201,15 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     assert [d.entry_id for d in taken] == [d.entry_id for d in first]
     await scheduler.release("r1", "w1")
     assert await scheduler.client.get(keys.queue_depth) == b"0"
+    # a request it gives up on (no instance, too many attempts) ends with an error on its
+    # gateway's stream and its delivered record closed, in one script (`_fail`)
+    assert await scheduler.admit("r4", submit("r4"), 10) == "admitted"
+    epoch4 = await scheduler.claim_epoch("r4")
+    assert epoch4 is not None
+    records = [("r4", epoch4, APPEND_AT_END, END_BYTES)]
+    assert await scheduler.publish_step([("g1", output("r4"))], records) == []
+    assert await scheduler.delivered_tokens("r4") == ([], True)
+    await scheduler.release("r4")
     # the requests of a gateway incarnation, listed at admission, off the list at release
     owned = submit("r3")
     owned.request.gateway_id, owned.request.gateway_incarnation = "g1", "first"
@@ -213,8 +222,36 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     await refused(scheduler.client.flushall())
     await refused(scheduler.client.acl_list())
     await refused(scheduler.client.set(keys.heartbeat("w1"), b"alive"))
-    await refused(scheduler.client.append(keys.delivered("r1"), b"\0\0\0\0"))
+    await refused(scheduler.client.set(keys.delivered("r1"), b"\0\0\0\0"))  # appends its end marker only
     await refused(scheduler.client.xadd(keys.suffix_updates, {"m": "x"}))
+
+
+async def test_the_scheduler_reads_its_replies_as_its_loop_does(bus_as) -> None:
+    """`scheduler-replies` is consumed with the lease prefix like `requests`: a refused take-over
+    left every `Finished` unread, so no request ever gave its queue slot back."""
+    scheduler, worker = await bus_as("scheduler"), await bus_as("worker")
+    keys = scheduler.keys
+    await scheduler.ensure_group(keys.scheduler_replies, SCHEDULER_GROUP)
+    assert await scheduler.admit("f1", submit("f1"), 10) == "admitted"
+    epoch = await scheduler.claim_epoch("f1")
+    assert epoch is not None
+    finished = Finished(request_id="f1", instance_id="w1", outcome="done", epoch=epoch)
+    assert await worker.publish_step([], [], [(keys.scheduler_replies, finished)]) == []
+    prefix = keys.scheduler_lease("")
+    await scheduler.hold_lease(keys.scheduler_lease("s1"), 10)
+    first = await scheduler.read_group(
+        keys.scheduler_replies, SCHEDULER_GROUP, "s1", block_ms=100, lease_prefix=prefix
+    )
+    assert [d.message for d in first] == [finished]
+    # s1 dies before acknowledging it: the next replica takes it over on its first read
+    await scheduler.forget_scheduler("s1")
+    await scheduler.hold_lease(keys.scheduler_lease("s2"), 10)
+    taken = await scheduler.read_group(
+        keys.scheduler_replies, SCHEDULER_GROUP, "s2", block_ms=100, lease_prefix=prefix
+    )
+    assert [d.entry_id for d in taken] == [d.entry_id for d in first]
+    await scheduler.ack(keys.scheduler_replies, SCHEDULER_GROUP, taken[0].entry_id)
+    await scheduler.release("f1")
 
 
 async def test_a_worker_publishes_its_steps_but_cannot_touch_admission_state(bus_as) -> None:

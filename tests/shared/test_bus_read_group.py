@@ -68,3 +68,20 @@ async def test_a_consumer_whose_lease_is_gone_is_taken_over_at_once(bus: Bus) ->
     assert taken.message == Cancel(request_id="a")
     pending = {as_text(c["name"]): c["pending"] for c in await bus.client.xinfo_consumers(stream, "g")}
     assert (pending["alive"], pending["new"], pending.get("dead", 0)) == (1, 1, 0)
+
+
+async def test_a_stream_holds_only_what_is_unacknowledged(bus: Bus) -> None:
+    """A long-running mesh's `requests`, `scheduler-replies` and inboxes must not grow with every
+    message ever sent: an acknowledged entry leaves the stream; a pending one stays, and is still
+    taken over."""
+    stream = bus.keys.requests
+    await bus.ensure_group(stream, "g")
+    for request_id in ("a", "b", "c"):
+        await bus.publish(stream, Cancel(request_id=request_id))
+    deliveries = await bus.read_group(stream, "g", "c1", block_ms=10)
+    await bus.ack(stream, "g", *(d.entry_id for d in deliveries[:2]))
+    assert await bus.client.xlen(stream) == 1
+    [taken] = await bus.read_group(stream, "g", "c2", block_ms=10, claim_idle_ms=0)
+    assert taken.message == Cancel(request_id="c")
+    await bus.ack(stream, "g", taken.entry_id)
+    assert await bus.client.xlen(stream) == 0

@@ -203,3 +203,39 @@ def test_unknown_model_directory_is_a_clear_error(tmp_path) -> None:
 def test_max_model_len_beyond_the_trained_positions_is_refused(make_checkpoint) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(str(make_checkpoint("qwen2", num_hidden_layers=2)), device="cpu", max_model_len=4096)
+
+
+def test_a_request_placed_again_keeps_its_place_in_line(llm: LLM) -> None:
+    """Arrival order, not the order the requests reached this engine: after a worker dies, its
+    requests come back in any order, and each must not queue behind requests newer than it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("newest", prompt_token_ids=[5, 6], params=params, arrival_time=300.0)
+    engine.add_request("oldest", prompt_token_ids=[5, 7], params=params, arrival_time=100.0)
+    engine.add_request("middle", prompt_token_ids=[5, 8], params=params, arrival_time=200.0)
+    engine.add_request("now", prompt_token_ids=[5, 9], params=params)
+    try:
+        assert [seq.request_id for seq in engine.scheduler.waiting] == ["oldest", "middle", "newest", "now"]
+    finally:
+        for request_id in ("newest", "oldest", "middle", "now"):
+            engine.abort_request(request_id)
+
+
+def test_a_request_that_ended_can_come_back_at_once_under_its_id(llm: LLM) -> None:
+    """A worker placed again with a request whose earlier placement just ended here (its last
+    output is emitted a step later) discards that one: the new one runs, and no output of the old
+    one comes out after it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request("again", prompt_token_ids=[5, 6, 7], params=params)
+    engine.step()  # the token is sampled and the request ends; its output comes with the next step
+    assert "again" in engine.sequences
+    engine.discard_request("again")
+    engine.add_request(
+        "again", prompt_token_ids=[5, 6, 7], params=params.model_copy(update={"max_tokens": 3})
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == "again"]
+    assert [len(o.token_ids) for o in outputs if o.finished] == [3]
+    assert "again" not in engine.sequences

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SchedulerOptions, SplitwiseScheduler
 from shared.bus import Bus
@@ -91,3 +93,25 @@ async def test_a_reservation_unanswered_by_a_dead_decode_instance_is_placed_agai
     [event] = decode(fields[PAYLOAD_FIELD]).events()  # type: ignore[union-attr]
     assert event.error is not None and event.error.code == 504
     assert await bus.placement("r") is None
+
+
+async def test_a_returned_request_is_placed_through_an_outage_after_its_epoch_is_claimed(
+    bus: Bus, monkeypatch: Any
+) -> None:
+    """Redis going away between the claim of the new epoch and the dispatch must not lose the
+    request: read again, the report is of an earlier placement and ignored, so nothing else would
+    ever place it."""
+    s = scheduler(bus)
+    await s._admit(REQUEST)  # placed on w1 under epoch 1
+    delivered_tokens, failures = bus.delivered_tokens, [RedisConnectionError("Redis is restarting")]
+
+    async def flaky(request_id: str) -> tuple[list[int], bool]:
+        if failures:
+            raise failures.pop()
+        return await delivered_tokens(request_id)
+
+    monkeypatch.setattr(bus, "delivered_tokens", flaky)
+    returned = Finished(request_id="r", instance_id="w1", outcome="returned", epoch=1)
+    await asyncio.wait_for(s._finished(returned), 10)
+    await s._finished(returned)  # the report read again changes nothing
+    assert [d.epoch for d in await dispatches_to(bus, "w1")] == [1, 2]

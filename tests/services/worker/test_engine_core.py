@@ -18,6 +18,7 @@ import pytest
 from services.engine.llm import LLM
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, RowEnd
+from services.worker.engine_core import core_cpu_threads
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
@@ -149,3 +150,15 @@ def test_the_core_dies_with_its_worker(model: str) -> None:
             parent.kill()
         assert parent.stdout is not None
         parent.stdout.close()
+
+
+def test_the_core_leaves_cores_to_the_rest_of_the_mesh(model: str) -> None:
+    """On CPU, half the cores by default (one of two: two threads of one op waiting on each other
+    for a core another process holds stalled every step); one with a GPU; the flag wins."""
+    cpu = EngineConfig(model=model, device="cpu")
+    assert core_cpu_threads(cpu, num_cores=2) == 1
+    assert core_cpu_threads(cpu, num_cores=1) == 1
+    assert core_cpu_threads(cpu, num_cores=16) == 8
+    assert core_cpu_threads(cpu.model_copy(update={"cpu_threads": 3}), num_cores=2) == 3
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(model=model, device="cpu", cpu_threads=0)
