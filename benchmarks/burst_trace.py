@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,21 +108,26 @@ def trace(engine: LLMEngine, prompts: list[tuple[str, Any]]) -> tuple[list[StepR
         scheduler.schedule, runner.launch = schedule, launch  # type: ignore[method-assign]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_burst_arguments(parser: argparse.ArgumentParser, concurrency: int, methods: list[str]) -> None:
+    """The flags of a burst benchmark: the model, the burst and the methods."""
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--workload", default="code_editing")
-    parser.add_argument("--concurrency", type=int, default=64, help="requests in the burst")
+    parser.add_argument("--concurrency", type=int, default=concurrency, help="requests in the burst")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--methods", nargs="+", default=["naive", "ngram"], help="as benchmarks.offline")
-    parser.add_argument("--steps", type=int, default=8, help="steps of each burst to print")
-    args = parser.parse_args(argv)
+    parser.add_argument("--methods", nargs="+", default=methods, help="as benchmarks.offline")
+
+
+def burst_prompts(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(prompt, sampling params) of every request of the burst `args` describe."""
     requests = requests_for_cell(args.workload, args.concurrency, args.max_tokens, args.concurrency, 1)
-    prompts = [(r.prompt, sampling_params(r, Sampling())) for r in requests]
+    return [(r.prompt, sampling_params(r, Sampling())) for r in requests]
+
+
+def method_engines(args: argparse.Namespace) -> Iterator[tuple[str, LLMEngine]]:
+    """(label, engine) per method of `args`, one engine at a time, built as `benchmarks.offline`
+    builds them; each is closed and its memory freed once the caller moves on."""
     for label, spec in resolve_methods(args.methods, args.model).items():
         config = EngineConfig(
             model=args.model,
@@ -132,10 +138,22 @@ def main(argv: list[str] | None = None) -> None:
         )
         engines = [build_engine(config)]
         try:
-            rows, firsts = trace(engines[0], prompts)
+            yield label, engines[0]
         finally:
             engines.pop().close()
             free_memory()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_burst_arguments(parser, concurrency=64, methods=["naive", "ngram"])
+    parser.add_argument("--steps", type=int, default=8, help="steps of each burst to print")
+    args = parser.parse_args(argv)
+    prompts = burst_prompts(args)
+    for label, engine in method_engines(args):
+        rows, firsts = trace(engine, prompts)
         print(
             f"== {label}, {len(prompts)} requests: every first token after {firsts[-1]:.1f} ms "
             f"(p50 {firsts[len(firsts) // 2]:.1f} ms), {len(rows)} steps, {rows[-1].start_ms:.0f} ms in all"

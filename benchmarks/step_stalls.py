@@ -21,12 +21,8 @@ from typing import Any
 import torch
 
 import kernels
-from benchmarks.dataset import requests_for_cell
-from benchmarks.methods import resolve_methods
-from benchmarks.offline import Sampling, build_engine, free_memory, sampling_params
+from benchmarks.burst_trace import add_burst_arguments, burst_prompts, method_engines
 from services.engine.engine import LLMEngine
-from shared.config import EngineConfig
-from shared.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -77,47 +73,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--workload", default="code_editing")
-    parser.add_argument("--concurrency", type=int, default=256, help="requests in the burst")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--methods", nargs="+", default=["naive"], help="as benchmarks.offline")
+    add_burst_arguments(parser, concurrency=256, methods=["naive"])
     parser.add_argument("--runs", type=int, default=2, help="bursts per method, on the same engine")
     parser.add_argument("--threshold-ms", type=float, default=15.0, help="steps slower than this are listed")
     args = parser.parse_args(argv)
-    requests = requests_for_cell(args.workload, args.concurrency, args.max_tokens, args.concurrency, 1)
-    prompts = [(r.prompt, sampling_params(r, Sampling())) for r in requests]
+    prompts = burst_prompts(args)
     collections = Collections()
     gc.callbacks.append(collections)
     try:
-        for label, spec in resolve_methods(args.methods, args.model).items():
-            config = EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                device=args.device,
-                max_num_seqs=args.concurrency,
-                speculative_config=SpeculativeConfig.model_validate(spec),
-            )
-            engines = [build_engine(config)]
-            try:
-                for run in range(args.runs):
-                    wall, steps, tokens, slow = run_burst(
-                        engines[0], prompts, f"{label}-{run}", args.threshold_ms, collections
-                    )
-                    print(
-                        f"== {label} run {run + 1}: {wall:.0f} ms, {steps} steps, {tokens / wall * 1e3:.0f} "
-                        f"output tok/s, {len(slow)} steps over {args.threshold_ms:g} ms"
-                    )
-                    for s in slow:
-                        gcs = " ".join(f"gen{g}:{ms:.1f}ms" for g, ms in s.collections if ms >= 1.0)
-                        print(
-                            f"step {s.index}: {s.wall_ms:.1f} ms, kernels compiled {s.kernels_compiled} {gcs}"
-                        )
-            finally:
-                engines.pop().close()
-                free_memory()
+        for label, engine in method_engines(args):
+            for run in range(args.runs):
+                wall, steps, tokens, slow = run_burst(
+                    engine, prompts, f"{label}-{run}", args.threshold_ms, collections
+                )
+                print(
+                    f"== {label} run {run + 1}: {wall:.0f} ms, {steps} steps, {tokens / wall * 1e3:.0f} "
+                    f"output tok/s, {len(slow)} steps over {args.threshold_ms:g} ms"
+                )
+                for s in slow:
+                    gcs = " ".join(f"gen{g}:{ms:.1f}ms" for g, ms in s.collections if ms >= 1.0)
+                    print(f"step {s.index}: {s.wall_ms:.1f} ms, kernels compiled {s.kernels_compiled} {gcs}")
     finally:
         gc.callbacks.remove(collections)
 
