@@ -67,9 +67,11 @@ class MTPProposer(Proposer):
         forward, rows = batch.forward, batch.newest_rows
         assert forward is not None
         hidden = head_hidden.index_select(0, rows)
-        newest = forward.positions.index_select(0, rows) + 1  # each request's newest token's position
         num_steps = min(batch.num_steps, self.num_steps)
-        chain = batch.chain_inputs(newest, 1, num_steps - 1, self.block_size) if num_steps > 1 else []
+        chain = []
+        if num_steps > 1:  # chained forwards start at each request's newest token's position
+            newest = forward.positions.index_select(0, rows) + 1
+            chain = batch.chain_inputs(newest, 1, num_steps - 1, self.block_size)
         draft_ids = [batch.sample(self.head.logits(hidden), 0)]
         for step, (positions, meta) in enumerate(chain, start=1):
             hidden = self.head(draft_ids[-1], positions, hidden, self.kv_cache, meta)
