@@ -33,18 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from kernels import AttentionMetadata
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import MLP, Attention, KVCache, LlamaForCausalLM, RMSNorm, linear
 from shared.model.loader import (
-    SINGLE_FILE,
     TensorSlices,
     iter_checkpoint_slices,
     load_named_tensors,
-    unfused_state_dict,
+    save_head,
 )
 from shared.model.rope import RotaryEmbedding
 
@@ -266,12 +264,7 @@ def eagle3_config_dict(head: Eagle3Head) -> dict[str, Any]:
 
 def save_eagle3_head(head: Eagle3Head, out_dir: str | Path) -> Path:
     """Writes `config.json` and `model.safetensors` (public EAGLE-3 names) into `out_dir`."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(eagle3_config_dict(head), indent=2) + "\n")
-    tensors = {name: t.cpu() for name, t in unfused_state_dict(head, head.config).items()}
-    save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
-    return out_dir
+    return save_head(head, head.config, eagle3_config_dict(head), out_dir)
 
 
 def load_eagle3_head(

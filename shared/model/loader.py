@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from kernels.quant_ref import pack_int32
@@ -217,6 +218,17 @@ def unfused_state_dict(module: nn.Module, config: ModelConfig) -> dict[str, torc
     for name, tensor in module.state_dict().items():
         unfused.update(unfuse_tensor(name, tensor.detach().clone(), config))
     return unfused
+
+
+def save_head(head: nn.Module, config: ModelConfig, config_json: dict[str, Any], out_dir: str | Path) -> Path:
+    """Writes a drafting head's `config.json` and its weights (unfused Hugging Face names) as one
+    `model.safetensors` into `out_dir` (created if needed)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    tensors = {name: t.cpu() for name, t in unfused_state_dict(head, config).items()}
+    save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+    return out_dir
 
 
 def unfuse_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:

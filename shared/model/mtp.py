@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from kernels import AttentionMetadata
 from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
-from shared.model.loader import SINGLE_FILE, iter_checkpoint_slices, load_named_tensors, unfused_state_dict
+from shared.model.loader import iter_checkpoint_slices, load_named_tensors, save_head
 from shared.model.quant_config import parse_quantization_config, resolve_quantization
 from shared.model.quantization import quantize_linears
 from shared.model.rope import RotaryEmbedding
@@ -154,12 +153,7 @@ def mtp_config_dict(head: MTPHead) -> dict[str, Any]:
 
 def save_mtp_head(head: MTPHead, out_dir: str | Path) -> Path:
     """Writes `config.json` and `model.safetensors` into `out_dir` (created if needed)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(mtp_config_dict(head), indent=2) + "\n")
-    tensors = {name: t.cpu() for name, t in unfused_state_dict(head, head.config).items()}
-    save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
-    return out_dir
+    return save_head(head, head.config, mtp_config_dict(head), out_dir)
 
 
 def load_mtp_head(
