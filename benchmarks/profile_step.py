@@ -1,50 +1,167 @@
-"""Where an engine step's host time goes: cProfile over one request's decode (any method).
+"""Where an engine step's host time goes, for any method: a cProfile over the decode of a few
+requests, or (`--phases`) the wall time of each phase of `LLMEngine.step` per step.
 
 python -m benchmarks.profile_step --device cuda --speculative-config '{"method": "ngram"}'
+python -m benchmarks.profile_step --device cuda --model DIR --dtype bfloat16 --phases \\
+    --methods naive ngram 'mtp1={"method": "mtp", "model": "DIR/mtp", "num_speculative_tokens": 1}'
+
+With `--phases`, `result(wait)` is the host waiting for the device after launching a step; the rest
+is host work, most of it on the step's critical path at concurrency 1 (the device idles meanwhile
+except while `launch` and `_emit` run).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
+import functools
 import pstats
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from benchmarks.dataset import load_requests
+from benchmarks.methods import resolve_methods
+from benchmarks.offline import free_memory
+from services.engine import model_runner
 from services.engine.llm import LLM
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig
 
+PHASES = {
+    "engine": ("step", "_update_slots", "_emit", "_apply", "_free_stopped"),
+    "scheduler": ("schedule",),
+    "drafter": ("plan", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
+    "runner": ("launch", "prepare", "_read_back"),
+    "graphs": ("lookup", "replay_forward", "replay_tail"),
+}
+"""The timed methods of each part of the engine (`graphs`: the runner's CUDA graphs, when captured)."""
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workload", default="code_editing")
     parser.add_argument("--speculative-config")
     parser.add_argument("--num-requests", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=1, help="requests generated together")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--rows", type=int, default=35)
-    args = parser.parse_args()
-    llm = LLM(
-        args.model or default_model(),
-        device=args.device,
-        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
+    parser.add_argument("--phases", action="store_true", help="time each phase of a step instead")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
     )
-    requests = load_requests(args.workload, args.num_requests)
-    params = SamplingParams(temperature=0.0, max_tokens=128)
-    llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
+    args = parser.parse_args(argv)
+    requests = load_requests(args.workload, args.num_requests + 1)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=0 if args.temperature > 0 else None,
+        max_tokens=args.max_tokens,
+    )
+    prompts = [r.prompt for r in requests[1:]]
+    model = args.model or default_model()
+    if args.methods:  # naive first, as the baseline
+        methods = resolve_methods(args.methods, model)
+    else:
+        methods = {"": SpeculativeConfig.from_json(args.speculative_config).model_dump()}
+    for label, config in methods.items():
+        llm = LLM(model, device=args.device, dtype=args.dtype, speculative_config=config)
+        llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
+        if args.phases:
+            print_phases(label, llm, prompts, params, args.concurrency)
+        else:
+            profile(llm, prompts, params, args.concurrency, args.rows)
+        llm.close()
+        del llm
+        free_memory()
+
+
+def generate(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> int:
+    """Output tokens of `prompts` run `concurrency` at a time."""
+    num_tokens = 0
+    for start in range(0, len(prompts), concurrency):
+        outputs = llm.generate(prompts=prompts[start : start + concurrency], sampling_params=params)
+        num_tokens += sum(len(o.token_ids) for o in outputs)
+    return num_tokens
+
+
+def profile(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int, rows: int) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
-    for start in range(0, len(requests), args.concurrency):
-        batch = requests[start : start + args.concurrency]
-        llm.generate(prompts=[r.prompt for r in batch], sampling_params=params)
+    generate(llm, prompts, params, concurrency)
     profiler.disable()
     stats = pstats.Stats(profiler)
-    stats.sort_stats("tottime").print_stats(args.rows)
-    stats.sort_stats("cumulative").print_stats(args.rows)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+
+
+def print_phases(label: str, llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> None:
+    """Mean wall time per step of each phase (nested phases indented under the one calling them)."""
+    engine = llm.engine
+    totals: dict[str, float] = collections.defaultdict(float)
+    parts: dict[str, Any] = {
+        "engine": engine,
+        "scheduler": engine.scheduler,
+        "drafter": engine.drafter,
+        "runner": engine.runner,
+        "graphs": engine.runner.graphs,
+    }
+    originals = [(model_runner.LaunchedStep, "result", model_runner.LaunchedStep.result)]
+    model_runner.LaunchedStep.result = timed(model_runner.LaunchedStep.result, "result(wait)", totals)  # type: ignore[method-assign]
+    for part, names in PHASES.items():
+        if parts[part] is None:
+            continue
+        for name in names:
+            originals.append((parts[part], name, getattr(parts[part], name)))
+            setattr(parts[part], name, timed(getattr(parts[part], name), f"{part}.{name}", totals))
+    synchronize = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    num_tokens = generate(llm, prompts, params, concurrency)
+    synchronize()
+    seconds = time.perf_counter() - started
+    for owner, name, original in originals:
+        if owner is model_runner.LaunchedStep:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)  # the instance attribute shadowed the class's method
+    num_steps = max(int(totals.pop("#engine.step")), 1)
+    print(
+        f"{label or 'method'}: {num_steps} steps, {num_tokens} tokens, "
+        f"{seconds / num_steps * 1e3:.3f} ms a step, {num_tokens / num_steps:.2f} tokens a step, "
+        f"TPOT {seconds / max(num_tokens, 1) * 1e3:.3f} ms"
+    )
+    for name, total in sorted(totals.items(), key=lambda item: -item[1]):
+        if not name.startswith("#"):
+            print(f"  {name:28s} {total / num_steps * 1e6:9.1f} us a step")
+
+
+def timed(function: Callable[..., Any], name: str, totals: dict[str, float]) -> Callable[..., Any]:
+    """`function`, adding its wall time to totals[name] and its calls to totals["#" + name]."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - started
+            totals["#" + name] += 1
+
+    return wrapper
 
 
 if __name__ == "__main__":

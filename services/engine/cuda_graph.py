@@ -264,6 +264,11 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
         self._pad_all()
+        self._staging = [self._host_twin(t) for t in self._inputs()]
+        """Host twins of the input buffers (pinned on a GPU): each step's inputs are written there,
+        then copied in one asynchronous copy a buffer."""
+        self._staged: torch.cuda.Event | None = None
+        """Recorded after the last step's copies: the twins are not written again before them."""
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         aux_size = len(aux_layers) * model.config.hidden_size
         self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
@@ -304,6 +309,22 @@ class DecodeGraphs:
         """Tokens of the largest graph of a decode step (each request its last token and drafts):
         what drafts are trimmed to."""
         return min(self.max_num_seqs * self.rows_per_seq, self.max_tokens)
+
+    def _inputs(self) -> list[torch.Tensor]:
+        """The buffers a step's inputs are copied into, in the order of `_staging`."""
+        return [
+            self.longs,
+            self.ints,
+            self.query_start_loc,
+            self.cu_num_rows,
+            self.seq_lens,
+            self.block_tables,
+        ]
+
+    @staticmethod
+    def _host_twin(buffer: torch.Tensor) -> torch.Tensor:
+        twin = buffer.to("cpu", copy=True)  # the padding the graphs were captured on, to begin with
+        return twin.pin_memory() if buffer.is_cuda else twin
 
     def field(self, name: str) -> torch.Tensor:
         if name in self.LONG_FIELDS:
@@ -461,20 +482,21 @@ class DecodeGraphs:
     def _copy_in(self, step: HostStep, bucket: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over
         block 0 writing no KV; padding rows are one-row requests on the scratch slot; the rest of
-        the grid is empty."""
+        the grid is empty. Written into the host twins, then copied (each buffer's leading part)."""
         num_tokens, num_seqs = step.num_tokens, len(step.query_lens)
         num_rows, num_sampled = len(step.logits_indices), len(step.seq_slots)
         rows = self.num_rows(bucket)
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
-        longs = np.empty((len(self.LONG_FIELDS), bucket), dtype=np.int64)
-        ints = np.empty((len(self.INT_FIELDS), bucket), dtype=np.int32)
+        if self._staged is not None:
+            self._staged.synchronize()
+        longs, ints, starts, cu_num_rows, seq_lens, tables = (twin.numpy() for twin in self._staging)
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
             table, fields = (longs, self.LONG_FIELDS) if name in self.LONG_FIELDS else (ints, self.INT_FIELDS)
             row = table[fields.index(name)]
-            row[: len(values)], row[len(values) :] = values, padding
+            row[: len(values)], row[len(values) : bucket] = values, padding
 
         for name, value in (
             ("input_ids", 0),
@@ -499,24 +521,25 @@ class DecodeGraphs:
             step.seq_rows,
             np.minimum(np.arange(num_seqs, num_seqs + bucket - num_sampled), bucket - 1),
         )
-        cu_num_rows = np.full(rows + 1, rows, dtype=np.int32)
         cu_num_rows[: num_sampled + 1] = step.cu_num_rows
         cu_num_rows[num_sampled + 1 : num_sampled + 1 + num_pad_rows] = num_rows + np.arange(
             1, num_pad_rows + 1
         )
+        cu_num_rows[num_sampled + 1 + num_pad_rows : rows + 1] = rows
         query_lens = np.zeros(bucket, dtype=np.int32)
         query_lens[:num_seqs], query_lens[num_seqs : num_seqs + num_pad] = step.query_lens, 1
-        seq_lens = np.zeros(bucket, dtype=np.int32)
         seq_lens[:num_seqs], seq_lens[num_seqs : num_seqs + num_pad] = step.seq_lens, 1
-        starts = np.zeros(bucket + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=starts[1:])
+        seq_lens[num_seqs + num_pad : bucket] = 0
+        starts[0] = 0
+        np.cumsum(query_lens, out=starts[1 : bucket + 1])
         if not kernels.cuda_available(self.longs):
-            self._host_lens = (query_lens.tolist(), seq_lens.tolist())
-        tables = np.zeros((bucket, step.block_tables.shape[1]), dtype=np.int32)
-        tables[:num_seqs] = step.block_tables
-        self.longs[:, :bucket].copy_(torch.from_numpy(longs), non_blocking=True)
-        self.ints[:, :bucket].copy_(torch.from_numpy(ints), non_blocking=True)
-        self.query_start_loc[: bucket + 1].copy_(torch.from_numpy(starts), non_blocking=True)
-        self.cu_num_rows[: rows + 1].copy_(torch.from_numpy(cu_num_rows), non_blocking=True)
-        self.seq_lens[:bucket].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_tables[:bucket, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+            self._host_lens = (query_lens.tolist(), seq_lens[:bucket].tolist())
+        width = step.block_tables.shape[1]
+        tables[:num_seqs, :width] = step.block_tables
+        tables[num_seqs:bucket, :width] = 0
+        spans = (len(longs), len(ints), bucket + 1, rows + 1, bucket, bucket)  # leading entries copied
+        for buffer, twin, span in zip(self._inputs(), self._staging, spans):
+            buffer[:span].copy_(twin[:span], non_blocking=True)
+        if self.longs.is_cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record()

@@ -46,6 +46,8 @@ batch's rate), and its drafts must also pay its per-request cost. A lightly load
 drafting gets full k; a saturated step or costly drafting gets k = 0. Drafts' costs are counted
 DRAFT_COST_MARGIN above the fits: the choice that looks best on noisy estimates tends to be one
 whose gain was overestimated, and speculation should not lose to plain decoding.
+A solved choice is kept for the next steps (KEEP_CHOICE_STEPS at most) while what it was solved
+from holds: the same requests, the same fits, each request's acceptance within KEEP_CHOICE_DRIFT.
 
 *Exploration*: the estimates only see what is tried.
 - Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
@@ -81,6 +83,11 @@ REFIT_EVERY_STEPS = 8
 dear to redo on every step of a fast GPU decode (~0.1 ms each on the host)."""
 """Every this many steps nobody drafts: a step of another size, so the cost slope stays measurable
 even when a busy server otherwise runs the same number of tokens every step."""
+KEEP_CHOICE_STEPS = 8
+"""A solved choice is kept for at most this many steps while its batch, its fits and its requests'
+acceptance hold (solving costs ~0.2 ms of host time, as much as a draft's verification at batch 1)."""
+KEEP_CHOICE_DRIFT = 0.5
+"""A kept choice is solved again once a request's acceptance moved more than this since."""
 DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
 MAX_DINKELBACH_ITERATIONS = 32
@@ -315,6 +322,20 @@ class DraftChoices:
         return ks, rate
 
 
+@dataclass
+class KeptChoice:
+    """A choice solved at `step`, for the batch it was solved for (`batch`: each request's id,
+    max k and whether its acceptance is trusted), with the fit it used and the acceptances it saw."""
+
+    step: int
+    batch: list[tuple[str, int, bool]]
+    fits: object
+    num_other_tokens: int
+    mixed: bool
+    acceptance: list[float]
+    ks: list[int]
+
+
 class AdaptiveSpeculation:
     def __init__(self, enabled: bool, min_acceptance: float, max_forwards: dict[str, int] | None = None):
         """`max_forwards`: per method, the most chained forwards one step's drafting runs (a draft
@@ -332,6 +353,7 @@ class AdaptiveSpeculation:
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
         self._fits: dict[bool, tuple[int, StepCost, dict[str, DraftCost]]] = {}
         """Per kind of step (mixed or not): (step fitted at, step cost fit, drafting cost fit per method)."""
+        self._kept: KeptChoice | None = None
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -377,16 +399,50 @@ class AdaptiveSpeculation:
             return [seq.spec.max_k for seq in seqs]
         if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
             return [0] * len(seqs)
-        choices = self._choices(seqs, num_other_tokens, mixed)
-        trusted = np.array([seq.spec.acceptance >= self.min_acceptance for seq in seqs])
-        max_ks = np.array([seq.spec.max_k for seq in seqs])
-        ks, rate = choices.best(np.where(trusted, max_ks, 0))
-        if self.step % PROBE_EVERY_STEPS == 1:
-            self._probe(seqs, choices, ks, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
+        probing = self.step % PROBE_EVERY_STEPS == 1
+        batch = [(seq.request_id, seq.spec.max_k, seq.spec.acceptance >= self.min_acceptance) for seq in seqs]
+        if not probing and self._still_holds(seqs, batch, num_other_tokens, mixed):
+            assert self._kept is not None
+            ks = self._kept.ks
+        else:
+            choices = self._choices(seqs, num_other_tokens, mixed)
+            trusted = np.array([t for _, _, t in batch])
+            max_ks = np.array([k for _, k, _ in batch])
+            chosen, rate = choices.best(np.where(trusted, max_ks, 0))
+            self._kept = KeptChoice(
+                self.step,
+                batch,
+                self._fits.get(mixed),
+                num_other_tokens,
+                mixed,
+                [seq.spec.acceptance for seq in seqs],
+                chosen.tolist(),
+            )
+            if probing:  # probes are for this step only
+                self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
+            ks = chosen.tolist()
         for seq, k in zip(seqs, ks):
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
-        return ks.tolist()
+        return list(ks)
+
+    def _still_holds(
+        self, seqs: list[Sequence], batch: list[tuple[str, int, bool]], num_other_tokens: int, mixed: bool
+    ) -> bool:
+        """Whether the kept choice is recent and was solved for this batch, with the fit in force,
+        for acceptances none of which has moved more than KEEP_CHOICE_DRIFT since."""
+        kept = self._kept
+        return (
+            kept is not None
+            and self.step - kept.step < KEEP_CHOICE_STEPS
+            and kept.batch == batch
+            and kept.num_other_tokens == num_other_tokens
+            and kept.mixed == mixed
+            and kept.fits is self._fits.get(mixed)
+            and all(
+                abs(seq.spec.acceptance - a) <= KEEP_CHOICE_DRIFT for seq, a in zip(seqs, kept.acceptance)
+            )
+        )
 
     def _fitted(self, mixed: bool = False) -> tuple[StepCost, dict[str, DraftCost]]:
         """The decode step's cost and each method's drafting cost, refitted every REFIT_EVERY_STEPS

@@ -15,6 +15,8 @@ from services.engine.spec_decode.adaptive import (
     DRAFT_COST_MARGIN,
     DRAFT_COST_MAX_AGE_STEPS,
     EXPLORE_EVERY_STEPS,
+    KEEP_CHOICE_DRIFT,
+    KEEP_CHOICE_STEPS,
     PROBE_EVERY_STEPS,
     AdaptiveSpeculation,
     DraftCost,
@@ -234,6 +236,45 @@ def test_choice_maximises_tokens_per_second(fixed_s: float, per_token_s: float) 
     assert case.rate(tuple(chosen)) == pytest.approx(case.rate(best), rel=1e-9)
     assert chosen[0] >= chosen[1] >= chosen[2]
     assert 0 < sum(chosen) < 15  # the step cost matters here
+
+
+def counting_solves(adaptive: AdaptiveSpeculation) -> list[int]:
+    """A counter of the choices `adaptive` solves from now on (not kept from an earlier step)."""
+    solves = [0]
+    solve = adaptive._choices
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        solves[0] += 1
+        return solve(*args, **kwargs)
+
+    adaptive._choices = counted  # type: ignore[method-assign]
+    return solves
+
+
+def test_a_choice_is_kept_while_what_it_was_solved_from_holds() -> None:
+    """Solving costs host time every step; the choice of the steps just before is kept while the
+    batch, the fits and the acceptances hold, and solved again as soon as one of them moves."""
+    adaptive = with_cost(fixed_s=0.002, per_token_s=0.0001)
+    batch = seqs([0.95, 0.6], methods=["ngram"] * 2)
+    first = steady(adaptive, batch, num_other_tokens=2)
+    assert sum(first) > 0
+    solves = counting_solves(adaptive)
+    assert steady(adaptive, batch, num_other_tokens=2) == first
+    assert solves == [0]
+    batch[0].spec.acceptance = 0.95 - KEEP_CHOICE_DRIFT / 2  # within the drift: kept
+    steady(adaptive, batch, num_other_tokens=2)
+    assert solves == [0]
+    batch[0].spec.acceptance = 0.95 - KEEP_CHOICE_DRIFT * 1.2
+    steady(adaptive, batch, num_other_tokens=2)
+    assert solves == [1]
+    batch[1].spec.acceptance = 0.05  # below min_acceptance: no longer trusted
+    assert steady(adaptive, batch, num_other_tokens=2)[1] == 0
+    assert solves == [2]
+    steady(adaptive, [*batch, *seqs([0.9], methods=["ngram"])], num_other_tokens=3)  # a new request
+    assert solves == [3]
+    for _ in range(KEEP_CHOICE_STEPS + 1):  # never older than KEEP_CHOICE_STEPS
+        steady(adaptive, batch, num_other_tokens=2)
+    assert solves[0] >= 5
 
 
 def test_costly_drafting_stops_it() -> None:

@@ -1,0 +1,24 @@
+"""benchmarks.profile_step --phases: each method's steps timed phase by phase, the engine left as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import profile_step
+from services.engine import model_runner
+from shared.reference import default_model
+
+
+def test_phases_are_timed_for_each_method(capsys: pytest.CaptureFixture[str]) -> None:
+    profile_step.main(
+        ["--model", default_model(), "--dtype", "float32", "--device", "cpu", "--num-requests", "2",
+         "--max-tokens", "6", "--phases", "--methods", "ngram"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if " steps, " in line]
+    assert [h.split(":")[0] for h in headers] == ["naive", "ngram"]  # naive first, as the baseline
+    for header in headers:
+        assert int(header.split(": ")[1].split()[0]) >= 6  # at least one step a token of a request
+    phases = {line.split()[0] for line in out.splitlines() if line.endswith("us a step")}
+    assert {"engine.step", "result(wait)", "runner.launch", "drafter.plan", "scheduler.schedule"} <= phases
+    assert not hasattr(model_runner.LaunchedStep.result, "__wrapped__")  # the timing is undone
