@@ -45,6 +45,7 @@ from benchmarks.methods import BASELINE, max_k, resolve_methods, with_k
 from benchmarks.metrics import SLO, RequestRecord, SpecCounts, run_duration_s, summarize
 from services.engine.args import add_engine_args, engine_config
 from services.engine.engine import LLMEngine
+from services.runtime import freeze_start_up
 from shared.config import EngineConfig
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
@@ -154,8 +155,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     worker's engine core freezes it (`free_memory` thaws it once the cell is done)."""
     engine = LLMEngine(config)
     warm_up(engine)
-    gc.collect()
-    gc.freeze()
+    freeze_start_up()
     return engine
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -25,6 +26,14 @@ KV_SECRET_ENV = "SPECMESH_KV_SECRET"  # the KV transport's shared secret
 STATUS_PORT_FILE_ENV = "SPECMESH_STATUS_PORT_FILE"
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_start_up() -> None:
+    """What start-up made (modules, CUDA graphs, tokenizer, tables) lives as long as the process:
+    full garbage collections skip it from now on instead of walking all of it, which paused an
+    engine step for ~150 ms at a time at 256 requests."""
+    gc.collect()
+    gc.freeze()
 
 
 class JsonFormatter(logging.Formatter):

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import re
@@ -37,7 +36,7 @@ from services.gateway.backend import DEFAULT_REQUEST_TIMEOUT_S, RedisBackend
 from services.gateway.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from services.gateway.prepare import ServedModel
 from services.gateway.tool_calls import TOOL_CALL_PARSERS
-from services.runtime import API_KEY_ENV, add_redis_args, redis_settings, setup_logging
+from services.runtime import API_KEY_ENV, add_redis_args, freeze_start_up, redis_settings, setup_logging
 from shared.bus import RedisSettings
 from shared.reference import default_model
 
@@ -178,7 +177,7 @@ def serve(args: argparse.Namespace, reuse_port: bool = False) -> int:
         liveness_ttl_s=args.scheduler_ttl,
     )
     app = create_app(served, backend, gateway_settings(args))
-    gc.freeze()  # what start-up made lives as long as the process: full collections skip it
+    freeze_start_up()
     logger.info(
         "gateway serving %r (max_model_len %d) on http://%s:%d, bus %s",
         served.name,

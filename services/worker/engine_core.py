@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import gc
 import logging
 import os
 import select
@@ -34,7 +33,7 @@ import torch
 
 from services.engine.engine import CapacityError, KVExport, LLMEngine, RequestError, RequestOutput
 from services.kv_transport.ipc_buffer import SharedBuffers, open_shared
-from services.runtime import setup_logging
+from services.runtime import freeze_start_up, setup_logging
 from services.worker.channel import BlockingChannel, ChannelClosed
 from services.worker.core_messages import (
     Abort,
@@ -404,14 +403,6 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(PR_SET_NAME, PROCESS_NAME)
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
-
-
-def freeze_start_up() -> None:
-    """What start-up made (the model's modules, graphs, tokenizer, tables) lives as long as this
-    process: full garbage collections skip it from now on instead of walking all of it, which
-    paused a step for ~150 ms at a time at 256 requests."""
-    gc.collect()
-    gc.freeze()
 
 
 def available_cores() -> int:
