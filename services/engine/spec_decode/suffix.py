@@ -22,7 +22,9 @@ then O(1) per shorter match reached by a suffix link and O(k) per distinct conti
 A request's first draft also indexes its n tokens so far.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
-default) or in the `suffix-cache` service that every decode worker shares
+default), in a child process of the engine (`suffix_process.ProcessGlobalIndex`, on a GPU, where
+the tree's Python would otherwise take turns with the engine thread for the GIL) or in the
+`suffix-cache` service that every decode worker shares
 (`services.suffix_cache.client.RemoteSuffixIndex`), so a request drafts from outputs that any
 worker produced. It is asked once per step for the whole batch, and may answer None for a query
 (a remote index that did not answer in time): that request then drafts from its own index only.
@@ -30,12 +32,9 @@ worker produced. It is asked once per step for the whole batch, and may answer N
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
@@ -50,8 +49,6 @@ from services.engine.spec_decode.suffix_tree import (
 )
 from shared.speculative_config import SpeculativeConfig
 
-INSERT_CHUNK_TOKENS = 16
-"""Tokens the background global index inserts between two releases of the GIL."""
 PREPARE_CHUNK_TOKENS = 64
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
@@ -72,47 +69,14 @@ class GlobalIndex(Protocol):
         ...
 
 
-class BackgroundGlobalIndex:
-    """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
-    by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
-    for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
-    thread is inside a chunk of an insertion it answers None ("no answer in time") rather than wait.
+@runtime_checkable
+class SubmittingGlobalIndex(GlobalIndex, Protocol):
+    """A `GlobalIndex` that looks up while the caller works: `submit_batch` sends a batch's
+    queries and returns the call that waits for their answers (`speculate_batch`'s)."""
 
-    The thread inserts INSERT_CHUNK_TOKENS tokens at a time and yields the GIL after each chunk:
-    an engine thread that wants the GIL waits at most a chunk, not the interpreter's switch
-    interval (5 ms) on every forced switch, and its look-ups find the tree free between chunks."""
-
-    def __init__(self, index: GlobalSuffixIndex) -> None:
-        self.index = index
-        self._lock = threading.Lock()
-        self._pending: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="suffix-index", daemon=True)
-        self._thread.start()
-
-    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
-        self._pending.put((seq_id, list(token_ids)))
-
-    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
-        if not self._lock.acquire(blocking=False):
-            return [None] * len(queries)
-        try:
-            return list(self.index.speculate_batch(queries))
-        finally:
-            self._lock.release()
-
-    def __contains__(self, seq_id: object) -> bool:
-        with self._lock:
-            return seq_id in self.index
-
-    def _run(self) -> None:
-        while True:
-            seq_id, token_ids = self._pending.get()
-            steps = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
-            done = False
-            while not done:
-                with self._lock:
-                    done = next(steps, True) is True
-                time.sleep(0)  # releases the GIL: a waiting engine thread runs now
+    def submit_batch(
+        self, queries: list[tuple[list[int], int]]
+    ) -> Callable[[], list[SuffixDraft | None]]: ...
 
 
 @dataclass(frozen=True)
@@ -249,24 +213,35 @@ class SuffixProposer(Proposer):
     def propose_drafts(self, requests: list[tuple[str, list[int], int]]) -> list[SuffixDraft]:
         """`propose_draft` for each (request_id, token_ids, max_spec_tokens).
 
-        The per-request drafts come first; then one batched call asks the global index for the
-        requests whose draft it could still beat (a score is at most the draft length: none when
-        `max_spec_tokens` is 0), with the context cut to the `max_tree_depth` tokens that can match.
+        The global index is asked once for the batch, with each context cut to the
+        `max_tree_depth` tokens that can match. An index that looks up beside the caller
+        (`SubmittingGlobalIndex`) gets every request with `max_spec_tokens` > 0 before the
+        per-request drafts are made; any other is asked afterwards, only for the requests whose
+        draft it could still beat (a score is at most the draft length).
         """
-        drafts = [self._request_draft(*request) for request in requests]
-        to_ask = [
-            i
-            for i, (draft, (_, _, max_spec_tokens)) in enumerate(zip(drafts, requests))
-            if draft.score < max_spec_tokens
-        ]
-        if not to_ask or not self.config.max_cached_requests:
-            return drafts
-        depth = self.config.max_tree_depth
-        queries = [(requests[i][1][-depth:], requests[i][2]) for i in to_ask]
-        for i, shared in zip(to_ask, self.global_index.speculate_batch(queries)):
-            if shared is not None and shared.score > drafts[i].score:
-                drafts[i] = shared
+        if not self.config.max_cached_requests:
+            return [self._request_draft(*request) for request in requests]
+        if isinstance(self.global_index, SubmittingGlobalIndex):
+            to_ask = [i for i, (_, _, max_spec_tokens) in enumerate(requests) if max_spec_tokens > 0]
+            collect = self.global_index.submit_batch(self._queries(requests, to_ask)) if to_ask else list
+            drafts = [self._request_draft(*request) for request in requests]
+            shared = collect()
+        else:
+            drafts = [self._request_draft(*request) for request in requests]
+            to_ask = [
+                i for i, (draft, request) in enumerate(zip(drafts, requests)) if draft.score < request[2]
+            ]
+            shared = self.global_index.speculate_batch(self._queries(requests, to_ask)) if to_ask else []
+        for i, draft in zip(to_ask, shared):
+            if draft is not None and draft.score > drafts[i].score:
+                drafts[i] = draft
         return drafts
+
+    def _queries(
+        self, requests: list[tuple[str, list[int], int]], to_ask: list[int]
+    ) -> list[tuple[list[int], int]]:
+        depth = self.config.max_tree_depth
+        return [(requests[i][1][-depth:], requests[i][2]) for i in to_ask]
 
     def _request_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
         state = self._state(request_id)
