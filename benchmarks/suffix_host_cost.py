@@ -6,8 +6,9 @@ request verifies its drafts against its true continuation (the accepted prefix p
 appended), then the running requests draft their next step. Only the proposer's own calls are
 timed, on the engine's thread: `append` and `propose` (the per-request indexes' updates and
 look-ups; the global index's look-ups inside `propose` apart), and `forget` (a finished output
-goes into the in-process global index; on a GPU a thread does that, in the mesh the suffix-cache
-service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
+goes into the in-process global index). `--global-process` puts the global tree in a child
+process, as the engine does on a GPU: the global columns are then the engine thread's time to send
+a step's look-ups and wait for them after its own drafts, and to send finished outputs. Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
 them before the steps instead, as the engine does on a GPU while the device runs a step.
 `--warm-global` first replays the same requests untimed, so that the global index holds their
 outputs: every request then finds long global matches (the costliest global look-ups).
@@ -21,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +30,9 @@ from benchmarks.dataset import load_requests
 from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch
-from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
+from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix_process import ProcessGlobalIndex
+from services.engine.spec_decode.suffix_tree import SuffixDraft
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
 
@@ -47,6 +50,7 @@ class StepTimes:
     """Per step: finished outputs put into the global index."""
     num_accepted: int = 0
     num_drafted: int = 0
+    num_unanswered: int = 0
 
     @property
     def total_s(self) -> float:
@@ -54,9 +58,9 @@ class StepTimes:
 
 
 class TimedIndex:
-    """The global index, counting the time its look-ups take."""
+    """The global index, counting the time the engine thread spends in its look-ups."""
 
-    def __init__(self, index: GlobalSuffixIndex) -> None:
+    def __init__(self, index: GlobalIndex) -> None:
         self.index = index
         self.seconds = 0.0
 
@@ -68,6 +72,31 @@ class TimedIndex:
         drafts = self.index.speculate_batch(queries)
         self.seconds += time.perf_counter() - began
         return list(drafts)
+
+
+class TimedProcessIndex(TimedIndex):
+    """The global tree in a child process: the engine thread's time is sending a step's look-ups
+    and waiting for their answers once its own drafts are made."""
+
+    def __init__(self, index: ProcessGlobalIndex) -> None:
+        super().__init__(index)
+        self.process_index = index
+
+    def submit_batch(self, queries: list[tuple[list[int], int]]) -> Callable[[], list[SuffixDraft | None]]:
+        began = time.perf_counter()
+        collect = self.process_index.submit_batch(queries)
+        self.seconds += time.perf_counter() - began
+        return lambda: self._timed(collect)
+
+    def _timed(self, collect: Callable[[], list[SuffixDraft | None]]) -> list[SuffixDraft | None]:
+        began = time.perf_counter()
+        drafts = collect()
+        self.seconds += time.perf_counter() - began
+        self.num_unanswered += drafts.count(None)
+        return drafts
+
+    num_unanswered = 0
+    """Queries the child did not answer within the deadline."""
 
 
 def greedy_outputs(model: str, workload: str, num_requests: int, max_tokens: int) -> list[Stream]:
@@ -90,15 +119,27 @@ def accepted_tokens(draft: list[int], output: list[int], done: int) -> list[int]
     return output[done : done + num_accepted + 1]
 
 
-def replay(streams: list[Stream], concurrency: int, k: int, prepare: bool, warm_global: bool) -> StepTimes:
+def replay(
+    streams: list[Stream], concurrency: int, k: int, prepare: bool, warm_global: bool, in_process: bool
+) -> StepTimes:
     """Runs the requests `concurrency` at a time through one proposer, timing its calls per step
-    (after an untimed first pass with `warm_global`)."""
+    (after an untimed first pass with `warm_global`); the global tree in this process, or in a
+    child process as on a GPU."""
     config = SuffixConfig()
-    global_index = TimedIndex(config.global_index())
+    if in_process:
+        global_index = TimedIndex(config.global_index())
+    else:
+        global_index = TimedProcessIndex(ProcessGlobalIndex(config.global_index, deadline_s=1.0))
     proposer = SuffixProposer(config, global_index)
-    if warm_global:
-        replay_pass(proposer, global_index, streams, concurrency, k, prepare, "warm-")
-    return replay_pass(proposer, global_index, streams, concurrency, k, prepare, "")
+    try:
+        if warm_global:
+            replay_pass(proposer, global_index, streams, concurrency, k, prepare, "warm-")
+            if isinstance(global_index, TimedProcessIndex):
+                global_index.process_index.flush(timeout_s=60)
+        return replay_pass(proposer, global_index, streams, concurrency, k, prepare, "")
+    finally:
+        if isinstance(global_index, TimedProcessIndex):
+            global_index.process_index.close()
 
 
 def replay_pass(
@@ -148,6 +189,8 @@ def replay_pass(
                     drafts[seq.request_id] = row[:n]
             times.own_s.append(own_s + time.perf_counter() - began - global_index.seconds)
             times.global_s.append(global_index.seconds)
+    if isinstance(global_index, TimedProcessIndex):
+        times.num_unanswered = global_index.num_unanswered
     return times
 
 
@@ -169,6 +212,11 @@ def main() -> None:
     parser.add_argument(
         "--warm-global", action="store_true", help="time a second pass over the same requests"
     )
+    parser.add_argument(
+        "--global-process",
+        action="store_true",
+        help="the global tree in a child process, as on a GPU (its look-ups overlap the own drafts)",
+    )
     args = parser.parse_args()
     if args.outputs is not None and args.outputs.exists():
         streams = [(p, o) for p, o in json.loads(args.outputs.read_text())]
@@ -183,7 +231,8 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         runs = [
-            replay(streams, concurrency, args.k, args.prepare, args.warm_global) for _ in range(args.repeats)
+            replay(streams, concurrency, args.k, args.prepare, args.warm_global, not args.global_process)
+            for _ in range(args.repeats)
         ]
         best = min(runs, key=lambda t: t.total_s)
         p90_ms = 1e3 * statistics.quantiles(best.own_s, n=10)[-1]
@@ -192,6 +241,8 @@ def main() -> None:
             f"{1e3 * statistics.fmean(best.global_s):.3f} | {1e3 * statistics.fmean(best.insert_s):.3f} |"
         )
     print(f"accepted / drafted tokens: {best.num_accepted} / {best.num_drafted}")
+    if args.global_process:
+        print(f"global queries not answered in time: {best.num_unanswered}")
 
 
 if __name__ == "__main__":
