@@ -24,8 +24,8 @@
 # grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
 # widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
-# suffix: suffix-tests.log (the suffix GPU tests: greedy output = naive, CUDA graphs, the global tree in a child
-# process) and offline-llama-3.2-1b-agentic-suffix.json (the agentic burst of spec's 1B stage, naive / suffix / ngram
+# suffix: suffix-tests.log (the suffix tests: greedy output = naive on the GPU, CUDA graphs, drafting in worker
+# processes) and offline-llama-3.2-1b-agentic-suffix.json (the agentic burst of spec's 1B stage, naive / suffix / ngram
 # at c = 1 16 64, medians of --repeats 3).
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
@@ -107,11 +107,11 @@ if [[ " $stages " == *" spec "* ]]; then
     done
 fi
 if [[ " $stages " == *" suffix "* ]]; then
-    # suffix decoding on the 1B-cost target: its GPU tests (greedy output = naive, CUDA graphs; the
-    # global tree in a child process), then the agentic burst, naive in the same run, medians of 3
-    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu -k suffix \
+    # suffix decoding on the 1B-cost target: its GPU tests (greedy output = naive, CUDA graphs, the
+    # worker processes), then the agentic burst, naive in the same run, medians of 3
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -k suffix \
         tests/services/engine/test_gpu_parity.py tests/services/engine/test_cuda_graph.py \
-        tests/services/engine/spec_decode/test_suffix_process.py 2>&1 | tee "$OUT/suffix-tests.log" | tail -5
+        tests/services/engine/spec_decode/test_suffix_workers.py 2>&1 | tee "$OUT/suffix-tests.log" | tail -5
     status=$((status | PIPESTATUS[0]))
     dir=/tmp/widened-llama-3.2-1b
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \

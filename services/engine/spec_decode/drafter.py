@@ -23,7 +23,7 @@ from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import DraftBatch, Proposer
 from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_process import ProcessGlobalIndex
+from services.engine.spec_decode.suffix_workers import SuffixWorkers, default_num_workers
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
@@ -222,10 +222,11 @@ def make_proposers(
     proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
     if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
-        # where a decode step takes a few milliseconds, the global tree's Python (indexing outputs,
-        # look-ups) runs in a child process, beside the engine thread instead of under its GIL
-        suffix_index = ProcessGlobalIndex(suffix_config.global_index)
-    proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
+        # where a decode step takes a few milliseconds, suffix decoding's Python runs in worker
+        # processes, beside the engine thread instead of under its GIL
+        proposers["suffix"] = SuffixWorkers(suffix_config, default_num_workers())
+    else:
+        proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
     return proposers
 
 

@@ -22,9 +22,7 @@ then O(1) per shorter match reached by a suffix link and O(k) per distinct conti
 A request's first draft also indexes its n tokens so far.
 
 The global tree sits behind the `GlobalIndex` interface: in process (`GlobalSuffixIndex`, the
-default), in a child process of the engine (`suffix_process.ProcessGlobalIndex`, on a GPU, where
-the tree's Python would otherwise take turns with the engine thread for the GIL) or in the
-`suffix-cache` service that every decode worker shares
+default) or in the `suffix-cache` service that every decode worker shares
 (`services.suffix_cache.client.RemoteSuffixIndex`), so a request drafts from outputs that any
 worker produced. It is asked once per step for the whole batch, and may answer None for a query
 (a remote index that did not answer in time): that request then drafts from its own index only.
@@ -34,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, Proposer
@@ -67,16 +65,6 @@ class GlobalIndex(Protocol):
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """The best draft for each (context, max_spec_tokens); None where there is no answer in time."""
         ...
-
-
-@runtime_checkable
-class SubmittingGlobalIndex(GlobalIndex, Protocol):
-    """A `GlobalIndex` that looks up while the caller works: `submit_batch` sends a batch's
-    queries and returns the call that waits for their answers (`speculate_batch`'s)."""
-
-    def submit_batch(
-        self, queries: list[tuple[list[int], int]]
-    ) -> Callable[[], list[SuffixDraft | None]]: ...
 
 
 @dataclass(frozen=True)
@@ -153,7 +141,25 @@ class SuffixProposer(Proposer):
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         """Only records the tokens: the request's index takes them in at its next `propose`, which the
         drafter times and prices (with the step's other index work, in one pass)."""
-        self._state(seq.request_id).token_ids.extend(token_ids)
+        self.record_tokens(seq.request_id, token_ids)
+
+    def record_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Appends tokens to the request; its index takes them in at its next draft."""
+        self._state(request_id).token_ids.extend(token_ids)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """The request's prompt and output so far."""
+        return self._state(request_id).token_ids
+
+    @property
+    def has_unprepared(self) -> bool:
+        """Whether `prepare` has requests' tokens left to index."""
+        return bool(self._unprepared)
+
+    @property
+    def num_indexed_tokens(self) -> int:
+        """Tokens put into per-request indexes so far, but by `prepare`."""
+        return self._num_indexed_tokens
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
@@ -213,35 +219,24 @@ class SuffixProposer(Proposer):
     def propose_drafts(self, requests: list[tuple[str, list[int], int]]) -> list[SuffixDraft]:
         """`propose_draft` for each (request_id, token_ids, max_spec_tokens).
 
-        The global index is asked once for the batch, with each context cut to the
-        `max_tree_depth` tokens that can match. An index that looks up beside the caller
-        (`SubmittingGlobalIndex`) gets every request with `max_spec_tokens` > 0 before the
-        per-request drafts are made; any other is asked afterwards, only for the requests whose
-        draft it could still beat (a score is at most the draft length).
+        The per-request drafts come first; then one batched call asks the global index for the
+        requests whose draft it could still beat (a score is at most the draft length: none when
+        `max_spec_tokens` is 0), with the context cut to the `max_tree_depth` tokens that can match.
         """
-        if not self.config.max_cached_requests:
-            return [self._request_draft(*request) for request in requests]
-        if isinstance(self.global_index, SubmittingGlobalIndex):
-            to_ask = [i for i, (_, _, max_spec_tokens) in enumerate(requests) if max_spec_tokens > 0]
-            collect = self.global_index.submit_batch(self._queries(requests, to_ask)) if to_ask else list
-            drafts = [self._request_draft(*request) for request in requests]
-            shared = collect()
-        else:
-            drafts = [self._request_draft(*request) for request in requests]
-            to_ask = [
-                i for i, (draft, request) in enumerate(zip(drafts, requests)) if draft.score < request[2]
-            ]
-            shared = self.global_index.speculate_batch(self._queries(requests, to_ask)) if to_ask else []
-        for i, draft in zip(to_ask, shared):
-            if draft is not None and draft.score > drafts[i].score:
-                drafts[i] = draft
-        return drafts
-
-    def _queries(
-        self, requests: list[tuple[str, list[int], int]], to_ask: list[int]
-    ) -> list[tuple[list[int], int]]:
+        drafts = [self._request_draft(*request) for request in requests]
+        to_ask = [
+            i
+            for i, (draft, (_, _, max_spec_tokens)) in enumerate(zip(drafts, requests))
+            if draft.score < max_spec_tokens
+        ]
+        if not to_ask or not self.config.max_cached_requests:
+            return drafts
         depth = self.config.max_tree_depth
-        return [(requests[i][1][-depth:], requests[i][2]) for i in to_ask]
+        queries = [(requests[i][1][-depth:], requests[i][2]) for i in to_ask]
+        for i, shared in zip(to_ask, self.global_index.speculate_batch(queries)):
+            if shared is not None and shared.score > drafts[i].score:
+                drafts[i] = shared
+        return drafts
 
     def _request_draft(self, request_id: str, token_ids: list[int], max_spec_tokens: int) -> SuffixDraft:
         state = self._state(request_id)

@@ -169,11 +169,10 @@ def test_mtp_drafts_on_gpu_depend_only_on_the_context(dtype: str) -> None:
         assert sum(drafts[0][c] != drafts[1][c] for c in with_cpu) <= 0.02 * len(with_cpu)
 
 
-def test_suffix_on_gpu_drafts_from_finished_outputs_indexed_in_a_child_process(parity_target) -> None:
-    """On a GPU the global suffix tree lives in a child process; outputs of finished requests reach
-    it, so the same prompts asked again draft their whole outputs from it, and greedy output holds."""
-    from services.engine.spec_decode.suffix import SuffixProposer
-    from services.engine.spec_decode.suffix_process import ProcessGlobalIndex
+def test_suffix_on_gpu_drafts_in_worker_processes_from_finished_outputs(parity_target) -> None:
+    """On a GPU suffix decoding drafts in worker processes; outputs of finished requests reach their
+    global trees, so the same prompts asked again draft their outputs from them, and greedy output holds."""
+    from services.engine.spec_decode.suffix_workers import SuffixWorkers
 
     spec = dict(SPEC_METHODS["suffix"], adaptive=False)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -181,9 +180,9 @@ def test_suffix_on_gpu_drafts_from_finished_outputs_indexed_in_a_child_process(p
     prompts = [torch.randint(3, 384, (12,), generator=generator).tolist() for _ in range(4)]
     llm = LLM(parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec)
     proposer = llm.engine.drafter.proposers["suffix"]
-    assert isinstance(proposer, SuffixProposer) and isinstance(proposer.global_index, ProcessGlobalIndex)
+    assert isinstance(proposer, SuffixWorkers)
     first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    proposer.global_index.flush()
+    proposer.flush()
     again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     accepted = [sum(o.spec_stats["num_accepted_tokens"] for o in run) for run in (first, again)]
