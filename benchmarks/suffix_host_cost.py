@@ -49,7 +49,7 @@ class StepTimes:
     insert_s: list[float] = field(default_factory=list)
     """Per step: finished outputs put into the global index."""
     cpu_s: list[float] = field(default_factory=list)
-    """Per step: the engine thread's CPU time in all of the above (not its waits)."""
+    """Per step: the engine thread's CPU time in the proposer's calls (not its waits)."""
     num_accepted: int = 0
     num_drafted: int = 0
 
@@ -144,33 +144,38 @@ def replay_pass(
         elif prepare:
             proposer.prepare(lambda: True)
         while running:
-            began, began_cpu = time.perf_counter(), time.thread_time()
+            cpu_s = 0.0  # the engine thread's CPU time in the proposer's calls (not its waits)
+            began = time.perf_counter()
             for seq in running:
                 new = accepted_tokens(drafts[seq.request_id], outputs[seq.request_id], seq.num_output_tokens)
                 times.num_accepted += len(new) - 1
                 times.num_drafted += len(drafts[seq.request_id])
                 seq.token_ids += new
+                began_cpu = time.thread_time()
                 proposer.append(seq, new)
+                cpu_s += time.thread_time() - began_cpu
             own_s = time.perf_counter() - began
             finished = [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]
             running = [s for s in running if s not in finished]
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             for seq in finished:
                 proposer.forget(seq.request_id)
             times.insert_s.append(time.perf_counter() - began)
+            cpu_s += time.thread_time() - began_cpu
             ks = [max(0, min(k, len(outputs[s.request_id]) - s.num_output_tokens - 1)) for s in running]
             if global_index is not None:
                 global_index.seconds = 0.0
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             if running:
                 proposed = proposer.propose(DraftBatch.on_host(None, running, ks))  # type: ignore[arg-type]
+                cpu_s += time.thread_time() - began_cpu
                 counts = proposed.num_drafts.tolist()
                 for seq, row, n in zip(running, proposed.token_ids.tolist(), counts):
                     drafts[seq.request_id] = row[:n]
             global_s = 0.0 if global_index is None else global_index.seconds
             times.own_s.append(own_s + time.perf_counter() - began - global_s)
             times.global_s.append(global_s)
-            times.cpu_s.append(time.thread_time() - began_cpu)
+            times.cpu_s.append(cpu_s)
     return times
 
 

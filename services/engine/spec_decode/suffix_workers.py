@@ -20,8 +20,10 @@ dropped).
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -61,16 +63,10 @@ class SuffixWorkers(Proposer):
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.config = config or SuffixConfig()
         self.deadline_s = deadline_s
-        context = multiprocessing.get_context("spawn")  # safe after CUDA is initialised
         self._conns: list[Connection] = []
-        self._processes: list[multiprocessing.process.BaseProcess] = []
-        for i in range(num_workers):
-            conn, child_conn = context.Pipe()
-            process = context.Process(
-                target=serve, args=(self.config, child_conn), name=f"suffix-worker-{i}", daemon=True
-            )
-            process.start()
-            child_conn.close()
+        self._processes: list[subprocess.Popen[bytes]] = []
+        for _ in range(num_workers):
+            conn, process = start_worker(self.config)
             self._conns.append(conn)
             self._processes.append(process)
         self._ids = itertools.count()
@@ -158,10 +154,11 @@ class SuffixWorkers(Proposer):
         for conn in self._conns:
             conn.close()
         for process in self._processes:
-            process.join(timeout=5)
-            if process.is_alive():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
 
     def _reply(self, worker: int, reply_id: int, timeout_s: float) -> tuple[list[list[int]], int] | None:
         """Worker `worker`'s reply `reply_id`, dropping its earlier (late) ones; None if not in time."""
@@ -173,6 +170,21 @@ class SuffixWorkers(Proposer):
             if got_id > reply_id:
                 raise RuntimeError(f"suffix worker {worker} sent reply {got_id} before {reply_id}")
         return None
+
+
+def start_worker(config: SuffixConfig) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """A worker process and this process's end of the socket to it. The worker runs this module
+    (not the parent's main module, as multiprocessing's spawn would: an unguarded script that makes
+    an engine would make one again in each worker), is safe beside CUDA (no fork), and stops when
+    the socket closes."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+        )
+    conn = Connection(ours.detach())
+    conn.send(config)
+    return conn, process
 
 
 class DeferredGlobalIndex:
@@ -256,3 +268,8 @@ def handle(
         flushes.append(message[1])
     else:
         raise ValueError(f"unknown suffix worker message {kind!r}")
+
+
+if __name__ == "__main__":
+    worker_conn = Connection(int(sys.argv[1]))
+    serve(worker_conn.recv(), worker_conn)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,4 +101,29 @@ def test_bad_settings_are_rejected_and_close_stops_the_workers() -> None:
         SuffixWorkers(deadline_s=0)
     workers = SuffixWorkers(num_workers=1)
     workers.close()
-    assert not any(process.is_alive() for process in workers._processes)
+    assert all(process.poll() is not None for process in workers._processes)
+
+
+def test_a_script_without_a_main_guard_can_use_workers(tmp_path: Path) -> None:
+    """Workers do not re-run the user's main module (multiprocessing's spawn would, and a script
+    that builds an engine at its top level would build one again in every worker)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from services.engine.sequence import Sequence\n"
+        "from services.engine.spec_decode.proposer import DraftBatch\n"
+        "from services.engine.spec_decode.suffix_workers import SuffixWorkers\n"
+        "from shared.sampling_params import SamplingParams\n"
+        "print('script ran')\n"
+        "workers = SuffixWorkers(num_workers=1, deadline_s=30.0)\n"
+        "seq = Sequence('r', [1, 2, 3, 1, 2], SamplingParams(temperature=0.0), frozenset())\n"
+        "workers.start(seq)\n"
+        "print(workers.propose(DraftBatch.on_host(None, [seq], [2])).token_ids.tolist())\n"
+        "workers.close()\n"
+    )
+    root = Path(__file__).resolve().parents[4]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["script ran", "[[3, 1]]"]
