@@ -144,17 +144,18 @@ def replay_pass(
         elif prepare:
             proposer.prepare(lambda: True)
         while running:
-            cpu_s = 0.0  # the engine thread's CPU time in the proposer's calls (not its waits)
-            began = time.perf_counter()
+            kept = []
             for seq in running:
                 new = accepted_tokens(drafts[seq.request_id], outputs[seq.request_id], seq.num_output_tokens)
                 times.num_accepted += len(new) - 1
                 times.num_drafted += len(drafts[seq.request_id])
                 seq.token_ids += new
-                began_cpu = time.thread_time()
+                kept.append(new)
+            began, began_cpu = time.perf_counter(), time.thread_time()
+            for seq, new in zip(running, kept):
                 proposer.append(seq, new)
-                cpu_s += time.thread_time() - began_cpu
             own_s = time.perf_counter() - began
+            cpu_s = time.thread_time() - began_cpu  # the engine thread's CPU in the proposer's calls
             finished = [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]
             running = [s for s in running if s not in finished]
             began, began_cpu = time.perf_counter(), time.thread_time()

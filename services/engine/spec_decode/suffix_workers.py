@@ -15,6 +15,9 @@ indexes new prompts while it has nothing else to do. Drafts are those of one in-
 `SuffixProposer` whose global tree held the outputs the worker had indexed by then; a worker that
 does not answer within `deadline_s` drafts nothing for its requests that step (its late reply is
 dropped).
+
+Processes rather than a compiled tree: no packaged suffix-tree drafter fits (arctic-inference's
+C++ tree ships only as a source build that needs torch, and its calls hold the GIL).
 """
 
 from __future__ import annotations
