@@ -72,6 +72,10 @@ class Drafter:
     def device_proposers(self) -> list[Proposer]:
         return [self.proposers[m] for m in self.device_methods]
 
+    def close(self) -> None:
+        for proposer in self.proposers.values():
+            proposer.close()
+
     # ---- request lifecycle ------------------------------------------------------------------------
 
     def configure(self, seq: Sequence) -> None:

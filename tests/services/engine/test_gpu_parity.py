@@ -171,7 +171,8 @@ def test_mtp_drafts_on_gpu_depend_only_on_the_context(dtype: str) -> None:
 
 def test_suffix_on_gpu_drafts_in_worker_processes_from_finished_outputs(parity_target) -> None:
     """On a GPU suffix decoding drafts in worker processes; outputs of finished requests reach their
-    global trees, so the same prompts asked again draft their outputs from them, and greedy output holds."""
+    global trees, so the same prompts asked again draft their outputs from them, greedy output
+    holds, and closing the LLM stops the workers."""
     from services.engine.spec_decode.suffix_workers import SuffixWorkers
 
     spec = dict(SPEC_METHODS["suffix"], adaptive=False)
@@ -187,3 +188,5 @@ def test_suffix_on_gpu_drafts_in_worker_processes_from_finished_outputs(parity_t
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     accepted = [sum(o.spec_stats["num_accepted_tokens"] for o in run) for run in (first, again)]
     assert accepted[1] > accepted[0] + len(prompts) * 10
+    llm.close()
+    assert all(process.poll() is not None for process in proposer._processes)
