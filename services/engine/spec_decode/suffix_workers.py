@@ -3,7 +3,7 @@
 On a GPU a decode step takes a few milliseconds, and suffix decoding's Python (per-request index
 updates and drafts, global tree look-ups, indexing finished outputs) would cost the engine thread
 as much, under its GIL. `SuffixWorkers` is the suffix `Proposer` there: each running request lives
-in one of `num_workers` spawned processes (the least loaded when it starts), each holding a
+in one of `num_workers` worker processes (the least loaded when it starts), each holding a
 `SuffixProposer` over its requests and a replica of the global tree over every finished output.
 
 Per step the engine thread sends each worker its requests' new tokens and draft counts (deltas,
@@ -95,7 +95,7 @@ class SuffixWorkers(Proposer):
         self._num_running[worker] += 1
         self._new_tokens[request_id] = []
         self._shared_tokens[request_id] = list(seq.prompt_token_ids) if self.config.cache_prompts else []
-        self._conns[worker].send(("start", request_id, list(seq.prompt_token_ids)))
+        self._send(worker, ("start", request_id, list(seq.prompt_token_ids)))
 
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         self._new_tokens[seq.request_id].extend(token_ids)
@@ -107,12 +107,12 @@ class SuffixWorkers(Proposer):
         if worker is None:
             return
         self._num_running[worker] -= 1
-        self._conns[worker].send(("stop", request_id, self._new_tokens.pop(request_id)))
+        self._send(worker, ("stop", request_id, self._new_tokens.pop(request_id)))
         shared = self._shared_tokens.pop(request_id)
         if shared and self.config.max_cached_requests:
-            for other, conn in enumerate(self._conns):
+            for other in range(self.num_workers):
                 if other != worker:
-                    conn.send(("add", request_id, shared))
+                    self._send(other, ("add", request_id, shared))
 
     def propose(self, batch: DraftBatch) -> Drafts:
         """Sends each worker its requests' new tokens and draft counts, then collects the drafts."""
@@ -128,7 +128,7 @@ class SuffixWorkers(Proposer):
         for worker, requests in enumerate(messages):
             if requests:
                 step_ids[worker] = next(self._ids)
-                self._conns[worker].send(("propose", step_ids[worker], requests))
+                self._send(worker, ("propose", step_ids[worker], requests))
         drafts: list[list[int]] = [[] for _ in batch.seqs]
         num_context_tokens = 0
         for worker, step_id in step_ids.items():
@@ -145,15 +145,15 @@ class SuffixWorkers(Proposer):
         """Waits until every worker has indexed every output finished and every prompt started
         before this call."""
         flush_ids = {}
-        for worker, conn in enumerate(self._conns):
+        for worker in range(self.num_workers):
             flush_ids[worker] = next(self._ids)
-            conn.send(("flush", flush_ids[worker]))
+            self._send(worker, ("flush", flush_ids[worker]))
         for worker, flush_id in flush_ids.items():
             if self._reply(worker, flush_id, timeout_s) is None:
                 raise TimeoutError(f"suffix worker {worker} did not index its backlog in {timeout_s} s")
 
     def close(self) -> None:
-        """Stops the workers (each also stops on its own when this process's end of its pipe closes)."""
+        """Stops the workers (each also stops on its own when this process's end of its socket closes)."""
         for conn in self._conns:
             conn.close()
         for process in self._processes:
@@ -163,11 +163,24 @@ class SuffixWorkers(Proposer):
                 process.kill()
                 process.wait()
 
+    def _send(self, worker: int, message: tuple[Any, ...]) -> None:
+        try:
+            self._conns[worker].send(message)
+        except OSError:
+            raise self._exited(worker) from None
+
+    def _exited(self, worker: int) -> RuntimeError:
+        code = self._processes[worker].wait(timeout=5)
+        return RuntimeError(f"suffix worker {worker} exited with code {code} (its error is on stderr)")
+
     def _reply(self, worker: int, reply_id: int, timeout_s: float) -> tuple[list[list[int]], int] | None:
         """Worker `worker`'s reply `reply_id`, dropping its earlier (late) ones; None if not in time."""
         conn = self._conns[worker]
         while conn.poll(timeout_s):
-            got_id, payload = conn.recv()
+            try:
+                got_id, payload = conn.recv()
+            except (EOFError, OSError):
+                raise self._exited(worker) from None
             if got_id == reply_id:
                 return payload
             if got_id > reply_id:
@@ -220,7 +233,7 @@ class DeferredGlobalIndex:
 def serve(config: SuffixConfig, conn: Connection) -> None:
     """A worker's loop: handle every waiting message (a step's drafts answered at once), then index a
     chunk of finished outputs, else new prompts, else answer flushes; until the engine's end of the
-    pipe closes."""
+    socket closes."""
     global_index = DeferredGlobalIndex(config.global_index())
     proposer = SuffixProposer(config, global_index)
     flushes: list[int] = []
@@ -237,7 +250,7 @@ def serve(config: SuffixConfig, conn: Connection) -> None:
             else:
                 handle(conn, proposer, global_index, conn.recv(), flushes)  # waits for the engine
     except (EOFError, OSError):
-        return  # the engine's end of the pipe closed
+        return  # the engine's end of the socket closed
 
 
 def handle(

@@ -94,6 +94,18 @@ def test_a_late_worker_drafts_nothing_that_step_and_catches_up() -> None:
         workers.close()
 
 
+def test_a_worker_that_died_is_named_in_the_error() -> None:
+    workers = SuffixWorkers(num_workers=1, deadline_s=30.0)
+    try:
+        seq = Sequence("r", [1, 2, 3, 1, 2], PARAMS, frozenset())
+        workers.start(seq)
+        workers._processes[0].kill()
+        with pytest.raises(RuntimeError, match="suffix worker 0 exited"):
+            propose(workers, [seq], 2)
+    finally:
+        workers.close()
+
+
 def test_bad_settings_are_rejected_and_close_stops_the_workers() -> None:
     with pytest.raises(ValueError, match="num_workers"):
         SuffixWorkers(num_workers=0)
