@@ -166,9 +166,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks (nothing to do with one) and its grammar
-        compiler's thread."""
+        """Stops the engine's other tensor-parallel ranks (nothing to do with one), its grammar
+        compiler's thread and its proposers' processes (suffix workers on a GPU)."""
         self.grammars.close()
+        self.drafter.close()
         self.runner.close()
 
     # ---- requests ---------------------------------------------------------------------------------
