@@ -6,10 +6,8 @@ request verifies its drafts against its true continuation (the accepted prefix p
 appended), then the running requests draft their next step. Only the proposer's own calls are
 timed, on the engine's thread: `append` and `propose` (the per-request indexes' updates and
 look-ups; the global index's look-ups inside `propose` apart), and `forget` (a finished output
-goes into the in-process global index). `--workers N` drafts in N worker processes, as the engine
-does on a GPU (`SuffixWorkers`): the per-request column is then the engine thread's time to send a
-step's tokens and wait for its drafts (the workers' look-ups in the global trees included), the
-inserts column its time to send finished outputs. Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
+goes into the in-process global index; on a GPU a thread does that, in the mesh the suffix-cache
+service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
 them before the steps instead, as the engine does on a GPU while the device runs a step.
 `--warm-global` first replays the same requests untimed, so that the global index holds their
 outputs: every request then finds long global matches (the costliest global look-ups).
@@ -30,9 +28,8 @@ from benchmarks.dataset import load_requests
 from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch
-from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_tree import SuffixDraft
-from services.engine.spec_decode.suffix_workers import SuffixWorkers
+from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
 
@@ -48,8 +45,6 @@ class StepTimes:
     """Per step: the global index's look-ups."""
     insert_s: list[float] = field(default_factory=list)
     """Per step: finished outputs put into the global index."""
-    cpu_s: list[float] = field(default_factory=list)
-    """Per step: the engine thread's CPU time in the proposer's calls (not its waits)."""
     num_accepted: int = 0
     num_drafted: int = 0
 
@@ -59,9 +54,9 @@ class StepTimes:
 
 
 class TimedIndex:
-    """The global index, counting the time the engine thread spends in its look-ups."""
+    """The global index, counting the time its look-ups take."""
 
-    def __init__(self, index: GlobalIndex) -> None:
+    def __init__(self, index: GlobalSuffixIndex) -> None:
         self.index = index
         self.seconds = 0.0
 
@@ -95,32 +90,20 @@ def accepted_tokens(draft: list[int], output: list[int], done: int) -> list[int]
     return output[done : done + num_accepted + 1]
 
 
-def replay(
-    streams: list[Stream], concurrency: int, k: int, prepare: bool, warm_global: bool, num_workers: int
-) -> StepTimes:
+def replay(streams: list[Stream], concurrency: int, k: int, prepare: bool, warm_global: bool) -> StepTimes:
     """Runs the requests `concurrency` at a time through one proposer, timing its calls per step
-    (after an untimed first pass with `warm_global`): in this process, or in `num_workers` worker
-    processes as on a GPU."""
+    (after an untimed first pass with `warm_global`)."""
     config = SuffixConfig()
-    if not num_workers:
-        global_index = TimedIndex(config.global_index())
-        proposer = SuffixProposer(config, global_index)
-        if warm_global:
-            replay_pass(proposer, global_index, streams, concurrency, k, prepare, "warm-")
-        return replay_pass(proposer, global_index, streams, concurrency, k, prepare, "")
-    workers = SuffixWorkers(config, num_workers)
-    try:
-        if warm_global:
-            replay_pass(workers, None, streams, concurrency, k, prepare, "warm-")
-            workers.flush(timeout_s=60)
-        return replay_pass(workers, None, streams, concurrency, k, prepare, "")
-    finally:
-        workers.close()
+    global_index = TimedIndex(config.global_index())
+    proposer = SuffixProposer(config, global_index)
+    if warm_global:
+        replay_pass(proposer, global_index, streams, concurrency, k, prepare, "warm-")
+    return replay_pass(proposer, global_index, streams, concurrency, k, prepare, "")
 
 
 def replay_pass(
-    proposer: SuffixProposer | SuffixWorkers,
-    global_index: TimedIndex | None,
+    proposer: SuffixProposer,
+    global_index: TimedIndex,
     streams: list[Stream],
     concurrency: int,
     k: int,
@@ -139,44 +122,32 @@ def replay_pass(
         drafts: dict[str, list[int]] = {seq.request_id: [] for seq in running}
         for seq in running:
             proposer.start(seq)
-        if prepare and isinstance(proposer, SuffixWorkers):
-            proposer.flush()  # workers index prompts whenever they are idle: on a GPU, during a step
-        elif prepare:
+        if prepare:
             proposer.prepare(lambda: True)
         while running:
-            kept = []
+            began = time.perf_counter()
             for seq in running:
                 new = accepted_tokens(drafts[seq.request_id], outputs[seq.request_id], seq.num_output_tokens)
                 times.num_accepted += len(new) - 1
                 times.num_drafted += len(drafts[seq.request_id])
                 seq.token_ids += new
-                kept.append(new)
-            began, began_cpu = time.perf_counter(), time.thread_time()
-            for seq, new in zip(running, kept):
                 proposer.append(seq, new)
             own_s = time.perf_counter() - began
-            cpu_s = time.thread_time() - began_cpu  # the engine thread's CPU in the proposer's calls
             finished = [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]
             running = [s for s in running if s not in finished]
-            began, began_cpu = time.perf_counter(), time.thread_time()
+            began = time.perf_counter()
             for seq in finished:
                 proposer.forget(seq.request_id)
             times.insert_s.append(time.perf_counter() - began)
-            cpu_s += time.thread_time() - began_cpu
             ks = [max(0, min(k, len(outputs[s.request_id]) - s.num_output_tokens - 1)) for s in running]
-            if global_index is not None:
-                global_index.seconds = 0.0
-            began, began_cpu = time.perf_counter(), time.thread_time()
+            global_index.seconds, began = 0.0, time.perf_counter()
             if running:
                 proposed = proposer.propose(DraftBatch.on_host(None, running, ks))  # type: ignore[arg-type]
-                cpu_s += time.thread_time() - began_cpu
                 counts = proposed.num_drafts.tolist()
                 for seq, row, n in zip(running, proposed.token_ids.tolist(), counts):
                     drafts[seq.request_id] = row[:n]
-            global_s = 0.0 if global_index is None else global_index.seconds
-            times.own_s.append(own_s + time.perf_counter() - began - global_s)
-            times.global_s.append(global_s)
-            times.cpu_s.append(cpu_s)
+            times.own_s.append(own_s + time.perf_counter() - began - global_index.seconds)
+            times.global_s.append(global_index.seconds)
     return times
 
 
@@ -198,12 +169,6 @@ def main() -> None:
     parser.add_argument(
         "--warm-global", action="store_true", help="time a second pass over the same requests"
     )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        help="draft in this many worker processes, as on a GPU (0: in this process)",
-    )
     args = parser.parse_args()
     if args.outputs is not None and args.outputs.exists():
         streams = [(p, o) for p, o in json.loads(args.outputs.read_text())]
@@ -213,22 +178,20 @@ def main() -> None:
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(streams))
     print(
-        "| requests | steps | own indexes ms/step (p90) | global look-ups ms/step | global inserts ms/step "
-        "| engine thread CPU ms/step | accepted / drafted |"
+        "| requests | steps | own indexes ms/step (p90) | global look-ups ms/step | global inserts ms/step |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         runs = [
-            replay(streams, concurrency, args.k, args.prepare, args.warm_global, args.workers)
-            for _ in range(args.repeats)
+            replay(streams, concurrency, args.k, args.prepare, args.warm_global) for _ in range(args.repeats)
         ]
         best = min(runs, key=lambda t: t.total_s)
         p90_ms = 1e3 * statistics.quantiles(best.own_s, n=10)[-1]
         print(
             f"| {concurrency} | {len(best.own_s)} | {1e3 * statistics.fmean(best.own_s):.3f} ({p90_ms:.3f}) | "
-            f"{1e3 * statistics.fmean(best.global_s):.3f} | {1e3 * statistics.fmean(best.insert_s):.3f} | "
-            f"{1e3 * statistics.fmean(best.cpu_s):.3f} | {best.num_accepted} / {best.num_drafted} |"
+            f"{1e3 * statistics.fmean(best.global_s):.3f} | {1e3 * statistics.fmean(best.insert_s):.3f} |"
         )
+    print(f"accepted / drafted tokens: {best.num_accepted} / {best.num_drafted}")
 
 
 if __name__ == "__main__":

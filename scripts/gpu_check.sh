@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|suffix ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -24,9 +24,6 @@
 # grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
 # widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
-# suffix: suffix-tests.log (the suffix tests: greedy output = naive on the GPU, CUDA graphs, drafting in worker
-# processes) and offline-llama-3.2-1b-agentic-suffix.json (the agentic burst of spec's 1B stage, naive / suffix / ngram
-# at c = 64 16 1, medians of --repeats 3).
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
@@ -105,22 +102,6 @@ if [[ " $stages " == *" spec "* ]]; then
         fi
         rm -rf $dir
     done
-fi
-if [[ " $stages " == *" suffix "* ]]; then
-    # suffix decoding on the 1B-cost target: its tests (greedy output = naive on the GPU, CUDA graphs,
-    # drafting in worker processes), then the agentic burst with naive in the same run, medians of 3,
-    # c = 64 first (the cell this is about; the result file is written after each concurrency)
-    timeout 180 python3 -m pytest -p no:cacheprovider -q -k suffix \
-        tests/services/engine/test_gpu_parity.py tests/services/engine/test_cuda_graph.py \
-        tests/services/engine/spec_decode/test_suffix_workers.py 2>&1 | tee "$OUT/suffix-tests.log" | tail -5
-    status=$((status | PIPESTATUS[0]))
-    dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    timeout 330 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 \
-        --max-tokens 128 --no-plots --no-progress --workload agentic --concurrency 64 16 1 \
-        --requests-per-slot 1 --repeats 3 --methods naive suffix ngram \
-        --out "$OUT/offline-llama-3.2-1b-agentic-suffix.json" | grep "^| [a-z]"
 fi
 if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others

@@ -166,10 +166,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks (nothing to do with one), its grammar
-        compiler's thread and its proposers' processes (suffix workers on a GPU)."""
+        """Stops the engine's other tensor-parallel ranks (nothing to do with one) and its grammar
+        compiler's thread."""
         self.grammars.close()
-        self.drafter.close()
         self.runner.close()
 
     # ---- requests ---------------------------------------------------------------------------------

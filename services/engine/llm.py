@@ -22,7 +22,7 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks and suffix workers, if any."""
+        """Stops the engine's other tensor-parallel ranks, if any."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

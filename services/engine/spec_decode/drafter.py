@@ -22,8 +22,12 @@ from services.engine.spec_decode.eagle3 import Eagle3Proposer
 from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import DraftBatch, Proposer
-from services.engine.spec_decode.suffix import GlobalIndex, SuffixConfig, SuffixProposer
-from services.engine.spec_decode.suffix_workers import SuffixWorkers, default_num_workers
+from services.engine.spec_decode.suffix import (
+    BackgroundGlobalIndex,
+    GlobalIndex,
+    SuffixConfig,
+    SuffixProposer,
+)
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
@@ -71,10 +75,6 @@ class Drafter:
     @property
     def device_proposers(self) -> list[Proposer]:
         return [self.proposers[m] for m in self.device_methods]
-
-    def close(self) -> None:
-        for proposer in self.proposers.values():
-            proposer.close()
 
     # ---- request lifecycle ------------------------------------------------------------------------
 
@@ -226,11 +226,10 @@ def make_proposers(
     proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
     if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
-        # where a decode step takes a few milliseconds, suffix decoding's Python runs in worker
-        # processes, beside the engine thread instead of under its GIL
-        proposers["suffix"] = SuffixWorkers(suffix_config, default_num_workers())
-    else:
-        proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
+        # where a decode step takes a millisecond or less, the in-process global tree is indexed
+        # off the step by a thread
+        suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
+    proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
     return proposers
 
 

@@ -176,6 +176,3 @@ class Proposer:
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted."""
-
-    def close(self) -> None:
-        """The engine is closing: stop what the proposer started (processes, threads)."""

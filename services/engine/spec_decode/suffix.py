@@ -30,6 +30,9 @@ worker produced. It is asked once per step for the whole batch, and may answer N
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,6 +50,8 @@ from services.engine.spec_decode.suffix_tree import (
 )
 from shared.speculative_config import SpeculativeConfig
 
+INSERT_CHUNK_TOKENS = 16
+"""Tokens the background global index inserts between two releases of the GIL."""
 PREPARE_CHUNK_TOKENS = 64
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
@@ -65,6 +70,49 @@ class GlobalIndex(Protocol):
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """The best draft for each (context, max_spec_tokens); None where there is no answer in time."""
         ...
+
+
+class BackgroundGlobalIndex:
+    """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
+    by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
+    for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
+    thread is inside a chunk of an insertion it answers None ("no answer in time") rather than wait.
+
+    The thread inserts INSERT_CHUNK_TOKENS tokens at a time and yields the GIL after each chunk:
+    an engine thread that wants the GIL waits at most a chunk, not the interpreter's switch
+    interval (5 ms) on every forced switch, and its look-ups find the tree free between chunks."""
+
+    def __init__(self, index: GlobalSuffixIndex) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self._pending: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="suffix-index", daemon=True)
+        self._thread.start()
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        self._pending.put((seq_id, list(token_ids)))
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        if not self._lock.acquire(blocking=False):
+            return [None] * len(queries)
+        try:
+            return list(self.index.speculate_batch(queries))
+        finally:
+            self._lock.release()
+
+    def __contains__(self, seq_id: object) -> bool:
+        with self._lock:
+            return seq_id in self.index
+
+    def _run(self) -> None:
+        while True:
+            seq_id, token_ids = self._pending.get()
+            steps = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
+            done = False
+            while not done:
+                with self._lock:
+                    done = next(steps, True) is True
+                time.sleep(0)  # releases the GIL: a waiting engine thread runs now
 
 
 @dataclass(frozen=True)
@@ -141,25 +189,7 @@ class SuffixProposer(Proposer):
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         """Only records the tokens: the request's index takes them in at its next `propose`, which the
         drafter times and prices (with the step's other index work, in one pass)."""
-        self.record_tokens(seq.request_id, token_ids)
-
-    def record_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """Appends tokens to the request; its index takes them in at its next draft."""
-        self._state(request_id).token_ids.extend(token_ids)
-
-    def token_ids(self, request_id: str) -> list[int]:
-        """The request's prompt and output so far."""
-        return self._state(request_id).token_ids
-
-    @property
-    def has_unprepared(self) -> bool:
-        """Whether `prepare` has requests' tokens left to index."""
-        return bool(self._unprepared)
-
-    @property
-    def num_indexed_tokens(self) -> int:
-        """Tokens put into per-request indexes so far, but by `prepare`."""
-        return self._num_indexed_tokens
+        self._state(seq.request_id).token_ids.extend(token_ids)
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)

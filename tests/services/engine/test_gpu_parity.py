@@ -167,26 +167,3 @@ def test_mtp_drafts_on_gpu_depend_only_on_the_context(dtype: str) -> None:
     if dtype == "float32":
         with_cpu = drafts[0].keys() & drafts[1].keys()
         assert sum(drafts[0][c] != drafts[1][c] for c in with_cpu) <= 0.02 * len(with_cpu)
-
-
-def test_suffix_on_gpu_drafts_in_worker_processes_from_finished_outputs(parity_target) -> None:
-    """On a GPU suffix decoding drafts in worker processes; outputs of finished requests reach their
-    global trees, so the same prompts asked again draft their outputs from them, greedy output
-    holds, and closing the LLM stops the workers."""
-    from services.engine.spec_decode.suffix_workers import SuffixWorkers
-
-    spec = dict(SPEC_METHODS["suffix"], adaptive=False)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 384, (12,), generator=generator).tolist() for _ in range(4)]
-    llm = LLM(parity_target, device="cuda", dtype="float32", max_model_len=192, speculative_config=spec)
-    proposer = llm.engine.drafter.proposers["suffix"]
-    assert isinstance(proposer, SuffixWorkers)
-    first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    proposer.flush()
-    again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in again] == [o.token_ids for o in first]
-    accepted = [sum(o.spec_stats["num_accepted_tokens"] for o in run) for run in (first, again)]
-    assert accepted[1] > accepted[0] + len(prompts) * 10
-    llm.close()
-    assert all(process.poll() is not None for process in proposer._processes)

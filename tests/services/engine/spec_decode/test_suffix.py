@@ -568,6 +568,29 @@ def test_the_global_index_gets_each_output_at_stop_whether_or_not_it_drafted(cac
     assert recorded(lazy).added == recorded(eager).added
 
 
+def test_background_global_index_answers_like_the_index_once_it_has_indexed() -> None:
+    """Indexing happens on a thread; look-ups then match a synchronous index, and while the
+    thread holds the tree a look-up answers None ("no answer in time") instead of waiting."""
+    import time
+
+    from services.engine.spec_decode.suffix import BackgroundGlobalIndex
+    from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex
+
+    sync, background = GlobalSuffixIndex(), BackgroundGlobalIndex(GlobalSuffixIndex())
+    sequences = {f"s{i}": [i % 3, 5, 6, 7, i, 5, 6, 8] for i in range(6)}
+    for seq_id, token_ids in sequences.items():
+        sync.add_sequence(seq_id, token_ids)
+        background.add_sequence(seq_id, token_ids)
+    deadline = time.monotonic() + 10
+    while not all(seq_id in background for seq_id in sequences):
+        assert time.monotonic() < deadline, "the indexing thread did not catch up"
+        time.sleep(0.01)
+    queries = [([5, 6], 3), ([1, 5], 4), ([9], 2)]
+    assert background.speculate_batch(queries) == sync.speculate_batch(queries)
+    with background._lock:  # the thread is inside an insertion
+        assert background.speculate_batch(queries) == [None, None, None]
+
+
 # --- prompts indexed while the device runs a step ---
 
 
