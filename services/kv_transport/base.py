@@ -395,6 +395,9 @@ class KVSendSession(ABC):
 
     header: KVHeader
     stats: TransferStats
+    shared_unanswered: bool = False
+    """A handle went out (`send_shared`) and the receiver never said it was done with it: it may
+    still read that memory, so the caller keeps it (until its deadline) whatever became of the session."""
 
     @abstractmethod
     async def send_layer(self, cache: str, index: int, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -4,8 +4,10 @@ It is the TCP transport (same connection, authentication and frames) with one mo
 transfer's body: instead of the layers' bytes, one SHARED frame with the handle of the buffer the
 prefill engine core gathered them into (`ipc_buffer.py`). The receiver checks the handle against the
 header and passes it to `import_shared` (the decode worker's: its engine core opens the buffer and
-copies the blocks into its cache), answers SHARED_TAKEN, and acknowledges END as over TCP; only then
-does the sender free the buffer.
+copies the blocks into its cache), answers SHARED_TAKEN, and acknowledges END as over TCP. The
+receiver answers (SHARED_TAKEN or SHARED_REFUSED) only once it no longer reads the buffer, so the
+sender may free it then; a sender whose handle got no answer (a timeout, a cancellation, a receiver
+that died) cannot know that, and keeps the buffer until its deadline (`shared_unanswered`).
 
 The receiver's ACCEPT names its host (`host_identity`). A sender whose receiver is on another host,
 runs the tcp transport, or answers SHARED_REFUSED (it could not open the handle) sends the layers as
@@ -42,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 ImportShared = Callable[[str, SharedKV], Awaitable[dict[str, torch.Tensor]]]
 """(request id, handle) -> the extra tensors, on the host, once every layer is copied into the
-receiver's cache; raises `KVSharedUnusable` if the handle cannot be opened there."""
+receiver's cache; raises `KVSharedUnusable` if the handle cannot be opened or copied there. It
+returns or raises only once nothing reads the shared buffer any more."""
 
 
 class KVSharedUnusable(KVTransferError):
@@ -70,12 +73,14 @@ class IpcSendSession(TcpSendSession):
             raise TypeError(f"send_shared takes a SharedKV, not {type(shared).__name__}")
         answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._answer = answer
+        self.shared_unanswered = True
         await self._send(FrameKind.SHARED, [pack(shared.model_dump(mode="python"))])
         waiting: set[asyncio.Future[Any]] = {answer, self._watcher}
         done, _ = await asyncio.wait(
             waiting, timeout=self._ack_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         if answer.done():
+            self.shared_unanswered = False
             refusal = answer.result()
             if refusal is None:  # every layer and tensor is in: close() sends END
                 self._sent_layers.update(range(len(self.header.layer_shapes)))

@@ -12,8 +12,19 @@ Terms:
   arrival, and opened without unpickling anything.
 
 `SharedBuffers` is the producer side: it allocates buffers and keeps each alive until it is
-released (the decode side acknowledged, or the transfer failed) or its deadline passes.
-`open_shared` is the consumer side.
+released or its deadline passes. `open_shared` is the consumer side.
+
+Lifetime: a buffer lives exactly as long as `SharedBuffers` holds it, on CUDA as on the CPU. torch's
+own IPC reference count cannot say this: its counter starts at one for the one opener, an opener
+that drops its storage decrements it, and the producer's allocator keeps a freed block "in limbo"
+(`torch.cuda.ipc_collect`) until the counter is exactly zero. A handle nobody opens would hold its
+block for ever, and the producer cannot know whether a consumer that never answered opened it. So
+the producer releases torch's count when it makes the handle, the handle does not carry the counter,
+and `open_shared` opens the memory against a counter name no shared memory has
+(`NO_REF_COUNTER`), whose decrement torch skips: nothing but `SharedBuffers.release` frees a block.
+That leaves the protocol to keep readers safe: a consumer answers (taken or refused) only once its
+reads are done, and a sender whose handle got no answer keeps the buffer until its deadline
+(`ipc.py`, `Worker._hand_off`).
 """
 
 from __future__ import annotations
@@ -38,6 +49,14 @@ SHM_PREFIX = "specmesh-kv-"
 SHM_NAME = re.compile(rf"^{SHM_PREFIX}(\d+)-[0-9a-f]{{16}}$")
 """Shared buffer files: the producer's pid, then a random tag (a handle naming another file is refused)."""
 
+
+NO_REF_COUNTER = b"/specmesh-kv-no-ref-counter"
+"""The IPC reference counter a consumer opens CUDA memory against: no shared memory object has this
+name, so torch's decrement when the consumer drops the memory does nothing (the producer owns the
+buffer's life)."""
+
+CUDA_IPC_EVENT_HANDLE_BYTES = 64
+"""The size of a `cudaIpcEventHandle_t`."""
 
 ALIGN_BYTES = 16
 """Where extra tensors start in their buffer (every dtype's alignment divides it)."""
@@ -88,8 +107,7 @@ class CudaRegion(BaseModel):
     handle: bytes
     storage_size_bytes: int = Field(ge=0)
     storage_offset_bytes: int = Field(ge=0)
-    ref_counter_handle: bytes
-    ref_counter_offset: int = Field(ge=0)
+    """Where the buffer starts in the allocation `handle` names (allocations hold several buffers)."""
     event_handle: bytes | None
     """An IPC event recorded after the gather: the opener's stream waits on it."""
     event_sync_required: bool
@@ -98,6 +116,8 @@ class CudaRegion(BaseModel):
 
     @model_validator(mode="after")
     def _inside(self) -> CudaRegion:
+        if self.event_sync_required and len(self.event_handle or b"") != CUDA_IPC_EVENT_HANDLE_BYTES:
+            raise ValueError(f"an event to wait on needs a {CUDA_IPC_EVENT_HANDLE_BYTES}-byte event handle")
         if self.offset + self.num_bytes > self.storage_size_bytes:
             raise ValueError(
                 f"region [{self.offset}, {self.offset + self.num_bytes}) exceeds the "
@@ -285,9 +305,10 @@ class SharedBuffers:
         caches = {name: view.cpu() for name, view in held.caches.items()}
         return caches, {name: tensor.cpu() for name, tensor in held.tensors.items()}
 
-    def expire(self) -> list[str]:
-        """Releases every buffer past its deadline; their request ids."""
-        now = time.monotonic()
+    def expire(self, now: float | None = None) -> list[str]:
+        """Releases every buffer whose deadline is `now` (`time.monotonic()`, the default) or
+        earlier; their request ids."""
+        now = time.monotonic() if now is None else now
         expired = [request_id for request_id, held in self._held.items() if held.deadline <= now]
         for request_id in expired:
             self.release(request_id)
@@ -357,12 +378,9 @@ def _segment(
 
 
 def _cuda_handle(buffer: torch.Tensor) -> dict[str, Any]:
-    """The IPC handle torch makes for `buffer`'s allocation (it records the event the opener waits on).
-
-    torch counts the opener's reference in a counter the opener releases when done, and keeps a
-    buffer freed before that in limbo; an opener that never opens (another host, a refusal) or dies
-    would leak it. Here the buffer's life is `SharedBuffers`' (until the decode side acknowledged,
-    the transfer failed, or the deadline), so the producer releases the counter at once."""
+    """The IPC handle torch makes for `buffer`'s allocation (it records the event the opener waits
+    on). torch's reference count for the opener is released here: the buffer's life is
+    `SharedBuffers`' alone (the module docstring says why)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
@@ -374,8 +392,6 @@ def _cuda_handle(buffer: torch.Tensor) -> dict[str, Any]:
         "handle": handle,
         "storage_size_bytes": size,
         "storage_offset_bytes": storage_offset,
-        "ref_counter_handle": counter,
-        "ref_counter_offset": counter_offset,
         "event_handle": event,
         "event_sync_required": sync,
         "offset": tensor_offset * buffer.element_size(),
@@ -412,7 +428,7 @@ def open_shared(shared: SharedKV) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 def _open_segment(segment: Segment, opened: dict[Any, torch.Tensor]) -> torch.Tensor:
     region = segment.region
-    key = region.name if isinstance(region, ShmRegion) else region.handle
+    key = region.name if isinstance(region, ShmRegion) else (region.handle, region.storage_offset_bytes)
     if key not in opened:
         opened[key] = _open_shm(region) if isinstance(region, ShmRegion) else _open_cuda(region)
     buffer = opened[key]
@@ -433,8 +449,9 @@ def _open_shm(region: ShmRegion) -> torch.Tensor:
 
 
 def _open_cuda(region: CudaRegion) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+    """The region's whole buffer, opened without a reference count (`NO_REF_COUNTER`); each call maps
+    a storage of its own (torch's `rebuild_cuda_tensor` would hand back a live one of the same
+    allocation and offset, whatever its size)."""
     if not torch.cuda.is_available():
         raise SharedKVError("the KV is on a GPU and this process has no CUDA device")
     devices = [
@@ -444,23 +461,18 @@ def _open_cuda(region: CudaRegion) -> torch.Tensor:
     ]
     if not devices:
         raise SharedKVError(f"the KV's GPU {region.device_uuid} is not visible here (CUDA_VISIBLE_DEVICES)")
+    torch.cuda.init()
     try:
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            (region.storage_size_bytes,),
-            (1,),
-            0,
-            torch.TypedStorage,
-            torch.uint8,
+        storage = torch.UntypedStorage._new_shared_cuda(
             devices[0],
             region.handle,
             region.storage_size_bytes,
             region.storage_offset_bytes,
-            False,
-            region.ref_counter_handle,
-            region.ref_counter_offset,
-            region.event_handle,
+            NO_REF_COUNTER,
+            0,
+            region.event_handle or b"",
             region.event_sync_required,
         )
     except RuntimeError as exc:
         raise SharedKVError(f"cannot open the CUDA IPC handle: {exc}") from None
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{devices[0]}").set_(storage)

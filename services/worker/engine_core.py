@@ -311,21 +311,30 @@ class EngineCore:
             self._fail_row(command.request_id, 500, f"taking the prefilled KV failed: {exc}")
 
     def _import_shared(self, command: ImportShared) -> Reply:
-        """Copies a request's KV from another process's buffer into its reserved blocks, and waits
-        for the copy: the answer lets the producer free the buffer. An error answer means the
-        sender should send the bytes instead."""
+        """Copies a request's KV from another process's buffer into its reserved blocks. The answer,
+        either way, comes once this process no longer reads the buffer: it lets the producer free
+        it. An error answer means the sender should send the bytes instead."""
         try:
-            caches, tensors = open_shared(command.shared)
-            self.engine.import_stacked(command.request_id, caches)
-            if self.engine.runner.device.type == "cuda":
-                torch.cuda.current_stream(self.engine.runner.device).synchronize()
-            return Reply(command.call_id, tensors={name: t.cpu() for name, t in tensors.items()})
+            tensors = self._copy_shared(command)
+            return Reply(command.call_id, tensors=tensors)
         except KeyError:
             message = f"{command.request_id} is no longer reserved here"
         except Exception as exc:
             logger.warning("opening the shared KV of %s failed: %s", command.request_id, exc)
             message = f"cannot take the shared KV: {exc}"
         return Reply(command.call_id, ErrorInfo(code=502, type="server_error", message=message))
+
+    def _copy_shared(self, command: ImportShared) -> dict[str, torch.Tensor]:
+        """The copy of `_import_shared`; returns or raises only after every read of the buffer ended."""
+        caches, tensors = open_shared(command.shared)
+        try:
+            self.engine.import_stacked(command.request_id, caches)
+            return {name: t.cpu() for name, t in tensors.items()}
+        finally:
+            devices = {t.device for t in (*caches.values(), *tensors.values())} | {self.engine.runner.device}
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
 
     def _fetch_shared(self, command: FetchKV) -> Reply:
         """A host copy of a held export (the decode side could not open it)."""

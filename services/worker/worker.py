@@ -524,6 +524,7 @@ class Worker:
             return
         started = time.perf_counter()
         header = kv_header(handoff, epoch)
+        session: KVSendSession | None = None
         try:
             session = await self.transport.open(address, header)
             async with session:
@@ -532,8 +533,11 @@ class Worker:
         except KVTransferError as exc:
             await self._report(handoff.request_id, epoch, "failed", f"KV handoff failed: {exc}")
             return
-        finally:  # acknowledged, failed, cancelled or timed out: the decode side is done with it
-            await self._release_shared(handoff)
+        finally:  # acknowledged, failed, cancelled or timed out
+            if session is not None and session.shared_unanswered:  # the decode side may still read it
+                logger.warning("shared KV of %s unanswered: held until its deadline", handoff.request_id)
+            else:
+                await self._release_shared(handoff)
         self.metrics.kv_sent_bytes.inc(header.num_bytes)
         self.metrics.kv_handoffs.labels(**self.metrics.labels, path=path).inc()
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)

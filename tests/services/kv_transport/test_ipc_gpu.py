@@ -1,6 +1,8 @@
 """The ipc KV transport on GPUs: a prefill process's KV in its GPU memory is opened by handle in
-another process (on the same GPU, and on a second one where the host has it) and arrives bit-exact;
-two engine-core processes hand a request's KV over in device memory and the decode core continues
+another process (on the same GPU, and on a second one where the host has it) and arrives bit-exact,
+and the producer's memory is back at its baseline whatever the consumer did with the handle (took
+it, refused it, failed after opening it, never answered); a buffer nobody opened is freed at its
+release; two engine-core processes hand a request's KV over in device memory and the decode core continues
 the offline run's tokens exactly. Run by `scripts/gpu_check.sh kvipc`."""
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from services.engine.llm import LLM
-from services.kv_transport.ipc import IpcKVTransport
+from services.kv_transport import ReceivedLayer
+from services.kv_transport.ipc import IpcKVTransport, KVSharedUnusable
 from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
 from services.worker.core_client import EngineCoreClient
 from services.worker.core_messages import CoreOptions
@@ -40,70 +43,141 @@ def expected_kv() -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
 
+def expected_hidden() -> torch.Tensor:
+    return torch.arange(64, dtype=torch.float32)
+
+
 PRODUCER = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, sys, time
     import torch
-    from services.kv_transport import KVHeader
+    from services.kv_transport import KVHeader, KVTransferError
     from services.kv_transport.ipc import IpcKVTransport
     from services.kv_transport.ipc_buffer import SharedBuffers
-    from tests.services.kv_transport.test_ipc_gpu import SHAPE, expected_kv
+    from tests.services.kv_transport.test_ipc_gpu import SHAPE, expected_hidden, expected_kv
 
-    async def main(address, device):
+    async def main(address, device, ack_timeout_s):
         buffers = SharedBuffers(torch.device(device))
         baseline = torch.cuda.memory_allocated(device)
         buffer = buffers.allocate(torch.Size(SHAPE).numel() * 2)
         target = buffer.view(torch.bfloat16).view(SHAPE)
         target.copy_(expected_kv().to(device, non_blocking=True))  # no host wait: the handle's event orders it
-        shared = buffers.share("r", buffer, {"target": target}, {})
-        header = KVHeader(request_id="r", num_tokens=48, block_size=16, dtype="bfloat16",
-                          layer_shapes=shared.layer_shapes())
-        transport = IpcKVTransport()
-        async with await transport.open(address, header) as session:
-            refusal = await session.send_shared(shared)
-            assert refusal is None, refusal
-            await session.close()
+        shared = buffers.share("r", buffer, {"target": target}, {"hidden": expected_hidden().to(device)})
         del target, buffer
-        buffers.release("r")
+        header = KVHeader(request_id="r", num_tokens=48, block_size=16, dtype="bfloat16",
+                          layer_shapes=shared.layer_shapes(), tensors=shared.tensor_specs())
+        transport = IpcKVTransport(ack_timeout_s=ack_timeout_s)
+        session = await transport.open(address, header)
+        try:  # what Worker._hand_off does
+            async with session:
+                refusal = await session.send_shared(shared)
+                if refusal is not None:
+                    print("refused:", refusal, flush=True)
+                    caches, tensors = buffers.host_copy("r")
+                    for index, kv in enumerate(caches["target"]):
+                        await session.send_layer("target", index, kv[0], kv[1])
+                    await session.send_tensor("hidden", tensors["hidden"])
+                await session.close()
+        except KVTransferError as exc:
+            print("failed:", type(exc).__name__, flush=True)
+        if session.shared_unanswered:  # the consumer may still read it: held until its deadline
+            torch.cuda.ipc_collect()
+            print("held", torch.cuda.memory_allocated(device) - baseline, flush=True)
+            assert buffers.expire(time.monotonic() + buffers.timeout_s) == ["r"]
+        else:
+            assert buffers.release("r")
+        torch.cuda.ipc_collect()
         await transport.close()
         print("released", torch.cuda.memory_allocated(device) - baseline, flush=True)
 
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
     """
 )
 
+CONSUMERS = ["takes", "refuses", "opens_then_fails", "never_answers"]
+"""What the consumer does with the handle: copies the KV and answers; refuses it unopened; opens it,
+copies, then refuses it (the producer sends bytes); opens it and never answers (it keeps the
+mapping open: the producer's deadline frees the buffer anyway)."""
 
+
+class Consumer:
+    """The decode side, in this process: `import_shared` does what its `behaviour` says."""
+
+    def __init__(self, behaviour: str, device: str) -> None:
+        self.behaviour = behaviour
+        self.device = device
+        self.copied: dict[str, torch.Tensor] = {}
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept: list[torch.Tensor] = []
+        self.stop = asyncio.Event()
+
+    async def import_shared(self, request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
+        if self.behaviour == "refuses":
+            raise KVSharedUnusable("refused unopened")
+        caches, tensors = open_shared(shared)
+        assert caches["target"].is_cuda
+        copies = {"target": caches["target"].to(self.device), "hidden": tensors["hidden"].to(self.device)}
+        torch.cuda.synchronize(self.device)  # an answer comes only once the buffer is no longer read
+        if self.behaviour == "opens_then_fails":
+            raise KVSharedUnusable("opened, then failed")
+        if self.behaviour == "never_answers":
+            self.kept += [caches["target"], tensors["hidden"]]
+            await self.stop.wait()
+        self.copied = {name: copy.cpu() for name, copy in copies.items()}
+        return {"hidden": self.copied["hidden"]}
+
+    def on_layer(self, layer: ReceivedLayer) -> None:
+        self.layers[layer.index] = (layer.key, layer.value)
+
+
+@pytest.mark.parametrize("behaviour", CONSUMERS)
 @pytest.mark.parametrize(
     ("producer", "consumer"),
     [pytest.param(*pair, marks=needs(*pair), id="->".join(pair)) for pair in DEVICE_PAIRS],
 )
-async def test_kv_in_one_processs_gpu_memory_is_opened_in_another(producer: str, consumer: str) -> None:
-    received: dict[str, torch.Tensor] = {}
+async def test_kv_in_one_processs_gpu_memory_is_opened_in_another(
+    producer: str, consumer: str, behaviour: str
+) -> None:
+    """Whatever the consumer does with the handle, the producer's GPU memory is back at its baseline
+    once the producer released the buffer (or its deadline passed), and the KV arrives bit-exact."""
+    decode = Consumer(behaviour, consumer)
     done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def import_shared(request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
-        caches, _ = open_shared(shared)
-        assert caches["target"].is_cuda
-        copy = caches["target"].to(consumer)
-        torch.cuda.synchronize(consumer)
-        received["target"] = copy.cpu()
-        return {}
-
-    receiver = IpcKVTransport(import_shared=import_shared)
+    receiver = IpcKVTransport(import_shared=decode.import_shared)
     address = await receiver.start("127.0.0.1", 0, advertise_host="127.0.0.1")
-    receiver.expect("r", lambda _: None, done.set_result, done.set_result, timeout_s=60)
+    receiver.expect("r", decode.on_layer, done.set_result, done.set_result, timeout_s=60)
+    ack_timeout_s = "2" if behaviour == "never_answers" else "60"
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", PRODUCER, address, producer, cwd=REPO, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-c",
+        PRODUCER,
+        address,
+        producer,
+        ack_timeout_s,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         out, _ = await asyncio.wait_for(process.communicate(), 120)
     finally:
         if process.returncode is None:
             process.kill()
+        decode.stop.set()
+        decode.kept.clear()
         await receiver.close()
-    assert process.returncode == 0 and out.strip().endswith(b"released 0")  # no device memory left behind
-    assert not isinstance(await done, Exception)
-    assert torch.equal(received["target"].view(torch.int16), expected_kv().view(torch.int16))
+    lines = out.decode().strip().splitlines()
+    assert process.returncode == 0 and lines[-1] == "released 0", lines  # no device memory left behind
+    if behaviour == "never_answers":
+        assert lines[0] == "failed: KVTransferTimeout" and int(lines[1].split()[1]) > 0, lines
+        return
+    result = await done
+    assert not isinstance(result, Exception), result
+    assert torch.equal(result.tensors["hidden"], expected_hidden())
+    if behaviour == "takes":
+        assert decode.layers == {} and torch.equal(decode.copied["target"], expected_kv())
+    else:
+        assert lines[0].startswith("refused:") and decode.copied == {}
+        received = torch.stack([torch.stack(decode.layers[i]) for i in range(SHAPE[0])])
+        assert torch.equal(received, expected_kv())
 
 
 def test_a_buffer_nobody_opened_is_freed_at_its_release() -> None:

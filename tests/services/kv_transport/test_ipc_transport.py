@@ -1,19 +1,30 @@
 """The ipc KV transport over loopback: the KV goes by handle to shared memory (only the handle on the
 wire) and arrives bit-exact; a receiver on another host, or one that cannot open the handle, gets
-the bytes over TCP instead; a bad handle is refused with a clear error."""
+the bytes over TCP instead; a bad handle is refused with a clear error; a handle the receiver never
+answered is flagged so the sender keeps its buffer; a shared buffer's file is gone once it is
+released, past its deadline, or its producer closed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 
-from services.kv_transport import KVHeader, KVTransferError, KVTransferRefused, LayerShape, TensorSpec
+from services.kv_transport import (
+    KVHeader,
+    KVTransferError,
+    KVTransferRefused,
+    KVTransferTimeout,
+    LayerShape,
+    TensorSpec,
+)
 from services.kv_transport.ipc import IpcKVTransport, KVSharedUnusable
-from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
+from services.kv_transport.ipc_buffer import SHM_DIR, CudaRegion, SharedBuffers, SharedKV, open_shared
 from services.kv_transport.wire import FrameKind, pack
 
 NUM_LAYERS = 3
@@ -95,6 +106,7 @@ async def test_kv_moves_by_handle_and_arrives_bit_exact(pair) -> None:
     decode.expect(receiver, "r")
     session = await sender.open(address, header_of("r", shared))
     assert await session.send_shared(shared) is None
+    assert not session.shared_unanswered  # taken: the sender may free the buffer
     stats = await session.close(extras={"first_token_id": 7})
     done = await decode.done
     assert not isinstance(done, KVTransferError), done
@@ -123,6 +135,7 @@ async def test_kv_goes_as_bytes_where_the_handle_cannot_be_used(pair, why: str) 
     assert refusal is not None and (
         "another host" in refusal if why == "another host" else "no such GPU" in refusal
     )
+    assert not session.shared_unanswered  # never sent, or refused: the sender may free the buffer
     for name, stacked in caches.items():
         for index, kv in enumerate(stacked):
             await session.send_layer(name, index, kv[0], kv[1])
@@ -220,3 +233,89 @@ def test_a_handle_must_describe_its_header() -> None:
     )
     assert shared.problems(other)
     buffers.close()
+
+
+async def test_a_handle_the_receiver_never_answers_is_flagged_unanswered() -> None:
+    """The receiver may still be reading the buffer: the sender must keep it."""
+    decode = Decode()
+    importing = asyncio.Event()
+
+    async def never_done(request_id: str, shared: SharedKV) -> dict[str, torch.Tensor]:
+        open_shared(shared)
+        importing.set()
+        await asyncio.Event().wait()
+        return {}
+
+    receiver = IpcKVTransport(import_shared=never_done)
+    address = await receiver.start("127.0.0.1", 0, advertise_host="127.0.0.1")
+    sender = IpcKVTransport(ack_timeout_s=0.5)
+    buffers = SharedBuffers(torch.device("cpu"))
+    buffer, caches = stacked_caches(buffers, seed=6)
+    shared = buffers.share("r", buffer, caches, {})
+    decode.expect(receiver, "r")
+    session = await sender.open(address, header_of("r", shared))
+    with pytest.raises(KVTransferTimeout):
+        await session.send_shared(shared)
+    assert importing.is_set() and session.shared_unanswered
+    await session.abort()
+    await sender.close()
+    await receiver.close()
+    buffers.close()
+
+
+def shm_files(shared: SharedKV) -> set[str]:
+    regions = [segment.region for segment in (*shared.caches, *shared.tensors)]
+    return {os.path.join(SHM_DIR, region.name) for region in regions}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("outcome", ["released", "deadline", "superseded", "closed"])
+def test_a_shared_buffers_files_are_gone_in_every_outcome(outcome: str) -> None:
+    buffers = SharedBuffers(torch.device("cpu"), timeout_s=60.0)
+    buffer, caches = stacked_caches(buffers, seed=7)
+    files = shm_files(buffers.share("r", buffer, caches, {"hidden": torch.ones(3)}))
+    assert len(files) == 2 and all(os.path.exists(path) for path in files)
+    assert buffers.expire() == []  # not before its deadline
+    if outcome == "released":
+        assert buffers.release("r") and not buffers.release("r")
+    elif outcome == "deadline":
+        assert buffers.expire(time.monotonic() + 60.0) == ["r"]
+    elif outcome == "superseded":  # the request was placed again and shared anew
+        buffer, caches = stacked_caches(buffers, seed=8)
+        files_again = shm_files(buffers.share("r", buffer, caches, {}))
+        assert buffers.num_held == 1 and all(os.path.exists(path) for path in files_again)
+        buffers.release("r")
+    else:
+        buffers.close()
+    assert not any(os.path.exists(path) for path in files) and buffers.num_held == 0
+
+
+def cuda_region(**fields: Any) -> dict[str, Any]:
+    region = dict(
+        device_uuid="GPU-0",
+        handle=b"h" * 64,
+        storage_size_bytes=64,
+        storage_offset_bytes=0,
+        event_handle=b"e" * 64,
+        event_sync_required=True,
+        offset=0,
+        num_bytes=64,
+    )
+    return {**region, **fields}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"event_handle": None}, "64-byte event handle"),
+        ({"event_handle": b"short"}, "64-byte event handle"),
+        ({"ref_counter_handle": b"/torch_1_2", "ref_counter_offset": 0}, "Extra inputs"),
+        ({"num_bytes": 128}, "exceeds the 64-byte allocation"),
+    ],
+    ids=["no event", "short event", "torch's reference counter", "past the allocation"],
+)
+def test_a_cuda_region_is_validated(fields: dict[str, Any], message: str) -> None:
+    """A handle names no reference counter: the producer alone decides when the memory goes."""
+    CudaRegion.model_validate(cuda_region())
+    CudaRegion.model_validate(cuda_region(event_handle=None, event_sync_required=False))
+    with pytest.raises(ValueError, match=message):
+        CudaRegion.model_validate(cuda_region(**fields))

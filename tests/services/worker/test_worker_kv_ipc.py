@@ -1,7 +1,9 @@
 """A prefill worker's side of the ipc KV hand-off, over real transports and a real Redis: whatever
-becomes of the transfer (taken, cancelled by the decode side, timed out, its decode process killed,
-or sent as bytes because the decode worker is on another host), the engine core's shared buffer is
-released and its /dev/shm file is gone; the fallback to bytes is logged once per decode instance."""
+becomes of the transfer, the engine core's shared buffer is released and its /dev/shm file is gone;
+at once where the decode side answered the handle (taken, refused) or never got it (another host),
+at its deadline where it did not answer (cancelled by the decode side, timed out, its decode process
+killed), since the decode side may still be reading it. The fallback to bytes is logged once per
+decode instance."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import torch
 
 from services.engine.kv_export import KVExport
 from services.kv_transport import KVTransferError
-from services.kv_transport.ipc import IpcKVTransport
+from services.kv_transport.ipc import IpcKVTransport, KVSharedUnusable
 from services.kv_transport.ipc_buffer import SHM_DIR, SharedBuffers, SharedKV, open_shared
 from services.worker.core_messages import EngineInfo, EngineLoad, Reply, RowEnd
 from services.worker.metrics import WorkerMetrics
@@ -83,6 +86,14 @@ async def prefill(bus: Bus) -> Any:
     core.buffers.close()
 
 
+def assert_held_until_its_deadline(core: SharingCore, path: str) -> None:
+    """The handle went unanswered: the buffer outlives the transfer, and goes at its deadline."""
+    assert core.released == [] and os.path.exists(path) and core.buffers.num_held == 1
+    assert core.buffers.expire() == []
+    assert core.buffers.expire(time.monotonic() + core.buffers.timeout_s) == ["r"]
+    assert not os.path.exists(path) and core.buffers.num_held == 0
+
+
 async def outcomes(bus: Bus) -> list[str]:
     return [decode(f[PAYLOAD_FIELD]).outcome for _, f in await bus.client.xrange(bus.keys.scheduler_replies)]
 
@@ -90,7 +101,9 @@ async def outcomes(bus: Bus) -> list[str]:
 class Receiver:
     """A decode side whose import of shared KV runs until told, or for ever."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusal: str | None = None) -> None:
+        self.refusal = refusal
+        """Refuse the handle after opening it, saying this (None: take it)."""
         self.importing = asyncio.Event()
         self.finish = asyncio.Event()
         self.errors: list[KVTransferError] = []
@@ -100,6 +113,8 @@ class Receiver:
         self.importing.set()
         await self.finish.wait()
         open_shared(shared)
+        if self.refusal is not None:
+            raise KVSharedUnusable(self.refusal)
         return {}
 
     async def start(self, request_id: str) -> str:
@@ -127,7 +142,18 @@ async def test_a_taken_transfer_frees_the_buffer(prefill, bus: Bus) -> None:
     await receiver.transport.close()
 
 
-async def test_a_transfer_the_decode_side_cancels_frees_the_buffer(prefill, bus: Bus) -> None:
+async def test_a_refused_transfer_sends_bytes_and_frees_the_buffer(prefill, bus: Bus) -> None:
+    worker, core = prefill
+    receiver = Receiver(refusal="copying failed")
+    receiver.finish.set()
+    path, task = await hand_off(worker, core, await receiver.start("r"))
+    await asyncio.wait_for(task, 10)
+    assert await outcomes(bus) == ["handed_off"]
+    assert core.fetched == core.released == ["r"] and not os.path.exists(path) and core.buffers.num_held == 0
+    await receiver.transport.close()
+
+
+async def test_a_transfer_the_decode_side_cancels_frees_the_buffer_at_its_deadline(prefill, bus: Bus) -> None:
     worker, core = prefill
     receiver = Receiver()
     path, task = await hand_off(worker, core, await receiver.start("r"))
@@ -136,24 +162,24 @@ async def test_a_transfer_the_decode_side_cancels_frees_the_buffer(prefill, bus:
     assert receiver.transport.cancel("r")
     await asyncio.wait_for(task, 10)
     assert await outcomes(bus) == ["failed"]
-    assert core.released == ["r"] and not os.path.exists(path) and core.buffers.num_held == 0
+    assert_held_until_its_deadline(core, path)
     await receiver.transport.close()
 
 
-async def test_a_transfer_that_times_out_frees_the_buffer(prefill, bus: Bus) -> None:
+async def test_a_transfer_that_times_out_frees_the_buffer_at_its_deadline(prefill, bus: Bus) -> None:
     worker, core = prefill  # the sender waits 1 s for the shared KV to be taken
     receiver = Receiver()  # and this one never finishes taking it
     path, task = await hand_off(worker, core, await receiver.start("r"))
     await asyncio.wait_for(task, 10)
     assert await outcomes(bus) == ["failed"]
-    assert core.released == ["r"] and not os.path.exists(path) and core.buffers.num_held == 0
+    assert_held_until_its_deadline(core, path)
     await receiver.transport.close()
 
 
 DECODE_PROCESS = textwrap.dedent(
     """
     import asyncio, sys
-    from services.kv_transport.ipc import IpcKVTransport
+    from services.kv_transport.ipc import IpcKVTransport, KVSharedUnusable
 
     async def import_shared(request_id, shared):
         print("importing", flush=True)
@@ -171,7 +197,9 @@ DECODE_PROCESS = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-async def test_a_transfer_whose_decode_process_dies_frees_the_buffer(prefill, bus: Bus) -> None:
+async def test_a_transfer_whose_decode_process_dies_frees_the_buffer_at_its_deadline(
+    prefill, bus: Bus
+) -> None:
     worker, core = prefill
     worker.transport.ack_timeout_s = 30.0  # the death, not a timeout, must end it
     process = await asyncio.create_subprocess_exec(
@@ -190,7 +218,7 @@ async def test_a_transfer_whose_decode_process_dies_frees_the_buffer(prefill, bu
             process.kill()
         await process.wait()
     assert await outcomes(bus) == ["failed"]
-    assert core.released == ["r"] and not os.path.exists(path) and core.buffers.num_held == 0
+    assert_held_until_its_deadline(core, path)
 
 
 async def test_a_decode_worker_on_another_host_gets_bytes_and_it_is_said_once(
