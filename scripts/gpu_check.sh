@@ -27,6 +27,8 @@
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
+# trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
+# and every other GPU test whose name mentions a tree).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -220,5 +222,10 @@ if [[ " $stages " == *" grammar "* ]]; then
             $flag --methods $methods --out "$OUT/offline-grammar-$schema.json" 2>&1 | tee -a "$OUT/grammar.log" \
             | grep "^| [a-z]"
     done
+fi
+if [[ " $stages " == *" trees "* ]]; then
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
+        2>&1 | tee "$OUT/trees-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
 fi
 exit $status
