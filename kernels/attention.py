@@ -19,7 +19,8 @@ key, softmax one warp per row, P V one thread per head_dim chunk.
 
 A sequence's query of any length (a decode token, 1 + k verify tokens, a long prefill chunk) is cut
 into query tiles numbered densely across the step (`AttentionMetadata.tile_starts`), each tile
-attending to the context up to its own last token.
+attending to the context up to its own last token. A query that is a draft tree (`meta.tree_mask`)
+further hides, per query row, the tokens of its own query whose bit is clear (attention_ref).
 """
 
 from __future__ import annotations

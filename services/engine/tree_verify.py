@@ -35,8 +35,9 @@ import torch
 
 import kernels
 from kernels.verify_ref import TARGET_MATCH
-from services.engine.input_batch import GatheredParams
-from services.engine.spec_decode.tree import ROOT, TreeTensors
+from services.engine.input_batch import GatheredParams, InputBatch
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.tree import ROOT, DraftTree
 from shared.model.llama import KVCache
 
 
@@ -55,6 +56,8 @@ def target_tokens(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32
     params: GatheredParams,  # the rows' requests' parameters, one per row
     row_positions: torch.Tensor,  # [num_rows] int64: output position each row samples
+    bitmask: torch.Tensor | None = None,  # [num_rows, num_words] int32 grammar masks
+    masked_rows: torch.Tensor | None = None,  # [num_rows] int32, nonzero: apply the row's bitmask
 ) -> torch.Tensor:  # [num_rows] int64
     """What the target emits at each row on its own (argmax at temperature 0, else its keyed sample):
     the fused verify kernel with every row a request of its own and no draft."""
@@ -73,6 +76,8 @@ def target_tokens(
         TARGET_MATCH,
         max_rows=1,
         request_of_row=torch.arange(num_rows, dtype=torch.int32, device=device),
+        bitmask=bitmask,
+        masked_rows=masked_rows,
     )
     return token_ids[:, 0].long()
 
@@ -80,14 +85,13 @@ def target_tokens(
 def verify_tree(
     target_ids: torch.Tensor,  # [num_rows] int64: the target token of every row
     draft_ids: torch.Tensor,  # [num_rows] int32: row j of a request holds node j + 1's token, -1 on its last row
-    cu_num_rows: torch.Tensor,  # [num_seqs + 1] int32: a request's rows are its tree's first nodes
-    tree: TreeTensors,
-    max_rows: int,
+    cu_num_rows: torch.Tensor,  # [num_seqs + 1] int32: a request's rows are its tree's nodes
+    parents: torch.Tensor,  # [num_seqs, max_rows] int64: each request's parent array (a chain: j - 1), -1 past its rows
 ) -> TreeVerdict:
-    """The accepted path of every request (the module docstring's rule), on the device."""
+    """The accepted path of every request (the module docstring's rule), on the device; token_ids
+    and path are `max_rows` wide."""
     device = target_ids.device
-    num_nodes = tree.parents.shape[0]
-    depth = int(tree.depths[-1]) if num_nodes > 1 else 0
+    num_nodes = parents.shape[1]
     starts = cu_num_rows[:-1].long()
     num_rows = (cu_num_rows[1:] - cu_num_rows[:-1]).long()
     nodes = torch.arange(num_nodes, device=device)
@@ -95,29 +99,48 @@ def verify_tree(
     present = (nodes < num_rows[:, None]) & (nodes != ROOT)
     targets = target_ids[rows]
     node_ids = torch.where(present, draft_ids.long()[(rows - 1).clamp(min=0)], -1)
-    parents = tree.parents.clamp(min=0)
-    matches = present & (node_ids == targets[:, parents])  # [num_seqs, num_nodes]
+    matches = present & (node_ids == targets.gather(1, parents.clamp(min=0)))  # [num_seqs, num_nodes]
     current = torch.zeros_like(num_rows)
     path = [current]
-    for _ in range(depth):
-        children = (tree.parents[None, :] == current[:, None]) & matches
+    for _ in range(num_nodes - 1):
+        children = (parents == current[:, None]) & matches
         found = children.any(dim=1)
         current = torch.where(found, children.int().argmax(dim=1), current)
         path.append(current)
-    steps = torch.stack(path, dim=1)  # [num_seqs, depth + 1]
+    steps = torch.stack(path, dim=1)  # [num_seqs, num_nodes]
     num_accepted = (steps[:, 1:] != steps[:, :-1]).sum(dim=1)
-    path_ids = node_ids.gather(1, steps[:, 1:])  # [num_seqs, depth]
+    path_ids = torch.nn.functional.pad(node_ids.gather(1, steps[:, 1:]), (0, 1), value=-1)
     last = targets.gather(1, current[:, None])
-    columns = torch.arange(max_rows, device=device)[None, :]
-    accepted_ids = torch.nn.functional.pad(path_ids, (0, max(0, max_rows - depth)), value=-1)[:, :max_rows]
-    token_ids = torch.where(columns < num_accepted[:, None], accepted_ids, -1)
+    columns = nodes[None, :]
+    token_ids = torch.where(columns < num_accepted[:, None], path_ids, -1)
     token_ids = torch.where(columns == num_accepted[:, None], last, token_ids)
     return TreeVerdict(token_ids.int(), num_accepted.int(), steps)
 
 
+def tree_parents(tree: DraftTree, num_rows: list[int], is_tree: list[bool], max_rows: int) -> torch.Tensor:
+    """[num_seqs, max_rows] int64 parent arrays of a step's requests: the tree's first nodes where
+    `is_tree`, else a chain; -1 at the root and past each request's rows."""
+    parents = torch.full((len(num_rows), max_rows), -1, dtype=torch.long)
+    chain = torch.arange(-1, max_rows - 1)
+    shape = torch.tensor(tree.parents[:max_rows] + [-1] * (max_rows - len(tree.parents[:max_rows])))
+    for i, (n, tree_like) in enumerate(zip(num_rows, is_tree)):
+        parents[i, :n] = (shape if tree_like else chain)[:n]
+    return parents
+
+
+def tree_verifiable(seq: Sequence) -> bool:
+    """Whether the tree rule verifies the request: the target token of a row must not depend on
+    the rows before it (penalties, min_tokens, a grammar) nor need the torch sampler (logit bias,
+    logprobs), and its stop ids fit its slot. Other requests of a tree server draft nothing."""
+    p = seq.params
+    suppressing = seq.num_output_tokens < p.min_tokens
+    changed = p.has_penalties or bool(p.logit_bias) or p.logprobs is not None
+    return not (changed or suppressing or seq.grammar is not None) and InputBatch.fits(seq)
+
+
 def compact_path_kv(
     caches: list[KVCache],
-    path: torch.Tensor,  # [num_seqs, depth + 1] int64 (TreeVerdict.path)
+    path: torch.Tensor,  # [num_seqs, max_rows] int64 (TreeVerdict.path)
     num_accepted: torch.Tensor,  # [num_seqs] int32
     root_positions: torch.Tensor,  # [num_seqs] int64: each request's root position
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32

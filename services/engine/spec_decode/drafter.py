@@ -28,6 +28,8 @@ from services.engine.spec_decode.suffix import (
     SuffixConfig,
     SuffixProposer,
 )
+from services.engine.spec_decode.tree import DraftTree
+from services.engine.tree_verify import tree_verifiable
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
@@ -60,6 +62,8 @@ class Drafter:
         self.own = own_proposer(self.device_methods, config.method)
         self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
         """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
+        self.tree = DraftTree(config.tree) if config.tree else None
+        """The server's draft tree (its own method's requests draft it), or None: chains."""
         self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
@@ -139,6 +143,9 @@ class Drafter:
             seq = seqs[i]
             # the step emits at least one token, the next one at least one more
             ks[i] = max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 2))
+            if self._drafts_tree(seq):  # k is the tree's depth; the drafts are its nodes to that depth
+                assert self.tree is not None
+                ks[i] = self.tree.num_nodes(ks[i]) - 1 if tree_verifiable(seq) else 0
         if self.max_graph_tokens is not None:  # past the largest CUDA graph a step runs eagerly
             ks = fit_draft_budget(
                 ks, [seq.spec.acceptance for seq in seqs], self.max_graph_tokens - num_running
@@ -203,13 +210,20 @@ class Drafter:
         seconds -= self.host_drafting_s
         self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds, mixed)
 
+    def _drafts_tree(self, seq: Sequence) -> bool:
+        return self.tree is not None and seq.spec.method == self.config.method
+
     def _reserve_chain(self, seq: Sequence, k: int, num_new: int) -> int:
         """k, or 0 when the blocks the request's drafting-model chain writes cannot be had."""
         steps = self.chain_steps.get(seq.spec.method)
         if k == 0 or steps is None:
             return k
-        # a head's chain writes KV from the newest token on; the draft model's from the one after
+        # a head's chain writes KV from the newest token on; the draft model's from the one after;
+        # a head drafting a tree writes each node above the last depth one position past the newest
         lookahead = min(k, steps) - 1 if seq.spec.method in HEAD_METHODS else k
+        if self._drafts_tree(seq):
+            assert self.tree is not None
+            lookahead = self.tree.num_nodes(self.tree.depth - 1) - 1
         if lookahead <= 0:
             return k
         if not self.block_manager.can_append(seq, num_new + lookahead):
@@ -240,15 +254,16 @@ def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dic
         "ngram": NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.k),
     }
     block_size = runner.block_size
+    tree = DraftTree(config.tree) if config.tree else None
     if runner.mtp_head is not None:
         with_ngram = config.mtp_strategy == "with_ngram"
         ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
         proposers["mtp"] = MTPProposer(
-            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram
+            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram, tree
         )
     if runner.eagle3_head is not None:
         proposers["eagle3"] = Eagle3Proposer(
-            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size
+            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size, tree
         )
     if runner.draft_model is not None:
         proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)

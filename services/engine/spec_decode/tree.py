@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
 
 ROOT = 0
@@ -67,19 +65,3 @@ class DraftTree:
     def masks(self) -> list[int]:
         """Each node's ancestor bitmask (itself included): its `AttentionMetadata.tree_mask`."""
         return ancestor_masks(self.parents)
-
-    def tensors(self, device: torch.device) -> TreeTensors:
-        return TreeTensors(
-            parents=torch.tensor(self.parents, dtype=torch.long, device=device),
-            depths=torch.tensor(self.depths, dtype=torch.long, device=device),
-            masks=torch.tensor(self.masks, dtype=torch.long, device=device),
-        )
-
-
-@dataclass
-class TreeTensors:
-    """A `DraftTree` on the device."""
-
-    parents: torch.Tensor  # [num_nodes] int64, -1 at the root
-    depths: torch.Tensor  # [num_nodes] int64
-    masks: torch.Tensor  # [num_nodes] int64 ancestor bitmasks

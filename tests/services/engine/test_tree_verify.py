@@ -7,7 +7,19 @@ import torch
 
 from services.engine.input_batch import GatheredParams
 from services.engine.spec_decode.tree import DraftTree
-from services.engine.tree_verify import compact_path_kv, target_tokens, verify_tree
+from services.engine.tree_verify import compact_path_kv, target_tokens, tree_parents, verify_tree
+
+
+def test_a_chain_among_trees_verifies_as_a_chain() -> None:
+    tree = DraftTree((2, 2))
+    draft_ids, cu = rows_of([[5, 6, 7], [5, 6, 7, 8, 9, 10]])
+    # the chain: 5, 6 accepted, 7 rejected (the target says 4 after 6); the tree: node 2 (6), its
+    # child node 6 (10), then the target's 0
+    target_ids = torch.tensor([5, 6, 4, 0] + [6, 0, 10, 0, 0, 0, 0])
+    verdict = verify_tree(target_ids, draft_ids, cu, tree_parents(tree, [4, 7], [False, True], 7))
+    assert verdict.num_accepted.tolist() == [2, 2]
+    assert verdict.token_ids[0, :4].tolist() == [5, 6, 4, -1]
+    assert verdict.token_ids[1, :4].tolist() == [6, 10, 0, -1]
 
 
 def test_tree_shape_in_level_order() -> None:
@@ -47,9 +59,10 @@ def test_greedy_takes_the_longest_matching_path() -> None:
     targets2 = [10, 5, 0, 0]
     draft_ids, cu = rows_of([nodes, nodes, nodes[:3]])
     target_ids = torch.tensor(targets0 + targets1 + targets2)
-    verdict = verify_tree(target_ids, draft_ids, cu, tree.tensors(torch.device("cpu")), max_rows=10)
+    parents = tree_parents(tree, [10, 10, 4], [True, True, True], 10)
+    verdict = verify_tree(target_ids, draft_ids, cu, parents)
     assert verdict.num_accepted.tolist() == [2, 1, 1]
-    assert verdict.path.tolist() == [[0, 3, 9], [0, 2, 2], [0, 1, 1]]
+    assert verdict.path[:, :4].tolist() == [[0, 3, 9, 9], [0, 2, 2, 2], [0, 1, 1, 1]]
     assert verdict.token_ids[0, :4].tolist() == [12, 25, 7, -1]
     assert verdict.token_ids[1, :3].tolist() == [11, 99, -1]
     assert verdict.token_ids[2, :3].tolist() == [10, 5, -1]
@@ -94,7 +107,8 @@ def emitted_pairs(num_requests: int) -> tuple[list[tuple[int, int]], torch.Tenso
     positions = torch.tensor(tree.depths).repeat(num_requests)
     targets = target_tokens(logits, sampling_params(seeds), positions)
     cu = torch.arange(num_requests + 1, dtype=torch.int32) * num_nodes
-    verdict = verify_tree(targets, draft_ids, cu, tree.tensors(torch.device("cpu")), max_rows=num_nodes)
+    parents = tree_parents(tree, [num_nodes] * num_requests, [True] * num_requests, num_nodes)
+    verdict = verify_tree(targets, draft_ids, cu, parents)
     first = verdict.token_ids[:, 0].long()
     # a request that emitted one token samples its second at the next step, after `first`
     next_step = target_tokens(
