@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const int* __restrict__ seq_lens,          /* [num_seqs] */
     const int* __restrict__ query_start_loc,   /* [num_seqs + 1] */
     const int* __restrict__ tile_starts,       /* [num_seqs + 1] or null: one tile per sequence */
-    const long long* __restrict__ tree_mask,   /* [num_tokens] or null: causal (attention_ref) */
+    const long long* __restrict__ tree_mask,   /* [num_tokens] (attention_ref), read where TREE is 1 */
     scalar_t* __restrict__ out,                /* [num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_out,              /* [num_splits, num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_ml,               /* [num_splits, num_tokens, num_heads, 2] */
@@ -293,8 +293,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
                     const int pos_q = first_pos + r / group;
                     bool visible = pos_k < s_end && pos_k <= pos_q &&
                                    (sliding_window <= 0 || pos_q - pos_k < sliding_window);
-                    if (tree_mask != nullptr && visible)
-                        visible = in_tree(__ldg(tree_mask + q_begin + t0 + r / group), pos_k, w.context_len);
+#if TREE
+                    visible = visible && in_tree(__ldg(tree_mask + q_begin + t0 + r / group), pos_k, w.context_len);
+#endif
                     ss[r * S_STRIDE + n] = visible ? s[i] : NEG_INF;
                 }
             }
@@ -463,12 +464,16 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     /* Q fragments (A operand, rows g and g + 8, unscaled), straight from global memory */
     unsigned qf[HEAD_DIM / 16][4];
     int pos_q[2];
+#if TREE
     long long tmask[2];
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
         pos_q[h] = r < rows ? first_pos + r / group : -1;
-        tmask[h] = tree_mask != nullptr && r < rows ? tree_mask[q_begin + t0 + r / group] : -1LL;
+#if TREE
+        tmask[h] = r < rows ? tree_mask[q_begin + t0 + r / group] : -1LL;
+#endif
         const long long base = r < rows
             ? ((long long)(q_begin + t0 + r / group) * num_heads + kv_head * group + r % group) * HEAD_DIM : -1;
 #pragma unroll
@@ -527,9 +532,11 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int pos_k = tile_start + kw + j * 8 + 2 * t + c;
-                    const bool visible = pos_q[h] >= 0 && pos_k < s_end && pos_k <= pos_q[h] &&
-                                         (sliding_window <= 0 || pos_q[h] - pos_k < sliding_window) &&
-                                         in_tree(tmask[h], pos_k, w.context_len);
+                    bool visible = pos_q[h] >= 0 && pos_k < s_end && pos_k <= pos_q[h] &&
+                                   (sliding_window <= 0 || pos_q[h] - pos_k < sliding_window);
+#if TREE
+                    visible = visible && in_tree(tmask[h], pos_k, w.context_len);
+#endif
                     const float v = visible ? sc[j][2 * h + c] * scale_log2 : NEG_INF;
                     p[j][2 * h + c] = v;
                     mx = fmaxf(mx, v);
@@ -841,6 +848,8 @@ def _launch_attention(
         smem = mma_smem_bytes(head_dim, query.element_size())
     else:
         smem = smem_bytes(rmax, head_dim, query.element_size())
+    # a tree-masked variant of its own: causal queries run the kernel without the mask's reads
+    tree = {"TREE": 1} if meta.tree_mask is not None else {}
     kernel = _cuda.function(
         SOURCE,
         "append_attention_mma" if tensor_cores else "append_attention",
@@ -850,6 +859,7 @@ def _launch_attention(
         RMAX=rmax,
         BLOCK_N=BLOCK_N,
         THREADS=THREADS,
+        **tree,
     )
     _cuda.set_max_dynamic_shared(kernel, smem)
     if num_splits > 1:
