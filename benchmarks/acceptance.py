@@ -198,7 +198,9 @@ class RunResult:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        """Per position up to k (a tree's: per depth, whatever its node count)."""
+        rates = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return rates[: self.k]
 
     @property
     def tokens_per_step(self) -> float:

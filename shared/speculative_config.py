@@ -84,7 +84,8 @@ class SpeculativeConfig(BaseModel):
     each depth (`[3, 2, 1]`: 3 at depth 1, 2 under each of those, 1 under each of those: 15
     drafts), verified in one target forward with tree attention. num_speculative_tokens is then
     the tree's depth (defaults to it; a request's smaller k cuts the tree at that depth), and the
-    per-request token budget is the tree's node count. Needs adaptive off."""
+    per-request token budget is the tree's node count (adaptive speculation picks the depth, pricing
+    a tree by its nodes)."""
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -140,10 +141,6 @@ class SpeculativeConfig(BaseModel):
         if self.mtp_strategy != "default" or self.num_model_steps not in (None, len(tree)):
             raise ValueError(
                 "tree drafting chains the head to the tree's depth: drop mtp_strategy and num_model_steps"
-            )
-        if self.adaptive:
-            raise ValueError(
-                "tree drafting needs adaptive: false (the adaptive controller prices chains only)"
             )
         if self.verify_strategy == "topp" or self.accept_policy != "normal":
             raise ValueError(

@@ -218,6 +218,8 @@ class ModelRunner:
         """The draft tree the server's head drafts (steps then run eagerly), or None: chains."""
         if self.tree is not None and self.tp.size > 1:
             raise ValueError("tree drafting runs with tensor_parallel_size 1")
+        if self.tree is not None and any(w is not None for w in model_config.sliding_windows):
+            raise ValueError("tree drafting does not support models with sliding-window attention")
         # a row holds the longest request, the tokens a step may keep past it and drafts written
         # after its end (with_ngram)
         row_capacity = max_model_len + 2 * (self.max_num_drafts + 1)
@@ -455,7 +457,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
         """The tail of a step that verifies draft trees (services/engine/tree_verify.py): the target
         KV of each accepted path compacted, then the update and drafting. Requests the fused kernel
-        cannot verify bring no drafts (`tree_verifiable`) and take the torch `RejectionSampler`."""
+        cannot verify bring no tree (`tree_verifiable`); in a step with any of them, every request
+        without a tree takes the torch `RejectionSampler`'s result."""
         assert self.tail is not None and t.tree_parents is not None
         params = self.inputs.gather(t.row_slots)
         masks = (t.bitmask, t.masked_rows if t.bitmask is not None else None)
@@ -465,7 +468,8 @@ class ModelRunner:
         logprobs: list[list[TokenLogprobs | None]] = []
         if not fused:
             host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan)
-            on_host = torch.tensor([not self._fusable(seq) for seq in plan.seqs], device=self.device)
+            # the torch sampler's result is right for every request without a tree (chains, grammars)
+            on_host = torch.tensor([not self._verifies_tree(seq) for seq in plan.seqs], device=self.device)
             token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
             num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
             chain = torch.minimum(
@@ -590,7 +594,6 @@ class ModelRunner:
             earlier = first - int(cu[row])  # the request's query tokens before its tree's root
             if earlier + n > MAX_TREE_NODES:
                 raise ValueError(f"a draft tree after {earlier} other query tokens exceeds {MAX_TREE_NODES}")
-            tree_mask[cu[row] : first] = CAUSAL_MASK
             tree_mask[first : first + n] = (masks[:n] << earlier) | ((1 << earlier) - 1)
             positions[first : first + n] = positions[first] + depths[:n]
             row_depths[cu_rows[i] : cu_rows[i] + n] = depths[:n]

@@ -60,11 +60,16 @@ class Drafter:
         self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
         """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
         self.own = own_proposer(self.device_methods, config.method)
-        self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
-        """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
         self.tree = DraftTree(config.tree) if config.tree else None
         """The server's draft tree (its own method's requests draft it), or None: chains."""
-        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
+        self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
+        """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
+        tree_tokens: dict[str, list[int]] = {}
+        if self.tree is not None:  # a tree's k is its depth; depth k verifies its nodes to there
+            tree_tokens[config.method] = [self.tree.num_nodes(k) - 1 for k in range(config.k + 1)]
+        self.adaptive = AdaptiveSpeculation(
+            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens
+        )
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
@@ -121,6 +126,9 @@ class Drafter:
     def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
         """Books a verify step: statistics, acceptance estimate, the proposer's own state."""
         seq.spec.record(num_drafts, num_accepted)
+        if self._drafts_tree(seq) and num_drafts:  # its acceptance is per depth: the depths it drafted
+            assert self.tree is not None
+            num_drafts = self.tree.depths[num_drafts]
         self.adaptive.observe(seq, num_drafts, num_accepted)
         if seq.spec.method != "naive" and token_ids:
             self.proposers[seq.spec.method].append(seq, token_ids)
@@ -152,7 +160,9 @@ class Drafter:
             )
         num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
         ks = [self._reserve_chain(seq, k, num_new[seq.request_id]) for seq, k in zip(seqs, ks)]
-        chains = [k for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps]
+        chains = [
+            self._chain_length(seq, k) for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps
+        ]
         methods = [self.method_index(seq) for seq in seqs]
         only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
         return StepPlan(seqs, ks, max(chains, default=0), methods, only)
@@ -209,6 +219,13 @@ class Drafter:
         `mixed`: it carried prefill chunks."""
         seconds -= self.host_drafting_s
         self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds, mixed)
+
+    def _chain_length(self, seq: Sequence, k: int) -> int:
+        """The chained forwards a request's k drafts take: k, or a tree's depth (k nodes)."""
+        if k == 0 or not self._drafts_tree(seq):
+            return k
+        assert self.tree is not None
+        return self.tree.depths[k]
 
     def _drafts_tree(self, seq: Sequence) -> bool:
         return self.tree is not None and seq.spec.method == self.config.method

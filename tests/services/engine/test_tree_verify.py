@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from services.engine.input_batch import GatheredParams
@@ -20,22 +19,6 @@ def test_a_chain_among_trees_verifies_as_a_chain() -> None:
     assert verdict.num_accepted.tolist() == [2, 2]
     assert verdict.token_ids[0, :4].tolist() == [5, 6, 4, -1]
     assert verdict.token_ids[1, :4].tolist() == [6, 10, 0, -1]
-
-
-def test_tree_shape_in_level_order() -> None:
-    tree = DraftTree((3, 2, 1))
-    assert tree.num_nodes() == 1 + 3 + 6 + 6
-    assert tree.num_nodes(1) == 4 and tree.num_nodes(0) == 1
-    assert tree.parents[:10] == [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]
-    assert tree.parents[10:] == [4, 5, 6, 7, 8, 9]
-    assert tree.depths == [0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
-    assert tree.masks[10] == (1 << 10) | (1 << 4) | (1 << 1) | 1
-
-
-@pytest.mark.parametrize("branching", [(), (2, 0), (8, 8)])
-def test_bad_tree_shapes_are_refused(branching: tuple[int, ...]) -> None:
-    with pytest.raises(ValueError, match="tree"):
-        DraftTree(branching)
 
 
 def rows_of(drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

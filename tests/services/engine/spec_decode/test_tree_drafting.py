@@ -46,6 +46,47 @@ def test_tree_drafting_keeps_greedy_output(target, naive_tokens, method_head, lo
         assert all(o.spec_stats["num_draft_tokens"] == 0 for o in outputs[1::2])
 
 
+def run_engine(llm: LLM, requests: dict[str, tuple[dict, SamplingParams]]) -> dict[str, list[int]]:
+    """Every request added at once (`prompt` or `prompt_token_ids`), stepped to the end: tokens by id."""
+    engine = llm.engine
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, params=params, **prompt)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["tree-verifier", "with-torch-verifier"])
+def test_grammar_requests_beside_trees_keep_their_tokens(target, naive_tokens, mtp_head, logprobs) -> None:
+    """A grammar request drafts nothing on a tree server and shares steps with tree requests: its
+    row is masked by its grammar in the tree verifier, and in the torch sampler where a request
+    with logprobs beside it sends the step there."""
+    from tests.services.engine.spec_decode.test_structured_output import PROMPTS, constrained
+
+    requests = {
+        f"json-{i}": ({"prompt": p}, constrained(GREEDY, "json_schema")) for i, p in enumerate(PROMPTS[:2])
+    }
+    with_logprobs = GREEDY.model_copy(update={"logprobs": logprobs})
+    plain = {
+        f"plain-{i}": ({"prompt_token_ids": p}, with_logprobs if i == 0 else GREEDY)
+        for i, p in enumerate(repetitive_prompts())
+    }
+    naive = run_engine(LLM(target, device="cpu", max_model_len=256), dict(requests))
+    tokens = run_engine(head_llm(target, "mtp", mtp_head, tree=TREE), {**requests, **plain})
+    assert [tokens[f"json-{i}"] for i in range(2)] == [naive[f"json-{i}"] for i in range(2)]
+    assert [tokens[f"plain-{i}"] for i in range(len(plain))] == naive_tokens
+
+
+def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
+    """Adaptive speculation picks each request's depth (pricing a tree by its nodes)."""
+    llm = head_llm(target, "mtp", mtp_head, tree=TREE, adaptive=True)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+
+
 def test_a_tree_accepts_more_than_the_chain_of_its_depth(target, mtp_head) -> None:
     chain = head_llm(target, "mtp", mtp_head, num_speculative_tokens=3).generate(
         prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY
@@ -87,7 +128,7 @@ def test_a_smaller_k_cuts_the_tree(target, naive_tokens, mtp_head) -> None:
     [
         ({"method": "ngram", "tree": [2]}, "mtp or eagle3"),
         ({"method": "mtp", "model": "m", "tree": [2, 2], "num_speculative_tokens": 3}, "depth"),
-        ({"method": "mtp", "model": "m", "tree": [2, 2], "adaptive": True}, "adaptive"),
+        ({"method": "mtp", "model": "m", "tree": [2, 2], "verify_strategy": "topp"}, "rejection"),
         ({"method": "mtp", "model": "m", "tree": [2, 0], "adaptive": False}, ">= 1"),
         ({"method": "eagle3", "model": "m", "tree": [8, 4, 2], "adaptive": False}, "at most 64"),
     ],
