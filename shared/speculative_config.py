@@ -131,6 +131,10 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def _check_tree(self, tree: tuple[int, ...]) -> None:
+        if not tree or any(b < 1 for b in tree):
+            raise ValueError(
+                f"tree branching factors must be >= 1 per depth, at least one depth; got {list(tree)}"
+            )
         if self.method not in TREE_METHODS:
             raise ValueError(f"tree drafting needs method mtp or eagle3, not {self.method!r}")
         if self.num_speculative_tokens != len(tree):
@@ -142,12 +146,10 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(
                 "tree drafting chains the head to the tree's depth: drop mtp_strategy and num_model_steps"
             )
-        if self.verify_strategy == "topp" or self.accept_policy != "normal":
+        if self.verify_strategy not in ("rejection", "target_match") or self.accept_policy != "normal":
             raise ValueError(
-                "tree drafting verifies with rejection, greedy or target_match and accept_policy normal"
+                "tree drafting verifies losslessly: verify_strategy rejection or target_match, accept_policy normal"
             )
-        if any(b < 1 for b in tree):
-            raise ValueError(f"tree branching factors must be >= 1 per depth, got {list(tree)}")
         if self.max_num_drafts + 1 > MAX_TREE_NODES:
             raise ValueError(
                 f"tree {list(tree)} has {self.max_num_drafts + 1} nodes with its root; at most {MAX_TREE_NODES}"

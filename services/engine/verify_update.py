@@ -57,7 +57,7 @@ class StepTensors:
     bitmask: torch.Tensor | None = None  # [num_rows, num_words] int32, read on `masked_rows` only
     """The grammar masks of the rows, filled once the forward is launched; None: no row is masked."""
     tree_parents: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (HostStep.tree_parents)
-    tree_path: torch.Tensor | None = None  # [num_seqs, depth + 1] int64 (TreeVerdict.path)
+    tree_path: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (TreeVerdict.path)
     """Where the step verifies draft trees: each request's accepted path, once verified."""
 
 

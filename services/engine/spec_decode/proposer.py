@@ -64,7 +64,7 @@ class DraftBatch:
     cu_num_rows: torch.Tensor | None = None
     """[num_seqs + 1] int32 where each request's logit rows start (device proposers)."""
     tree_path: torch.Tensor | None = None
-    """[num_seqs, depth + 1] int64 the row (tree node) each request accepted at each depth, where
+    """[num_seqs, max_rows] int64 the row (tree node) each request accepted at each depth, where
     the step verified draft trees (services/engine/tree_verify.py); None: chains."""
 
     @classmethod

@@ -128,7 +128,9 @@ def test_a_smaller_k_cuts_the_tree(target, naive_tokens, mtp_head) -> None:
     [
         ({"method": "ngram", "tree": [2]}, "mtp or eagle3"),
         ({"method": "mtp", "model": "m", "tree": [2, 2], "num_speculative_tokens": 3}, "depth"),
-        ({"method": "mtp", "model": "m", "tree": [2, 2], "verify_strategy": "topp"}, "rejection"),
+        ({"method": "mtp", "model": "m", "tree": [2, 2], "verify_strategy": "topp"}, "losslessly"),
+        ({"method": "mtp", "model": "m", "tree": [2, 2], "verify_strategy": "greedy"}, "losslessly"),
+        ({"method": "mtp", "model": "m", "tree": []}, "at least one depth"),
         ({"method": "mtp", "model": "m", "tree": [2, 0], "adaptive": False}, ">= 1"),
         ({"method": "eagle3", "model": "m", "tree": [8, 4, 2], "adaptive": False}, "at most 64"),
     ],
