@@ -225,7 +225,7 @@ if [[ " $stages " == *" grammar "* ]]; then
     done
 fi
 if [[ " $stages " == *" trees "* ]]; then
-    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
+    timeout 500 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
         2>&1 | tee "$OUT/trees-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
     timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
