@@ -18,7 +18,9 @@ finds fewer, or where max_tokens is near). Terms, as in vLLM's spec-decode metri
 
 Methods: `ngram`, `suffix` (with a global suffix tree that starts empty for each workload),
 `mtp` (num_model_steps = k, k <= 3), `mtp_ngram` (mtp_strategy with_ngram: m MTP drafts then
-n-gram drafts up to k, m = 1 or 2 < k), `eagle3` (a chain of k EAGLE-3 drafts) and `draft_model`. Runs that share models share one engine
+n-gram drafts up to k, m = 1 or 2 < k), `eagle3` (a chain of k EAGLE-3 drafts), `draft_model`, and
+`mtp_tree` / `eagle3_tree` (each shape of `--trees`, e.g. 3,2,1: the head's top-3 at depth 1, top-2
+under each, top-1 under each; k is the tree's depth, --ks does not apply). Runs that share models share one engine
 (each request asks for its method and k by a per-request override), so a workload's prompts are
 prefilled once per engine and then served from the prefix cache. Speculation is lossless at
 temperature 0: every method must produce the same output tokens, and the JSON counts requests
@@ -55,7 +57,10 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-METHODS = ("ngram", "suffix", "mtp", "mtp_ngram", "eagle3", "draft_model")
+METHODS = ("ngram", "suffix", "mtp", "mtp_ngram", "eagle3", "draft_model", "mtp_tree", "eagle3_tree")
+TREE_METHODS = {"mtp_tree": "mtp", "eagle3_tree": "eagle3"}
+"""Methods that draft a static tree (`--trees`), and the head each one uses."""
+DEFAULT_TREES = ("3,2,1",)
 MAX_MTP_STEPS = 3
 """The MTP head is chained at most this many times (k = num_model_steps <= 3)."""
 MTP_NGRAM_STEPS = (1, 2)
@@ -74,9 +79,13 @@ class MethodConfig:
     k: int
     num_model_steps: int | None = None
     """mtp / mtp_ngram: times the MTP head is chained per step."""
+    tree: tuple[int, ...] | None = None
+    """mtp_tree / eagle3_tree: children per node at each depth."""
 
     @property
     def label(self) -> str:
+        if self.tree is not None:
+            return f"{TREE_METHODS[self.method]} tree [{', '.join(map(str, self.tree))}]"
         if self.method == "mtp_ngram":
             return f"mtp+ngram (m={self.num_model_steps})"
         return self.method
@@ -89,6 +98,8 @@ class MethodConfig:
             return "model_free"
         if self.method == "mtp_ngram":
             return f"mtp_ngram_{self.num_model_steps}"
+        if self.tree is not None:
+            return f"{self.method}_{'_'.join(map(str, self.tree))}"
         return self.method
 
     def override(self) -> SpeculativeOverride:
@@ -96,11 +107,16 @@ class MethodConfig:
         return SpeculativeOverride.model_validate({"method": method, "num_speculative_tokens": self.k})
 
 
-def method_matrix(methods: list[str], ks: list[int]) -> list[MethodConfig]:
-    """Every (method, k) the issue asks for, restricted to `methods` and `ks`."""
+def method_matrix(
+    methods: list[str], ks: list[int], trees: list[tuple[int, ...]] | None = None
+) -> list[MethodConfig]:
+    """Every (method, k) the issue asks for, restricted to `methods` and `ks`; tree methods at
+    each of `trees`."""
     configs = []
     for method in methods:
-        if method == "mtp":
+        if method in TREE_METHODS:
+            configs += [MethodConfig(method, len(tree), tree=tree) for tree in trees or []]
+        elif method == "mtp":
             configs += [MethodConfig("mtp", k, k) for k in ks if k <= MAX_MTP_STEPS]
         elif method == "mtp_ngram":
             configs += [MethodConfig("mtp_ngram", k, m) for m in MTP_NGRAM_STEPS for k in ks if m < k]
@@ -120,6 +136,10 @@ def engine_speculative_config(key: str, configs: list[MethodConfig]) -> Speculat
     if key == "eagle3":
         return SpeculativeConfig(method="eagle3", model=str(reference_dir(EAGLE3_HEAD)), **common)
     mtp_dir = str(reference_dir(MTP_HEAD))
+    tree = configs[0].tree
+    if tree is not None:
+        head = mtp_dir if configs[0].method == "mtp_tree" else str(reference_dir(EAGLE3_HEAD))
+        return SpeculativeConfig(method=TREE_METHODS[configs[0].method], model=head, tree=tree, **common)
     if key == "mtp":
         return SpeculativeConfig(method="mtp", model=mtp_dir, num_model_steps=max_k, **common)
     steps = configs[0].num_model_steps
@@ -178,7 +198,9 @@ class RunResult:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        """Per position up to k (a tree's: per depth, whatever its node count)."""
+        rates = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return rates[: self.k]
 
     @property
     def tokens_per_step(self) -> float:
@@ -266,7 +288,8 @@ class AcceptanceBench:
 
     def make_engine(self, spec: SpeculativeConfig) -> tuple[LLMEngine, FreshGlobalIndex]:
         """An engine with room for every prompt of every workload in its prefix cache."""
-        max_k = spec.k
+        # a tree's head also writes KV for its inner nodes past the newest token
+        max_k = spec.max_num_drafts * (2 if spec.tree else 1)
         num_blocks = sum(
             -(-(r.num_prompt_tokens + self._max_tokens(r) + max_k + 1) // BLOCK_SIZE)
             for records in self.records.values()
@@ -529,6 +552,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="k values (1..5)")
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        default=list(DEFAULT_TREES),
+        help="tree shapes of mtp_tree / eagle3_tree: children per depth, comma-separated (3,2,1)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=16, help="first N requests of each workload")
     parser.add_argument("--max-tokens", type=int, default=64, help="cap on each request's max_tokens")
@@ -557,14 +586,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.ks or min(args.ks) < 1 or max(args.ks) > 5:
         parser.error("--ks must be between 1 and 5")
     args.ks = sorted(set(args.ks))
-    if not args.from_json and not method_matrix(args.methods, args.ks):
+    try:
+        args.trees = [tuple(int(b) for b in shape.split(",")) for shape in args.trees]
+    except ValueError:
+        parser.error(f"--trees takes comma-separated branching factors such as 3,2,1, not {args.trees}")
+    if not args.from_json and not method_matrix(args.methods, args.ks, args.trees):
         parser.error("no method allows these k values (mtp: k <= 3; mtp_ngram: k >= 2)")
     return args
 
 
 def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], list[RunResult]]:
     """Runs the matrix the arguments ask for; returns the report (JSON-ready) and the results."""
-    configs = method_matrix(args.methods, args.ks)
+    configs = method_matrix(args.methods, args.ks, args.trees)
     options = Options(
         args.workloads,
         args.num_requests,
@@ -597,6 +630,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], 
             "threads": args.threads,
             "methods": args.methods,
             "ks": args.ks,
+            "trees": [list(tree) for tree in args.trees],
         },
         "seconds": time.perf_counter() - started,
         "goal": goal_summary(results),

@@ -19,7 +19,8 @@ key, softmax one warp per row, P V one thread per head_dim chunk.
 
 A sequence's query of any length (a decode token, 1 + k verify tokens, a long prefill chunk) is cut
 into query tiles numbered densely across the step (`AttentionMetadata.tile_starts`), each tile
-attending to the context up to its own last token.
+attending to the context up to its own last token. A query that is a draft tree (`meta.tree_mask`)
+further hides, per query row, the tokens of its own query whose bit is clear (attention_ref).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from kernels import _cuda
-from kernels.attention_ref import AttentionMetadata
+from kernels.attention_ref import AttentionMetadata, check_tree_mask
 
 BLOCK_N = 64
 THREADS = 128
@@ -75,6 +76,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+/* Whether the query token with tree mask `mask` sees the key at `pos_k` (already causally visible):
+   the cached context always; key j of its own query where bit j is set (past bit 63: CAUSAL, -1). */
+__device__ __forceinline__ bool in_tree(long long mask, int pos_k, int context_len) {
+    const int j = pos_k - context_len;
+    if (j < 0) return true;
+    return j < 64 ? ((mask >> j) & 1LL) != 0 : mask == -1LL;
+}
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -127,7 +136,7 @@ __device__ __forceinline__ void load_tile(
    one-token decodes launches the tiles it has, not max_tiles for every sequence.
    False: nothing to do (a sequence past max_query_len, or a tile past the step's queries). */
 struct BlockWork {
-    int q_begin, t0, group, rows, first_pos, s_begin, s_end, num_kv_tiles;
+    int q_begin, t0, group, rows, first_pos, context_len, s_begin, s_end, num_kv_tiles;
     const int* table;
 };
 __device__ __forceinline__ bool block_work(
@@ -167,6 +176,7 @@ __device__ __forceinline__ bool block_work(
     w.group = group;
     w.rows = nt * group;
     w.first_pos = first_pos;
+    w.context_len = first_pos - t0;
     w.s_begin = s_begin;
     w.s_end = s_end;
     w.num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
@@ -182,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     const int* __restrict__ seq_lens,          /* [num_seqs] */
     const int* __restrict__ query_start_loc,   /* [num_seqs + 1] */
     const int* __restrict__ tile_starts,       /* [num_seqs + 1] or null: one tile per sequence */
+    const long long* __restrict__ tree_mask,   /* [num_tokens] (attention_ref), read where TREE is 1 */
     scalar_t* __restrict__ out,                /* [num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_out,              /* [num_splits, num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_ml,               /* [num_splits, num_tokens, num_heads, 2] */
@@ -280,8 +291,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
                 const int r = rg + 2 * i;
                 if (r < rows) {
                     const int pos_q = first_pos + r / group;
-                    const bool visible = pos_k < s_end && pos_k <= pos_q &&
-                                         (sliding_window <= 0 || pos_q - pos_k < sliding_window);
+                    bool visible = pos_k < s_end && pos_k <= pos_q &&
+                                   (sliding_window <= 0 || pos_q - pos_k < sliding_window);
+#if TREE
+                    visible = visible && in_tree(__ldg(tree_mask + q_begin + t0 + r / group), pos_k, w.context_len);
+#endif
                     ss[r * S_STRIDE + n] = visible ? s[i] : NEG_INF;
                 }
             }
@@ -422,7 +436,8 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     const scalar_t* __restrict__ query, const scalar_t* __restrict__ key_cache,
     const scalar_t* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const int* __restrict__ tile_starts, scalar_t* __restrict__ out, float* __restrict__ part_out,
+    const int* __restrict__ tile_starts, const long long* __restrict__ tree_mask,
+    scalar_t* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_ml, int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
     int block_size, int max_blocks, int tile_tokens, int num_splits, int max_query_len,
     float scale_log2, int sliding_window)
@@ -449,10 +464,16 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     /* Q fragments (A operand, rows g and g + 8, unscaled), straight from global memory */
     unsigned qf[HEAD_DIM / 16][4];
     int pos_q[2];
+#if TREE
+    long long tmask[2];
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
         pos_q[h] = r < rows ? first_pos + r / group : -1;
+#if TREE
+        tmask[h] = r < rows ? tree_mask[q_begin + t0 + r / group] : -1LL;
+#endif
         const long long base = r < rows
             ? ((long long)(q_begin + t0 + r / group) * num_heads + kv_head * group + r % group) * HEAD_DIM : -1;
 #pragma unroll
@@ -511,8 +532,11 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int pos_k = tile_start + kw + j * 8 + 2 * t + c;
-                    const bool visible = pos_q[h] >= 0 && pos_k < s_end && pos_k <= pos_q[h] &&
-                                         (sliding_window <= 0 || pos_q[h] - pos_k < sliding_window);
+                    bool visible = pos_q[h] >= 0 && pos_k < s_end && pos_k <= pos_q[h] &&
+                                   (sliding_window <= 0 || pos_q[h] - pos_k < sliding_window);
+#if TREE
+                    visible = visible && in_tree(tmask[h], pos_k, w.context_len);
+#endif
                     const float v = visible ? sc[j][2 * h + c] * scale_log2 : NEG_INF;
                     p[j][2 * h + c] = v;
                     mx = fmaxf(mx, v);
@@ -748,6 +772,15 @@ def append_attention_cuda(
             t.dtype == torch.int32 and t.is_contiguous() and t.device == device,
             f"{name} must be a contiguous int32 tensor on {device}",
         )
+    check_tree_mask(meta, sliding_window)
+    if meta.tree_mask is not None:
+        _cuda.check(
+            meta.tree_mask.dtype == torch.int64
+            and meta.tree_mask.shape == (num_tokens,)
+            and meta.tree_mask.is_contiguous()
+            and meta.tree_mask.device == device,
+            f"tree_mask must be a contiguous int64 tensor of one mask per token on {device}",
+        )
     out = torch.empty_like(query)
     num_seqs = meta.num_seqs
     if num_seqs == 0 or num_tokens == 0:
@@ -815,6 +848,8 @@ def _launch_attention(
         smem = mma_smem_bytes(head_dim, query.element_size())
     else:
         smem = smem_bytes(rmax, head_dim, query.element_size())
+    # a tree-masked variant of its own: causal queries run the kernel without the mask's reads
+    tree = {"TREE": 1} if meta.tree_mask is not None else {}
     kernel = _cuda.function(
         SOURCE,
         "append_attention_mma" if tensor_cores else "append_attention",
@@ -824,6 +859,7 @@ def _launch_attention(
         RMAX=rmax,
         BLOCK_N=BLOCK_N,
         THREADS=THREADS,
+        **tree,
     )
     _cuda.set_max_dynamic_shared(kernel, smem)
     if num_splits > 1:
@@ -846,6 +882,7 @@ def _launch_attention(
             meta.seq_lens,
             meta.query_start_loc,
             tile_starts,
+            meta.tree_mask,
             out,
             part_out,
             part_ml,

@@ -7,6 +7,12 @@ sequence's *block table* lists its blocks in order; a token's *slot* is
 `block_id * block_size + offset`. Each sequence in a step contributes a *query* of one or more new
 tokens (a prefill chunk, a decode token, or 1 + k tokens to verify) that attends causally to the
 sequence's whole context, cached tokens first.
+
+A *draft tree* verified in one forward is a query too: its root (the newest accepted token) and then
+its nodes, each after its parent (depth-first or level order), whose KV sits in consecutive slots
+after the cached context. `AttentionMetadata.tree_mask` tells which of the query's tokens each one
+sees: its ancestors and itself (SpecInfer, Miao et al. 2024, "tree attention"). A chain is the tree
+whose masks are lower-triangular, which is plain causal attention.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     """Launch bound for a CUDA graph: the longest context any replay may bring (None: the longest
     of `seq_lens_cpu`); it sets how many splits the context is cut into."""
+    tree_mask: torch.Tensor | None = None
+    """[num_tokens] int64 or None (causal everywhere): bit j of a token's mask is set when it sees
+    token j of its own query (its ancestors and itself in a draft tree); the cached context is
+    seen whole. CAUSAL_MASK for tokens of queries that are not trees (bits past 63 count as set
+    only there), so trees hold at most MAX_TREE_NODES tokens; a token never sees a later one."""
 
     _tile_starts: dict[tuple[int, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -75,6 +86,32 @@ def write_kv_ref(
     value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
 
 
+CAUSAL_MASK = -1
+"""`tree_mask` of a token that sees every earlier token of its query (all bits set)."""
+MAX_TREE_NODES = 64
+"""Tokens of the longest query a tree mask can describe (root included): the bits of an int64."""
+
+
+def check_tree_mask(meta: AttentionMetadata, sliding_window: int | None) -> None:
+    """A tree mask is refused beside a sliding window: a tree node's position (its root's plus its
+    depth) is not its slot, and the window is measured in positions."""
+    if meta.tree_mask is not None and sliding_window is not None:
+        raise ValueError("tree attention does not support sliding-window attention")
+
+
+def ancestor_masks(parents: list[int]) -> list[int]:
+    """Tree masks of one query from its parent array (`parents[0] == -1`: the root; every other
+    node's parent comes before it): bit j of node i is set when node j is i or an ancestor of i."""
+    if len(parents) > MAX_TREE_NODES:
+        raise ValueError(f"a draft tree holds at most {MAX_TREE_NODES} nodes, got {len(parents)}")
+    masks: list[int] = []
+    for i, parent in enumerate(parents):
+        if (i == 0) != (parent == -1) or parent >= i:
+            raise ValueError(f"node {i} has parent {parent}: the root alone has none, others an earlier node")
+        masks.append((masks[parent] if parent >= 0 else 0) | (1 << i))
+    return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]  # as signed int64
+
+
 SHORT_QUERY_MAX = 16
 """Queries up to this many tokens (a decode token, 1 + k tokens to verify) are padded to the
 longest of them and attended in one batched call; longer ones (prefill chunks) one call each, where
@@ -90,12 +127,14 @@ def append_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its paged context (GQA aware).
+    """Causal attention of each sequence's new tokens over its paged context (GQA aware), within a
+    query restricted to `meta.tree_mask` where given.
 
     A query token at position `p` sees context positions `c` with `c <= p` and, under a sliding
     window `w`, `p - c < w`. With `softcap`, scores become softcap * tanh(score / softcap) before
     the mask (Gemma-2).
     """
+    check_tree_mask(meta, sliding_window)
     out = torch.empty_like(query)
     short = [i for i, n in enumerate(meta.query_lens_cpu) if n <= SHORT_QUERY_MAX]
     if short:
@@ -111,6 +150,9 @@ def append_attention_ref(
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = _visible(q_pos[:, None], k_pos[None, :], sliding_window)  # [query_len, seq_len]
+        if meta.tree_mask is not None:
+            tree = meta.tree_mask[start : start + query_len]
+            mask &= _in_tree(tree[:, None], k_pos[None, :] - (seq_len - query_len))
         seq_query = query[start : start + query_len].unsqueeze(0)
         attended = _sdpa(seq_query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale, softcap)
         out[start : start + query_len] = attended[0]
@@ -149,6 +191,11 @@ def _padded_attention(
     mask = _visible(
         q_pos[:, :, None], k_pos[None, None, :], sliding_window
     )  # [num_rows, max_query_len, max_len]
+    if meta.tree_mask is not None:
+        first = (seq_lens.long() - query_lens[:, 0])[
+            :, None, None
+        ]  # [num_rows, 1, 1]: the query's first slot
+        mask &= _in_tree(meta.tree_mask[token_ids][:, :, None], k_pos[None, None, :] - first)
     block_size = key_cache.shape[1]
     blocks = tables[:, : -(-max_len // block_size)].long().flatten()
     # index_select, not key_cache[blocks]: 2-D advanced indexing is orders of magnitude slower on CPU
@@ -174,6 +221,14 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     return mask
+
+
+def _in_tree(tree_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Whether a query token with `tree_mask` sees the key at `index` within its query (negative:
+    the cached context, always seen)."""
+    bit = (tree_mask >> index.clamp(0, MAX_TREE_NODES - 1)) & 1
+    in_mask = torch.where(index < MAX_TREE_NODES, bit == 1, tree_mask == CAUSAL_MASK)
+    return (index < 0) | in_mask
 
 
 def _sdpa(

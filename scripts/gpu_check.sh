@@ -27,6 +27,9 @@
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
+# trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
+# tree drafting on CUDA = naive greedy for mtp and eagle3) and tree-attention.json (benchmarks.tree_attention:
+# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -220,5 +223,11 @@ if [[ " $stages " == *" grammar "* ]]; then
             $flag --methods $methods --out "$OUT/offline-grammar-$schema.json" 2>&1 | tee -a "$OUT/grammar.log" \
             | grep "^| [a-z]"
     done
+fi
+if [[ " $stages " == *" trees "* ]]; then
+    timeout 500 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
+        2>&1 | tee "$OUT/trees-tests.log" | tail -12
+    status=$((status | PIPESTATUS[0]))
+    timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
 fi
 exit $status

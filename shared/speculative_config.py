@@ -21,6 +21,10 @@ MODEL_FREE_METHODS: tuple[str, ...] = ("naive", "ngram", "suffix")
 MODEL_BASED_METHODS: tuple[str, ...] = ("mtp", "eagle3", "draft_model")
 MAX_MODEL_FREE_TOKENS = 15
 MAX_MODEL_BASED_TOKENS = 5
+TREE_METHODS: tuple[str, ...] = ("mtp", "eagle3")
+MAX_TREE_NODES = 64
+"""The most nodes of a draft tree, its root included (kernels.attention_ref.MAX_TREE_NODES: the
+bits of a tree-attention mask; shared/ does not import kernels/)."""
 DEFAULT_NUM_SPECULATIVE_TOKENS = {
     "naive": 0,
     "ngram": 5,
@@ -75,11 +79,21 @@ class SpeculativeConfig(BaseModel):
     """Below this estimated acceptance rate a request stops drafting (it probes again now and then)."""
     allow_request_override: bool = True
     """Whether a request may choose its own method / k / turn speculation off (never above k)."""
+    tree: tuple[int, ...] | None = None
+    """mtp / eagle3: draft a static tree instead of a chain, with this many children per node at
+    each depth (`[3, 2, 1]`: 3 at depth 1, 2 under each of those, 1 under each of those: 15
+    drafts), verified in one target forward with tree attention. num_speculative_tokens is then
+    the tree's depth (defaults to it; a request's smaller k cuts the tree at that depth), and the
+    per-request token budget is the tree's node count (adaptive speculation picks the depth, pricing
+    a tree by its nodes)."""
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
         if self.num_speculative_tokens is None:
-            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.method])
+            default = len(self.tree) if self.tree else DEFAULT_NUM_SPECULATIVE_TOKENS[self.method]
+            object.__setattr__(self, "num_speculative_tokens", default)
+        if self.tree is not None:
+            self._check_tree(self.tree)
         k = self.k
         if self.method == "naive" and k:
             raise ValueError(
@@ -115,6 +129,42 @@ class SpeculativeConfig(BaseModel):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
         return self
+
+    def _check_tree(self, tree: tuple[int, ...]) -> None:
+        if not tree or any(b < 1 for b in tree):
+            raise ValueError(
+                f"tree branching factors must be >= 1 per depth, at least one depth; got {list(tree)}"
+            )
+        if self.method not in TREE_METHODS:
+            raise ValueError(f"tree drafting needs method mtp or eagle3, not {self.method!r}")
+        if self.num_speculative_tokens != len(tree):
+            raise ValueError(
+                f"with a tree, num_speculative_tokens is its depth: {len(tree)} for tree {list(tree)}, "
+                f"not {self.num_speculative_tokens}"
+            )
+        if self.mtp_strategy != "default" or self.num_model_steps not in (None, len(tree)):
+            raise ValueError(
+                "tree drafting chains the head to the tree's depth: drop mtp_strategy and num_model_steps"
+            )
+        if self.verify_strategy not in ("rejection", "target_match") or self.accept_policy != "normal":
+            raise ValueError(
+                "tree drafting verifies losslessly: verify_strategy rejection or target_match, accept_policy normal"
+            )
+        if self.max_num_drafts + 1 > MAX_TREE_NODES:
+            raise ValueError(
+                f"tree {list(tree)} has {self.max_num_drafts + 1} nodes with its root; at most {MAX_TREE_NODES}"
+            )
+
+    @property
+    def max_num_drafts(self) -> int:
+        """The most drafts one request brings to a step: k, or a tree's nodes past its root."""
+        if self.tree is None:
+            return self.k
+        total, width = 0, 1
+        for branching in self.tree:
+            width *= branching
+            total += width
+        return total
 
     @property
     def k(self) -> int:

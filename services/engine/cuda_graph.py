@@ -124,6 +124,12 @@ class HostStep:
     """A bound on every context length this step and its drafting reach."""
     prompt_rows: PromptRows | None = None
     """Forward rows that score prompt tokens (requests that asked for prompt logprobs)."""
+    tree_mask: np.ndarray | None = None
+    """[num_tokens] int64 tree-attention masks (`AttentionMetadata.tree_mask`) where a request
+    verifies a draft tree; None: every query is causal."""
+    tree_parents: np.ndarray | None = None
+    """[num_sampled, max_rows] int64 each request's parent array over its rows (a chain: j - 1;
+    -1 at the root and past the rows), where the step verifies trees."""
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +181,8 @@ class HostStep:
             query_lens_cpu=self.query_lens.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
         )
+        if self.tree_mask is not None:
+            meta.tree_mask = torch.from_numpy(self.tree_mask).to(device, non_blocking=True)
         empty = torch.empty(0, hidden_size, device=device)
         forward = ForwardContext(input_ids, positions, meta, empty, token_slots, self.max_seq_len)
         tensors = StepTensors(
@@ -191,6 +199,8 @@ class HostStep:
             masked_rows=masked_rows,
             max_rows=self.max_rows,
         )
+        if self.tree_parents is not None:
+            tensors.tree_parents = torch.from_numpy(self.tree_parents).to(device, non_blocking=True)
         return logits_indices, tensors
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.attention_ref import CAUSAL_MASK, MAX_TREE_NODES
 from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
@@ -33,6 +34,7 @@ from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from services.engine.spec_decode.proposer import ForwardContext, Proposer
+from services.engine.spec_decode.tree import DraftTree
 from services.engine.tensor_parallel import (
     CompareRows,
     ExportBlocks,
@@ -41,6 +43,7 @@ from services.engine.tensor_parallel import (
     StepCommand,
     start_ranks,
 )
+from services.engine.tree_verify import compact_path_kv, target_tokens, tree_parents, verify_tree
 from services.engine.verify_update import (
     ACCEPTED,
     FINISH,
@@ -210,11 +213,17 @@ class ModelRunner:
             if self.eagle3_head
             else []
         )
-        self.max_num_drafts = spec.k
+        self.max_num_drafts = spec.max_num_drafts
+        self.tree = DraftTree(spec.tree) if spec.tree else None
+        """The draft tree the server's head drafts (steps then run eagerly), or None: chains."""
+        if self.tree is not None and self.tp.size > 1:
+            raise ValueError("tree drafting runs with tensor_parallel_size 1")
+        if self.tree is not None and any(w is not None for w in model_config.sliding_windows):
+            raise ValueError("tree drafting does not support models with sliding-window attention")
         # a row holds the longest request, the tokens a step may keep past it and drafts written
         # after its end (with_ngram)
-        row_capacity = max_model_len + 2 * (spec.k + 1)
-        self.inputs = InputBatch(config.max_num_seqs, row_capacity, spec.k, self.device)
+        row_capacity = max_model_len + 2 * (self.max_num_drafts + 1)
+        self.inputs = InputBatch(config.max_num_seqs, row_capacity, self.max_num_drafts, self.device)
         if self.tp.size > 1 and self.ranks.is_driver:
             self.inputs.record_joins()
         self.verifier = RejectionSampler(spec.verify_strategy, spec.accept_policy, config.logprobs_mode)
@@ -249,7 +258,8 @@ class ModelRunner:
 
     def _use_graphs(self) -> bool:
         return (
-            self.device.type == "cuda"
+            self.tree is None
+            and self.device.type == "cuda"
             and not self.config.enforce_eager
             and kernels.cuda_available(torch.empty(0, device=self.device))
         )
@@ -434,11 +444,45 @@ class ModelRunner:
         """The tail without a graph; requests the fused kernel cannot verify go through the torch
         `RejectionSampler` first (penalties, logit bias, min_tokens suppression, logprobs)."""
         assert self.tail is not None
+        if t.tree_parents is not None:
+            return self._tree_tail(logits, t, plan, fused)
         if fused:
             return self.tail(logits, t, plan), []
         token_ids, num_accepted, logprobs = self.ranks.share(lambda: self._verify_on_host(logits, t, plan))
         moved = [torch.from_numpy(x).to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
         return self.tail.update_and_draft(moved[0], moved[1], t, plan), logprobs
+
+    def _tree_tail(
+        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
+        """The tail of a step that verifies draft trees (services/engine/tree_verify.py): the target
+        KV of each accepted path compacted, then the update and drafting. Requests the fused kernel
+        cannot verify bring no tree (`tree_verifiable`); in a step with any of them, every request
+        without a tree takes the torch `RejectionSampler`'s result."""
+        assert self.tail is not None and t.tree_parents is not None
+        params = self.inputs.gather(t.row_slots)
+        masks = (t.bitmask, t.masked_rows if t.bitmask is not None else None)
+        targets = target_tokens(logits, params, t.row_positions, *masks)
+        verdict = verify_tree(targets, t.draft_ids, t.cu_num_rows, t.tree_parents)
+        token_ids, num_accepted = verdict.token_ids, verdict.num_accepted
+        logprobs: list[list[TokenLogprobs | None]] = []
+        if not fused:
+            host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan)
+            # the torch sampler's result is right for every request without a tree (chains, grammars)
+            on_host = torch.tensor([not self._verifies_tree(seq) for seq in plan.seqs], device=self.device)
+            token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
+            num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
+            chain = torch.minimum(
+                torch.arange(verdict.path.shape[1], device=self.device), num_accepted[:, None]
+            )
+            verdict.path = torch.where(on_host[:, None], chain.long(), verdict.path)
+        forward = t.forward
+        ends = forward.meta.query_start_loc[1:].index_select(0, t.seq_rows)
+        roots = forward.positions.index_select(0, (ends - (t.cu_num_rows[1:] - t.cu_num_rows[:-1])).long())
+        tables = forward.meta.block_tables.index_select(0, t.seq_rows)
+        compact_path_kv(self.kv_caches, verdict.path, num_accepted, roots, tables, self.block_size)
+        t.tree_path = verdict.path
+        return self.tail.update_and_draft(token_ids, num_accepted, t, plan), logprobs
 
     def _verify_on_host(
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan
@@ -487,6 +531,14 @@ class ModelRunner:
         num_output = np.array([seq.num_output_tokens for seq in plan.seqs], dtype=np.int64)
         drafts = (seq.spec.draft_token_ids[: n - 1] + [-1] for seq, n in zip(plan.seqs, num_rows.tolist()))
         seq_lens = (starts + lens).astype(np.int32)
+        tree_mask = tree_parents = None
+        row_depths = row_in_request
+        if self.tree is not None:
+            is_tree = [self._verifies_tree(seq) for seq in plan.seqs]
+            row_depths = row_in_request.copy()
+            tree_mask, tree_parents = self._tree_inputs(
+                is_tree, seq_rows, num_rows, cu, positions, row_depths
+            )
         return HostStep(
             input_ids=input_ids,
             positions=positions,
@@ -497,7 +549,7 @@ class ModelRunner:
             block_tables=tables,
             logits_indices=np.repeat(rows_start, num_rows) + row_in_request,
             row_slots=np.repeat(slots[seq_rows], num_rows),
-            row_positions=np.repeat(num_output, num_rows) + row_in_request,
+            row_positions=np.repeat(num_output, num_rows) + row_depths,
             draft_ids=np.fromiter(
                 itertools.chain.from_iterable(drafts), dtype=np.int32, count=int(cu_rows[-1])
             ),
@@ -510,7 +562,44 @@ class ModelRunner:
             num_wanted=np.array(plan.num_wanted, dtype=np.int32),
             max_seq_len=min(int(seq_lens.max()) + self.max_num_drafts + 1, self.max_model_len),
             prompt_rows=PromptRows.of(seqs, starts, lens, cu, self.config.logprobs_mode),
+            tree_mask=tree_mask,
+            tree_parents=tree_parents,
         )
+
+    def _verifies_tree(self, seq: Sequence) -> bool:
+        """Whether the request's drafts this step are the server's draft tree (else a chain)."""
+        return seq.spec.method == self.spec.method and bool(seq.spec.draft_token_ids)
+
+    def _tree_inputs(
+        self,
+        is_tree: list[bool],
+        seq_rows: np.ndarray,
+        num_rows: np.ndarray,
+        cu: np.ndarray,
+        positions: np.ndarray,
+        row_depths: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's tree-attention masks ([num_tokens] int64) and parent arrays ([num_sampled,
+        max_rows] int64); a tree request's nodes move to their root's position + depth in
+        `positions`, and their rows to their depth in `row_depths` (the output position a row
+        samples is the request's output count + depth). Other queries stay causal."""
+        assert self.tree is not None
+        tree_mask = np.full(len(positions), CAUSAL_MASK, dtype=np.int64)
+        depths, masks = np.array(self.tree.depths), np.array(self.tree.masks, dtype=np.int64)
+        cu_rows = np.concatenate([[0], np.cumsum(num_rows)])
+        for i, (row, n) in enumerate(zip(seq_rows.tolist(), num_rows.tolist())):
+            if not is_tree[i]:
+                continue
+            first = int(cu[row + 1]) - n
+            earlier = first - int(cu[row])  # the request's query tokens before its tree's root
+            if earlier + n > MAX_TREE_NODES:
+                raise ValueError(f"a draft tree after {earlier} other query tokens exceeds {MAX_TREE_NODES}")
+            tree_mask[first : first + n] = (masks[:n] << earlier) | ((1 << earlier) - 1)
+            positions[first : first + n] = positions[first] + depths[:n]
+            row_depths[cu_rows[i] : cu_rows[i] + n] = depths[:n]
+        max_rows = int(num_rows.max(initial=1))
+        parents = tree_parents(self.tree, num_rows.tolist(), is_tree, max_rows).numpy()
+        return tree_mask, parents
 
     def caches(self, name: str) -> list[KVCache]:
         """The per-layer KV caches that share the block tables: target, draft, mtp or eagle3."""

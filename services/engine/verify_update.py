@@ -56,6 +56,9 @@ class StepTensors:
     """The most logit rows of one request (1 + its drafts)."""
     bitmask: torch.Tensor | None = None  # [num_rows, num_words] int32, read on `masked_rows` only
     """The grammar masks of the rows, filled once the forward is launched; None: no row is masked."""
+    tree_parents: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (HostStep.tree_parents)
+    tree_path: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (TreeVerdict.path)
+    """Where the step verifies draft trees: each request's accepted path, once verified."""
 
 
 @dataclass
@@ -192,6 +195,7 @@ class VerifyAndUpdate:
                 sampling=sampling,
                 num_accepted=num_accepted,
                 cu_num_rows=t.cu_num_rows,
+                tree_path=t.tree_path,
             )
             drafts = proposer.propose(batch)
             found = drafts.token_ids[:, :width]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.acceptance import CARD_SECTION, main, method_matrix, replace_section
+import pytest
+
+from benchmarks.acceptance import (
+    CARD_SECTION,
+    engine_speculative_config,
+    main,
+    method_matrix,
+    replace_section,
+)
 
 
 def test_tiny_matrix_writes_sane_json_and_markdown(tmp_path: Path) -> None:
@@ -58,3 +66,22 @@ def test_replacing_a_section_keeps_the_others() -> None:
     assert replace_section(updated, CARD_SECTION, "| new | table |") == updated
     appended = replace_section("# bench\n\n## Other\n\nx\n", "## Acceptance", "y", insert_after_title=True)
     assert appended == "# bench\n\n## Acceptance\n\ny\n\n## Other\n\nx\n"
+
+
+def test_tree_methods_run_each_tree_at_its_depth() -> None:
+    configs = method_matrix(["mtp_tree", "eagle3_tree", "mtp"], [1, 2], [(3, 2, 1), (2, 2)])
+    trees = [(c.label, c.k, c.engine_key) for c in configs if c.tree is not None]
+    assert trees == [
+        ("mtp tree [3, 2, 1]", 3, "mtp_tree_3_2_1"),
+        ("mtp tree [2, 2]", 2, "mtp_tree_2_2"),
+        ("eagle3 tree [3, 2, 1]", 3, "eagle3_tree_3_2_1"),
+        ("eagle3 tree [2, 2]", 2, "eagle3_tree_2_2"),
+    ]
+    spec = engine_speculative_config("mtp_tree_3_2_1", [configs[0]])
+    assert spec.method == "mtp" and spec.tree == (3, 2, 1) and spec.max_num_drafts == 15
+
+
+def test_bad_tree_shapes_are_refused_on_the_command_line(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--methods", "mtp_tree", "--trees", "3;2"])
+    assert "comma-separated" in capsys.readouterr().err

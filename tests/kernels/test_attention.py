@@ -9,7 +9,13 @@ import random
 import pytest
 import torch
 
-from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
+from kernels.attention_ref import (
+    CAUSAL_MASK,
+    AttentionMetadata,
+    ancestor_masks,
+    append_attention_ref,
+    write_kv_ref,
+)
 from tests.kernels.helpers import needs_cuda, poison_allocator, rel_error
 
 
@@ -66,8 +72,10 @@ def loop_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
+    parents: dict[int, list[int]] | None = None,
 ) -> torch.Tensor:
-    """Token by token, head by head, in float64."""
+    """Token by token, head by head, in float64. `parents`: the draft tree of a sequence's query
+    (by sequence index), whose tokens see the cached context and their own ancestors."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -77,6 +85,9 @@ def loop_attention(
         for i in range(q_len):
             pos = seq_len - q_len + i
             visible = [c for c in range(pos + 1) if window is None or pos - c < window]
+            if parents is not None and s in parents:
+                context_len = seq_len - q_len
+                visible = list(range(context_len)) + [context_len + j for j in path_to_root(parents[s], i)]
             for h in range(query.shape[1]):
                 kv = h // group
                 keys = torch.stack(
@@ -88,6 +99,85 @@ def loop_attention(
                 weights = torch.softmax(keys @ query[starts[s] + i, h].double() * scale, dim=0)
                 out[starts[s] + i, h] = weights @ values
     return out
+
+
+def path_to_root(parents: list[int], node: int) -> list[int]:
+    """The node and its ancestors, root first."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def with_trees(meta: AttentionMetadata, parents: dict[int, list[int]]) -> AttentionMetadata:
+    """`meta` with the trees `parents` (by sequence) as tree masks; other queries causal."""
+    masks: list[int] = []
+    for s, query_len in enumerate(meta.query_lens_cpu):
+        masks += ancestor_masks(parents[s]) if s in parents else [CAUSAL_MASK] * query_len
+    tree_mask = torch.tensor(masks, dtype=torch.int64, device=meta.seq_lens.device)
+    return dataclasses.replace(meta, tree_mask=tree_mask)
+
+
+def random_tree(num_nodes: int, rng: random.Random) -> list[int]:
+    """A parent array in which every node follows its parent."""
+    return [-1] + [rng.randrange(i) for i in range(1, num_nodes)]
+
+
+TREE_BATCHES = [
+    # (query_lens, context_lens, trees by sequence): trees beside decode tokens, chains and prefill
+    # chunks; trees longer than SHORT_QUERY_MAX take the unpadded path
+    ([7, 1, 4, 30], [9, 20, 3, 5], {0: [-1, 0, 0, 1, 1, 2, 3]}),
+    ([10, 3, 24, 1], [0, 33, 12, 40], {0: "random", 2: "random", 1: [-1, 0, 0]}),
+    ([64, 5], [17, 2], {0: "random"}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TREE_BATCHES)))
+def test_tree_mask_reference_matches_plain_loop(case: int) -> None:
+    generator = torch.Generator().manual_seed(case)
+    rng = random.Random(case)
+    query_lens, context_lens, trees = TREE_BATCHES[case]
+    parents = {s: random_tree(query_lens[s], rng) if t == "random" else t for s, t in trees.items()}
+    query, key_cache, value_cache, meta = make_batch(
+        query_lens, context_lens, 6, 2, 8, 4, torch.float32, "cpu", generator
+    )
+    scale = 8**-0.5
+    out = append_attention_ref(query, key_cache, value_cache, with_trees(meta, parents), scale)
+    expected = loop_attention(query, key_cache, value_cache, meta, scale, None, parents)
+    assert rel_error(out, expected) < 1e-5
+    # the tree changed what its tokens see (a branch's node is not its predecessor's child)
+    assert rel_error(append_attention_ref(query, key_cache, value_cache, meta, scale), expected) > 1e-3
+
+
+def test_chain_tree_masks_equal_causal_attention() -> None:
+    """A chain is the tree whose masks are lower-triangular: existing verification is unchanged."""
+    generator = torch.Generator().manual_seed(5)
+    query_lens = [4, 1, 20, 16]
+    query, key_cache, value_cache, meta = make_batch(
+        query_lens, [12, 30, 3, 7], 6, 2, 8, 4, torch.float32, "cpu", generator
+    )
+    chains = {s: [-1] + list(range(n - 1)) for s, n in enumerate(query_lens)}
+    causal = append_attention_ref(query, key_cache, value_cache, meta, 8**-0.5)
+    chained = append_attention_ref(query, key_cache, value_cache, with_trees(meta, chains), 8**-0.5)
+    assert torch.allclose(chained, causal, rtol=0, atol=1e-6)
+
+
+def test_ancestor_masks_and_bad_trees() -> None:
+    assert ancestor_masks([-1, 0, 0, 1, 2]) == [0b1, 0b11, 0b101, 0b1011, 0b10101]
+    assert ancestor_masks([-1] + list(range(63)))[-1] == CAUSAL_MASK  # all 64 bits, as int64
+    for parents in ([0, 0], [-1, 1], [-1, 2, 0], [-1, 0, -1]):
+        with pytest.raises(ValueError, match="parent"):
+            ancestor_masks(parents)
+    with pytest.raises(ValueError, match="at most 64"):
+        ancestor_masks([-1] + list(range(64)))
+
+
+def test_tree_mask_refuses_sliding_window() -> None:
+    generator = torch.Generator().manual_seed(0)
+    query, key_cache, value_cache, meta = make_batch([3], [4], 2, 2, 8, 4, torch.float32, "cpu", generator)
+    tree = with_trees(meta, {0: [-1, 0, 0]})
+    with pytest.raises(ValueError, match="sliding-window"):
+        append_attention_ref(query, key_cache, value_cache, tree, 1.0, sliding_window=8)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -183,6 +273,49 @@ def test_cuda_attention_matches_float64_reference(dtype: torch.dtype, case: int)
         torch.cuda.synchronize()
         error = rel_error(out, ref)
         assert error < TOLERANCE[dtype], f"graph bounds: error {error:.2e}"
+
+
+TREE_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, trees by sequence)
+    (32, 8, 64, 16, [7, 1, 4, 30], [900, 20, 3000, 5], [0, 2]),
+    (28, 4, 128, 16, [16, 16, 1, 6], [130, 64, 5000, 40], [0, 1, 3]),
+    (8, 8, 64, 16, [64, 33, 2], [300, 7000, 10], [0, 1]),
+    (40, 2, 64, 16, [10, 6], [300, 1000], [0]),  # 20 query heads per kv head: CUDA cores only
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(TREE_CASES)))
+def test_cuda_tree_attention_matches_reference(dtype: torch.dtype, case: int) -> None:
+    from kernels.attention import append_attention_cuda
+
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, tree_seqs = TREE_CASES[case]
+    generator = torch.Generator().manual_seed(2000 + case)
+    rng = random.Random(case)
+    query, key_cache, value_cache, meta = make_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", generator
+    )
+    meta = with_trees(meta, {s: random_tree(query_lens[s], rng) for s in tree_seqs})
+    scale = 1 / math.sqrt(head_dim)
+    ref = append_attention_ref(query.double(), key_cache.double(), value_cache.double(), meta, scale)
+    variants = (None,) if dtype == torch.float32 else (None, False)
+    for splits in (None, 1, 3):
+        for tensor_cores in variants:
+            poison_allocator(tuple(query.shape), dtype, query.device)
+            out = append_attention_cuda(
+                query, key_cache, value_cache, meta, scale, num_splits=splits, tensor_cores=tensor_cores
+            )
+            torch.cuda.synchronize()
+            error = rel_error(out, ref)
+            assert error < TOLERANCE[dtype], (
+                f"splits={splits}, tensor_cores={tensor_cores}: error {error:.2e}"
+            )
+    bounded = dataclasses.replace(meta, max_query_len=64, max_seq_len=max(meta.seq_lens_cpu) + 100)
+    out = append_attention_cuda(query, key_cache, value_cache, bounded, scale)
+    torch.cuda.synchronize()
+    assert rel_error(out, ref) < TOLERANCE[dtype], "graph bounds"
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@ costs of verifying and of drafting.
 
 *Value.* With a per-draft acceptance rate a, a request verifying k drafts emits on average
 E(k) = 1 + a + ... + a^k tokens per step (Leviathan et al. 2023, eq. 1): its drafts are worth
-g(k) = a + ... + a^k tokens beyond the one every step emits.
+g(k) = a + ... + a^k tokens beyond the one every step emits. A draft tree's k is its depth and a
+the chance that a depth's node is accepted after its parent; it costs its nodes to that depth.
 
 *Cost*, learned online from the engine's own steps by nonnegative least squares:
 
@@ -337,12 +338,21 @@ class KeptChoice:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, enabled: bool, min_acceptance: float, max_forwards: dict[str, int] | None = None):
+    def __init__(
+        self,
+        enabled: bool,
+        min_acceptance: float,
+        max_forwards: dict[str, int] | None = None,
+        tree_tokens: dict[str, list[int]] | None = None,
+    ):
         """`max_forwards`: per method, the most chained forwards one step's drafting runs (a draft
-        model one per draft, MTP up to its head steps); methods not named run none."""
+        model one per draft, MTP up to its head steps); methods not named run none. `tree_tokens`:
+        per method that drafts a tree, whose k is the tree's depth, the drafts depth k brings
+        (index k: the tree's node count to that depth, less its root); others bring k."""
         self.enabled = enabled
         self.min_acceptance = min_acceptance
         self.max_forwards = max_forwards or {}
+        self.tree_tokens = tree_tokens or {}
         self.cost = StepCostModel()
         """Decode steps."""
         self.mixed_cost = StepCostModel()
@@ -488,9 +498,10 @@ class AdaptiveSpeculation:
         per_request_s = np.array([c.per_request_s for c in costs])[method]
         per_draft_s = verify_s + np.array([c.per_draft_s for c in costs])[method]
         per_context_token_s = np.array([c.per_context_token_s for c in costs])[method]
+        draft_tokens = np.stack([self._draft_tokens(m, len(num_drafts)) for m in names])[method]
         cost_s = (
             per_request_s[:, None]
-            + per_draft_s[:, None] * num_drafts
+            + per_draft_s[:, None] * draft_tokens
             + per_context_token_s[:, None] * (1.0 + gain)
             + step.per_emitted_s * gain
         )
@@ -511,6 +522,14 @@ class AdaptiveSpeculation:
             + verify_s * num_other_tokens
             + (step.per_request_s + step.per_emitted_s) * len(seqs),
         )
+
+    def _draft_tokens(self, method: str, num_ks: int) -> np.ndarray:
+        """[num_ks] the drafts a request of `method` verifies at k = 0, 1, ...: k, or a tree's
+        nodes to depth k (past its depth: all of them)."""
+        tokens = self.tree_tokens.get(method)
+        if tokens is None:
+            return np.arange(num_ks)
+        return np.array([tokens[min(k, len(tokens) - 1)] for k in range(num_ks)])
 
     def _probe(
         self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float, limits: np.ndarray

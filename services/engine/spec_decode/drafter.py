@@ -28,6 +28,8 @@ from services.engine.spec_decode.suffix import (
     SuffixConfig,
     SuffixProposer,
 )
+from services.engine.spec_decode.tree import DraftTree
+from services.engine.tree_verify import tree_verifiable
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import MODEL_BASED_METHODS, SpeculativeConfig
@@ -58,9 +60,16 @@ class Drafter:
         self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
         """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
         self.own = own_proposer(self.device_methods, config.method)
+        self.tree = DraftTree(config.tree) if config.tree else None
+        """The server's draft tree (its own method's requests draft it), or None: chains."""
         self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
         """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
-        self.adaptive = AdaptiveSpeculation(config.adaptive, config.adaptive_min_acceptance, self.chain_steps)
+        tree_tokens: dict[str, list[int]] = {}
+        if self.tree is not None:  # a tree's k is its depth; depth k verifies its nodes to there
+            tree_tokens[config.method] = [self.tree.num_nodes(k) - 1 for k in range(config.k + 1)]
+        self.adaptive = AdaptiveSpeculation(
+            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens
+        )
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
@@ -117,6 +126,9 @@ class Drafter:
     def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
         """Books a verify step: statistics, acceptance estimate, the proposer's own state."""
         seq.spec.record(num_drafts, num_accepted)
+        if self._drafts_tree(seq) and num_drafts:  # its acceptance is per depth: the depths it drafted
+            assert self.tree is not None
+            num_drafts = self.tree.depths[num_drafts]
         self.adaptive.observe(seq, num_drafts, num_accepted)
         if seq.spec.method != "naive" and token_ids:
             self.proposers[seq.spec.method].append(seq, token_ids)
@@ -139,13 +151,18 @@ class Drafter:
             seq = seqs[i]
             # the step emits at least one token, the next one at least one more
             ks[i] = max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 2))
+            if self._drafts_tree(seq):  # k is the tree's depth; the drafts are its nodes to that depth
+                assert self.tree is not None
+                ks[i] = self.tree.num_nodes(ks[i]) - 1 if tree_verifiable(seq) else 0
         if self.max_graph_tokens is not None:  # past the largest CUDA graph a step runs eagerly
             ks = fit_draft_budget(
                 ks, [seq.spec.acceptance for seq in seqs], self.max_graph_tokens - num_running
             )
         num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
         ks = [self._reserve_chain(seq, k, num_new[seq.request_id]) for seq, k in zip(seqs, ks)]
-        chains = [k for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps]
+        chains = [
+            self._chain_length(seq, k) for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps
+        ]
         methods = [self.method_index(seq) for seq in seqs]
         only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
         return StepPlan(seqs, ks, max(chains, default=0), methods, only)
@@ -203,13 +220,27 @@ class Drafter:
         seconds -= self.host_drafting_s
         self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds, mixed)
 
+    def _chain_length(self, seq: Sequence, k: int) -> int:
+        """The chained forwards a request's k drafts take: k, or a tree's depth (k nodes)."""
+        if k == 0 or not self._drafts_tree(seq):
+            return k
+        assert self.tree is not None
+        return self.tree.depths[k]
+
+    def _drafts_tree(self, seq: Sequence) -> bool:
+        return self.tree is not None and seq.spec.method == self.config.method
+
     def _reserve_chain(self, seq: Sequence, k: int, num_new: int) -> int:
         """k, or 0 when the blocks the request's drafting-model chain writes cannot be had."""
         steps = self.chain_steps.get(seq.spec.method)
         if k == 0 or steps is None:
             return k
-        # a head's chain writes KV from the newest token on; the draft model's from the one after
+        # a head's chain writes KV from the newest token on; the draft model's from the one after;
+        # a head drafting a tree writes each node above the last depth one position past the newest
         lookahead = min(k, steps) - 1 if seq.spec.method in HEAD_METHODS else k
+        if self._drafts_tree(seq):
+            assert self.tree is not None
+            lookahead = self.tree.num_nodes(self.tree.depth - 1) - 1
         if lookahead <= 0:
             return k
         if not self.block_manager.can_append(seq, num_new + lookahead):
@@ -240,15 +271,16 @@ def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dic
         "ngram": NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.k),
     }
     block_size = runner.block_size
+    tree = DraftTree(config.tree) if config.tree else None
     if runner.mtp_head is not None:
         with_ngram = config.mtp_strategy == "with_ngram"
         ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
         proposers["mtp"] = MTPProposer(
-            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram
+            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram, tree
         )
     if runner.eagle3_head is not None:
         proposers["eagle3"] = Eagle3Proposer(
-            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size
+            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size, tree
         )
     if runner.draft_model is not None:
         proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)

@@ -15,13 +15,21 @@ import torch
 
 from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.proposer import ForwardContext
+from services.engine.spec_decode.tree import DraftTree
 from shared.model.eagle3 import Eagle3Head
 from shared.model.llama import KVCache
 
 
 class Eagle3Proposer(MTPProposer):
-    def __init__(self, head: Eagle3Head, kv_cache: KVCache, num_steps: int, block_size: int):
-        super().__init__(head, kv_cache, num_steps, block_size, ngram=None)
+    def __init__(
+        self,
+        head: Eagle3Head,
+        kv_cache: KVCache,
+        num_steps: int,
+        block_size: int,
+        tree: DraftTree | None = None,
+    ):
+        super().__init__(head, kv_cache, num_steps, block_size, ngram=None, tree=tree)
         self.eagle3_head = head
 
     def _features(self, forward: ForwardContext) -> torch.Tensor:

@@ -12,6 +12,13 @@ The head's output at the row of the last verified position predicts the token af
 one: draft 1. Drafts 2..m chain the head on its own output and the previous draft, one position
 further each (`num_model_steps` = m). With `mtp_strategy: with_ngram`, n-gram drafts matched after
 the MTP drafts fill the rest of the request's k.
+
+With a draft tree (`speculative_config.tree`, services/engine/spec_decode/tree.py) the head
+drafts the top-k tokens of each node instead of one: depth 1 from its row at the last accepted
+position, each deeper level from one forward of the head over the nodes drafted so far (tree
+attention over their ancestors, each node at its parent's position + 1, its KV past the newest
+token), fed with each node's token and its parent's output. After a tree step the head's KV of the
+accepted path is compacted like the target's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 import kernels
 from kernels import AttentionMetadata
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
+from services.engine.spec_decode.tree import DraftTree
 from shared.model.config import ModelConfig
 from shared.model.llama import KVCache
 
@@ -52,18 +60,25 @@ class MTPProposer(Proposer):
         num_steps: int,
         block_size: int,
         ngram: tuple[int, int] | None,
+        tree: DraftTree | None = None,
     ):
-        """`ngram`: (prompt_lookup_min, prompt_lookup_max) for with_ngram, else None."""
+        """`ngram`: (prompt_lookup_min, prompt_lookup_max) for with_ngram, else None; `tree`: the
+        static draft tree, else None (chains)."""
         self.head = head
         self.kv_cache = kv_cache
         self.num_steps = num_steps
         self.block_size = block_size
         self.ngram = ngram
+        self.tree = tree
 
     def propose(self, batch: DraftBatch) -> Drafts:
         head_hidden = self._catch_up(batch)
+        if batch.tree_path is not None:
+            batch.compact_tree_kv([self.kv_cache], self.block_size)
         if batch.num_steps == 0:
             return Drafts.none(len(batch.seq_slots), batch.seq_slots.device)
+        if self.tree is not None:
+            return self._draft_tree(batch, head_hidden, self.tree)
         forward, rows = batch.forward, batch.newest_rows
         assert forward is not None
         hidden = head_hidden.index_select(0, rows)
@@ -81,6 +96,72 @@ class MTPProposer(Proposer):
         if self.ngram is not None and batch.num_steps > len(draft_ids):
             return self._append_ngram(batch, token_ids, num_drafts)
         return Drafts(token_ids, num_drafts)
+
+    def _draft_tree(self, batch: DraftBatch, head_hidden: torch.Tensor, tree: DraftTree) -> Drafts:
+        """The tree's nodes past its root in level order, [num_seqs, num_nodes - 1], each node the
+        head's top-k after its parent."""
+        forward, rows = batch.forward, batch.newest_rows
+        assert forward is not None
+        newest = forward.positions.index_select(0, rows)  # the last accepted position
+        parent_hidden = head_hidden.index_select(0, rows)[:, None, :]  # [num_seqs, 1, hidden_size]
+        levels = [self._top_k(parent_hidden, tree.branching[0])]
+        inputs = [parent_hidden.repeat_interleave(tree.branching[0], dim=1)]
+        for depth in range(1, tree.depth):
+            token_ids, hidden = torch.cat(levels, dim=1), torch.cat(inputs, dim=1)
+            out = self._tree_forward(batch, token_ids, hidden, newest, tree)
+            deepest = out[:, -levels[-1].shape[1] :]  # the nodes at `depth`
+            levels.append(self._top_k(deepest, tree.branching[depth]))
+            inputs.append(deepest.repeat_interleave(tree.branching[depth], dim=1))
+        token_ids = torch.cat(levels, dim=1).int()
+        num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
+        return Drafts(token_ids, num_drafts)
+
+    def _top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """[num_seqs, n * k] the head's k likeliest tokens after each of n nodes ([num_seqs, n, hidden_size])."""
+        logits = self.head.logits(hidden.flatten(0, 1))
+        return logits.topk(k, dim=-1).indices.view(hidden.shape[0], -1)
+
+    def _tree_forward(
+        self,
+        batch: DraftBatch,
+        token_ids: torch.Tensor,  # [num_seqs, num_nodes] the nodes drafted so far, root excluded
+        hidden: torch.Tensor,  # [num_seqs, num_nodes, hidden_size] each node's parent's output
+        newest: torch.Tensor,  # [num_seqs] int64 the last accepted position
+        tree: DraftTree,
+    ) -> torch.Tensor:  # [num_seqs, num_nodes, hidden_size]
+        """The head over the nodes drafted so far: node m at position newest + its depth, its KV at
+        newest + m, seeing the head's cache and its own ancestors. Requests that draft nothing
+        write no KV and sit at position 0 (their rows are not used)."""
+        assert batch.forward is not None
+        num_seqs, num_nodes = token_ids.shape
+        device = token_ids.device
+        drafting = batch.num_wanted > 0
+        base = torch.where(drafting, newest, 0)
+        depths = torch.tensor(tree.depths[1 : num_nodes + 1], device=device)
+        masks = torch.tensor([m >> 1 for m in tree.masks[1 : num_nodes + 1]], device=device)
+        positions = base[:, None] + depths  # [num_seqs, num_nodes]
+        kv_positions = base[:, None] + torch.arange(1, num_nodes + 1, device=device)
+        extra = -(-num_nodes // self.block_size) + 1  # requests that draft nothing read past their blocks
+        tables = torch.nn.functional.pad(batch.forward.meta.block_tables[batch.seq_rows], (0, extra))
+        blocks = tables.gather(1, kv_positions // self.block_size).long()
+        slots = torch.where(drafting[:, None], blocks * self.block_size + kv_positions % self.block_size, -1)
+        seq_lens = (base + 1 + num_nodes).int()
+        on_host = not kernels.cuda_available(token_ids)  # the torch twin reads lengths on the host
+        meta = AttentionMetadata(
+            slot_mapping=slots.flatten(),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * num_nodes,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            query_lens_cpu=[num_nodes] * num_seqs,
+            seq_lens_cpu=seq_lens.tolist() if on_host else [num_nodes] * num_seqs,
+            max_query_len=num_nodes,
+            max_seq_len=batch.forward.max_seq_len + num_nodes + 1,
+            tree_mask=masks.repeat(num_seqs),
+        )
+        out = self.head(
+            token_ids.flatten().long(), positions.flatten(), hidden.flatten(0, 1), self.kv_cache, meta
+        )
+        return out.view(num_seqs, num_nodes, -1)
 
     def _catch_up(self, batch: DraftBatch) -> torch.Tensor:
         """The head over (h_i, t_{i+1}) at every row of the step; [num_tokens, hidden_size]."""

@@ -20,6 +20,8 @@ from kernels import AttentionMetadata
 from services.engine.input_batch import InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
+from services.engine.tree_verify import compact_path_kv
+from shared.model.llama import KVCache
 
 
 @dataclass
@@ -61,6 +63,9 @@ class DraftBatch:
     """[num_seqs] int32 drafts each request's verification accepted this step (device proposers)."""
     cu_num_rows: torch.Tensor | None = None
     """[num_seqs + 1] int32 where each request's logit rows start (device proposers)."""
+    tree_path: torch.Tensor | None = None
+    """[num_seqs, max_rows] int64 the row (tree node) each request accepted at each depth, where
+    the step verified draft trees (services/engine/tree_verify.py); None: chains."""
 
     @classmethod
     def on_host(cls, inputs: InputBatch, seqs: list[Sequence], num_wanted: list[int]) -> DraftBatch:
@@ -84,12 +89,27 @@ class DraftBatch:
         whose hidden state and the newest token predict the next token: a request brought d drafts
         in the last d of its rows and kept the first `num_accepted` of them (clamped to the step's
         rows: a CUDA graph's padding requests, and requests that ended, draft nothing either way)."""
-        forward, cu_num_rows, num_accepted = self.forward, self.cu_num_rows, self.num_accepted
-        assert forward is not None and cu_num_rows is not None and num_accepted is not None
-        ends = forward.meta.query_start_loc[1:].index_select(0, self.seq_rows)
-        num_rows = cu_num_rows[1:] - cu_num_rows[:-1]
-        rows = (ends - num_rows + num_accepted).long()
+        forward, num_accepted = self.forward, self.num_accepted
+        assert forward is not None and num_accepted is not None
+        newest = num_accepted if self.tree_path is None else self.tree_path[:, -1]
+        rows = self.root_rows + newest
         return rows.clamp_(0, forward.positions.shape[0] - 1)
+
+    @functools.cached_property
+    def root_rows(self) -> torch.Tensor:
+        """[num_seqs] int64 the row of the step's forward holding each request's first logit row:
+        its newest token before the step, the root of its drafts (unclamped)."""
+        forward, cu_num_rows = self.forward, self.cu_num_rows
+        assert forward is not None and cu_num_rows is not None
+        ends = forward.meta.query_start_loc[1:].index_select(0, self.seq_rows)
+        return (ends - (cu_num_rows[1:] - cu_num_rows[:-1])).long()
+
+    def compact_tree_kv(self, caches: list[KVCache], block_size: int) -> None:
+        """Moves the KV the step's forward wrote for each request's accepted tree path into
+        consecutive positions after its root, in `caches` (a drafting head's caches)."""
+        assert self.forward is not None and self.tree_path is not None and self.num_accepted is not None
+        root_positions = self.forward.positions.index_select(0, self.root_rows)
+        compact_path_kv(caches, self.tree_path, self.num_accepted, root_positions, self._tables, block_size)
 
     @functools.cached_property
     def _tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] each request's block table

@@ -288,6 +288,18 @@ def test_costly_drafting_stops_it() -> None:
     assert steady(adaptive, batch, num_other_tokens=64) == [0] * 64
 
 
+def test_a_tree_is_priced_by_its_node_count() -> None:
+    """Depth k of a [3, 2, 1] tree verifies 3, 9 or 15 drafts: where each verified token costs, the
+    tree gets a shallower depth than a chain of the same acceptance gets drafts."""
+    chain = with_cost(fixed_s=0.010, per_token_s=2e-5)
+    tree = AdaptiveSpeculation(enabled=True, min_acceptance=0.2, tree_tokens={"mtp": [0, 3, 9, 15]})
+    for n in (1, 64, 256, 1024):
+        tree.cost.record(1, n, 0, 0, 0.010 + 2e-5 * n)
+    ks_chain = steady(chain, seqs([0.6] * 64, max_k=3, methods=["mtp"] * 64), num_other_tokens=64)
+    ks_tree = steady(tree, seqs([0.6] * 64, max_k=3, methods=["mtp"] * 64), num_other_tokens=64)
+    assert ks_tree[0] < ks_chain[0] and ks_chain == [ks_chain[0]] * 64
+
+
 def test_cheap_drafting_keeps_it() -> None:
     adaptive = with_draft_cost(
         with_cost(fixed_s=0.010, per_token_s=1e-5), "suffix", DraftCost(fixed_s=0.0002, per_request_s=2e-5)
