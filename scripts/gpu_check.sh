@@ -21,8 +21,10 @@
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 # grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
-# grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
-# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
+# grammar bitmask vs its reference, graph replays of grammar requests, the batched mask fill vs row by row,
+# drafts cut at the grammar), grammar-fill.json (benchmarks.grammar_mask --step-masks: the host's batched fill
+# at batch 1 / 16 / 64, k 0 / 3, on this host's cores), grammar-mask.json (benchmarks.grammar_mask
+# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
 # widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
@@ -200,16 +202,21 @@ fi
 if [[ " $stages " == *" grammar "* ]]; then
     # structured output on the GPU (xgrammar must be among the carried wheels): the fused verify with
     # the grammar bitmask against its reference and the torch sampler, graph replays with grammar
-    # requests; the per-step mask cost on the 1B-cost widened target at batch 1 / 64 against a plain
+    # requests; the per-step mask cost on the 1B-cost widened target at batch 1 / 16 / 64 against a plain
     # step (grammar-mask.json); ngram / mtp over naive with a JSON schema off and on, in the same call
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_verify.py \
         tests/services/engine/test_cuda_graph.py -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
+    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/services/engine/test_grammar.py \
+        2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
+    status=$((status | PIPESTATUS[0]))
+    timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 \
+        --out "$OUT/grammar-fill.json" 2>&1 | tee "$OUT/grammar.log" | tail -6
     dir=/tmp/widened-llama-3.2-1b
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
     timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
-        --batch 1 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee "$OUT/grammar.log" | tail -3
+        --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
     mtp='{"method":"mtp","model":"'$dir/mtp'"'
     methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
     for schema in off on; do
