@@ -250,9 +250,12 @@ def long_answer_ids(tokenizer: Any, num_items: int) -> list[int]:
     return tokenizer.encode(json.dumps(items), add_special_tokens=False)
 
 
-def step_masks_cost(batches: list[int], ks: list[int], num_steps: int, repeats: int) -> list[dict]:
+def step_masks_cost(
+    batches: list[int], ks: list[int], num_steps: int, repeats: int, num_threads: int | None = None
+) -> list[dict]:
     """Per batch and k: the median host time of `StepMasks.fill` for one decode step (ms), every
-    request at its own place in LONG_SCHEMA's answer with k legal drafts."""
+    request at its own place in LONG_SCHEMA's answer with k legal drafts; `num_threads`: the
+    fill's threads (None: the engine's default)."""
     from services.engine.grammar import GrammarCompiler, GrammarState, StepMasks
     from services.engine.sequence import Sequence
     from shared.tokenizer import Tokenizer
@@ -262,7 +265,7 @@ def step_masks_cost(batches: list[int], ks: list[int], num_steps: int, repeats: 
     compiler = GrammarCompiler(tokenizer, vocab_size, frozenset(tokenizer.eos_token_ids))
     compiled = compiler.submit(StructuredOutput.json_schema(LONG_SCHEMA))
     answer = long_answer_ids(tokenizer, 512)
-    masks = StepMasks(vocab_size, torch.device("cpu"))
+    masks = StepMasks(vocab_size, torch.device("cpu"), num_threads)
     rows = []
     for batch in batches:
         for k in ks:
@@ -284,7 +287,7 @@ def step_masks_cost(batches: list[int], ks: list[int], num_steps: int, repeats: 
                     for i, seq in enumerate(seqs):
                         assert seq.grammar is not None and seq.grammar.advance([answer[5 * i + step]])
                 step_ms.append(statistics.median(times))
-            rows.append({"batch": batch, "k": k, "fill_ms_median": min(step_ms)})
+            rows.append({"batch": batch, "k": k, "threads": num_threads, "fill_ms_median": min(step_ms)})
             print(f"batch {batch:>3}, k {k}: {batch * (k + 1):>4} rows, fill {min(step_ms):.3f} ms/step")
     compiler.close()
     return rows
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-masks", action="store_true", help="time the engine's StepMasks.fill")
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3], help="k per request (--step-masks)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run (--step-masks)")
+    parser.add_argument(
+        "--threads", type=int, help="the fill's threads (--step-masks; default: the engine's)"
+    )
     parser.add_argument("--engine-model", help="a checkpoint: time the engine's decode step with a grammar")
     parser.add_argument("--device", default="cuda", help="the engine's device (default: cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (default: bfloat16)")
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the engine mode's result JSON here")
     args = parser.parse_args(argv)
     if args.step_masks:
-        rows = step_masks_cost(args.batch, args.drafts, args.steps, args.repeats)
+        rows = step_masks_cost(args.batch, args.drafts, args.steps, args.repeats, args.threads)
         if args.out:
             args.out.write_text(json.dumps({"device": "cpu", "rows": rows}, indent=2) + "\n")
         return

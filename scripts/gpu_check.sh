@@ -22,8 +22,8 @@
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 # grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
 # grammar bitmask vs its reference, graph replays of grammar requests, the batched mask fill vs row by row,
-# drafts cut at the grammar), grammar-fill.json (benchmarks.grammar_mask --step-masks: the host's batched fill
-# at batch 1 / 16 / 64, k 0 / 3, on this host's cores), grammar-mask.json (benchmarks.grammar_mask
+# drafts cut at the grammar), grammar-fill-<1|auto>.json (benchmarks.grammar_mask --step-masks: the host's batched
+# fill at batch 1 / 16 / 64, k 0 / 3, on one thread and on the engine's default of half the cores), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
 # widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
@@ -210,8 +210,12 @@ if [[ " $stages " == *" grammar "* ]]; then
     timeout 120 python3 -m pytest -p no:cacheprovider -q tests/services/engine/test_grammar.py \
         2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
     status=$((status | PIPESTATUS[0]))
-    timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 \
-        --out "$OUT/grammar-fill.json" 2>&1 | tee "$OUT/grammar.log" | tail -6
+    for threads in 1 auto; do  # one thread: the work the row-by-row fill did; auto: the engine's default
+        flag=$([ $threads = 1 ] && echo "--threads 1" || echo "")
+        # shellcheck disable=SC2086
+        timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 $flag \
+            --out "$OUT/grammar-fill-$threads.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -6
+    done
     dir=/tmp/widened-llama-3.2-1b
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
