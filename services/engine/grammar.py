@@ -127,6 +127,9 @@ def fill_masks(
     matchers = [state.matcher for state in states]
 
     def fill(live: list[int], depth: int) -> None:
+        if len(live) == 1:  # nothing to share out: no hand-off to the threads
+            matchers[live[0]].fill_next_token_bitmask(bitmask, first_rows[live[0]] + depth)
+            return
         rows = [first_rows[i] + depth for i in live]
         batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bitmask, rows)
 
