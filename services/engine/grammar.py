@@ -20,6 +20,7 @@ matcher on the host).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,6 +45,12 @@ MAX_CACHED_GRAMMARS = 256
 """Compiled grammars kept (least recently used dropped first); a JSON schema's is tens of KiB."""
 
 
+def default_num_threads() -> int:
+    """Threads for xgrammar's compiling and batched filling: half the cores this process may use,
+    the rest left to the engine's own work."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, ceil(vocab_size / 32)] int32, every token allowed."""
     return torch.full((num_rows, num_mask_words(vocab_size)), -1, dtype=torch.int32)
@@ -56,10 +63,10 @@ class StepMasks:
     the last copy out of it is done."""
 
     def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None):
-        """`num_threads`: xgrammar's threads for the batched fill (None: half the host's cores)."""
+        """`num_threads`: xgrammar's threads for the batched fill (None: `default_num_threads()`)."""
         self.num_words = num_mask_words(vocab_size)
         self.device = device
-        self.num_threads = num_threads
+        self.num_threads = num_threads or default_num_threads()
         self._host = torch.empty(0, self.num_words, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
         self._batch: xgrammar.BatchGrammarMatcher | None = None
@@ -109,7 +116,7 @@ class StepMasks:
         if self._batch is None:
             import xgrammar
 
-            self._batch = xgrammar.BatchGrammarMatcher(self.num_threads or "auto")
+            self._batch = xgrammar.BatchGrammarMatcher(self.num_threads)
         return self._batch
 
 
@@ -185,7 +192,8 @@ def walk_drafts(
 
 class GrammarCompiler:
     """Compiles grammars on a thread of its own, off the step: a request's grammar starts compiling
-    when the request arrives, and the step that first needs it waits only for what is left."""
+    when the request arrives, and the step that first needs it waits only for what is left.
+    xgrammar spreads one compile (its token mask cache over the vocabulary) over its own threads."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
@@ -230,7 +238,9 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 wrapped, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = xgrammar.GrammarCompiler(
+                info, max_threads=default_num_threads(), cache_enabled=False
+            )
         return self._compiler
 
 
