@@ -25,7 +25,8 @@
 # drafts cut at the grammar), grammar-fill-<1|auto>.json (benchmarks.grammar_mask --step-masks: the host's batched
 # fill at batch 1 / 16 / 64, k 0 / 3, on one thread and on the engine's default of half the cores), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
-# widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
+# widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
+# off and on) and offline-grammar-json-<off|on>.json (the same on json_editing with json_edit_schema.json).
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
@@ -223,13 +224,19 @@ if [[ " $stages " == *" grammar "* ]]; then
         --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
     mtp='{"method":"mtp","model":"'$dir/mtp'"'
     methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
-    for schema in off on; do
-        flag=$([ $schema = on ] && echo "--json-schema benchmarks/workloads/edit_schema.json" || echo "")
-        # shellcheck disable=SC2086
-        timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
-            --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
-            $flag --methods $methods --out "$OUT/offline-grammar-$schema.json" 2>&1 | tee -a "$OUT/grammar.log" \
-            | grep "^| [a-z]"
+    # code_editing under edit_schema.json (JSON around code: drafts leave the grammar) and json_editing
+    # under json_edit_schema.json (the answer copies a JSON record of the prompt: drafts can match)
+    for run in code_editing:edit_schema json_editing:json_edit_schema; do
+        workload=${run%%:*}
+        for schema in off on; do
+            flag=$([ $schema = on ] && echo "--json-schema benchmarks/workloads/${run#*:}.json" || echo "")
+            name=$([ $workload = code_editing ] && echo "$schema" || echo "json-$schema")
+            # shellcheck disable=SC2086
+            timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload $workload \
+                --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
+                $flag --methods $methods --out "$OUT/offline-grammar-$name.json" 2>&1 | tee -a "$OUT/grammar.log" \
+                | grep "^| [a-z]"
+        done
     done
 fi
 exit $status
