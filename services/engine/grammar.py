@@ -72,22 +72,22 @@ class StepMasks:
         self._batch: xgrammar.BatchGrammarMatcher | None = None
 
     def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> torch.Tensor:
-        """[num_rows, num_words] int32 on the host: `write` into the step's buffer; rows of requests
-        without a grammar are left unwritten."""
+        """[num_rows, num_words] int32 on the host: every token allowed (one write for the whole
+        buffer), then `write`."""
         host = self._buffer(int(cu_num_rows[-1]))
+        host.fill_(-1)
         self.write(seqs, cu_num_rows, host)
         return host
 
     def write(self, seqs: list[Sequence], cu_num_rows: np.ndarray, bitmask: torch.Tensor) -> None:
         """Request i's rows `cu_num_rows[i] ..` of `bitmask` get the masks of its grammar after its
-        first drafts (every token allowed where the grammar is terminated or a draft was refused
-        before); rows of requests without a grammar are left unwritten."""
+        first drafts; rows after the grammar ends or refuses a draft, and rows of requests without
+        a grammar, are left as they were (every token allowed, where `bitmask` came so)."""
         states: list[GrammarState] = []
         drafts: list[list[int]] = []
         first_rows: list[int] = []
         for seq, start, end in zip(seqs, cu_num_rows[:-1].tolist(), cu_num_rows[1:].tolist()):
             if seq.grammar is not None:
-                bitmask[start:end] = -1
                 states.append(seq.grammar)
                 drafts.append(seq.spec.draft_token_ids[: end - start - 1])
                 first_rows.append(start)
@@ -253,6 +253,11 @@ class GrammarState:
         self._matcher: xgrammar.GrammarMatcher | None = None
 
     @property
+    def is_compiled(self) -> bool:
+        """Whether the grammar is compiled (or failed to): `matcher` would not wait."""
+        return self._compiled.done()
+
+    @property
     def matcher(self) -> xgrammar.GrammarMatcher:
         if self._matcher is None:
             import xgrammar
@@ -263,7 +268,10 @@ class GrammarState:
         return self._matcher
 
     def advance(self, token_ids: list[int]) -> bool:
-        """Moves past kept tokens; False when the grammar refuses one (the state stays before it)."""
+        """Moves past kept tokens; False when the grammar refuses one (the state stays before it).
+        Nothing to move past: no wait for the compile."""
+        if not token_ids:
+            return True
         matcher = self.matcher
         for token_id in token_ids:
             if matcher.is_terminated():

@@ -5,7 +5,9 @@ neither moves a request's place in its grammar."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from services.engine.grammar import (
     cut_refused_drafts,
     fill_masks,
 )
+from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from shared.reference import reference_dir
 from shared.sampling_params import SamplingParams
@@ -192,3 +195,35 @@ def next_masks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
 
 def allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
     return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def test_a_request_whose_grammar_still_compiles_waits_while_others_run(monkeypatch) -> None:
+    """The step does not wait for a compile while it has other work: the request stays queued,
+    the others decode, and it runs once its grammar is there (or once nothing else is left), its
+    output as if it had never waited."""
+    llm = LLM(str(reference_dir()), device="cpu", max_model_len=256)
+    engine = llm.engine
+    structured = SamplingParams(temperature=0.0, max_tokens=12, structured=GRAMMARS["json_schema"])
+    expected = llm.generate(["# a record\n"], structured)[0].token_ids
+    compiled = engine.grammars.submit(GRAMMARS["json_schema"]).result()
+    compiling: Future[object] = Future()
+    monkeypatch.setattr(engine.grammars, "submit", lambda _: compiling)
+    safety = threading.Timer(60, compiling.set_result, [compiled])  # a regression fails, never hangs
+    safety.start()
+    engine.add_request("plain", prompt="def add(a, b):", params=SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()
+    engine.add_request("json", prompt="# a record\n", params=structured)
+    tokens: dict[str, list[int]] = {}
+    num_steps = 0
+    while any(seq.request_id == "plain" for seq in engine.scheduler.running):
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        assert [seq.request_id for seq in engine.scheduler.waiting] == ["json"]
+        num_steps += 1
+    assert num_steps >= 4 and safety.is_alive()  # it decoded beside the compile, never waiting for it
+    safety.cancel()
+    compiling.set_result(compiled)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert tokens["json"] == expected
