@@ -48,7 +48,8 @@ MAX_CACHED_GRAMMARS = 256
 def default_num_threads() -> int:
     """Threads for xgrammar's compiling and batched filling: half the cores this process may use,
     the rest left to the engine's own work."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -192,8 +193,9 @@ def walk_drafts(
 
 class GrammarCompiler:
     """Compiles grammars on a thread of its own, off the step: a request's grammar starts compiling
-    when the request arrives, and the step that first needs it waits only for what is left.
-    xgrammar spreads one compile (its token mask cache over the vocabulary) over its own threads."""
+    when the request arrives, and the request stays queued until it is compiled while others can
+    run (`Scheduler`). xgrammar spreads one compile (its token mask cache over the vocabulary) over
+    its own threads."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
