@@ -2,6 +2,7 @@
 and (`--engine-model`) what a grammar adds to the engine's decode step.
 
     python -m benchmarks.grammar_mask --batch 1 64
+    python -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3
     python -m benchmarks.grammar_mask --engine-model /tmp/widened-llama-3.2-1b/target --device cuda \
         --batch 1 64 --out grammar-mask.json
 
@@ -10,6 +11,11 @@ free JSON, a regex): the compile time of the grammar, then the host time of one 
 masks: every row of the batch advanced by one token of a legal answer and its next-token bitmask
 filled, plus the bitmask applied to a [batch, vocab] float32 logits tensor. A speculative step
 fills one mask per verified row; the per-row figure is the same work.
+
+With `--step-masks`, the engine's own fill (services/engine/grammar.py, `StepMasks.fill`) of one
+decode step's masks: `batch` requests under the engine mode's JSON schema, each at a different
+place in a legal answer, each with k drafts that follow it (so every request fills k + 1 rows),
+advanced by one token per step.
 
 With `--engine-model` (a checkpoint: on a GPU, the 1B-cost widened target of benchmarks.widen), the
 engine decodes `batch` requests side by side twice: plain, then each constrained to a JSON schema
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.engine.sampler import apply_bitmask
@@ -237,6 +244,55 @@ def timed(record: list[float], fill: Callable[..., torch.Tensor]) -> Callable[..
     return wrapper
 
 
+def long_answer_ids(tokenizer: Any, num_items: int) -> list[int]:
+    """Tokens of a legal answer to LONG_SCHEMA, `num_items` items long."""
+    items = [{"name": f"item{i}", "count": i, "ok": i % 3 == 0} for i in range(num_items)]
+    return tokenizer.encode(json.dumps(items), add_special_tokens=False)
+
+
+def step_masks_cost(
+    batches: list[int], ks: list[int], num_steps: int, repeats: int, num_threads: int | None = None
+) -> list[dict]:
+    """Per batch and k: the median host time of `StepMasks.fill` for one decode step (ms), every
+    request at its own place in LONG_SCHEMA's answer with k legal drafts; `num_threads`: the
+    fill's threads (None: the engine's default)."""
+    from services.engine.grammar import GrammarCompiler, GrammarState, StepMasks
+    from services.engine.sequence import Sequence
+    from shared.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(MODEL)
+    vocab_size = json.loads((MODEL / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(tokenizer, vocab_size, frozenset(tokenizer.eos_token_ids))
+    compiled = compiler.submit(StructuredOutput.json_schema(LONG_SCHEMA))
+    answer = long_answer_ids(tokenizer, 512)
+    masks = StepMasks(vocab_size, torch.device("cpu"), num_threads)
+    rows = []
+    for batch in batches:
+        for k in ks:
+            seqs = [Sequence(f"r{i}", [1], SamplingParams(), frozenset()) for i in range(batch)]
+            step_ms: list[float] = []
+            for _ in range(repeats):
+                for i, seq in enumerate(seqs):
+                    seq.grammar = GrammarState(compiled, max(ks))
+                    assert seq.grammar.advance(answer[: 5 * i])
+                cu_num_rows = np.arange(batch + 1) * (k + 1)
+                times = []
+                for step in range(num_steps):
+                    for i, seq in enumerate(seqs):
+                        start = 5 * i + step
+                        seq.spec.draft_token_ids = answer[start + 1 : start + 1 + k]
+                    started = time.perf_counter()
+                    masks.fill(seqs, cu_num_rows)
+                    times.append(1e3 * (time.perf_counter() - started))
+                    for i, seq in enumerate(seqs):
+                        assert seq.grammar is not None and seq.grammar.advance([answer[5 * i + step]])
+                step_ms.append(statistics.median(times))
+            rows.append({"batch": batch, "k": k, "threads": num_threads, "fill_ms_median": min(step_ms)})
+            print(f"batch {batch:>3}, k {k}: {batch * (k + 1):>4} rows, fill {min(step_ms):.3f} ms/step")
+    compiler.close()
+    return rows
+
+
 def engine_step_cost(
     model: str, device: str, dtype: str, batches: list[int], max_tokens: int, repeats: int
 ) -> list[dict]:
@@ -285,12 +341,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="rows per step (default: 1 64)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the best is kept (default: 3)")
+    parser.add_argument("--step-masks", action="store_true", help="time the engine's StepMasks.fill")
+    parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3], help="k per request (--step-masks)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per run (--step-masks)")
+    parser.add_argument(
+        "--threads", type=int, help="the fill's threads (--step-masks; default: the engine's)"
+    )
     parser.add_argument("--engine-model", help="a checkpoint: time the engine's decode step with a grammar")
     parser.add_argument("--device", default="cuda", help="the engine's device (default: cuda)")
     parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (default: bfloat16)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
     parser.add_argument("--out", type=Path, help="write the engine mode's result JSON here")
     args = parser.parse_args(argv)
+    if args.step_masks:
+        rows = step_masks_cost(args.batch, args.drafts, args.steps, args.repeats, args.threads)
+        if args.out:
+            args.out.write_text(json.dumps({"device": "cpu", "rows": rows}, indent=2) + "\n")
+        return
     if args.engine_model:
         rows = engine_step_cost(
             args.engine_model, args.device, args.dtype, args.batch, args.max_tokens, args.repeats

@@ -28,6 +28,8 @@ class SpecCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_refused_draft_tokens: int = 0
+    """Drafts a grammar refused on the host, never verified (not among num_draft_tokens)."""
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -39,6 +41,7 @@ class SpecCounts:
             num_draft_tokens=int(stats.get("num_draft_tokens") or 0),
             num_accepted_tokens=int(stats.get("num_accepted_tokens") or 0),
             num_verify_steps=int(stats.get("num_verify_steps") or 0),
+            num_refused_draft_tokens=int(stats.get("num_refused_draft_tokens") or 0),
             drafted_per_position=[int(n) for n in stats.get("drafted_per_position") or []],
             accepted_per_position=[int(n) for n in stats.get("accepted_per_position") or []],
         )
@@ -47,6 +50,7 @@ class SpecCounts:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_verify_steps += other.num_verify_steps
+        self.num_refused_draft_tokens += other.num_refused_draft_tokens
         self.drafted_per_position = _add_lists(self.drafted_per_position, other.drafted_per_position)
         self.accepted_per_position = _add_lists(self.accepted_per_position, other.accepted_per_position)
 

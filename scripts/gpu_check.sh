@@ -21,9 +21,13 @@
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 # grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
-# grammar bitmask vs its reference, graph replays of grammar requests), grammar-mask.json (benchmarks.grammar_mask
-# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 64, on the 1B-cost
-# widened target) and offline-grammar-<off|on>.json (naive / ngram / mtp with benchmarks/workloads/edit_schema.json off and on).
+# grammar bitmask vs its reference, graph replays of grammar requests, the batched mask fill vs row by row,
+# drafts cut at the grammar), grammar-fill-<1|auto>.json (benchmarks.grammar_mask --step-masks: the host's batched
+# fill at batch 1 / 16 / 64, k 0 / 3, on one thread and on the engine's default of half the cores), grammar-mask.json (benchmarks.grammar_mask
+# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
+# widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
+# off and on) and offline-grammar-json-<off|on>.json (the same on json_editing with json_edit_schema.json);
+# GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls.
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
@@ -201,27 +205,55 @@ if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
     done
 fi
 if [[ " $stages " == *" grammar "* ]]; then
-    # structured output on the GPU (xgrammar must be among the carried wheels): the fused verify with
-    # the grammar bitmask against its reference and the torch sampler, graph replays with grammar
-    # requests; the per-step mask cost on the 1B-cost widened target at batch 1 / 64 against a plain
-    # step (grammar-mask.json); ngram / mtp over naive with a JSON schema off and on, in the same call
-    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_verify.py \
-        tests/services/engine/test_cuda_graph.py -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
-    status=$((status | PIPESTATUS[0]))
+    # structured output on the GPU (xgrammar must be among the carried wheels), in parts (GRAMMAR_PARTS,
+    # default "tests fill step offline"; split it over calls, e.g. "tests fill step", then "offline"):
+    # tests: the fused verify with the grammar bitmask against its reference and the torch sampler,
+    # graph replays with grammar requests, the host's batched fill and draft cut; fill: the host fill
+    # alone; step: the per-step mask cost on the 1B-cost widened target at batch 1 / 16 / 64 against a
+    # plain step (grammar-mask.json); offline: ngram / mtp over naive with a JSON schema off and on
+    # (GRAMMAR_WORKLOADS, default "code_editing json_editing")
+    parts=${GRAMMAR_PARTS:-tests fill step offline}
+    if [[ " $parts " == *" tests "* ]]; then
+        timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_verify.py \
+            tests/services/engine/test_cuda_graph.py -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
+        status=$((status | PIPESTATUS[0]))
+        timeout 120 python3 -m pytest -p no:cacheprovider -q tests/services/engine/test_grammar.py \
+            2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ " $parts " == *" fill "* ]]; then
+        for threads in 1 auto; do  # one thread: the work the row-by-row fill did; auto: the engine's default
+            flag=$([ $threads = 1 ] && echo "--threads 1" || echo "")
+            # shellcheck disable=SC2086
+            timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 $flag \
+                --out "$OUT/grammar-fill-$threads.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -6
+        done
+    fi
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
-        --batch 1 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee "$OUT/grammar.log" | tail -3
+    if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]] && [ ! -d $dir/target ]; then
+        python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    fi
+    if [[ " $parts " == *" step "* ]]; then
+        timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
+            --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
+    fi
     mtp='{"method":"mtp","model":"'$dir/mtp'"'
     methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
-    for schema in off on; do
-        flag=$([ $schema = on ] && echo "--json-schema benchmarks/workloads/edit_schema.json" || echo "")
-        # shellcheck disable=SC2086
-        timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
-            --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
-            $flag --methods $methods --out "$OUT/offline-grammar-$schema.json" 2>&1 | tee -a "$OUT/grammar.log" \
-            | grep "^| [a-z]"
+    # code_editing under edit_schema.json (JSON around code: drafts leave the grammar) and json_editing
+    # under json_edit_schema.json (the answer copies a JSON record of the prompt: drafts can match)
+    declare -A schemas=([code_editing]=edit_schema [json_editing]=json_edit_schema)
+    for workload in ${GRAMMAR_WORKLOADS:-code_editing json_editing}; do
+        [[ " $parts " == *" offline "* ]] || break
+        for schema in off on; do
+            flag=$([ $schema = on ] && echo "--json-schema benchmarks/workloads/${schemas[$workload]}.json" || echo "")
+            name=$([ $workload = code_editing ] && echo "$schema" || echo "json-$schema")
+            # shellcheck disable=SC2086
+            timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload $workload \
+                --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
+                $flag --methods $methods --out "$OUT/offline-grammar-$name.json" 2>&1 | tee -a "$OUT/grammar.log" \
+                | grep "^| [a-z]"
+        done
     done
 fi
 if [[ " $stages " == *" trees "* ]]; then

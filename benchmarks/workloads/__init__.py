@@ -12,6 +12,9 @@ them (see `benchmarks.workloads.build`).
   issued in two sessions: requests share templates and their outputs recur across requests
   (what the global suffix cache exists for).
 - `open_ended`: a signature and docstring, or a one-line comment in plain English -> write the code.
+- `json_editing`: a function as a JSON record and a change to make -> the same record as JSON, to
+  be run under `json_edit_schema.json` (structured output whose answer copies its prompt, so drafts
+  can match under the schema).
 
 A prompt followed by indented code ends at the end of a line, before its newline: with this
 tokenizer the newline and the next line's indentation are one token (see `build._without_newline`).
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 WORKLOADS_DIR = Path(__file__).resolve().parent
-WORKLOADS = ("code_continuation", "code_editing", "agentic", "open_ended")
+WORKLOADS = ("code_continuation", "code_editing", "agentic", "open_ended", "json_editing")
 MAX_PROMPT_TOKENS = 1500
 """No prompt is longer than this with the reference tokenizer."""
 

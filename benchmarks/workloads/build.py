@@ -29,7 +29,13 @@ from shared.tokenizer import Tokenizer
 DEFAULT_SEED = 0
 SPLIT_FILE = "data_split.json.gz"
 SOURCES_FILE = "sources.json"
-NUM_RECORDS = {"code_continuation": 24, "code_editing": 24, "agentic": 48, "open_ended": 24}
+NUM_RECORDS = {
+    "code_continuation": 24,
+    "code_editing": 24,
+    "agentic": 48,
+    "open_ended": 24,
+    "json_editing": 24,
+}
 
 CONTINUATION_PROMPT_TOKENS = (256, 640)
 """A continuation prompt holds at least / at most this many tokens (trimmed from the front)."""
@@ -45,6 +51,14 @@ EDIT_MARKERS = (
     "# Revised version of the function above, with logging added:",
 )
 """Each asks for a revised copy that keeps the signature, so the copy's first lines are verbatim."""
+
+JSON_EDIT_CHANGES = (
+    "with a bug in its code fixed",
+    "with comments added to its code",
+    "with its code reformatted",
+    "with logging added to its code",
+)
+"""What a json_editing request asks to change in the record; every other field stays as it was."""
 
 AGENT_PREAMBLE = """\
 # === agent harness: tool-calling coding assistant ===
@@ -188,6 +202,7 @@ class WorkloadBuilder:
             "code_editing": self.code_editing,
             "agentic": self.agentic,
             "open_ended": self.open_ended,
+            "json_editing": self.json_editing,
         }
         rng = random.Random(f"{self.seed}:{workload}")
         records = []
@@ -299,6 +314,27 @@ class WorkloadBuilder:
                 break
         out += [(prompt, "", OPEN_ENDED_MAX_TOKENS) for prompt in PLAIN_PROMPTS]
         rng.shuffle(out)
+        return out
+
+    def json_editing(self, rng: random.Random) -> list[tuple[str, str, int]]:
+        """A function as a JSON record (name, file, line count, code: the fields of
+        `benchmarks/workloads/json_edit_schema.json`, in its order, as the grammar engine writes
+        JSON) and a request for the same record with its code changed; at most one function per
+        file. The answer under that schema copies most of the record, escapes included."""
+        lo, hi = EDIT_MAX_TOKENS
+        out = []
+        for fn in self._one_per_file(rng, lambda f: 8 <= len(f.lines) <= 40):
+            record = json.dumps(
+                {"name": fn.name, "file": fn.relpath, "num_lines": len(fn.lines), "code": fn.text}
+            )
+            num_record_tokens = self.num_tokens(record)
+            if not 96 <= num_record_tokens <= 700:
+                continue
+            change = rng.choice(JSON_EDIT_CHANGES)
+            prompt = f"# A function of the code base as a JSON record:\n{record}\n# The same record as JSON, {change}:\n"
+            out.append((prompt, fn.relpath, max(lo, min(hi, num_record_tokens + 16))))
+            if len(out) == NUM_RECORDS["json_editing"]:
+                break
         return out
 
     def _one_per_file(self, rng: random.Random, keep: Callable[[Function], bool]) -> list[Function]:

@@ -383,6 +383,7 @@ class LLMEngine:
         outputs += self._emit(handed_off)
         self._free_stopped()
         self.drafter.propose_on_host(plan)
+        self.drafter.cut_refused_drafts(plan.seqs)
         num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
         seconds = time.perf_counter() - started
         mixed = not step.is_decode  # prefill chunks: another cost regime

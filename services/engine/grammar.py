@@ -2,23 +2,28 @@
 per request a matcher that gives the token bitmask of every row the step verifies.
 
 A request with `k` drafts has `k + 1` verified rows; row `j` is sampled after the request's kept
-tokens and its first `j` drafts, so its mask is the grammar's allowed next tokens in that state. A
-draft the grammar refuses is masked out of its own row and so rejected there (whatever the
-verification strategy); the rows after it are never used. The matcher is advanced over the drafts
-only to fill the masks, rolled back at once, and then advanced by the tokens the step kept.
+tokens and its first `j` drafts, so its mask is the grammar's allowed next tokens in that state.
+Before a step is scheduled, each request's drafts are cut at the first one its grammar refuses
+(`cut_refused_drafts`): such a draft would be rejected at its row whatever the target says, so it
+is rejected on the host rather than verified. The matcher is advanced over the drafts only to
+check them and to fill the masks, rolled back at once, and then advanced by the tokens the step kept.
 
-The masks are an input of the fused verify (`kernels.verify_sample`); no draft distribution needs
-one: drafting models draw their drafts with the target's own noise and the verifier treats every
-draft as a fixed token (services/engine/rejection_sampler.py), so the acceptance test reads only the
-masked target distribution. A drafting model proposes without the grammar (its chain runs on the
-device, the matcher on the host); a draft it proposes outside the grammar is rejected at its row.
+A step's masks are filled for the whole batch at once (`StepMasks`): one batched fill per draft
+depth, spread by xgrammar over its own threads outside the GIL, into one host buffer. They are an
+input of the fused verify (`kernels.verify_sample`); no draft distribution needs one: drafting
+models draw their drafts with the target's own noise and the verifier treats every draft as a fixed
+token (services/engine/rejection_sampler.py), so the acceptance test reads only the masked target
+distribution. A drafting model proposes without the grammar (its chain runs on the device, the
+matcher on the host).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -40,33 +45,55 @@ MAX_CACHED_GRAMMARS = 256
 """Compiled grammars kept (least recently used dropped first); a JSON schema's is tens of KiB."""
 
 
+def default_num_threads() -> int:
+    """Threads for xgrammar's compiling and batched filling: half the cores this process may use,
+    the rest left to the engine's own work."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, ceil(vocab_size / 32)] int32, every token allowed."""
     return torch.full((num_rows, num_mask_words(vocab_size)), -1, dtype=torch.int32)
 
 
 class StepMasks:
-    """The grammar masks of a step's verified rows, filled on the host while the step's forward
-    runs and copied into the verifier's input behind it. On a GPU the host buffer is page-locked,
-    so the copy is queued on the stream and the host goes on; it is refilled only once the last
-    copy out of it is done."""
+    """The grammar masks of a step's verified rows, filled on the host for the whole batch while the
+    step's forward runs and copied into the verifier's input behind it. On a GPU the host buffer is
+    page-locked, so the copy is queued on the stream and the host goes on; it is refilled only once
+    the last copy out of it is done."""
 
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None):
+        """`num_threads`: xgrammar's threads for the batched fill (None: `default_num_threads()`)."""
         self.num_words = num_mask_words(vocab_size)
         self.device = device
+        self.num_threads = num_threads or default_num_threads()
         self._host = torch.empty(0, self.num_words, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
 
     def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> torch.Tensor:
-        """[num_rows, num_words] int32 on the host: request i's rows `cu_num_rows[i] ..` get the masks of its
-        grammar after its first drafts (every token allowed where the grammar is terminated or a
-        draft was refused before); rows of requests without a grammar are left unwritten."""
+        """[num_rows, num_words] int32 on the host: every token allowed (one write for the whole
+        buffer), then `write`."""
         host = self._buffer(int(cu_num_rows[-1]))
+        host.fill_(-1)
+        self.write(seqs, cu_num_rows, host)
+        return host
+
+    def write(self, seqs: list[Sequence], cu_num_rows: np.ndarray, bitmask: torch.Tensor) -> None:
+        """Request i's rows `cu_num_rows[i] ..` of `bitmask` get the masks of its grammar after its
+        first drafts; rows after the grammar ends or refuses a draft, and rows of requests without
+        a grammar, are left as they were (every token allowed, where `bitmask` came so)."""
+        states: list[GrammarState] = []
+        drafts: list[list[int]] = []
+        first_rows: list[int] = []
         for seq, start, end in zip(seqs, cu_num_rows[:-1].tolist(), cu_num_rows[1:].tolist()):
             if seq.grammar is not None:
-                host[start:end] = -1
-                seq.grammar.fill_rows(seq.spec.draft_token_ids[: end - start - 1], host, start)
-        return host
+                states.append(seq.grammar)
+                drafts.append(seq.spec.draft_token_ids[: end - start - 1])
+                first_rows.append(start)
+        if states:
+            fill_masks(self._batch_matcher(), states, drafts, first_rows, bitmask)
 
     def copy_to(self, masks: torch.Tensor, out: torch.Tensor) -> None:
         """`masks` into `out` ([num_rows, num_words] on the device), queued behind the step's work."""
@@ -85,10 +112,90 @@ class StepMasks:
             )
         return self._host[:num_rows]
 
+    def _batch_matcher(self) -> xgrammar.BatchGrammarMatcher:
+        """Built on first use, with its thread pool: an engine without grammar requests keeps none."""
+        if self._batch is None:
+            import xgrammar
+
+            self._batch = xgrammar.BatchGrammarMatcher(self.num_threads)
+        return self._batch
+
+
+def fill_masks(
+    batch: xgrammar.BatchGrammarMatcher,
+    states: list[GrammarState],
+    draft_token_ids: list[list[int]],
+    first_rows: list[int],
+    bitmask: torch.Tensor,
+) -> None:
+    """Writes rows `first_rows[i] .. first_rows[i] + len(draft_token_ids[i])` of `bitmask` ([rows,
+    num_words] int32 on the host): row j of request i allows what may follow its kept tokens and
+    its first j drafts, filled for every request at draft depth j in one batched call. Rows after
+    a refused draft, or after the grammar ends, stay as they were; every matcher ends where it was."""
+    matchers = [state.matcher for state in states]
+
+    def fill(live: list[int], depth: int) -> None:
+        if len(live) == 1:  # nothing to share out: no hand-off to the threads
+            matchers[live[0]].fill_next_token_bitmask(bitmask, first_rows[live[0]] + depth)
+            return
+        rows = [first_rows[i] + depth for i in live]
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in live], bitmask, rows)
+
+    walk_drafts(matchers, draft_token_ids, fill)
+
+
+def cut_refused_drafts(seqs: list[Sequence]) -> list[int]:
+    """Cuts each structured request's drafts before the first one its grammar refuses (and after
+    one that ends it); the number of drafts cut per request of `seqs`. The matchers end where they
+    were."""
+    drafting = [seq for seq in seqs if seq.grammar is not None and seq.spec.draft_token_ids]
+    matchers = [seq.grammar.matcher for seq in drafting if seq.grammar is not None]
+    num_taken = walk_drafts(matchers, [seq.spec.draft_token_ids for seq in drafting])
+    num_cut = {id(seq): len(seq.spec.draft_token_ids) - kept for seq, kept in zip(drafting, num_taken)}
+    for seq, kept in zip(drafting, num_taken):
+        seq.spec.draft_token_ids = seq.spec.draft_token_ids[:kept]
+    return [num_cut.get(id(seq), 0) for seq in seqs]
+
+
+def walk_drafts(
+    matchers: list[xgrammar.GrammarMatcher],
+    draft_token_ids: list[list[int]],
+    visit: Callable[[list[int], int], None] | None = None,
+) -> list[int]:
+    """Advances every matcher through its drafts depth by depth, one batched accept per depth, until
+    it refuses one, ends or runs out; `visit(rows, depth)` first sees the rows still in the grammar
+    after `depth` drafts. Rolls every matcher back; the drafts each one took."""
+    import xgrammar
+
+    num_taken = [0] * len(matchers)
+    live = [i for i, matcher in enumerate(matchers) if not matcher.is_terminated()]
+    depth = 0
+    while live:
+        if visit is not None:
+            visit(live, depth)
+        live = [i for i in live if depth < len(draft_token_ids[i])]
+        if not live:
+            break
+        tokens = [draft_token_ids[i][depth] for i in live]
+        accepted = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in live], tokens)
+        live = [i for i, ok in zip(live, accepted) if ok]
+        for i in live:
+            num_taken[i] += 1
+        live = [i for i in live if not matchers[i].is_terminated()]
+        depth += 1
+    taken = [i for i, n in enumerate(num_taken) if n]
+    if taken:
+        xgrammar.BatchGrammarMatcher.batch_rollback(
+            [matchers[i] for i in taken], [num_taken[i] for i in taken]
+        )
+    return num_taken
+
 
 class GrammarCompiler:
     """Compiles grammars on a thread of its own, off the step: a request's grammar starts compiling
-    when the request arrives, and the step that first needs it waits only for what is left."""
+    when the request arrives, and the request stays queued until it is compiled while others can
+    run (`Scheduler`). xgrammar spreads one compile (its token mask cache over the vocabulary) over
+    its own threads."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
@@ -133,7 +240,9 @@ class GrammarCompiler:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 wrapped, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = xgrammar.GrammarCompiler(
+                info, max_threads=default_num_threads(), cache_enabled=False
+            )
         return self._compiler
 
 
@@ -146,6 +255,11 @@ class GrammarState:
         self._matcher: xgrammar.GrammarMatcher | None = None
 
     @property
+    def is_compiled(self) -> bool:
+        """Whether the grammar is compiled (or failed to): `matcher` would not wait."""
+        return self._compiled.done()
+
+    @property
     def matcher(self) -> xgrammar.GrammarMatcher:
         if self._matcher is None:
             import xgrammar
@@ -156,7 +270,10 @@ class GrammarState:
         return self._matcher
 
     def advance(self, token_ids: list[int]) -> bool:
-        """Moves past kept tokens; False when the grammar refuses one (the state stays before it)."""
+        """Moves past kept tokens; False when the grammar refuses one (the state stays before it).
+        Nothing to move past: no wait for the compile."""
+        if not token_ids:
+            return True
         matcher = self.matcher
         for token_id in token_ids:
             if matcher.is_terminated():
@@ -164,22 +281,3 @@ class GrammarState:
             if not matcher.accept_token(token_id):
                 return False
         return True
-
-    def fill_rows(self, draft_token_ids: list[int], bitmask: torch.Tensor, first_row: int) -> None:
-        """Writes the masks of rows `first_row .. first_row + len(draft_token_ids)`: row j allows what
-        may follow the kept tokens and the first j drafts. Rows after a refused draft stay as they
-        were (the refused draft ends the request's accepted run)."""
-        matcher = self.matcher
-        if matcher.is_terminated():
-            return
-        matcher.fill_next_token_bitmask(bitmask, first_row)
-        num_taken = 0
-        for j, draft in enumerate(draft_token_ids):
-            if not matcher.accept_token(draft):
-                break
-            num_taken += 1
-            if matcher.is_terminated():
-                break
-            matcher.fill_next_token_bitmask(bitmask, first_row + j + 1)
-        if num_taken:
-            matcher.rollback(num_taken)

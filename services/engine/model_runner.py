@@ -491,7 +491,7 @@ class ModelRunner:
         (token_ids [num_seqs, max_rows] int32 -1 padded, num_accepted [num_seqs] int32, logprobs)."""
         results = self.verifier(
             logits,
-            row_batch(plan.seqs, self.model_config.vocab_size),
+            row_batch(plan.seqs, self.model_config.vocab_size, self.step_masks),
             [verify_request(seq) for seq in plan.seqs],
         )
         token_ids = np.full((len(results), t.max_rows), -1, dtype=np.int32)
@@ -961,12 +961,12 @@ def token_span(seq: Sequence, start: int, end: int) -> list[int]:
     return tokens[start:] + drafts[max(0, start - num_tokens) : end - num_tokens]
 
 
-def row_batch(seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
+def row_batch(seqs: list[Sequence], vocab_size: int, masks: StepMasks) -> SamplingBatch:
     """Sampling inputs per logit row: row j of a sequence sees its output plus its first j drafts,
     so penalties, min_tokens and the grammar apply to each draft position as they would in plain
     decoding."""
     batch = SamplingBatch(params=[], prompt_token_ids=[], output_token_ids=[], suppressed_token_ids=[])
-    batch.bitmask = _grammar_bitmask(seqs, vocab_size) if any(seq.grammar for seq in seqs) else None
+    batch.bitmask = _grammar_bitmask(seqs, vocab_size, masks) if any(seq.grammar for seq in seqs) else None
     for seq in seqs:
         drafts = seq.spec.draft_token_ids
         penalties = seq.params.has_penalties
@@ -978,14 +978,12 @@ def row_batch(seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
     return batch
 
 
-def _grammar_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+def _grammar_bitmask(seqs: list[Sequence], vocab_size: int, masks: StepMasks) -> torch.Tensor:
     """[num_rows, ceil(vocab_size / 32)]: each grammar row's allowed tokens, every token elsewhere."""
-    bitmask = allocate_bitmask(sum(1 + len(seq.spec.draft_token_ids) for seq in seqs), vocab_size)
-    first_row = 0
-    for seq in seqs:
-        if seq.grammar is not None:
-            seq.grammar.fill_rows(seq.spec.draft_token_ids, bitmask, first_row)
-        first_row += 1 + len(seq.spec.draft_token_ids)
+    cu_num_rows = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum([1 + len(seq.spec.draft_token_ids) for seq in seqs], out=cu_num_rows[1:])
+    bitmask = allocate_bitmask(int(cu_num_rows[-1]), vocab_size)
+    masks.write(seqs, cu_num_rows, bitmask)
     return bitmask
 
 

@@ -151,8 +151,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._next_to_admit(batch)
+            if seq is None:
+                break
             cached = self.block_manager.match_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
             num_new = min(remaining, budget, chunk)
@@ -160,13 +162,24 @@ class Scheduler:
                 break
             if not self.block_manager.can_allocate(seq, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, cached)
             self.block_manager.append_slots(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+
+    def _next_to_admit(self, batch: ScheduledBatch) -> Sequence | None:
+        """The longest-waiting request whose grammar, if it has one, is compiled. One whose grammar
+        is still compiling stays behind the others (the step that samples it would wait for the
+        compile), unless nothing else would run."""
+        for seq in self.waiting:
+            if seq.grammar is None or seq.grammar.is_compiled:
+                return seq
+        if self.waiting and not self.running and batch.is_empty:
+            return self.waiting[0]
+        return None
 
 
 def drop_drafts(seq: Sequence, keep: int) -> None:

@@ -47,14 +47,20 @@ class SpecState:
     """Drafts proposed for the next step; not part of token_ids until verified."""
     acceptance: float = 0.7
     """Running estimate of the chance that one draft is accepted."""
+    num_refused: int = 0
+    """Drafts of the pending step its grammar refused, cut before verification (counted as a rejection)."""
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_refused_draft_tokens: int = 0
+    """Drafts its grammar refused on the host, never verified (not in num_draft_tokens)."""
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        """Books one verify step with `num_drafts` drafts of which the first `num_accepted` passed."""
+        """Books one verify step with `num_drafts` drafts of which the first `num_accepted` passed,
+        after the grammar refused `num_refused` more."""
+        self.num_refused_draft_tokens += self.num_refused
         if num_drafts == 0:
             return
         self.num_steps += 1
@@ -75,6 +81,7 @@ class SpecState:
             "method": self.method,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_refused_draft_tokens": self.num_refused_draft_tokens,
             "num_verify_steps": self.num_steps,
             "mean_accepted_length": (self.num_accepted_tokens + self.num_steps) / steps
             if self.num_steps

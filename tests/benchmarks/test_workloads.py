@@ -78,6 +78,19 @@ def _drop_session_line(prompt: str) -> str:
     return "\n".join(line for line in prompt.split("\n") if not line.startswith("# session:"))
 
 
+def test_json_editing_prompts_hold_a_record_their_schema_writes() -> None:
+    """Each prompt's record is valid under json_edit_schema.json and written as the grammar engine
+    writes JSON (fields in the schema's order, its separators), so a constrained answer can copy it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((WORKLOADS_DIR / "json_edit_schema.json").read_text())
+    for record in load_workload("json_editing"):
+        line = record.prompt.split("\n")[1]
+        fields = json.loads(line)
+        jsonschema.validate(fields, schema)
+        assert list(fields) == list(schema["properties"]) and json.dumps(fields) == line
+        assert fields["file"] == record.source and fields["num_lines"] == fields["code"].count("\n")
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """As `benchmarks.acceptance` runs: two OpenMP threads on a shared 2-core box wait on each other."""

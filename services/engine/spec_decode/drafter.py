@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.engine.block_manager import BlockManager
+from services.engine.grammar import cut_refused_drafts
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import AdaptiveSpeculation
@@ -124,12 +125,14 @@ class Drafter:
         return method, k
 
     def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
-        """Books a verify step: statistics, acceptance estimate, the proposer's own state."""
+        """Books a verify step: statistics, acceptance estimate, the proposer's own state. A draft
+        the grammar refused before verification counts as the rejected one after those verified."""
         seq.spec.record(num_drafts, num_accepted)
         if self._drafts_tree(seq) and num_drafts:  # its acceptance is per depth: the depths it drafted
             assert self.tree is not None
             num_drafts = self.tree.depths[num_drafts]
-        self.adaptive.observe(seq, num_drafts, num_accepted)
+        self.adaptive.observe(seq, num_drafts + min(seq.spec.num_refused, 1), num_accepted)
+        seq.spec.num_refused = 0
         if seq.spec.method != "naive" and token_ids:
             self.proposers[seq.spec.method].append(seq, token_ids)
 
@@ -204,6 +207,13 @@ class Drafter:
                 seq.spec.draft_token_ids = row[:n]
                 seq.spec.k = n
         self.host_drafting_s = time.perf_counter() - started
+
+    def cut_refused_drafts(self, seqs: list[Sequence]) -> None:
+        """Cuts structured requests' drafts at the first one their grammar refuses, so that the step
+        verifies only drafts the grammar allows (a refused one would be rejected at its row)."""
+        for seq, num_cut in zip(seqs, cut_refused_drafts(seqs)):
+            seq.spec.num_refused = num_cut
+            seq.spec.k = len(seq.spec.draft_token_ids)
 
     def record_step(
         self,
