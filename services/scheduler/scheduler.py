@@ -603,7 +603,9 @@ class SplitwiseScheduler:
         request_ids = [as_text(r) for r in await self.bus.client.smembers(self.keys.assignments(instance_id))]
         logger.warning("instance died", extra={"instance": instance_id, "requests": len(request_ids)})
         await self.bus.client.srem(self.keys.instances, instance_id)
-        await self.bus.client.delete(self.keys.assignments(instance_id))
+        # its inbox too: what is left there is for placements now made again, and a worker started
+        # again has a new instance id (one that only lost the bus makes its group anew)
+        await self.bus.client.delete(self.keys.assignments(instance_id), self.keys.inbox(instance_id))
         deadline = time.monotonic() + self.options.dispatch_timeout_s
         self.orphans.extend(Orphan(request_id, instance_id, deadline) for request_id in request_ids)
         while self.num_redispatchers < min(MAX_REDISPATCHING, len(self.orphans)):

@@ -97,6 +97,7 @@ async def test_a_dead_instance_s_requests_are_all_placed_again_a_few_at_a_time_a
 
     monkeypatch.setattr(s, "_redispatch", counted)
     await s._bury("w0")
+    assert not await bus.client.exists(bus.keys.inbox("w0"), bus.keys.assignments("w0"))
     await settled(s)
     assert most_at_once == MAX_AT_ONCE
     placed = await dispatches_to(bus, "w1")
