@@ -23,6 +23,7 @@ from shared.protocol import (
     OutputBatch,
     Submit,
     decode,
+    encode,
 )
 from shared.sampling_params import SamplingParams
 
@@ -141,3 +142,20 @@ async def test_queued_orphans_wait_for_an_instance_from_the_death_not_from_their
     assert sorted(e.request_id for e in errors) == sorted(request_ids)
     assert {e.error.code for e in errors if e.error} == {503}
     assert all(isinstance(decode(f[PAYLOAD_FIELD]), OutputBatch) for _, f in entries)
+
+
+async def test_the_registry_forgets_instances_that_are_gone(bus: Bus) -> None:
+    """Each worker serve restarts has a new instance id: nothing of the old one may stay."""
+    s = scheduler(bus, live=())
+    info = InstanceInfo(instance_id="w0", role="mixed", model="m", max_model_len=512, free_kv_blocks=64)
+    await bus.client.set(bus.keys.heartbeat("w0"), encode(info))
+    await bus.client.sadd(bus.keys.instances, "w0")
+    await s.registry.refresh(bus)
+    s.registry.note_dispatch("w0")
+    assert s.registry.in_flight == {"w0": 1}
+    await bus.client.delete(bus.keys.heartbeat("w0"))
+    await s.registry.refresh(bus)
+    assert s.registry.dead == ["w0"]
+    await s._bury("w0")
+    await s.registry.refresh(bus)
+    assert (s.registry.live, s.registry.dead, s.registry.in_flight) == ({}, [], {})
