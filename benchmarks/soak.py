@@ -21,9 +21,10 @@ the offline text and each offline token's span of characters in it (from increme
 
 Reported: the totals, p50 / p99 TTFT and TPOT of the requests that ended in each `--window-s`
 window, and the RSS of every process by role (serve's children and theirs) after `--warmup-s` and
-at the end of the load. A table on stdout, everything in the JSON file; exit status 1 when a goal
-is missed (anything lost, changed or hung, or an RSS more than `--max-rss-growth-pct` above its
-warm-up value).
+at the end of the load, with Redis's own account of its memory beside its RSS (INFO `used_memory`:
+the bytes its data holds) and its number of keys. A table on stdout, everything in the JSON file;
+exit status 1 when a goal is missed (anything lost, changed or hung, or an RSS more than
+`--max-rss-growth-pct` above its warm-up value).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import redis
 
 from benchmarks.launch import child_processes
-from services.serve import free_port
+from services.serve import ADMIN_PASSWORD_FILE, free_port
+from shared import acl
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300.0
@@ -242,6 +245,7 @@ class Served:
     popen: subprocess.Popen[bytes]
     url: str
     stdout: Path
+    log_dir: Path
 
     def roles(self) -> dict[str, int]:
         """serve's children by role (redis, scheduler, suffix-cache, mixed or prefill / decode, gateway)."""
@@ -277,7 +281,7 @@ def serve(config: SoakConfig, log_dir: Path) -> Iterator[Served]:
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    served = Served(popen, f"http://127.0.0.1:{port}", stdout)
+    served = Served(popen, f"http://127.0.0.1:{port}", stdout, log_dir)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while "specmesh is serving" not in served.output():
@@ -306,6 +310,28 @@ def process_rss_bytes(pid: int) -> int | None:
     return None
 
 
+def redis_memory(served: Served) -> dict[str, int] | None:
+    """Redis's own account (INFO memory): `used_memory`, the bytes its data and buffers hold, beside
+    `used_memory_rss`, what the process holds from the system; and its number of keys. Read as
+    serve's admin user (its password under the log dir); None while Redis does not answer."""
+    conf = (served.log_dir / "redis.conf").read_text()
+    port = int(next(line.split()[1] for line in conf.splitlines() if line.startswith("port ")))
+    password = (served.log_dir / ADMIN_PASSWORD_FILE).read_text().strip()
+    user = acl.user_name(acl.ADMIN) if "aclfile" in conf else None
+    client = redis.Redis(port=port, username=user, password=password, socket_timeout=5)
+    try:
+        info = client.info("memory")
+        return {
+            "used_memory": int(info["used_memory"]),
+            "used_memory_rss": int(info["used_memory_rss"]),
+            "keys": int(client.dbsize()),
+        }
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
 def rss_by_role(served: Served) -> dict[str, int]:
     """RSS of each role's process and of its children ("mixed/engine-core", "gateway/gateway-0")."""
     rss = {}
@@ -329,7 +355,7 @@ class Load:
         self.records: list[Record] = []
         self.faults: list[dict[str, Any]] = []
         self.rss: list[dict[str, Any]] = []
-        """{at_s, bytes: {process: RSS}} samples in time order."""
+        """{at_s, bytes: {process: RSS}, redis: `redis_memory`} samples in time order."""
         self.started = 0.0
 
     def now(self) -> float:
@@ -410,15 +436,21 @@ class Load:
             self.faults.append(fault)
 
     async def _sample_rss(self) -> None:
-        """RSS by role after the warm-up, at every window boundary, and at the end of the load."""
+        """RSS by role, and Redis's own account of its memory, after the warm-up, at every window
+        boundary, and at the end of the load."""
         window_marks = np.arange(self.config.window_s, self.config.duration_s, self.config.window_s)
         marks = sorted({self.config.warmup_s, *(float(m) for m in window_marks), self.config.duration_s})
         for mark in marks:
             await asyncio.sleep(max(0.0, mark - self.now()))
-            self.rss.append({"at_s": mark, "bytes": await asyncio.to_thread(rss_by_role, self.served)})
+            rss = await asyncio.to_thread(rss_by_role, self.served)
+            redis_now = await asyncio.to_thread(redis_memory, self.served)
+            self.rss.append({"at_s": mark, "bytes": rss, "redis": redis_now})
 
     def rss_at(self, at_s: float) -> dict[str, int]:
         return next((sample["bytes"] for sample in self.rss if sample["at_s"] == at_s), {})
+
+    def redis_at(self, at_s: float) -> dict[str, int] | None:
+        return next((sample.get("redis") for sample in self.rss if sample["at_s"] == at_s), None)
 
 
 # ---- the report -------------------------------------------------------------------------------------
@@ -492,6 +524,7 @@ def summarize(config: SoakConfig, load: Load, expected: list[Expected]) -> dict[
         "windows": window_stats(load.records, config.window_s, config.max_tokens),
         "rss_bytes": {"warmup": warmup, "end": end, "samples": load.rss},
         "rss_growth_pct": growth,
+        "redis_memory": {"warmup": load.redis_at(config.warmup_s), "end": load.redis_at(config.duration_s)},
         "goals": goals,
     }
 
@@ -526,6 +559,13 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {_mib(before)} | {_mib(after)} | {'-' if growth is None else f'{growth:+.1f}%'} |"
         )
+    redis_warmup, redis_end = report["redis_memory"]["warmup"], report["redis_memory"]["end"]
+    if redis_warmup and redis_end:
+        lines += [
+            "",
+            f"Redis used_memory (its data): {_mib(redis_warmup['used_memory'])} -> "
+            f"{_mib(redis_end['used_memory'])} MiB, keys {redis_warmup['keys']} -> {redis_end['keys']}",
+        ]
     missed = [goal for goal, met in report["goals"].items() if not met]
     lines += ["", "goals: " + ("all met" if not missed else "MISSED " + ", ".join(missed))]
     return "\n".join(lines)

@@ -145,7 +145,8 @@ def _scheduler(keys: Keys) -> RoleAcl:
             # a request the scheduler fails ends its delivered record (`publish_step` from `_fail`)
             Grant(("append", "expire"), (delivered,)),
             Grant(("del",), (request, delivered)),  # `release` deletes both in one DEL
-            Grant(("sadd", "srem", "smembers", "del"), (assigned,)),
+            Grant(("sadd", "srem", "smembers"), (assigned,)),
+            Grant(("del",), (assigned, keys.inbox("*"))),  # a dead instance's both, in one DEL
             Grant(("smembers", "srem"), (keys.instances,)),
             Grant(("mget",), (keys.heartbeat("*"),)),
             Grant(("xadd", "expire"), (keys.outputs("*"),)),

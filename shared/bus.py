@@ -50,6 +50,12 @@ CLAIM_EVERY_S = 1.0
 OUTPUT_TTL_S = 600
 """A gateway's output stream, and a request's delivered record, expire this long after their last
 write (a gateway that died, a request that ended)."""
+ENDED_TTL_S = 120
+"""How long a request's `ended` mark (`Keys.request_state`) stays: it refuses a late repeat of the
+request's Submit, taken over from a replica that died before acknowledging it (after its lease's
+--scheduler-ttl, or `DEFAULT_CLAIM_IDLE_MS`) or resent by its gateway through an outage, and late
+publishes of its placements. Every request that ended in the last ENDED_TTL_S holds one, so this,
+times the request rate, is what Redis holds of requests that have ended."""
 DEAD_LETTER_MAXLEN = 10_000
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError)
 """Errors that waiting cures: Redis unreachable, restarting (loading its data is a ConnectionError),
@@ -473,10 +479,10 @@ class Bus:
 
     async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
-        `OUTPUT_TTL_S`, and takes it off the assignments of `instance_ids`, in one round trip."""
+        `ENDED_TTL_S`, and takes it off the assignments of `instance_ids`, in one round trip."""
         keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.delivered(request_id)]
         keys += [self.keys.assignments(instance_id) for instance_id in instance_ids]
-        await self._run_script(RELEASE_LUA, keys, [request_id, OUTPUT_TTL_S, self.keys.gateway_requests("")])
+        await self._run_script(RELEASE_LUA, keys, [request_id, ENDED_TTL_S, self.keys.gateway_requests("")])
 
     async def placement(self, request_id: str) -> Placement | None:
         """Where the request runs now; None once it ended (or was never admitted)."""

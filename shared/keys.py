@@ -104,7 +104,7 @@ class Keys:
 
     def request_state(self, request_id: str) -> str:
         """Hash: the `Submit` (`request`), its queue `slot`, `attempts`, the current placement's
-        `epoch` and `instances`; once the request ended, only `ended` (for OUTPUT_TTL_S), which
+        `epoch` and `instances`; once the request ended, only `ended` (for ENDED_TTL_S), which
         still fences off late publishers and late Submits."""
         return self._key("request", request_id)
 

@@ -40,6 +40,8 @@ class Registry:
                 self.in_flight[instance_id] = 0
             live[instance_id] = info
         self.live, self.dead = live, dead
+        for gone in self.in_flight.keys() - live.keys():  # a restarted worker has a new id
+            del self.in_flight[gone]
 
     def candidates(self, role: str, exclude: frozenset[str] = frozenset()) -> list[InstanceInfo]:
         return [

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,11 @@ REGISTRY_REFRESH_S = 0.25
 DISPATCH_RETRY_S = 10.0
 """How long a dispatch is retried through a Redis outage before the request fails (503)."""
 LEASE_RENEWALS_PER_TTL = 3
+MAX_REDISPATCHING = 64
+"""Requests of dead instances placed again at once; the others wait their turn in a queue. A dead
+instance can hold every admitted request (up to --max-queue-len): placed all at once, each would
+hold a coroutine chain and its decoded request, and poll Redis every REGISTRY_REFRESH_S, while no
+instance is live; the process would keep that peak's memory afterwards."""
 
 
 @dataclass
@@ -94,6 +100,20 @@ class Retry:
     failed: str
     reason: str
     place_anywhere: bool
+    deadline: float | None = None
+    """When waiting for an instance ends (`time.monotonic()`); None: `dispatch_timeout_s` from now."""
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A request of a dead instance, waiting to be placed again."""
+
+    request_id: str
+    instance_id: str
+    """The instance that died."""
+    deadline: float
+    """`dispatch_timeout_s` after the instance was buried (`time.monotonic()`): however long the
+    request queued here, it waits no longer for an instance than it would have unqueued."""
 
 
 class SplitwiseScheduler:
@@ -107,6 +127,9 @@ class SplitwiseScheduler:
         self.tasks: set[asyncio.Task[None]] = set()
         self.placing: set[str] = set()
         """Requests this replica is placing now (a redelivered Submit leaves them alone)."""
+        self.orphans: deque[Orphan] = deque()
+        """Requests of dead instances not yet being placed again (`MAX_REDISPATCHING` are at once)."""
+        self.num_redispatchers = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._hold_lease()  # before the first read: a consumer without one is taken for dead
@@ -250,19 +273,27 @@ class SplitwiseScheduler:
         return placement is not None and placement.epoch == epoch
 
     async def _place(
-        self, request: GenerateRequest, epoch: int, exclude: frozenset[str] = frozenset()
+        self,
+        request: GenerateRequest,
+        epoch: int,
+        exclude: frozenset[str] = frozenset(),
+        deadline: float | None = None,
     ) -> None:
         self.placing.add(request.request_id)
         try:
-            await self._place_once(request, epoch, exclude)
+            await self._place_once(request, epoch, exclude, deadline)
         finally:
             self.placing.discard(request.request_id)
 
-    async def _place_once(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> None:
-        """Waits up to `dispatch_timeout_s` for an instance to place the request on; a Redis outage
-        meanwhile is waited out too (a worker and Redis may be restarting together)."""
+    async def _place_once(
+        self, request: GenerateRequest, epoch: int, exclude: frozenset[str], deadline: float | None
+    ) -> None:
+        """Waits until `deadline` (None: `dispatch_timeout_s` from now) for an instance to place the
+        request on; a Redis outage meanwhile is waited out too (a worker and Redis may be
+        restarting together)."""
         started = time.perf_counter()
-        deadline = time.monotonic() + self.options.dispatch_timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self.options.dispatch_timeout_s
         while not await self._try_place(request, epoch, exclude):
             if time.monotonic() > deadline:
                 await self._give_up(request, epoch, 503, "no worker instance is available to run the request")
@@ -426,13 +457,19 @@ class SplitwiseScheduler:
         await self.bus.release(request_id, *instance_ids)
 
     async def _retry(
-        self, request_id: str, failed: str, reason: str, place_anywhere: bool = False, seen: int | None = None
+        self,
+        request_id: str,
+        failed: str,
+        reason: str,
+        place_anywhere: bool = False,
+        seen: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Places a request again (after its instance `failed`, died or gave it back), resuming after
         the tokens its gateway already has; gives up after MAX_ATTEMPTS. Only if the placement that
         failed is still current: the one of epoch `seen`, or (None) one on `failed`. `failed` is
         not told to cancel it, and is not chosen again unless `place_anywhere` (an instance that
-        lost the bus, or missed heartbeats, is fine once it is back)."""
+        lost the bus, or missed heartbeats, is fine once it is back). `deadline`: as `_place_once`'s."""
         placement = await self.bus.placement(request_id)
         if placement is None or (seen is None and failed not in placement.instance_ids):
             return  # ended, or placed elsewhere since
@@ -444,7 +481,7 @@ class SplitwiseScheduler:
         attempts = await retry_transient(
             lambda: self._count_attempt(request_id), f"counting the attempts of {request_id}", None
         )
-        again = Retry(request_id, epoch, attempts, placement, failed, reason, place_anywhere)
+        again = Retry(request_id, epoch, attempts, placement, failed, reason, place_anywhere, deadline)
         await retry_transient(lambda: self._place_again(again), f"placing {request_id} again", None)
 
     async def _count_attempt(self, request_id: str) -> int:
@@ -483,7 +520,7 @@ class SplitwiseScheduler:
             },
         )
         exclude = frozenset() if again.place_anywhere else frozenset({again.failed})
-        await self._place(request, epoch, exclude=exclude)
+        await self._place(request, epoch, exclude=exclude, deadline=again.deadline)
 
     async def _give_up(self, request: GenerateRequest, epoch: int, code: int, message: str) -> None:
         """Ends the placement of `epoch` with an error, unless it is no longer current."""
@@ -566,17 +603,37 @@ class SplitwiseScheduler:
         request_ids = [as_text(r) for r in await self.bus.client.smembers(self.keys.assignments(instance_id))]
         logger.warning("instance died", extra={"instance": instance_id, "requests": len(request_ids)})
         await self.bus.client.srem(self.keys.instances, instance_id)
-        await self.bus.client.delete(self.keys.assignments(instance_id))
-        for request_id in request_ids:
-            self._spawn(self._redispatch(request_id, instance_id))
+        # its inbox too: what is left there is for placements now made again, and a worker started
+        # again has a new instance id (one that only lost the bus makes its group anew)
+        await self.bus.client.delete(self.keys.assignments(instance_id), self.keys.inbox(instance_id))
+        deadline = time.monotonic() + self.options.dispatch_timeout_s
+        self.orphans.extend(Orphan(request_id, instance_id, deadline) for request_id in request_ids)
+        while self.num_redispatchers < min(MAX_REDISPATCHING, len(self.orphans)):
+            self.num_redispatchers += 1
+            self._spawn(self._redispatch_orphans())
 
-    async def _redispatch(self, request_id: str, instance_id: str) -> None:
+    async def _redispatch_orphans(self) -> None:
+        """Places queued orphans again, one after another, until none is left."""
+        try:
+            while self.orphans:
+                orphan = self.orphans.popleft()
+                try:
+                    await self._redispatch(orphan)
+                except Exception:  # a bug with one request must not leave the others queued
+                    logger.exception("re-dispatching failed", extra={"request_id": orphan.request_id})
+        finally:
+            self.num_redispatchers -= 1
+
+    async def _redispatch(self, orphan: Orphan) -> None:
         """Places a dead instance's request again. No bus message is pending for it (the
         assignment set is gone), so a Redis outage is waited out here, or the request is lost.
         Anywhere: an instance that only lost the bus comes back (fenced off from what it ran)."""
+        request_id, instance_id = orphan.request_id, orphan.instance_id
         reason = f"instance {instance_id} stopped responding"
         await retry_transient(
-            lambda: self._retry(request_id, instance_id, reason, place_anywhere=True),
+            lambda: self._retry(
+                request_id, instance_id, reason, place_anywhere=True, deadline=orphan.deadline
+            ),
             f"re-dispatching {request_id}",
             None,
         )

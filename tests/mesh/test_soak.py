@@ -1,5 +1,6 @@
 """The soak's short version, as CI runs it: 64 greedy streams for 60 s through `specmesh serve`, the
-worker SIGKILLed once (serve restarts it): no token lost or changed, no wrong text, none hung."""
+worker SIGKILLed once (serve restarts it): no token lost or changed, no wrong text, none hung; and
+Redis's memory read as Redis accounts for it."""
 
 from __future__ import annotations
 
@@ -38,4 +39,10 @@ def test_64_streams_for_60_s_through_a_worker_kill_lose_nothing_and_none_hangs(t
     assert totals["completed"] >= config.streams, "the soak completed too little to test anything"
     assert (totals["tokens_lost"], totals["tokens_changed"], totals["wrong_text"]) == (0, 0, 0), totals
     assert totals["hung"] == 0, totals
+    # Redis's own account of its memory, beside its RSS, at both marks (read as serve's admin)
+    for mark in ("warmup", "end"):
+        redis_memory = report["redis_memory"][mark]
+        assert redis_memory is not None, mark
+        assert redis_memory["used_memory"] > 0 and redis_memory["used_memory_rss"] > 0
+        assert redis_memory["keys"] > 0
     assert (tmp_path / "soak.json").is_file()

@@ -218,6 +218,8 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     assert await scheduler.gateway_requests("g1") == {"r3": "first"}
     await scheduler.release("r3")
     assert await scheduler.forget_gateway("g1")
+    # a dead instance's assignments and inbox, as it is buried
+    assert await scheduler.client.delete(keys.assignments("w1"), keys.inbox("w1")) == 1
 
     await refused(scheduler.client.flushall())
     await refused(scheduler.client.acl_list())

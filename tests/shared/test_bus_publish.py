@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.bus import APPEND_AT_END, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
+from shared.bus import APPEND_AT_END, ENDED_TTL_S, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
@@ -135,7 +135,7 @@ async def test_release_leaves_an_ended_mark_that_refuses_a_late_submit(bus: Bus)
     await bus.release("a")
     assert await bus.admit("a", submit("a"), max_queue_len=8) == "ended"
     assert int(await bus.client.get(bus.keys.queue_depth)) == 0
-    assert 0 < await bus.client.ttl(bus.keys.request_state("a")) <= OUTPUT_TTL_S
+    assert 0 < await bus.client.ttl(bus.keys.request_state("a")) <= ENDED_TTL_S
 
 
 async def test_each_placement_claims_the_next_epoch_once(bus: Bus) -> None:
