@@ -112,6 +112,13 @@ def add_serve_parser(subparsers: Any) -> None:
         help="restarts of one role within --restart-window-s after which serve stops the mesh",
     )
     group.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s)
+    group.add_argument(
+        "--restart-delay-s",
+        type=float,
+        default=RestartPolicy.first_delay_s,
+        help="the wait before a dead role's first restart within --restart-window-s, doubling per "
+        f"further restart up to {RestartPolicy.max_delay_s:g} s (or this, where longer)",
+    )
     group.add_argument("--log-level", dest="serve_log_level", default="INFO")
     parser.set_defaults(handler=cmd_serve)
 
@@ -411,7 +418,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or new_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"specmesh serve: logs in {log_dir}", file=sys.stderr, flush=True)
-    mesh = Supervisor(log_dir, RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s))
+    policy = RestartPolicy(args.max_restarts, args.restart_window_s, first_delay_s=args.restart_delay_s)
+    mesh = Supervisor(log_dir, policy)
     redis_port = args.redis_port or free_port()
     bus = ["--scheduler-host", "127.0.0.1", "--scheduler-port", str(redis_port)]
     bus += ["--scheduler-topic", args.scheduler_topic]

@@ -35,7 +35,8 @@ class RoleFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """Backoff: `first_delay_s`, doubling per restart within `window_s`, at most `max_delay_s`."""
+    """Backoff: `first_delay_s`, doubling per restart within `window_s`, at most `max_delay_s`
+    (or `first_delay_s`, where longer)."""
 
     max_restarts: int = 5
     """Restarts of one role within `window_s` past which the supervisor gives up."""
@@ -45,7 +46,8 @@ class RestartPolicy:
 
     def delay_s(self, num_recent: int) -> float:
         """The wait before restart number `num_recent` (1-based) of the window."""
-        return float(min(self.first_delay_s * 2 ** (num_recent - 1), self.max_delay_s))
+        ceiling_s = max(self.first_delay_s, self.max_delay_s)
+        return float(min(self.first_delay_s * 2 ** (num_recent - 1), ceiling_s))
 
 
 @dataclass

@@ -1,21 +1,26 @@
-"""`specmesh serve` as a user runs it: a worker, the scheduler or Redis SIGKILLed under concurrent
-greedy streams is restarted and every stream still completes with the offline text (or, for Redis,
-ends with an explicit error), none hangs; a SIGKILLed `serve` leaves no process; a taken port is
-refused before anything starts; API keys given to serve reach the gateway, and each role its own
-Redis user and password, without showing on a command line."""
+"""`specmesh serve` as a user runs it: a worker (under 4 and under 16 streams), the scheduler or
+Redis (restarted at once, or kept down 5 s) SIGKILLed under concurrent greedy streams is restarted
+and every stream still completes with the offline text (or, for Redis, ends with an explicit error),
+none hangs; a 50 MB body does not hold up a small request; a SIGKILLed `serve` leaves no process; a
+taken port is refused before anything starts; API keys given to serve reach the gateway, and each
+role its own Redis user and password, without showing on a command line."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +41,18 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="ne
 SERVE_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--speculative-config", '{"method": "ngram"}')
 PROMPTS = [f"def function_{i}(x, y):" for i in range(4)]
 MAX_TOKENS = 160
+LOAD_PROMPTS = [f"def function_{i}(x, y):" for i in range(16)]
+"""The issue's load: 16 concurrent streams, shorter so that the test stays bounded on 2 cores."""
+LOAD_MAX_TOKENS = 48
 READY_TIMEOUT_S = 90.0
 STREAM_TIMEOUT_S = 45.0
 """Longer than any recovery should take: a stream still open then has hung."""
+REDIS_DOWN_S = 5.0
+"""How long Redis stays down: the outage that once dropped tokens from streams that ended normally."""
+BIG_BODY_BYTES = 50 * 2**20
+SMALL_REQUESTS = 10
+MAX_DELAY_S = 0.1
+"""How much longer a small request may take while a big body arrives than with nothing else going on."""
 
 
 @dataclass
@@ -62,10 +76,25 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def expected(mesh_model: str) -> dict[str, str]:
-    llm = LLM(mesh_model, device="cpu", max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return {prompt: output.text for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params))}
+def offline(mesh_model: str) -> Iterator[LLM]:
+    with LLM(mesh_model, device="cpu", max_model_len=512) as llm:
+        yield llm
+
+
+def greedy_texts(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """The offline engine's greedy text of each prompt (EOS ignored, as the streams ignore it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return {prompt: output.text for prompt, output in zip(prompts, llm.generate(prompts, params))}
+
+
+@pytest.fixture(scope="module")
+def expected(offline: LLM) -> dict[str, str]:
+    return greedy_texts(offline, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def expected_under_load(offline: LLM) -> dict[str, str]:
+    return greedy_texts(offline, LOAD_PROMPTS, LOAD_MAX_TOKENS)
 
 
 def serve_argv(port: int, log_dir: Path) -> list[str]:
@@ -104,14 +133,16 @@ def served(tmp_path: Path) -> Iterator[Served]:
         yield mesh
 
 
-async def streams_through_a_kill(mesh: Served, role: str) -> tuple[list[Outcome], int]:
-    """The streams, with `role` SIGKILLed once each has some text; their outcomes, and how many
-    were still open at the kill."""
-    outcomes = [Outcome() for _ in PROMPTS]
+async def streams_through_a_kill(
+    mesh: Served, role: str, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS
+) -> tuple[list[Outcome], int]:
+    """A stream of each prompt, with `role` SIGKILLed once each has some text; their outcomes, and
+    how many were still open at the kill."""
+    outcomes = [Outcome() for _ in prompts]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)) as session:
         tasks = [
-            asyncio.create_task(stream_completion(session, mesh.url, prompt, MAX_TOKENS, outcome))
-            for prompt, outcome in zip(PROMPTS, outcomes)
+            asyncio.create_task(stream_completion(session, mesh.url, prompt, max_tokens, outcome))
+            for prompt, outcome in zip(prompts, outcomes)
         ]
         deadline = time.monotonic() + STREAM_TIMEOUT_S
         while not all(o.text or o.error for o in outcomes) and time.monotonic() < deadline:
@@ -134,6 +165,18 @@ def test_a_killed_worker_is_restarted_and_every_stream_completes_with_the_offlin
     assert served.popen.poll() is None
 
 
+def test_a_killed_worker_under_16_streams_is_restarted_and_every_stream_completes_with_the_offline_text(
+    served: Served, expected_under_load: dict[str, str]
+) -> None:
+    outcomes, num_open = asyncio.run(streams_through_a_kill(served, "mixed", LOAD_PROMPTS, LOAD_MAX_TOKENS))
+    assert num_open > 0, "every stream ended before the worker died: the test tested nothing"
+    for prompt, outcome in zip(LOAD_PROMPTS, outcomes):
+        assert outcome.done and outcome.error is None, f"{prompt!r}: {outcome}"
+        assert outcome.text == expected_under_load[prompt], f"{prompt!r} ended with other text"
+    assert "mixed exited with code -9; restarting it" in served.output()
+    print(f"{num_open} of {len(LOAD_PROMPTS)} streams open at the kill")
+
+
 def test_a_killed_scheduler_is_restarted_and_streams_old_and_new_complete(
     served: Served, expected: dict[str, str]
 ) -> None:
@@ -145,13 +188,7 @@ def test_a_killed_scheduler_is_restarted_and_streams_old_and_new_complete(
         assert outcome.done and outcome.text == expected[prompt], f"{prompt!r}: {outcome}"
     assert "scheduler exited with code -9; restarting it" in served.output()
 
-    async def one_more() -> Outcome:
-        outcome = Outcome()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)) as session:
-            await stream_completion(session, served.url, PROMPTS[0], MAX_TOKENS, outcome)
-        return outcome
-
-    after = asyncio.run(one_more())
+    after = asyncio.run(one_stream(served, PROMPTS[0]))
     assert after.done and after.text == expected[PROMPTS[0]], after
 
 
@@ -166,6 +203,115 @@ def test_a_killed_redis_is_restarted_and_no_stream_ends_short_or_hangs(
             assert outcome.text == expected[prompt], f"{prompt!r} ended normally with other text"
     assert "redis exited with code -9; restarting it" in served.output()
     print(f"{sum(o.done for o in outcomes)} whole, errors {[o.error for o in outcomes if o.error]}")
+
+
+def test_redis_killed_and_down_5_s_under_16_streams_ends_none_normally_with_other_text(
+    tmp_path: Path, expected_under_load: dict[str, str]
+) -> None:
+    """Redis SIGKILLed under the streams and kept down 5 s (serve's restart delay) before serve
+    starts it again: each stream completes with the offline text or ends with an error event, none
+    hangs, and the mesh serves a new request afterwards."""
+    with serve(tmp_path, "--restart-delay-s", str(REDIS_DOWN_S)) as mesh:
+        outcomes, num_open = asyncio.run(streams_through_a_kill(mesh, "redis", LOAD_PROMPTS, LOAD_MAX_TOKENS))
+        assert num_open > 0, "every stream ended before Redis died: the test tested nothing"
+        for prompt, outcome in zip(LOAD_PROMPTS, outcomes):
+            assert outcome.done != (outcome.error is not None), f"{prompt!r}: {outcome}"
+            if outcome.done:
+                assert outcome.text == expected_under_load[prompt], (
+                    f"{prompt!r} ended normally with other text"
+                )
+        assert f"redis exited with code -9; restarting it in {REDIS_DOWN_S:g} s" in mesh.output()
+        after = asyncio.run(one_stream(mesh, LOAD_PROMPTS[0], LOAD_MAX_TOKENS))
+        assert after.done and after.text == expected_under_load[LOAD_PROMPTS[0]], after
+    errors = [o.error for o in outcomes if o.error]
+    print(f"{num_open} open at the kill; {sum(o.done for o in outcomes)} whole, errors {errors}")
+
+
+async def one_stream(mesh: Served, prompt: str, max_tokens: int = MAX_TOKENS) -> Outcome:
+    outcome = Outcome()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)) as session:
+        await stream_completion(session, mesh.url, prompt, max_tokens, outcome)
+    return outcome
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_50_mb_body_does_not_delay_a_concurrent_small_request(served: Served, framing: str) -> None:
+    """A one-token completion sent while a 50 MB body is on its way (declared up front, or chunked
+    with no length) takes at most 100 ms longer than with nothing else going on."""
+    host, port = served.url.removeprefix("http://").split(":")
+    small_request_s(served.url)  # the first request warms the gateway and the worker
+    unloaded = [small_request_s(served.url) for _ in range(SMALL_REQUESTS)]
+    loaded, uploads = [], []
+    for _ in range(SMALL_REQUESTS):
+        upload = BodyUpload(host, int(port), framing)
+        upload.start()
+        assert upload.under_way.wait(timeout=10), "the 50 MB body never started"
+        loaded.append(small_request_s(served.url))
+        upload.join(timeout=60)
+        uploads.append(upload)
+    print(
+        f"{framing}: unloaded median {statistics.median(unloaded) * 1e3:.0f} ms, max "
+        f"{max(unloaded) * 1e3:.0f} ms; beside a 50 MB body median "
+        f"{statistics.median(loaded) * 1e3:.0f} ms, max {max(loaded) * 1e3:.0f} ms; "
+        f"each body sent in {max(u.took_s for u in uploads):.2f} s at most, answered {uploads[0].status!r}"
+    )
+    assert max(loaded) <= max(unloaded) + MAX_DELAY_S
+    assert statistics.median(loaded) <= statistics.median(unloaded) + MAX_DELAY_S
+    assert all(upload.status.startswith("HTTP/1.1 413") for upload in uploads), uploads[0].status
+
+
+def small_request_s(url: str) -> float:
+    """Seconds for one non-streamed, one-token completion."""
+    body = json.dumps({"prompt": "def f(x):", "max_tokens": 1, "temperature": 0.0}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+        assert response.status == 200
+    return time.monotonic() - started
+
+
+class BodyUpload(threading.Thread):
+    """Sends one BIG_BODY_BYTES completion body as fast as the gateway takes it, and records how
+    it was answered (the gateway may answer before the body is whole, and then drop the rest)."""
+
+    def __init__(self, host: str, port: int, framing: str) -> None:
+        super().__init__(daemon=True)
+        self.address, self.framing = (host, port), framing
+        self.under_way = threading.Event()
+        """Set once the head and the first MiB of the body are sent."""
+        self.took_s, self.status = 0.0, ""
+
+    def run(self) -> None:
+        prompt_mib = (BIG_BODY_BYTES - len(b'{"prompt": "", "max_tokens": 1}')) // 2**20
+        chunks = [b'{"prompt": "', *([b"a" * 2**20] * prompt_mib), b'", "max_tokens": 1}']
+        if self.framing == "content-length":
+            framing = f"Content-Length: {sum(map(len, chunks))}"
+        else:
+            framing, chunks = "Transfer-Encoding: chunked", [*map(_chunk, chunks), b"0\r\n\r\n"]
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+        )
+        started = time.monotonic()
+        with socket.create_connection(self.address, timeout=30) as sock:
+            try:
+                sock.sendall(head.encode() + chunks[0] + chunks[1])
+                self.under_way.set()
+                for chunk in chunks[2:]:
+                    sock.sendall(chunk)
+            except OSError:  # answered early: the gateway closed the connection mid-body
+                pass
+            finally:
+                self.under_way.set()
+            self.status = sock.recv(64).decode(errors="replace").split("\r\n")[0]
+        self.took_s = time.monotonic() - started
+
+
+def _chunk(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked transfer encoding."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def test_a_sigkilled_serve_leaves_no_process(served: Served) -> None:

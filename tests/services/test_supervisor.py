@@ -16,6 +16,12 @@ def test_backoff_doubles_up_to_its_bound() -> None:
     assert [policy.delay_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 4.0, 4.0]
 
 
+def test_a_first_delay_past_the_bound_is_kept_not_cut() -> None:
+    """An operator's `--restart-delay-s` longer than the usual ceiling is the wait they asked for."""
+    policy = RestartPolicy(first_delay_s=10.0, max_delay_s=8.0)
+    assert [policy.delay_s(n) for n in range(1, 3)] == [10.0, 10.0]
+
+
 def test_a_dying_role_is_restarted_as_a_new_incarnation_then_given_up_on(tmp_path: Path) -> None:
     lines: list[str] = []
     exits: list[int] = []
