@@ -4,7 +4,8 @@
 (training.train_mtp) both have, with the same names, bounds and meaning. A language model and an
 MTP head train at different scales, so fields whose defaults differ have none here: each subclass
 declares them again with its own default and the bound types below (e.g.
-`batch_size: PositiveCount = 8`), so the bounds stay the ones written here.
+`batch_size: PositiveCount = 8`), so the bounds stay the ones written here. `HeadRunConfig` adds
+what a drafting head's run (MTP, EAGLE-3) reads and writes: the target's directory and its own.
 
 Schedule: `warmup_steps` of linear warm-up to `lr`, then cosine decay to `min_lr_ratio` x `lr` at
 the last step (`warmup_cosine`).
@@ -13,6 +14,7 @@ the last step (`warmup_cosine`).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -77,6 +79,28 @@ class TrainingRunConfig(BaseModel):
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+
+class HeadRunConfig(TrainingRunConfig):
+    """A drafting head's run (`TrainMTPConfig`, `TrainEagle3Config`): the frozen target it reads and
+    the directory it is written to."""
+
+    base: Path
+    """The frozen target: a Hugging Face model directory with config.json and tokenizer.json."""
+    out: Path
+    """Directory the head (config.json, model.safetensors), train_log.json and loss.png go to."""
+
+    @field_validator("base")
+    @classmethod
+    def _base_is_model_dir(cls, base: Path) -> Path:
+        if not (base / "config.json").is_file():
+            raise ValueError(f"{base} is not a model directory (no config.json)")
+        return base
+
+    def _check_out(self) -> None:
+        """Raises when `out` exists and is not a directory."""
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"out: {self.out} exists and is not a directory")
 
 
 def resolve_device(device: str) -> torch.device:

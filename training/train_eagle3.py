@@ -50,10 +50,10 @@ from shared.tokenizer import Tokenizer
 from training.build_reference import PRESETS
 from training.config import (
     Count,
+    HeadRunConfig,
     NonNegativeReal,
     PositiveCount,
     PositiveReal,
-    TrainingRunConfig,
     warmup_cosine,
 )
 from training.corpus import tokenize_files
@@ -68,13 +68,9 @@ SPLIT_SEED = 0
 """The build's seed (manifest.json): the package split every reference model was trained on."""
 
 
-class TrainEagle3Config(TrainingRunConfig):
+class TrainEagle3Config(HeadRunConfig):
     """One training run (the optimiser settings: training.config)."""
 
-    base: Path
-    """The frozen target: a Hugging Face model directory with config.json and tokenizer.json."""
-    out: Path
-    """Directory the head (config.json, model.safetensors), train_log.json and loss.png go to."""
     head: Path | None = None
     """Continue training this head (its draft vocabulary and target layers) instead of a new one."""
     data: list[Path] = Field(min_length=1)
@@ -101,13 +97,6 @@ class TrainEagle3Config(TrainingRunConfig):
     eval_every: PositiveCount = 200
     eval_batches: PositiveCount = 8
 
-    @field_validator("base")
-    @classmethod
-    def _base_is_model_dir(cls, base: Path) -> Path:
-        if not (base / "config.json").is_file():
-            raise ValueError(f"{base} is not a model directory (no config.json)")
-        return base
-
     @field_validator("data")
     @classmethod
     def _roots_exist(cls, data: list[Path]) -> list[Path]:
@@ -119,8 +108,7 @@ class TrainEagle3Config(TrainingRunConfig):
     @model_validator(mode="after")
     def _check(self) -> TrainEagle3Config:
         self._check_warmup(hint="; lower --warmup-steps")
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"out: {self.out} exists and is not a directory")
+        self._check_out()
         return self
 
 

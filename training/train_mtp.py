@@ -36,10 +36,10 @@ from shared.model.mtp import MTPHead, save_mtp_head
 from shared.tokenizer import Tokenizer
 from training.config import (
     Count,
+    HeadRunConfig,
     NonNegativeReal,
     PositiveCount,
     PositiveReal,
-    TrainingRunConfig,
     warmup_cosine,
 )
 
@@ -50,14 +50,10 @@ TRAIN_LOG = "train_log.json"
 LOSS_PLOT = "loss.png"
 
 
-class TrainMTPConfig(TrainingRunConfig):
+class TrainMTPConfig(HeadRunConfig):
     """One training run (the optimiser settings: training.config). Exactly one of `data` and
     `data_tokens` gives the corpus."""
 
-    base: Path
-    """The frozen target: a Hugging Face model directory with config.json and tokenizer.json."""
-    out: Path
-    """Directory the head (config.json, model.safetensors), train_log.json and loss.png go to."""
     data: list[Path] = Field(default_factory=list)
     """Text files and/or directories searched with `data_glob`."""
     data_glob: str = "**/*.py"
@@ -84,13 +80,6 @@ class TrainMTPConfig(TrainingRunConfig):
     """Evaluate on the held-out windows every this many steps (and before and after training)."""
     eval_batches: PositiveCount = 16
     """Held-out batches per evaluation."""
-
-    @field_validator("base")
-    @classmethod
-    def _base_is_model_dir(cls, base: Path) -> Path:
-        if not (base / "config.json").is_file():
-            raise ValueError(f"{base} is not a model directory (no config.json)")
-        return base
 
     @field_validator("data")
     @classmethod
@@ -121,8 +110,7 @@ class TrainMTPConfig(TrainingRunConfig):
         if bool(self.data) == (self.data_tokens is not None):
             raise ValueError("give the corpus with exactly one of --data and --data-tokens")
         self._check_warmup(hint="; lower --warmup-steps")
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"out: {self.out} exists and is not a directory")
+        self._check_out()
         return self
 
 

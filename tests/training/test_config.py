@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from training.build_reference import PRESETS, MTPPlan, with_steps
-from training.config import TrainingRunConfig, resolve_device
+from training.config import HeadRunConfig, TrainingRunConfig, resolve_device
+from training.train_eagle3 import TrainEagle3Config
 from training.train_lm import TrainLMConfig
 from training.train_mtp import TrainMTPConfig
 
@@ -91,3 +92,17 @@ def test_rescaled_phases_keep_at_most_a_fifth_of_their_steps_for_warm_up() -> No
 def _check_rescaled(warmup_steps: int, rescaled: TrainLMConfig | MTPPlan, steps: int) -> None:
     assert rescaled.steps == max(2, steps)
     assert rescaled.warmup_steps == min(warmup_steps, rescaled.steps // 5)
+
+
+@pytest.mark.parametrize("config_class", [TrainMTPConfig, TrainEagle3Config])
+def test_head_runs_refuse_a_base_that_is_no_model_and_an_out_that_is_a_file(
+    config_class: type[HeadRunConfig], mtp_paths: dict[str, Any], tmp_path: Path
+) -> None:
+    corpus = (
+        {"data_tokens": mtp_paths["data_tokens"]} if config_class is TrainMTPConfig else {"data": [tmp_path]}
+    )
+    with pytest.raises(ValidationError, match="is not a model directory"):
+        config_class.model_validate({**corpus, "base": tmp_path, "out": tmp_path / "out"})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValidationError, match="exists and is not a directory"):
+        config_class.model_validate({**corpus, "base": mtp_paths["base"], "out": tmp_path / "file"})
