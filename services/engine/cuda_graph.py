@@ -21,8 +21,8 @@ The attention kernel launches one block per query tile of the step (tiles number
 grid of every sequence times the longest query), so a prefill class costs what its tokens cost.
 
 A graph replays fixed shapes and fixed pointers. So:
-- inputs live in static buffers sized for the largest bucket; a step copies its inputs in (a few
-  copies of integers: per token, per logit row, per request);
+- inputs live in static buffers sized for the largest bucket, all in one allocation with a host
+  twin of the same layout (`StagedInputs`): a step writes the twin and moves it in one copy;
 - outputs (final hidden states, float32 logits) land in one persistent buffer, each graph writing
   its leading rows; what a capture allocates is a temporary of the shared graph pool;
 - the grammar masks of a step's rows are a persistent input too: the host fills them while the
@@ -212,6 +212,59 @@ def _upload(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list
     return list(moved.split(sizes))
 
 
+class StagedInputs:
+    """Input buffers of the graphs laid out in one device allocation, with a host twin of the same
+    layout (pinned on a GPU). A step writes the twin, then one asynchronous copy moves its leading
+    bytes: the last buffer's leading rows and every buffer before it (each host copy costs the host
+    far more than its bytes cost the device). The twin is the only source of the device's contents
+    after start-up, so copying a buffer whole equals copying the part a step wrote."""
+
+    ALIGN = 256
+    """Bytes each buffer's start is aligned to."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            end += -(-int(np.prod(shape)) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        self._device = torch.zeros(end, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._offsets = offsets
+        self.buffers = self._views(self._device, specs)
+        self.twins = self._views(self._host, specs)
+        self.arrays = [twin.numpy() for twin in self.twins]
+        """The twins as numpy arrays (what a step writes)."""
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._recorded = False
+
+    def _views(
+        self, flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        views = []
+        for offset, (shape, dtype) in zip(self._offsets, specs):
+            size = int(np.prod(shape)) * dtype.itemsize
+            views.append(flat[offset : offset + size].view(dtype).view(shape))
+        return views
+
+    def sync_twins(self) -> None:
+        """The twins take the buffers' contents (after the buffers were initialised on the device)."""
+        self._host.copy_(self._device)
+
+    def wait(self) -> None:
+        """Waits until the last copy has read the twins, before they are written again."""
+        if self._copied is not None and self._recorded:
+            self._copied.synchronize()
+
+    def copy(self, last_rows: int) -> None:
+        """Moves every buffer but the last whole, and the last one's leading `last_rows` rows."""
+        last = self.twins[-1]
+        end = self._offsets[-1] + last_rows * last[0].numel() * last.element_size()
+        self._device[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._recorded = True
+
+
 class DecodeGraphs:
     """Captured steps of one model over its KV caches: forward graphs looked up by (tokens, query
     class), tail graphs by (tokens, query class, chain length, the proposer run alone or None)."""
@@ -267,18 +320,25 @@ class DecodeGraphs:
         dtype = next(model.parameters()).dtype
         size = self.buckets[-1]
         max_blocks = -(-(max_model_len + inputs.max_num_drafts + 1) // block_size)
-        self.longs = torch.zeros(len(self.LONG_FIELDS), size, dtype=torch.long, device=device)
-        self.ints = torch.zeros(len(self.INT_FIELDS), size, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.cu_num_rows = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        self.staged = StagedInputs(
+            [
+                ((len(self.LONG_FIELDS), size), torch.long),
+                ((len(self.INT_FIELDS), size), torch.int32),
+                ((size + 1,), torch.int32),
+                ((size + 1,), torch.int32),
+                ((size,), torch.int32),
+                ((size, max_blocks), torch.int32),  # last: a step copies only its bucket's rows
+            ],
+            device,
+        )
+        self.longs, self.ints, self.query_start_loc, self.cu_num_rows, self.seq_lens, self.block_tables = (
+            self.staged.buffers
+        )
+        self.query_start_loc.copy_(torch.arange(size + 1))
+        self.cu_num_rows.copy_(torch.arange(size + 1))
+        self.seq_lens.fill_(1)
         self._pad_all()
-        self._staging = [self._host_twin(t) for t in self._inputs()]
-        """Host twins of the input buffers (pinned on a GPU): each step's inputs are written there,
-        then copied in one asynchronous copy a buffer."""
-        self._staged: torch.cuda.Event | None = None
-        """Recorded after the last step's copies: the twins are not written again before them."""
+        self.staged.sync_twins()
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         aux_size = len(aux_layers) * model.config.hidden_size
         self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
@@ -319,22 +379,6 @@ class DecodeGraphs:
         """Tokens of the largest graph of a decode step (each request its last token and drafts):
         what drafts are trimmed to."""
         return min(self.max_num_seqs * self.rows_per_seq, self.max_tokens)
-
-    def _inputs(self) -> list[torch.Tensor]:
-        """The buffers a step's inputs are copied into, in the order of `_staging`."""
-        return [
-            self.longs,
-            self.ints,
-            self.query_start_loc,
-            self.cu_num_rows,
-            self.seq_lens,
-            self.block_tables,
-        ]
-
-    @staticmethod
-    def _host_twin(buffer: torch.Tensor) -> torch.Tensor:
-        twin = buffer.to("cpu", copy=True)  # the padding the graphs were captured on, to begin with
-        return twin.pin_memory() if buffer.is_cuda else twin
 
     def field(self, name: str) -> torch.Tensor:
         if name in self.LONG_FIELDS:
@@ -492,15 +536,14 @@ class DecodeGraphs:
     def _copy_in(self, step: HostStep, bucket: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over
         block 0 writing no KV; padding rows are one-row requests on the scratch slot; the rest of
-        the grid is empty. Written into the host twins, then copied (each buffer's leading part)."""
+        the grid is empty. Written into the host twins, then copied in one copy."""
         num_tokens, num_seqs = step.num_tokens, len(step.query_lens)
         num_rows, num_sampled = len(step.logits_indices), len(step.seq_slots)
         rows = self.num_rows(bucket)
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
-        if self._staged is not None:
-            self._staged.synchronize()
-        longs, ints, starts, cu_num_rows, seq_lens, tables = (twin.numpy() for twin in self._staging)
+        self.staged.wait()
+        longs, ints, starts, cu_num_rows, seq_lens, tables = self.staged.arrays
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
@@ -547,9 +590,4 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         tables[:num_seqs, :width] = step.block_tables
         tables[num_seqs:bucket, :width] = 0
-        spans = (len(longs), len(ints), bucket + 1, rows + 1, bucket, bucket)  # leading entries copied
-        for buffer, twin, span in zip(self._inputs(), self._staging, spans):
-            buffer[:span].copy_(twin[:span], non_blocking=True)
-        if self.longs.is_cuda:
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self.staged.copy(last_rows=bucket)

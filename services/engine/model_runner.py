@@ -130,6 +130,26 @@ class LaunchedStep:
         return StepOutput(results, self.num_tokens, self.is_decode, self.prompt)
 
 
+class ResultBuffer:
+    """Pinned host memory a step's packed result is copied to without waiting, and the event that
+    marks the copy done; kept across steps (a pinned allocation and an event cost the host more
+    than the copy)."""
+
+    def __init__(self) -> None:
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._done = torch.cuda.Event()
+
+    def read(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Starts the copy of `packed` ([num_seqs, width] int32 on the device); (its host view,
+        the event recorded after it)."""
+        if self._host.numel() < packed.numel():
+            self._host = torch.empty(2 * packed.numel(), dtype=torch.int32, pin_memory=True)
+        host = self._host[: packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        self._done.record()
+        return host, self._done
+
+
 @dataclass
 class StepOutput:
     results: list[SeqResult]
@@ -230,6 +250,9 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
+        self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
+        """Where packed results are read back to, alternately (a step's stays readable while the
+        next one launches)."""
         if self.device.type == "cuda":
             self._warm_up_kernels()
 
@@ -420,11 +443,8 @@ class ModelRunner:
         runs behind the step's kernels while the host works on)."""
         done = None
         if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            packed = host
+            self._results.reverse()
+            packed, done = self._results[0].read(packed)
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
         return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored)
