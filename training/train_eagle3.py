@@ -13,12 +13,16 @@ chain's rows. Per step j and row i (a draft of t_{i+j+2}):
                                         vocabulary || head_probs_j[i])
 
 The draft vocabulary is the `draft_vocab_size` most frequent tokens of the training text (EAGLE-3's
-reduced LM head); the reported *agreement* of step j is the share of rows whose draft equals the
+reduced LM head): a token outside it can never be drafted, so the log records the share of held-out
+tokens it covers. The reported *agreement* of step j is the share of rows whose draft equals the
 target's greedy token, and the *chain agreement* the share whose steps 0..j all agree: the
-acceptance proxy of a chain of j + 1 drafts under greedy verification.
+acceptance proxy of a chain of j + 1 drafts under greedy verification. Their sum plus one is the
+*mean accepted length* of a chain of `ttt_steps` drafts on teacher-forced text; the saved head is
+the evaluated one with the highest.
 
 Data: the package split of training/data.py (the split of every reference model, same seed) over
-the source roots `--data`; train on the train split, evaluate on the held-out one.
+the source roots `--data` (default: this interpreter's stdlib and site-packages, as the reference
+build); train on the train split, evaluate on the held-out one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,7 +61,8 @@ from training.config import (
     warmup_cosine,
 )
 from training.corpus import tokenize_files
-from training.data import split_corpus
+from training.data import default_roots, split_corpus
+from training.train_lm import device_name
 from training.train_mtp import LOSS_PLOT, TRAIN_LOG, bf16_autocast, make_windows, sample_batch
 
 logger = logging.getLogger(__name__)
@@ -73,8 +78,9 @@ class TrainEagle3Config(HeadRunConfig):
 
     head: Path | None = None
     """Continue training this head (its draft vocabulary and target layers) instead of a new one."""
-    data: list[Path] = Field(min_length=1)
-    """Source roots (directories of .py files), split by package as the reference models' corpus."""
+    data: list[Path] = Field(default_factory=list)
+    """Source roots (directories of .py files), split by package as the reference models' corpus;
+    empty: this interpreter's stdlib and site-packages (`training.data.default_roots`)."""
     max_train_tokens: int = Field(default=5_000_000, ge=1)
     max_held_out_tokens: int = Field(default=200_000, ge=1)
     seq_len: int = Field(default=256, ge=4)
@@ -83,12 +89,13 @@ class TrainEagle3Config(HeadRunConfig):
     """Unrolled steps of training-time test (1: plain teacher forcing)."""
     step_decay: float = Field(default=0.8, gt=0.0, le=1.0)
     """Weight of step j's loss: step_decay ** j."""
-    draft_vocab_size: int | None = Field(default=2048, ge=1)
+    draft_vocab_size: int | None = Field(default=4096, ge=1)
     """Tokens of the head's LM head (the most frequent in the training text); None: the whole vocabulary."""
     eagle3_layers: tuple[int, int, int] | None = None
     """Target layers whose entering streams the head reads; None: EAGLE-3's low / mid / high."""
     time_limit_s: float | None = Field(default=None, gt=0.0)
-    """Stop training early (and say so in the log) once this much wall time has passed."""
+    """Wall-time budget of the whole run, data loading included: training stops early (the log
+    says so) leaving time for the last evaluation, and the learning rate decays over the budget."""
 
     batch_size: PositiveCount = 8
     lr: PositiveReal = 1e-3
@@ -122,6 +129,11 @@ class EvalStats:
     chain_agreement: list[float]
     """Per unrolled step j: the share of rows whose steps 0..j all agree."""
     num_rows: int
+    mean_accepted_length: float = field(init=False)
+    """1 + the sum of the chain agreements: the greedy accepted length of a chain of every step."""
+
+    def __post_init__(self) -> None:
+        self.mean_accepted_length = 1.0 + sum(self.chain_agreement)
 
 
 @dataclass
@@ -129,6 +141,7 @@ class Streams:
     train: torch.Tensor  # [num_train_windows, seq_len] int64
     held_out: torch.Tensor  # [num_held_out_windows, seq_len] int64
     token_counts: torch.Tensor  # [vocab_size] int64 occurrences in the training stream
+    held_out_counts: torch.Tensor  # [vocab_size] int64 occurrences in the held-out stream
     meta: dict[str, Any]
 
 
@@ -137,9 +150,10 @@ class Streams:
 
 def load_streams(config: TrainEagle3Config, vocab_size: int) -> Streams:
     """The package split of the roots, tokenized and windowed (train and held-out)."""
-    split = split_corpus(config.data, SPLIT_SEED, PRESETS["full"].validation_fraction)
+    roots = config.data or default_roots()
+    split = split_corpus(roots, SPLIT_SEED, PRESETS["full"].validation_fraction)
     if not split.held_out:
-        raise ValueError(f"the roots {', '.join(map(str, config.data))} hold none of the held-out packages")
+        raise ValueError(f"the roots {', '.join(map(str, roots))} hold none of the held-out packages")
     tokenizer = Tokenizer(config.base).backend
     train = tokenize_files(split.train, tokenizer, config.max_train_tokens).long()
     held_out = tokenize_files(split.held_out, tokenizer, config.max_held_out_tokens).long()
@@ -147,7 +161,10 @@ def load_streams(config: TrainEagle3Config, vocab_size: int) -> Streams:
     if not len(windows) or not len(held_out_windows):
         raise ValueError(f"the corpus gives no window of {config.seq_len} tokens to train or evaluate on")
     meta = {**split.summary(), "train_tokens": train.numel(), "held_out_tokens": held_out.numel()}
-    return Streams(windows, held_out_windows, torch.bincount(train, minlength=vocab_size), meta)
+    held_out_counts = torch.bincount(held_out, minlength=vocab_size)
+    return Streams(
+        windows, held_out_windows, torch.bincount(train, minlength=vocab_size), held_out_counts, meta
+    )
 
 
 def draft_vocabulary(token_counts: torch.Tensor, size: int | None) -> torch.Tensor:
@@ -155,6 +172,11 @@ def draft_vocabulary(token_counts: torch.Tensor, size: int | None) -> torch.Tens
     if size is None or size >= len(token_counts):
         return torch.arange(len(token_counts))
     return token_counts.topk(size).indices.sort().values
+
+
+def vocabulary_coverage(draft_ids: torch.Tensor, token_counts: torch.Tensor) -> float:
+    """The share of a stream's tokens (`token_counts`: [vocab_size]) inside the draft vocabulary."""
+    return float(token_counts[draft_ids.cpu()].sum()) / max(1, int(token_counts.sum()))
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -289,8 +311,10 @@ def agreements(
 
 
 def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
-    """Trains a head on the frozen base, evaluating as it goes; saves it with its log and plot."""
+    """Trains a head on the frozen base, evaluating as it goes; saves the best evaluated head with
+    its log and plot."""
     started = time.perf_counter()
+    deadline = started + (config.time_limit_s or float("inf"))
     torch.manual_seed(config.seed)
     device = config.torch_device
     model_config = ModelConfig.from_dir(config.base)
@@ -307,14 +331,20 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
     head = start_head(config, target, streams)
     draft_ids, aux_layers = head.target_ids, head.aux_layers
     data_s = time.perf_counter() - started
-    losses, evals, stopped_early = train_loop(head, target, streams, draft_ids, config, started)
+    losses, evals, stopped_early, best = train_loop(head, target, streams, draft_ids, config, deadline)
+    best_stats = best.restore(head)
     save_eagle3_head(head.to(SAVED_DTYPE), config.out)
     log = {
         "config": config.model_dump(mode="json"),
-        "data": streams.meta,
+        "data": {
+            **streams.meta,
+            "draft_vocab_coverage": vocabulary_coverage(draft_ids, streams.held_out_counts),
+        },
         "aux_layers": list(aux_layers),
+        "device": device_name(device),
         "steps": [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)],
         "evals": [asdict(stats) for stats in evals],
+        "best_step": best_stats.step,
         "stopped_early": stopped_early,
         "phases_s": {"data": data_s, "train": time.perf_counter() - started - data_s},
         "elapsed_s": time.perf_counter() - started,
@@ -324,41 +354,73 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
     return log
 
 
+class BestHead:
+    """The head's weights at its best evaluation so far (highest mean accepted length), on the host."""
+
+    def __init__(self) -> None:
+        self.stats: EvalStats | None = None
+        self.state: dict[str, torch.Tensor] = {}
+
+    def offer(self, stats: EvalStats, head: Eagle3Head) -> None:
+        """Keeps `head`'s weights if `stats` beats the best so far (the first offer always does)."""
+        if self.stats is None or stats.mean_accepted_length > self.stats.mean_accepted_length:
+            self.stats = stats
+            self.state = {name: t.detach().to("cpu", copy=True) for name, t in head.state_dict().items()}
+
+    def restore(self, head: Eagle3Head) -> EvalStats:
+        """Loads the best weights into `head`; returns their evaluation."""
+        if self.stats is None:
+            raise RuntimeError("no evaluated head to restore")
+        head.load_state_dict(self.state)
+        return self.stats
+
+
 def train_loop(
     head: Eagle3Head,
     target: LlamaForCausalLM,
     streams: Streams,
     draft_ids: torch.Tensor,
     config: TrainEagle3Config,
-    started: float,
-) -> tuple[list[float], list[EvalStats], bool]:
-    """AdamW with warm-up + cosine decay; (per-step losses, evaluations, stopped by the time limit)."""
+    deadline: float,
+) -> tuple[list[float], list[EvalStats], bool, BestHead]:
+    """AdamW with warm-up + cosine decay over the steps or the time left before `deadline` (a
+    perf_counter time), whichever runs out first; returns the per-step losses, the evaluations,
+    whether the deadline stopped it and the best evaluated weights."""
     device = config.torch_device
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps, config.min_lr_ratio)
-    )
     batches = torch.Generator().manual_seed(config.seed)
-    evals = [evaluate(head, target, streams.held_out, draft_ids, config, step=0)]
+    train_windows = streams.train.to(device)  # drawn from on the device: no copy per step
+    best = BestHead()
+    evals, eval_s = [], 0.0
     progress = tqdm(range(1, config.steps + 1), desc="train-eagle3", disable=not config.progress, unit="step")
-    progress.write(_describe(evals[0]), file=sys.stderr)
-    losses: list[float] = []
+
+    def evaluate_now(step: int) -> None:
+        nonlocal eval_s
+        eval_started = time.perf_counter()
+        evals.append(evaluate(head, target, streams.held_out, draft_ids, config, step))
+        eval_s = time.perf_counter() - eval_started
+        best.offer(evals[-1], head)
+        progress.write(_describe(evals[-1]), file=sys.stderr)
+
+    evaluate_now(0)
+    train_started = time.perf_counter()
+    step_losses: list[torch.Tensor] = []  # kept on the device: reading one back waits for the step
     stopped_early = False
     for step in progress:
-        batch = sample_batch(streams.train, config.batch_size, batches).to(device)
-        losses.append(train_step(head, target, batch, draft_ids, optimizer, config))
-        schedule.step()
-        progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-        stopped_early = (
-            config.time_limit_s is not None and time.perf_counter() - started > config.time_limit_s
-        )
+        time_fraction = (time.perf_counter() - train_started) / max(1e-9, deadline - eval_s - train_started)
+        scale = warmup_cosine(step - 1, config.warmup_steps, config.steps, config.min_lr_ratio, time_fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * scale
+        batch = sample_batch(train_windows, config.batch_size, batches)
+        step_losses.append(train_step(head, target, batch, draft_ids, optimizer, config))
+        stopped_early = step < config.steps and time.perf_counter() + eval_s > deadline
         if step % config.eval_every == 0 or step == config.steps or stopped_early:
-            evals.append(evaluate(head, target, streams.held_out, draft_ids, config, step))
-            progress.write(_describe(evals[-1]), file=sys.stderr)
+            progress.set_postfix(loss=f"{float(step_losses[-1]):.4f}", refresh=False)
+            evaluate_now(step)
         if stopped_early:
             break
     progress.close()
-    return losses, evals, stopped_early
+    return torch.stack(step_losses).tolist(), evals, stopped_early, best
 
 
 def train_step(
@@ -368,7 +430,7 @@ def train_step(
     draft_ids: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     config: TrainEagle3Config,
-) -> float:
+) -> torch.Tensor:  # scalar loss, on the device
     head.train()
     with bf16_autocast(token_ids.device):
         aux, target_logits = target_pass(target, head, token_ids)
@@ -378,7 +440,7 @@ def train_step(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
     optimizer.step()
-    return float(loss.detach())
+    return loss.detach()
 
 
 @torch.no_grad()
@@ -463,7 +525,10 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
     parser.add_argument("--base", type=Path, required=True, help="base (target) model directory")
     parser.add_argument("--out", type=Path, required=True, help="directory to write the head to")
     parser.add_argument(
-        "--data", type=Path, nargs="+", required=True, help="source roots (directories of .py files)"
+        "--data",
+        type=Path,
+        nargs="+",
+        help="source roots (directories of .py files; default: this interpreter's stdlib and site-packages)",
     )
     for flag, kind, text in (
         ("--max-train-tokens", int, "training tokens read"),
@@ -478,7 +543,7 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
         ("--warmup-steps", int, "linear warm-up steps"),
         ("--eval-every", int, "steps between evaluations"),
         ("--eval-batches", int, "held-out batches per evaluation"),
-        ("--time-limit-s", float, "stop training after this much wall time"),
+        ("--time-limit-s", float, "wall-time budget of the run (data, training, last evaluation)"),
         ("--seed", int, "random seed"),
     ):
         name = flag.removeprefix("--").replace("-", "_")
@@ -495,10 +560,14 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
 def cmd_train_eagle3(args: argparse.Namespace) -> int:
     fields = {name: value for name, value in vars(args).items() if name in TrainEagle3Config.model_fields}
     log = train_eagle3(TrainEagle3Config(**fields))
-    first, last = log["evals"][0], log["evals"][-1]
+    first = log["evals"][0]
+    best = next(e for e in log["evals"] if e["step"] == log["best_step"])
     print(
-        f"saved the EAGLE-3 head to {fields['out']} in {log['elapsed_s']:.1f} s | held-out chain agreement "
-        f"{[round(a, 3) for a in first['chain_agreement']]} -> {[round(a, 3) for a in last['chain_agreement']]}",
+        f"saved the EAGLE-3 head of step {best['step']} to {fields['out']} in {log['elapsed_s']:.1f} s | "
+        f"held-out chain agreement {[round(a, 3) for a in first['chain_agreement']]} -> "
+        f"{[round(a, 3) for a in best['chain_agreement']]}, mean accepted length "
+        f"{first['mean_accepted_length']:.2f} -> {best['mean_accepted_length']:.2f} | draft vocabulary "
+        f"covers {log['data']['draft_vocab_coverage']:.1%} of held-out tokens",
         file=sys.stderr,
     )
     return 0
