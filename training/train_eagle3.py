@@ -571,3 +571,18 @@ def cmd_train_eagle3(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def replot(out: Path) -> Path | None:
+    """Draws `out`/loss.png from `out`/train_log.json (for a run on a machine without matplotlib)."""
+    log = json.loads((out / TRAIN_LOG).read_text())
+    evals = [EvalStats(**{k: v for k, v in e.items() if k != "mean_accepted_length"}) for e in log["evals"]]
+    return plot_losses([s["loss"] for s in log["steps"]], evals, out / LOSS_PLOT)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / TRAIN_LOG).is_file():
+        sys.exit(
+            f"usage: python -m training.train_eagle3 DIR (a head directory with {TRAIN_LOG}): draws {LOSS_PLOT}"
+        )
+    print(replot(Path(sys.argv[1])) or "matplotlib is not installed", file=sys.stderr)
