@@ -35,7 +35,8 @@
 # tree drafting on CUDA = naive greedy for mtp and eagle3) and tree-attention.json (benchmarks.tree_attention:
 # a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
-# stdlib and site-packages (the reference split) into specmesh-code-15m-eagle3/ (config.json, model.safetensors,
+# stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
+# 2,048 train prompts) into specmesh-code-15m-eagle3/ (config.json, model.safetensors,
 # train_log.json, loss.png where matplotlib is installed, else drawn later by
 # `python -m training.train_eagle3 DIR`; eagle3-train.log), then measures it beside the MTP head
 # with benchmarks.acceptance on code_editing and held-out code_continuation: acceptance-eagle3.json / .md (eagle3
@@ -278,6 +279,7 @@ if [[ " $stages " == *" eagle3train "* ]]; then
     timeout $((train_s + 120)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
         --device cuda --seq-len 1024 --batch-size 32 --ttt-steps 5 --draft-vocab-size 4096 --lr 2e-3 \
         --warmup-steps 100 --steps 100000 --max-train-tokens 60000000 --max-held-out-tokens 1000000 \
+        --generated-fraction 0.25 --num-prompts 2048 --new-tokens 128 \
         --eval-every 250 --eval-batches 8 --time-limit-s "$train_s" --no-progress ${EAGLE3_TRAIN_FLAGS:-} 2>&1 \
         | tee "$OUT/eagle3-train.log" | tail -8
     status=$((status | PIPESTATUS[0]))

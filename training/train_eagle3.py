@@ -20,6 +20,11 @@ acceptance proxy of a chain of j + 1 drafts under greedy verification. Their sum
 *mean accepted length* of a chain of `ttt_steps` drafts on teacher-forced text; the saved head is
 the evaluated one with the highest.
 
+Steps draw either windows of that text or, with chance `generated_fraction`, *generated*
+sequences: a train-split prompt ending where an indented line starts, continued greedily by the
+base (specmesh's engine) for `new_tokens` tokens, scored on the continuation rows only; that is
+the text verification checks (as training/refine_mtp.py does for the MTP head).
+
 Data: the package split of training/data.py (the split of every reference model, same seed) over
 the source roots `--data` (default: this interpreter's stdlib and site-packages, as the reference
 build); train on the train split, evaluate on the held-out one.
@@ -28,6 +33,7 @@ build); train on the train split, evaluate on the held-out one.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -50,6 +56,7 @@ from shared.model.eagle3 import (
     save_eagle3_head,
 )
 from shared.model.llama import DecoderLayer
+from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from training.build_reference import PRESETS
 from training.config import (
@@ -62,6 +69,7 @@ from training.config import (
 )
 from training.corpus import tokenize_files
 from training.data import default_roots, split_corpus
+from training.refine_mtp import indented_line_starts, sample_prompts, start_engine
 from training.train_lm import device_name
 from training.train_mtp import LOSS_PLOT, TRAIN_LOG, bf16_autocast, make_windows, sample_batch
 
@@ -93,6 +101,14 @@ class TrainEagle3Config(HeadRunConfig):
     """Tokens of the head's LM head (the most frequent in the training text); None: the whole vocabulary."""
     eagle3_layers: tuple[int, int, int] | None = None
     """Target layers whose entering streams the head reads; None: EAGLE-3's low / mid / high."""
+    generated_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """The chance that a step trains on the base's greedy continuations instead of corpus windows."""
+    num_prompts: int = Field(default=2048, ge=1)
+    """Train-split prompts the base continues (when generated_fraction > 0)."""
+    new_tokens: int = Field(default=128, ge=1)
+    """Tokens the base generates per prompt; each prompt is seq_len - new_tokens tokens."""
+    max_generate_seqs: int = Field(default=256, ge=1)
+    """Sequences the engine generates at a time."""
     time_limit_s: float | None = Field(default=None, gt=0.0)
     """Wall-time budget of the whole run, data loading included: training stops early (the log
     says so) leaving time for the last evaluation, and the learning rate decays over the budget."""
@@ -116,6 +132,10 @@ class TrainEagle3Config(HeadRunConfig):
     def _check(self) -> TrainEagle3Config:
         self._check_warmup(hint="; lower --warmup-steps")
         self._check_out()
+        if self.generated_fraction > 0 and self.seq_len - self.new_tokens < 2:
+            raise ValueError(
+                f"new_tokens ({self.new_tokens}) must leave a prompt of at least 2 tokens in seq_len ({self.seq_len})"
+            )
         return self
 
 
@@ -143,6 +163,7 @@ class Streams:
     token_counts: torch.Tensor  # [vocab_size] int64 occurrences in the training stream
     held_out_counts: torch.Tensor  # [vocab_size] int64 occurrences in the held-out stream
     meta: dict[str, Any]
+    generated: torch.Tensor | None = None  # [num_prompts, seq_len] int64 prompts + the base's continuations
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -165,6 +186,26 @@ def load_streams(config: TrainEagle3Config, vocab_size: int) -> Streams:
     return Streams(
         windows, held_out_windows, torch.bincount(train, minlength=vocab_size), held_out_counts, meta
     )
+
+
+def generate_sequences(config: TrainEagle3Config, stream: torch.Tensor) -> torch.Tensor:
+    """[num_prompts, seq_len] int64: train-split prompts of seq_len - new_tokens tokens, each ending
+    where an indented line starts, followed by the base's greedy continuation."""
+    tokenizer = Tokenizer(config.base)
+    prompt_tokens = config.seq_len - config.new_tokens
+    choose = torch.Generator().manual_seed(config.seed)
+    prompts = sample_prompts(
+        stream, config.num_prompts, prompt_tokens, indented_line_starts(tokenizer), choose
+    )
+    llm = start_engine(config.base, config.torch_device, config.max_generate_seqs, config.seq_len)
+    params = SamplingParams(temperature=0.0, max_tokens=config.new_tokens, ignore_eos=True)
+    outputs = llm.generate(
+        prompt_token_ids=prompts.tolist(), sampling_params=params, use_tqdm=config.progress
+    )
+    del llm  # frees its KV cache before training
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cat([prompts, torch.tensor([o.token_ids for o in outputs])], dim=1)
 
 
 def draft_vocabulary(token_counts: torch.Tensor, size: int | None) -> torch.Tensor:
@@ -274,20 +315,26 @@ def step_kl(
     target_logits: torch.Tensor,  # [batch, seq, vocab]
     draft_ids: torch.Tensor,  # [draft_vocab]
     step: int,
+    first_row: int = 0,
 ) -> torch.Tensor:  # scalar: mean over the step's scored rows
-    """KL(target's distribution at i + step + 1 over the draft vocabulary || head's at row i)."""
+    """KL(target's distribution at i + step + 1 over the draft vocabulary || head's at row i), for
+    rows i from `first_row` on."""
     num_scored = head_logits.shape[1] - step
-    target_logprobs = F.log_softmax(target_logits[:, 1 + step :, draft_ids].float(), dim=-1)
-    head_logprobs = F.log_softmax(head_logits[:, :num_scored].float(), dim=-1)
+    target_logprobs = F.log_softmax(target_logits[:, 1 + step + first_row :, draft_ids].float(), dim=-1)
+    head_logprobs = F.log_softmax(head_logits[:, first_row:num_scored].float(), dim=-1)
     return F.kl_div(head_logprobs, target_logprobs, log_target=True, reduction="none").sum(-1).mean()
 
 
 def training_loss(
-    logits: list[torch.Tensor], target_logits: torch.Tensor, draft_ids: torch.Tensor, decay: float
+    logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    draft_ids: torch.Tensor,
+    decay: float,
+    first_row: int = 0,
 ) -> torch.Tensor:
     weights = [decay**step for step in range(len(logits))]
     losses = [
-        w * step_kl(step_logits, target_logits, draft_ids, j)
+        w * step_kl(step_logits, target_logits, draft_ids, j, first_row)
         for j, (w, step_logits) in enumerate(zip(weights, logits))
     ]
     return torch.stack(losses).sum() / sum(weights)
@@ -324,6 +371,9 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
             f"max_position_embeddings ({model_config.max_position_embeddings})"
         )
     streams = load_streams(config, model_config.vocab_size)
+    if config.generated_fraction > 0:
+        streams.generated = generate_sequences(config, streams.train.flatten())
+        streams.meta["generated"] = {"sequences": len(streams.generated), "new_tokens": config.new_tokens}
     target_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     target = load_model(config.base, target_dtype, device, config.seq_len + config.ttt_steps).requires_grad_(
         False
@@ -342,7 +392,7 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
         },
         "aux_layers": list(aux_layers),
         "device": device_name(device),
-        "steps": [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)],
+        "steps": [{"step": i + 1, "loss": loss, "generated": g} for i, (loss, g) in enumerate(losses)],
         "evals": [asdict(stats) for stats in evals],
         "best_step": best_stats.step,
         "stopped_early": stopped_early,
@@ -350,7 +400,7 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
         "elapsed_s": time.perf_counter() - started,
     }
     (config.out / TRAIN_LOG).write_text(json.dumps(log, indent=2) + "\n")
-    plot_losses(losses, evals, config.out / LOSS_PLOT)
+    plot_losses([loss for loss, _ in losses], evals, config.out / LOSS_PLOT)
     return log
 
 
@@ -382,14 +432,18 @@ def train_loop(
     draft_ids: torch.Tensor,
     config: TrainEagle3Config,
     deadline: float,
-) -> tuple[list[float], list[EvalStats], bool, BestHead]:
+) -> tuple[list[tuple[float, bool]], list[EvalStats], bool, BestHead]:
     """AdamW with warm-up + cosine decay over the steps or the time left before `deadline` (a
-    perf_counter time), whichever runs out first; returns the per-step losses, the evaluations,
-    whether the deadline stopped it and the best evaluated weights."""
+    perf_counter time), whichever runs out first; returns each step's loss and whether it was on
+    generated text, the evaluations, whether the deadline stopped it and the best evaluated weights."""
     device = config.torch_device
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     batches = torch.Generator().manual_seed(config.seed)
     train_windows = streams.train.to(device)  # drawn from on the device: no copy per step
+    generated = None if streams.generated is None else streams.generated.to(device)
+    mix = torch.Generator().manual_seed(config.seed + 1)
+    on_generated = (torch.rand(config.steps, generator=mix) < config.generated_fraction).tolist()
+    first_generated_row = config.seq_len - config.new_tokens - 1  # its input is the first generated token
     best = BestHead()
     evals, eval_s = [], 0.0
     progress = tqdm(range(1, config.steps + 1), desc="train-eagle3", disable=not config.progress, unit="step")
@@ -411,8 +465,11 @@ def train_loop(
         scale = warmup_cosine(step - 1, config.warmup_steps, config.steps, config.min_lr_ratio, time_fraction)
         for group in optimizer.param_groups:
             group["lr"] = config.lr * scale
-        batch = sample_batch(train_windows, config.batch_size, batches)
-        step_losses.append(train_step(head, target, batch, draft_ids, optimizer, config))
+        if generated is not None and on_generated[step - 1]:
+            batch, first_row = sample_batch(generated, config.batch_size, batches), first_generated_row
+        else:
+            batch, first_row = sample_batch(train_windows, config.batch_size, batches), 0
+        step_losses.append(train_step(head, target, batch, first_row, draft_ids, optimizer, config))
         stopped_early = step < config.steps and time.perf_counter() + eval_s > deadline
         if step % config.eval_every == 0 or step == config.steps or stopped_early:
             progress.set_postfix(loss=f"{float(step_losses[-1]):.4f}", refresh=False)
@@ -420,13 +477,15 @@ def train_loop(
         if stopped_early:
             break
     progress.close()
-    return torch.stack(step_losses).tolist(), evals, stopped_early, best
+    kinds = [generated is not None and g for g in on_generated]
+    return list(zip(torch.stack(step_losses).tolist(), kinds)), evals, stopped_early, best
 
 
 def train_step(
     head: Eagle3Head,
     target: LlamaForCausalLM,
     token_ids: torch.Tensor,  # [batch, seq]
+    first_row: int,
     draft_ids: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     config: TrainEagle3Config,
@@ -435,7 +494,7 @@ def train_step(
     with bf16_autocast(token_ids.device):
         aux, target_logits = target_pass(target, head, token_ids)
         logits = unrolled_logits(head, token_ids, aux, config.ttt_steps)
-        loss = training_loss(logits, target_logits, draft_ids, config.step_decay)
+        loss = training_loss(logits, target_logits, draft_ids, config.step_decay, first_row)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
@@ -543,6 +602,9 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
         ("--warmup-steps", int, "linear warm-up steps"),
         ("--eval-every", int, "steps between evaluations"),
         ("--eval-batches", int, "held-out batches per evaluation"),
+        ("--generated-fraction", float, "chance that a step trains on the base's greedy continuations"),
+        ("--num-prompts", int, "train-split prompts the base continues"),
+        ("--new-tokens", int, "tokens the base generates per prompt"),
         ("--time-limit-s", float, "wall-time budget of the run (data, training, last evaluation)"),
         ("--seed", int, "random seed"),
     ):

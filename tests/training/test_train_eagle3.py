@@ -67,8 +67,12 @@ def test_training_runs_end_to_end(base: Path, roots: Path, tmp_path: Path) -> No
         (["--ttt-steps", "9"], "ttt_steps: Input should be less than or equal to 5"),
         (["--data", "/nonexistent/root"], "not a directory of source files: /nonexistent/root"),
         (["--warmup-steps", "50", "--steps", "10"], "warmup_steps (50) must be smaller than steps (10)"),
+        (
+            ["--generated-fraction", "0.5", "--seq-len", "16", "--new-tokens", "15"],
+            "new_tokens (15) must leave a prompt of at least 2 tokens in seq_len (16)",
+        ),
     ],
-    ids=["steps-0", "ttt-steps", "missing-root", "warmup"],
+    ids=["steps-0", "ttt-steps", "missing-root", "warmup", "no-prompt-room"],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
     base: Path, roots: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, message
@@ -184,3 +188,54 @@ def test_vocabulary_coverage_counts_tokens_inside_the_draft_vocabulary() -> None
     assert train_eagle3.vocabulary_coverage(torch.tensor([0, 3]), counts) == pytest.approx(0.7)
     assert train_eagle3.vocabulary_coverage(train_eagle3.draft_vocabulary(counts, None), counts) == 1.0
     assert train_eagle3.vocabulary_coverage(train_eagle3.draft_vocabulary(counts, 1), counts) == 0.5
+
+
+def test_generated_steps_train_on_the_bases_own_continuations(
+    base: Path, roots: Path, tmp_path: Path
+) -> None:
+    """With --generated-fraction 1 every step draws train-split prompts continued greedily by the base."""
+    for package in ("alpha", "beta", "gamma"):  # prompts end where an indented line starts
+        blocks = [
+            f"def {package}_{i}(x):\n    for k in range({i}):\n        x += k\n    return x\n"
+            for i in range(9)
+        ]
+        (roots / package / "blocks.py").write_text("\n\n".join(blocks))
+    out = tmp_path / "head"
+    flags = [
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "40",
+        "--warmup-steps",
+        "1",
+        "--eval-batches",
+        "1",
+    ]
+    flags += ["--generated-fraction", "1", "--num-prompts", "4", "--new-tokens", "8", "--ttt-steps", "2"]
+    args = ["train-eagle3", "--base", str(base), "--out", str(out), "--data", str(roots), "--device", "cpu"]
+    assert main([*args, *flags, "--no-progress"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert [s["generated"] for s in log["steps"]] == [True, True, True]
+    assert log["data"]["generated"] == {"sequences": 4, "new_tokens": 8}
+
+
+def test_the_loss_scores_only_rows_from_the_first_generated_one() -> None:
+    """Rows before `first_row` (prompt text the base did not generate) never move the loss."""
+    torch.manual_seed(0)
+    head_logits = [torch.randn(2, 9, 6) for _ in range(2)]  # [batch, seq - 1, draft_vocab] per step
+    target_logits = torch.randn(2, 10, 8)
+    draft_ids = torch.tensor([0, 2, 3, 4, 6, 7])
+    loss = train_eagle3.training_loss(head_logits, target_logits, draft_ids, 0.8, first_row=4)
+    changed = [logits.clone() for logits in head_logits]
+    for logits in changed:
+        logits[:, :4] += 5 * torch.randn(2, 4, 6)
+    assert train_eagle3.training_loss(changed, target_logits, draft_ids, 0.8, first_row=4) == pytest.approx(
+        float(loss)
+    )
+    changed[1][:, 4] += 5.0 * torch.randn(2, 6)
+    assert train_eagle3.training_loss(changed, target_logits, draft_ids, 0.8, first_row=4) != pytest.approx(
+        float(loss)
+    )
+    assert train_eagle3.training_loss(changed, target_logits, draft_ids, 0.8) != pytest.approx(float(loss))
