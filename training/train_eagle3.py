@@ -71,7 +71,7 @@ from training.corpus import tokenize_files
 from training.data import default_roots, split_corpus
 from training.refine_mtp import indented_line_starts, sample_prompts, start_engine
 from training.train_lm import device_name
-from training.train_mtp import LOSS_PLOT, TRAIN_LOG, bf16_autocast, make_windows, sample_batch
+from training.train_mtp import LOSS_PLOT, TRAIN_LOG, bf16_autocast, make_windows
 
 logger = logging.getLogger(__name__)
 
@@ -437,10 +437,19 @@ def train_loop(
     perf_counter time), whichever runs out first; returns each step's loss and whether it was on
     generated text, the evaluations, whether the deadline stopped it and the best evaluated weights."""
     device = config.torch_device
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=device.type == "cuda"
+    )
+    # every batch's rows drawn up front from the seed (the same order on any device) and held on the
+    # device with the data: a step never copies from the host, which would wait for the steps before it
     batches = torch.Generator().manual_seed(config.seed)
-    train_windows = streams.train.to(device)  # drawn from on the device: no copy per step
-    generated = None if streams.generated is None else streams.generated.to(device)
+    shape = (config.steps, config.batch_size)
+    train_windows = streams.train.to(device)
+    train_picks = torch.randint(len(streams.train), shape, generator=batches).to(device)
+    generated, generated_picks = None, train_picks
+    if streams.generated is not None:
+        generated = streams.generated.to(device)
+        generated_picks = torch.randint(len(generated), shape, generator=batches).to(device)
     mix = torch.Generator().manual_seed(config.seed + 1)
     on_generated = (torch.rand(config.steps, generator=mix) < config.generated_fraction).tolist()
     first_generated_row = config.seq_len - config.new_tokens - 1  # its input is the first generated token
@@ -466,9 +475,9 @@ def train_loop(
         for group in optimizer.param_groups:
             group["lr"] = config.lr * scale
         if generated is not None and on_generated[step - 1]:
-            batch, first_row = sample_batch(generated, config.batch_size, batches), first_generated_row
+            batch, first_row = generated[generated_picks[step - 1]], first_generated_row
         else:
-            batch, first_row = sample_batch(train_windows, config.batch_size, batches), 0
+            batch, first_row = train_windows[train_picks[step - 1]], 0
         step_losses.append(train_step(head, target, batch, first_row, draft_ids, optimizer, config))
         stopped_early = step < config.steps and time.perf_counter() + eval_s > deadline
         if step % config.eval_every == 0 or step == config.steps or stopped_early:
