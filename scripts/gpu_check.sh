@@ -276,7 +276,7 @@ if [[ " $stages " == *" eagle3train "* ]]; then
     head=$OUT/specmesh-code-15m-eagle3
     train_s=${EAGLE3_TRAIN_S:-330}
     # shellcheck disable=SC2086
-    timeout $((train_s + 120)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
+    timeout $((train_s + 90)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
         --device cuda --seq-len 1024 --batch-size 32 --ttt-steps 5 --draft-vocab-size 4096 --lr 2e-3 \
         --warmup-steps 100 --steps 100000 --max-train-tokens 60000000 --max-held-out-tokens 1000000 \
         --generated-fraction 0.25 --num-prompts 2048 --new-tokens 128 \
@@ -290,12 +290,12 @@ if [[ " $stages " == *" eagle3train "* ]]; then
     ln -s "$(realpath "$head")" $models/specmesh-code-15m-eagle3
     accept="python3 -m benchmarks.acceptance --workloads code_editing code_continuation --num-requests 16 --max-tokens 64 --max-num-seqs 16 --device cuda --dtype bfloat16 --no-progress"
     # shellcheck disable=SC2086
-    SPECMESH_MODELS_DIR=$models timeout 300 $accept --methods mtp mtp_tree eagle3 eagle3_tree --ks 3 --trees 3,2,1 \
+    SPECMESH_MODELS_DIR=$models timeout 200 $accept --methods mtp mtp_tree eagle3 eagle3_tree --ks 3 --trees 3,2,1 \
         --out "$OUT/acceptance-eagle3.json" --markdown "$OUT/acceptance-eagle3.md" ${ACCEPT_FLAGS:-} 2>&1 \
         | tee "$OUT/acceptance-eagle3.log" | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
     # shellcheck disable=SC2086
-    SPECMESH_MODELS_DIR=$models timeout 300 $accept --methods eagle3 eagle3_tree --ks 5 --trees 3,1,1,1,1 2,2,1,1 \
+    SPECMESH_MODELS_DIR=$models timeout 150 $accept --methods eagle3 eagle3_tree --ks 5 --trees 3,1,1,1,1 2,2,1,1 \
         --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
         | tee "$OUT/acceptance-eagle3-trees.log" | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))

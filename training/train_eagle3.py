@@ -399,7 +399,7 @@ def train_eagle3(config: TrainEagle3Config) -> dict[str, Any]:
         "phases_s": {"data": data_s, "train": time.perf_counter() - started - data_s},
         "elapsed_s": time.perf_counter() - started,
     }
-    (config.out / TRAIN_LOG).write_text(json.dumps(log, indent=2) + "\n")
+    (config.out / TRAIN_LOG).write_text(json.dumps(log) + "\n")  # compact: one record per step
     plot_losses([loss for loss, _ in losses], evals, config.out / LOSS_PLOT)
     return log
 

@@ -137,7 +137,8 @@ def test_a_spent_time_budget_stops_training_and_saves_the_best_head(
     base: Path, roots: Path, tmp_path: Path
 ) -> None:
     """A budget already spent by data loading still trains one step, evaluates it and writes the
-    head, the log saying it stopped early; the draft vocabulary's held-out coverage is logged."""
+    head, the log saying it stopped early; the draft vocabulary's held-out coverage is logged, and
+    the plot can be drawn again from the log."""
     out = tmp_path / "head"
     flags = [
         "--steps",
@@ -158,6 +159,8 @@ def test_a_spent_time_budget_stops_training_and_saves_the_best_head(
     assert [e["step"] for e in log["evals"]] == [0, 1] and log["best_step"] in (0, 1)
     assert 0.0 < log["data"]["draft_vocab_coverage"] < 1.0
     assert (out / "model.safetensors").is_file()
+    (out / "loss.png").unlink()  # as after a run on a machine without matplotlib
+    assert train_eagle3.replot(out) == out / "loss.png" and (out / "loss.png").stat().st_size > 0
 
 
 def test_the_best_evaluated_weights_are_kept_not_the_last(base: Path) -> None:
