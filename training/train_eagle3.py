@@ -614,6 +614,7 @@ def add_train_eagle3_parser(subparsers: argparse._SubParsersAction[argparse.Argu
         ("--generated-fraction", float, "chance that a step trains on the base's greedy continuations"),
         ("--num-prompts", int, "train-split prompts the base continues"),
         ("--new-tokens", int, "tokens the base generates per prompt"),
+        ("--max-generate-seqs", int, "sequences the engine generates at a time"),
         ("--time-limit-s", float, "wall-time budget of the run (data, training, last evaluation)"),
         ("--seed", int, "random seed"),
     ):
