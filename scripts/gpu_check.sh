@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -34,6 +34,16 @@
 # trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
 # tree drafting on CUDA = naive greedy for mtp and eagle3) and tree-attention.json (benchmarks.tree_attention:
 # a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
+# eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
+# stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
+# 2,048 train prompts) into specmesh-code-15m-eagle3/ (config.json, model.safetensors,
+# train_log.json, loss.png where matplotlib is installed, else drawn later by
+# `python -m training.train_eagle3 DIR`; eagle3-train.log), then measures it beside the MTP head
+# with benchmarks.acceptance on code_editing and held-out code_continuation: acceptance-eagle3.json / .md (eagle3
+# chain k=3, eagle3 and mtp [3, 2, 1] trees, mtp k=3) and acceptance-eagle3-trees.json / .md (eagle3 16-token
+# trees [3, 1, 1, 1, 1] and [2, 2, 1, 1], eagle3 chain k=5). EAGLE3_TRAIN_S (default 330) is the training budget,
+# data loading included; EAGLE3_TRAIN_FLAGS and ACCEPT_FLAGS are appended to each command (tiny CPU rehearsal:
+# EAGLE3_TRAIN_FLAGS="--device cpu --steps 3 ..." ACCEPT_FLAGS="--device cpu --dtype float32 --num-requests 2").
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -261,5 +271,33 @@ if [[ " $stages " == *" trees "* ]]; then
         2>&1 | tee "$OUT/trees-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
     timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" eagle3train "* ]]; then
+    head=$OUT/specmesh-code-15m-eagle3
+    train_s=${EAGLE3_TRAIN_S:-330}
+    # shellcheck disable=SC2086
+    timeout $((train_s + 90)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
+        --device cuda --seq-len 1024 --batch-size 32 --ttt-steps 5 --draft-vocab-size 4096 --lr 2e-3 \
+        --warmup-steps 100 --steps 100000 --max-train-tokens 60000000 --max-held-out-tokens 1000000 \
+        --generated-fraction 0.25 --num-prompts 2048 --new-tokens 128 \
+        --eval-every 250 --eval-batches 8 --time-limit-s "$train_s" --no-progress ${EAGLE3_TRAIN_FLAGS:-} 2>&1 \
+        | tee "$OUT/eagle3-train.log" | tail -8
+    status=$((status | PIPESTATUS[0]))
+    # the reference family with the new head in place of the shipped one (benchmarks.acceptance reads it there)
+    models=/tmp/eagle3-models
+    rm -rf $models && mkdir -p $models
+    for name in specmesh-code-15m specmesh-code-15m-mtp specmesh-code-draft; do ln -s "$PWD/models/$name" $models/$name; done
+    ln -s "$(realpath "$head")" $models/specmesh-code-15m-eagle3
+    accept="python3 -m benchmarks.acceptance --workloads code_editing code_continuation --num-requests 16 --max-tokens 64 --max-num-seqs 16 --device cuda --dtype bfloat16 --no-progress"
+    # shellcheck disable=SC2086
+    SPECMESH_MODELS_DIR=$models timeout 200 $accept --methods mtp mtp_tree eagle3 eagle3_tree --ks 3 --trees 3,2,1 \
+        --out "$OUT/acceptance-eagle3.json" --markdown "$OUT/acceptance-eagle3.md" ${ACCEPT_FLAGS:-} 2>&1 \
+        | tee "$OUT/acceptance-eagle3.log" | grep "^| [a-z]"
+    status=$((status | PIPESTATUS[0]))
+    # shellcheck disable=SC2086
+    SPECMESH_MODELS_DIR=$models timeout 150 $accept --methods eagle3 eagle3_tree --ks 5 --trees 3,1,1,1,1 2,2,1,1 \
+        --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
+        | tee "$OUT/acceptance-eagle3-trees.log" | grep "^| [a-z]"
+    status=$((status | PIPESTATUS[0]))
 fi
 exit $status
