@@ -59,14 +59,15 @@ MMA_STEP = {"int8": 64, "int4": 128}
 the input features) must be a multiple."""
 MMA_WARPS = 4
 MMA_TILES_M = 2
-"""m16 output tiles a `quant_mma` warp computes: a block takes 16 * MMA_TILES_M * MMA_WARPS outputs."""
+"""m16 output tiles of a `quant_mma` block (its warps split K): 32 outputs a block."""
 MMA_ROW_TILES = (1, 2, 4, 8)
 """n8 tiles of x rows a `quant_mma` block takes (compiled variants): the fewest that cover the rows,
 8 (64 rows) past 32 rows."""
 MMA_BLOCKS_PER_SM = (4, 2)
 """Blocks an SM `mma_config` splits K to reach: up to 16 rows (streaming the weight bounds the
 time), and past 16 rows (heavier blocks; each split adds a float32 partial sum to write and read)."""
-MMA_MIN_STEPS_PER_SPLIT = 2
+MMA_PARTIAL_FRACTION = 0.25
+"""Most bytes of float32 partial sums (written and read) a K split may add, over the weight's bytes."""
 MMA_ENV = "SPECMESH_QUANT_MMA"
 """Set to `off` to run every int8 / int4 product through `quant_gemv` (up to MAX_ROWS rows) or
 dequantize + cuBLAS (A/B timing)."""
@@ -227,7 +228,9 @@ MMA_SOURCE = (
    step, the 16-byte chunk t of outputs g and g + 8 of its WM m16 tiles; each 8-value unit of a chunk
    feeds two mmas, and the lane's B fragments take x row g at the same 8 input features in the same
    order, so both operands sum matching products. Each step's products accumulate unscaled (integer
-   weights times x are exact in float32) and are multiplied by the step's group scale in float32. */
+   weights times x are exact in float32) and are multiplied by the step's group scale in float32.
+   A block's WARPS warps share its 16 * WM outputs and 8 * NT rows, each taking every WARPS-th group
+   of UNROLL steps of the block's K range (grid z); their sums add up in shared memory. */
 #define SCH_INT8 1
 #define SCH_INT4 2
 #if SCHEME == SCH_INT4
@@ -326,8 +329,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
     int num_rows, int N, int K, int group_size, long long x_stride, int steps_per_split)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n_warp = (blockIdx.x * WARPS + warp) * 16 * WM;
-    if (n_warp >= N) return;   /* whole warps only: no barrier below */
+    const int n_warp = blockIdx.x * 16 * WM;   /* every warp of the block: the same outputs */
     const int m0 = blockIdx.y * 8 * NT;
     const int step_begin = blockIdx.z * steps_per_split;
     const int step_end = min(step_begin + steps_per_split, K / STEP);
@@ -350,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-    for (int s0 = step_begin; s0 < step_end; s0 += UNROLL) {
+    for (int s0 = step_begin + warp * UNROLL; s0 < step_end; s0 += WARPS * UNROLL) {
         uint4 raw[UNROLL][WM][2];   /* every load of the UNROLL steps in flight before any math */
         float sc[UNROLL][WM][2];
 #pragma unroll
@@ -407,6 +409,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
             }
         }
     }
+    __shared__ float sums[WARPS][WM * NT * 4][32];   /* [warp][accumulator][lane]: no bank conflicts */
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sums[warp][(i * NT + j) * 4 + c][lane] = acc[i][j][c];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+#pragma unroll
+                for (int o = 1; o < WARPS; ++o) acc[i][j][c] += sums[o][(i * NT + j) * 4 + c][lane];
     /* c0, c1: output g of the tile, rows 2t and 2t + 1 of the n8 tile; c2, c3: output g + 8 */
 #pragma unroll
     for (int i = 0; i < WM; ++i)
@@ -583,9 +602,10 @@ def decode_constants(scheme: str, dtype: torch.dtype) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """How `quant_mma` covers one product: blocks of MMA_WARPS warps, each warp 16 * MMA_TILES_M
-    outputs by 8 * row_tiles rows; K in steps of MMA_STEP, cut into `splits` ranges of
-    `steps_per_split` steps (grid z) whose float32 partial sums `quant_mma_reduce` adds."""
+    """How `quant_mma` covers one product: a block of MMA_WARPS warps takes 16 * MMA_TILES_M outputs
+    by 8 * row_tiles rows, its warps taking turns over the K steps (MMA_STEP) of the block's range and
+    adding up in shared memory; K is cut into `splits` ranges of `steps_per_split` steps (grid z)
+    whose float32 partial sums `quant_mma_reduce` adds."""
 
     row_tiles: int
     unroll: int  # K steps whose weight loads a warp issues before it multiplies
@@ -595,23 +615,29 @@ class MmaConfig:
 
 
 def mma_config(num_rows: int, out_features: int, in_features: int, scheme: str, num_sms: int) -> MmaConfig:
-    """Few rows (up to 16) stream the weight: 1 or 2 row tiles, two steps' loads in flight. More rows:
-    up to 64 a block, one step's loads at a time (registers). K is split until about
-    MMA_BLOCKS_PER_SM blocks an SM, each split at least MMA_MIN_STEPS_PER_SPLIT steps."""
-    if num_rows <= 0 or out_features <= 0 or in_features % MMA_STEP[scheme]:
+    """Up to MAX_ROWS rows the weight read bounds the time: 1 or 2 row tiles, two steps' loads in
+    flight a warp. More rows: up to 64 a block, one step's loads at a time (registers). K is split
+    over the grid until about MMA_BLOCKS_PER_SM blocks an SM, while the partial sums' traffic stays
+    within MMA_PARTIAL_FRACTION of the weight's bytes, each split at least one turn of every warp."""
+    if num_rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % MMA_STEP[scheme]:
         raise ValueError(
             f"quant_mma cannot take {num_rows} rows x {in_features} -> {out_features} ({scheme})"
         )
+    few_rows = num_rows <= MAX_ROWS
     row_tiles = next((v for v in MMA_ROW_TILES if 8 * v >= num_rows), MMA_ROW_TILES[-1])
-    few_rows = num_rows <= 16
-    grid_x = -(-out_features // (16 * MMA_TILES_M * MMA_WARPS))
+    unroll = 2 if few_rows else 1
+    grid_x = -(-out_features // (16 * MMA_TILES_M))
     grid_y = -(-num_rows // (8 * row_tiles))
-    blocks_wanted = MMA_BLOCKS_PER_SM[0 if few_rows else 1] * num_sms
     num_steps = in_features // MMA_STEP[scheme]
-    splits_wanted = max(1, blocks_wanted // (grid_x * grid_y))
-    steps_per_split = max(MMA_MIN_STEPS_PER_SPLIT, -(-num_steps // splits_wanted))
+    weight_bytes = out_features * in_features * BITS[scheme] // 8
+    partial_bytes = 8 * num_rows * out_features  # float32 written, then read, per split
+    splits_wanted = min(
+        MMA_BLOCKS_PER_SM[0 if few_rows else 1] * num_sms // (grid_x * grid_y),
+        int(MMA_PARTIAL_FRACTION * weight_bytes) // partial_bytes,
+    )
+    steps_per_split = max(MMA_WARPS * unroll, -(-num_steps // max(1, splits_wanted)))
     splits = -(-num_steps // steps_per_split)
-    return MmaConfig(row_tiles, 2 if few_rows else 1, steps_per_split, splits, (grid_x, grid_y, splits))
+    return MmaConfig(row_tiles, unroll, steps_per_split, splits, (grid_x, grid_y, splits))
 
 
 def scaled_mm_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -711,9 +737,8 @@ def quant_mma_cuda(
         HAS_BIAS=int(bias is not None),
         **decode_constants(scheme, x.dtype),
     )
-    kernel = _cuda.function(
-        MMA_SOURCE, "quant_mma", device, NT=config.row_tiles, UNROLL=config.unroll, **defines
-    )
+    variant = dict(NT=config.row_tiles, UNROLL=config.unroll)
+    kernel = _cuda.function(MMA_SOURCE, "quant_mma", device, **variant, **defines)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=device)
     partial = None
     if config.splits > 1:

@@ -10,6 +10,10 @@ dispatch over row counts, and replay from a CUDA graph.
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -294,18 +298,30 @@ def test_quant_mma_fragments_multiply_matching_input_features(scheme: str, dtype
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_mma_config_covers_every_output_row_and_step_once(scheme: str) -> None:
-    from kernels.quant_gemm import MMA_ROW_TILES, MMA_STEP, MMA_TILES_M, MMA_WARPS, mma_config
+    from kernels.quant_gemm import (
+        BITS,
+        MMA_PARTIAL_FRACTION,
+        MMA_ROW_TILES,
+        MMA_STEP,
+        MMA_TILES_M,
+        MMA_WARPS,
+        mma_config,
+    )
 
     for num_rows in (1, 7, 8, 9, 16, 17, 32, 33, 64, 65, 200, 256, 300):
         for n, k in ((80, 384), (3584, 18944), (37888, 3584), (2048, 2048)):
             config = mma_config(num_rows, n, k, scheme, num_sms=132)
             grid_x, grid_y, splits = config.grid
             assert config.row_tiles in MMA_ROW_TILES and splits == config.splits
-            assert grid_x * 16 * MMA_TILES_M * MMA_WARPS >= n > (grid_x - 1) * 16 * MMA_TILES_M * MMA_WARPS
+            assert grid_x * 16 * MMA_TILES_M >= n > (grid_x - 1) * 16 * MMA_TILES_M
             assert grid_y * 8 * config.row_tiles >= num_rows > (grid_y - 1) * 8 * config.row_tiles
             num_steps = k // MMA_STEP[scheme]
             # every split holds at least one step, together exactly the K steps
             assert (splits - 1) * config.steps_per_split < num_steps <= splits * config.steps_per_split
+            # a split gives every warp of a block at least one turn, unless K is shorter than that
+            assert config.steps_per_split >= min(num_steps, MMA_WARPS * config.unroll)
+            if splits > 1:  # the partial sums stay a small fraction of the weight's traffic
+                assert splits * 8 * num_rows * n <= MMA_PARTIAL_FRACTION * n * k * BITS[scheme] // 8
             if num_rows <= 8:
                 assert config.row_tiles == 1 and config.unroll == 2
             elif num_rows <= 16:
@@ -574,3 +590,47 @@ def test_cuda_quant_gemv_takes_strided_rows_and_replays_from_a_graph(scheme: str
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, quant_gemv_cuda(fresh, qweight, scale, scheme))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quant_mma_compiles_for_sm90_without_spills(scheme: str, tmp_path) -> None:
+    """Where the CUDA toolkit is installed, the tensor-core kernel's source (the fewest and the most
+    row tiles, bf16 and fp16) assembles for sm_90 and keeps its accumulators in registers."""
+    from kernels.quant_gemm import (
+        MMA_ROW_TILES,
+        MMA_SOURCE,
+        MMA_TILES_M,
+        MMA_WARPS,
+        SCHEME_IDS,
+        decode_constants,
+    )
+
+    source = tmp_path / "quant_mma.cu"
+    source.write_text(MMA_SOURCE)
+    for dtype in (torch.bfloat16, torch.float16):
+        for row_tiles in (MMA_ROW_TILES[0], MMA_ROW_TILES[-1]):
+            defines = dict(
+                DTYPE=_cuda.DTYPE_IDS[dtype],
+                SCHEME=SCHEME_IDS[scheme],
+                WARPS=MMA_WARPS,
+                WM=MMA_TILES_M,
+                NT=row_tiles,
+                UNROLL=2,
+                HAS_BIAS=1,
+                **decode_constants(scheme, dtype),
+            )
+            command = [
+                "nvcc",
+                "-cubin",
+                "-arch=sm_90",
+                "-std=c++17",
+                "-Xptxas=-v",
+                "-o",
+                str(tmp_path / "k.cubin"),
+            ]
+            command += [str(source)] + [f"-D{k}={v}" for k, v in defines.items()]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-3000:]
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stderr)]
+            assert spills and not any(spills), result.stderr
