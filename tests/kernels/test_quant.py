@@ -447,11 +447,12 @@ def test_cuda_quant_mma_matches_reference(scheme: str, dtype: torch.dtype) -> No
             for num_rows in MMA_ROW_COUNTS if n * k < 1e7 else (1, 3, 16, 17, 64, 256):
                 x = torch.randn(num_rows, k, generator=generator).to("cuda", dtype)
                 assert mma_fits(x, qweight, scale, scheme)
+                product = x.double() @ weight.t()
                 for b in (None, bias):
                     poison_allocator((num_rows, n), dtype, x.device)
                     out = quant_mma_cuda(x, qweight, scale, scheme, b)
                     torch.cuda.synchronize()
-                    expected = x.double() @ weight.t() + (b.double() if b is not None else 0)
+                    expected = product + (b.double() if b is not None else 0)
                     error = rel_error(out, expected) if not torch.isnan(out).any() else float("nan")
                     if not error < TOLERANCE[dtype]:
                         splits = mma_config(num_rows, n, k, scheme, _cuda.num_sms(0)).splits
