@@ -319,6 +319,26 @@ __device__ __forceinline__ void x_pairs(const uint4& v, unsigned* b) {
 #endif
 }
 
+/* the stored chunks (lane's chunk t of outputs g, g + 8 of each m16 tile) and group scales of steps
+   s0 .. s0 + UNROLL - 1; zeros past step_end */
+__device__ __forceinline__ void load_turn(
+    uint4 (&raw)[UNROLL][WM][2], float (&sc)[UNROLL][WM][2], const uint4* const (&wr)[WM][2],
+    const float* const (&sr)[WM][2], int s0, int step_end, int group_size)
+{
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const bool live = s0 + u < step_end;
+        const int group = live ? (s0 + u) * STEP / group_size : 0;
+#pragma unroll
+        for (int i = 0; i < WM; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                raw[u][i][h] = live ? __ldg(wr[i][h] + 4 * (s0 + u)) : make_uint4(0u, 0u, 0u, 0u);
+                sc[u][i][h] = live ? __ldg(sr[i][h] + group) : 0.f;
+            }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
     const scalar_t* __restrict__ x,        /* [num_rows, K], rows x_stride elements apart */
     const unsigned char* __restrict__ w,   /* [N, K * bits / 8] stored weight */
@@ -352,21 +372,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
+    /* A warp's turn: UNROLL consecutive steps, every load issued before any math; the next turn's
+       loads are issued before this turn's math (registers double-buffered). */
+    uint4 next[UNROLL][WM][2];
+    float next_scale[UNROLL][WM][2];
+    load_turn(next, next_scale, wr, sr, step_begin + warp * UNROLL, step_end, group_size);
     for (int s0 = step_begin + warp * UNROLL; s0 < step_end; s0 += WARPS * UNROLL) {
-        uint4 raw[UNROLL][WM][2];   /* every load of the UNROLL steps in flight before any math */
+        uint4 raw[UNROLL][WM][2];
         float sc[UNROLL][WM][2];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const bool live = s0 + u < step_end;
-            const int group = live ? (s0 + u) * STEP / group_size : 0;
+        for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
             for (int i = 0; i < WM; ++i)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    raw[u][i][h] = live ? __ldg(wr[i][h] + 4 * (s0 + u)) : make_uint4(0u, 0u, 0u, 0u);
-                    sc[u][i][h] = live ? __ldg(sr[i][h] + group) : 0.f;
+                    raw[u][i][h] = next[u][i][h];
+                    sc[u][i][h] = next_scale[u][i][h];
                 }
-        }
+        load_turn(next, next_scale, wr, sr, s0 + WARPS * UNROLL, step_end, group_size);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             if (s0 + u >= step_end) break;
