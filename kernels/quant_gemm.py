@@ -59,7 +59,7 @@ MMA_STEP = {"int8": 64, "int4": 128}
 the input features) must be a multiple."""
 MMA_WARPS = 4
 MMA_TILES_M = 2
-"""m16 output tiles of a `quant_mma` block (its warps split K): 32 outputs a block."""
+"""m16 output tiles of a `quant_mma` warp: 32 outputs."""
 MMA_ROW_TILES = (1, 2, 4, 8)
 """n8 tiles of x rows a `quant_mma` block takes (compiled variants): the fewest that cover the rows,
 8 (64 rows) past 32 rows."""
@@ -229,8 +229,10 @@ MMA_SOURCE = (
    feeds two mmas, and the lane's B fragments take x row g at the same 8 input features in the same
    order, so both operands sum matching products. Each step's products accumulate unscaled (integer
    weights times x are exact in float32) and are multiplied by the step's group scale in float32.
-   A block's WARPS warps share its 16 * WM outputs and 8 * NT rows, each taking every WARPS-th group
-   of UNROLL steps of the block's K range (grid z); their sums add up in shared memory. */
+   A block's WARPS warps form WARPS / KW slices of 16 * WM outputs by the block's 8 * NT rows; the KW
+   warps of a slice take turns (UNROLL steps each) over the block's K range (grid z) and add up in
+   shared memory. KW = WARPS where the grid would hold too few blocks otherwise; KW = 1 lets the
+   warps of a block read the same x tile at about the same time (from L1). */
 #define SCH_INT8 1
 #define SCH_INT4 2
 #if SCHEME == SCH_INT4
@@ -349,7 +351,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
     int num_rows, int N, int K, int group_size, long long x_stride, int steps_per_split)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n_warp = blockIdx.x * 16 * WM;   /* every warp of the block: the same outputs */
+    const int k_warp = warp % KW;   /* the KW warps of an output slice take turns over its K steps */
+    const int n_warp = (blockIdx.x * (WARPS / KW) + warp / KW) * 16 * WM;
+    const bool active = n_warp < N;
     const int m0 = blockIdx.y * 8 * NT;
     const int step_begin = blockIdx.z * steps_per_split;
     const int step_end = min(step_begin + steps_per_split, K / STEP);
@@ -376,8 +380,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
        loads are issued before this turn's math (registers double-buffered). */
     uint4 next[UNROLL][WM][2];
     float next_scale[UNROLL][WM][2];
-    load_turn(next, next_scale, wr, sr, step_begin + warp * UNROLL, step_end, group_size);
-    for (int s0 = step_begin + warp * UNROLL; s0 < step_end; s0 += WARPS * UNROLL) {
+    const int my_end = active ? step_end : 0;
+    load_turn(next, next_scale, wr, sr, step_begin + k_warp * UNROLL, my_end, group_size);
+    for (int s0 = step_begin + k_warp * UNROLL; s0 < my_end; s0 += KW * UNROLL) {
         uint4 raw[UNROLL][WM][2];
         float sc[UNROLL][WM][2];
 #pragma unroll
@@ -389,10 +394,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
                     raw[u][i][h] = next[u][i][h];
                     sc[u][i][h] = next_scale[u][i][h];
                 }
-        load_turn(next, next_scale, wr, sr, s0 + WARPS * UNROLL, step_end, group_size);
+        load_turn(next, next_scale, wr, sr, s0 + KW * UNROLL, my_end, group_size);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (s0 + u >= step_end) break;
+            if (s0 + u >= my_end) break;
             const int k = (s0 + u) * STEP + t * VALS;
             unsigned a[WM][2][UNITS][4];
 #pragma unroll
@@ -432,6 +437,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
             }
         }
     }
+#if KW > 1
     __shared__ float sums[WARPS][WM * NT * 4][32];   /* [warp][accumulator][lane]: no bank conflicts */
 #pragma unroll
     for (int i = 0; i < WM; ++i)
@@ -440,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c) sums[warp][(i * NT + j) * 4 + c][lane] = acc[i][j][c];
     __syncthreads();
-    if (warp != 0) return;
+    if (k_warp != 0) return;
 #pragma unroll
     for (int i = 0; i < WM; ++i)
 #pragma unroll
@@ -448,7 +454,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
 #pragma unroll
             for (int c = 0; c < 4; ++c)
 #pragma unroll
-                for (int o = 1; o < WARPS; ++o) acc[i][j][c] += sums[o][(i * NT + j) * 4 + c][lane];
+                for (int o = 1; o < KW; ++o) acc[i][j][c] += sums[warp + o][(i * NT + j) * 4 + c][lane];
+#endif
+    if (!active) return;
     /* c0, c1: output g of the tile, rows 2t and 2t + 1 of the n8 tile; c2, c3: output g + 8 */
 #pragma unroll
     for (int i = 0; i < WM; ++i)
@@ -625,42 +633,48 @@ def decode_constants(scheme: str, dtype: torch.dtype) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """How `quant_mma` covers one product: a block of MMA_WARPS warps takes 16 * MMA_TILES_M outputs
-    by 8 * row_tiles rows, its warps taking turns over the K steps (MMA_STEP) of the block's range and
-    adding up in shared memory; K is cut into `splits` ranges of `steps_per_split` steps (grid z)
-    whose float32 partial sums `quant_mma_reduce` adds."""
+    """How `quant_mma` covers one product: a block of MMA_WARPS warps in slices of `k_warps` warps,
+    each slice 16 * MMA_TILES_M outputs by the block's 8 * row_tiles rows, the warps of a slice taking
+    turns over the K steps (MMA_STEP) of the block's range and adding up in shared memory; K is cut
+    into `splits` ranges of `steps_per_split` steps (grid z) whose float32 partial sums
+    `quant_mma_reduce` adds."""
 
     row_tiles: int
-    unroll: int  # K steps whose weight loads a warp issues before it multiplies
+    k_warps: int
+    unroll: int  # K steps whose weight loads a warp issues together (a turn)
     steps_per_split: int
     splits: int
     grid: tuple[int, int, int]
 
 
 def mma_config(num_rows: int, out_features: int, in_features: int, scheme: str, num_sms: int) -> MmaConfig:
-    """Up to MAX_ROWS rows the weight read bounds the time: 1 or 2 row tiles, two steps' loads in
-    flight a warp. More rows: up to 64 a block, one step's loads at a time (registers). K is split
-    over the grid until about MMA_BLOCKS_PER_SM blocks an SM, while the partial sums' traffic stays
-    within MMA_PARTIAL_FRACTION of the weight's bytes, each split at least one turn of every warp."""
+    """Up to MAX_ROWS rows the weight read bounds the time: 1 or 2 row tiles, turns of two steps, all
+    of a block's warps on the same outputs. More rows: up to 64 a block, turns of one step (registers),
+    each warp its own outputs (sharing x reads) unless that leaves fewer than MMA_BLOCKS_PER_SM blocks
+    an SM. K is split over the grid until about MMA_BLOCKS_PER_SM blocks an SM, while the partial
+    sums' traffic stays within MMA_PARTIAL_FRACTION of the weight's bytes, each split at least one
+    turn of every warp."""
     if num_rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % MMA_STEP[scheme]:
         raise ValueError(
             f"quant_mma cannot take {num_rows} rows x {in_features} -> {out_features} ({scheme})"
         )
     few_rows = num_rows <= MAX_ROWS
+    blocks_wanted = MMA_BLOCKS_PER_SM[0 if few_rows else 1] * num_sms
     row_tiles = next((v for v in MMA_ROW_TILES if 8 * v >= num_rows), MMA_ROW_TILES[-1])
     unroll = 2 if few_rows else 1
-    grid_x = -(-out_features // (16 * MMA_TILES_M))
     grid_y = -(-num_rows // (8 * row_tiles))
+    wide_blocks = -(-out_features // (16 * MMA_TILES_M * MMA_WARPS)) * grid_y
+    k_warps = 1 if not few_rows and wide_blocks >= blocks_wanted else MMA_WARPS
+    grid_x = -(-out_features // (16 * MMA_TILES_M * MMA_WARPS // k_warps))
     num_steps = in_features // MMA_STEP[scheme]
     weight_bytes = out_features * in_features * BITS[scheme] // 8
     partial_bytes = 8 * num_rows * out_features  # float32 written, then read, per split
     splits_wanted = min(
-        MMA_BLOCKS_PER_SM[0 if few_rows else 1] * num_sms // (grid_x * grid_y),
-        int(MMA_PARTIAL_FRACTION * weight_bytes) // partial_bytes,
+        blocks_wanted // (grid_x * grid_y), int(MMA_PARTIAL_FRACTION * weight_bytes) // partial_bytes
     )
-    steps_per_split = max(MMA_WARPS * unroll, -(-num_steps // max(1, splits_wanted)))
+    steps_per_split = max(k_warps * unroll, -(-num_steps // max(1, splits_wanted)))
     splits = -(-num_steps // steps_per_split)
-    return MmaConfig(row_tiles, unroll, steps_per_split, splits, (grid_x, grid_y, splits))
+    return MmaConfig(row_tiles, k_warps, unroll, steps_per_split, splits, (grid_x, grid_y, splits))
 
 
 def scaled_mm_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -760,7 +774,7 @@ def quant_mma_cuda(
         HAS_BIAS=int(bias is not None),
         **decode_constants(scheme, x.dtype),
     )
-    variant = dict(NT=config.row_tiles, UNROLL=config.unroll)
+    variant = dict(NT=config.row_tiles, KW=config.k_warps, UNROLL=config.unroll)
     kernel = _cuda.function(MMA_SOURCE, "quant_mma", device, **variant, **defines)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=device)
     partial = None
@@ -777,7 +791,7 @@ def quant_mma_cuda(
     )
     _cuda.launch(kernel, config.grid, (32 * MMA_WARPS,), args + sizes, device)
     if partial is not None:
-        reduce = _cuda.function(MMA_SOURCE, "quant_mma_reduce", device, NT=1, UNROLL=1, **defines)
+        reduce = _cuda.function(MMA_SOURCE, "quant_mma_reduce", device, NT=1, KW=1, UNROLL=1, **defines)
         threads = 256
         reduce_args = (partial, bias if bias is not None else x, out)
         reduce_sizes = (np.int32(config.splits), np.int32(num_rows), np.int32(n))

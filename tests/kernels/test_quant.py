@@ -313,13 +313,15 @@ def test_mma_config_covers_every_output_row_and_step_once(scheme: str) -> None:
             config = mma_config(num_rows, n, k, scheme, num_sms=132)
             grid_x, grid_y, splits = config.grid
             assert config.row_tiles in MMA_ROW_TILES and splits == config.splits
-            assert grid_x * 16 * MMA_TILES_M >= n > (grid_x - 1) * 16 * MMA_TILES_M
+            assert config.k_warps in (1, MMA_WARPS) and (num_rows > 16 or config.k_warps == MMA_WARPS)
+            outputs_per_block = 16 * MMA_TILES_M * MMA_WARPS // config.k_warps
+            assert grid_x * outputs_per_block >= n > (grid_x - 1) * outputs_per_block
             assert grid_y * 8 * config.row_tiles >= num_rows > (grid_y - 1) * 8 * config.row_tiles
             num_steps = k // MMA_STEP[scheme]
             # every split holds at least one step, together exactly the K steps
             assert (splits - 1) * config.steps_per_split < num_steps <= splits * config.steps_per_split
             # a split gives every warp of a block at least one turn, unless K is shorter than that
-            assert config.steps_per_split >= min(num_steps, MMA_WARPS * config.unroll)
+            assert config.steps_per_split >= min(num_steps, config.k_warps * config.unroll)
             if splits > 1:  # the partial sums stay a small fraction of the weight's traffic
                 assert splits * 8 * num_rows * n <= MMA_PARTIAL_FRACTION * n * k * BITS[scheme] // 8
             if num_rows <= 8:
@@ -597,7 +599,7 @@ def test_cuda_quant_gemv_takes_strided_rows_and_replays_from_a_graph(scheme: str
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quant_mma_compiles_for_sm90(scheme: str, tmp_path) -> None:
     """Where the CUDA toolkit is installed, the tensor-core kernel's source assembles for sm_90 as
-    quant_mma_cuda compiles it for 1 and 64 rows, bf16 and fp16 (the launch's -D macros)."""
+    quant_mma_cuda compiles it for 1, 64 and 256 rows, bf16 and fp16 (the launch's -D macros)."""
     from kernels.quant_gemm import (
         MMA_SOURCE,
         MMA_TILES_M,
@@ -610,14 +612,15 @@ def test_quant_mma_compiles_for_sm90(scheme: str, tmp_path) -> None:
     source = tmp_path / "quant_mma.cu"
     source.write_text(MMA_SOURCE)
     for dtype in (torch.bfloat16, torch.float16):
-        for num_rows in (1, 64):
-            config = mma_config(num_rows, 4096, 4096, scheme, num_sms=132)
+        for num_rows, out_features in ((1, 4096), (64, 4096), (256, 32768)):  # k_warps 4, 4, 1
+            config = mma_config(num_rows, out_features, 4096, scheme, num_sms=132)
             defines = dict(
                 DTYPE=_cuda.DTYPE_IDS[dtype],
                 SCHEME=SCHEME_IDS[scheme],
                 WARPS=MMA_WARPS,
                 WM=MMA_TILES_M,
                 NT=config.row_tiles,
+                KW=config.k_warps,
                 UNROLL=config.unroll,
                 HAS_BIAS=1,
                 **decode_constants(scheme, dtype),
