@@ -652,8 +652,8 @@ def mma_config(num_rows: int, out_features: int, in_features: int, scheme: str, 
     of a block's warps on the same outputs. More rows: up to 64 a block, turns of one step (registers),
     each warp its own outputs (sharing x reads) unless that leaves fewer than MMA_BLOCKS_PER_SM blocks
     an SM. K is split over the grid until about MMA_BLOCKS_PER_SM blocks an SM, while the partial
-    sums' traffic stays within MMA_PARTIAL_FRACTION of the weight's bytes, each split at least one
-    turn of every warp."""
+    sums' traffic stays within MMA_PARTIAL_FRACTION of the weight's bytes, each split whole turns of
+    every warp."""
     if num_rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % MMA_STEP[scheme]:
         raise ValueError(
             f"quant_mma cannot take {num_rows} rows x {in_features} -> {out_features} ({scheme})"
@@ -672,7 +672,8 @@ def mma_config(num_rows: int, out_features: int, in_features: int, scheme: str, 
     splits_wanted = min(
         blocks_wanted // (grid_x * grid_y), int(MMA_PARTIAL_FRACTION * weight_bytes) // partial_bytes
     )
-    steps_per_split = max(k_warps * unroll, -(-num_steps // max(1, splits_wanted)))
+    turns = -(-num_steps // max(1, splits_wanted) // (k_warps * unroll))  # every warp the same number
+    steps_per_split = max(1, turns) * k_warps * unroll
     splits = -(-num_steps // steps_per_split)
     return MmaConfig(row_tiles, k_warps, unroll, steps_per_split, splits, (grid_x, grid_y, splits))
 
