@@ -320,8 +320,7 @@ def test_mma_config_covers_every_output_row_and_step_once(scheme: str) -> None:
             num_steps = k // MMA_STEP[scheme]
             # every split holds at least one step, together exactly the K steps
             assert (splits - 1) * config.steps_per_split < num_steps <= splits * config.steps_per_split
-            # a split gives every warp of a block at least one turn, unless K is shorter than that
-            assert config.steps_per_split >= min(num_steps, config.k_warps * config.unroll)
+            assert config.steps_per_split % (config.k_warps * config.unroll) == 0  # whole turns of every warp
             if splits > 1:  # the partial sums stay a small fraction of the weight's traffic
                 assert splits * 8 * num_rows * n <= MMA_PARTIAL_FRACTION * n * k * BITS[scheme] // 8
             if num_rows <= 8:
