@@ -15,8 +15,9 @@
 # rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
-# CUDA kernel vs its torch reference, quantized engine graphs vs eager), quant-kernels.json (benchmarks.gpu_kernels:
-# the quantized products' stored bytes / time per matrix and row count, cuBLAS bf16 beside), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
+# (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at 1-256 rows over the stored
+# bytes' copy time and over cuBLAS bf16's, int8 / int4 beside the paths quant_mma replaced), engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
@@ -175,7 +176,7 @@ fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
-        tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -12
+        tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -30
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
