@@ -14,28 +14,17 @@ from services.engine.llm import LLM
 from services.engine.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutput
-from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.spec_decode.helpers import (
+    CHOICES,
+    GRAMMARS,
+    GREEDY,
+    REGEX,
+    SCHEMA,
+    repetitive_prompts,
+)
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; GPU images may lack it
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "ok": {"type": "boolean"},
-        "kind": {"enum": ["add", "sub"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "ok", "kind", "count"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"
-CHOICES = ["def add", "class Point", "import os"]
-GRAMMARS = {
-    "json_schema": StructuredOutput.json_schema(SCHEMA),
-    "regex": StructuredOutput(kind="regex", spec=REGEX),
-    "choice": StructuredOutput.choice(CHOICES),
-}
 PROMPTS = [
     '{"name": "ab", "ok": true, "kind": "add", "count": 3}\n' * 3,
     "me@home.org you@work.com us@",
