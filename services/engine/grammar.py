@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,9 +46,13 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 """Compiled grammars kept (least recently used dropped first); a JSON schema's is tens of KiB."""
 
-MIN_ROWS_PER_THREAD = 8
-"""Fewest verified rows the fill gives a thread: most rows cost about a microsecond (xgrammar's
-cached masks), less than handing them to another thread."""
+MIN_ROWS_PER_PART = 8
+"""Fewest verified rows in a part of the fill (what a thread takes at a time): most rows cost about
+a microsecond (xgrammar's cached masks), less than the Python around one more part."""
+
+PARTS_PER_THREAD = 4
+"""Most parts of the fill per thread: the threads take parts until none is left, so a thread that
+drew costly requests takes fewer."""
 
 
 def default_num_threads() -> int:
@@ -133,13 +138,14 @@ class StepMasks:
 
 
 class MaskFiller:
-    """Fills a step's masks on `num_threads` threads started once: the requests are dealt out among
-    the threads in turn (request i to thread i mod n, so requests at costly places in their
-    grammars spread out), at least `MIN_ROWS_PER_THREAD` rows each, and every thread fills its
-    requests' rows at all draft depths (`fill_masks`), the calling thread one share of them.
-    xgrammar's own `BatchGrammarMatcher(n)` starts its n threads anew for every call and queues one
-    task per row behind one lock, and a step with drafts calls it once per depth: its threads
-    then cost more than they share out."""
+    """Fills a step's masks on `num_threads` threads started once. The requests are cut into parts
+    of at least `MIN_ROWS_PER_PART` rows, request i into part i mod the number of parts (so that
+    requests at costly places in their grammars, which stay costly at every draft depth, spread
+    out), and the threads, the calling one among them, take the parts one at a time until none is
+    left. A part's rows are filled at all
+    draft depths by one thread (`fill_masks`). xgrammar's own `BatchGrammarMatcher(n)` starts n
+    threads anew for every call and queues one task per row behind one lock, and a step with
+    drafts calls it once per depth: its threads then cost more than they share out."""
 
     def __init__(self, num_threads: int):
         import xgrammar
@@ -155,23 +161,35 @@ class MaskFiller:
         first_rows: list[int],
         bitmask: torch.Tensor,
     ) -> None:
-        """`fill_masks` for every request, shared out among the threads."""
-        num_rows = len(matchers) + sum(len(drafts) for drafts in draft_token_ids)
-        num_shares = max(1, min(self.num_threads, len(matchers), num_rows // MIN_ROWS_PER_THREAD))
-        shares = [
-            (
-                self._serial[i],
-                matchers[i::num_shares],
-                draft_token_ids[i::num_shares],
-                first_rows[i::num_shares],
-            )
-            for i in range(num_shares)
-        ]
+        """`fill_masks` for every request, part by part on the threads."""
+        num_parts = self._num_parts(len(matchers) + sum(len(drafts) for drafts in draft_token_ids))
+        num_parts = min(num_parts, len(matchers))
+        parts: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for part in range(num_parts):
+            parts.put(part)
+
+        def take_parts(batch: xgrammar.BatchGrammarMatcher) -> None:
+            while True:
+                try:
+                    part = parts.get_nowait()
+                except queue.Empty:
+                    return
+                drafts, rows = draft_token_ids[part::num_parts], first_rows[part::num_parts]
+                fill_masks(batch, matchers[part::num_parts], drafts, rows, bitmask)
+
         pool = self._pool
-        others = [pool.submit(fill_masks, *share, bitmask) for share in shares[1:]] if pool else []
-        fill_masks(*shares[0], bitmask)
-        for share in others:
-            share.result()
+        num_helpers = min(self.num_threads, num_parts) - 1
+        helpers = [pool.submit(take_parts, self._serial[i + 1]) for i in range(num_helpers)] if pool else []
+        take_parts(self._serial[0])
+        for helper in helpers:
+            helper.result()
+
+    def _num_parts(self, num_rows: int) -> int:
+        """One part on one thread; else up to `PARTS_PER_THREAD` a thread, enough to even out what
+        the threads take, each part adding its Python."""
+        if self.num_threads == 1:
+            return 1
+        return max(1, min(num_rows // MIN_ROWS_PER_PART, PARTS_PER_THREAD * self.num_threads))
 
     def close(self) -> None:
         if self._pool is not None:
