@@ -23,12 +23,14 @@
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 # grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
 # grammar bitmask vs its reference, graph replays of grammar requests, the batched mask fill vs row by row,
-# drafts cut at the grammar), grammar-fill-<1|auto>.json (benchmarks.grammar_mask --step-masks: the host's batched
-# fill at batch 1 / 16 / 64, k 0 / 3, on one thread and on the engine's default of half the cores), grammar-mask.json (benchmarks.grammar_mask
+# drafts cut at the grammar), grammar-fill.json (benchmarks.grammar_mask --step-masks, CPU only: the host's fill
+# of a step's masks on 1 / 2 / 4 / 8 / 16 threads x batch 1 / 16 / 64 x k 0 / 3, under the long schema of the
+# step benchmark, edit_schema.json (code) and json_edit_schema.json (json_editing)), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
 # widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
 # off and on) and offline-grammar-json-<off|on>.json (the same on json_editing with json_edit_schema.json);
-# GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls.
+# GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls; "fill step offline"
+# measures the fill, the per-step mask cost and the speedups with a schema in one call.
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
@@ -232,13 +234,10 @@ if [[ " $stages " == *" grammar "* ]]; then
             2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
         status=$((status | PIPESTATUS[0]))
     fi
-    if [[ " $parts " == *" fill "* ]]; then
-        for threads in 1 auto; do  # one thread: the work the row-by-row fill did; auto: the engine's default
-            flag=$([ $threads = 1 ] && echo "--threads 1" || echo "")
-            # shellcheck disable=SC2086
-            timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 $flag \
-                --out "$OUT/grammar-fill-$threads.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -6
-        done
+    if [[ " $parts " == *" fill "* ]]; then  # the host alone: the engine's default is half the cores
+        timeout 150 python3 -m benchmarks.grammar_mask --step-masks --schemas long code json_editing \
+            --threads 1 2 4 8 16 --batch 1 16 64 --drafts 0 3 --steps 32 --repeats 2 --out "$OUT/grammar-fill.json" \
+            2>&1 | tee -a "$OUT/grammar.log" | grep "batch  64"
     fi
     dir=/tmp/widened-llama-3.2-1b
     if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]] && [ ! -d $dir/target ]; then

@@ -276,8 +276,9 @@ class ModelRunner:
         return list(range(self.spec.k + 1)) if has_model else [0]
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing with one rank)."""
+        """Stops the other tensor-parallel ranks (nothing with one rank) and the grammar fill's threads."""
         self.ranks.close()
+        self.step_masks.close()
 
     def _use_graphs(self) -> bool:
         return (
