@@ -39,7 +39,7 @@
 # a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
 # stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
-# 2,048 train prompts) into specmesh-code-15m-eagle3/ (config.json, model.safetensors,
+# 2,048 train prompts) into specmesh-code-15m-eagle3.tgz (config.json, model.safetensors,
 # train_log.json, loss.png where matplotlib is installed, else drawn later by
 # `python -m training.train_eagle3 DIR`; eagle3-train.log), then measures it beside the MTP head
 # with benchmarks.acceptance on code_editing and held-out code_continuation: acceptance-eagle3.json / .md (eagle3
@@ -273,7 +273,7 @@ if [[ " $stages " == *" trees "* ]]; then
     timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
 fi
 if [[ " $stages " == *" eagle3train "* ]]; then
-    head=$OUT/specmesh-code-15m-eagle3
+    head=/tmp/eagle3-head/specmesh-code-15m-eagle3  # comes back as one archive: $OUT returns at most 8 files
     train_s=${EAGLE3_TRAIN_S:-330}
     # shellcheck disable=SC2086
     timeout $((train_s + 90)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
@@ -292,12 +292,13 @@ if [[ " $stages " == *" eagle3train "* ]]; then
     # shellcheck disable=SC2086
     SPECMESH_MODELS_DIR=$models timeout 200 $accept --methods mtp mtp_tree eagle3 eagle3_tree --ks 3 --trees 3,2,1 \
         --out "$OUT/acceptance-eagle3.json" --markdown "$OUT/acceptance-eagle3.md" ${ACCEPT_FLAGS:-} 2>&1 \
-        | tee "$OUT/acceptance-eagle3.log" | grep "^| [a-z]"
+        | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
     # shellcheck disable=SC2086
     SPECMESH_MODELS_DIR=$models timeout 150 $accept --methods eagle3 eagle3_tree --ks 5 --trees 3,1,1,1,1 2,2,1,1 \
         --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
-        | tee "$OUT/acceptance-eagle3-trees.log" | grep "^| [a-z]"
+        | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
+    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3
 fi
 exit $status
