@@ -14,9 +14,12 @@ A step replays two graphs:
    length). The host then reads one packed tensor, the step's only synchronisation.
 
 Query classes bound the longest query of a step: 1 (plain decode), 1 + num_speculative_tokens
-(verification) and a prefill class (chunks of any length that fits the largest bucket), so a step
-that carries prefill chunks — a burst of new prompts, or chunks beside decoding requests, most steps
-of a busy server — is replayed too.
+(verification), with a draft tree its node count at each depth it can be cut at, and a prefill
+class (chunks of any length that fits the largest bucket), so a step that carries prefill chunks — a
+burst of new prompts, or chunks beside decoding requests, most steps of a busy server — is replayed
+too. On a server that drafts trees every graph is a tree step's: the forward attends with each
+token's tree mask (causal for tokens of no tree) and the tail verifies by the tree rule, compacting
+the accepted paths' KV (services/engine/tree_verify.py); the masks and parent arrays are inputs.
 The attention kernel launches one block per query tile of the step (tiles numbered densely, not a
 grid of every sequence times the longest query), so a prefill class costs what its tokens cost.
 
@@ -54,6 +57,7 @@ import torch
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.attention_ref import CAUSAL_MASK
 from kernels.verify_ref import num_mask_words
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows
@@ -243,6 +247,7 @@ class DecodeGraphs:
         block_size: int,
         max_num_seqs: int | None = None,
         aux_layers: tuple[int, ...] = (),
+        trees: bool = False,
     ):
         """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
         num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
@@ -250,7 +255,8 @@ class DecodeGraphs:
         `StepPlan.only` steps come with (None: every device proposer); `max_num_seqs`: the most
         requests of a step (None: one per token), which bounds each class's buckets and the
         logit rows of a step (each request brings at most 1 + num_speculative_tokens);
-        `aux_layers`: the target layers whose entering streams the forward keeps (the EAGLE-3 head's)."""
+        `aux_layers`: the target layers whose entering streams the forward keeps (the EAGLE-3 head's);
+        `trees`: steps verify draft trees (`HostStep.tree_mask` and `tree_parents` given)."""
         self.model = model
         self.aux_layers = aux_layers
         self.kv_caches = kv_caches
@@ -273,6 +279,13 @@ class DecodeGraphs:
         self.cu_num_rows = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        self.trees = trees
+        self.tree_mask = torch.full((size if trees else 0,), CAUSAL_MASK, dtype=torch.long, device=device)
+        """Each token's tree-attention mask (`AttentionMetadata.tree_mask`), where `trees`."""
+        parents_size = self.num_rows(size) * self.rows_per_seq if trees else 0
+        self.tree_parents = torch.full((parents_size,), -1, dtype=torch.long, device=device)
+        """Each request's parent array over its rows, [num_rows(bucket), max_rows(query class)] in
+        its leading entries (`StepTensors.tree_parents`), where `trees`."""
         self._pad_all()
         self._staging = [self._host_twin(t) for t in self._inputs()]
         """Host twins of the input buffers (pinned on a GPU): each step's inputs are written there,
@@ -329,6 +342,8 @@ class DecodeGraphs:
             self.cu_num_rows,
             self.seq_lens,
             self.block_tables,
+            self.tree_mask,
+            self.tree_parents,
         ]
 
     @staticmethod
@@ -408,6 +423,7 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens[:bucket],
             max_query_len=query_len,
             max_seq_len=self.max_model_len,
+            tree_mask=self.tree_mask[:bucket] if self.trees else None,
         )
         forward = ForwardContext(
             self.field("input_ids")[:bucket],
@@ -433,7 +449,13 @@ class DecodeGraphs:
             masked_rows=self.field("masked_rows")[:rows],
             max_rows=self.max_rows(query_len),
             bitmask=self.bitmask[:rows],
+            tree_parents=self._parents(rows, query_len) if self.trees else None,
         )
+
+    def _parents(self, rows: int, query_len: int) -> torch.Tensor:
+        """[rows, max_rows(query_len)] the parent arrays of a bucket's requests (leading entries)."""
+        width = self.max_rows(query_len)
+        return self.tree_parents[: rows * width].view(rows, width)
 
     def _forward(self, bucket: int, query_len: int) -> None:
         """Into the persistent outputs: what the model allocates is a temporary of the capture."""
@@ -468,7 +490,7 @@ class DecodeGraphs:
         """Copies the step in and replays its forward; the views of its bucket (the logits of its
         rows in `self.logits`, in the step's row order) for a tail run eagerly."""
         bucket, query_len = key
-        self._copy_in(step, bucket)
+        self._copy_in(step, bucket, query_len)
         self.graphs[key].replay()
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode
@@ -489,10 +511,13 @@ class DecodeGraphs:
         self.num_tail_replays += 1
         return packed[: len(step.seq_slots)]
 
-    def _copy_in(self, step: HostStep, bucket: int) -> None:
+    def _copy_in(self, step: HostStep, bucket: int, query_len: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over
-        block 0 writing no KV; padding rows are one-row requests on the scratch slot; the rest of
-        the grid is empty. Written into the host twins, then copied (each buffer's leading part)."""
+        block 0 writing no KV (causal, where steps verify trees); padding rows are one-row requests
+        on the scratch slot (a root alone); the rest of the grid is empty. Written into the host
+        twins, then copied (each buffer's leading part)."""
+        if (step.tree_mask is not None, step.tree_parents is not None) != (self.trees, self.trees):
+            raise ValueError(f"the step's tree inputs do not fit graphs captured with trees={self.trees}")
         num_tokens, num_seqs = step.num_tokens, len(step.query_lens)
         num_rows, num_sampled = len(step.logits_indices), len(step.seq_slots)
         rows = self.num_rows(bucket)
@@ -500,7 +525,9 @@ class DecodeGraphs:
         scratch = self.inputs.scratch_slot
         if self._staged is not None:
             self._staged.synchronize()
-        longs, ints, starts, cu_num_rows, seq_lens, tables = (twin.numpy() for twin in self._staging)
+        longs, ints, starts, cu_num_rows, seq_lens, tables, masks, parents = (
+            twin.numpy() for twin in self._staging
+        )
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
@@ -547,9 +574,19 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         tables[:num_seqs, :width] = step.block_tables
         tables[num_seqs:bucket, :width] = 0
-        spans = (len(longs), len(ints), bucket + 1, rows + 1, bucket, bucket)  # leading entries copied
+        num_parents = 0
+        if step.tree_mask is not None and step.tree_parents is not None:
+            masks[:num_tokens], masks[num_tokens:bucket] = step.tree_mask, CAUSAL_MASK
+            num_parents = rows * self.max_rows(query_len)
+            parents[:num_parents] = -1
+            step_rows = step.tree_parents.shape[1]
+            parents[:num_parents].reshape(rows, -1)[:num_sampled, :step_rows] = step.tree_parents
+        # leading entries copied
+        num_masks = bucket if self.trees else 0
+        spans = (len(longs), len(ints), bucket + 1, rows + 1, bucket, bucket, num_masks, num_parents)
         for buffer, twin, span in zip(self._inputs(), self._staging, spans):
-            buffer[:span].copy_(twin[:span], non_blocking=True)
+            if span:
+                buffer[:span].copy_(twin[:span], non_blocking=True)
         if self.longs.is_cuda:
             self._staged = torch.cuda.Event()
             self._staged.record()

@@ -84,7 +84,7 @@ class EagerGraphs(DecodeGraphs):
 
 def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None) -> EagerGraphs:
     """Installs graphs that run eagerly into a CPU engine, as a GPU engine captures them (with a
-    prefill query class of `prefill_len` when given)."""
+    prefill query class of `prefill_len` when given; tree graphs on a server that drafts trees)."""
     runner, drafter = llm.engine.runner, llm.engine.drafter
     k = runner.spec.k
     assert runner.tail is not None
@@ -94,13 +94,14 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         runner.tail,
         runner.inputs,
         max_tokens,
-        [1, 1 + k] + ([prefill_len] if prefill_len else []),
+        [1, *runner.verify_query_lens()] + ([prefill_len] if prefill_len else []),
         list(range(k + 1)),
         [None] if drafter.own is None else [None, drafter.own],
         runner.max_model_len,
         runner.block_size,
         runner.config.max_num_seqs,
         runner.aux_layers,
+        trees=runner.tree is not None,
     )
     graphs.capture()
     runner.graphs = graphs
