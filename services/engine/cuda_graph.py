@@ -250,8 +250,8 @@ class DecodeGraphs:
         trees: bool = False,
     ):
         """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
-        num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
-        drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
+        num_speculative_tokens when drafting, a draft tree's sizes, and a prefill class);
+        `chain_lengths`: the drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
         `StepPlan.only` steps come with (None: every device proposer); `max_num_seqs`: the most
         requests of a step (None: one per token), which bounds each class's buckets and the
         logit rows of a step (each request brings at most 1 + num_speculative_tokens);
