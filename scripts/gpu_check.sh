@@ -37,7 +37,8 @@
 # a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024) and
 # offline-trees.json + trees.log (benchmarks.offline on the 1B-cost widened target with its MTP and EAGLE-3 heads
 # widened too: naive, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), fixed k,
-# code_editing, c = 1 and 16, CUDA graphs; about 6 minutes on an H100).
+# code_editing, c = 1 and 16, CUDA graphs; about 6 minutes on an H100). TREES_PARTS (default "tests kernel offline")
+# splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -260,11 +261,16 @@ if [[ " $stages " == *" grammar "* ]]; then
         done
     done
 fi
-if [[ " $stages " == *" trees "* ]]; then
+trees_parts=" ${TREES_PARTS:-tests kernel offline} "
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" tests "* ]]; then
     timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels tests/services/engine -k tree \
         2>&1 | tee "$OUT/trees-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
     timeout 60 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
     dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m --mtp models/specmesh-code-15m-mtp \
         --eagle3 models/specmesh-code-15m-eagle3 --shape llama-3.2-1b --out $dir --device cuda | tail -1
