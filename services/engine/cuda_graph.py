@@ -502,11 +502,16 @@ class DecodeGraphs:
         forward.hidden = self.hidden[:num_tokens]
         forward.aux_hidden = None if self.aux_hidden is None else self.aux_hidden[:num_tokens]
 
+    def chain_key(self, num_steps: int) -> int:
+        """The captured chain length a step that needs `num_steps` replays: the shortest that is
+        as long (a longer chain drafts no more than each request wants, and writes no KV past it)."""
+        return next(length for length in self.chain_lengths if length >= num_steps)
+
     def replay_tail(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
         """The tail of a step whose forward `replay_forward` replayed (its grammar rows' masks in
         `self.bitmask`); [num_sampled, width] int32 packed results of the real requests (a view of
         the tail's output, which the next replay overwrites)."""
-        graph, packed = self.tails[(*key, plan.num_steps, plan.only)]
+        graph, packed = self.tails[(*key, self.chain_key(plan.num_steps), plan.only)]
         graph.replay()
         self.num_tail_replays += 1
         return packed[: len(step.seq_slots)]

@@ -250,7 +250,10 @@ class ModelRunner:
 
     def chain_lengths(self) -> list[int]:
         """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
-        model loaded, else only 0."""
+        model loaded, else only 0. A head drafting a tree drafts all of it whatever the depth a
+        request asks (its requests take the nodes to that depth): 0 and its depth."""
+        if self.tree is not None:
+            return [0, self.tree.depth]
         has_model = any(m is not None for m in (self.mtp_head, self.eagle3_head, self.draft_model))
         return list(range(self.spec.k + 1)) if has_model else [0]
 

@@ -44,6 +44,14 @@ def test_bucket_lookup_takes_the_smallest_fit() -> None:
     assert graphs.lookup(20, 65) is None  # a longer query than any graph was captured for
 
 
+def test_a_chain_replays_the_shortest_captured_tail_that_covers_it() -> None:
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.chain_lengths = [0, 1, 2, 3]
+    assert [graphs.chain_key(n) for n in range(4)] == [0, 1, 2, 3]
+    graphs.chain_lengths = [0, 3]  # a tree server: its head drafts the whole tree
+    assert [graphs.chain_key(n) for n in range(4)] == [0, 3, 3, 3]
+
+
 def test_graphs_are_off_on_cpu(make_checkpoint) -> None:
     llm = LLM(str(make_checkpoint("llama", num_hidden_layers=1)), device="cpu", max_model_len=64)
     assert llm.engine.runner.graphs is None
@@ -95,7 +103,7 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         runner.inputs,
         max_tokens,
         [1, *runner.verify_query_lens()] + ([prefill_len] if prefill_len else []),
-        list(range(k + 1)),
+        runner.chain_lengths() if runner.tree is not None else list(range(k + 1)),
         [None] if drafter.own is None else [None, drafter.own],
         runner.max_model_len,
         runner.block_size,

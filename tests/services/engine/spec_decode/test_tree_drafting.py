@@ -171,6 +171,7 @@ def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str) 
         outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in generated])
         if fake is not None:
             assert fake.query_lens == [1, 4, 10, 16]
+            assert fake.chain_lengths == [0, 3]  # depths 1 and 2 replay the tail of depth 3
             assert fake.num_tail_replays > 10
     assert outputs[1] == outputs[0]
     assert sum(accepted for _, accepted in outputs[1]) > 0
