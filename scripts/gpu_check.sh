@@ -35,8 +35,13 @@
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
 # trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
-# tree drafting on CUDA = naive greedy for mtp and eagle3) and tree-attention.json (benchmarks.tree_attention:
-# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
+# tree drafting on CUDA = naive greedy for mtp and eagle3, tree steps replayed from CUDA graphs = the eager tree
+# path for mtp and eagle3, greedy / seeded / beside a logprobs request), tree-attention.json (benchmarks.tree_attention:
+# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024) and
+# offline-trees.json + trees.log (benchmarks.offline on the 1B-cost widened target with its MTP and EAGLE-3 heads
+# widened too: naive, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), fixed k,
+# code_editing, c = 1 and 16, CUDA graphs; about 6 minutes on an H100). TREES_PARTS (default "tests kernel offline")
+# splits it over calls.
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
 # stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
 # 2,048 train prompts) into specmesh-code-15m-eagle3.tgz (config.json, model.safetensors,
@@ -266,11 +271,31 @@ if [[ " $stages " == *" grammar "* ]]; then
         done
     done
 fi
-if [[ " $stages " == *" trees "* ]]; then
-    timeout 500 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
+trees_parts=" ${TREES_PARTS:-tests kernel offline} "
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" tests "* ]]; then
+    timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels tests/services/engine -k tree \
         2>&1 | tee "$OUT/trees-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
-    timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
+    timeout 60 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
+    dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m --mtp models/specmesh-code-15m-mtp \
+        --eagle3 models/specmesh-code-15m-eagle3 --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
+    eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
+    tree=${TREE:-3,2,1}
+    methods="naive mtp3=$mtp,\"num_speculative_tokens\":3} mtp-tree=$mtp,\"tree\":[$tree]}"
+    methods="$methods eagle3-3=$eagle3,\"num_speculative_tokens\":3} eagle3-tree=$eagle3,\"tree\":[$tree]}"
+    # at most 16 requests at a time and graphs up to 512 tokens for every method alike: fewer graphs to capture
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+        --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --max-num-seqs 16 \
+        --cuda-graph-max-tokens 512 --no-plots --no-progress --methods $methods --out "$OUT/offline-trees.json" 2>&1 \
+        | tee "$OUT/trees.log" | grep "^| [a-z]"
+    rm -rf $dir
 fi
 if [[ " $stages " == *" eagle3train "* ]]; then
     head=/tmp/eagle3-head/specmesh-code-15m-eagle3  # comes back as one archive: $OUT returns at most 8 files
