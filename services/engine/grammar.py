@@ -55,6 +55,11 @@ PARTS_PER_THREAD = 4
 drew costly requests takes fewer."""
 
 
+MAX_FILL_THREADS = 4
+"""Most threads of the batched fill by default: past a few, its threads slow one another down
+(BENCHMARKS.md, "Structured output on the GPU")."""
+
+
 def default_num_threads() -> int:
     """Threads for xgrammar's compiling and batched filling: half the cores this process may use,
     the rest left to the engine's own work."""
@@ -74,10 +79,11 @@ class StepMasks:
     the last copy out of it is done."""
 
     def __init__(self, vocab_size: int, device: torch.device, num_threads: int | None = None):
-        """`num_threads`: xgrammar's threads for the batched fill (None: `default_num_threads()`)."""
+        """`num_threads`: threads of the batched fill (None: `default_num_threads()`, at most
+        MAX_FILL_THREADS)."""
         self.num_words = num_mask_words(vocab_size)
         self.device = device
-        self.num_threads = num_threads or default_num_threads()
+        self.num_threads = num_threads or min(default_num_threads(), MAX_FILL_THREADS)
         self._host = torch.empty(0, self.num_words, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
         self._filler: MaskFiller | None = None
