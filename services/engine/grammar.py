@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,45 @@ drew costly requests takes fewer."""
 MAX_FILL_THREADS = 4
 """Most threads of the batched fill by default: past a few, its threads slow one another down
 (BENCHMARKS.md, "Structured output on the GPU")."""
+
+TRIAL_FILLS = 8
+"""Fills timed on each thread count before the filler keeps the faster (`ThreadChoice`)."""
+
+RETRIAL_EVERY_FILLS = 1024
+"""Fills after which the thread counts are timed again (the batch and its grammars change)."""
+
+
+class ThreadChoice:
+    """How many threads the next fill runs on: one, or all of the filler's, whichever filled a row
+    faster in the last trial. Which pays depends on the grammars (a cheap row costs less than
+    handing it to another thread; an expensive one shares out) and on what else the host runs, so
+    it is measured: the first TRIAL_FILLS fills of each count alternate, the faster count per row
+    is kept, and the trial is repeated every RETRIAL_EVERY_FILLS fills."""
+
+    def __init__(self, num_threads: int):
+        self.counts = [1, num_threads] if num_threads > 1 else [1]
+        self._fills = 0
+        self._trial: dict[int, list[float]] = {count: [] for count in self.counts}
+        self._kept = num_threads
+
+    def next(self) -> int:
+        """The thread count of the next fill."""
+        if len(self.counts) == 1:
+            return 1
+        if self._fills % RETRIAL_EVERY_FILLS < TRIAL_FILLS * len(self.counts):
+            return self.counts[self._fills % len(self.counts)]
+        return self._kept
+
+    def record(self, num_threads: int, seconds: float, num_rows: int) -> None:
+        """A fill on `num_threads` threads took `seconds` for `num_rows` rows."""
+        in_trial = self._fills % RETRIAL_EVERY_FILLS < TRIAL_FILLS * len(self.counts)
+        self._fills += 1
+        if not in_trial or len(self.counts) == 1:
+            return
+        self._trial[num_threads].append(seconds / max(num_rows, 1))
+        if self._fills % RETRIAL_EVERY_FILLS == TRIAL_FILLS * len(self.counts):
+            self._kept = min(self.counts, key=lambda count: float(np.median(self._trial[count])))
+            self._trial = {count: [] for count in self.counts}
 
 
 def default_num_threads() -> int:
@@ -144,7 +184,8 @@ class StepMasks:
 
 
 class MaskFiller:
-    """Fills a step's masks on `num_threads` threads started once. The requests are cut into parts
+    """Fills a step's masks on up to `num_threads` threads started once (one, or all of them,
+    as `ThreadChoice` measured faster). The requests are cut into parts
     of at least `MIN_ROWS_PER_PART` rows, request i into part i mod the number of parts (so that
     requests at costly places in their grammars, which stay costly at every draft depth, spread
     out), and the threads, the calling one among them, take the parts one at a time until none is
@@ -157,6 +198,7 @@ class MaskFiller:
         import xgrammar
 
         self.num_threads = num_threads
+        self.choice = ThreadChoice(num_threads)
         self._serial = [xgrammar.BatchGrammarMatcher(1) for _ in range(num_threads)]
         self._pool = ThreadPoolExecutor(num_threads - 1, "grammar-fill") if num_threads > 1 else None
 
@@ -167,9 +209,11 @@ class MaskFiller:
         first_rows: list[int],
         bitmask: torch.Tensor,
     ) -> None:
-        """`fill_masks` for every request, part by part on the threads."""
-        num_parts = self._num_parts(len(matchers) + sum(len(drafts) for drafts in draft_token_ids))
-        num_parts = min(num_parts, len(matchers))
+        """`fill_masks` for every request, part by part on the threads (as many as `choice` says)."""
+        started = time.perf_counter()
+        num_threads = self.choice.next()
+        num_rows = len(matchers) + sum(len(drafts) for drafts in draft_token_ids)
+        num_parts = min(self._num_parts(num_rows, num_threads), len(matchers))
         parts: queue.SimpleQueue[int] = queue.SimpleQueue()
         for part in range(num_parts):
             parts.put(part)
@@ -184,18 +228,20 @@ class MaskFiller:
                 fill_masks(batch, matchers[part::num_parts], drafts, rows, bitmask)
 
         pool = self._pool
-        num_helpers = min(self.num_threads, num_parts) - 1
+        num_helpers = min(num_threads, num_parts) - 1
         helpers = [pool.submit(take_parts, self._serial[i + 1]) for i in range(num_helpers)] if pool else []
         take_parts(self._serial[0])
         for helper in helpers:
             helper.result()
+        self.choice.record(num_threads, time.perf_counter() - started, num_rows)
 
-    def _num_parts(self, num_rows: int) -> int:
+    @staticmethod
+    def _num_parts(num_rows: int, num_threads: int) -> int:
         """One part on one thread; else up to `PARTS_PER_THREAD` a thread, enough to even out what
         the threads take, each part adding its Python."""
-        if self.num_threads == 1:
+        if num_threads == 1:
             return 1
-        return max(1, min(num_rows // MIN_ROWS_PER_PART, PARTS_PER_THREAD * self.num_threads))
+        return max(1, min(num_rows // MIN_ROWS_PER_PART, PARTS_PER_THREAD * num_threads))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -16,10 +16,13 @@ import xgrammar
 
 from kernels.verify_ref import num_mask_words
 from services.engine.grammar import (
+    RETRIAL_EVERY_FILLS,
+    TRIAL_FILLS,
     GrammarCompiler,
     GrammarState,
     MaskFiller,
     StepMasks,
+    ThreadChoice,
     allocate_bitmask,
     cut_refused_drafts,
     fill_masks,
@@ -105,12 +108,32 @@ def test_the_batched_fill_equals_the_row_by_row_fill(tokenizer, compiler, num_th
     before = next_masks(states, tokenizer.vocab_size)
 
     filler = MaskFiller(num_threads)
-    batched = torch.full_like(expected, 7)  # a reused buffer: every row is written
-    filler.fill([state.matcher for state in states], drafts, first_rows, batched)
+    assert filler.choice.counts == sorted({1, num_threads})
+    for _ in filler.choice.counts:  # the trial's first fills: one thread, then all of them
+        batched = torch.full_like(expected, 7)  # a reused buffer: every row is written
+        filler.fill([state.matcher for state in states], drafts, first_rows, batched)
+        assert torch.equal(batched, expected)
+        assert len({tuple(row) for row in batched.tolist()}) > len(requests) // 2  # rows of many states
+        assert torch.equal(next_masks(states, tokenizer.vocab_size), before)
     filler.close()
-    assert torch.equal(batched, expected)
-    assert len({tuple(row) for row in batched.tolist()}) > len(requests) // 2  # rows of many states
-    assert torch.equal(next_masks(states, tokenizer.vocab_size), before)
+
+
+def test_the_filler_keeps_the_thread_count_that_filled_faster_and_tries_again_later() -> None:
+    choice = ThreadChoice(4)
+    seconds_per_row = {1: 2e-6, 4: 1e-6}
+    used = []
+    for _ in range(RETRIAL_EVERY_FILLS + 2 * TRIAL_FILLS):
+        threads = choice.next()
+        used.append(threads)
+        choice.record(threads, seconds_per_row[threads] * 64, 64)
+        if len(used) == RETRIAL_EVERY_FILLS:
+            seconds_per_row = {1: 1e-6, 4: 3e-6}  # the grammars changed: one thread pays now
+    trial = 2 * TRIAL_FILLS
+    assert used[:trial] == [1, 4] * TRIAL_FILLS
+    assert set(used[trial:RETRIAL_EVERY_FILLS]) == {4}
+    assert used[RETRIAL_EVERY_FILLS : RETRIAL_EVERY_FILLS + trial] == [1, 4] * TRIAL_FILLS
+    assert choice.next() == 1
+    assert ThreadChoice(1).next() == 1
 
 
 def test_step_masks_write_only_the_rows_of_requests_with_a_grammar(tokenizer, compiler) -> None:
