@@ -45,6 +45,19 @@ _BY_MODEL_TYPE = {
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def read_config_json(directory: str | Path, expected: str) -> dict[str, Any]:
+    """The `config.json` of a model or drafting-head directory; a clear error where it is missing or
+    not JSON (`expected`: what the directory should have been, for the message)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{directory} has no config.json; expected {expected}")
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+    return raw
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -95,14 +108,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(model_dir, "a Hugging Face model directory"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -28,7 +28,6 @@ Face Llama names; q/k/v_proj take 2 x hidden_size inputs), `norm.weight`, `lm_he
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from shared.model.config import ModelConfig, ModelConfigError
+from shared.model.config import ModelConfig, ModelConfigError, read_config_json
 from shared.model.llama import MLP, Attention, KVCache, LlamaForCausalLM, RMSNorm, linear
 from shared.model.loader import (
     TensorSlices,
@@ -294,17 +293,9 @@ def load_eagle3_head(
 
 
 def read_eagle3_config(head_dir: Path) -> dict[str, Any]:
-    path = head_dir / "config.json"
-    if not path.is_file():
-        raise ModelConfigError(
-            f"{head_dir} has no config.json; expected an EAGLE-3 head directory (`specmesh train-eagle3` "
-            "or a public EAGLE-3 release)"
-        )
-    try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-    return raw
+    return read_config_json(
+        head_dir, "an EAGLE-3 head directory (`specmesh train-eagle3` or a public EAGLE-3 release)"
+    )
 
 
 def resolve_aux_layers(

@@ -26,7 +26,6 @@ Hugging Face (unfused) Llama names.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError
+from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError, read_config_json
 from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
 from shared.model.loader import iter_checkpoint_slices, load_named_tensors, save_head
 from shared.model.quant_config import parse_quantization_config, resolve_quantization
@@ -181,16 +180,7 @@ def load_mtp_head(
 
 
 def read_mtp_config(mtp_dir: Path) -> dict[str, Any]:
-    path = mtp_dir / "config.json"
-    if not path.is_file():
-        raise ModelConfigError(
-            f"{mtp_dir} has no config.json; expected an MTP head directory written by `specmesh train-mtp`"
-        )
-    try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
-    return raw
+    return read_config_json(mtp_dir, "an MTP head directory written by `specmesh train-mtp`")
 
 
 def check_mtp_config(raw: dict[str, Any], target: ModelConfig, mtp_dir: Path) -> None:

@@ -192,3 +192,11 @@ def test_a_vocabulary_map_that_does_not_fit_is_refused(target, tmp_path) -> None
     save_file(tensors, str(head_dir / "model.safetensors"))
     with pytest.raises(ModelConfigError, match="needs a d2t tensor"):
         load_eagle3_head(head_dir, target, torch.float32, CPU)
+
+
+def test_a_directory_without_a_readable_config_is_refused_clearly(target, tmp_path) -> None:
+    with pytest.raises(ModelConfigError, match="has no config.json; expected an EAGLE-3 head directory"):
+        load_eagle3_head(tmp_path, target, torch.float32, CPU)
+    (tmp_path / "config.json").write_text("[1, 2")
+    with pytest.raises(ModelConfigError, match="config.json is not valid JSON"):
+        load_eagle3_head(tmp_path, target, torch.float32, CPU)

@@ -109,3 +109,12 @@ def test_wrong_architecture_and_missing_weights_are_refused(make_checkpoint, tmp
     save_file(tensors, mtp_dir / "model.safetensors")
     with pytest.raises(ModelConfigError, match=r"missing weights: layer\.self_attn\.qkv_proj\.weight#2"):
         load_mtp_head(mtp_dir, target, torch.float32, CPU)
+
+
+def test_a_directory_without_a_readable_config_is_refused_clearly(make_checkpoint, tmp_path: Path) -> None:
+    target = load_target(make_checkpoint("llama"))
+    with pytest.raises(ModelConfigError, match="has no config.json; expected an MTP head directory"):
+        load_mtp_head(tmp_path, target, torch.float32, CPU)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="config.json is not valid JSON"):
+        load_mtp_head(tmp_path, target, torch.float32, CPU)
