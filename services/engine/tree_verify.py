@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
 from kernels.verify_ref import TARGET_MATCH
 from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
+from services.engine.spec_decode.draft_sampling import sample_each_row
 from services.engine.spec_decode.tree import ROOT, DraftTree
 from shared.model.llama import KVCache
 
@@ -61,25 +61,9 @@ def target_tokens(
 ) -> torch.Tensor:  # [num_rows] int64
     """What the target emits at each row on its own (argmax at temperature 0, else its keyed sample):
     the fused verify kernel with every row a request of its own and no draft."""
-    num_rows = logits.shape[0]
-    device = logits.device
-    token_ids, *_ = kernels.verify_sample(
-        logits,
-        params.temperature,
-        params.top_k,
-        params.top_p,
-        params.min_p,
-        params.seeds,
-        row_positions,
-        torch.full((num_rows,), -1, dtype=torch.int32, device=device),
-        torch.arange(num_rows + 1, dtype=torch.int32, device=device),
-        TARGET_MATCH,
-        max_rows=1,
-        request_of_row=torch.arange(num_rows, dtype=torch.int32, device=device),
-        bitmask=bitmask,
-        masked_rows=masked_rows,
+    return sample_each_row(
+        logits, params, row_positions, TARGET_MATCH, bitmask=bitmask, masked_rows=masked_rows
     )
-    return token_ids[:, 0].long()
 
 
 def verify_tree(

@@ -14,12 +14,66 @@ et al.'s rejection test with q kept reaches 1 - TV but ties the output to the dr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 import kernels
 from kernels.verify_ref import GREEDY
 from services.engine.input_batch import GatheredParams, InputBatch
+
+
+class RowParams(Protocol):
+    """Sampling parameters, one per row (`GatheredParams`, `DraftSampling`)."""
+
+    @property
+    def temperature(self) -> torch.Tensor: ...  # [num_rows] float32
+    @property
+    def top_k(self) -> torch.Tensor: ...  # [num_rows] int32
+    @property
+    def top_p(self) -> torch.Tensor: ...  # [num_rows] float32
+    @property
+    def min_p(self) -> torch.Tensor: ...  # [num_rows] float32
+    @property
+    def seeds(self) -> torch.Tensor: ...  # [num_rows] int64
+
+
+def sample_each_row(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, contiguous
+    params: RowParams,
+    positions: torch.Tensor,  # [num_rows] int64: the output position each row samples (its noise's key)
+    strategy: int,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bitmask: torch.Tensor | None = None,  # [num_rows, num_words] int32 grammar masks
+    masked_rows: torch.Tensor | None = None,  # [num_rows] int32, nonzero: apply the row's bitmask
+) -> torch.Tensor:  # [num_rows] int64
+    """Each row's own token (argmax at temperature 0, else its keyed sample) through the fused verify
+    kernel, every row a request of its own with no draft to check. `layout`: that batch's
+    [num_rows + 1] 0, 1, ... and [num_rows] -1 tensors, where the caller keeps them across calls."""
+    num_rows, device = logits.shape[0], logits.device
+    if layout is None:
+        layout = (
+            torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+            torch.full((num_rows,), -1, dtype=torch.int32, device=device),
+        )
+    rows, no_drafts = layout
+    token_ids, *_ = kernels.verify_sample(
+        logits,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.seeds,
+        positions,
+        no_drafts,
+        rows,
+        strategy,
+        max_rows=1,
+        request_of_row=rows[:-1],
+        bitmask=bitmask,
+        masked_rows=masked_rows,
+    )
+    return token_ids[:, 0].long()
 
 
 @dataclass
@@ -60,21 +114,13 @@ class DraftSampling:
         """[num_seqs] int64: each request's draft number `draft_index` from a drafting model's
         logits ([num_seqs, vocab_size] float32), through the fused sampler (a bonus row per request,
         no drafts to check), keyed as the target's row that will verify it."""
-        token_ids, *_ = kernels.verify_sample(
+        return sample_each_row(
             logits.contiguous(),
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.seeds,
+            self,
             self.first_position + draft_index,
-            self.no_drafts,
-            self.rows,
             GREEDY,
-            max_rows=1,
-            request_of_row=self.rows[:-1],
+            layout=(self.rows, self.no_drafts),
         )
-        return token_ids[:, 0].long()
 
 
 def sample_drafts(
