@@ -18,9 +18,11 @@ whether one was the limit).
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
+from benchmarks import hops
 from benchmarks.compare import Cell, result_header, save_and_print, write_result
 from benchmarks.offline import (
     add_common_args,
@@ -33,6 +35,7 @@ from benchmarks.offline import (
 )
 from benchmarks.serving import add_launch_args, online_cell
 from services.engine.args import add_engine_args, engine_config
+from shared import trace
 
 MESHES = {"mesh": "", "mesh-pd": "_pd"}
 """Each mesh path and the suffix of its columns in a row (mixed worker; prefill + decode workers)."""
@@ -53,6 +56,8 @@ def path_cells(
         runs["in-process"].append(engine_cell(args.base, label, spec, requests, concurrency, args))
         for path in paths[1:]:
             runs[path].append(online_cell(label, spec, requests, concurrency, args, pd=path == "mesh-pd"))
+            if args.trace_hops:
+                trace_table(Path(args.log_dirs[-1]), f"{label} ({path}) c={concurrency}", args)
     return [
         {
             "method": label,
@@ -66,6 +71,13 @@ def path_cells(
         }
         for path in paths
     ]
+
+
+def trace_table(log_dir: Path, title: str, args: argparse.Namespace) -> None:
+    """The hop tables of one traced mesh run, printed now and kept for the result file."""
+    summary = hops.summarize(log_dir)
+    args.hop_tables.append({"cell": title, **summary})
+    print(f"\nhops of {title} (log {log_dir})\n\n{hops.markdown(summary)}", flush=True)
 
 
 def overhead_row(in_process: Cell, *meshes: Cell) -> dict[str, Any]:
@@ -149,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--pd", action="store_true", help="also the split mesh: one prefill and one decode worker"
     )
     group.add_argument("--log-dir", type=Path, help="keep each mesh's process logs here")
+    group.add_argument(
+        "--trace-hops",
+        action="store_true",
+        help=f"the meshes log every hop of every request ({trace.TRACE_ENV}=1; slows them a little): "
+        "a table per mesh run of the time and Redis round trips between hops (benchmarks/hops.py)",
+    )
     add_launch_args(group)
     return parser
 
@@ -158,6 +176,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     use_torch_threads(args.torch_threads)
     args.base = engine_config(args)
     args.launch, args.url, args.api_key, args.served_model_name, args.log_dirs = True, None, None, None, []
+    args.hop_tables = []
+    if args.trace_hops:
+        os.environ[trace.TRACE_ENV] = "1"  # the launched processes inherit it
     cells: list[Cell] = []
     rows: list[dict[str, Any]] = []
     extra = {
@@ -170,7 +191,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def result(complete: bool) -> dict[str, Any]:
         header = result_header("overhead", args.model, settings(args, extra))
-        return {**header, "complete": complete, "skipped": args.skipped, "cells": cells, "overhead": rows}
+        return {
+            **header,
+            "complete": complete,
+            "skipped": args.skipped,
+            "cells": cells,
+            "overhead": rows,
+            "hops": args.hop_tables,
+        }
 
     for workload in args.workload:
         for concurrency in args.concurrency:

@@ -26,6 +26,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared import trace
 from shared.keys import Keys
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -155,7 +156,9 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
     more on a new one at once: after a Redis restart every pooled connection is broken, and each
     would otherwise fail one command. Longer outages are for `retry_transient` and the callers'
     own loops. Wrong credentials fail at once, naming the user."""
+    connection_class = trace.CountingConnection if trace.ENABLED else aioredis.Connection
     pool = aioredis.BlockingConnectionPool(
+        connection_class=connection_class,
         host=settings.host,
         port=settings.port,
         username=settings.username,

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
+from shared import trace
 from shared.bus import (
     APPEND_AT_END,
     END_BYTES,
@@ -197,6 +198,7 @@ class SplitwiseScheduler:
         message = delivery.message
         try:
             if isinstance(message, Submit):
+                trace.hop("scheduler.read", message.request.request_id)
                 await self._admit(message.request)
             elif isinstance(message, Cancel):
                 await self._cancel(message.request_id, message.reason)
@@ -247,6 +249,7 @@ class SplitwiseScheduler:
         admission = await self.bus.admit(
             request.request_id, Submit(request=request), self.options.max_queue_len
         )
+        trace.hop("scheduler.admitted", request.request_id)
         if admission == "ended":
             return  # a late repeat of the Submit of a request that has ended
         if admission == "duplicate" and (request.request_id in self.placing or await self._placed(request)):
@@ -258,6 +261,7 @@ class SplitwiseScheduler:
             )
             return
         epoch = await self.bus.claim_epoch(request.request_id)
+        trace.hop("scheduler.claimed", request.request_id)
         if epoch is not None:
             await self._place(request, epoch)
 
@@ -379,6 +383,7 @@ class SplitwiseScheduler:
             f"dispatching {request.request_id}",
             DISPATCH_RETRY_S,
         )
+        trace.hop("scheduler.dispatched", request.request_id)
         if not sent:
             logger.info("placement superseded", extra={"request_id": request.request_id, "epoch": epoch})
         return sent
