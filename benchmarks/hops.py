@@ -82,28 +82,37 @@ def paths(
 
 
 def hop_table(names: list[str], runs: list[list[Hop | None]]) -> list[dict[str, Any]]:
-    """Per hop: median / p90 ms since the hop before, and median round trips (same process only)."""
-    rows = []
-    for i, name in enumerate(names[1:], start=1):
-        gaps_ms, trips = [], []
-        for run in runs:
-            before, after = run[i - 1], run[i]
-            if before is None or after is None:
+    """Per pair of hops, each from the last one before it on its path that was logged (a path
+    may skip some: an admission that dispatched at once): median / p90 ms between the two, and
+    the median Redis round trips between them where both are in one process."""
+    gaps_ms: dict[str, list[float]] = {}
+    trips: dict[str, list[int]] = {}
+    for run in runs:
+        before: tuple[str, Hop] | None = None
+        for name, after in zip(names, run):
+            if after is None:
                 continue
-            gaps_ms.append((after[0] - before[0]) * 1000)
-            if before[2] == after[2]:
-                trips.append(after[1] - before[1])
-        if gaps_ms:
-            rows.append(
-                {
-                    "hop": f"{names[i - 1]} -> {name}",
-                    "n": len(gaps_ms),
-                    "p50_ms": statistics.median(gaps_ms),
-                    "p90_ms": _quantile(gaps_ms, 0.9),
-                    "round_trips_p50": statistics.median(trips) if trips else None,
-                }
-            )
-    return rows
+            if before is not None:
+                pair = f"{before[0]} -> {name}"
+                gaps_ms.setdefault(pair, []).append((after[0] - before[1][0]) * 1000)
+                if before[1][2] == after[2]:
+                    trips.setdefault(pair, []).append(after[1] - before[1][1])
+            before = (name, after)
+    return [
+        {
+            "hop": pair,
+            "n": len(gaps),
+            "p50_ms": statistics.median(gaps),
+            "p90_ms": _quantile(gaps, 0.9),
+            "round_trips_p50": statistics.median(trips[pair]) if pair in trips else None,
+        }
+        for pair, gaps in sorted(gaps_ms.items(), key=lambda item: _path_order(names, item[0]))
+    ]
+
+
+def _path_order(names: list[str], pair: str) -> tuple[int, int]:
+    first, _, second = pair.partition(" -> ")
+    return names.index(second), names.index(first)
 
 
 def summarize(log_dir: Path) -> dict[str, list[dict[str, Any]]]:

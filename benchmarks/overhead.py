@@ -4,7 +4,8 @@ scheduler + worker, one after the other on this machine.
     python -m benchmarks.overhead --workload code_editing --num-requests 16 --concurrency 1 4 --pd
 
 For each method and concurrency: a fresh in-process engine runs the requests (as
-`benchmarks.offline` does), then a fresh local mesh with the same engine flags serves them to the
+`benchmarks.offline` does), then a fresh local mesh with the same engine flags (and the same
+`--max-num-seqs`: the concurrency, as in-process) serves them to the
 streaming client (as `benchmarks.serving --launch` does): with one mixed worker, and with `--pd`
 also with one prefill and one decode worker (the split mesh, a column beside mixed). The overhead
 is the difference of the medians (TTFT, TPOT, e2e) and the ratio of output throughput; a second
@@ -12,7 +13,8 @@ table gives the cores each mesh process kept busy (`role/engine-core` is a worke
 process, `gateway/gateway-i` the gateway's workers). `naive` alone by default: the mesh adds the
 same hops whatever the method. For hundreds of streams give the mesh `--gateway-workers N` and the
 client `--client-processes N`, so that neither side's SSE is one process (the cores table shows
-whether one was the limit).
+whether one was the limit). `--trace-hops`: where each request's milliseconds go between the
+mesh's processes (`benchmarks/hops.py`).
 """
 
 from __future__ import annotations
@@ -52,10 +54,14 @@ def path_cells(
     """The paths on the same requests, in-process first; with repeats they interleave."""
     paths = ["in-process", "mesh", *(["mesh-pd"] if args.pd else [])]
     runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    # the workers run as many requests at once as the in-process engine does (it sizes its KV
+    # cache and graphs by them)
+    mesh_args = argparse.Namespace(**{**vars(args), "max_num_seqs": min(concurrency, args.base.max_num_seqs)})
     for _ in range(args.repeats):
         runs["in-process"].append(engine_cell(args.base, label, spec, requests, concurrency, args))
         for path in paths[1:]:
-            runs[path].append(online_cell(label, spec, requests, concurrency, args, pd=path == "mesh-pd"))
+            pd = path == "mesh-pd"
+            runs[path].append(online_cell(label, spec, requests, concurrency, mesh_args, pd=pd))
             if args.trace_hops:
                 trace_table(Path(args.log_dirs[-1]), f"{label} ({path}) c={concurrency}", args)
     return [

@@ -52,6 +52,7 @@ def test_hops_of_every_log_join_into_the_first_and_later_token_paths(tmp_path: P
     assert first["gateway.submitted -> scheduler.read"]["round_trips_p50"] is None  # two processes
     assert first["scheduler.read -> scheduler.admitted"]["round_trips_p50"] == 1
     assert "core.added -> core.step_start" not in first  # never logged: left out, not zero
+    assert "scheduler.admitted -> core.sent" in first  # from the last hop logged before it
     later = {row["hop"]: row for row in summary["later_token"]}
     assert later["core.sent (previous) -> core.step_start"]["p50_ms"] == pytest.approx(2.0, abs=1e-6)
     assert later["core.step_start -> core.sent"]["p50_ms"] == pytest.approx(18.0, abs=1e-6)
