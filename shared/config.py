@@ -70,8 +70,8 @@ class EngineConfig(BaseModel):
     """CPUs of a worker's engine core: `auto`, `off`, or a list as `taskset -c` takes it (`3`,
     `2,4-5`); the worker's bus side then runs on the others, so that it never preempts a step on
     the core's CPU. `auto`: as many as the core has torch threads, the highest-numbered the process
-    may use that no other engine core on the host holds; nothing is pinned where the process may
-    use fewer than two CPUs. An engine in-process (`LLM`) is not pinned."""
+    may use that no other engine core on the host holds, on a host of four CPUs or more (on fewer,
+    nothing is pinned). An engine in-process (`LLM`) is not pinned."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

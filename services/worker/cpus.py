@@ -5,7 +5,10 @@ on the core's CPU (the kernel prefers the waker's CPU, and on a busy host no oth
 preempts the step there until its publish is done. So the core takes CPUs of its own
 (`EngineConfig.core_cpus`) and the bus side keeps off them. A core holds each CPU it took by an
 exclusive lock on a file per CPU (`LOCK_DIR`), which the kernel drops when the core exits however
-it exits; `auto` takes the highest-numbered CPUs the process may use that no other core holds.
+it exits; `auto` takes the highest-numbered CPUs the process may use that no other core holds,
+and only on a host of at least `AUTO_MIN_CPUS`: on a smaller one the core's CPU is also the one
+the rest of the mesh and any other tenant fall back on, and a pinned core cannot step aside from
+a CPU another process is busy on, so it loses more to them than the bus side took from it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from shared.config import parse_cpu_list
 
 LOCK_DIR = Path(tempfile.gettempdir()) / f"specmesh-cpus-{os.getuid()}"
+AUTO_MIN_CPUS = 4
+"""`auto` pins nothing where the process may use fewer CPUs than this."""
 
 
 @dataclass
@@ -45,13 +50,15 @@ def usable_cpus() -> list[int]:
 
 def claim_core_cpus(setting: str, num_threads: int, lock_dir: Path = LOCK_DIR) -> CpuClaim:
     """The CPUs for an engine core of `num_threads` torch threads, by `setting` (auto, off, a list).
-    A list must leave the bus side a CPU; `auto` takes none unless it finds `num_threads` free ones
-    (at most all usable CPUs but one)."""
+    A list must leave the bus side a CPU; `auto` takes none on fewer than `AUTO_MIN_CPUS` usable
+    CPUs, nor unless it finds `num_threads` free ones (at most all usable CPUs but one)."""
     usable = usable_cpus()
     if setting == "off" or len(usable) < 2:
         return CpuClaim()
     if setting != "auto":
         return _claim_named(parse_cpu_list(setting), usable, lock_dir)
+    if len(usable) < AUTO_MIN_CPUS:
+        return CpuClaim()
     claim = CpuClaim()
     wanted = min(num_threads, len(usable) - 1)
     for cpu in reversed(usable):

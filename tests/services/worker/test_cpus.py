@@ -63,16 +63,22 @@ def test_named_cpus_must_leave_one_to_the_bus_side(tmp_path: Path) -> None:
     assert claim_core_cpus("off", 1, tmp_path).cpus == []
 
 
-def test_one_usable_cpu_pins_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_pins_nothing_on_a_small_host_and_a_list_nothing_on_one_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: [0, 1, 2])
+    assert claim_core_cpus("auto", 1, tmp_path).cpus == []
+    assert claim_core_cpus("2", 1, tmp_path).cpus == [2]  # named: the operator's choice
     monkeypatch.setattr(cpus, "usable_cpus", lambda: [5])
     assert claim_core_cpus("auto", 1, tmp_path).cpus == []
+    assert claim_core_cpus("5", 1, tmp_path).cpus == []
 
 
 HOLDER = """
 import sys, time
 from pathlib import Path
 from services.worker import cpus
-cpus.usable_cpus = lambda: [0, 1]
+cpus.usable_cpus = lambda: [0, 1, 2, 3]
 print(cpus.claim_core_cpus("auto", 1, Path(sys.argv[1])).cpus, flush=True)
 time.sleep(60)
 """
@@ -85,12 +91,11 @@ def test_a_killed_core_leaves_its_cpu(tmp_path: Path) -> None:
     )
     try:
         assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "[1]"
-        cpus.usable_cpus = lambda: [0, 1]  # type: ignore[assignment] - restored by the fixture
-        assert claim_core_cpus("auto", 1, tmp_path).cpus == [0]
+        assert holder.stdout.readline().strip() == "[3]"
+        assert claim_core_cpus("auto", 1, tmp_path).cpus == [2]
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=10)
-        assert claim_core_cpus("auto", 1, tmp_path).cpus == [1]
+        assert claim_core_cpus("auto", 1, tmp_path).cpus == [3]
     finally:
         if holder.poll() is None:
             holder.kill()
