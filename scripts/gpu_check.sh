@@ -284,11 +284,11 @@ if [[ " $stages " == *" mesh "* ]]; then
             --out "$OUT/mesh-overhead.json" 2>&1 | tee "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" hops "* ]]; then
-        timeout 150 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
+        timeout 120 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^hops of/,/^overhead benchmark/p;/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" unpinned "* ]]; then
-        timeout 150 $mesh --concurrency 1 --core-cpus off --out "$OUT/mesh-unpinned.json" \
+        timeout 120 $mesh --concurrency 1 --core-cpus off --out "$OUT/mesh-unpinned.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
 fi
