@@ -9,8 +9,9 @@ Measures, on the card it runs on (named in the output):
 - the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
-  at 1 / 4 / 16 / 64 rows, stored bytes read per second, beside cuBLAS on the bf16 weights (int8 /
-  int4 also on tensor cores up to 16 rows, and through dequantize + cuBLAS past them);
+  at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
+  on the bf16 weights (int8 / int4 also with quant_mma off: quant_gemv up to 16 rows, dequantize +
+  cuBLAS past them);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -40,7 +41,7 @@ from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
-from kernels.quant_gemm import quant_mma_cuda
+from kernels.quant_gemm import MAX_ROWS, MMA_ENV
 from kernels.quant_ref import quantize_weight_ref
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
@@ -337,10 +338,13 @@ def linear_rows(
     return rows
 
 
-def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 64)) -> list[dict[str, Any]]:
+def quant_linear_rows(
+    copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
+) -> list[dict[str, Any]]:
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
-    weight copies (>= 256 MiB of bf16) to stream from HBM."""
+    weight copies (>= 256 MiB of bf16) to stream from HBM; int8 / int4 also with quant_mma off
+    (`quant_gemv` up to 16 rows, dequantize + cuBLAS past them)."""
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -366,13 +370,9 @@ def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
-                    if num_rows > 16 and scheme != "fp8":  # the tensor-core kernel vs dequantize + cuBLAS
-                        row[f"{scheme}_dequantize_us"] = (
-                            1e3 * _graph_ms_with(product, "SPECMESH_QUANT_MMA") / copies
-                        )
-                    if num_rows <= 16 and scheme != "fp8":  # where the one-row kernel should hand over
-                        mma = functools.partial(_each_quantized, scheme, x, quantized, quant_mma_cuda)
-                        row[f"{scheme}_mma_us"] = 1e3 * graph_time_ms(mma) / copies
+                    if scheme != "fp8":  # quant_mma vs the path it replaced
+                        path = "gemv" if num_rows <= MAX_ROWS else "dequantize"
+                        row[f"{scheme}_{path}_us"] = 1e3 * _graph_ms_with(product, MMA_ENV) / copies
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del weights, stored
@@ -632,15 +632,16 @@ def summarize(result: dict[str, Any]) -> None:
         )
     for row in result.get("quant_linear", []) if isinstance(result.get("quant_linear"), list) else []:
         print(
-            f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:2d} bf16 {row['bf16_us']:7.1f} us "
+            f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:3d} bf16 {row['bf16_us']:7.1f} us "
             + " ".join(
-                f"{s} {row[s + '_us']:7.1f} us ({100 * row[s + '_fraction_of_copy']:3.0f}%)"
+                f"{s} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
+                f"{1 / row[s + '_fraction_of_copy']:4.2f}x the floor)"
                 for s in ("fp8", "int8", "int4")
             )
             + "".join(
                 f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
                 for s in ("int8", "int4")
-                for key, path in (("dequantize", "dequantize + cuBLAS"), ("mma", "tensor cores"))
+                for key, path in (("dequantize", "dequantize + cuBLAS"), ("gemv", "quant_gemv"))
                 if f"{s}_{key}_us" in row
             )
         )

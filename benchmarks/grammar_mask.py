@@ -3,6 +3,7 @@ and (`--engine-model`) what a grammar adds to the engine's decode step.
 
     python -m benchmarks.grammar_mask --batch 1 64
     python -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3
+    python -m benchmarks.grammar_mask --step-masks --schemas code json_editing --threads 1 2 4 8 16
     python -m benchmarks.grammar_mask --engine-model /tmp/widened-llama-3.2-1b/target --device cuda \
         --batch 1 64 --out grammar-mask.json
 
@@ -13,9 +14,11 @@ filled, plus the bitmask applied to a [batch, vocab] float32 logits tensor. A sp
 fills one mask per verified row; the per-row figure is the same work.
 
 With `--step-masks`, the engine's own fill (services/engine/grammar.py, `StepMasks.fill`) of one
-decode step's masks: `batch` requests under the engine mode's JSON schema, each at a different
-place in a legal answer, each with k drafts that follow it (so every request fills k + 1 rows),
-advanced by one token per step.
+decode step's masks: `batch` requests under a JSON schema (`--schemas`: `long`, the engine mode's;
+`code`, benchmarks/workloads/edit_schema.json with answers holding code_editing's functions;
+`json_editing`, json_edit_schema.json with the records of json_editing's prompts), each at a
+different place in a legal answer, each with k drafts that follow it (so every request fills k + 1
+rows), advanced by one token per step; on each of `--threads` (the fill's threads).
 
 With `--engine-model` (a checkpoint: on a GPU, the 1B-cost widened target of benchmarks.widen), the
 engine decodes `batch` requests side by side twice: plain, then each constrained to a JSON schema
@@ -250,47 +253,110 @@ def long_answer_ids(tokenizer: Any, num_items: int) -> list[int]:
     return tokenizer.encode(json.dumps(items), add_special_tokens=False)
 
 
+FILL_SCHEMAS = ("long", "code", "json_editing")
+WORKLOADS_DIR = Path(__file__).parent / "workloads"
+
+
+def fill_workload(name: str, tokenizer: Any) -> tuple[dict, list[list[int]]]:
+    """A schema of `FILL_SCHEMAS` and legal answers to it (token ids), each in the schema's
+    property order with the separators the engine's grammar allows."""
+    if name == "long":
+        return LONG_SCHEMA, [long_answer_ids(tokenizer, 512)]
+    workload = "code_editing" if name == "code" else name
+    schema_file = "edit_schema.json" if name == "code" else "json_edit_schema.json"
+    schema = json.loads((WORKLOADS_DIR / schema_file).read_text())
+    lines = (WORKLOADS_DIR / f"{workload}.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines]
+    if name == "code":  # the function the prompt gives, returned with a short summary
+        answers = [
+            {"summary": "logging added", "code": prompt.split("\n\n# ")[0] + "\n", "changed_lines": [2, 3]}
+            for prompt in prompts
+        ]
+    else:  # the record the prompt gives, on its second line
+        answers = [json.loads(prompt.splitlines()[1]) for prompt in prompts]
+    return schema, [tokenizer.encode(json.dumps(answer), add_special_tokens=False) for answer in answers]
+
+
 def step_masks_cost(
-    batches: list[int], ks: list[int], num_steps: int, repeats: int, num_threads: int | None = None
+    schemas: list[str],
+    batches: list[int],
+    ks: list[int],
+    threads: list[int | None],
+    num_steps: int,
+    repeats: int,
 ) -> list[dict]:
-    """Per batch and k: the median host time of `StepMasks.fill` for one decode step (ms), every
-    request at its own place in LONG_SCHEMA's answer with k legal drafts; `num_threads`: the
-    fill's threads (None: the engine's default)."""
-    from services.engine.grammar import GrammarCompiler, GrammarState, StepMasks
-    from services.engine.sequence import Sequence
+    """Per schema, thread count, batch and k: the median host time of `StepMasks.fill` for one
+    decode step (ms; the best of `repeats` runs), request i under answer i mod the number of
+    answers, at its own place in it, with k legal drafts; a thread count of None: the engine's
+    default."""
+    from services.engine.grammar import GrammarCompiler, StepMasks
     from shared.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(MODEL)
     vocab_size = json.loads((MODEL / "config.json").read_text())["vocab_size"]
     compiler = GrammarCompiler(tokenizer, vocab_size, frozenset(tokenizer.eos_token_ids))
-    compiled = compiler.submit(StructuredOutput.json_schema(LONG_SCHEMA))
-    answer = long_answer_ids(tokenizer, 512)
-    masks = StepMasks(vocab_size, torch.device("cpu"), num_threads)
     rows = []
-    for batch in batches:
-        for k in ks:
-            seqs = [Sequence(f"r{i}", [1], SamplingParams(), frozenset()) for i in range(batch)]
-            step_ms: list[float] = []
-            for _ in range(repeats):
-                for i, seq in enumerate(seqs):
-                    seq.grammar = GrammarState(compiled, max(ks))
-                    assert seq.grammar.advance(answer[: 5 * i])
-                cu_num_rows = np.arange(batch + 1) * (k + 1)
-                times = []
-                for step in range(num_steps):
-                    for i, seq in enumerate(seqs):
-                        start = 5 * i + step
-                        seq.spec.draft_token_ids = answer[start + 1 : start + 1 + k]
-                    started = time.perf_counter()
-                    masks.fill(seqs, cu_num_rows)
-                    times.append(1e3 * (time.perf_counter() - started))
-                    for i, seq in enumerate(seqs):
-                        assert seq.grammar is not None and seq.grammar.advance([answer[5 * i + step]])
-                step_ms.append(statistics.median(times))
-            rows.append({"batch": batch, "k": k, "threads": num_threads, "fill_ms_median": min(step_ms)})
-            print(f"batch {batch:>3}, k {k}: {batch * (k + 1):>4} rows, fill {min(step_ms):.3f} ms/step")
+    for name in schemas:
+        schema, answers = fill_workload(name, tokenizer)
+        compiled = compiler.submit(StructuredOutput.json_schema(schema))
+        answers = [a for a in answers if len(a) > num_steps + max(ks) + 8]
+        if not answers:
+            raise SystemExit(f"{name}: no answer is longer than {num_steps} steps; ask for fewer --steps")
+        for num_threads in threads:
+            masks = StepMasks(vocab_size, torch.device("cpu"), num_threads)
+            for batch in batches:
+                for k in ks:
+                    best = min(
+                        fill_run(masks, compiled, answers, batch, k, max(ks), num_steps)
+                        for _ in range(repeats)
+                    )
+                    rows.append(
+                        {
+                            "schema": name,
+                            "threads": masks.num_threads,
+                            "batch": batch,
+                            "k": k,
+                            "rows": batch * (k + 1),
+                            "fill_ms_median": best,
+                        }
+                    )
+                    print(
+                        f"{name:<12} threads {masks.num_threads:>2}, batch {batch:>3}, k {k}: "
+                        f"{batch * (k + 1):>4} rows, fill {best:.3f} ms/step"
+                    )
+            masks.close()
     compiler.close()
     return rows
+
+
+def fill_run(
+    masks: Any, compiled: Any, answers: list[list[int]], batch: int, k: int, max_k: int, num_steps: int
+) -> float:
+    """The median host time (ms) of `masks.fill` over `num_steps` decode steps of `batch` requests,
+    request i at place 5 i (modulo its answer's length) of answer i mod len(answers)."""
+    from services.engine.grammar import GrammarState
+    from services.engine.sequence import Sequence
+
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(), frozenset()) for i in range(batch)]
+    starts = []
+    for i, seq in enumerate(seqs):
+        answer = answers[i % len(answers)]
+        starts.append(5 * i % (len(answer) - num_steps - max_k - 1))
+        seq.grammar = GrammarState(compiled, max_k)
+        assert seq.grammar.advance(answer[: starts[i]])
+    cu_num_rows = np.arange(batch + 1) * (k + 1)
+    times = []
+    for step in range(num_steps):
+        for i, seq in enumerate(seqs):
+            place = starts[i] + step
+            seq.spec.draft_token_ids = answers[i % len(answers)][place : place + k]
+        started = time.perf_counter()
+        masks.fill(seqs, cu_num_rows)
+        times.append(1e3 * (time.perf_counter() - started))
+        for i, seq in enumerate(seqs):
+            token_id = answers[i % len(answers)][starts[i] + step]
+            assert seq.grammar is not None and seq.grammar.advance([token_id])
+    return statistics.median(times)
 
 
 def engine_step_cost(
@@ -345,7 +411,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3], help="k per request (--step-masks)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run (--step-masks)")
     parser.add_argument(
-        "--threads", type=int, help="the fill's threads (--step-masks; default: the engine's)"
+        "--threads",
+        type=int,
+        nargs="+",
+        help="the fill's threads, each (--step-masks; default: the engine's)",
+    )
+    parser.add_argument(
+        "--schemas",
+        nargs="+",
+        choices=FILL_SCHEMAS,
+        default=["long"],
+        help="--step-masks' schemas (default: long)",
     )
     parser.add_argument("--engine-model", help="a checkpoint: time the engine's decode step with a grammar")
     parser.add_argument("--device", default="cuda", help="the engine's device (default: cuda)")
@@ -354,7 +430,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the engine mode's result JSON here")
     args = parser.parse_args(argv)
     if args.step_masks:
-        rows = step_masks_cost(args.batch, args.drafts, args.steps, args.repeats, args.threads)
+        threads = args.threads or [None]
+        if any(t is not None and t < 1 for t in threads):
+            parser.error("--threads must be at least 1")
+        rows = step_masks_cost(args.schemas, args.batch, args.drafts, threads, args.steps, args.repeats)
         if args.out:
             args.out.write_text(json.dumps({"device": "cpu", "rows": rows}, indent=2) + "\n")
         return

@@ -36,8 +36,8 @@ PHASES = {
     "engine": ("step", "_update_slots", "_emit", "_apply", "_free_stopped"),
     "scheduler": ("schedule",),
     "drafter": ("plan", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
-    "runner": ("launch", "prepare", "_read_back"),
-    "graphs": ("lookup", "replay_forward", "replay_tail"),
+    "runner": ("launch", "prepare", "_run", "_read_back"),
+    "graphs": ("lookup", "replay_forward", "_copy_in", "replay_tail"),
 }
 """The timed methods of each part of the engine (`graphs`: the runner's CUDA graphs, when captured)."""
 

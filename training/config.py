@@ -110,9 +110,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to `min_lr_ratio`."""
+def warmup_cosine(
+    step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, time_fraction: float = 0.0
+) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to `min_lr_ratio`. A run
+    with a time budget passes `time_fraction`, the share of it spent: the decay then follows steps
+    or time, whichever is further along, so a run the budget cuts short still ends decayed."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, max(time_fraction, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -191,7 +191,9 @@ def generate(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, prompt_tokens + new_tokens] each
     """Greedy continuations by specmesh's engine: every held-out prompt, then train prompts chunk
     by chunk until done or past `deadline` (a perf_counter time)."""
-    llm = start_engine(config, max_model_len=config.prompt_tokens + config.new_tokens)
+    llm = start_engine(
+        config.base, config.torch_device, config.max_num_seqs, config.prompt_tokens + config.new_tokens
+    )
     params = SamplingParams(temperature=0.0, max_tokens=config.new_tokens, ignore_eos=True)
     chunks: list[torch.Tensor] = []
     total = len(held_out_prompts) + len(prompts)
@@ -208,15 +210,15 @@ def generate(
     return chunks[0], torch.cat(chunks[1:])
 
 
-def start_engine(config: RefineMTPConfig, max_model_len: int) -> LLM:
+def start_engine(base: Path, device: torch.device, max_num_seqs: int, max_model_len: int) -> LLM:
     """specmesh's engine on the base, with KV-cache room for `max_num_seqs` full-length sequences."""
     return LLM(
-        str(config.base),
-        device=str(config.torch_device),
-        max_num_seqs=config.max_num_seqs,
+        str(base),
+        device=str(device),
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        num_kv_blocks=config.max_num_seqs * (max_model_len // 16 + 2),  # 16-token blocks, room for every seq
+        num_kv_blocks=max_num_seqs * (max_model_len // 16 + 2),  # 16-token blocks, room for every seq
     )
 
 

@@ -14,15 +14,18 @@ A step replays two graphs:
    length). The host then reads one packed tensor, the step's only synchronisation.
 
 Query classes bound the longest query of a step: 1 (plain decode), 1 + num_speculative_tokens
-(verification) and a prefill class (chunks of any length that fits the largest bucket), so a step
-that carries prefill chunks — a burst of new prompts, or chunks beside decoding requests, most steps
-of a busy server — is replayed too.
+(verification), with a draft tree its node count at each depth it can be cut at, and a prefill
+class (chunks of any length that fits the largest bucket), so a step that carries prefill chunks — a
+burst of new prompts, or chunks beside decoding requests, most steps of a busy server — is replayed
+too. On a server that drafts trees every graph is a tree step's: the forward attends with each
+token's tree mask (causal for tokens of no tree) and the tail verifies by the tree rule, compacting
+the accepted paths' KV (services/engine/tree_verify.py); the masks and parent arrays are inputs.
 The attention kernel launches one block per query tile of the step (tiles numbered densely, not a
 grid of every sequence times the longest query), so a prefill class costs what its tokens cost.
 
 A graph replays fixed shapes and fixed pointers. So:
-- inputs live in static buffers sized for the largest bucket; a step copies its inputs in (a few
-  copies of integers: per token, per logit row, per request);
+- inputs live in static buffers sized for the largest bucket, all in one allocation with a host
+  twin of the same layout (`StagedInputs`): a step writes the twin and moves it in one copy;
 - outputs (final hidden states, float32 logits) land in one persistent buffer, each graph writing
   its leading rows; what a capture allocates is a temporary of the shared graph pool;
 - the grammar masks of a step's rows are a persistent input too: the host fills them while the
@@ -54,6 +57,7 @@ import torch
 
 import kernels
 from kernels import AttentionMetadata
+from kernels.attention_ref import CAUSAL_MASK
 from kernels.verify_ref import num_mask_words
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows
@@ -212,6 +216,59 @@ def _upload(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list
     return list(moved.split(sizes))
 
 
+class StagedInputs:
+    """Input buffers of the graphs laid out in one device allocation, with a host twin of the same
+    layout (pinned on a GPU). A step writes the twin, then one asynchronous copy moves its leading
+    bytes: the last buffer's leading rows and every buffer before it (each host copy costs the host
+    far more than its bytes cost the device). The twin is the only source of the device's contents
+    after start-up, so copying a buffer whole equals copying the part a step wrote."""
+
+    ALIGN = 256
+    """Bytes each buffer's start is aligned to."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            end += -(-int(np.prod(shape)) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        self._device = torch.zeros(end, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._offsets = offsets
+        self.buffers = self._views(self._device, specs)
+        self.twins = self._views(self._host, specs)
+        self.arrays = [twin.numpy() for twin in self.twins]
+        """The twins as numpy arrays (what a step writes)."""
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._recorded = False
+
+    def _views(
+        self, flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        views = []
+        for offset, (shape, dtype) in zip(self._offsets, specs):
+            size = int(np.prod(shape)) * dtype.itemsize
+            views.append(flat[offset : offset + size].view(dtype).view(shape))
+        return views
+
+    def sync_twins(self) -> None:
+        """The twins take the buffers' contents (after the buffers were initialised on the device)."""
+        self._host.copy_(self._device)
+
+    def wait(self) -> None:
+        """Waits until the last copy has read the twins, before they are written again."""
+        if self._copied is not None and self._recorded:
+            self._copied.synchronize()
+
+    def copy(self, last_rows: int) -> None:
+        """Moves every buffer but the last whole, and the last one's leading `last_rows` rows."""
+        last = self.twins[-1]
+        end = self._offsets[-1] + last_rows * last[0].numel() * last.element_size()
+        self._device[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._recorded = True
+
+
 class DecodeGraphs:
     """Captured steps of one model over its KV caches: forward graphs looked up by (tokens, query
     class), tail graphs by (tokens, query class, chain length, the proposer run alone or None)."""
@@ -243,14 +300,16 @@ class DecodeGraphs:
         block_size: int,
         max_num_seqs: int | None = None,
         aux_layers: tuple[int, ...] = (),
+        trees: bool = False,
     ):
         """`max_tokens`: the largest bucket; `query_lens`: the query classes to capture (1, 1 +
-        num_speculative_tokens when drafting, and a prefill class); `chain_lengths`: the
-        drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
+        num_speculative_tokens when drafting, a draft tree's sizes, and a prefill class);
+        `chain_lengths`: the drafting-model chain lengths a tail may run (0 when none); `onlys`: the values of
         `StepPlan.only` steps come with (None: every device proposer); `max_num_seqs`: the most
         requests of a step (None: one per token), which bounds each class's buckets and the
         logit rows of a step (each request brings at most 1 + num_speculative_tokens);
-        `aux_layers`: the target layers whose entering streams the forward keeps (the EAGLE-3 head's)."""
+        `aux_layers`: the target layers whose entering streams the forward keeps (the EAGLE-3 head's);
+        `trees`: steps verify draft trees (`HostStep.tree_mask` and `tree_parents` given)."""
         self.model = model
         self.aux_layers = aux_layers
         self.kv_caches = kv_caches
@@ -267,18 +326,41 @@ class DecodeGraphs:
         dtype = next(model.parameters()).dtype
         size = self.buckets[-1]
         max_blocks = -(-(max_model_len + inputs.max_num_drafts + 1) // block_size)
-        self.longs = torch.zeros(len(self.LONG_FIELDS), size, dtype=torch.long, device=device)
-        self.ints = torch.zeros(len(self.INT_FIELDS), size, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.cu_num_rows = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        self.trees = trees
+        parents_size = self.num_rows(size) * self.rows_per_seq if trees else 0
+        self.staged = StagedInputs(
+            [
+                ((len(self.LONG_FIELDS), size), torch.long),
+                ((len(self.INT_FIELDS), size), torch.int32),
+                ((size + 1,), torch.int32),
+                ((size + 1,), torch.int32),
+                ((size,), torch.int32),
+                ((size if trees else 0,), torch.long),
+                ((parents_size,), torch.long),
+                ((size, max_blocks), torch.int32),  # last: a step copies only its bucket's rows
+            ],
+            device,
+        )
+        (
+            self.longs,
+            self.ints,
+            self.query_start_loc,
+            self.cu_num_rows,
+            self.seq_lens,
+            self.tree_mask,
+            self.tree_parents,
+            self.block_tables,
+        ) = self.staged.buffers
+        """`tree_mask`: each token's tree-attention mask (`AttentionMetadata.tree_mask`), where
+        `trees`; `tree_parents`: each request's parent array over its rows, [num_rows(bucket),
+        max_rows(query class)] in its leading entries (`StepTensors.tree_parents`), where `trees`."""
+        self.query_start_loc.copy_(torch.arange(size + 1))
+        self.cu_num_rows.copy_(torch.arange(size + 1))
+        self.seq_lens.fill_(1)
+        self.tree_mask.fill_(CAUSAL_MASK)
+        self.tree_parents.fill_(-1)
         self._pad_all()
-        self._staging = [self._host_twin(t) for t in self._inputs()]
-        """Host twins of the input buffers (pinned on a GPU): each step's inputs are written there,
-        then copied in one asynchronous copy a buffer."""
-        self._staged: torch.cuda.Event | None = None
-        """Recorded after the last step's copies: the twins are not written again before them."""
+        self.staged.sync_twins()
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         aux_size = len(aux_layers) * model.config.hidden_size
         self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
@@ -319,22 +401,6 @@ class DecodeGraphs:
         """Tokens of the largest graph of a decode step (each request its last token and drafts):
         what drafts are trimmed to."""
         return min(self.max_num_seqs * self.rows_per_seq, self.max_tokens)
-
-    def _inputs(self) -> list[torch.Tensor]:
-        """The buffers a step's inputs are copied into, in the order of `_staging`."""
-        return [
-            self.longs,
-            self.ints,
-            self.query_start_loc,
-            self.cu_num_rows,
-            self.seq_lens,
-            self.block_tables,
-        ]
-
-    @staticmethod
-    def _host_twin(buffer: torch.Tensor) -> torch.Tensor:
-        twin = buffer.to("cpu", copy=True)  # the padding the graphs were captured on, to begin with
-        return twin.pin_memory() if buffer.is_cuda else twin
 
     def field(self, name: str) -> torch.Tensor:
         if name in self.LONG_FIELDS:
@@ -408,6 +474,7 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens[:bucket],
             max_query_len=query_len,
             max_seq_len=self.max_model_len,
+            tree_mask=self.tree_mask[:bucket] if self.trees else None,
         )
         forward = ForwardContext(
             self.field("input_ids")[:bucket],
@@ -433,7 +500,13 @@ class DecodeGraphs:
             masked_rows=self.field("masked_rows")[:rows],
             max_rows=self.max_rows(query_len),
             bitmask=self.bitmask[:rows],
+            tree_parents=self._parents(rows, query_len) if self.trees else None,
         )
+
+    def _parents(self, rows: int, query_len: int) -> torch.Tensor:
+        """[rows, max_rows(query_len)] the parent arrays of a bucket's requests (leading entries)."""
+        width = self.max_rows(query_len)
+        return self.tree_parents[: rows * width].view(rows, width)
 
     def _forward(self, bucket: int, query_len: int) -> None:
         """Into the persistent outputs: what the model allocates is a temporary of the capture."""
@@ -468,7 +541,7 @@ class DecodeGraphs:
         """Copies the step in and replays its forward; the views of its bucket (the logits of its
         rows in `self.logits`, in the step's row order) for a tail run eagerly."""
         bucket, query_len = key
-        self._copy_in(step, bucket)
+        self._copy_in(step, bucket, query_len)
         self.graphs[key].replay()
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode
@@ -480,27 +553,34 @@ class DecodeGraphs:
         forward.hidden = self.hidden[:num_tokens]
         forward.aux_hidden = None if self.aux_hidden is None else self.aux_hidden[:num_tokens]
 
+    def chain_key(self, num_steps: int) -> int:
+        """The captured chain length a step that needs `num_steps` replays: the shortest that is
+        as long (a longer chain drafts no more than each request wants, and writes no KV past it)."""
+        return next(length for length in self.chain_lengths if length >= num_steps)
+
     def replay_tail(self, step: HostStep, key: tuple[int, int], plan: StepPlan) -> torch.Tensor:
         """The tail of a step whose forward `replay_forward` replayed (its grammar rows' masks in
         `self.bitmask`); [num_sampled, width] int32 packed results of the real requests (a view of
         the tail's output, which the next replay overwrites)."""
-        graph, packed = self.tails[(*key, plan.num_steps, plan.only)]
+        graph, packed = self.tails[(*key, self.chain_key(plan.num_steps), plan.only)]
         graph.replay()
         self.num_tail_replays += 1
         return packed[: len(step.seq_slots)]
 
-    def _copy_in(self, step: HostStep, bucket: int) -> None:
+    def _copy_in(self, step: HostStep, bucket: int, query_len: int) -> None:
         """The step padded to `bucket`: padding tokens are one-token sequences of context 1 over
-        block 0 writing no KV; padding rows are one-row requests on the scratch slot; the rest of
-        the grid is empty. Written into the host twins, then copied (each buffer's leading part)."""
+        block 0 writing no KV (causal, where steps verify trees); padding rows are one-row requests
+        on the scratch slot (a root alone); the rest of the grid is empty. Written into the host
+        twins, then copied in one copy."""
+        if (step.tree_mask is not None, step.tree_parents is not None) != (self.trees, self.trees):
+            raise ValueError(f"the step's tree inputs do not fit graphs captured with trees={self.trees}")
         num_tokens, num_seqs = step.num_tokens, len(step.query_lens)
         num_rows, num_sampled = len(step.logits_indices), len(step.seq_slots)
         rows = self.num_rows(bucket)
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
-        if self._staged is not None:
-            self._staged.synchronize()
-        longs, ints, starts, cu_num_rows, seq_lens, tables = (twin.numpy() for twin in self._staging)
+        self.staged.wait()
+        longs, ints, starts, cu_num_rows, seq_lens, masks, parents, tables = self.staged.arrays
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
@@ -547,9 +627,10 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         tables[:num_seqs, :width] = step.block_tables
         tables[num_seqs:bucket, :width] = 0
-        spans = (len(longs), len(ints), bucket + 1, rows + 1, bucket, bucket)  # leading entries copied
-        for buffer, twin, span in zip(self._inputs(), self._staging, spans):
-            buffer[:span].copy_(twin[:span], non_blocking=True)
-        if self.longs.is_cuda:
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        if step.tree_mask is not None and step.tree_parents is not None:
+            masks[:num_tokens], masks[num_tokens:bucket] = step.tree_mask, CAUSAL_MASK
+            num_parents = rows * self.max_rows(query_len)
+            parents[:num_parents] = -1
+            step_rows = step.tree_parents.shape[1]
+            parents[:num_parents].reshape(rows, -1)[:num_sampled, :step_rows] = step.tree_parents
+        self.staged.copy(last_rows=bucket)

@@ -167,7 +167,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the engine's other tensor-parallel ranks (nothing to do with one) and its grammar
-        compiler's thread."""
+        threads (the compiler's, the mask fill's)."""
         self.grammars.close()
         self.runner.close()
 

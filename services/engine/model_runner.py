@@ -43,7 +43,7 @@ from services.engine.tensor_parallel import (
     StepCommand,
     start_ranks,
 )
-from services.engine.tree_verify import compact_path_kv, target_tokens, tree_parents, verify_tree
+from services.engine.tree_verify import tree_parents
 from services.engine.verify_update import (
     ACCEPTED,
     FINISH,
@@ -128,6 +128,26 @@ class LaunchedStep:
         for result, token_logprobs in zip(results, self.logprobs):
             result.logprobs = token_logprobs[: len(result.token_ids)]
         return StepOutput(results, self.num_tokens, self.is_decode, self.prompt)
+
+
+class ResultBuffer:
+    """Pinned host memory a step's packed result is copied to without waiting, and the event that
+    marks the copy done; kept across steps (a pinned allocation and an event cost the host more
+    than the copy)."""
+
+    def __init__(self) -> None:
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._done = torch.cuda.Event()
+
+    def read(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Starts the copy of `packed` ([num_seqs, width] int32 on the device); (its host view,
+        the event recorded after it)."""
+        if self._host.numel() < packed.numel():
+            self._host = torch.empty(2 * packed.numel(), dtype=torch.int32, pin_memory=True)
+        host = self._host[: packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        self._done.record()
+        return host, self._done
 
 
 @dataclass
@@ -215,7 +235,7 @@ class ModelRunner:
         )
         self.max_num_drafts = spec.max_num_drafts
         self.tree = DraftTree(spec.tree) if spec.tree else None
-        """The draft tree the server's head drafts (steps then run eagerly), or None: chains."""
+        """The draft tree the server's head drafts, or None: chains."""
         if self.tree is not None and self.tp.size > 1:
             raise ValueError("tree drafting runs with tensor_parallel_size 1")
         if self.tree is not None and any(w is not None for w in model_config.sliding_windows):
@@ -230,6 +250,9 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
+        self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
+        """Where packed results are read back to, alternately (a step's stays readable while the
+        next one launches)."""
         if self.device.type == "cuda":
             self._warm_up_kernels()
 
@@ -242,24 +265,29 @@ class ModelRunner:
             STRATEGIES[self.spec.verify_strategy],
             POLICIES[self.spec.accept_policy],
             self.max_num_drafts,
+            self.kv_caches,
+            self.block_size,
         )
         if self._use_graphs():
             self.graphs = self._capture_graphs(self.chain_lengths(), [None] if own is None else [None, own])
 
     def chain_lengths(self) -> list[int]:
         """Every drafting-model chain length a step may run: 0 (nobody drafts) to k with a drafting
-        model loaded, else only 0."""
+        model loaded, else only 0. A head drafting a tree drafts all of it whatever the depth a
+        request asks (its requests take the nodes to that depth): 0 and its depth."""
+        if self.tree is not None:
+            return [0, self.tree.depth]
         has_model = any(m is not None for m in (self.mtp_head, self.eagle3_head, self.draft_model))
         return list(range(self.spec.k + 1)) if has_model else [0]
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing with one rank)."""
+        """Stops the other tensor-parallel ranks (nothing with one rank) and the grammar fill's threads."""
         self.ranks.close()
+        self.step_masks.close()
 
     def _use_graphs(self) -> bool:
         return (
-            self.tree is None
-            and self.device.type == "cuda"
+            self.device.type == "cuda"
             and not self.config.enforce_eager
             and kernels.cuda_available(torch.empty(0, device=self.device))
         )
@@ -269,7 +297,7 @@ class ModelRunner:
         max_tokens = min(
             self.config.cuda_graph_max_tokens, self.config.resolved_max_num_batched_tokens(self.max_model_len)
         )
-        verify_len = 1 + self.spec.k if self.spec.enabled else 1
+        verify_lens = self.verify_query_lens()
         prefill_len = max_tokens  # steps that carry prefill chunks, any length that fits
         graphs = DecodeGraphs(
             self.model,
@@ -277,16 +305,25 @@ class ModelRunner:
             self.tail,
             self.inputs,
             max_tokens,
-            [1, verify_len, max(prefill_len, verify_len)],
+            [1, *verify_lens, max(prefill_len, *verify_lens)],
             chain_lengths,
             onlys,
             self.max_model_len,
             self.block_size,
             self.config.max_num_seqs,
             self.aux_layers,
+            trees=self.tree is not None,
         )
         graphs.capture()
         return graphs
+
+    def verify_query_lens(self) -> list[int]:
+        """The query classes of decode steps: 1 + k (a chain of k drafts), and with a draft tree one
+        per depth it can be cut at (its node count there; a request's smaller k cuts it)."""
+        chain = 1 + self.spec.k if self.spec.enabled else 1
+        if self.tree is None:
+            return [chain]
+        return sorted({chain, *(self.tree.num_nodes(depth) for depth in range(1, self.tree.depth + 1))})
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -420,11 +457,8 @@ class ModelRunner:
         runs behind the step's kernels while the host works on)."""
         done = None
         if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            packed = host
+            self._results.reverse()
+            packed, done = self._results[0].read(packed)
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
         return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored)
@@ -444,44 +478,32 @@ class ModelRunner:
         """The tail without a graph; requests the fused kernel cannot verify go through the torch
         `RejectionSampler` first (penalties, logit bias, min_tokens suppression, logprobs)."""
         assert self.tail is not None
-        if t.tree_parents is not None:
-            return self._tree_tail(logits, t, plan, fused)
         if fused:
             return self.tail(logits, t, plan), []
+        if t.tree_parents is not None:
+            return self._tree_tail(logits, t, plan)
         token_ids, num_accepted, logprobs = self.ranks.share(lambda: self._verify_on_host(logits, t, plan))
         moved = [torch.from_numpy(x).to(self.device, non_blocking=True) for x in (token_ids, num_accepted)]
         return self.tail.update_and_draft(moved[0], moved[1], t, plan), logprobs
 
     def _tree_tail(
-        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
+        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
-        """The tail of a step that verifies draft trees (services/engine/tree_verify.py): the target
-        KV of each accepted path compacted, then the update and drafting. Requests the fused kernel
-        cannot verify bring no tree (`tree_verifiable`); in a step with any of them, every request
-        without a tree takes the torch `RejectionSampler`'s result."""
+        """The tail of a step that verifies draft trees beside requests the fused kernel cannot
+        verify (services/engine/tree_verify.py): those bring no tree (`tree_verifiable`), and every
+        request without a tree takes the torch `RejectionSampler`'s result; then the target KV of
+        each accepted path is compacted, the requests updated and drafted."""
         assert self.tail is not None and t.tree_parents is not None
-        params = self.inputs.gather(t.row_slots)
-        masks = (t.bitmask, t.masked_rows if t.bitmask is not None else None)
-        targets = target_tokens(logits, params, t.row_positions, *masks)
-        verdict = verify_tree(targets, t.draft_ids, t.cu_num_rows, t.tree_parents)
-        token_ids, num_accepted = verdict.token_ids, verdict.num_accepted
-        logprobs: list[list[TokenLogprobs | None]] = []
-        if not fused:
-            host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan)
-            # the torch sampler's result is right for every request without a tree (chains, grammars)
-            on_host = torch.tensor([not self._verifies_tree(seq) for seq in plan.seqs], device=self.device)
-            token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
-            num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
-            chain = torch.minimum(
-                torch.arange(verdict.path.shape[1], device=self.device), num_accepted[:, None]
-            )
-            verdict.path = torch.where(on_host[:, None], chain.long(), verdict.path)
-        forward = t.forward
-        ends = forward.meta.query_start_loc[1:].index_select(0, t.seq_rows)
-        roots = forward.positions.index_select(0, (ends - (t.cu_num_rows[1:] - t.cu_num_rows[:-1])).long())
-        tables = forward.meta.block_tables.index_select(0, t.seq_rows)
-        compact_path_kv(self.kv_caches, verdict.path, num_accepted, roots, tables, self.block_size)
-        t.tree_path = verdict.path
+        token_ids, num_accepted = self.tail.verify_trees(logits, t)
+        host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan)
+        # the torch sampler's result is right for every request without a tree (chains, grammars)
+        on_host = torch.tensor([not self._verifies_tree(seq) for seq in plan.seqs], device=self.device)
+        token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
+        num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
+        assert t.tree_path is not None
+        chain = torch.minimum(torch.arange(t.tree_path.shape[1], device=self.device), num_accepted[:, None])
+        t.tree_path = torch.where(on_host[:, None], chain.long(), t.tree_path)
+        self.tail.compact_trees(t, num_accepted)
         return self.tail.update_and_draft(token_ids, num_accepted, t, plan), logprobs
 
     def _verify_on_host(

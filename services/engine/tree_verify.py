@@ -147,15 +147,23 @@ def compact_path_kv(
     block_size: int,
 ) -> None:
     """Moves the KV of each accepted path's node at depth d from position root + node to root + d,
-    in every layer of `caches`; every entry is read before any is written."""
-    depths = torch.arange(1, path.shape[1], device=path.device)[None, :]
-    moved = (depths <= num_accepted[:, None].long()) & (path[:, 1:] != depths)
-    if not bool(moved.any()):
+    in every layer of `caches`; every entry is read before any is written.
+
+    Fixed shapes and no host synchronisation, so that a CUDA graph's tail captures it: every
+    (request, depth) pair copies one entry. A pair with nothing to move repeats the first pair that
+    moves (the same source and destination, so the repeated writes agree), or, where no pair moves,
+    copies the first pair's destination onto itself."""
+    if path.shape[1] < 2:
         return
-    seq, column = moved.nonzero(as_tuple=True)
-    root = root_positions[seq]
-    sources = _slots(root + path[seq, column + 1], block_tables[seq], block_size)
-    destinations = _slots(root + column + 1, block_tables[seq], block_size)
+    depths = torch.arange(1, path.shape[1], device=path.device)[None, :]
+    moved = ((depths <= num_accepted[:, None].long()) & (path[:, 1:] != depths)).flatten()
+    roots = root_positions[:, None].long()
+    sources = _slots(roots + path[:, 1:], block_tables, block_size).flatten()
+    destinations = _slots(roots + depths, block_tables, block_size).flatten()
+    first = moved.int().argmax(dim=0, keepdim=True)  # the first pair that moves; 0 where none does
+    first_source = torch.where(moved[first], sources[first], destinations[first])
+    sources = torch.where(moved, sources, first_source)
+    destinations = torch.where(moved, destinations, destinations[first])
     for key_cache, value_cache in caches:
         for cache in (key_cache, value_cache):
             flat = cache.view(-1, *cache.shape[2:])
@@ -163,6 +171,7 @@ def compact_path_kv(
 
 
 def _slots(positions: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` ([n] int64) under block tables `tables` ([n, max_blocks])."""
-    blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
+    """Cache slots of `positions` ([num_seqs, n] int64) under each request's block table (`tables`
+    [num_seqs, max_blocks]); positions past a table read its last entry (pairs that move nothing)."""
+    blocks = tables.gather(1, (positions // block_size).clamp(0, tables.shape[1] - 1)).long()
     return blocks * block_size + positions % block_size

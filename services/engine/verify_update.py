@@ -17,6 +17,10 @@ Grammar requests verify here too: their rows are marked in `masked_rows` and the
 grammar bitmask the host filled while the forward ran (services/engine/grammar.py, `StepMasks`).
 Steps whose verification the fused kernel cannot do (penalties, min_tokens suppression, logprobs)
 verify with the torch `RejectionSampler` and run steps 2-4 with `update_and_draft`.
+
+Steps that verify draft trees (`StepTensors.tree_parents`) take the tree rule in step 1 instead
+(services/engine/tree_verify.py: each row's target token, the accepted path, the target's KV of the
+path compacted), on the device as well, so their tail is captured too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
+from services.engine.tree_verify import compact_path_kv, target_tokens, verify_tree
+from shared.model.llama import KVCache
 
 ACCEPTED, KEPT, FINISH, STOP_TOKEN, NUM_DRAFTS, TOKENS = range(6)
 """Columns of the packed result; the kept tokens start at TOKENS, the drafts follow them."""
@@ -86,13 +92,18 @@ class VerifyAndUpdate:
         strategy: int,
         policy: int,
         max_num_drafts: int,
+        target_caches: list[KVCache] | None = None,
+        block_size: int = 1,
     ):
-        """`proposers`: the device proposers, indexed by `StepTensors.seq_methods`."""
+        """`proposers`: the device proposers, indexed by `StepTensors.seq_methods`; `target_caches`:
+        the target's KV caches (paged in `block_size` blocks), where steps verify draft trees."""
         self.inputs = inputs
         self.proposers = proposers
         self.strategy = strategy
         self.policy = policy
         self.max_num_drafts = max_num_drafts
+        self.target_caches = target_caches or []
+        self.block_size = block_size
 
     def width(self, max_rows: int) -> int:
         """Columns of the packed result of a step whose requests bring at most `max_rows` rows."""
@@ -100,7 +111,11 @@ class VerifyAndUpdate:
 
     def __call__(self, logits: torch.Tensor, t: StepTensors, plan: StepPlan) -> torch.Tensor:
         """[num_seqs, width(max_rows)] int32; `logits` [num_rows, vocab_size] float32."""
-        token_ids, num_accepted = self.verify(logits, t)
+        if t.tree_parents is None:
+            token_ids, num_accepted = self.verify(logits, t)
+        else:
+            token_ids, num_accepted = self.verify_trees(logits, t)
+            self.compact_trees(t, num_accepted)
         return self.update_and_draft(token_ids, num_accepted, t, plan)
 
     def verify(self, logits: torch.Tensor, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +139,31 @@ class VerifyAndUpdate:
             masked_rows=None if t.bitmask is None else t.masked_rows,
         )
         return token_ids, num_accepted
+
+    def verify_trees(self, logits: torch.Tensor, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree rule over every request (a chain is a tree of one branch): (token_ids [num_seqs,
+        max_rows] int32, -1 padded; num_accepted [num_seqs] int32); each request's accepted path
+        goes to `t.tree_path`."""
+        assert t.tree_parents is not None
+        params = self.inputs.gather(t.row_slots)
+        masked_rows = None if t.bitmask is None else t.masked_rows
+        targets = target_tokens(logits, params, t.row_positions, t.bitmask, masked_rows)
+        verdict = verify_tree(targets, t.draft_ids, t.cu_num_rows, t.tree_parents)
+        t.tree_path = verdict.path
+        return verdict.token_ids, verdict.num_accepted
+
+    def compact_trees(self, t: StepTensors, num_accepted: torch.Tensor) -> None:
+        """Moves the target KV of each request's accepted path (`t.tree_path`, the first
+        `num_accepted` depths) into the positions after its root, as a chain would have left it."""
+        assert t.tree_path is not None
+        forward = t.forward
+        ends = forward.meta.query_start_loc[1:].index_select(0, t.seq_rows)
+        num_rows = t.cu_num_rows[1:] - t.cu_num_rows[:-1]
+        # a graph's padding requests may bring no row at the end of the step: clamped, they move nothing
+        root_rows = (ends - num_rows).long().clamp(0, forward.positions.shape[0] - 1)
+        roots = forward.positions.index_select(0, root_rows)
+        tables = forward.meta.block_tables.index_select(0, t.seq_rows)
+        compact_path_kv(self.target_caches, t.tree_path, num_accepted, roots, tables, self.block_size)
 
     def update_and_draft(
         self, token_ids: torch.Tensor, num_accepted: torch.Tensor, t: StepTensors, plan: StepPlan

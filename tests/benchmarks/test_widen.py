@@ -1,5 +1,6 @@
 """A widened checkpoint computes its source's function: the same logits through the serving
-forward, the same greedy tokens (and MTP drafts) through the engine, the same MTP head logits;
+forward, the same greedy tokens (and MTP and EAGLE-3 drafts) through the engine, the same MTP head
+logits;
 the loader reads what it writes, and shapes it cannot reach are refused by name."""
 
 from __future__ import annotations
@@ -86,8 +87,28 @@ def source_mtp(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def source_eagle3(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE-3 head over every other token, every weight random, norm gains included."""
+    from shared.model.eagle3 import default_aux_layers, save_eagle3_head
+    from training.train_eagle3 import init_head_from_target
+
+    model = load(source)
+    layers = default_aux_layers(model.config.num_hidden_layers)
+    head = init_head_from_target(model, torch.arange(0, model.config.vocab_size, 2), layers, CPU)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.dim() == 1 else 0.0))
+    return save_eagle3_head(head, tmp_path_factory.mktemp("source-eagle3"))
+
+
+@pytest.fixture(scope="module")
 def widened(
-    widening: str, source: Path, source_mtp: Path, tmp_path_factory: pytest.TempPathFactory
+    widening: str,
+    source: Path,
+    source_mtp: Path,
+    source_eagle3: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> WidenResult:
     return widen(
         source,
@@ -97,6 +118,7 @@ def widened(
         torch.float32,
         seed=2,
         max_shard_bytes=SHARD_BYTES[widening],
+        eagle3_dir=source_eagle3,
     )
 
 
@@ -142,6 +164,30 @@ def test_greedy_generation_and_mtp_drafts_are_identical(
     expected = run(source, source_mtp)
     assert [ids for ids, _ in expected] == [o.token_ids for o in naive]
     assert run(widened.target_dir, widened.mtp_dir) == expected  # tokens and acceptance
+
+
+def test_greedy_generation_and_eagle3_drafts_are_identical(
+    widening: str, source: Path, source_eagle3: Path, widened: WidenResult
+) -> None:
+    """The widened EAGLE-3 head (its layer of the target's shape, over the widened target's
+    streams) drafts what the source head drafts: the same tokens and acceptance, chain and tree."""
+    prompts = token_ids([3, 17, 40, 9], seed=6)
+
+    def run(target: Path, head: Path, **tree: list[int]) -> list[tuple[list[int], dict]]:
+        spec = dict(method="eagle3", model=str(head), num_speculative_tokens=2, adaptive=False, **tree)
+        llm = LLM(str(target), device="cpu", max_model_len=96, speculative_config=spec)
+        return [
+            (o.token_ids, o.spec_stats)
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        ]
+
+    assert widened.eagle3_dir is not None
+    config = json.loads((widened.eagle3_dir / "config.json").read_text())
+    assert config["hidden_size"] == config["target_hidden_size"] == WIDENINGS[widening].hidden_size
+    for tree in ({}, {"tree": [2, 2]}):
+        expected = run(source, source_eagle3, **tree)
+        assert sum(stats["num_draft_tokens"] for _, stats in expected) > 0
+        assert run(widened.target_dir, widened.eagle3_dir, **tree) == expected
 
 
 def test_checkpoint_keeps_the_stream_clean(widening: str, widened: WidenResult) -> None:

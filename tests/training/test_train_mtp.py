@@ -145,3 +145,12 @@ def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
     assert factors[:5] == sorted(factors[:5]) and factors[4] == 1.0
     assert factors[5:] == sorted(factors[5:], reverse=True)
     assert warmup_cosine(50, 5, 50, 0.1) == pytest.approx(0.1)
+
+
+def test_a_spent_time_budget_decays_the_learning_rate_before_the_last_step() -> None:
+    """A run cut short by its time budget ends at the floor, not at the peak of a schedule laid
+    out for steps it never reaches; time never speeds up the warm-up."""
+    assert warmup_cosine(10, 5, 1000, 0.1, time_fraction=1.0) == pytest.approx(0.1)
+    assert warmup_cosine(10, 5, 1000, 0.1, time_fraction=0.5) == pytest.approx(0.55)
+    assert warmup_cosine(900, 5, 1000, 0.1, time_fraction=0.1) == warmup_cosine(900, 5, 1000, 0.1)
+    assert warmup_cosine(2, 5, 1000, 0.1, time_fraction=0.9) == pytest.approx(0.6)

@@ -70,6 +70,14 @@ class MTPProposer(Proposer):
         self.block_size = block_size
         self.ngram = ngram
         self.tree = tree
+        device = kv_cache[0].device
+        # on the device once: a CUDA graph's capture cannot copy from the host
+        self._node_depths = torch.tensor(tree.depths[1:] if tree else [], dtype=torch.long, device=device)
+        """Each node's depth past the root (level order)."""
+        self._node_masks = torch.tensor(
+            [m >> 1 for m in tree.masks[1:]] if tree else [], dtype=torch.long, device=device
+        )
+        """Each node's ancestor mask among the nodes past the root."""
 
     def propose(self, batch: DraftBatch) -> Drafts:
         head_hidden = self._catch_up(batch)
@@ -108,7 +116,7 @@ class MTPProposer(Proposer):
         inputs = [parent_hidden.repeat_interleave(tree.branching[0], dim=1)]
         for depth in range(1, tree.depth):
             token_ids, hidden = torch.cat(levels, dim=1), torch.cat(inputs, dim=1)
-            out = self._tree_forward(batch, token_ids, hidden, newest, tree)
+            out = self._tree_forward(batch, token_ids, hidden, newest)
             deepest = out[:, -levels[-1].shape[1] :]  # the nodes at `depth`
             levels.append(self._top_k(deepest, tree.branching[depth]))
             inputs.append(deepest.repeat_interleave(tree.branching[depth], dim=1))
@@ -127,7 +135,6 @@ class MTPProposer(Proposer):
         token_ids: torch.Tensor,  # [num_seqs, num_nodes] the nodes drafted so far, root excluded
         hidden: torch.Tensor,  # [num_seqs, num_nodes, hidden_size] each node's parent's output
         newest: torch.Tensor,  # [num_seqs] int64 the last accepted position
-        tree: DraftTree,
     ) -> torch.Tensor:  # [num_seqs, num_nodes, hidden_size]
         """The head over the nodes drafted so far: node m at position newest + its depth, its KV at
         newest + m, seeing the head's cache and its own ancestors. Requests that draft nothing
@@ -137,8 +144,7 @@ class MTPProposer(Proposer):
         device = token_ids.device
         drafting = batch.num_wanted > 0
         base = torch.where(drafting, newest, 0)
-        depths = torch.tensor(tree.depths[1 : num_nodes + 1], device=device)
-        masks = torch.tensor([m >> 1 for m in tree.masks[1 : num_nodes + 1]], device=device)
+        depths, masks = self._node_depths[:num_nodes], self._node_masks[:num_nodes]
         positions = base[:, None] + depths  # [num_seqs, num_nodes]
         kv_positions = base[:, None] + torch.arange(1, num_nodes + 1, device=device)
         extra = -(-num_nodes // self.block_size) + 1  # requests that draft nothing read past their blocks

@@ -108,7 +108,8 @@ class DraftBatch:
         """Moves the KV the step's forward wrote for each request's accepted tree path into
         consecutive positions after its root, in `caches` (a drafting head's caches)."""
         assert self.forward is not None and self.tree_path is not None and self.num_accepted is not None
-        root_positions = self.forward.positions.index_select(0, self.root_rows)
+        root_rows = self.root_rows.clamp(0, self.forward.positions.shape[0] - 1)  # padding: moves nothing
+        root_positions = self.forward.positions.index_select(0, root_rows)
         compact_path_kv(caches, self.tree_path, self.num_accepted, root_positions, self._tables, block_size)
 
     @functools.cached_property

@@ -44,6 +44,14 @@ def test_bucket_lookup_takes_the_smallest_fit() -> None:
     assert graphs.lookup(20, 65) is None  # a longer query than any graph was captured for
 
 
+def test_a_chain_replays_the_shortest_captured_tail_that_covers_it() -> None:
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.chain_lengths = [0, 1, 2, 3]
+    assert [graphs.chain_key(n) for n in range(4)] == [0, 1, 2, 3]
+    graphs.chain_lengths = [0, 3]  # a tree server: its head drafts the whole tree
+    assert [graphs.chain_key(n) for n in range(4)] == [0, 3, 3, 3]
+
+
 def test_graphs_are_off_on_cpu(make_checkpoint) -> None:
     llm = LLM(str(make_checkpoint("llama", num_hidden_layers=1)), device="cpu", max_model_len=64)
     assert llm.engine.runner.graphs is None
@@ -84,7 +92,7 @@ class EagerGraphs(DecodeGraphs):
 
 def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None) -> EagerGraphs:
     """Installs graphs that run eagerly into a CPU engine, as a GPU engine captures them (with a
-    prefill query class of `prefill_len` when given)."""
+    prefill query class of `prefill_len` when given; tree graphs on a server that drafts trees)."""
     runner, drafter = llm.engine.runner, llm.engine.drafter
     k = runner.spec.k
     assert runner.tail is not None
@@ -94,13 +102,14 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
         runner.tail,
         runner.inputs,
         max_tokens,
-        [1, 1 + k] + ([prefill_len] if prefill_len else []),
-        list(range(k + 1)),
+        [1, *runner.verify_query_lens()] + ([prefill_len] if prefill_len else []),
+        runner.chain_lengths() if runner.tree is not None else list(range(k + 1)),
         [None] if drafter.own is None else [None, drafter.own],
         runner.max_model_len,
         runner.block_size,
         runner.config.max_num_seqs,
         runner.aux_layers,
+        trees=runner.tree is not None,
     )
     graphs.capture()
     runner.graphs = graphs

@@ -12,12 +12,17 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
+import xgrammar
 
 from kernels.verify_ref import num_mask_words
 from services.engine.grammar import (
+    RETRIAL_EVERY_FILLS,
+    TRIAL_FILLS,
     GrammarCompiler,
     GrammarState,
+    MaskFiller,
     StepMasks,
+    ThreadChoice,
     allocate_bitmask,
     cut_refused_drafts,
     fill_masks,
@@ -26,25 +31,9 @@ from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from shared.reference import reference_dir
 from shared.sampling_params import SamplingParams
-from shared.structured_output import StructuredOutput
 from shared.tokenizer import Tokenizer
+from tests.services.engine.spec_decode.helpers import GRAMMARS
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "ok": {"type": "boolean"},
-        "kind": {"enum": ["add", "sub"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "ok", "kind", "count"],
-    "additionalProperties": False,
-}
-GRAMMARS = {
-    "json_schema": StructuredOutput.json_schema(SCHEMA),
-    "regex": StructuredOutput(kind="regex", spec=r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"),
-    "choice": StructuredOutput.choice(["def add", "class Point", "import os"]),
-}
 ANSWERS = {
     "json_schema": json.dumps({"name": "ab", "ok": True, "kind": "add", "count": 3}),
     "regex": "me@home.org",
@@ -72,10 +61,10 @@ def test_row_masks_follow_the_drafts_and_leave_the_state_where_it_was(tokenizer,
     """Row j's mask is the grammar's after j drafts; a refused draft stops the rows there; filling
     the masks does not move the state."""
     state = GrammarState(compiler.submit(GRAMMARS["choice"]), max_num_drafts=4)
-    masks = StepMasks(tokenizer.vocab_size, torch.device("cpu"))
+    serial = xgrammar.BatchGrammarMatcher(1)
     drafts = encode(tokenizer, "class Point")
     bitmask = allocate_bitmask(len(drafts) + 1, tokenizer.vocab_size)
-    fill_masks(masks._batch_matcher(), [state], [drafts], [0], bitmask)
+    fill_masks(serial, [state.matcher], [drafts], [0], bitmask)
     for j, draft in enumerate(drafts):
         assert allowed(bitmask, j, draft)
     eos = min(tokenizer.eos_token_ids)
@@ -83,17 +72,18 @@ def test_row_masks_follow_the_drafts_and_leave_the_state_where_it_was(tokenizer,
 
     refused = [drafts[0], encode(tokenizer, "@")[0], drafts[1]]
     bitmask = allocate_bitmask(len(refused) + 1, tokenizer.vocab_size)
-    fill_masks(masks._batch_matcher(), [state], [refused], [0], bitmask)
+    fill_masks(serial, [state.matcher], [refused], [0], bitmask)
     assert allowed(bitmask, 0, refused[0]) and not allowed(bitmask, 1, refused[1])
     assert bool((bitmask[2:] == -1).all())  # untouched past the refused draft
     assert state.advance(drafts)  # the state was still at the start
 
 
-def test_the_batched_fill_equals_the_row_by_row_fill(tokenizer, compiler) -> None:
+@pytest.mark.parametrize("num_threads", [1, 2, 5])
+def test_the_batched_fill_equals_the_row_by_row_fill(tokenizer, compiler, num_threads: int) -> None:
     """A batch of requests under different grammars, at different places in them, with drafts that
     stay in the grammar, leave it midway, end it or are absent: the masks filled in one batched pass
-    (on two threads) are bit for bit those filled one row at a time with the matcher, and every
-    state ends where it was."""
+    (the requests shared out among the threads) are bit for bit those filled one row at a time with
+    the matcher, and every state ends where it was."""
     eos = min(tokenizer.eos_token_ids)
     requests = []  # (grammar, tokens kept, drafts)
     for grammar, answer in ANSWERS.items():
@@ -117,12 +107,33 @@ def test_the_batched_fill_equals_the_row_by_row_fill(tokenizer, compiler) -> Non
         fill_row_by_row(state.matcher, request_drafts, expected, first_row)
     before = next_masks(states, tokenizer.vocab_size)
 
-    masks = StepMasks(tokenizer.vocab_size, torch.device("cpu"), num_threads=2)
-    batched = allocate_bitmask(sum(num_rows), tokenizer.vocab_size)
-    fill_masks(masks._batch_matcher(), states, drafts, first_rows, batched)
-    assert torch.equal(batched, expected)
-    assert len({tuple(row) for row in batched.tolist()}) > len(requests) // 2  # rows of many states
-    assert torch.equal(next_masks(states, tokenizer.vocab_size), before)
+    filler = MaskFiller(num_threads)
+    assert filler.choice.counts == sorted({1, num_threads})
+    for _ in filler.choice.counts:  # the trial's first fills: one thread, then all of them
+        batched = torch.full_like(expected, 7)  # a reused buffer: every row is written
+        filler.fill([state.matcher for state in states], drafts, first_rows, batched)
+        assert torch.equal(batched, expected)
+        assert len({tuple(row) for row in batched.tolist()}) > len(requests) // 2  # rows of many states
+        assert torch.equal(next_masks(states, tokenizer.vocab_size), before)
+    filler.close()
+
+
+def test_the_filler_keeps_the_thread_count_that_filled_faster_and_tries_again_later() -> None:
+    choice = ThreadChoice(4)
+    seconds_per_row = {1: 2e-6, 4: 1e-6}
+    used = []
+    for _ in range(RETRIAL_EVERY_FILLS + 2 * TRIAL_FILLS):
+        threads = choice.next()
+        used.append(threads)
+        choice.record(threads, seconds_per_row[threads] * 64, 64)
+        if len(used) == RETRIAL_EVERY_FILLS:
+            seconds_per_row = {1: 1e-6, 4: 3e-6}  # the grammars changed: one thread pays now
+    trial = 2 * TRIAL_FILLS
+    assert used[:trial] == [1, 4] * TRIAL_FILLS
+    assert set(used[trial:RETRIAL_EVERY_FILLS]) == {4}
+    assert used[RETRIAL_EVERY_FILLS : RETRIAL_EVERY_FILLS + trial] == [1, 4] * TRIAL_FILLS
+    assert choice.next() == 1
+    assert ThreadChoice(1).next() == 1
 
 
 def test_step_masks_write_only_the_rows_of_requests_with_a_grammar(tokenizer, compiler) -> None:
@@ -136,6 +147,23 @@ def test_step_masks_write_only_the_rows_of_requests_with_a_grammar(tokenizer, co
     expected = allocate_bitmask(3, tokenizer.vocab_size)
     fill_row_by_row(with_grammar.grammar.matcher, ids[1:3], expected, 0)
     assert bool((host[:3] == 7).all()) and torch.equal(host[3:], expected)
+
+
+def test_a_reused_buffer_allows_every_token_in_the_rows_without_a_grammar(tokenizer, compiler) -> None:
+    """The step's host buffer keeps the last step's masks: a row a grammar masked then, and a
+    request without a grammar holds now, allows every token again."""
+    ids = encode(tokenizer, ANSWERS["regex"])
+    masks = StepMasks(tokenizer.vocab_size, torch.device("cpu"), num_threads=1)
+    first = [sequence("a", ids[1:3]), sequence("b", ids[1:3])]
+    for seq in first:
+        seq.grammar = GrammarState(compiler.submit(GRAMMARS["regex"]), max_num_drafts=2)
+        assert seq.grammar.advance(ids[:1])
+    masked = masks.fill(first, np.array([0, 3, 6])).clone()
+    assert not bool((masked == -1).all())
+    second = [first[1], sequence("plain", [5, 6])]
+    again = masks.fill(second, np.array([0, 3, 6]))
+    assert torch.equal(again[:3], masked[3:]) and bool((again[3:] == -1).all())
+    masks.close()
 
 
 def test_drafts_are_cut_at_the_first_one_the_grammar_refuses(tokenizer, compiler) -> None:

@@ -155,3 +155,39 @@ def test_compaction_moves_the_accepted_path_into_consecutive_slots() -> None:
     moved = {slot(0, 3), slot(0, 4), slot(0, 5), slot(1, 7)}  # request 1's depth 1 stays where it was
     untouched = [s for s in range(num_blocks * block_size) if s not in moved]
     assert torch.equal(flat[untouched], flat_before[untouched])
+
+
+def test_compaction_beside_padding_requests_moves_only_the_accepted_path() -> None:
+    """A CUDA graph's compaction has a pair per (request, depth): a padding request after a real
+    one (root 0 over block 0, which the real request also holds) and a request whose depths reach
+    past its block table move nothing, and do not undo the real request's moves."""
+    block_size, num_blocks = 4, 6
+    key_cache = torch.arange(num_blocks * block_size, dtype=torch.float32).view(num_blocks, block_size, 1, 1)
+    value_cache = -key_cache.clone()
+    before = key_cache.flatten().clone()
+    tables = torch.tensor([[3, 0], [5, 5], [0, 0]], dtype=torch.int32)
+    path = torch.tensor([[0, 2, 3, 3], [0, 1, 2, 3], [0, 0, 0, 0]])
+    roots = torch.tensor([3, 2, 0])  # request 0's depths 1-3 sit in block 0, slots 0-2
+    compact_path_kv(
+        [(key_cache, value_cache)],
+        path,
+        torch.tensor([2, 3, 0], dtype=torch.int32),
+        roots,
+        tables,
+        block_size,
+    )
+    expected = before.clone()
+    expected[0], expected[1] = before[1], before[2]  # depth 1 <- node 2, depth 2 <- node 3
+    assert torch.equal(key_cache.flatten(), expected)
+    assert torch.equal(value_cache, -key_cache)
+
+
+def test_compaction_with_nothing_accepted_changes_nothing() -> None:
+    key_cache = torch.randn(4, 4, 1, 2)
+    value_cache = torch.randn(4, 4, 1, 2)
+    before = key_cache.clone(), value_cache.clone()
+    path = torch.tensor([[0, 0, 0], [0, 1, 1]])
+    tables = torch.tensor([[2, 1], [3, 0]], dtype=torch.int32)
+    num_accepted = torch.tensor([0, 1], dtype=torch.int32)  # request 1's node 1 is already at depth 1
+    compact_path_kv([(key_cache, value_cache)], path, num_accepted, torch.tensor([5, 1]), tables, 4)
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])

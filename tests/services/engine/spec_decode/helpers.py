@@ -1,4 +1,5 @@
-"""What the speculative-engine tests share: prompts that make drafts pay, and greedy sampling."""
+"""What the speculative-engine tests share: prompts that make drafts pay, greedy sampling, and the
+grammars of the structured-output tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 MAX_TOKENS = 40
 
@@ -24,6 +26,26 @@ def repetitive_prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["add", "sub"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "kind", "count"],
+    "additionalProperties": False,
+}
+"""The structured-output tests' JSON schema: a bounded string, an enum and a bounded integer."""
+REGEX = r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"
+CHOICES = ["def add", "class Point", "import os"]
+GRAMMARS = {
+    "json_schema": StructuredOutput.json_schema(SCHEMA),
+    "regex": StructuredOutput(kind="regex", spec=REGEX),
+    "choice": StructuredOutput.choice(CHOICES),
+}
 
 
 _EAGLE3_HEADS: dict[str, Path] = {}

@@ -6,36 +6,28 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
+import services.engine.grammar as grammar_module
 from services.engine.engine import RequestError
+from services.engine.grammar import StepMasks, fill_masks
 from services.engine.llm import LLM
 from services.engine.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutput
-from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.spec_decode.helpers import (
+    CHOICES,
+    GRAMMARS,
+    GREEDY,
+    REGEX,
+    SCHEMA,
+    repetitive_prompts,
+)
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency; GPU images may lack it
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "ok": {"type": "boolean"},
-        "kind": {"enum": ["add", "sub"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "ok", "kind", "count"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"
-CHOICES = ["def add", "class Point", "import os"]
-GRAMMARS = {
-    "json_schema": StructuredOutput.json_schema(SCHEMA),
-    "regex": StructuredOutput(kind="regex", spec=REGEX),
-    "choice": StructuredOutput.choice(CHOICES),
-}
 PROMPTS = [
     '{"name": "ab", "ok": true, "kind": "add", "count": 3}\n' * 3,
     "me@home.org you@work.com us@",
@@ -96,6 +88,28 @@ def test_greedy_output_under_a_grammar_equals_naive(target, mtp_head, naive_by_g
         num_stops += sum(o.finish_reason == "stop" for o in outputs)
     assert num_drafts > 0
     assert num_stops >= len(PROMPTS)  # the grammars end, so most answers are complete
+
+
+def test_greedy_output_under_a_grammar_is_the_same_with_the_fill_on_threads(
+    target, naive_by_grammar, monkeypatch
+) -> None:
+    """The step's masks filled on three threads, each taking parts of the batch: greedy output is
+    plain constrained decoding's, and parts were filled off the engine's thread."""
+    llm = spec_llm(target, **drafting("ngram", target, ""))
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "step_masks", StepMasks(runner.model_config.vocab_size, runner.device, 3))
+    filled_on: set[str] = set()
+
+    def recording(*args: object) -> None:
+        filled_on.add(threading.current_thread().name)
+        fill_masks(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar_module, "fill_masks", recording)
+    for grammar in GRAMMARS:  # each prompt four times: 16 rows or more, two parts or more
+        outputs = llm.generate(PROMPTS * 4, constrained(GREEDY, grammar))
+        assert [o.token_ids for o in outputs] == naive_by_grammar[grammar] * 4, grammar
+    assert any(name.startswith("grammar-fill") for name in filled_on)
+    runner.step_masks.close()
 
 
 def test_drafts_that_leave_the_grammar_are_cut_before_verification(target, naive_by_grammar) -> None:

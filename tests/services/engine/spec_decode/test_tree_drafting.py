@@ -1,16 +1,20 @@
 """Tree drafting end to end on the CPU (`speculative_config.tree`, MTP and EAGLE-3 heads): greedy
 output is the target's, seeded sampling is unchanged by it, trees accept more than chains of the
-same depth, bad configs are refused."""
+same depth, tree steps replayed through the CUDA graphs' static buffers emit the eager tokens, bad
+configs are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.llm import LLM
+from services.engine.verify_update import StepTensors
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.test_cuda_graph import with_eager_graphs
 
 TREE = [3, 2, 1]
 
@@ -123,6 +127,95 @@ def test_a_smaller_k_cuts_the_tree(target, naive_tokens, mtp_head) -> None:
     assert 0 < drafts <= 3 * steps
 
 
+def recorded_keys(graphs: DecodeGraphs) -> list[tuple[int, int]]:
+    """The (bucket, query class) of every step `graphs` replays from now on."""
+    keys: list[tuple[int, int]] = []
+    replay = graphs.replay_forward
+
+    def record(step: HostStep, key: tuple[int, int]) -> StepTensors:
+        keys.append(key)
+        return replay(step, key)
+
+    graphs.replay_forward = record  # type: ignore[method-assign]
+    return keys
+
+
+def tree_params(sampling: str) -> list[SamplingParams]:
+    """Six requests of different lengths; some cut the tree at depth 1 or 2 (query classes 4, 10)."""
+    params = []
+    for i in range(6):
+        fields: dict = {"temperature": 0.0, "max_tokens": 12 + 5 * i, "ignore_eos": True}
+        if sampling == "seeded":
+            fields |= {"temperature": 0.8, "top_k": 20, "seed": 5}
+        if i % 3:
+            fields["speculative"] = SpeculativeOverride(num_speculative_tokens=i % 3)
+        params.append(SamplingParams(**fields))
+    return params
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str) -> None:
+    """Tree steps go through the graphs' static buffers (tree masks and parent arrays among them,
+    padded to buckets, one query class per depth the tree is cut at) and the captured tail (tree
+    verification, the accepted paths' KV compacted in the target's and the head's caches, the
+    next trees drafted): the eager engine's tokens and acceptance."""
+    method, head = method_head
+    prompts = repetitive_prompts()
+    outputs, keys = [], []
+    for graphs in (False, True):
+        llm = head_llm(target, method, head, tree=TREE)
+        fake = with_eager_graphs(llm, max_tokens=48) if graphs else None
+        llm.engine.drafter.max_graph_tokens = 48  # drafts trimmed alike with and without graphs
+        keys = recorded_keys(fake) if fake is not None else []
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=tree_params(sampling))
+        outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in generated])
+        if fake is not None:
+            assert fake.query_lens == [1, 4, 10, 16]
+            assert fake.chain_lengths == [0, 3]  # depths 1 and 2 replay the tail of depth 3
+            assert fake.num_tail_replays > 10
+    assert outputs[1] == outputs[0]
+    assert sum(accepted for _, accepted in outputs[1]) > 0
+    assert {4, 10, 16} <= {query_class for _, query_class in keys}
+
+
+def test_tree_steps_beside_prefill_chunks_and_logprobs_replay_the_eager_tokens(target, mtp_head) -> None:
+    """Three requests run at a time out of six, so prefill chunks share steps with trees (the
+    prefill class, every token's mask causal but the trees'); a request with logprobs sends its
+    steps' tails to the torch verifier after the forward's replay."""
+    prompts = repetitive_prompts()
+    params = [
+        p.model_copy(update={"logprobs": 2 if i == 1 else None}) for i, p in enumerate(tree_params("greedy"))
+    ]
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(
+            target,
+            device="cpu",
+            max_model_len=192,
+            speculative_config={"method": "mtp", "model": mtp_head, "adaptive": False, "tree": TREE},
+            max_num_seqs=3,
+            max_num_batched_tokens=48,
+        )
+        fake = with_eager_graphs(llm, max_tokens=48, prefill_len=48) if graphs else None
+        llm.engine.drafter.max_graph_tokens = 40
+        generated = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in generated])
+        if fake is not None:
+            assert fake.num_mixed_replays > 3
+            assert fake.num_replays > fake.num_tail_replays > 3  # some tails ran eagerly (logprobs)
+    assert outputs[1] == outputs[0]
+    assert sum(accepted for _, accepted in outputs[1]) > 0
+
+
+def test_tree_graphs_refuse_a_step_without_tree_inputs(target, mtp_head) -> None:
+    llm = head_llm(target, "mtp", mtp_head, tree=TREE)
+    graphs = with_eager_graphs(llm, max_tokens=16)
+    llm.engine.runner.tree = None  # the runner stops building tree inputs
+    with pytest.raises(ValueError, match="tree inputs"):
+        llm.generate(prompt_token_ids=repetitive_prompts(1), sampling_params=GREEDY)
+    assert graphs.num_replays == 0
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -161,3 +254,44 @@ def test_tree_drafting_on_cuda_keeps_greedy_output(target, method_head) -> None:
     outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
     assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "logprobs"])
+def test_tree_graph_replay_gives_the_eager_tokens(target, method_head, sampling: str) -> None:
+    """Tree steps replayed from CUDA graphs (the forward with tree masks, the tail with tree
+    verification, KV compaction and the next trees' drafting, captured without a host sync) emit
+    the eager tree path's tokens, with steps across buckets and every query class of the tree;
+    a request with logprobs sends its steps' tails to the torch verifier after the forward's replay."""
+    method, head = method_head
+    spec = {"method": method, "model": head, "adaptive": False, "tree": TREE}
+    params = tree_params("seeded" if sampling == "seeded" else "greedy")
+    if sampling == "logprobs":
+        params[1] = params[1].model_copy(update={"logprobs": 2})
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(
+            target,
+            device="cuda",
+            dtype="float32",
+            max_model_len=192,
+            speculative_config=spec,
+            enforce_eager=eager,
+            cuda_graph_max_tokens=128,
+            max_num_seqs=8,
+        )
+        generated = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+        outputs[eager] = [o.token_ids for o in generated]
+        graphs = llm.engine.runner.graphs
+        if eager:
+            assert graphs is None
+            continue
+        assert graphs is not None and graphs.trees and graphs.query_lens == [1, 4, 10, 16, 128]
+        assert graphs.num_replays > 10
+        if sampling == "logprobs":
+            assert graphs.num_replays > graphs.num_tail_replays
+        else:
+            assert graphs.num_tail_replays == graphs.num_replays
+        assert sum(o.spec_stats["num_accepted_tokens"] for o in generated) > 0
+    assert outputs[False] == outputs[True]
