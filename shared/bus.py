@@ -26,6 +26,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared import trace
 from shared.keys import Keys
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -155,7 +156,9 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
     more on a new one at once: after a Redis restart every pooled connection is broken, and each
     would otherwise fail one command. Longer outages are for `retry_transient` and the callers'
     own loops. Wrong credentials fail at once, naming the user."""
+    connection_class = trace.CountingConnection if trace.ENABLED else aioredis.Connection
     pool = aioredis.BlockingConnectionPool(
+        connection_class=connection_class,
         host=settings.host,
         port=settings.port,
         username=settings.username,
@@ -263,29 +266,55 @@ RECORD_HEADER = struct.Struct("<IIII")
 APPEND_AT_END = 2**32 - 1
 """A record's start position that appends wherever the record ends (a refusal's end marker)."""
 
-ADMIT_LUA = """
-if redis.call('HEXISTS', KEYS[1], 'ended') == 1 then
-    return -2
+ADMIT_FUNCTION_LUA = """
+local function admit(state, depth, submit, max_len, owned, gateways, request_id, gateway_id, incarnation)
+    if redis.call('HEXISTS', state, 'ended') == 1 then
+        return -2
+    end
+    if redis.call('HSETNX', state, 'request', submit) == 0 then
+        return 0
+    end
+    if redis.call('INCR', depth) > tonumber(max_len) then
+        redis.call('DECR', depth)
+        redis.call('DEL', state)
+        return -1
+    end
+    redis.call('HSET', state, 'slot', 1, 'attempts', 0, 'epoch', 0)
+    if owned then
+        redis.call('HSET', state, 'gateway', gateway_id)
+        redis.call('HSET', owned, request_id, incarnation)
+        redis.call('SADD', gateways, gateway_id)
+    end
+    return 1
 end
-if redis.call('HSETNX', KEYS[1], 'request', ARGV[1]) == 0 then
-    return 0
-end
-if redis.call('INCR', KEYS[2]) > tonumber(ARGV[2]) then
-    redis.call('DECR', KEYS[2])
-    redis.call('DEL', KEYS[1])
-    return -1
-end
-redis.call('HSET', KEYS[1], 'slot', 1, 'attempts', 0, 'epoch', 0)
-if KEYS[3] then
-    redis.call('HSET', KEYS[1], 'gateway', ARGV[4])
-    redis.call('HSET', KEYS[3], ARGV[3], ARGV[5])
-    redis.call('SADD', KEYS[4], ARGV[4])
-end
-return 1
 """
+"""Records a new request and takes its queue slot: 1, or 0 (a duplicate), -1 (the queue is full),
+-2 (the request has ended); `owned` (its gateway's requests hash) may be nil."""
+
+ADMIT_LUA = (
+    ADMIT_FUNCTION_LUA
+    + "return admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5])"
+)
 """`admit`. KEYS: the request's state hash, the queue depth[, its gateway's requests hash, the
 gateways set]. ARGV: the Submit, the longest queue[, the request id, the gateway id, the
 gateway's incarnation]."""
+
+ADMIT_AND_DISPATCH_LUA = (
+    ADMIT_FUNCTION_LUA
+    + """
+local admitted = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[5], KEYS[6], ARGV[3], ARGV[4], ARGV[5])
+if admitted == 1 then
+    redis.call('HSET', KEYS[1], 'epoch', ARGV[6], 'instances', ARGV[7])
+    redis.call('SADD', KEYS[4], ARGV[3])
+    redis.call('XADD', KEYS[3], '*', ARGV[8], ARGV[9])
+end
+return admitted
+"""
+)
+"""`admit_and_dispatch`. KEYS: the request's state hash, the queue depth, the instance's inbox and
+assignment set[, the gateway's requests hash, the gateways set]. ARGV: the Submit, the longest
+queue, the request id, the gateway id, the gateway's incarnation, the first epoch, the instance,
+the payload field, the Dispatch."""
 
 RELEASE_LUA = """
 if redis.call('HDEL', KEYS[1], 'slot') == 1 then
@@ -390,6 +419,8 @@ class Placement:
     instance_ids: list[str]
 
 
+FIRST_EPOCH = 1
+"""The epoch of a request's first placement (`claim_epoch` of a request just admitted)."""
 Admission = Literal["admitted", "duplicate", "queue_full", "ended"]
 ADMISSIONS: dict[int, Admission] = {1: "admitted", 0: "duplicate", -1: "queue_full", -2: "ended"}
 """`ADMIT_LUA`'s answers."""
@@ -476,6 +507,36 @@ class Bus:
             args += [request_id, request.gateway_id, request.gateway_incarnation]
         result = await self._run_script(ADMIT_LUA, keys, args)
         return ADMISSIONS[int(result)]
+
+    async def admit_and_dispatch(
+        self, request_id: str, submit: Submit, max_queue_len: int, instance_id: str, dispatch: Message
+    ) -> Admission:
+        """`admit`, and for a request admitted now also its first placement on `instance_id` (epoch
+        `FIRST_EPOCH`, which `dispatch` must carry; recorded as `dispatch` records it) and the
+        `dispatch` to its inbox: one round trip where `admit`, `claim_epoch` and `dispatch` take
+        three. Nothing is dispatched for a request not admitted now."""
+        request = submit.request
+        keys = [
+            self.keys.request_state(request_id),
+            self.keys.queue_depth,
+            self.keys.inbox(instance_id),
+            self.keys.assignments(instance_id),
+        ]
+        owned = request.gateway_id and request.gateway_incarnation
+        if owned:
+            keys += [self.keys.gateway_requests(request.gateway_id or ""), self.keys.gateways]
+        args: list[bytes | str | int] = [
+            encode(submit),
+            max_queue_len,
+            request_id,
+            (request.gateway_id or "") if owned else "",
+            (request.gateway_incarnation or "") if owned else "",
+            FIRST_EPOCH,
+            instance_id,
+            PAYLOAD_FIELD,
+            encode(dispatch),
+        ]
+        return ADMISSIONS[int(await self._run_script(ADMIT_AND_DISPATCH_LUA, keys, args))]
 
     async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for

@@ -66,6 +66,12 @@ class EngineConfig(BaseModel):
     core on CPU, half the cores the process may run on (at least one), leaving the rest to the
     mesh's other processes, since threads of one op that wait on each other for a busy core stall
     the whole step; on a GPU the core keeps one; in-process (`LLM`), torch's default."""
+    core_cpus: str = "auto"
+    """CPUs of a worker's engine core: `auto`, `off`, or a list as `taskset -c` takes it (`3`,
+    `2,4-5`); the worker's bus side then runs on the others, so that it never preempts a step on
+    the core's CPU. `auto`: as many as the core has torch threads, the highest-numbered the process
+    may use that no other engine core on the host holds, on a host of four CPUs or more (on fewer,
+    nothing is pinned). An engine in-process (`LLM`) is not pinned."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""
@@ -79,6 +85,8 @@ class EngineConfig(BaseModel):
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        if self.core_cpus not in ("auto", "off"):
+            parse_cpu_list(self.core_cpus)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         return self
@@ -146,3 +154,14 @@ class EngineConfig(BaseModel):
         if self.enable_chunked_prefill:
             return DEFAULT_CHUNKED_PREFILL_TOKENS
         return max(max_model_len, DEFAULT_CHUNKED_PREFILL_TOKENS)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A CPU list as `taskset -c` takes it ("3", "0,2", "4-7"), sorted; a clear error if it is none."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"core_cpus {text!r} is not auto, off or a CPU list such as '3', '0,2' or '4-7'")
+        cpus.update(range(int(first), int(last if dash else first) + 1))
+    return sorted(cpus)

@@ -70,6 +70,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "one with a GPU; in-process: torch's default)",
     )
     group.add_argument(
+        "--core-cpus",
+        help="a worker's engine-core CPUs: auto (default), off, or a list such as 3 or 2,4-5; its bus "
+        "side runs on the others",
+    )
+    group.add_argument(
         "--speculative-config",
         help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
@@ -111,5 +116,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         cpu_threads=args.cpu_threads,
+        **({"core_cpus": args.core_cpus} if args.core_cpus is not None else {}),
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )

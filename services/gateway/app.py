@@ -57,6 +57,7 @@ from services.gateway.prepare import (
 )
 from services.gateway.render import ChoiceState, Renderer, TokenText
 from services.gateway.streaming import EventStream
+from shared import trace
 from shared.protocol import TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -303,6 +304,11 @@ async def _generate(request: web.Request, job: Job) -> web.StreamResponse:
     stats.request_id = job.request_id
     stats.num_prompt_tokens = job.num_prompt_tokens
     await app[HEALTH_GATE].check()
+    if trace.ENABLED:
+        http_at = time.time() - (time.perf_counter() - stats.started_at)
+        for sub_request in job.requests:
+            trace.hop("gateway.http", sub_request.request_id, at=http_at)
+            trace.hop("gateway.prepared", sub_request.request_id)
     choices = [ChoiceState(i) for i in range(len(job.requests))]
     stats.choices = choices
     renderer = Renderer(job, app[SERVED].name, app[TOKEN_TEXT])
@@ -351,6 +357,7 @@ async def _stream(
             choices[index].add(event)
             for chunk in renderer.chunks(choices[index], event):
                 await sse.send(chunk)
+            trace.hop("gateway.sent", event.request_id, event.num_output_tokens)
         else:
             if job.include_usage:
                 await sse.send(renderer.usage_chunk(choices))

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.gateway.continuity import DEFAULT_REPLAY_TIMEOUT_S, Continuity
+from shared import trace
 from shared.bus import Bus, RedisSettings, connect, reraise_if_cancelled, retry_transient, stop_tasks
 from shared.protocol import (
     PAYLOAD_FIELD,
@@ -180,6 +181,7 @@ class RedisBackend:
                 await retry_transient(
                     lambda: self.bus.publish(self.keys.requests, submit), "submitting", self.submit_retry_s
                 )
+                trace.hop("gateway.submitted", request_id)
             except RedisError as exc:
                 yield error_event(
                     request_id, 503, "service_unavailable", f"cannot reach the request bus (Redis): {exc}"
@@ -313,6 +315,7 @@ class RedisBackend:
                 await self.bus.dead_letter(self.stream, entry_id, payload, str(exc))
             return
         for event in batch.events():
+            trace.hop("gateway.read", event.request_id, event.num_output_tokens)
             follow = self._follows.get(event.request_id)
             if follow is not None:
                 follow.queue.put_nowait(event)

@@ -29,10 +29,13 @@ from redis.exceptions import RedisError
 
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
+from shared import trace
 from shared.bus import (
     APPEND_AT_END,
     END_BYTES,
+    FIRST_EPOCH,
     TRANSIENT_ERRORS,
+    Admission,
     Bus,
     Delivery,
     Placement,
@@ -197,6 +200,7 @@ class SplitwiseScheduler:
         message = delivery.message
         try:
             if isinstance(message, Submit):
+                trace.hop("scheduler.read", message.request.request_id)
                 await self._admit(message.request)
             elif isinstance(message, Cancel):
                 await self._cancel(message.request_id, message.reason)
@@ -242,13 +246,20 @@ class SplitwiseScheduler:
     # ---- admission and placement --------------------------------------------------------------------------
 
     async def _admit(self, request: GenerateRequest) -> None:
+        """Admits the request and places it: with a mixed instance at hand, both in one round trip."""
         if request.gateway_id is None:
             raise ValueError("a submit without a gateway_id: nowhere to send its outputs")
-        admission = await self.bus.admit(
-            request.request_id, Submit(request=request), self.options.max_queue_len
-        )
+        mixed = self.registry.pick_least_loaded("mixed", frozenset())
+        if mixed is not None:
+            admission = await self._admit_on(request, mixed.instance_id)
+        else:
+            submit = Submit(request=request)
+            admission = await self.bus.admit(request.request_id, submit, self.options.max_queue_len)
+        trace.hop("scheduler.admitted", request.request_id)
         if admission == "ended":
             return  # a late repeat of the Submit of a request that has ended
+        if admission == "admitted" and mixed is not None:
+            return  # dispatched with its admission
         if admission == "duplicate" and (request.request_id in self.placing or await self._placed(request)):
             return  # a redelivered Submit: already placed, or being placed here
         if admission == "queue_full":
@@ -258,8 +269,23 @@ class SplitwiseScheduler:
             )
             return
         epoch = await self.bus.claim_epoch(request.request_id)
+        trace.hop("scheduler.claimed", request.request_id)
         if epoch is not None:
             await self._place(request, epoch)
+
+    async def _admit_on(self, request: GenerateRequest, instance_id: str) -> Admission:
+        """`Bus.admit`, and for a request admitted now its first placement, dispatched to the
+        mixed instance `instance_id` in the same round trip."""
+        started = time.perf_counter()
+        dispatch = Dispatch(role="mixed", request=request, epoch=FIRST_EPOCH)
+        admission = await self.bus.admit_and_dispatch(
+            request.request_id, Submit(request=request), self.options.max_queue_len, instance_id, dispatch
+        )
+        if admission == "admitted":
+            self.registry.note_dispatch(instance_id)
+            self.metrics.dispatched.labels(role="mixed").inc()
+            self.metrics.placement_seconds.observe(time.perf_counter() - started)
+        return admission
 
     async def _placed(self, request: GenerateRequest) -> bool:
         """Whether a dispatch of the request went out (its placement is recorded with it), or it
@@ -379,6 +405,7 @@ class SplitwiseScheduler:
             f"dispatching {request.request_id}",
             DISPATCH_RETRY_S,
         )
+        trace.hop("scheduler.dispatched", request.request_id)
         if not sent:
             logger.info("placement superseded", extra={"request_id": request.request_id, "epoch": epoch})
         return sent

@@ -41,6 +41,7 @@ from services.worker.core_messages import (
     Shutdown,
     StepBatch,
 )
+from shared import trace
 from shared.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,9 @@ class EngineCoreClient:
             while True:
                 message = await self.channel.recv()
                 if isinstance(message, StepBatch):
+                    if trace.ENABLED:
+                        for request_id, pos in zip(message.request_ids, message.num_output_tokens.tolist()):
+                            trace.hop("worker.from_core", request_id, pos)
                     self.load = message.load
                     self.batches.put_nowait(message)
                 elif isinstance(message, Reply):

@@ -155,6 +155,8 @@ class EngineInfo:
     total_kv_blocks: int = 0
     block_size: int = 0
     speculative_method: str = "naive"
+    cpus: list[int] = field(default_factory=list)
+    """The CPUs the core runs on (`EngineConfig.core_cpus`; empty: not pinned): the bus side keeps off them."""
     error: str | None = None
 
 

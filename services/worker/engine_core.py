@@ -56,6 +56,8 @@ from services.worker.core_messages import (
     StepBatch,
     SuffixCacheOptions,
 )
+from services.worker.cpus import CpuClaim, claim_core_cpus, pin_process
+from shared import trace
 from shared.config import EngineConfig
 from shared.protocol import TOKEN_DTYPE, ErrorInfo
 
@@ -213,10 +215,17 @@ class EngineCore:
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
         exports, self.engine.handoffs = self.engine.handoffs, []
-        self._send(exports, time.perf_counter() - started)
+        step_s = time.perf_counter() - started
+        if trace.ENABLED:
+            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
+                trace.hop("core.step_start", request_id, pos, at=time.time() - step_s)
+        self._send(exports, step_s)
 
     def _send(self, handoffs: list[KVExport], step_s: float) -> None:
         handoffs = [self._share(export) for export in handoffs]
+        if trace.ENABLED:
+            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
+                trace.hop("core.sent", request_id, pos)
         self.channel.send(self.rows.take(handoffs, step_s, self._load()))
         self.dirty = False
 
@@ -268,6 +277,7 @@ class EngineCore:
     def _add(self, command: AddRequest) -> None:
         # placed here again: its earlier placement, which its worker already dropped, ended in the
         # last step and its last row is still due; that row must not go out under the new epoch
+        trace.hop("core.added", command.request_id)
         self.engine.discard_request(command.request_id)
         self.epochs[command.request_id] = command.epoch
         try:
@@ -436,11 +446,16 @@ def core_cpu_threads(config: EngineConfig, num_cores: int) -> int:
 def serve(channel: BlockingChannel) -> int:
     options: CoreOptions = channel.recv()
     suffix = None
+    cpus = CpuClaim()
     try:
         if options.suffix_cache is not None:
             suffix = SuffixCacheThread(options.suffix_cache)
-        torch.set_num_threads(core_cpu_threads(options.config, available_cores()))
+        num_threads = core_cpu_threads(options.config, available_cores())
+        torch.set_num_threads(num_threads)
         engine = LLMEngine(options.config, suffix.index if suffix else None)
+        # after the build: tensor-parallel ranks it started keep every CPU
+        cpus = claim_core_cpus(options.config.core_cpus, num_threads)
+        pin_process(cpus.cpus)
         freeze_start_up()
     except Exception as exc:
         logger.exception("the engine could not be built")
@@ -452,6 +467,7 @@ def serve(channel: BlockingChannel) -> int:
             total_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.config.block_size,
             speculative_method=engine.config.speculative_config.method,
+            cpus=cpus.cpus,
         )
     )
     shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
@@ -465,6 +481,7 @@ def serve(channel: BlockingChannel) -> int:
         engine.close()
         if suffix is not None:
             suffix.close()
+        cpus.release()
     return 0
 
 

@@ -25,6 +25,7 @@ from services.runtime import (
 )
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, SuffixCacheOptions
+from services.worker.cpus import bus_side_cpus, pin_process
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker, WorkerOptions
 from shared.bus import Bus, connect
@@ -123,6 +124,9 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
         logger.error("the engine could not start: %s", exc)
         await client.aclose()
         return 1
+    bus_cpus = bus_side_cpus(core.info.cpus)
+    pin_process(bus_cpus)
+    logger.info("CPUs", extra={"engine_core": core.info.cpus or "any", "bus_side": bus_cpus or "any"})
     metrics = WorkerMetrics(instance_id, role)
     options = WorkerOptions(
         instance_id=instance_id,

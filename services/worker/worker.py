@@ -50,6 +50,7 @@ from services.kv_transport.tls import TlsFiles
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import Reply, StepBatch, concat
 from services.worker.metrics import WorkerMetrics
+from shared import trace
 from shared.bus import (
     APPEND_AT_END,
     END_BYTES,
@@ -234,6 +235,7 @@ class Worker:
 
     async def _dispatch(self, message: Dispatch) -> None:
         request, epoch = message.request, message.epoch
+        trace.hop("worker.read", request.request_id)
         if not await self._make_room(request.request_id, epoch):
             return  # a redelivery, or a placement older than the one running here
         if self.draining:
@@ -246,6 +248,7 @@ class Worker:
             self.handoff_targets[request.request_id] = message.decode_kv_address
         self.requests[request.request_id] = Running(request, epoch)
         await self.core.add_request(request, epoch, handoff=message.role == "prefill")
+        trace.hop("worker.to_core", request.request_id)
         self.metrics.requests_received.inc()
 
     async def _make_room(self, request_id: str, epoch: int) -> bool:
@@ -446,6 +449,9 @@ class Worker:
         left out; requests the bus fences off are dropped, and the rest published again."""
         while fenced := await self._publish_current(batch):
             await self._fence(fenced)
+        if trace.ENABLED:
+            for request_id, num_output_tokens in zip(batch.request_ids, batch.num_output_tokens.tolist()):
+                trace.hop("worker.published", request_id, num_output_tokens)
 
     async def _publish_current(self, batch: StepBatch) -> list[str]:
         """Publishes the rows of the current placements here; returns the requests fenced off

@@ -119,6 +119,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "enforce_eager": ["--enforce-eager"],
     "cuda_graph_max_tokens": ["--cuda-graph-max-tokens", "64"],
     "cpu_threads": ["--cpu-threads", "3"],
+    "core_cpus": ["--core-cpus", "2-3"],
     "speculative_config": ["--speculative-config", '{"method": "suffix"}'],
 }
 """A value unlike the default for every engine flag (a new flag must be added here)."""

@@ -24,11 +24,12 @@ from redis.exceptions import AuthenticationError, ResponseError
 from services.runtime import PASSWORD_ENV
 from services.serve import free_port, write_private
 from shared import acl
-from shared.bus import APPEND_AT_END, END_BYTES, Bus, RedisSettings, connect
+from shared.bus import APPEND_AT_END, END_BYTES, FIRST_EPOCH, Bus, RedisSettings, connect
 from shared.keys import SCHEDULER_GROUP, WORKER_GROUP, Keys
 from shared.protocol import (
     TOKEN_DTYPE,
     Cancel,
+    Dispatch,
     Finished,
     GenerateRequest,
     OutputBatch,
@@ -180,6 +181,12 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     await scheduler.ensure_group(keys.requests, SCHEDULER_GROUP)
     assert await scheduler.admit("r1", submit("r1"), 10) == "admitted"
     assert await scheduler.admit("r1", submit("r1"), 10) == "duplicate"
+    # a new request admitted and dispatched in one script, its gateway's list included
+    first = submit("r0")
+    first.request.gateway_id, first.request.gateway_incarnation = "g1", "first"
+    dispatch = Dispatch(role="mixed", request=first.request, epoch=FIRST_EPOCH)
+    assert await scheduler.admit_and_dispatch("r0", first, 10, "w1", dispatch) == "admitted"
+    await scheduler.release("r0", "w1")
     epoch = await scheduler.claim_epoch("r1")
     assert epoch == 1
     assert await scheduler.dispatch("r1", epoch, ["w1"], keys.inbox("w1"), submit("r1"))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.bus import APPEND_AT_END, ENDED_TTL_S, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
+from shared.bus import APPEND_AT_END, ENDED_TTL_S, FIRST_EPOCH, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
+    Dispatch,
     Finished,
     GenerateRequest,
     OutputBatch,
@@ -165,6 +166,32 @@ async def test_a_dispatch_goes_out_only_under_the_current_epoch(bus: Bus) -> Non
     assert not await bus.dispatch("a", 1, ["w"], bus.keys.inbox("w"), submit("a"))
     assert await bus.client.xlen(bus.keys.inbox("w")) == 0
     assert not await bus.client.exists(bus.keys.assignments("w"))
+
+
+async def test_admission_and_first_dispatch_go_in_one_round_trip_only_for_a_new_request(bus: Bus) -> None:
+    """Admitted now: its placement recorded under the first epoch and the dispatch in the inbox;
+    a repeat, a full queue or an ended request dispatches nothing."""
+    owned = submit("a")
+    owned.request.gateway_id, owned.request.gateway_incarnation = "g1", "first"
+    dispatch = Dispatch(role="mixed", request=owned.request, epoch=FIRST_EPOCH)
+    assert await bus.admit_and_dispatch("a", owned, 2, "w", dispatch) == "admitted"
+    assert await bus.placement("a") == Placement(epoch=FIRST_EPOCH, instance_ids=["w"])
+    assert await bus.client.smembers(bus.keys.assignments("w")) == {b"a"}
+    assert await bus.gateway_requests("g1") == {"a": "first"}
+    [(_, fields)] = await bus.client.xrange(bus.keys.inbox("w"))
+    sent = decode(fields[PAYLOAD_FIELD])
+    assert isinstance(sent, Dispatch) and sent.epoch == FIRST_EPOCH and sent.request.request_id == "a"
+    assert await bus.admit_and_dispatch("a", owned, 2, "w", dispatch) == "duplicate"
+    assert await bus.admit("b", submit("b"), max_queue_len=2) == "admitted"
+    assert await bus.admit_and_dispatch("c", submit("c"), 2, "w", dispatch) == "queue_full"
+    await bus.release("b")
+    assert await bus.admit_and_dispatch("b", submit("b"), 2, "w", dispatch) == "ended"
+    assert await bus.client.xlen(bus.keys.inbox("w")) == 1
+    assert await bus.client.smembers(bus.keys.assignments("w")) == {b"a"}
+    assert int(await bus.client.get(bus.keys.queue_depth)) == 1
+    # the first placement's rows go out; a claim after it is the second placement
+    assert await bus.publish_step([], [("a", FIRST_EPOCH, 0, tokens(7))]) == []
+    assert await bus.claim_epoch("a", seen=FIRST_EPOCH) == FIRST_EPOCH + 1
 
 
 async def test_rows_of_a_stale_epoch_are_fenced_and_nothing_of_the_step_is_written(bus: Bus) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.scheduler.metrics import SchedulerMetrics
@@ -32,6 +33,29 @@ def scheduler(bus: Bus, consumer: str = "s1", live: tuple[str, ...] = ("w1",)) -
 async def dispatches_to(bus: Bus, instance_id: str) -> list[Dispatch]:
     entries: Any = await bus.client.xrange(bus.keys.inbox(instance_id))
     return [m for _, f in entries if isinstance(m := decode(f[PAYLOAD_FIELD]), Dispatch)]
+
+
+async def test_a_new_request_is_admitted_and_dispatched_in_one_round_trip(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mixed instance live; a redelivered Submit then sends no second dispatch."""
+    s = scheduler(bus)
+    await s._admit(REQUEST.model_copy(update={"request_id": "warm"}))  # loads the script
+    commands: list[Any] = []
+    execute = bus.client.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        commands.append(args[0])
+        return await execute(*args, **options)
+
+    monkeypatch.setattr(bus.client, "execute_command", counted)
+    await s._admit(REQUEST)
+    assert commands == ["EVALSHA"]
+    monkeypatch.undo()
+    await s._admit(REQUEST)
+    assert [d.epoch for d in await dispatches_to(bus, "w1")] == [1, 1]  # warm's and r's
+    placement = await bus.placement("r")
+    assert placement is not None and (placement.epoch, placement.instance_ids) == (1, ["w1"])
 
 
 async def test_an_excluded_instance_is_chosen_when_no_other_can_run_the_request(bus: Bus) -> None:

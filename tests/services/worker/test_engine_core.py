@@ -18,6 +18,7 @@ import pytest
 from services.engine.llm import LLM
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, RowEnd
+from services.worker.cpus import bus_side_cpus, usable_cpus
 from services.worker.engine_core import core_cpu_threads
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
@@ -150,6 +151,21 @@ def test_the_core_dies_with_its_worker(model: str) -> None:
             parent.kill()
         assert parent.stdout is not None
         parent.stdout.close()
+
+
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="a core is pinned only where there is a CPU to spare")
+async def test_the_core_runs_on_its_cpus_alone(model: str) -> None:
+    """Every thread of the core on the CPUs it reports (the bus side keeps off them)."""
+    mine = str(usable_cpus()[-1])
+    config = EngineConfig(model=model, device="cpu", core_cpus=mine)
+    client = await EngineCoreClient.start(CoreOptions(config))
+    try:
+        assert client.info.cpus == [int(mine)]
+        for task in os.listdir(f"/proc/{client.pid}/task"):
+            assert os.sched_getaffinity(int(task)) == {int(mine)}, f"thread {task}"
+        assert int(mine) not in bus_side_cpus(client.info.cpus)
+    finally:
+        await client.shutdown()
 
 
 def test_the_core_leaves_cores_to_the_rest_of_the_mesh(model: str) -> None:
