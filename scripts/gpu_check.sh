@@ -56,8 +56,8 @@
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
-# between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... unpinned" mesh-unpinned.json
-# (c=1 with the engine core free to run on any CPU, --core-cpus off); all in mesh.log.
+# between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
+# (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -351,8 +351,8 @@ if [[ " $stages " == *" mesh "* ]]; then
         timeout 120 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^hops of/,/^overhead benchmark/p;/^mesh overhead/,$p'
     fi
-    if [[ " $parts " == *" unpinned "* ]]; then
-        timeout 120 $mesh --concurrency 1 --core-cpus off --out "$OUT/mesh-unpinned.json" \
+    if [[ " $parts " == *" pinned "* ]]; then
+        timeout 120 $mesh --concurrency 1 --core-cpus auto --out "$OUT/mesh-pinned.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
 fi

@@ -66,12 +66,13 @@ class EngineConfig(BaseModel):
     core on CPU, half the cores the process may run on (at least one), leaving the rest to the
     mesh's other processes, since threads of one op that wait on each other for a busy core stall
     the whole step; on a GPU the core keeps one; in-process (`LLM`), torch's default."""
-    core_cpus: str = "auto"
-    """CPUs of a worker's engine core: `auto`, `off`, or a list as `taskset -c` takes it (`3`,
-    `2,4-5`); the worker's bus side then runs on the others, so that it never preempts a step on
-    the core's CPU. `auto`: as many as the core has torch threads, the highest-numbered the process
-    may use that no other engine core on the host holds, on a host of four CPUs or more (on fewer,
-    nothing is pinned). An engine in-process (`LLM`) is not pinned."""
+    core_cpus: str = "off"
+    """CPUs of a worker's engine core: `off` (the default), `auto`, or a list as `taskset -c` takes
+    it (`3`, `2,4-5`); the worker's bus side then runs on the others, so that it never preempts a
+    step on the core's CPU. Every thread of the core runs on them, the grammar fill's and the
+    grammar compiler's too. `auto`: as many as the core has torch threads, the highest-numbered the
+    process may use that no other engine core on the host holds, on a host of four CPUs or more (on
+    fewer, nothing is pinned). An engine in-process (`LLM`) is not pinned."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

@@ -71,8 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
     )
     group.add_argument(
         "--core-cpus",
-        help="a worker's engine-core CPUs: auto (default), off, or a list such as 3 or 2,4-5; its bus "
-        "side runs on the others",
+        help="a worker's engine-core CPUs: off (default), auto, or a list such as 3 or 2,4-5; its bus "
+        "side runs on the others (every thread of the core runs on these, the grammar fill's too)",
     )
     group.add_argument(
         "--speculative-config",
