@@ -91,7 +91,7 @@ class GatewaySettings:
     """Generation requests one API key may have in flight (without keys: all clients together);
     0: no limit."""
     prepare_threads: int = 4
-    """Threads that parse, render and tokenize requests."""
+    """Threads that parse, render and tokenize the requests not prepared on the event loop."""
     inline_prepare_bytes: int = INLINE_PREPARE_BYTES
     """Bodies up to this size, asking for no grammar, are prepared on the event loop, not the
     prepare pool; 0: every body goes to the pool."""
