@@ -10,7 +10,10 @@ pool, the chat template's rendering, the tokenizer's encode, the whole prepare (
 the encoded `Submit`, both ways the gateway can take it: `inline` (on the event loop, as a small
 body without a grammar is) and `pooled` (parsed and prepared on the prepare pool, as before). The two
 alternate request by request, so that the machine's load weighs on both alike. Medians and p90s in
-microseconds.
+microseconds. Last, through HTTP: from the client's send to the encoded `Submit`, on two gateway
+apps in this process (one that prepares inline where it may, one with every body on the pool), each
+answering with one token from a backend that only encodes the `Submit`; requests alternate between
+the two.
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel
 
 from benchmarks.workloads import WORKLOADS, load_workload
-from services.gateway.app import GatewaySettings, _parse, _parse_and_prepare
+from services.gateway.app import GatewaySettings, _parse, _parse_and_prepare, create_app
 from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from services.gateway.prepare import Job, ServedModel, chat_job, completion_job, render_chat
-from shared.protocol import Submit, encode
+from shared.protocol import GenerateRequest, Submit, TokenEvent, encode
 from shared.reference import default_model
 
 SYSTEM_PROMPT = "You are a careful programmer."
@@ -138,6 +142,59 @@ async def time_paths(case: Case, served: ServedModel, pool: ThreadPoolExecutor) 
     return samples
 
 
+class EncodingBackend:
+    """A mesh that encodes each `Submit` as `RedisBackend` does, notes when, and answers one token."""
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+        self.encoded_at: list[float] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        encode(Submit(request=request.model_copy(update=STAMP)))
+        self.encoded_at.append(time.perf_counter())
+        yield TokenEvent(request.request_id, [self.token_id], finished=True, finish_reason="length")
+
+    async def cancel(self, request_id: str, reason: str = "client disconnected") -> None:
+        pass
+
+    async def health(self) -> tuple[bool, str]:
+        return True, "no mesh: the benchmark answers"
+
+
+async def time_http(case: Case, served: ServedModel) -> dict[str, list[float]]:
+    """Client send to encoded Submit, through an inline-preparing gateway and an all-pooled one."""
+    name, _, _, bodies = case
+    path = "/v1/completions" if name == "completion" else "/v1/chat/completions"
+    settings = {"inline": GatewaySettings(), "pooled": GatewaySettings(inline_prepare_bytes=0)}
+    samples: dict[str, list[float]] = {way: [] for way in settings}
+    backends = {way: EncodingBackend(served.tokenizer.encode("x")[-1]) for way in settings}
+    clients = {
+        way: TestClient(TestServer(create_app(served, backends[way], settings[way]))) for way in settings
+    }
+    for client in clients.values():
+        await client.start_server()
+    try:
+        for i, raw in enumerate(bodies):
+            for way in list(settings) if i % 2 == 0 else reversed(list(settings)):
+                sent_at = time.perf_counter()
+                response = await clients[way].post(
+                    path, data=raw, headers={"Content-Type": "application/json"}
+                )
+                await response.read()
+                assert response.status == 200, await response.text()
+                samples[way].append((backends[way].encoded_at[-1] - sent_at) * 1e6)
+    finally:
+        for client in clients.values():
+            await client.close()
+    return samples
+
+
 async def run(args: argparse.Namespace) -> None:
     served = ServedModel.load(args.model, max_model_len=args.max_model_len)
     prompts = [record.prompt for record in load_workload(args.workload)]
@@ -165,6 +222,13 @@ async def run(args: argparse.Namespace) -> None:
                 print(f"  {piece:28s} {summary(samples)}")
             samples = await time_paths(case, served, pool)
             print(f"{case[0]}: body to encoded Submit, median us, p90 us")
+            for name, path_samples in samples.items():
+                print(f"  {name:28s} {summary(path_samples)}")
+            ratio = statistics.median(samples["inline"]) / statistics.median(samples["pooled"])
+            print(f"  inline / pooled median      {ratio:8.2f}x")
+        for case in cases:
+            samples = await time_http(case, served)
+            print(f"\n{case[0]}: through HTTP, client send to encoded Submit, median us, p90 us")
             for name, path_samples in samples.items():
                 print(f"  {name:28s} {summary(path_samples)}")
             ratio = statistics.median(samples["inline"]) / statistics.median(samples["pooled"])

@@ -1,4 +1,5 @@
-"""The gateway-prepare benchmark times every piece and both paths, for completions and chat."""
+"""The gateway-prepare benchmark times every piece and both paths, in-process and through HTTP, for
+completions and chat."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_times_each_piece_and_both_paths_of_both_endpoints(
     out = capsys.readouterr().out
     for line in ("completion_job (whole)", "chat_job (whole)", "chat template", "stamp + msgpack Submit"):
         assert line in out
-    assert out.count("inline / pooled median") == 2
+    assert out.count("inline / pooled median") == 4
+    assert out.count("through HTTP, client send to encoded Submit") == 2
 
 
 def test_refuses_no_requests(capsys: pytest.CaptureFixture[str]) -> None:
