@@ -33,6 +33,22 @@ def roots(tmp_path: Path) -> Path:
     return root
 
 
+def tiny_run_flags(steps: int) -> list[str]:
+    """Flags of a training run small enough for a test: two windows of 16 tokens a step."""
+    return [
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--warmup-steps",
+        "1",
+        "--eval-batches",
+        "1",
+    ]
+
+
 def test_training_runs_end_to_end(base: Path, roots: Path, tmp_path: Path) -> None:
     out = tmp_path / "head"
     flags = ["--steps", "40", "--batch-size", "4", "--seq-len", "24", "--lr", "1e-2", "--warmup-steps", "4"]
@@ -101,18 +117,7 @@ def test_roots_default_to_the_interpreters_sources(
     """Without --data the head trains on the reference build's roots (training.data.default_roots)."""
     monkeypatch.setattr(train_eagle3, "default_roots", lambda: [roots])
     out = tmp_path / "head"
-    flags = [
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--warmup-steps",
-        "1",
-        "--eval-batches",
-        "1",
-    ]
+    flags = tiny_run_flags(steps=2)
     assert (
         main(
             [
@@ -140,18 +145,7 @@ def test_a_spent_time_budget_stops_training_and_saves_the_best_head(
     head, the log saying it stopped early; the draft vocabulary's held-out coverage is logged, and
     the plot can be drawn again from the log."""
     out = tmp_path / "head"
-    flags = [
-        "--steps",
-        "50",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--warmup-steps",
-        "1",
-        "--eval-batches",
-        "1",
-    ]
+    flags = tiny_run_flags(steps=50)
     args = ["train-eagle3", "--base", str(base), "--out", str(out), "--data", str(roots), "--device", "cpu"]
     assert main([*args, *flags, "--time-limit-s", "0.001", "--draft-vocab-size", "100", "--no-progress"]) == 0
     log = json.loads((out / "train_log.json").read_text())
