@@ -84,13 +84,16 @@ class ThreadChoice:
         """The thread count of the next fill."""
         if len(self.counts) == 1:
             return 1
-        if self._fills % RETRIAL_EVERY_FILLS < TRIAL_FILLS * len(self.counts):
+        if self._in_trial():
             return self.counts[self._fills % len(self.counts)]
         return self._kept
 
+    def _in_trial(self) -> bool:
+        return self._fills % RETRIAL_EVERY_FILLS < TRIAL_FILLS * len(self.counts)
+
     def record(self, num_threads: int, seconds: float, num_rows: int) -> None:
         """A fill on `num_threads` threads took `seconds` for `num_rows` rows."""
-        in_trial = self._fills % RETRIAL_EVERY_FILLS < TRIAL_FILLS * len(self.counts)
+        in_trial = self._in_trial()
         self._fills += 1
         if not in_trial or len(self.counts) == 1:
             return
