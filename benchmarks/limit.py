@@ -54,17 +54,23 @@ def limit_rows(offline: dict[str, Any], verify_cost: dict[str, Any]) -> list[dic
                 f"{cell['method']} drafts {mean_k:.2f} a step; the verify costs stop at k = {ks[-1]:.0f}"
             )
         ratio = float(np.interp(mean_k, ks, ratios))
-        ideal = spec["mean_accepted_length"] / ratio
+        length = spec["mean_accepted_length"]
+        summary = cell["summary"]
+        # every request's first token comes from its prefill; a decode step keeps 1 + its accepted drafts
+        decode_steps = summary["output_tokens"] - summary["num_completed"] - spec["num_accepted_tokens"]
+        drafted = min(1.0, spec["num_verify_steps"] / decode_steps) if decode_steps > 0 else 1.0
         measured = cell.get("tpot_speedup")
         rows.append(
             dict(
                 method=cell["method"],
-                mean_accepted_length=spec["mean_accepted_length"],
+                mean_accepted_length=length,
                 mean_drafts=mean_k,
                 verify_ratio=ratio,
-                ideal=ideal,
+                ideal=length / ratio,
+                drafted_share=drafted,
+                ideal_at_share=(drafted * length + 1 - drafted) / (drafted * ratio + 1 - drafted),
                 tpot_speedup=measured,
-                share_of_ideal=None if measured is None else measured / ideal,
+                share_of_ideal=None if measured is None else measured * ratio / length,
             )
         )
     return rows
@@ -72,15 +78,18 @@ def limit_rows(offline: dict[str, Any], verify_cost: dict[str, Any]) -> list[dic
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| method | mean acc. len | drafts / verify step | verify step / plain | ideal | TPOT speedup | of ideal |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | mean acc. len | drafts / verify step | verify step / plain | ideal | steps drafted "
+        "| ideal at that share | TPOT speedup | of ideal | of ideal at that share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         measured = "-" if r["tpot_speedup"] is None else f"{r['tpot_speedup']:.2f}x"
         share = "-" if r["share_of_ideal"] is None else f"{r['share_of_ideal']:.0%}"
+        at_share = "-" if r["tpot_speedup"] is None else f"{r['tpot_speedup'] / r['ideal_at_share']:.0%}"
         lines.append(
             f"| {r['method']} | {r['mean_accepted_length']:.2f} | {r['mean_drafts']:.2f} | "
-            f"{r['verify_ratio']:.3f} | {r['ideal']:.2f}x | {measured} | {share} |"
+            f"{r['verify_ratio']:.3f} | {r['ideal']:.2f}x | {r['drafted_share']:.0%} | "
+            f"{r['ideal_at_share']:.2f}x | {measured} | {share} | {at_share} |"
         )
     return "\n".join(lines)
 

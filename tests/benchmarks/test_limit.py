@@ -11,7 +11,10 @@ import pytest
 from benchmarks.limit import limit_rows, main
 
 
-def offline_cell(method: str, concurrency: int, drafts: int, accepted: int, steps: int, tpot: float) -> dict:
+def offline_cell(
+    method: str, concurrency: int, drafts: int, accepted: int, steps: int, tpot: float, decode_steps: int = 0
+) -> dict:
+    """A cell of 10 requests whose decode steps (`steps` of them with drafts) kept their tokens."""
     spec = (
         {
             "num_draft_tokens": drafts,
@@ -25,7 +28,11 @@ def offline_cell(method: str, concurrency: int, drafts: int, accepted: int, step
     return {
         "method": method,
         "concurrency": concurrency,
-        "summary": {"speculative": spec},
+        "summary": {
+            "speculative": spec,
+            "num_completed": 10,
+            "output_tokens": 10 + accepted + max(decode_steps, steps),
+        },
         "tpot_speedup": tpot,
     }
 
@@ -45,7 +52,7 @@ def test_ideal_is_accepted_length_over_the_verify_cost_at_the_mean_drafts() -> N
         "cells": [
             offline_cell("naive", 1, 0, 0, 0, 1.0),
             offline_cell("mtp", 1, 300, 150, 100, 1.8),  # 3 drafts a step: ratio 1.3, L = 2.5
-            offline_cell("ngram", 1, 200, 100, 100, 1.5),  # 2 drafts a step: ratio 1.2, L = 2.0
+            offline_cell("ngram", 1, 200, 100, 100, 1.5, decode_steps=400),  # 2 a step: ratio 1.2, L = 2
             offline_cell("ngram", 16, 200, 100, 100, 1.5),  # not concurrency 1
         ]
     }
@@ -58,6 +65,10 @@ def test_ideal_is_accepted_length_over_the_verify_cost_at_the_mean_drafts() -> N
     assert ngram["mean_drafts"] == pytest.approx(2.0)
     assert ngram["verify_ratio"] == pytest.approx(1.2)  # interpolated between k = 1 and 3
     assert ngram["ideal"] == pytest.approx(2.0 / 1.2)
+    assert mtp["drafted_share"] == 1.0
+    assert mtp["ideal_at_share"] == pytest.approx(mtp["ideal"])
+    assert ngram["drafted_share"] == pytest.approx(0.25)  # 100 of 400 decode steps drafted
+    assert ngram["ideal_at_share"] == pytest.approx((0.25 * 2.0 + 0.75) / (0.25 * 1.2 + 0.75))
 
 
 def test_more_drafts_than_the_verify_costs_measured_is_refused() -> None:
@@ -78,5 +89,5 @@ def test_command_reads_gzipped_results_and_prints_the_table(
     main(["--offline", str(offline), "--verify-cost", str(verify), "--out", str(out)])
     printed = capsys.readouterr().out
     assert "card: test card" in printed
-    assert "| mtp | 2.50 | 3.00 | 1.300 | 1.92x | 1.80x | 94% |" in printed
+    assert "| mtp | 2.50 | 3.00 | 1.300 | 1.92x | 100% | 1.92x | 1.80x | 94% | 94% |" in printed
     assert json.loads(out.read_text())["rows"][0]["method"] == "mtp"
