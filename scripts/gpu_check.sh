@@ -344,6 +344,7 @@ if [[ " $stages " == *" eagle3train "* ]]; then
         --eval-every 250 --eval-batches 8 --time-limit-s "$train_s" --no-progress ${EAGLE3_TRAIN_FLAGS:-} 2>&1 \
         | tee "$OUT/eagle3-train.log" | tail -8
     status=$((status | PIPESTATUS[0]))
+    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3  # before anything can time out
     # the reference family with the new head in place of the shipped one (benchmarks.acceptance reads it there)
     models=/tmp/eagle3-models
     rm -rf $models && mkdir -p $models
@@ -360,7 +361,6 @@ if [[ " $stages " == *" eagle3train "* ]]; then
         --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
         | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
-    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3
 fi
 if [[ " $stages " == *" mesh "* ]]; then
     python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1
