@@ -61,7 +61,8 @@
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
 # between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
 # (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log. MESH_FLAGS is appended to each
-# command (e.g. "--kv-transport ipc --trace-hops").
+# command (e.g. "--kv-transport ipc --trace-hops"), MESH_METHODS replaces "naive ngram". On a host with two GPUs the
+# split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -369,7 +370,7 @@ if [[ " $stages " == *" mesh "* ]]; then
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
     parts=${MESH_PARTS:-overhead hops}
     mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
-        --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods naive ngram --gpu-memory-utilization 0.4
+        --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods ${MESH_METHODS:-naive ngram} --gpu-memory-utilization 0.4
         --gateway-workers 4 --client-processes 4 --no-plots --no-progress ${MESH_FLAGS:-}"
     if [[ " $parts " == *" overhead "* ]]; then
         pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
