@@ -12,7 +12,9 @@
 # tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (TP=2 greedy
 # = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes, bus GB/s,
 # the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
-# rerun in the same call) and offline-tp<n>.json (naive / ngram speedups under each size).
+# rerun in the same call) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
+# 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
+# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
 # CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
@@ -185,24 +187,38 @@ fi
 if [[ " $stages " == *" tp "* ]]; then
     gpus=$(nvidia-smi -L | wc -l)
     sizes=${TP_SIZES:-$(for n in 2 4; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)}
-    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/services/engine/test_tensor_parallel_gpu.py \
-        2>&1 | tee "$OUT/tp-tests.log" | tail -5
-    status=$((status | PIPESTATUS[0]))
-    for n in $sizes; do
-        timeout 120 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 \
-            --out "$OUT/allreduce-$n.json" 2>&1 | tail -16
-    done
-    model=/tmp/specmesh-tp-qwen2.5-7b
-    python3 -m benchmarks.random_model qwen2.5-7b $model
-    for n in 1 $sizes; do  # TP=1 first: the baseline, on the same machine in the same call
-        timeout 240 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
-            --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine-tp$n.json" 2>&1 \
-            | tee -a "$OUT/tp.log" | tail -6
-        timeout 300 python3 -m benchmarks.offline --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
-            --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --methods naive ngram \
-            --no-plots --no-progress --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
-    done
-    rm -rf $model
+    tp_parts=" ${TP_PARTS:-tests allreduce engine offline} "
+    if [[ "$tp_parts" == *" tests "* ]]; then
+        timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/services/engine/test_tensor_parallel_gpu.py \
+            2>&1 | tee "$OUT/tp-tests.log" | tail -5
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$tp_parts" == *" allreduce "* ]]; then
+        for n in $sizes; do
+            timeout 120 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 \
+                --out "$OUT/allreduce-$n.json" 2>&1 | tail -16
+        done
+    fi
+    if [[ "$tp_parts" == *" engine "* ]]; then
+        model=/tmp/specmesh-tp-qwen2.5-7b
+        [ -f $model/config.json ] || python3 -m benchmarks.random_model qwen2.5-7b $model
+        for n in 1 $sizes; do  # TP=1 first: the baseline, on the same machine in the same call
+            timeout 100 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
+                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine-tp$n.json" 2>&1 \
+                | tee -a "$OUT/tp.log" | tail -6
+        done
+    fi
+    if [[ "$tp_parts" == *" offline "* ]]; then
+        dir=/tmp/widened-qwen2.5-7b
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape qwen2.5-7b --out $dir --device cuda | tail -1
+        for n in 1 $sizes; do
+            timeout 150 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --tensor-parallel-size "$n" \
+                --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --no-plots --no-progress \
+                --methods naive ngram "mtp1={\"method\":\"mtp\",\"model\":\"$dir/mtp\",\"num_speculative_tokens\":1}" \
+                --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
+        done
+    fi
 fi
 if [[ " $stages " == *" kvipc "* ]]; then
     # the ipc KV transport: two processes on one GPU (and across two where present), then the hand-off
