@@ -219,8 +219,7 @@ class EngineCoreClient:
                 message = await self.channel.recv()
                 if isinstance(message, StepBatch):
                     if trace.ENABLED:
-                        for request_id, pos in zip(message.request_ids, message.num_output_tokens.tolist()):
-                            trace.hop("worker.from_core", request_id, pos)
+                        trace_step(message)
                     self.load = message.load
                     self.batches.put_nowait(message)
                 elif isinstance(message, Reply):
@@ -245,3 +244,13 @@ class EngineCoreClient:
                 if not future.done():
                     future.set_exception(EngineCoreDied(f"the engine core exited with code {self.exit_code}"))
             self.died.set()
+
+
+def trace_step(batch: StepBatch) -> None:
+    """Each row's hops through the core (stamped there, logged here: off the step's loop) and its
+    arrival here."""
+    for request_id, pos in zip(batch.request_ids, batch.num_output_tokens.tolist()):
+        if batch.started_at:
+            trace.hop("core.step_start", request_id, pos, at=batch.started_at)
+        trace.hop("core.sent", request_id, pos, at=batch.sent_at)
+        trace.hop("worker.from_core", request_id, pos)

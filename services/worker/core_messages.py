@@ -233,6 +233,11 @@ class StepBatch:
     load: EngineLoad
     prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     """(row, its request's prompt logprobs) on the first row of requests that asked for them."""
+    started_at: float = 0.0
+    """Wall clock as the step began (0: no step, a batch of command effects only)."""
+    sent_at: float = 0.0
+    """Wall clock as the core handed the batch to its channel. With `started_at`, the worker logs
+    the core's hops of every row (`shared.trace`): the core itself logs none a step."""
 
     @property
     def num_rows(self) -> int:

@@ -137,7 +137,7 @@ class RowBuilder:
         self.num_output_tokens.append(0)
         self.epochs.append(epoch)
 
-    def take(self, handoffs: list[KVExport], step_s: float, load: EngineLoad) -> StepBatch:
+    def take(self, handoffs: list[KVExport], step_s: float, started_at: float, load: EngineLoad) -> StepBatch:
         batch = StepBatch(
             request_ids=self.request_ids,
             cu_num_tokens=np.cumsum([0, *self.num_new_tokens], dtype=TOKEN_DTYPE),
@@ -151,6 +151,8 @@ class RowBuilder:
             handoffs=handoffs,
             step_s=step_s,
             load=load,
+            started_at=started_at,
+            sent_at=time.time(),
         )
         self.clear()
         return batch
@@ -186,7 +188,7 @@ class EngineCore:
             if self.engine.has_unfinished_requests():
                 self._step()
             elif self.dirty:
-                self._send([], 0.0)
+                self._send([], 0.0, 0.0)
             self._expire_shared()
 
     def _apply_commands(self, wait: bool) -> None:
@@ -205,7 +207,7 @@ class EngineCore:
             logger.warning("shared KV of %s never released: freed at its deadline", ", ".join(expired))
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started_at, started = time.time(), time.perf_counter()
         try:
             for output in self.engine.step():
                 self._add_row(output)
@@ -215,18 +217,11 @@ class EngineCore:
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
         exports, self.engine.handoffs = self.engine.handoffs, []
-        step_s = time.perf_counter() - started
-        if trace.ENABLED:
-            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
-                trace.hop("core.step_start", request_id, pos, at=time.time() - step_s)
-        self._send(exports, step_s)
+        self._send(exports, time.perf_counter() - started, started_at)
 
-    def _send(self, handoffs: list[KVExport], step_s: float) -> None:
+    def _send(self, handoffs: list[KVExport], step_s: float, started_at: float) -> None:
         handoffs = [self._share(export) for export in handoffs]
-        if trace.ENABLED:
-            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
-                trace.hop("core.sent", request_id, pos)
-        self.channel.send(self.rows.take(handoffs, step_s, self._load()))
+        self.channel.send(self.rows.take(handoffs, step_s, started_at, self._load()))
         self.dirty = False
 
     def _share(self, export: KVExport) -> KVExport:

@@ -4,6 +4,7 @@ refusals and aborts as rows, a crash reported (not a hang), and no core outlivin
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, RowEnd
 from services.worker.cpus import bus_side_cpus, usable_cpus
 from services.worker.engine_core import core_cpu_threads
+from shared import trace
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
@@ -70,6 +72,34 @@ async def test_greedy_tokens_match_the_engine_in_process(core: EngineCoreClient,
     assert epochs == {f"r{i}": {i + 1} for i in range(len(PROMPTS))}  # every row carries its placement's
     assert {e.finish_reason for e in ends.values()} == {"length"}
     assert core.load.num_running == 0 and core.load.free_kv_blocks == core.info.total_kv_blocks
+
+
+async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
+    core: EngineCoreClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step batch carries the wall clock of its step's start and of its send; traced, the
+    worker's side logs every row's `core.step_start` and `core.sent` at those times (the core's
+    loop logs nothing a step), then its own `worker.from_core`."""
+    monkeypatch.setattr(trace, "ENABLED", True)
+    caplog.set_level(logging.DEBUG, logger=trace.logger.name)
+    before = time.time()
+    await core.add_request(request("r0", PROMPTS[0]), epoch=1)
+    batches = []
+    while not any(batch.ends for batch in batches):
+        batches += await asyncio.wait_for(core.next_batches(), 60)
+    stepped = [batch for batch in batches if batch.num_rows]
+    assert stepped
+    for batch in stepped:
+        assert before <= batch.started_at <= batch.sent_at <= time.time()
+        assert batch.sent_at - batch.started_at >= batch.step_s - 0.001  # the step, then the send
+    logged = {
+        (record.hop, record.pos): record.t for record in caplog.records if record.name == trace.logger.name
+    }
+    for batch in stepped:
+        [pos] = batch.num_output_tokens.tolist()
+        assert logged[("core.step_start", pos)] == batch.started_at
+        assert logged[("core.sent", pos)] == batch.sent_at
+        assert logged[("worker.from_core", pos)] >= batch.sent_at
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
