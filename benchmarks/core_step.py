@@ -14,6 +14,10 @@ and reports, per path, the medians of the engine's *step* (in-process: around `e
 core: `StepBatch.step_s`), the loop's *period* (one step's start to the next one's, while the
 same requests run) and their difference, the *gap* (what the loop does besides stepping), and the
 output tok/s. A path that cannot run here (no redis-server) is skipped with the reason.
+`--profile DIR`: the in-process path's `engine.step()` calls and the core path's whole loop run
+under cProfile (DIR/in-process.prof, DIR/core.prof), and the functions the core calls more often
+per step than the engine in-process does are listed (call counts are deterministic: differences
+show even on a noisy machine).
 
     python -m benchmarks.core_step --device cpu --model models/specmesh-code-15m --cpu-threads 1 \\
         --workload code_editing --num-requests 6 --max-tokens 64 --concurrency 1
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import pstats
 import statistics
 import subprocess
 import time
@@ -98,20 +104,22 @@ class Closed:
 
 
 def in_process(
-    config: EngineConfig, prompts: list[list[int]], loop: Closed, threads: int | None
+    config: EngineConfig, loop: Closed, threads: int | None, profile: Path | None = None
 ) -> StepTimes:
+    """The steps of benchmarks.offline's loop; `profile`: engine.step() under cProfile, saved there."""
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     engine = build_engine(config)
     times, last_start = StepTimes(), None
+    profiler = cProfile.Profile() if profile is not None else None
     try:
         started = time.perf_counter()
         while not loop.done:
             for request_id, prompt in loop.due():
                 engine.add_request(request_id, prompt_token_ids=prompt, params=loop.params)
             step_start = time.perf_counter()
-            outputs = engine.step()
+            outputs = engine.step() if profiler is None else profiler.runcall(engine.step)
             times.step_s.append(time.perf_counter() - step_start)
             if last_start is not None and not loop.fresh:
                 times.period_s.append(step_start - last_start)
@@ -121,6 +129,8 @@ def in_process(
                 if output.finished:
                     loop.running.discard(output.request_id)
         times.wall_s = time.perf_counter() - started
+        if profiler is not None and profile is not None:
+            profiler.dump_stats(profile)
     finally:
         engine.close()
         free_memory()
@@ -192,16 +202,48 @@ def run_path(
     loop = Closed(prompts, args.concurrency, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
     if path.startswith("in-process"):
         threads = 1 if path == "in-process-1t" else config.cpu_threads
-        return {"path": path, **in_process(config, prompts, loop, threads).summary()}
+        profile = args.profile / "in-process.prof" if args.profile and path == "in-process" else None
+        return {"path": path, **in_process(config, loop, threads, profile).summary()}
     cpus: list[int] = []
     if path == "core-suffix":
         with suffix_cache_bus() as settings:
             options = CoreOptions(config, SuffixCacheOptions(settings, f"{TOPIC}-core", 0.002))
             times, cpus = asyncio.run(in_core(options, warmup, loop))
-    else:
-        pinned = config.model_copy(update={"core_cpus": "auto"}) if path == "core-pinned" else config
+    elif path == "core-pinned":
+        pinned = config.model_copy(update={"core_cpus": "auto"})
         times, cpus = asyncio.run(in_core(CoreOptions(pinned), warmup, loop))
+    else:
+        profile = str(args.profile / "core.prof") if args.profile else None
+        times, cpus = asyncio.run(in_core(CoreOptions(config, profile=profile), warmup, loop))
     return {"path": path, "core_cpus": cpus, **times.summary()}
+
+
+def calls_per_step(profile: Path) -> dict[str, float]:
+    """Calls per engine step of every function in a profile (steps: the calls of `LLMEngine.step`)."""
+    stats: dict[Any, Any] = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    steps = max(
+        n for (file, _, name), (_, n, *_) in stats.items() if name == "step" and file.endswith("engine.py")
+    )
+    return {
+        f"{Path(file).name}:{line}({name})": n / steps for (file, line, name), (_, n, *_) in stats.items()
+    }
+
+
+def calls_table(in_process_prof: Path, core_prof: Path, min_difference: float = 0.5) -> str:
+    """Total calls per step on each path, and each function the core calls more often per step."""
+    engine, core = calls_per_step(in_process_prof), calls_per_step(core_prof)
+    lines = [
+        f"calls per step: in-process {sum(engine.values()):.1f}, core {sum(core.values()):.1f}",
+        "",
+        "| function | in-process | core | more in the core |",
+        "|---|---:|---:|---:|",
+    ]
+    more = [(core[f] - engine.get(f, 0.0), f) for f in core if core[f] - engine.get(f, 0.0) >= min_difference]
+    for difference, function in sorted(more, reverse=True):
+        lines.append(
+            f"| {function} | {engine.get(function, 0.0):.2f} | {core[function]:.2f} | {difference:+.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -232,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the paths, interleaved")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/core-step.json"))
+    parser.add_argument("--profile", type=Path, help="directory for the in-process and core paths' profiles")
     return parser
 
 
@@ -239,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.concurrency < 1 or args.num_requests < 1 or args.max_tokens < 1:
         raise SystemExit("--concurrency, --num-requests and --max-tokens must be at least 1")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     config = engine_config(args)
     config = config.model_copy(update={"max_num_seqs": min(args.concurrency, config.max_num_seqs)})
     tokenizer = Tokenizer(config.model)
@@ -253,9 +298,13 @@ def main(argv: list[str] | None = None) -> None:
             except SystemExit as exc:  # find_redis_server: none here
                 rows.append({"path": path, "skipped": str(exc)})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    header = result_header("core_step", args.model, {"args": vars(args) | {"out": str(args.out)}})
+    header = result_header(
+        "core_step", args.model, {"args": vars(args) | {"out": str(args.out), "profile": str(args.profile)}}
+    )
     write_result({**header, "engine": config.model_dump(mode="json"), "rows": rows}, args.out, plot=False)
     print(f"\nstep loop, in-process and in an engine core (c={args.concurrency})\n\n{table(rows)}")
+    if args.profile and {"in-process", "core"} <= set(args.paths):
+        print(f"\n{calls_table(args.profile / 'in-process.prof', args.profile / 'core.prof')}")
 
 
 if __name__ == "__main__":

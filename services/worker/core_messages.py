@@ -59,6 +59,9 @@ class CoreOptions:
     ipc KV transport), not copies on the host."""
     share_timeout_s: float = 120.0
     """A shared export not released by then is freed anyway (its transfer is long dead)."""
+    profile: str | None = None
+    """Run the core's loop under cProfile and write its stats to this path as it stops
+    (`benchmarks.core_step --profile`)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import ctypes
 import logging
 import os
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -467,7 +469,11 @@ def serve(channel: BlockingChannel) -> int:
     )
     shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
     try:
-        EngineCore(engine, channel, suffix.index if suffix else None, shared).run()
+        core = EngineCore(engine, channel, suffix.index if suffix else None, shared)
+        if options.profile is None:
+            core.run()
+        else:
+            profiled(core.run, options.profile)
     except ChannelClosed:
         logger.warning("the worker closed the channel; the engine core stops")
     finally:
@@ -478,6 +484,15 @@ def serve(channel: BlockingChannel) -> int:
             suffix.close()
         cpus.release()
     return 0
+
+
+def profiled(run: Callable[[], None], path: str) -> None:
+    """`run()` under cProfile, its stats written to `path` however it ends."""
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(run)
+    finally:
+        profile.dump_stats(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,13 @@ def test_a_step_s_gap_is_its_period_less_its_step() -> None:
     assert summary["output_tok_per_s"] == pytest.approx(3.0) and summary["num_tokens"] == 6
 
 
-def test_both_paths_make_every_requested_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_both_paths_make_every_requested_token_and_the_core_s_extra_calls_are_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "core-step.json"
     core_step.main(
         ["--model", default_model(), "--dtype", "float32", "--device", "cpu", "--cpu-threads", "1",
-         "--num-requests", "2", "--max-tokens", "5", "--paths", "in-process", "core", "--out", str(out)]
+         "--num-requests", "2", "--max-tokens", "5", "--paths", "in-process", "core", "--out", str(out), "--profile", str(tmp_path / "prof")]
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [row["path"] for row in rows] == ["in-process", "core"]
@@ -47,7 +49,11 @@ def test_both_paths_make_every_requested_token(tmp_path: Path, capsys: pytest.Ca
         assert row["num_tokens"] == 10  # 2 requests x 5 tokens
         assert row["output_tok_per_s"] > 0 and row["period_p50_ms"] > 0
     assert rows[0]["num_steps"] == rows[1]["num_steps"] >= 10  # the same steps (prefill chunks too)
-    assert f"| core | {rows[1]['num_steps']} |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"| core | {rows[1]['num_steps']} |" in printed
+    # profiled: the core's loop sends each step's batch, which the engine in-process never does
+    [send] = [line for line in printed.splitlines() if "channel.py" in line and "(send)" in line]
+    assert float(send.split("|")[2]) == 0 and float(send.split("|")[3]) >= 1
 
 
 def test_bad_counts_are_refused() -> None:
