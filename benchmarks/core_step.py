@@ -9,13 +9,15 @@ requests (one workload, greedy, closed loop at `--concurrency`) along each *path
     core-suffix     the same plus the shared suffix cache's client thread every mixed and decode
                     core runs (a redis-server started here, the service's heartbeat key set)
     core-pinned     the core on CPUs of its own (`--core-cpus auto`: hosts of four CPUs or more)
+    core-batch      the core driven by a client under SCHED_BATCH (`--bus-side-policy batch`): a
+                    step batch waking the client never preempts the core
 
 and reports, per path, the medians of the engine's *step* (in-process: around `engine.step()`;
 core: `StepBatch.step_s`), the loop's *period* (one step's start to the next one's, while the
 same requests run) and their difference, the *gap* (what the loop does besides stepping), and the
 output tok/s. A path that cannot run here (no redis-server) is skipped with the reason.
-`--profile DIR`: the in-process path's `engine.step()` calls and the core path's whole loop run
-under cProfile (DIR/in-process.prof, DIR/core.prof), and the functions the core calls more often
+`--profile DIR`: the in-process path's `engine.step()` calls and the core path's whole loop after
+its warm-up run under cProfile (DIR/in-process.prof, DIR/core.prof), and the functions the core calls more often
 per step than the engine in-process does are listed (call counts are deterministic: differences
 show even on a noisy machine).
 
@@ -47,13 +49,14 @@ from services.engine.args import add_engine_args, engine_config
 from services.serve import find_redis_server, free_port
 from services.worker.core_client import EngineCoreClient
 from services.worker.core_messages import CoreOptions, SuffixCacheOptions
+from services.worker.cpus import set_thread_policy
 from shared.bus import RedisSettings
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
-PATHS = ("in-process", "in-process-1t", "core", "core-suffix", "core-pinned")
+PATHS = ("in-process", "in-process-1t", "core", "core-suffix", "core-pinned", "core-batch")
 TOPIC = "core-step"
 
 
@@ -138,13 +141,21 @@ def in_process(
     return times
 
 
-async def in_core(options: CoreOptions, warmup: list[int], loop: Closed) -> tuple[StepTimes, list[int]]:
-    """The steps of a core started as a worker starts it; also the CPUs it was pinned to."""
+async def in_core(
+    options: CoreOptions, warmup: list[int], loop: Closed, profile: Path | None = None
+) -> tuple[StepTimes, list[int]]:
+    """The steps of a core started as a worker starts it, after a warm-up as the in-process
+    engine's; also the CPUs it was pinned to. `profile`: its loop under cProfile after the warm-up.
+    The client's thread takes `bus_side_policy` once the core runs, as a worker's does."""
     core = await EngineCoreClient.start(options)
+    set_thread_policy(options.config.bus_side_policy)
     try:
         await drive(core, Closed([warmup, warmup], 2, SamplingParams(max_tokens=8, ignore_eos=True)))
+        if profile is not None:
+            await core.profile(str(profile))
         return await drive(core, loop), core.info.cpus
     finally:
+        set_thread_policy("normal")
         await core.shutdown()
 
 
@@ -209,12 +220,12 @@ def run_path(
         with suffix_cache_bus() as settings:
             options = CoreOptions(config, SuffixCacheOptions(settings, f"{TOPIC}-core", 0.002))
             times, cpus = asyncio.run(in_core(options, warmup, loop))
-    elif path == "core-pinned":
-        pinned = config.model_copy(update={"core_cpus": "auto"})
-        times, cpus = asyncio.run(in_core(CoreOptions(pinned), warmup, loop))
+    elif path in ("core-pinned", "core-batch"):
+        update = {"core_cpus": "auto"} if path == "core-pinned" else {"bus_side_policy": "batch"}
+        times, cpus = asyncio.run(in_core(CoreOptions(config.model_copy(update=update)), warmup, loop))
     else:
-        profile = str(args.profile / "core.prof") if args.profile else None
-        times, cpus = asyncio.run(in_core(CoreOptions(config, profile=profile), warmup, loop))
+        profile = args.profile / "core.prof" if args.profile else None
+        times, cpus = asyncio.run(in_core(CoreOptions(config), warmup, loop, profile))
     return {"path": path, "core_cpus": cpus, **times.summary()}
 
 

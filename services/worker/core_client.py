@@ -35,6 +35,7 @@ from services.worker.core_messages import (
     FetchKV,
     ImportKV,
     ImportShared,
+    Profile,
     ReleaseKV,
     Reply,
     Reserve,
@@ -173,6 +174,10 @@ class EngineCoreClient:
     ) -> None:
         """Sends every layer of a request's KV, (cache, index, key, value), in one command."""
         await self._send(ImportKV(request_id, layers))
+
+    async def profile(self, path: str) -> None:
+        """The core's loop runs under cProfile from now on; its stats go to `path` as it stops."""
+        await self._send(Profile(path))
 
     async def activate(self, request_id: str, first_token_id: int) -> None:
         await self._send(Activate(request_id, first_token_id))

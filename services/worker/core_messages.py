@@ -59,9 +59,6 @@ class CoreOptions:
     ipc KV transport), not copies on the host."""
     share_timeout_s: float = 120.0
     """A shared export not released by then is freed anyway (its transfer is long dead)."""
-    profile: str | None = None
-    """Run the core's loop under cProfile and write its stats to this path as it stops
-    (`benchmarks.core_step --profile`)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +141,26 @@ class Shutdown:
     pass
 
 
-Command = AddRequest | Abort | Reserve | ImportKV | ImportShared | FetchKV | ReleaseKV | Activate | Shutdown
+@dataclass(frozen=True)
+class Profile:
+    """From now on the core's loop runs under cProfile; its stats go to `path` as the core stops
+    (`benchmarks.core_step --profile`: after a warm-up, so one-time work stays out)."""
+
+    path: str
+
+
+Command = (
+    AddRequest
+    | Abort
+    | Reserve
+    | ImportKV
+    | ImportShared
+    | FetchKV
+    | ReleaseKV
+    | Activate
+    | Shutdown
+    | Profile
+)
 
 
 # ---- core -> worker ---------------------------------------------------------------------------------

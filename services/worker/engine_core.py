@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +48,7 @@ from services.worker.core_messages import (
     ImportKV,
     ImportShared,
     Logprobs,
+    Profile,
     PromptLogprobs,
     ReleaseKV,
     Reply,
@@ -183,6 +183,8 @@ class EngineCore:
         """Commands changed the engine since the last batch (its load, or rows to send)."""
         self.epochs: dict[str, int] = {}
         """Each request's placement epoch, which its rows carry, until its last row."""
+        self.profile: tuple[cProfile.Profile, str] | None = None
+        """The profiler a `Profile` command started, and where its stats go."""
 
     def run(self) -> None:
         while self.running:
@@ -258,8 +260,20 @@ class EngineCore:
                 self.shared.release(command.request_id)
         elif isinstance(command, Shutdown):
             self.running = False
+        elif isinstance(command, Profile):
+            self.stop_profile()
+            self.profile = cProfile.Profile(), command.path
+            self.profile[0].enable()
         else:
             logger.error("unknown command %r", type(command).__name__)
+
+    def stop_profile(self) -> None:
+        """Writes the stats of a profile under way, if any."""
+        if self.profile is not None:
+            profiler, path = self.profile
+            profiler.disable()
+            profiler.dump_stats(path)
+            self.profile = None
 
     def _add_row(self, output: RequestOutput) -> None:
         if output.finished:
@@ -468,15 +482,13 @@ def serve(channel: BlockingChannel) -> int:
         )
     )
     shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
+    core = EngineCore(engine, channel, suffix.index if suffix else None, shared)
     try:
-        core = EngineCore(engine, channel, suffix.index if suffix else None, shared)
-        if options.profile is None:
-            core.run()
-        else:
-            profiled(core.run, options.profile)
+        core.run()
     except ChannelClosed:
         logger.warning("the worker closed the channel; the engine core stops")
     finally:
+        core.stop_profile()
         if shared is not None:
             shared.close()
         engine.close()
@@ -484,15 +496,6 @@ def serve(channel: BlockingChannel) -> int:
             suffix.close()
         cpus.release()
     return 0
-
-
-def profiled(run: Callable[[], None], path: str) -> None:
-    """`run()` under cProfile, its stats written to `path` however it ends."""
-    profile = cProfile.Profile()
-    try:
-        profile.runcall(run)
-    finally:
-        profile.dump_stats(path)
 
 
 def main(argv: list[str] | None = None) -> int:
