@@ -224,7 +224,7 @@ class EngineCoreClient:
                 message = await self.channel.recv()
                 if isinstance(message, StepBatch):
                     if trace.ENABLED:
-                        trace_step(message)
+                        trace_step(message, self.pid)
                     self.load = message.load
                     self.batches.put_nowait(message)
                 elif isinstance(message, Reply):
@@ -251,11 +251,11 @@ class EngineCoreClient:
             self.died.set()
 
 
-def trace_step(batch: StepBatch) -> None:
+def trace_step(batch: StepBatch, core_pid: int) -> None:
     """Each row's hops through the core (stamped there, logged here: off the step's loop) and its
     arrival here."""
     for request_id, pos in zip(batch.request_ids, batch.num_output_tokens.tolist()):
         if batch.started_at:
-            trace.hop("core.step_start", request_id, pos, at=batch.started_at)
-        trace.hop("core.sent", request_id, pos, at=batch.sent_at)
+            trace.hop("core.step_start", request_id, pos, at=batch.started_at, pid=core_pid)
+        trace.hop("core.sent", request_id, pos, at=batch.sent_at, pid=core_pid)
         trace.hop("worker.from_core", request_id, pos)

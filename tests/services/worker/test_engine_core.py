@@ -93,13 +93,16 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
         assert before <= batch.started_at <= batch.sent_at <= time.time()
         assert batch.sent_at - batch.started_at >= batch.step_s - 0.001  # the step, then the send
     logged = {
-        (record.hop, record.pos): record.t for record in caplog.records if record.name == trace.logger.name
+        (record.hop, record.pos): (record.t, record.pid, record.rtt)
+        for record in caplog.records
+        if record.name == trace.logger.name
     }
-    for batch in stepped:
+    for batch in stepped:  # the core's hops under its pid, with its Redis round trips (none)
         [pos] = batch.num_output_tokens.tolist()
-        assert logged[("core.step_start", pos)] == batch.started_at
-        assert logged[("core.sent", pos)] == batch.sent_at
-        assert logged[("worker.from_core", pos)] >= batch.sent_at
+        assert logged[("core.step_start", pos)] == (batch.started_at, core.pid, 0)
+        assert logged[("core.sent", pos)] == (batch.sent_at, core.pid, 0)
+        t, pid, _ = logged[("worker.from_core", pos)]
+        assert t >= batch.sent_at and pid == os.getpid()
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
