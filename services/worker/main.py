@@ -126,7 +126,8 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
         return 1
     bus_cpus = bus_side_cpus(core.info.cpus)
     pin_process(bus_cpus)
-    set_thread_policy(config.bus_side_policy)  # after the core started: it keeps its own policy
+    if config.bus_side_policy == "batch":
+        set_thread_policy("batch")  # after the core started: it keeps its own policy
     logger.info(
         "CPUs",
         extra={
