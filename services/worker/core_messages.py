@@ -200,7 +200,8 @@ class EngineLoad:
     total_kv_blocks: int = 0
     num_preemptions: int = 0
     suffix_cache: dict[str, Any] = field(default_factory=dict)
-    """The shared suffix-cache client's statistics, where the core has one."""
+    """The shared suffix-cache client's statistics, where the core has one: about once a second
+    while it steps (`engine_core.SUFFIX_STATS_INTERVAL_S`), empty in the batches between."""
 
 
 @dataclass

@@ -69,6 +69,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PROCESS_NAME = b"engine-core"
 """What `ps` and /proc/<pid>/comm show (the benchmark's cores table names the process by it)."""
+SUFFIX_STATS_INTERVAL_S = 1.0
+"""How often a step batch carries the suffix-cache client's counters (a snapshot sorts its window
+of round trips: too much work for every step)."""
 
 
 class RowBuilder:
@@ -185,6 +188,8 @@ class EngineCore:
         """Each request's placement epoch, which its rows carry, until its last row."""
         self.profile: tuple[cProfile.Profile, str] | None = None
         """The profiler a `Profile` command started, and where its stats go."""
+        self.suffix_stats_due = 0.0
+        """When (`time.monotonic()`) the next batch carries the suffix-cache client's counters."""
 
     def run(self) -> None:
         while self.running:
@@ -376,7 +381,6 @@ class EngineCore:
 
     def _load(self) -> EngineLoad:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        stats = getattr(self.suffix_index, "stats", None)
         return EngineLoad(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -384,8 +388,16 @@ class EngineCore:
             free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions,
-            suffix_cache=stats() if stats is not None else {},
+            suffix_cache=self._suffix_stats(),
         )
+
+    def _suffix_stats(self) -> dict[str, Any]:
+        """The suffix-cache client's counters, at most every `SUFFIX_STATS_INTERVAL_S` (else none)."""
+        stats = getattr(self.suffix_index, "stats", None)
+        if stats is None or time.monotonic() < self.suffix_stats_due:
+            return {}
+        self.suffix_stats_due = time.monotonic() + SUFFIX_STATS_INTERVAL_S
+        return dict(stats())
 
 
 # ---- the shared suffix cache, from a thread of the core ------------------------------------------------

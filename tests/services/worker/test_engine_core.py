@@ -7,20 +7,24 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from services.engine.llm import LLM
+from services.worker import engine_core
+from services.worker.channel import BlockingChannel
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, RowEnd
 from services.worker.cpus import bus_side_cpus, usable_cpus
-from services.worker.engine_core import core_cpu_threads
+from services.worker.engine_core import EngineCore, core_cpu_threads
 from shared import trace
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
@@ -211,3 +215,31 @@ def test_the_core_leaves_cores_to_the_rest_of_the_mesh(model: str) -> None:
     assert core_cpu_threads(cpu.model_copy(update={"cpu_threads": 3}), num_cores=2) == 3
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(model=model, device="cpu", cpu_threads=0)
+
+
+def test_step_batches_carry_the_suffix_cache_s_counters_about_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot of the suffix-cache client sorts its window of round trips: the core takes one
+    per `SUFFIX_STATS_INTERVAL_S`, not one per step; the batches between carry none."""
+    snapshots: list[int] = []
+
+    class Index:
+        def stats(self) -> dict[str, Any]:
+            snapshots.append(1)
+            return {"num_answered": len(snapshots)}
+
+    scheduler = SimpleNamespace(running=[], waiting=[], num_waiting_tokens=0, num_preemptions=0)
+    engine = SimpleNamespace(
+        scheduler=scheduler, block_manager=SimpleNamespace(num_free_blocks=8, num_blocks=8)
+    )
+    now = [100.0]
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: now[0])
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        core = EngineCore(engine, BlockingChannel(ours), suffix_index=Index())  # type: ignore[arg-type]
+        loads = [core._load().suffix_cache for _ in range(50)]  # 50 steps within one instant
+        now[0] += engine_core.SUFFIX_STATS_INTERVAL_S
+        loads.append(core._load().suffix_cache)
+    assert loads[0] == {"num_answered": 1} and loads[1:50] == [{}] * 49
+    assert loads[50] == {"num_answered": 2}
