@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     requests = load_requests(args.workload, args.num_requests)
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     warmup = tokenizer.encode(WARMUP_PROMPT)
+    header = result_header(
+        "core_step", args.model, {"args": vars(args) | {"out": str(args.out), "profile": str(args.profile)}}
+    )
     rows: list[dict[str, Any]] = []
     for _ in range(args.repeats):
         for path in args.paths:
@@ -309,10 +312,9 @@ def main(argv: list[str] | None = None) -> None:
             except SystemExit as exc:  # find_redis_server: none here
                 rows.append({"path": path, "skipped": str(exc)})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    header = result_header(
-        "core_step", args.model, {"args": vars(args) | {"out": str(args.out), "profile": str(args.profile)}}
-    )
-    write_result({**header, "engine": config.model_dump(mode="json"), "rows": rows}, args.out, plot=False)
+            # rewritten after each path: a run cut short (a device call's time limit) keeps what it measured
+            result = {**header, "engine": config.model_dump(mode="json"), "rows": rows}
+            write_result(result, args.out, plot=False)
     print(f"\nstep loop, in-process and in an engine core (c={args.concurrency})\n\n{table(rows)}")
     if args.profile and {"in-process", "core"} <= set(args.paths):
         print(f"\n{calls_table(args.profile / 'in-process.prof', args.profile / 'core.prof')}")

@@ -397,7 +397,7 @@ if [[ " $stages " == *" mesh "* ]]; then
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" core "* ]]; then
-        timeout 300 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
+        timeout 420 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
             --gpu-memory-utilization 0.4 --workload code_editing --num-requests 12 --max-tokens 128 --concurrency 1 \
             --repeats 2 --out "$OUT/mesh-core-step.json" 2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^step loop/,$p'
     fi
