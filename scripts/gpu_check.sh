@@ -62,9 +62,14 @@
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
 # between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
-# (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log. MESH_FLAGS is appended to each
-# command (e.g. "--kv-transport ipc --trace-hops"), MESH_METHODS replaces "naive ngram". On a host with two GPUs the
-# split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
+# (c=1 with the engine core on a CPU of its own, --core-cpus auto), and mesh-core-step.json (benchmarks.core_step,
+# the part "core", on by default: the same engine's step and the loop's gap between steps, in-process with torch's
+# threads and with one, and in an engine core alone (no bus), with the suffix cache's client thread, pinned, and
+# read by a SCHED_BATCH client), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
+# with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json);
+# all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
+# the overhead run too, whose tok/s then pay for the tracing), MESH_METHODS replaces "naive ngram". On a host with two
+# GPUs the split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -384,7 +389,7 @@ if [[ " $stages " == *" mesh "* ]]; then
     dir=/tmp/widened-llama-3.2-1b
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    parts=${MESH_PARTS:-overhead hops}
+    parts=${MESH_PARTS:-overhead hops core batch}
     mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
         --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods ${MESH_METHODS:-naive ngram} --gpu-memory-utilization 0.4
         --gateway-workers 4 --client-processes 4 --no-plots --no-progress ${MESH_FLAGS:-}"
@@ -401,6 +406,17 @@ if [[ " $stages " == *" mesh "* ]]; then
     if [[ " $parts " == *" pinned "* ]]; then
         timeout 120 $mesh --concurrency 1 --core-cpus auto --out "$OUT/mesh-pinned.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
+    if [[ " $parts " == *" batch "* ]]; then
+        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
+        # shellcheck disable=SC2086
+        timeout 300 $mesh --concurrency 1 $pd --bus-side-policy batch --out "$OUT/mesh-batch.json" \
+            2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
+    if [[ " $parts " == *" core "* ]]; then
+        timeout 420 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
+            --gpu-memory-utilization 0.4 --workload code_editing --num-requests 12 --max-tokens 128 --concurrency 1 \
+            --repeats 2 --out "$OUT/mesh-core-step.json" 2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^step loop/,$p'
     fi
 fi
 exit $status

@@ -316,6 +316,22 @@ assignment set[, the gateway's requests hash, the gateways set]. ARGV: the Submi
 queue, the request id, the gateway id, the gateway's incarnation, the first epoch, the instance,
 the payload field, the Dispatch."""
 
+ADMIT_AND_RESERVE_LUA = (
+    ADMIT_FUNCTION_LUA
+    + """
+local admitted = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[4], KEYS[5], ARGV[3], ARGV[4], ARGV[5])
+if admitted == 1 then
+    redis.call('HSET', KEYS[1], 'epoch', ARGV[6])
+    redis.call('XADD', KEYS[3], '*', ARGV[7], ARGV[8])
+end
+return admitted
+"""
+)
+"""`admit_and_reserve`. KEYS: the request's state hash, the queue depth, the decode instance's
+inbox[, the gateway's requests hash, the gateways set]. ARGV: the Submit, the longest queue, the
+request id, the gateway id, the gateway's incarnation, the first epoch, the payload field, the
+Reserve."""
+
 RELEASE_LUA = """
 if redis.call('HDEL', KEYS[1], 'slot') == 1 then
     redis.call('DECR', KEYS[2])
@@ -537,6 +553,30 @@ class Bus:
             encode(dispatch),
         ]
         return ADMISSIONS[int(await self._run_script(ADMIT_AND_DISPATCH_LUA, keys, args))]
+
+    async def admit_and_reserve(
+        self, request_id: str, submit: Submit, max_queue_len: int, decode_id: str, reserve: Message
+    ) -> Admission:
+        """`admit`, and for a request admitted now also its first placement's epoch (`FIRST_EPOCH`,
+        which `reserve` must carry) and the `reserve` to the decode instance's inbox: one round trip
+        where `admit`, `claim_epoch` and the Reserve's XADD take three. Where the placement runs is
+        recorded later, with its prefill's `dispatch`. Nothing is sent for a request not admitted now."""
+        request = submit.request
+        keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.inbox(decode_id)]
+        owned = request.gateway_id and request.gateway_incarnation
+        if owned:
+            keys += [self.keys.gateway_requests(request.gateway_id or ""), self.keys.gateways]
+        args: list[bytes | str | int] = [
+            encode(submit),
+            max_queue_len,
+            request_id,
+            (request.gateway_id or "") if owned else "",
+            (request.gateway_incarnation or "") if owned else "",
+            FIRST_EPOCH,
+            PAYLOAD_FIELD,
+            encode(reserve),
+        ]
+        return ADMISSIONS[int(await self._run_script(ADMIT_AND_RESERVE_LUA, keys, args))]
 
     async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for

@@ -73,6 +73,11 @@ class EngineConfig(BaseModel):
     grammar compiler's too. `auto`: as many as the core has torch threads, the highest-numbered the
     process may use that no other engine core on the host holds, on a host of four CPUs or more (on
     fewer, nothing is pinned). An engine in-process (`LLM`) is not pinned."""
+    bus_side_policy: Literal["normal", "batch"] = "normal"
+    """Linux scheduling policy of a worker's bus side (its event loop's thread, set once its engine
+    core runs: the core keeps `normal`). `batch` (SCHED_BATCH): its wake-ups never preempt the task
+    running where it lands, so a step batch arriving does not preempt the core that sent it; it
+    runs on an idle CPU, or when the running task's turn ends. `normal`: it may preempt the core."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """`processed`: log-probabilities after penalties and temperature (the distribution sampled
     from, before top-k/top-p/min-p truncation); `raw`: of the model's logits."""

@@ -45,9 +45,12 @@ class CountingConnection(Connection):
         await super().send_packed_command(command, check_health)
 
 
-def hop(name: str, request_id: str, pos: int = 0, at: float | None = None) -> None:
-    """Logs that `request_id`'s row of `pos` output tokens reached `name` (at `at`, else now)."""
+def hop(name: str, request_id: str, pos: int = 0, at: float | None = None, pid: int | None = None) -> None:
+    """Logs that `request_id`'s row of `pos` output tokens reached `name` (at `at`, else now).
+    `pid`: the process it happened in, where another logs it for that one (a worker for its engine
+    core, which makes no Redis round trips: logged as 0)."""
     if ENABLED:
         t = time.time() if at is None else at
-        fields = {"hop": name, "request_id": request_id, "pos": pos, "t": t, "rtt": RoundTrips.count}
-        logger.debug(name, extra={**fields, "pid": os.getpid()})
+        rtt = RoundTrips.count if pid is None else 0
+        fields = {"hop": name, "request_id": request_id, "pos": pos, "t": t, "rtt": rtt}
+        logger.debug(name, extra={**fields, "pid": os.getpid() if pid is None else pid})

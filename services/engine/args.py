@@ -75,6 +75,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "side runs on the others (every thread of the core runs on these, the grammar fill's too)",
     )
     group.add_argument(
+        "--bus-side-policy",
+        choices=("normal", "batch"),
+        help="a worker's bus side's Linux scheduling policy: normal (default), or batch (SCHED_BATCH: "
+        "a step batch waking it never preempts its engine core)",
+    )
+    group.add_argument(
         "--speculative-config",
         help='draft method and verification as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
@@ -117,5 +123,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         cpu_threads=args.cpu_threads,
         **({"core_cpus": args.core_cpus} if args.core_cpus is not None else {}),
+        **({"bus_side_policy": args.bus_side_policy} if args.bus_side_policy is not None else {}),
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )

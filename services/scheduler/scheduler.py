@@ -52,6 +52,7 @@ from shared.protocol import (
     ErrorInfo,
     Finished,
     GenerateRequest,
+    InstanceInfo,
     OutputBatch,
     Reserve,
     ReserveReply,
@@ -105,6 +106,16 @@ class Retry:
     place_anywhere: bool
     deadline: float | None = None
     """When waiting for an instance ends (`time.monotonic()`); None: `dispatch_timeout_s` from now."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A Reserve sent to `decode` for a split placement whose prefill goes to `prefill`."""
+
+    decode: InstanceInfo
+    prefill: InstanceInfo
+    reply: asyncio.Future[ReserveReply]
+    """The decode instance's answer (`_follow_reservations` sets it)."""
 
 
 @dataclass(frozen=True)
@@ -246,12 +257,17 @@ class SplitwiseScheduler:
     # ---- admission and placement --------------------------------------------------------------------------
 
     async def _admit(self, request: GenerateRequest) -> None:
-        """Admits the request and places it: with a mixed instance at hand, both in one round trip."""
+        """Admits the request and places it: with a mixed instance at hand, both in one round trip;
+        with a prefill and a decode instance, the admission and the decode's Reserve in one."""
         if request.gateway_id is None:
             raise ValueError("a submit without a gateway_id: nowhere to send its outputs")
         mixed = self.registry.pick_least_loaded("mixed", frozenset())
+        pair = None if mixed is not None else self._split_pair(request, frozenset())
+        reservation = None
         if mixed is not None:
             admission = await self._admit_on(request, mixed.instance_id)
+        elif pair is not None:
+            admission, reservation = await self._admit_reserving(request, pair)
         else:
             submit = Submit(request=request)
             admission = await self.bus.admit(request.request_id, submit, self.options.max_queue_len)
@@ -260,6 +276,9 @@ class SplitwiseScheduler:
             return  # a late repeat of the Submit of a request that has ended
         if admission == "admitted" and mixed is not None:
             return  # dispatched with its admission
+        if reservation is not None:
+            await self._place(request, FIRST_EPOCH, reservation=reservation)
+            return
         if admission == "duplicate" and (request.request_id in self.placing or await self._placed(request)):
             return  # a redelivered Submit: already placed, or being placed here
         if admission == "queue_full":
@@ -287,6 +306,30 @@ class SplitwiseScheduler:
             self.metrics.placement_seconds.observe(time.perf_counter() - started)
         return admission
 
+    async def _admit_reserving(
+        self, request: GenerateRequest, pair: tuple[InstanceInfo, InstanceInfo]
+    ) -> tuple[Admission, Reservation | None]:
+        """`Bus.admit`, and for a request admitted now its first placement's epoch and the Reserve to
+        the decode instance of `pair` (decode, prefill), in the same round trip; the reservation
+        (None where nothing was sent)."""
+        decode_info, prefill_info = pair
+        reservation = Reservation(decode_info, prefill_info, self._expect_reservation(request.request_id))
+        try:
+            admission = await self.bus.admit_and_reserve(
+                request.request_id,
+                Submit(request=request),
+                self.options.max_queue_len,
+                decode_info.instance_id,
+                self._reserve_message(request, FIRST_EPOCH),
+            )
+        except BaseException:
+            self.reservations.pop(request.request_id, None)
+            raise
+        if admission != "admitted":
+            self.reservations.pop(request.request_id, None)
+            return admission, None
+        return admission, reservation
+
     async def _placed(self, request: GenerateRequest) -> bool:
         """Whether a dispatch of the request went out (its placement is recorded with it), or it
         needs none any more (it ended)."""
@@ -304,23 +347,30 @@ class SplitwiseScheduler:
         epoch: int,
         exclude: frozenset[str] = frozenset(),
         deadline: float | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         self.placing.add(request.request_id)
         try:
-            await self._place_once(request, epoch, exclude, deadline)
+            await self._place_once(request, epoch, exclude, deadline, reservation)
         finally:
             self.placing.discard(request.request_id)
 
     async def _place_once(
-        self, request: GenerateRequest, epoch: int, exclude: frozenset[str], deadline: float | None
+        self,
+        request: GenerateRequest,
+        epoch: int,
+        exclude: frozenset[str],
+        deadline: float | None,
+        reservation: Reservation | None = None,
     ) -> None:
         """Waits until `deadline` (None: `dispatch_timeout_s` from now) for an instance to place the
         request on; a Redis outage meanwhile is waited out too (a worker and Redis may be
-        restarting together)."""
+        restarting together). `reservation`: a Reserve already sent for this epoch, tried first."""
         started = time.perf_counter()
         if deadline is None:
             deadline = time.monotonic() + self.options.dispatch_timeout_s
-        while not await self._try_place(request, epoch, exclude):
+        while not await self._try_place(request, epoch, exclude, reservation):
+            reservation = None
             if time.monotonic() > deadline:
                 await self._give_up(request, epoch, 503, "no worker instance is available to run the request")
                 return
@@ -337,10 +387,18 @@ class SplitwiseScheduler:
             reraise_if_cancelled(exc)
             return True
 
-    async def _try_place(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> bool:
+    async def _try_place(
+        self,
+        request: GenerateRequest,
+        epoch: int,
+        exclude: frozenset[str],
+        reservation: Reservation | None = None,
+    ) -> bool:
         """Places the placement of `epoch` (or finds it superseded, or gives up); False to retry.
         `exclude` is a preference: an excluded instance is chosen when no other could run it (a
         prefill whose KV handoff failed because its decode instance died is not to blame)."""
+        if reservation is not None:
+            return await self._dispatch_split(request, epoch, exclude, reservation)
         if exclude and not self._placeable(exclude):
             exclude = frozenset()
         mixed = self.registry.pick_least_loaded("mixed", exclude)
@@ -362,14 +420,22 @@ class SplitwiseScheduler:
             self.registry.note_dispatch(instance_id)
             self.metrics.dispatched.labels(role="mixed").inc()
 
-    async def _dispatch_split(self, request: GenerateRequest, epoch: int, exclude: frozenset[str]) -> bool:
-        """Reserve blocks on a decode instance first, then send the prefill there; False to retry."""
-        num_tokens = len(request.prompt_token_ids) + len(request.resumed_token_ids) + 1
-        decode_info = self.registry.pick_decode(num_tokens, exclude)
-        prefill_info = self.registry.pick_least_loaded("prefill", exclude)
-        if decode_info is None or prefill_info is None:
-            return False
-        reply = await self._reserve(request, epoch, decode_info.instance_id)
+    async def _dispatch_split(
+        self,
+        request: GenerateRequest,
+        epoch: int,
+        exclude: frozenset[str],
+        reservation: Reservation | None = None,
+    ) -> bool:
+        """Reserve blocks on a decode instance first (unless `reservation`: that Reserve went out
+        already), then send the prefill there; False to retry."""
+        if reservation is None:
+            pair = self._split_pair(request, exclude)
+            if pair is None:
+                return False
+            reservation = await self._send_reserve(request, epoch, pair)
+        decode_info, prefill_info = reservation.decode, reservation.prefill
+        reply = await self._reserve(request, epoch, reservation)
         if reply is not None and not reply.ok and reply.code == 400:
             await self._give_up(request, epoch, 400, reply.error or "invalid request")
             return True
@@ -410,20 +476,53 @@ class SplitwiseScheduler:
             logger.info("placement superseded", extra={"request_id": request.request_id, "epoch": epoch})
         return sent
 
-    async def _reserve(self, request: GenerateRequest, epoch: int, decode_id: str) -> ReserveReply | None:
+    def _split_pair(
+        self, request: GenerateRequest, exclude: frozenset[str]
+    ) -> tuple[InstanceInfo, InstanceInfo] | None:
+        """The decode instance (with room for the request) and the prefill instance to run it on."""
+        num_tokens = len(request.prompt_token_ids) + len(request.resumed_token_ids) + 1
+        decode_info = self.registry.pick_decode(num_tokens, exclude)
+        prefill_info = self.registry.pick_least_loaded("prefill", exclude)
+        if decode_info is None or prefill_info is None:
+            return None
+        return decode_info, prefill_info
+
+    def _reserve_message(self, request: GenerateRequest, epoch: int) -> Reserve:
+        return Reserve(
+            request=request,
+            epoch=epoch,
+            timeout_s=self.options.kv_timeout_s,
+            reply_to=self.keys.reservation_replies(self.options.consumer),
+        )
+
+    def _expect_reservation(self, request_id: str) -> asyncio.Future[ReserveReply]:
+        """The future of the answer to a Reserve about to be sent (registered first: it may come
+        back before the send's own reply does)."""
+        waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
+        self.reservations[request_id] = waiter
+        return waiter
+
+    async def _send_reserve(
+        self, request: GenerateRequest, epoch: int, pair: tuple[InstanceInfo, InstanceInfo]
+    ) -> Reservation:
+        reservation = Reservation(*pair, self._expect_reservation(request.request_id))
+        try:
+            await self.bus.publish(
+                self.keys.inbox(pair[0].instance_id), self._reserve_message(request, epoch)
+            )
+        except BaseException:
+            self.reservations.pop(request.request_id, None)
+            raise
+        return reservation
+
+    async def _reserve(
+        self, request: GenerateRequest, epoch: int, reservation: Reservation
+    ) -> ReserveReply | None:
         """The decode instance's answer; None if it gave none in time (the request has failed),
         unless it died meanwhile (its heartbeat is gone): then a refusal, to place it elsewhere."""
-        waiter: asyncio.Future[ReserveReply] = asyncio.get_running_loop().create_future()
-        self.reservations[request.request_id] = waiter
+        decode_id = reservation.decode.instance_id
         try:
-            reserve = Reserve(
-                request=request,
-                epoch=epoch,
-                timeout_s=self.options.kv_timeout_s,
-                reply_to=self.keys.reservation_replies(self.options.consumer),
-            )
-            await self.bus.publish(self.keys.inbox(decode_id), reserve)
-            return await asyncio.wait_for(waiter, self.options.reserve_timeout_s)
+            return await asyncio.wait_for(reservation.reply, self.options.reserve_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.reserve_timeouts.inc()
             logger.warning(

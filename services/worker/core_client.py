@@ -35,6 +35,7 @@ from services.worker.core_messages import (
     FetchKV,
     ImportKV,
     ImportShared,
+    Profile,
     ReleaseKV,
     Reply,
     Reserve,
@@ -174,6 +175,10 @@ class EngineCoreClient:
         """Sends every layer of a request's KV, (cache, index, key, value), in one command."""
         await self._send(ImportKV(request_id, layers))
 
+    async def profile(self, path: str) -> None:
+        """The core's loop runs under cProfile from now on; its stats go to `path` as it stops."""
+        await self._send(Profile(path))
+
     async def activate(self, request_id: str, first_token_id: int) -> None:
         await self._send(Activate(request_id, first_token_id))
 
@@ -219,8 +224,7 @@ class EngineCoreClient:
                 message = await self.channel.recv()
                 if isinstance(message, StepBatch):
                     if trace.ENABLED:
-                        for request_id, pos in zip(message.request_ids, message.num_output_tokens.tolist()):
-                            trace.hop("worker.from_core", request_id, pos)
+                        trace_step(message, self.pid)
                     self.load = message.load
                     self.batches.put_nowait(message)
                 elif isinstance(message, Reply):
@@ -245,3 +249,13 @@ class EngineCoreClient:
                 if not future.done():
                     future.set_exception(EngineCoreDied(f"the engine core exited with code {self.exit_code}"))
             self.died.set()
+
+
+def trace_step(batch: StepBatch, core_pid: int) -> None:
+    """Each row's hops through the core (stamped there, logged here: off the step's loop) and its
+    arrival here."""
+    for request_id, pos in zip(batch.request_ids, batch.num_output_tokens.tolist()):
+        if batch.started_at:
+            trace.hop("core.step_start", request_id, pos, at=batch.started_at, pid=core_pid)
+        trace.hop("core.sent", request_id, pos, at=batch.sent_at, pid=core_pid)
+        trace.hop("worker.from_core", request_id, pos)

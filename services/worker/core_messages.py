@@ -141,7 +141,26 @@ class Shutdown:
     pass
 
 
-Command = AddRequest | Abort | Reserve | ImportKV | ImportShared | FetchKV | ReleaseKV | Activate | Shutdown
+@dataclass(frozen=True)
+class Profile:
+    """From now on the core's loop runs under cProfile; its stats go to `path` as the core stops
+    (`benchmarks.core_step --profile`: after a warm-up, so one-time work stays out)."""
+
+    path: str
+
+
+Command = (
+    AddRequest
+    | Abort
+    | Reserve
+    | ImportKV
+    | ImportShared
+    | FetchKV
+    | ReleaseKV
+    | Activate
+    | Shutdown
+    | Profile
+)
 
 
 # ---- core -> worker ---------------------------------------------------------------------------------
@@ -181,7 +200,8 @@ class EngineLoad:
     total_kv_blocks: int = 0
     num_preemptions: int = 0
     suffix_cache: dict[str, Any] = field(default_factory=dict)
-    """The shared suffix-cache client's statistics, where the core has one."""
+    """The shared suffix-cache client's statistics, where the core has one: about once a second
+    while it steps (`engine_core.SUFFIX_STATS_INTERVAL_S`), empty in the batches between."""
 
 
 @dataclass
@@ -233,6 +253,11 @@ class StepBatch:
     load: EngineLoad
     prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     """(row, its request's prompt logprobs) on the first row of requests that asked for them."""
+    started_at: float = 0.0
+    """Wall clock as the step began (0: no step, a batch of command effects only)."""
+    sent_at: float = 0.0
+    """Wall clock as the core handed the batch to its channel. With `started_at`, the worker logs
+    the core's hops of every row (`shared.trace`): the core itself logs none a step."""
 
     @property
     def num_rows(self) -> int:

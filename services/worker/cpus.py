@@ -96,6 +96,16 @@ def _lock(lock_dir: Path, cpu: int) -> int | None:
     return fd
 
 
+def set_thread_policy(policy: str) -> None:
+    """The calling thread's Linux scheduling policy (threads it starts later inherit it): `batch`
+    (SCHED_BATCH: its wake-ups preempt no running task) or `normal` (SCHED_OTHER)."""
+    if policy not in ("normal", "batch"):
+        raise ValueError(f"scheduling policy must be normal or batch, not {policy!r}")
+    if not hasattr(os, "SCHED_BATCH"):
+        return  # not Linux: every thread stays as it is
+    os.sched_setscheduler(0, os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER, os.sched_param(0))
+
+
 def bus_side_cpus(core_cpus: list[int]) -> list[int]:
     """The CPUs left to the bus side by a core on `core_cpus` (empty: the core is not pinned)."""
     if not core_cpus:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import ctypes
 import logging
 import os
@@ -47,6 +48,7 @@ from services.worker.core_messages import (
     ImportKV,
     ImportShared,
     Logprobs,
+    Profile,
     PromptLogprobs,
     ReleaseKV,
     Reply,
@@ -67,6 +69,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PROCESS_NAME = b"engine-core"
 """What `ps` and /proc/<pid>/comm show (the benchmark's cores table names the process by it)."""
+SUFFIX_STATS_INTERVAL_S = 1.0
+"""How often a step batch carries the suffix-cache client's counters (a snapshot sorts its window
+of round trips: too much work for every step)."""
 
 
 class RowBuilder:
@@ -137,7 +142,7 @@ class RowBuilder:
         self.num_output_tokens.append(0)
         self.epochs.append(epoch)
 
-    def take(self, handoffs: list[KVExport], step_s: float, load: EngineLoad) -> StepBatch:
+    def take(self, handoffs: list[KVExport], step_s: float, started_at: float, load: EngineLoad) -> StepBatch:
         batch = StepBatch(
             request_ids=self.request_ids,
             cu_num_tokens=np.cumsum([0, *self.num_new_tokens], dtype=TOKEN_DTYPE),
@@ -151,6 +156,8 @@ class RowBuilder:
             handoffs=handoffs,
             step_s=step_s,
             load=load,
+            started_at=started_at,
+            sent_at=time.time(),
         )
         self.clear()
         return batch
@@ -179,6 +186,10 @@ class EngineCore:
         """Commands changed the engine since the last batch (its load, or rows to send)."""
         self.epochs: dict[str, int] = {}
         """Each request's placement epoch, which its rows carry, until its last row."""
+        self.profile: tuple[cProfile.Profile, str] | None = None
+        """The profiler a `Profile` command started, and where its stats go."""
+        self.suffix_stats_due = 0.0
+        """When (`time.monotonic()`) the next batch carries the suffix-cache client's counters."""
 
     def run(self) -> None:
         while self.running:
@@ -186,7 +197,7 @@ class EngineCore:
             if self.engine.has_unfinished_requests():
                 self._step()
             elif self.dirty:
-                self._send([], 0.0)
+                self._send([], 0.0, 0.0)
             self._expire_shared()
 
     def _apply_commands(self, wait: bool) -> None:
@@ -205,7 +216,7 @@ class EngineCore:
             logger.warning("shared KV of %s never released: freed at its deadline", ", ".join(expired))
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started_at, started = time.time(), time.perf_counter()
         try:
             for output in self.engine.step():
                 self._add_row(output)
@@ -215,18 +226,11 @@ class EngineCore:
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
         exports, self.engine.handoffs = self.engine.handoffs, []
-        step_s = time.perf_counter() - started
-        if trace.ENABLED:
-            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
-                trace.hop("core.step_start", request_id, pos, at=time.time() - step_s)
-        self._send(exports, step_s)
+        self._send(exports, time.perf_counter() - started, started_at)
 
-    def _send(self, handoffs: list[KVExport], step_s: float) -> None:
+    def _send(self, handoffs: list[KVExport], step_s: float, started_at: float) -> None:
         handoffs = [self._share(export) for export in handoffs]
-        if trace.ENABLED:
-            for request_id, pos in zip(self.rows.request_ids, self.rows.num_output_tokens):
-                trace.hop("core.sent", request_id, pos)
-        self.channel.send(self.rows.take(handoffs, step_s, self._load()))
+        self.channel.send(self.rows.take(handoffs, step_s, started_at, self._load()))
         self.dirty = False
 
     def _share(self, export: KVExport) -> KVExport:
@@ -261,8 +265,20 @@ class EngineCore:
                 self.shared.release(command.request_id)
         elif isinstance(command, Shutdown):
             self.running = False
+        elif isinstance(command, Profile):
+            self.stop_profile()
+            self.profile = cProfile.Profile(), command.path
+            self.profile[0].enable()
         else:
             logger.error("unknown command %r", type(command).__name__)
+
+    def stop_profile(self) -> None:
+        """Writes the stats of a profile under way, if any."""
+        if self.profile is not None:
+            profiler, path = self.profile
+            profiler.disable()
+            profiler.dump_stats(path)
+            self.profile = None
 
     def _add_row(self, output: RequestOutput) -> None:
         if output.finished:
@@ -365,7 +381,6 @@ class EngineCore:
 
     def _load(self) -> EngineLoad:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        stats = getattr(self.suffix_index, "stats", None)
         return EngineLoad(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -373,8 +388,16 @@ class EngineCore:
             free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions,
-            suffix_cache=stats() if stats is not None else {},
+            suffix_cache=self._suffix_stats(),
         )
+
+    def _suffix_stats(self) -> dict[str, Any]:
+        """The suffix-cache client's counters, at most every `SUFFIX_STATS_INTERVAL_S` (else none)."""
+        stats = getattr(self.suffix_index, "stats", None)
+        if stats is None or time.monotonic() < self.suffix_stats_due:
+            return {}
+        self.suffix_stats_due = time.monotonic() + SUFFIX_STATS_INTERVAL_S
+        return dict(stats())
 
 
 # ---- the shared suffix cache, from a thread of the core ------------------------------------------------
@@ -471,11 +494,13 @@ def serve(channel: BlockingChannel) -> int:
         )
     )
     shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
+    core = EngineCore(engine, channel, suffix.index if suffix else None, shared)
     try:
-        EngineCore(engine, channel, suffix.index if suffix else None, shared).run()
+        core.run()
     except ChannelClosed:
         logger.warning("the worker closed the channel; the engine core stops")
     finally:
+        core.stop_profile()
         if shared is not None:
             shared.close()
         engine.close()

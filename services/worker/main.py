@@ -25,7 +25,7 @@ from services.runtime import (
 )
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, SuffixCacheOptions
-from services.worker.cpus import bus_side_cpus, pin_process
+from services.worker.cpus import bus_side_cpus, pin_process, set_thread_policy
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Worker, WorkerOptions
 from shared.bus import Bus, connect
@@ -126,7 +126,16 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
         return 1
     bus_cpus = bus_side_cpus(core.info.cpus)
     pin_process(bus_cpus)
-    logger.info("CPUs", extra={"engine_core": core.info.cpus or "any", "bus_side": bus_cpus or "any"})
+    if config.bus_side_policy == "batch":
+        set_thread_policy("batch")  # after the core started: it keeps its own policy
+    logger.info(
+        "CPUs",
+        extra={
+            "engine_core": core.info.cpus or "any",
+            "bus_side": bus_cpus or "any",
+            "bus_side_policy": config.bus_side_policy,
+        },
+    )
     metrics = WorkerMetrics(instance_id, role)
     options = WorkerOptions(
         instance_id=instance_id,

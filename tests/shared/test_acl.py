@@ -33,6 +33,7 @@ from shared.protocol import (
     Finished,
     GenerateRequest,
     OutputBatch,
+    Reserve,
     Submit,
     TokenEvent,
     encode,
@@ -187,6 +188,10 @@ async def test_the_scheduler_admits_places_and_releases_but_cannot_beat_or_flush
     dispatch = Dispatch(role="mixed", request=first.request, epoch=FIRST_EPOCH)
     assert await scheduler.admit_and_dispatch("r0", first, 10, "w1", dispatch) == "admitted"
     await scheduler.release("r0", "w1")
+    # or admitted with its decode instance's Reserve
+    reserve = Reserve(request=first.request, epoch=FIRST_EPOCH, timeout_s=5, reply_to="r")
+    assert await scheduler.admit_and_reserve("r9", submit("r9"), 10, "d1", reserve) == "admitted"
+    await scheduler.release("r9")
     epoch = await scheduler.claim_epoch("r1")
     assert epoch == 1
     assert await scheduler.dispatch("r1", epoch, ["w1"], keys.inbox("w1"), submit("r1"))

@@ -13,6 +13,7 @@ from shared.protocol import (
     Finished,
     GenerateRequest,
     OutputBatch,
+    Reserve,
     Submit,
     TokenEvent,
     decode,
@@ -191,6 +192,31 @@ async def test_admission_and_first_dispatch_go_in_one_round_trip_only_for_a_new_
     assert int(await bus.client.get(bus.keys.queue_depth)) == 1
     # the first placement's rows go out; a claim after it is the second placement
     assert await bus.publish_step([], [("a", FIRST_EPOCH, 0, tokens(7))]) == []
+    assert await bus.claim_epoch("a", seen=FIRST_EPOCH) == FIRST_EPOCH + 1
+
+
+async def test_admission_and_first_reserve_go_in_one_round_trip_only_for_a_new_request(bus: Bus) -> None:
+    """Admitted now: the first epoch claimed and the Reserve in the decode instance's inbox, where
+    it runs not yet recorded (the prefill's dispatch records it); a repeat, a full queue or an
+    ended request sends nothing."""
+    owned = submit("a")
+    owned.request.gateway_id, owned.request.gateway_incarnation = "g1", "first"
+    reserve = Reserve(request=owned.request, epoch=FIRST_EPOCH, timeout_s=5, reply_to="replies")
+    assert await bus.admit_and_reserve("a", owned, 2, "d", reserve) == "admitted"
+    assert await bus.placement("a") == Placement(epoch=FIRST_EPOCH, instance_ids=[])
+    assert await bus.gateway_requests("g1") == {"a": "first"}
+    [(_, fields)] = await bus.client.xrange(bus.keys.inbox("d"))
+    sent = decode(fields[PAYLOAD_FIELD])
+    assert isinstance(sent, Reserve) and sent.epoch == FIRST_EPOCH and sent.request.request_id == "a"
+    assert await bus.admit_and_reserve("a", owned, 2, "d", reserve) == "duplicate"
+    assert await bus.admit("b", submit("b"), max_queue_len=2) == "admitted"
+    assert await bus.admit_and_reserve("c", submit("c"), 2, "d", reserve) == "queue_full"
+    await bus.release("b")
+    assert await bus.admit_and_reserve("b", submit("b"), 2, "d", reserve) == "ended"
+    assert await bus.client.xlen(bus.keys.inbox("d")) == 1
+    assert int(await bus.client.get(bus.keys.queue_depth)) == 1
+    # the placement's dispatch goes out under the epoch the admission claimed
+    assert await bus.dispatch("a", FIRST_EPOCH, ["d", "p"], bus.keys.inbox("p"), submit("a"))
     assert await bus.claim_epoch("a", seen=FIRST_EPOCH) == FIRST_EPOCH + 1
 
 

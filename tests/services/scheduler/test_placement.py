@@ -13,7 +13,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SchedulerOptions, SplitwiseScheduler
 from shared.bus import Bus
-from shared.protocol import PAYLOAD_FIELD, Dispatch, Finished, GenerateRequest, InstanceInfo, Submit, decode
+from shared.protocol import (
+    PAYLOAD_FIELD,
+    Dispatch,
+    Finished,
+    GenerateRequest,
+    InstanceInfo,
+    Reserve,
+    ReserveReply,
+    Submit,
+    decode,
+)
 from shared.sampling_params import SamplingParams
 
 REQUEST = GenerateRequest(
@@ -30,9 +40,39 @@ def scheduler(bus: Bus, consumer: str = "s1", live: tuple[str, ...] = ("w1",)) -
     return made
 
 
+def split_scheduler(bus: Bus, options: SchedulerOptions | None = None) -> SplitwiseScheduler:
+    """A scheduler that sees one prefill (p0) and one decode (d0) instance live."""
+    made = SplitwiseScheduler(bus, options or SchedulerOptions(consumer="s1"), SchedulerMetrics())
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        made.registry.live[instance_id] = InstanceInfo(
+            instance_id=instance_id,
+            role=role,
+            model="m",
+            max_model_len=512,
+            free_kv_blocks=64,  # type: ignore[arg-type]
+        )
+    return made
+
+
 async def dispatches_to(bus: Bus, instance_id: str) -> list[Dispatch]:
     entries: Any = await bus.client.xrange(bus.keys.inbox(instance_id))
     return [m for _, f in entries if isinstance(m := decode(f[PAYLOAD_FIELD]), Dispatch)]
+
+
+async def reserves_to(bus: Bus, instance_id: str) -> list[Reserve]:
+    entries: Any = await bus.client.xrange(bus.keys.inbox(instance_id))
+    return [m for _, f in entries if isinstance(m := decode(f[PAYLOAD_FIELD]), Reserve)]
+
+
+async def admit_split(s: SplitwiseScheduler, request: GenerateRequest) -> None:
+    """`_admit` on a split pair, with d0's reservation answered as soon as it is awaited."""
+    admitting = asyncio.create_task(s._admit(request))
+    while request.request_id not in s.reservations:
+        assert not admitting.done(), "placed without a reservation"
+        await asyncio.sleep(0.005)
+    reply = ReserveReply(request_id=request.request_id, instance_id="d0", ok=True, kv_address="127.0.0.1:1")
+    s.reservations[request.request_id].set_result(reply)
+    await asyncio.wait_for(admitting, 10)
 
 
 async def test_a_new_request_is_admitted_and_dispatched_in_one_round_trip(
@@ -56,6 +96,49 @@ async def test_a_new_request_is_admitted_and_dispatched_in_one_round_trip(
     assert [d.epoch for d in await dispatches_to(bus, "w1")] == [1, 1]  # warm's and r's
     placement = await bus.placement("r")
     assert placement is not None and (placement.epoch, placement.instance_ids) == (1, ["w1"])
+
+
+async def test_a_new_split_request_is_admitted_and_reserved_in_one_round_trip(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a prefill and a decode instance live: the admission, the first epoch and the Reserve
+    go in one script, then the prefill's dispatch in another (no `claim_epoch`, no separate XADD)."""
+    s = split_scheduler(bus)
+    await admit_split(s, REQUEST.model_copy(update={"request_id": "warm"}))  # loads the scripts
+    commands: list[Any] = []
+    execute = bus.client.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        commands.append(args[0])
+        return await execute(*args, **options)
+
+    monkeypatch.setattr(bus.client, "execute_command", counted)
+    await admit_split(s, REQUEST)
+    assert commands == ["EVALSHA", "EVALSHA"]
+    monkeypatch.undo()
+    assert [(r.request.request_id, r.epoch) for r in await reserves_to(bus, "d0")] == [("warm", 1), ("r", 1)]
+    [_, dispatch] = await dispatches_to(bus, "p0")
+    assert (dispatch.request.request_id, dispatch.epoch, dispatch.decode_instance) == ("r", 1, "d0")
+    placement = await bus.placement("r")
+    assert placement is not None and (placement.epoch, placement.instance_ids) == (1, ["d0", "p0"])
+
+
+async def test_a_split_request_refused_by_its_decode_instance_is_reserved_again(bus: Bus) -> None:
+    """The reservation sent with the admission is answered 503 (no room): the request is placed
+    again under the same epoch, with a Reserve of its own."""
+    s = split_scheduler(bus)
+    admitting = asyncio.create_task(s._admit(REQUEST))
+    answers = [True, False]  # the last answer first: a refusal, then a reservation
+    while answers:
+        while "r" not in s.reservations or s.reservations["r"].done():
+            assert not admitting.done()
+            await asyncio.sleep(0.005)
+        ok = answers.pop()
+        reply = ReserveReply(request_id="r", instance_id="d0", ok=ok, code=None if ok else 503, error="full")
+        s.reservations["r"].set_result(reply)
+    await asyncio.wait_for(admitting, 10)
+    assert [r.epoch for r in await reserves_to(bus, "d0")] == [1, 1]
+    assert [d.epoch for d in await dispatches_to(bus, "p0")] == [1]
 
 
 async def test_an_excluded_instance_is_chosen_when_no_other_can_run_the_request(bus: Bus) -> None:
@@ -97,15 +180,7 @@ async def test_a_reservation_unanswered_by_a_dead_decode_instance_is_placed_agai
     """A decode instance killed just before its reservation still looks live until its heartbeat
     expires: its silence sends the request back to placement, not to its client as a 504. A live
     instance's silence still fails the request."""
-    s = SplitwiseScheduler(bus, SchedulerOptions(consumer="s1", reserve_timeout_s=0.1), SchedulerMetrics())
-    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
-        s.registry.live[instance_id] = InstanceInfo(
-            instance_id=instance_id,
-            role=role,
-            model="m",
-            max_model_len=512,
-            free_kv_blocks=64,  # type: ignore[arg-type]
-        )
+    s = split_scheduler(bus, SchedulerOptions(consumer="s1", reserve_timeout_s=0.1))
     await bus.admit("r", Submit(request=REQUEST), max_queue_len=8)
     epoch = await bus.claim_epoch("r")
     assert epoch is not None

@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from services.worker import cpus
-from services.worker.cpus import bus_side_cpus, claim_core_cpus
+from services.worker.cpus import bus_side_cpus, claim_core_cpus, set_thread_policy
 from shared.config import EngineConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[3]
@@ -102,3 +103,32 @@ def test_a_killed_core_leaves_its_cpu(tmp_path: Path) -> None:
             holder.wait()
         assert holder.stdout is not None
         holder.stdout.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_a_batch_thread_keeps_batch_for_the_threads_it_starts_and_the_others_stay_normal() -> None:
+    """The bus side's policy (`--bus-side-policy batch`): its thread and what it starts later; the
+    process's other threads (and an engine core started before) keep theirs."""
+    seen: dict[str, int] = {}
+
+    def bus_side() -> None:
+        set_thread_policy("batch")
+        seen["bus_side"] = os.sched_getscheduler(0)
+        later = threading.Thread(target=lambda: seen.update(started_later=os.sched_getscheduler(0)))
+        later.start()
+        later.join()
+        set_thread_policy("normal")
+        seen["restored"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=bus_side)
+    thread.start()
+    thread.join()
+    assert seen == {"bus_side": os.SCHED_BATCH, "started_later": os.SCHED_BATCH, "restored": os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="normal or batch"):
+        set_thread_policy("fifo")
+    with pytest.raises(ValueError, match="bus_side_policy"):
+        EngineConfig(model="m", bus_side_policy="idle")  # type: ignore[arg-type]

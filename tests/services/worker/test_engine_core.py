@@ -4,22 +4,28 @@ refusals and aborts as rows, a crash reported (not a hang), and no core outlivin
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from services.engine.llm import LLM
+from services.worker import engine_core
+from services.worker.channel import BlockingChannel
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
 from services.worker.core_messages import CoreOptions, RowEnd
 from services.worker.cpus import bus_side_cpus, usable_cpus
-from services.worker.engine_core import core_cpu_threads
+from services.worker.engine_core import EngineCore, core_cpu_threads
+from shared import trace
 from shared.config import EngineConfig
 from shared.protocol import GenerateRequest
 from shared.sampling_params import SamplingParams
@@ -70,6 +76,37 @@ async def test_greedy_tokens_match_the_engine_in_process(core: EngineCoreClient,
     assert epochs == {f"r{i}": {i + 1} for i in range(len(PROMPTS))}  # every row carries its placement's
     assert {e.finish_reason for e in ends.values()} == {"length"}
     assert core.load.num_running == 0 and core.load.free_kv_blocks == core.info.total_kv_blocks
+
+
+async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
+    core: EngineCoreClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step batch carries the wall clock of its step's start and of its send; traced, the
+    worker's side logs every row's `core.step_start` and `core.sent` at those times (the core's
+    loop logs nothing a step), then its own `worker.from_core`."""
+    monkeypatch.setattr(trace, "ENABLED", True)
+    caplog.set_level(logging.DEBUG, logger=trace.logger.name)
+    before = time.time()
+    await core.add_request(request("r0", PROMPTS[0]), epoch=1)
+    batches = []
+    while not any(batch.ends for batch in batches):
+        batches += await asyncio.wait_for(core.next_batches(), 60)
+    stepped = [batch for batch in batches if batch.num_rows]
+    assert stepped
+    for batch in stepped:
+        assert before <= batch.started_at <= batch.sent_at <= time.time()
+        assert batch.sent_at - batch.started_at >= batch.step_s - 0.001  # the step, then the send
+    logged = {
+        (record.hop, record.pos): (record.t, record.pid, record.rtt)
+        for record in caplog.records
+        if record.name == trace.logger.name
+    }
+    for batch in stepped:  # the core's hops under its pid, with its Redis round trips (none)
+        [pos] = batch.num_output_tokens.tolist()
+        assert logged[("core.step_start", pos)] == (batch.started_at, core.pid, 0)
+        assert logged[("core.sent", pos)] == (batch.sent_at, core.pid, 0)
+        t, pid, _ = logged[("worker.from_core", pos)]
+        assert t >= batch.sent_at and pid == os.getpid()
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
@@ -178,3 +215,31 @@ def test_the_core_leaves_cores_to_the_rest_of_the_mesh(model: str) -> None:
     assert core_cpu_threads(cpu.model_copy(update={"cpu_threads": 3}), num_cores=2) == 3
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(model=model, device="cpu", cpu_threads=0)
+
+
+def test_step_batches_carry_the_suffix_cache_s_counters_about_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot of the suffix-cache client sorts its window of round trips: the core takes one
+    per `SUFFIX_STATS_INTERVAL_S`, not one per step; the batches between carry none."""
+    snapshots: list[int] = []
+
+    class Index:
+        def stats(self) -> dict[str, Any]:
+            snapshots.append(1)
+            return {"num_answered": len(snapshots)}
+
+    scheduler = SimpleNamespace(running=[], waiting=[], num_waiting_tokens=0, num_preemptions=0)
+    engine = SimpleNamespace(
+        scheduler=scheduler, block_manager=SimpleNamespace(num_free_blocks=8, num_blocks=8)
+    )
+    now = [100.0]
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: now[0])
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        core = EngineCore(engine, BlockingChannel(ours), suffix_index=Index())  # type: ignore[arg-type]
+        loads = [core._load().suffix_cache for _ in range(50)]  # 50 steps within one instant
+        now[0] += engine_core.SUFFIX_STATS_INTERVAL_S
+        loads.append(core._load().suffix_cache)
+    assert loads[0] == {"num_answered": 1} and loads[1:50] == [{}] * 49
+    assert loads[50] == {"num_answered": 2}
