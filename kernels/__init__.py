@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
 from kernels.fused_layers_ref import (
+    embed_norm_concat_ref,
     fused_add_rms_norm_ref,
     gelu_tanh_and_mul_ref,
     rotary_embedding_ref,
@@ -158,6 +159,24 @@ def fused_add_rms_norm(
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+def embed_norm_concat(
+    input_ids: torch.Tensor,  # [num_tokens] int32 or int64
+    embedding: torch.Tensor,  # [vocab_size, hidden_size]
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    embed_weight: torch.Tensor,  # [hidden_size]
+    hidden_weight: torch.Tensor,  # [hidden_size]
+    embed_eps: float,
+    hidden_eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden_size]
+    """See `embed_norm_concat_ref`; one kernel on CUDA where four ran (gather, two norms, cat)."""
+    args = (input_ids, embedding, hidden, embed_weight, hidden_weight, embed_eps, hidden_eps)
+    if _cuda.available(hidden):
+        from kernels.fused_layers import embed_norm_concat_cuda
+
+        return embed_norm_concat_cuda(*args)
+    return embed_norm_concat_ref(*args)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
     if _cuda.available(gate_up):
@@ -273,6 +292,7 @@ __all__ = [
     "append_attention",
     "cuda_available",
     "dequantize_weight",
+    "embed_norm_concat",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "linear",

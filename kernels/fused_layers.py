@@ -1,9 +1,10 @@
-"""CUDA residual add + RMSNorm, SiLU-and-mul and rotary embedding (CuPy RawKernel, NVRTC); twins of
-`fused_layers_ref`.
+"""CUDA residual add + RMSNorm, a draft head's two input norms, SiLU-and-mul and rotary embedding
+(CuPy RawKernel, NVRTC); twins of `fused_layers_ref`.
 
 Each replaces a chain of small torch kernels of every decoder layer (the residual add and the
 RMSNorm's eight ops, the SiLU and the product, the rotary's gather / split / four products / cat /
-casts) with one launch that reads its inputs once. They round where the references round (the
+casts), or of every draft of an MTP / EAGLE-3 chain (the embedding gather, two norms and the cat
+of `embed_norm_concat`), with one launch that reads its inputs once. They round where the references round (the
 residual sum, the normalised row before the weight, SiLU's output, the rotated values), so they
 differ from them only by float32 summation order and `exp`/`rsqrt` ulps; the rotary kernel does
 the references' float32 products and sums unfused (`__fmul_rn`), so it matches them bit for bit.
@@ -73,7 +74,7 @@ __device__ __forceinline__ float round_to_dtype(float x) { return to_float(from_
 """
 )
 
-NORM_SOURCE = (
+NORM_ROW = (
     COMMON
     + r"""
 __device__ __forceinline__ float warp_sum(float v) {
@@ -82,19 +83,18 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* One block per row. Pass 1 forms the residual sum (rounded to the dtype, stored), keeps it in
-   registers and sums its squares; the block reduces the sum; pass 2 scales, rounds, multiplies by
-   the weight and rounds again, as `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)` does. */
-extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm(
-    const scalar_t* __restrict__ x,          /* [num_tokens, hidden] */
-    const scalar_t* __restrict__ residual,   /* [num_tokens, hidden]; unused without HAS_RESIDUAL */
+/* One row by the whole block. Pass 1 forms the residual sum (rounded to the dtype, stored), keeps
+   it in registers and sums its squares; the block reduces the sum; pass 2 scales, rounds,
+   multiplies by the weight and rounds again, as `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)`
+   does. `warp_sums`: 32 floats of shared memory. */
+__device__ __forceinline__ void norm_row(
+    const scalar_t* __restrict__ x,          /* [hidden] */
+    const scalar_t* __restrict__ residual,   /* [hidden]; unused without HAS_RESIDUAL */
     const scalar_t* __restrict__ weight,     /* [hidden] */
-    scalar_t* __restrict__ normed,           /* [num_tokens, hidden] */
-    scalar_t* __restrict__ new_residual,     /* [num_tokens, hidden]; unused without HAS_RESIDUAL */
-    int hidden, float eps)
+    scalar_t* __restrict__ normed,           /* [hidden] */
+    scalar_t* __restrict__ new_residual,     /* [hidden]; unused without HAS_RESIDUAL */
+    int hidden, float eps, float* warp_sums)
 {
-    __shared__ float warp_sums[32];
-    const long long row = (long long)blockIdx.x * hidden;
     const int chunks = hidden / W;
     float vals[CPT][W];
     float sumsq = 0.f;
@@ -102,13 +102,13 @@ extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm(
     for (int j = 0; j < CPT; ++j) {
         const int c = threadIdx.x + j * blockDim.x;
         if (c < chunks) {
-            load_w(x + row + c * W, vals[j]);
+            load_w(x + c * W, vals[j]);
 #if HAS_RESIDUAL
             float r[W];
-            load_w(residual + row + c * W, r);
+            load_w(residual + c * W, r);
 #pragma unroll
             for (int i = 0; i < W; ++i) vals[j][i] = round_to_dtype(vals[j][i] + r[i]);
-            store_w(new_residual + row + c * W, vals[j]);
+            store_w(new_residual + c * W, vals[j]);
 #endif
 #pragma unroll
             for (int i = 0; i < W; ++i) sumsq += vals[j][i] * vals[j][i];
@@ -133,9 +133,69 @@ extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm(
             load_w(weight + c * W, w);
 #pragma unroll
             for (int i = 0; i < W; ++i) vals[j][i] = __fmul_rn(w[i], round_to_dtype(__fmul_rn(vals[j][i], inv_rms)));
-            store_w(normed + row + c * W, vals[j]);
+            store_w(normed + c * W, vals[j]);
         }
     }
+}
+"""
+)
+
+NORM_SOURCE = (
+    NORM_ROW
+    + r"""
+/* One block per row. */
+extern "C" __global__ void __launch_bounds__(1024) fused_add_rms_norm(
+    const scalar_t* __restrict__ x,          /* [num_tokens, hidden] */
+    const scalar_t* __restrict__ residual,   /* [num_tokens, hidden]; unused without HAS_RESIDUAL */
+    const scalar_t* __restrict__ weight,     /* [hidden] */
+    scalar_t* __restrict__ normed,           /* [num_tokens, hidden] */
+    scalar_t* __restrict__ new_residual,     /* [num_tokens, hidden]; unused without HAS_RESIDUAL */
+    int hidden, float eps)
+{
+    __shared__ float warp_sums[32];
+    const long long row = (long long)blockIdx.x * hidden;
+    norm_row(x + row, residual + row, weight, normed + row, new_residual + row, hidden, eps, warp_sums);
+}
+"""
+)
+
+EMBED_NORM_SOURCE = (
+    NORM_ROW
+    + r"""
+#if IDS_64
+typedef long long token_id_t;
+#else
+typedef int token_id_t;
+#endif
+/* Blocks (token, half): half 0 normalises the embedding row of the token's id, half 1 the token's
+   hidden row, each into its half of the token's output row [normed embedding | normed hidden],
+   rounded as `norm_row` rounds. An id outside the table gives a NaN half, never a stray read. */
+extern "C" __global__ void __launch_bounds__(1024) embed_norm_concat(
+    const token_id_t* __restrict__ input_ids,          /* [num_tokens] */
+    const scalar_t* __restrict__ embedding,      /* [vocab_size, hidden] */
+    const scalar_t* __restrict__ hidden_states,  /* [num_tokens, hidden] */
+    const scalar_t* __restrict__ embed_weight,   /* [hidden] */
+    const scalar_t* __restrict__ hidden_weight,  /* [hidden] */
+    scalar_t* __restrict__ out,                  /* [num_tokens, 2 * hidden] */
+    int hidden, long long vocab_size, float embed_eps, float hidden_eps)
+{
+    __shared__ float warp_sums[32];
+    const long long token = blockIdx.x;
+    scalar_t* dst = out + token * 2 * hidden + blockIdx.y * hidden;
+    if (blockIdx.y == 1) {
+        norm_row(hidden_states + token * hidden, nullptr, hidden_weight, dst, nullptr, hidden, hidden_eps,
+                 warp_sums);
+        return;
+    }
+    const long long id = input_ids[token];
+    if (id < 0 || id >= vocab_size) {
+        float nan[W];
+#pragma unroll
+        for (int i = 0; i < W; ++i) nan[i] = __int_as_float(0x7fc00000);
+        for (int c = threadIdx.x; c < hidden / W; c += blockDim.x) store_w(dst + c * W, nan);
+        return;
+    }
+    norm_row(embedding + id * hidden, nullptr, embed_weight, dst, nullptr, hidden, embed_eps, warp_sums);
 }
 """
 )
@@ -243,12 +303,7 @@ def fused_add_rms_norm_cuda(
         _cuda.check(residual.is_contiguous(), "residual must be contiguous")
         tensors.append(residual)
     w = _vector_width(hidden, x.element_size(), tensors)
-    chunks = hidden // w
-    threads = min(MAX_THREADS, _round_up(chunks, 32))
-    per_thread = -(-chunks // threads)
-    _cuda.check(
-        per_thread <= MAX_CHUNKS_PER_THREAD, f"hidden size {hidden} too large for one thread block per row"
-    )
+    threads, chunks_per_thread = _norm_threads(hidden, w)
     normed = torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else x
     if num_tokens == 0:
@@ -259,7 +314,7 @@ def fused_add_rms_norm_cuda(
         device,
         DTYPE=_cuda.DTYPE_IDS[x.dtype],
         W=w,
-        CPT=_round_up_pow2(per_thread),
+        CPT=chunks_per_thread,
         HAS_RESIDUAL=int(residual is not None),
     )
     _cuda.launch(
@@ -278,6 +333,66 @@ def fused_add_rms_norm_cuda(
         device,
     )
     return normed, new_residual
+
+
+def embed_norm_concat_cuda(
+    input_ids: torch.Tensor,  # [num_tokens] int32 or int64
+    embedding: torch.Tensor,  # [vocab_size, hidden_size]
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    embed_weight: torch.Tensor,  # [hidden_size]
+    hidden_weight: torch.Tensor,  # [hidden_size]
+    embed_eps: float,
+    hidden_eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden_size]
+    """Same contract as `embed_norm_concat_ref`, in one launch; each half is rounded as
+    `fused_add_rms_norm_cuda` (no residual) rounds its row, with the same reduction order, so the
+    result equals the embedding gather, the two norms and the concatenation bit for bit. An id
+    outside the table gives a NaN half."""
+    device = hidden.device
+    _cuda.check_cuda_tensor("input_ids", input_ids, [torch.int32, torch.int64], 1, device)
+    _cuda.check_cuda_tensor("hidden", hidden, list(_cuda.DTYPE_IDS), 2, device)
+    num_tokens, size = hidden.shape
+    for name, tensor, ndim in (
+        ("embedding", embedding, 2),
+        ("embed_weight", embed_weight, 1),
+        ("hidden_weight", hidden_weight, 1),
+    ):
+        _cuda.check_cuda_tensor(name, tensor, [hidden.dtype], ndim, device)
+        _cuda.check(tensor.shape[-1] == size, f"{name} has shape {tuple(tensor.shape)}, hidden rows {size}")
+    _cuda.check(input_ids.shape[0] == num_tokens, f"{input_ids.shape[0]} ids for {num_tokens} hidden rows")
+    tensors = [input_ids, embedding, hidden, embed_weight, hidden_weight]
+    _cuda.check(
+        all(t.is_contiguous() for t in tensors), "input_ids, embedding, hidden and weights must be contiguous"
+    )
+    out = torch.empty(num_tokens, 2 * size, dtype=hidden.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    w = _vector_width(size, hidden.element_size(), tensors[1:] + [out])
+    threads, chunks_per_thread = _norm_threads(size, w)
+    kernel = _cuda.function(
+        EMBED_NORM_SOURCE,
+        "embed_norm_concat",
+        device,
+        DTYPE=_cuda.DTYPE_IDS[hidden.dtype],
+        W=w,
+        CPT=chunks_per_thread,
+        HAS_RESIDUAL=0,
+        IDS_64=int(input_ids.dtype == torch.int64),
+    )
+    args = (
+        input_ids,
+        embedding,
+        hidden,
+        embed_weight,
+        hidden_weight,
+        out,
+        np.int32(size),
+        np.int64(embedding.shape[0]),
+        np.float32(embed_eps),
+        np.float32(hidden_eps),
+    )
+    _cuda.launch(kernel, (num_tokens, 2), (threads,), args, device)
+    return out
 
 
 def silu_and_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, intermediate_size]
@@ -367,6 +482,18 @@ def rotary_embedding_cuda(
         device,
     )
     return query_out, key_out
+
+
+def _norm_threads(hidden: int, w: int) -> tuple[int, int]:
+    """(threads, chunks each keeps in registers) of a block normalising a row of `hidden` elements
+    `w` at a time."""
+    chunks = hidden // w
+    threads = min(MAX_THREADS, _round_up(chunks, 32))
+    per_thread = -(-chunks // threads)
+    _cuda.check(
+        per_thread <= MAX_CHUNKS_PER_THREAD, f"hidden size {hidden} too large for one thread block per row"
+    )
+    return threads, _round_up_pow2(per_thread)
 
 
 def _vector_width(
