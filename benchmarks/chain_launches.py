@@ -35,6 +35,7 @@ from shared.model.mtp import MTPHead, save_mtp_head
 from shared.sampling_params import SamplingParams
 
 FUSED = (
+    "embed_norm_concat",
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
