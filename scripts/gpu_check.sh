@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|mtpchain ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -58,6 +58,12 @@
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
 # between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
 # (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log.
+# mtpchain (issue 12, about 5 minutes on an H100): what a chained MTP draft launches. mtpchain-tests.log (the GPU
+# tests of kernels/fused_layers.py, embed_norm_concat among them, and of the tail graphs: test_cuda_graph.py,
+# test_gpu_parity.py), then on the widened 1B-cost target verify-cost-mtpchain.json + mtpchain-kernels.txt
+# (benchmarks.verify_cost --kernels, context 512: mtp k = 1 and 3 at batch 1 and 16; the tail's tail_L<n>_ms per
+# chain length and its kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
+# MTPCHAIN_PARTS (default "tests mtp draft") splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -354,6 +360,32 @@ if [[ " $stages " == *" mesh "* ]]; then
     if [[ " $parts " == *" pinned "* ]]; then
         timeout 120 $mesh --concurrency 1 --core-cpus auto --out "$OUT/mesh-pinned.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
+fi
+if [[ " $stages " == *" mtpchain "* ]]; then
+    mtpchain_parts=" ${MTPCHAIN_PARTS:-tests mtp draft} "
+    if [[ "$mtpchain_parts" == *" tests "* ]]; then
+        timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_fused_layers.py \
+            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py 2>&1 \
+            | tee "$OUT/mtpchain-tests.log" | tail -20
+        status=$((status | PIPESTATUS[0]))
+    fi
+    dir=/tmp/widened-llama-3.2-1b
+    if [[ "$mtpchain_parts" == *" mtp "* || "$mtpchain_parts" == *" draft "* ]]; then
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    fi
+    if [[ "$mtpchain_parts" == *" mtp "* ]]; then
+        timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 --context 512 \
+            --kernels --method '{"method":"mtp","model":"'$dir/mtp'"}' --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
+            | tee "$OUT/mtpchain-kernels.txt" | grep -v "^    "
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$mtpchain_parts" == *" draft "* ]]; then
+        timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 --context 512 \
+            --kernels --method '{"method":"draft_model","model":"models/specmesh-code-draft"}' \
+            --out "$OUT/verify-cost-mtpchain-draft.json" 2>&1 | tee -a "$OUT/mtpchain-kernels.txt" | grep -v "^    "
+        status=$((status | PIPESTATUS[0]))
     fi
 fi
 exit $status
