@@ -39,6 +39,7 @@ FUSED = (
     "fused_add_rms_norm",
     "silu_and_mul",
     "rotary_embedding",
+    "rotary_write_kv",
     "write_kv",
     "verify_sample",
     "ngram_match",

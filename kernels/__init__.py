@@ -18,6 +18,7 @@ from kernels.fused_layers_ref import (
     fused_add_rms_norm_ref,
     gelu_tanh_and_mul_ref,
     rotary_embedding_ref,
+    rotary_write_kv_ref,
     silu_and_mul_ref,
 )
 from kernels.ngram_ref import ngram_match_ref
@@ -206,6 +207,26 @@ def rotary_embedding(
     return rotary_embedding_ref(positions, query, key, cos, sin)
 
 
+def rotary_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: the token writes no KV
+) -> torch.Tensor:  # the rotated query, a new contiguous tensor
+    """See `rotary_write_kv_ref`; one kernel on CUDA where two ran (rotary, KV write)."""
+    args = (positions, query, key, value, cos, sin, key_cache, value_cache, slot_mapping)
+    if _cuda.available(query):
+        from kernels.fused_layers import rotary_write_kv_cuda
+
+        return rotary_write_kv_cuda(*args)
+    return rotary_write_kv_ref(*args)
+
+
 def ngram_match(
     history: torch.Tensor,
     lengths: torch.Tensor,
@@ -300,6 +321,7 @@ __all__ = [
     "post_step_update",
     "quant_linear",
     "rotary_embedding",
+    "rotary_write_kv",
     "silu_and_mul",
     "verify_sample",
     "write_kv",

@@ -58,11 +58,12 @@
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
 # between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
 # (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log.
-# mtpchain (issue 12, about 5 minutes on an H100): what a chained MTP draft launches. mtpchain-tests.log (the GPU
-# tests of kernels/fused_layers.py, embed_norm_concat among them, and of the tail graphs: test_cuda_graph.py,
-# test_gpu_parity.py), then on the widened 1B-cost target verify-cost-mtpchain.json + mtpchain-kernels.txt
-# (benchmarks.verify_cost --kernels, context 512: mtp k = 1 and 3 at batch 1 and 16; the tail's tail_L<n>_ms per
-# chain length and its kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
+# mtpchain (issue 12, about 6 minutes on an H100): what a chained MTP draft launches. mtpchain-tests.log (the GPU
+# tests of kernels/fused_layers.py, embed_norm_concat and rotary_write_kv among them; of the tail graphs,
+# test_cuda_graph.py and test_gpu_parity.py; and of every architecture's forward, which rotary_write_kv is part
+# of), then on the widened 1B-cost target verify-cost-mtpchain.json + mtpchain-kernels.txt (benchmarks.verify_cost
+# --kernels, context 512: mtp k = 1 and 3 at batch 1 and 16; the tail's tail_L<n>_ms per chain length and its
+# kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
 # MTPCHAIN_PARTS (default "tests mtp draft") splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
@@ -366,7 +367,8 @@ if [[ " $stages " == *" mtpchain "* ]]; then
     mtpchain_parts=" ${MTPCHAIN_PARTS:-tests mtp draft} "
     if [[ "$mtpchain_parts" == *" tests "* ]]; then
         timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_fused_layers.py \
-            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py 2>&1 \
+            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py \
+            tests/services/engine/test_architectures_gpu.py 2>&1 \
             | tee "$OUT/mtpchain-tests.log" | tail -20
         status=$((status | PIPESTATUS[0]))
     fi

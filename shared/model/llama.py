@@ -205,9 +205,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, *self._norm_heads(q, k))
+        q, k = self._norm_heads(q, k)
         key_cache, value_cache = kv_cache
-        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        q = self.rotary.forward_and_write_kv(positions, q, k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.append_attention(
             q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.softcap
         )

@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm, a draft head's input norms, SiLU-and-mul and rotary embedding.
+"""Fused residual add + RMSNorm, a draft head's input norms, SiLU-and-mul, rotary embedding and
+rotary with the KV write.
 
 On CPU: the torch twins are bit-identical to the plain formulas the model used before, and so is
 the whole serving forward (layers returning (hidden, residual)) and the MTP head (its chained
@@ -22,6 +23,7 @@ from kernels.fused_layers_ref import (
     embed_norm_concat_ref,
     fused_add_rms_norm_ref,
     rotary_embedding_ref,
+    rotary_write_kv_ref,
     silu_and_mul_ref,
 )
 from shared.model import LlamaForCausalLM, load_model
@@ -154,6 +156,27 @@ def test_rotary_reference_is_the_old_rotation_of_fused_qkv_views(dtype: torch.dt
     assert torch.equal(rotary(positions, query, key)[0], out_q)
 
 
+def test_rotary_write_kv_reference_is_the_rotation_then_the_kv_write() -> None:
+    num_tokens, num_heads, num_kv_heads, head_dim = 11, 4, 2, 16
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    query, key, value = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    query = query.view(num_tokens, num_heads, head_dim)
+    key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 64, (num_tokens,))
+    slots = torch.randperm(24)[:num_tokens]
+    slots[3] = -1  # a padding token: no KV written
+    caches = [torch.randn(6, 4, num_kv_heads, head_dim) for _ in range(2)]
+    fused = [c.clone() for c in caches]
+    out_q = rotary_write_kv_ref(positions, query, key, value, rotary.cos, rotary.sin, *fused, slots)
+    expected_q, expected_k = rotary_embedding_ref(positions, query, key, rotary.cos, rotary.sin)
+    kernels.write_kv(expected_k, value, *caches, slots)
+    assert torch.equal(out_q, expected_q)
+    assert torch.equal(fused[0], caches[0]) and torch.equal(fused[1], caches[1])
+
+
 MODEL_CASES = {
     "llama": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
@@ -241,6 +264,7 @@ def test_launch_wrappers_refuse_bad_inputs_with_a_clear_message() -> None:
         embed_norm_concat_cuda,
         fused_add_rms_norm_cuda,
         rotary_embedding_cuda,
+        rotary_write_kv_cuda,
         silu_and_mul_cuda,
     )
 
@@ -277,6 +301,15 @@ def test_launch_wrappers_refuse_bad_inputs_with_a_clear_message() -> None:
         embed_norm_concat_cuda(ids, table, x, weight, weight.half(), 1e-6, 1e-6)
     with pytest.raises(_cuda.KernelError, match="must be contiguous"):
         embed_norm_concat_cuda(ids, table, torch.randn(64, 4).t(), weight, weight, 1e-6, 1e-6)
+    value, cache = torch.randn(3, 2, 16), torch.randn(2, 4, 2, 16)
+    with pytest.raises(_cuda.KernelError, match="value shape"):
+        rotary_write_kv_cuda(positions, query, key, torch.randn(3, 1, 16), cos, cos, cache, cache, positions)
+    with pytest.raises(_cuda.KernelError, match="caches"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache[..., :8], cache, positions)
+    with pytest.raises(_cuda.KernelError, match="slot_mapping has dtype"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache, cache, positions.int())
+    with pytest.raises(_cuda.KernelError, match="one slot per token"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache, cache, positions[:2])
 
 
 # ---- GPU: the kernels against float64 ----
@@ -431,6 +464,54 @@ def test_cuda_rotary_matches_float64_and_its_twin_exactly(dtype: torch.dtype) ->
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_rotary_write_kv_is_the_rotation_and_the_kv_write_bit_for_bit(dtype: torch.dtype) -> None:
+    """One launch for the rotary kernel and the KV write: the same rotated query and the same cache
+    contents (padding tokens, slot -1, write nothing), from fused-QKV views and contiguous heads."""
+    from kernels.fused_layers import rotary_write_kv_cuda
+
+    generator = torch.Generator().manual_seed(13)
+    block_size = 16
+    for num_heads, num_kv_heads, head_dim in ROTARY_HEADS:
+        rotary = RotaryEmbedding(head_dim, 4096, 500000.0, None)
+        rotary.build(torch.device("cuda"))
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        for num_tokens in [1, 37, 300]:
+            positions = torch.randint(0, 4096, (num_tokens,), generator=generator).cuda()
+            slots = torch.randperm(num_tokens + 40, generator=generator)[:num_tokens]
+            slots[::5] = -1
+            slots = slots.cuda()
+            qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to("cuda", dtype)
+            views = (
+                qkv[:, :q_size].view(num_tokens, num_heads, head_dim),
+                qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim),
+            )
+            num_blocks = -(-(num_tokens + 40) // block_size)
+            for query, key, value in (views, tuple(v.contiguous() for v in views)):
+                caches = [
+                    torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+                        "cuda", dtype
+                    )
+                    for _ in range(2)
+                ]
+                expected_caches = [c.clone() for c in caches]
+                poison(1, (num_tokens, num_heads, head_dim), dtype)
+                out_q = rotary_write_kv_cuda(
+                    positions, query, key, value, rotary.cos, rotary.sin, *caches, slots
+                )
+                expected_q = rotary_write_kv_ref(
+                    positions, query, key, value, rotary.cos, rotary.sin, *expected_caches, slots
+                )
+                shape = f"{num_heads}/{num_kv_heads}x{head_dim}, {num_tokens} tokens"
+                assert torch.equal(out_q, expected_q), shape
+                assert torch.equal(caches[0], expected_caches[0]) and torch.equal(
+                    caches[1], expected_caches[1]
+                ), shape
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_take_misaligned_rows(dtype: torch.dtype) -> None:
     """Rows not starting on 16 bytes take the one-element path; results match the aligned path."""
@@ -469,6 +550,7 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
         embed_norm_concat_cuda,
         fused_add_rms_norm_cuda,
         rotary_embedding_cuda,
+        rotary_write_kv_cuda,
         silu_and_mul_cuda,
     )
 
@@ -483,18 +565,25 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
         qkv=torch.randn(num_tokens, (14 + 4) * 64, device="cuda").to(dtype),
         positions=torch.randint(0, 1024, (num_tokens,), device="cuda"),
         ids=torch.randint(0, 1024, (num_tokens,), device="cuda", dtype=torch.int32),
+        slots=torch.randperm(64, device="cuda")[:num_tokens],
     )
     embedding = torch.randn(1024, hidden_size, device="cuda").to(dtype)
+    caches = [torch.zeros(4, 16, 2, 64, device="cuda", dtype=dtype) for _ in range(2)]
 
     def step() -> list[torch.Tensor]:
         qkv = static["qkv"]
         query = qkv[:, : 14 * 64].view(num_tokens, 14, 64)
         key = qkv[:, 14 * 64 : 16 * 64].view(num_tokens, 2, 64)
+        value = qkv[:, 16 * 64 :].view(num_tokens, 2, 64)
         return [
             *fused_add_rms_norm_cuda(static["x"], static["residual"], weight, 1e-6),
             silu_and_mul_cuda(static["gate_up"]),
             *rotary_embedding_cuda(static["positions"], query, key, rotary.cos, rotary.sin),
             embed_norm_concat_cuda(static["ids"], embedding, static["x"], weight, weight, 1e-6, 1e-6),
+            rotary_write_kv_cuda(
+                static["positions"], query, key, value, rotary.cos, rotary.sin, *caches, static["slots"]
+            ),
+            *caches,
         ]
 
     step()  # compiles every variant before the capture
@@ -503,10 +592,16 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         captured = step()
     for name, t in static.items():
-        t.copy_(torch.randint_like(t, 0, 1024) if name in ("positions", "ids") else torch.randn_like(t))
+        if name == "slots":
+            t.copy_(torch.randperm(64, device="cuda")[:num_tokens])
+        else:
+            t.copy_(torch.randint_like(t, 0, 1024) if name in ("positions", "ids") else torch.randn_like(t))
     graph.replay()
     torch.cuda.synchronize()
-    for got, expected in zip(captured, step()):
+    replayed = [t.clone() for t in captured]  # the caches among them are written again below
+    for cache in caches:
+        cache.zero_()
+    for got, expected in zip(replayed, step()):
         assert torch.equal(got, expected)
 
 
