@@ -5,10 +5,12 @@
 A GPU step's tail runs the drafting model's catch-up and then a chain of drafts, each a kernel
 launch or twenty (services/engine/spec_decode/). This counts them on CPU without a GPU: an engine
 over a small random bfloat16 target (and a random MTP head; the target itself as draft model)
-decodes one request with k drafts a step, and each `propose` call's ops are counted. An aten op
-counts as one launch unless it only makes a view or allocates; a fused kernel of `kernels` counts
-as one launch (its torch twin's ops are not counted), the attention kernel as one, a matrix
-product (`kernels.linear`) as one GEMM plus one copy where it casts its output. A chain of n drafts
+decodes one request with k drafts a step, and each `propose` call's ops are counted (the torch
+profiler records them): each outermost aten op that runs a kernel counts once (views, allocations
+and wrappers such as `to` run none themselves: what they call is counted); a fused kernel of
+`kernels` counts once (its torch twin's ops are not counted), the attention kernel once, a matrix
+product once as a GEMM plus once as a cast where it casts its output. What a GPU adds by shape
+(cuBLAS's split-K reductions, the attention's split merge) is not counted. A chain of n drafts
 costs count(n); one chained draft costs count(n) - count(n - 1), n >= 2.
 """
 
