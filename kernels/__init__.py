@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata, append_attention_ref, write_kv_ref
 from kernels.fused_layers_ref import (
+    embed_norm_concat_ref,
     fused_add_rms_norm_ref,
     gelu_tanh_and_mul_ref,
     rotary_embedding_ref,
+    rotary_write_kv_ref,
     silu_and_mul_ref,
 )
 from kernels.ngram_ref import ngram_match_ref
@@ -158,6 +160,24 @@ def fused_add_rms_norm(
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+def embed_norm_concat(
+    input_ids: torch.Tensor,  # [num_tokens] int32 or int64
+    embedding: torch.Tensor,  # [vocab_size, hidden_size]
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    embed_weight: torch.Tensor,  # [hidden_size]
+    hidden_weight: torch.Tensor,  # [hidden_size]
+    embed_eps: float,
+    hidden_eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden_size]
+    """See `embed_norm_concat_ref`; one kernel on CUDA where four ran (gather, two norms, cat)."""
+    args = (input_ids, embedding, hidden, embed_weight, hidden_weight, embed_eps, hidden_eps)
+    if _cuda.available(hidden):
+        from kernels.fused_layers import embed_norm_concat_cuda
+
+        return embed_norm_concat_cuda(*args)
+    return embed_norm_concat_ref(*args)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
     if _cuda.available(gate_up):
@@ -185,6 +205,26 @@ def rotary_embedding(
 
         return rotary_embedding_cuda(positions, query, key, cos, sin)
     return rotary_embedding_ref(positions, query, key, cos, sin)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: the token writes no KV
+) -> torch.Tensor:  # the rotated query, a new contiguous tensor
+    """See `rotary_write_kv_ref`; one kernel on CUDA where two ran (rotary, KV write)."""
+    args = (positions, query, key, value, cos, sin, key_cache, value_cache, slot_mapping)
+    if _cuda.available(query):
+        from kernels.fused_layers import rotary_write_kv_cuda
+
+        return rotary_write_kv_cuda(*args)
+    return rotary_write_kv_ref(*args)
 
 
 def ngram_match(
@@ -273,6 +313,7 @@ __all__ = [
     "append_attention",
     "cuda_available",
     "dequantize_weight",
+    "embed_norm_concat",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "linear",
@@ -280,6 +321,7 @@ __all__ = [
     "post_step_update",
     "quant_linear",
     "rotary_embedding",
+    "rotary_write_kv",
     "silu_and_mul",
     "verify_sample",
     "write_kv",

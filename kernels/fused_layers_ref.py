@@ -1,5 +1,6 @@
-"""Torch references for the fused per-layer kernels: residual add + RMSNorm, SiLU-and-mul, rotary
-(and the Gemma variants, offset-weight RMSNorm and GeGLU, which have no CUDA kernel).
+"""Torch references for the fused per-layer kernels: residual add + RMSNorm, a draft head's two
+input norms, SiLU-and-mul, rotary, rotary with the KV write (and the Gemma variants, offset-weight
+RMSNorm and GeGLU, which have no CUDA kernel).
 
 These are the twins of `kernels/fused_layers.py` (same signatures); the CPU path, CI and the
 autograd (training) paths run them. Their rounding is the model's: the residual sum and every
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_ref import write_kv_ref
 
 
 def fused_add_rms_norm_ref(
@@ -27,6 +30,28 @@ def fused_add_rms_norm_ref(
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype), x
+
+
+def embed_norm_concat_ref(
+    input_ids: torch.Tensor,  # [num_tokens] int32 or int64
+    embedding: torch.Tensor,  # [vocab_size, hidden_size]
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    embed_weight: torch.Tensor,  # [hidden_size]
+    hidden_weight: torch.Tensor,  # [hidden_size]
+    embed_eps: float,
+    hidden_eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden_size]
+    """concat(embed_weight * RMSNorm(embedding[input_ids]), hidden_weight * RMSNorm(hidden)): the
+    input of a draft head's first projection (the MTP head's eh_proj, EAGLE-3's attention), each
+    half rounded as `fused_add_rms_norm_ref` rounds it."""
+    embeds = F.embedding(input_ids, embedding)
+    return torch.cat(
+        (
+            fused_add_rms_norm_ref(embeds, None, embed_weight, embed_eps)[0],
+            fused_add_rms_norm_ref(hidden, None, hidden_weight, hidden_eps)[0],
+        ),
+        dim=-1,
+    )
 
 
 def offset_add_rms_norm_ref(
@@ -71,6 +96,24 @@ def rotary_embedding_ref(
     cos_t = cos[positions].unsqueeze(1)
     sin_t = sin[positions].unsqueeze(1)
     return rotate_half_split(query, cos_t, sin_t), rotate_half_split(key, cos_t, sin_t)
+
+
+def rotary_write_kv_ref(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: the token writes no KV
+) -> torch.Tensor:  # the rotated query, a new contiguous tensor
+    """`rotary_embedding_ref`, then the rotated key and the value written to the paged cache at each
+    token's slot (`write_kv_ref`): what an attention layer does before attending."""
+    query, key = rotary_embedding_ref(positions, query, key, cos, sin)
+    write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+    return query
 
 
 def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -70,6 +70,13 @@
 # all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
 # the overhead run too, whose tok/s then pay for the tracing), MESH_METHODS replaces "naive ngram". On a host with two
 # GPUs the split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
+# mtpchain (issue 12, about 6 minutes on an H100): what a chained MTP draft launches. mtpchain-tests.log (the GPU
+# tests of kernels/fused_layers.py, embed_norm_concat and rotary_write_kv among them; of the tail graphs,
+# test_cuda_graph.py and test_gpu_parity.py; and of every architecture's forward, which rotary_write_kv is part
+# of), then on the widened 1B-cost target verify-cost-mtpchain.json + mtpchain-kernels.txt (benchmarks.verify_cost
+# --kernels, context 512: mtp k = 1 and 3 at batch 1 and 16; the tail's tail_L<n>_ms per chain length and its
+# kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
+# MTPCHAIN_PARTS (default "tests mtp draft") splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -417,6 +424,33 @@ if [[ " $stages " == *" mesh "* ]]; then
         timeout 420 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
             --gpu-memory-utilization 0.4 --workload code_editing --num-requests 12 --max-tokens 128 --concurrency 1 \
             --repeats 2 --out "$OUT/mesh-core-step.json" 2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^step loop/,$p'
+    fi
+fi
+if [[ " $stages " == *" mtpchain "* ]]; then
+    mtpchain_parts=" ${MTPCHAIN_PARTS:-tests mtp draft} "
+    if [[ "$mtpchain_parts" == *" tests "* ]]; then
+        timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_fused_layers.py \
+            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py \
+            tests/services/engine/test_architectures_gpu.py 2>&1 \
+            | tee "$OUT/mtpchain-tests.log" | tail -20
+        status=$((status | PIPESTATUS[0]))
+    fi
+    dir=/tmp/widened-llama-3.2-1b
+    if [[ "$mtpchain_parts" == *" mtp "* || "$mtpchain_parts" == *" draft "* ]]; then
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    fi
+    if [[ "$mtpchain_parts" == *" mtp "* ]]; then
+        timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 --context 512 \
+            --kernels --method '{"method":"mtp","model":"'$dir/mtp'"}' --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
+            | tee "$OUT/mtpchain-kernels.txt" | grep -v "^    "
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$mtpchain_parts" == *" draft "* ]]; then
+        timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 --context 512 \
+            --kernels --method '{"method":"draft_model","model":"models/specmesh-code-draft"}' \
+            --out "$OUT/verify-cost-mtpchain-draft.json" 2>&1 | tee -a "$OUT/mtpchain-kernels.txt" | grep -v "^    "
+        status=$((status | PIPESTATUS[0]))
     fi
 fi
 exit $status

@@ -63,7 +63,7 @@ def target_tokens(
     the fused verify kernel with every row a request of its own and no draft."""
     return sample_each_row(
         logits, params, row_positions, TARGET_MATCH, bitmask=bitmask, masked_rows=masked_rows
-    )
+    ).long()
 
 
 def verify_tree(

@@ -36,7 +36,7 @@ from torch import nn
 
 from kernels import AttentionMetadata
 from shared.model.config import ModelConfig, ModelConfigError, read_config_json
-from shared.model.llama import MLP, Attention, KVCache, LlamaForCausalLM, RMSNorm, linear
+from shared.model.llama import MLP, Attention, KVCache, LlamaForCausalLM, RMSNorm, embed_norm_concat, linear
 from shared.model.loader import (
     TensorSlices,
     iter_checkpoint_slices,
@@ -78,14 +78,14 @@ class Eagle3Layer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        embeds: torch.Tensor,  # [num_tokens, hidden_size]
+        inputs: torch.Tensor,  # [num_tokens, 2 * hidden_size]: [normed embedding | normed hidden]
         hidden: torch.Tensor,  # [num_tokens, hidden_size]: g_i, or the previous draft's h
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]: h_i, pre-norm
-        attended = self.self_attn(positions, self._inputs(embeds, hidden), kv_cache, meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the stream before it): h_i is their sum
+        attended = self.self_attn(positions, inputs, kv_cache, meta)
         normed, residual = self.post_attention_layernorm.add_and_norm(attended, hidden)
-        return self.mlp(normed) + residual
+        return self.mlp(normed), residual
 
     def forward_unrolled(
         self,
@@ -195,10 +195,14 @@ class Eagle3Head(nn.Module):
         # [..., 3 * target hidden_size] -> [..., hidden_size]: g, from the target's three streams
         return linear(self.fc, aux_hidden) if aux_hidden.dim() == 2 else self.fc(aux_hidden)
 
+    @property
+    def embedding(self) -> nn.Embedding:
+        """The head's own embedding where the checkpoint stores one, else the target's."""
+        return self.target.embed_tokens if self.embed_tokens is None else self.embed_tokens
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (
-            self.target.embed_tokens(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
-        )
+        embeds: torch.Tensor = self.embedding(input_ids)
+        return embeds
 
     def forward(
         self,
@@ -208,7 +212,26 @@ class Eagle3Head(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]: h_i, pre-norm
-        return self.midlayer(positions, self.embed(input_ids), hidden, kv_cache, meta)
+        mlp_out, residual = self.midlayer(positions, self._inputs(input_ids, hidden), hidden, kv_cache, meta)
+        return mlp_out + residual
+
+    def forward_with_logits(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]: t_{i+1}
+        positions: torch.Tensor,  # [num_tokens]: i
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: g_i, or the previous draft's h
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [num_tokens, vocab_size] float32, h_i)
+        """`forward` and `logits` of its output at once, as a chained draft needs them: the layer's
+        last residual add happens in the final norm's kernel (`add_and_norm`)."""
+        mlp_out, residual = self.midlayer(positions, self._inputs(input_ids, hidden), hidden, kv_cache, meta)
+        normed, stream = self.norm.add_and_norm(mlp_out, residual)
+        return self._target_logits(linear(self.lm_head, normed, torch.float32)), stream
+
+    def _inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        layer = self.midlayer
+        return embed_norm_concat(self.embedding, input_ids, layer.input_layernorm, hidden, layer.hidden_norm)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # h [..., hidden_size] -> [..., draft_vocab_size] float32
@@ -220,7 +243,10 @@ class Eagle3Head(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """h [num_rows, hidden_size] -> [num_rows, vocab_size] float32 over the target's vocabulary:
         -inf where the draft vocabulary has no token (a distribution the verifier can check)."""
-        draft = self.draft_logits(hidden)
+        return self._target_logits(self.draft_logits(hidden))
+
+    def _target_logits(self, draft: torch.Tensor) -> torch.Tensor:
+        # [num_rows, draft_vocab_size] -> [num_rows, vocab_size] float32, -inf outside the draft vocabulary
         if self.draft_vocab_size == self.config.vocab_size:
             return draft
         full = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))

@@ -136,6 +136,34 @@ class RMSNorm(nn.Module):
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def embed_norm_concat(
+    embedding: nn.Embedding,
+    input_ids: torch.Tensor,  # [num_tokens] int32 or int64
+    embed_norm: RMSNorm,
+    hidden: torch.Tensor,  # [num_tokens, hidden_size] (training: [batch, seq, hidden_size])
+    hidden_norm: RMSNorm,
+) -> torch.Tensor:  # [..., 2 * hidden_size]
+    """concat(embed_norm(embedding(input_ids)), hidden_norm(hidden)): what a draft head's first
+    projection reads (the MTP head's eh_proj, EAGLE-3's attention). One kernel in serving
+    (`kernels.embed_norm_concat`) over a whole-vocabulary embedding without a multiplier and plain
+    norms; the modules one by one otherwise (training, a vocabulary split over ranks, Gemma's norms)."""
+    whole = not isinstance(embedding, VocabParallelEmbedding) or (
+        embedding.tp.size == 1 and embedding.multiplier is None
+    )
+    plain = not embed_norm.weight_offset and not hidden_norm.weight_offset
+    if not (whole and plain and hidden.dim() == 2 and not torch.is_grad_enabled()):
+        return torch.cat((embed_norm(embedding(input_ids)), hidden_norm(hidden)), dim=-1)
+    return kernels.embed_norm_concat(
+        input_ids.contiguous(),
+        embedding.weight,
+        hidden.contiguous(),
+        embed_norm.weight,
+        hidden_norm.weight,
+        embed_norm.eps,
+        hidden_norm.eps,
+    )
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -177,9 +205,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, *self._norm_heads(q, k))
+        q, k = self._norm_heads(q, k)
         key_cache, value_cache = kv_cache
-        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        q = self.rotary.forward_and_write_kv(positions, q, k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.append_attention(
             q, key_cache, value_cache, meta, self.scale, self.sliding_window, self.softcap
         )

@@ -34,7 +34,7 @@ from torch import nn
 
 from kernels import AttentionMetadata
 from shared.model.config import GEMMA_ARCHITECTURES, ModelConfig, ModelConfigError, read_config_json
-from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm
+from shared.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, embed_norm_concat
 from shared.model.loader import iter_checkpoint_slices, load_named_tensors, save_head
 from shared.model.quant_config import parse_quantization_config, resolve_quantization
 from shared.model.quantization import quantize_linears
@@ -107,6 +107,22 @@ class MTPHead(nn.Module):
         )
         return hidden + residual
 
+    def forward_with_logits(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]: t_{i+1}
+        positions: torch.Tensor,  # [num_tokens]: i
+        previous_hidden: torch.Tensor,  # [num_tokens, hidden_size]: h_i, or the previous draft's h'
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [num_tokens, vocab_size] float32, h'_i)
+        """`forward` and `logits` of its output at once, as a chained draft needs them: the layer's
+        last residual add happens in the final norm's kernel (`add_and_norm`)."""
+        hidden, residual = self.layer(
+            positions, self._combine(input_ids, previous_hidden), None, kv_cache, meta
+        )
+        normed, stream = self.target.norm.add_and_norm(hidden, residual)
+        return self.target.compute_logits(normed), stream
+
     def forward_dense(
         self,
         input_ids: torch.Tensor,  # [batch, seq]: t_{i+1}
@@ -123,8 +139,10 @@ class MTPHead(nn.Module):
         return self.target.compute_logits(self.target.norm(hidden))
 
     def _combine(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor) -> torch.Tensor:
-        embeds = self.target.embed_tokens(input_ids)
-        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(previous_hidden)), dim=-1))
+        normed = embed_norm_concat(
+            self.target.embed_tokens, input_ids, self.enorm, previous_hidden, self.hnorm
+        )
+        return self.eh_proj(normed)
 
 
 def head_config(target: ModelConfig) -> ModelConfig:

@@ -141,6 +141,22 @@ class RotaryEmbedding(torch.nn.Module):
         kernel takes float32 tables, so `build` runs after the model is cast."""
         return kernels.rotary_embedding(positions, query, key, self.cos, self.sin)
 
+    def forward_and_write_kv(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; negative: the token writes no KV
+    ) -> torch.Tensor:  # the rotated query, a new contiguous tensor
+        """`forward`, with the rotated key and the value written to the paged KV cache at each token's
+        slot rather than returned: one fused kernel on CUDA (`kernels.rotary_write_kv`)."""
+        return kernels.rotary_write_kv(
+            positions, query, key, value, self.cos, self.sin, key_cache, value_cache, slot_mapping
+        )
+
     def forward_dense(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
-"""Fused residual add + RMSNorm, SiLU-and-mul and rotary embedding.
+"""Fused residual add + RMSNorm, a draft head's input norms, SiLU-and-mul, rotary embedding and
+rotary with the KV write.
 
 On CPU: the torch twins are bit-identical to the plain formulas the model used before, and so is
-the whole serving forward (layers returning (hidden, residual)) and the MTP head. On a GPU: the
+the whole serving forward (layers returning (hidden, residual)) and the MTP head (its chained
+drafts' `forward_with_logits` too). On a GPU: the
 CUDA kernels against float64 references over many shapes (outputs poisoned with NaN first), the
 rotary kernel bit-identical to its twin, and all three replayed from a CUDA graph.
 """
@@ -17,7 +19,13 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import AttentionMetadata, _cuda
-from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from kernels.fused_layers_ref import (
+    embed_norm_concat_ref,
+    fused_add_rms_norm_ref,
+    rotary_embedding_ref,
+    rotary_write_kv_ref,
+    silu_and_mul_ref,
+)
 from shared.model import LlamaForCausalLM, load_model
 from shared.model.llama import DecoderLayer, KVCache, RMSNorm
 from shared.model.mtp import MTPHead
@@ -148,6 +156,27 @@ def test_rotary_reference_is_the_old_rotation_of_fused_qkv_views(dtype: torch.dt
     assert torch.equal(rotary(positions, query, key)[0], out_q)
 
 
+def test_rotary_write_kv_reference_is_the_rotation_then_the_kv_write() -> None:
+    num_tokens, num_heads, num_kv_heads, head_dim = 11, 4, 2, 16
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    query, key, value = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    query = query.view(num_tokens, num_heads, head_dim)
+    key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 64, (num_tokens,))
+    slots = torch.randperm(24)[:num_tokens]
+    slots[3] = -1  # a padding token: no KV written
+    caches = [torch.randn(6, 4, num_kv_heads, head_dim) for _ in range(2)]
+    fused = [c.clone() for c in caches]
+    out_q = rotary_write_kv_ref(positions, query, key, value, rotary.cos, rotary.sin, *fused, slots)
+    expected_q, expected_k = rotary_embedding_ref(positions, query, key, rotary.cos, rotary.sin)
+    kernels.write_kv(expected_k, value, *caches, slots)
+    assert torch.equal(out_q, expected_q)
+    assert torch.equal(fused[0], caches[0]) and torch.equal(fused[1], caches[1])
+
+
 MODEL_CASES = {
     "llama": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
@@ -176,27 +205,68 @@ def test_model_forward_is_bit_identical_to_the_unfused_model(
         assert torch.equal(new, old)
 
 
+def old_combine(head: MTPHead, input_ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The MTP head's eh_proj input as it read before `embed_norm_concat`."""
+    embeds = head.target.embed_tokens(input_ids)
+    return head.eh_proj(
+        torch.cat((old_rms_norm(head.enorm, embeds), old_rms_norm(head.hnorm, previous)), dim=-1)
+    )
+
+
 @torch.inference_mode()
-def test_mtp_head_forward_is_bit_identical_to_the_unfused_layer(make_checkpoint) -> None:
-    target = load_model(make_checkpoint("llama"), torch.float32, torch.device("cpu"), max_positions=512)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mtp_head_forward_is_bit_identical_to_the_unfused_layer(make_checkpoint, dtype: torch.dtype) -> None:
+    """`forward` and `forward_with_logits` (what a chained draft runs: the norms of its inputs in one
+    kernel, the last residual add in the final norm's) against the unfused formulas."""
+    target = load_model(make_checkpoint("llama"), dtype, torch.device("cpu"), max_positions=512)
     torch.manual_seed(0)
-    head = MTPHead(target)
+    head = MTPHead(target).to(dtype)
     with torch.no_grad():
         for param in head.parameters():
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.dim() == 1 else 0.0))
     c = head.config
     token_ids = torch.randint(0, 384, (21,), generator=torch.Generator().manual_seed(5))
-    previous = torch.randn(21, c.hidden_size)
-    caches = [zero_caches(1, 21, c.num_key_value_heads, c.head_dim, torch.float32)[0] for _ in range(2)]
+    previous = torch.randn(21, c.hidden_size).to(dtype)
+    caches = [zero_caches(1, 21, c.num_key_value_heads, c.head_dim, dtype)[0] for _ in range(3)]
     for chunk in two_chunks(21, 4):
         ids, prev = token_ids[chunk.start : chunk.end], previous[chunk.start : chunk.end]
         new = head(ids, chunk.positions, prev, caches[0], chunk.meta)
-        old = old_layer(head.layer, chunk.positions, head._combine(ids, prev), caches[1], chunk.meta)
+        old = old_layer(head.layer, chunk.positions, old_combine(head, ids, prev), caches[1], chunk.meta)
         assert torch.equal(new, old)
+        logits, chained = head.forward_with_logits(ids.int(), chunk.positions, prev, caches[2], chunk.meta)
+        assert torch.equal(chained, old)
+        assert torch.equal(logits, target.compute_logits(old_rms_norm(target.norm, old)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_norm_concat_reference_is_the_old_gather_norms_and_cat(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    embedding = torch.randn(50, 96, generator=generator).to(dtype)
+    hidden = (torch.randn(7, 96, generator=generator) * 3).to(dtype)
+    embed_norm, hidden_norm = RMSNorm(96, 1e-5), RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        embed_norm.weight.copy_(torch.rand(96, generator=generator) + 0.5)
+        hidden_norm.weight.copy_(torch.rand(96, generator=generator) + 0.5)
+    embed_norm, hidden_norm = embed_norm.to(dtype), hidden_norm.to(dtype)
+    ids = torch.randint(0, 50, (7,), generator=generator)
+    expected = torch.cat(
+        (old_rms_norm(embed_norm, embedding[ids]), old_rms_norm(hidden_norm, hidden)), dim=-1
+    )
+    for id_dtype in (torch.int64, torch.int32):
+        out = embed_norm_concat_ref(
+            ids.to(id_dtype), embedding, hidden, embed_norm.weight, hidden_norm.weight, 1e-5, 1e-6
+        )
+        assert out.shape == (7, 192) and torch.equal(out, expected)
 
 
 def test_launch_wrappers_refuse_bad_inputs_with_a_clear_message() -> None:
-    from kernels.fused_layers import fused_add_rms_norm_cuda, rotary_embedding_cuda, silu_and_mul_cuda
+    from kernels.fused_layers import (
+        embed_norm_concat_cuda,
+        fused_add_rms_norm_cuda,
+        rotary_embedding_cuda,
+        rotary_write_kv_cuda,
+        silu_and_mul_cuda,
+    )
 
     x = torch.randn(4, 64)
     with pytest.raises(_cuda.KernelError, match="residual shape"):
@@ -220,6 +290,26 @@ def test_launch_wrappers_refuse_bad_inputs_with_a_clear_message() -> None:
         rotary_embedding_cuda(positions, query.transpose(0, 2).contiguous().transpose(0, 2), key, cos, cos)
     with pytest.raises(_cuda.KernelError, match="does not match query"):
         rotary_embedding_cuda(positions, query, torch.randn(3, 2, 8), cos, cos)
+    ids, table, weight = torch.arange(4), torch.randn(10, 64), torch.ones(64)
+    with pytest.raises(_cuda.KernelError, match="input_ids has dtype"):
+        embed_norm_concat_cuda(ids.float(), table, x, weight, weight, 1e-6, 1e-6)
+    with pytest.raises(_cuda.KernelError, match="3 ids for 4 hidden rows"):
+        embed_norm_concat_cuda(ids[:3], table, x, weight, weight, 1e-6, 1e-6)
+    with pytest.raises(_cuda.KernelError, match="embedding has shape"):
+        embed_norm_concat_cuda(ids, torch.randn(10, 32), x, weight, weight, 1e-6, 1e-6)
+    with pytest.raises(_cuda.KernelError, match="hidden_weight has dtype"):
+        embed_norm_concat_cuda(ids, table, x, weight, weight.half(), 1e-6, 1e-6)
+    with pytest.raises(_cuda.KernelError, match="must be contiguous"):
+        embed_norm_concat_cuda(ids, table, torch.randn(64, 4).t(), weight, weight, 1e-6, 1e-6)
+    value, cache = torch.randn(3, 2, 16), torch.randn(2, 4, 2, 16)
+    with pytest.raises(_cuda.KernelError, match="value shape"):
+        rotary_write_kv_cuda(positions, query, key, torch.randn(3, 1, 16), cos, cos, cache, cache, positions)
+    with pytest.raises(_cuda.KernelError, match="caches"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache[..., :8], cache, positions)
+    with pytest.raises(_cuda.KernelError, match="slot_mapping has dtype"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache, cache, positions.int())
+    with pytest.raises(_cuda.KernelError, match="one slot per token"):
+        rotary_write_kv_cuda(positions, query, key, value, cos, cos, cache, cache, positions[:2])
 
 
 # ---- GPU: the kernels against float64 ----
@@ -260,6 +350,54 @@ def test_cuda_fused_add_rms_norm_matches_float64(dtype: torch.dtype, with_residu
             # the stream is rounded to the dtype exactly as the plain add rounds it
             assert torch.equal(new_residual, x + residual if with_residual else x)
     print(f"\nfused_add_rms_norm {dtype}: max relative error vs float64 {worst:.2e}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_embed_norm_concat_is_the_gather_norms_and_cat_bit_for_bit(
+    dtype: torch.dtype, id_dtype: torch.dtype
+) -> None:
+    """One launch for what four did: equal to the gather, the two norm kernels and the cat (same
+    rounding, same reduction order), within tolerance of float64; an id outside the table gives a
+    NaN embedding half and leaves the hidden half alone."""
+    from kernels.fused_layers import embed_norm_concat_cuda, fused_add_rms_norm_cuda
+
+    generator = torch.Generator().manual_seed(12)
+    vocab_size, worst = 300, 0.0
+    for hidden_size in [64, 100, 896, 2048, 3584, 8192]:
+        embedding = torch.randn(vocab_size, hidden_size, generator=generator).to("cuda", dtype)
+        embed_weight = (torch.randn(hidden_size, generator=generator) * 0.3 + 1).to("cuda", dtype)
+        hidden_weight = (torch.randn(hidden_size, generator=generator) * 0.3 + 1).to("cuda", dtype)
+        for num_tokens in TOKENS:
+            ids = torch.randint(0, vocab_size, (num_tokens,), generator=generator).to("cuda", id_dtype)
+            hidden = (torch.randn(num_tokens, hidden_size, generator=generator) * 4).to("cuda", dtype)
+            poison(1, (num_tokens, 2 * hidden_size), dtype)
+            out = embed_norm_concat_cuda(ids, embedding, hidden, embed_weight, hidden_weight, 1e-5, 1e-6)
+            embeds = embedding[ids.long()]
+            unfused = torch.cat(
+                (
+                    fused_add_rms_norm_cuda(embeds, None, embed_weight, 1e-5)[0],
+                    fused_add_rms_norm_cuda(hidden, None, hidden_weight, 1e-6)[0],
+                ),
+                dim=-1,
+            )
+            assert torch.equal(out, unfused), f"hidden {hidden_size}, {num_tokens} tokens"
+            for half, (rows, weight, eps) in enumerate(
+                [(embeds, embed_weight, 1e-5), (hidden, hidden_weight, 1e-6)]
+            ):
+                rows64 = rows.double()
+                expected = weight.double() * rows64 / rows64.pow(2).mean(-1, keepdim=True).add(eps).sqrt()
+                error = rel_error(out[:, half * hidden_size : (half + 1) * hidden_size], expected)
+                assert error < TOLERANCE[dtype], f"hidden {hidden_size}, {num_tokens} tokens: {error:.2e}"
+                worst = max(worst, error)
+        ids[0] = vocab_size
+        out = embed_norm_concat_cuda(ids, embedding, hidden, embed_weight, hidden_weight, 1e-5, 1e-6)
+        assert torch.isnan(out[0, :hidden_size]).all() and torch.equal(
+            out[0, hidden_size:], unfused[0, hidden_size:]
+        )
+    print(f"\nembed_norm_concat {dtype}: max relative error vs float64 {worst:.2e}")
 
 
 @pytest.mark.gpu
@@ -326,6 +464,54 @@ def test_cuda_rotary_matches_float64_and_its_twin_exactly(dtype: torch.dtype) ->
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_rotary_write_kv_is_the_rotation_and_the_kv_write_bit_for_bit(dtype: torch.dtype) -> None:
+    """One launch for the rotary kernel and the KV write: the same rotated query and the same cache
+    contents (padding tokens, slot -1, write nothing), from fused-QKV views and contiguous heads."""
+    from kernels.fused_layers import rotary_write_kv_cuda
+
+    generator = torch.Generator().manual_seed(13)
+    block_size = 16
+    for num_heads, num_kv_heads, head_dim in ROTARY_HEADS:
+        rotary = RotaryEmbedding(head_dim, 4096, 500000.0, None)
+        rotary.build(torch.device("cuda"))
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        for num_tokens in [1, 37, 300]:
+            positions = torch.randint(0, 4096, (num_tokens,), generator=generator).cuda()
+            slots = torch.randperm(num_tokens + 40, generator=generator)[:num_tokens]
+            slots[::5] = -1
+            slots = slots.cuda()
+            qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to("cuda", dtype)
+            views = (
+                qkv[:, :q_size].view(num_tokens, num_heads, head_dim),
+                qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim),
+            )
+            num_blocks = -(-(num_tokens + 40) // block_size)
+            for query, key, value in (views, tuple(v.contiguous() for v in views)):
+                caches = [
+                    torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+                        "cuda", dtype
+                    )
+                    for _ in range(2)
+                ]
+                expected_caches = [c.clone() for c in caches]
+                poison(1, (num_tokens, num_heads, head_dim), dtype)
+                out_q = rotary_write_kv_cuda(
+                    positions, query, key, value, rotary.cos, rotary.sin, *caches, slots
+                )
+                expected_q = rotary_write_kv_ref(
+                    positions, query, key, value, rotary.cos, rotary.sin, *expected_caches, slots
+                )
+                shape = f"{num_heads}/{num_kv_heads}x{head_dim}, {num_tokens} tokens"
+                assert torch.equal(out_q, expected_q), shape
+                assert torch.equal(caches[0], expected_caches[0]) and torch.equal(
+                    caches[1], expected_caches[1]
+                ), shape
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_take_misaligned_rows(dtype: torch.dtype) -> None:
     """Rows not starting on 16 bytes take the one-element path; results match the aligned path."""
@@ -360,7 +546,13 @@ def test_cuda_kernels_take_misaligned_rows(dtype: torch.dtype) -> None:
 @needs_cuda
 def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
     """Captured once, replayed on new inputs: the same outputs as eager calls (no host sync inside)."""
-    from kernels.fused_layers import fused_add_rms_norm_cuda, rotary_embedding_cuda, silu_and_mul_cuda
+    from kernels.fused_layers import (
+        embed_norm_concat_cuda,
+        fused_add_rms_norm_cuda,
+        rotary_embedding_cuda,
+        rotary_write_kv_cuda,
+        silu_and_mul_cuda,
+    )
 
     dtype, num_tokens, hidden_size, inter = torch.bfloat16, 24, 896, 4864
     rotary = RotaryEmbedding(64, 1024, 1e6, None)
@@ -372,16 +564,26 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
         gate_up=torch.randn(num_tokens, 2 * inter, device="cuda").to(dtype),
         qkv=torch.randn(num_tokens, (14 + 4) * 64, device="cuda").to(dtype),
         positions=torch.randint(0, 1024, (num_tokens,), device="cuda"),
+        ids=torch.randint(0, 1024, (num_tokens,), device="cuda", dtype=torch.int32),
+        slots=torch.randperm(64, device="cuda")[:num_tokens],
     )
+    embedding = torch.randn(1024, hidden_size, device="cuda").to(dtype)
+    caches = [torch.zeros(4, 16, 2, 64, device="cuda", dtype=dtype) for _ in range(2)]
 
     def step() -> list[torch.Tensor]:
         qkv = static["qkv"]
         query = qkv[:, : 14 * 64].view(num_tokens, 14, 64)
         key = qkv[:, 14 * 64 : 16 * 64].view(num_tokens, 2, 64)
+        value = qkv[:, 16 * 64 :].view(num_tokens, 2, 64)
         return [
             *fused_add_rms_norm_cuda(static["x"], static["residual"], weight, 1e-6),
             silu_and_mul_cuda(static["gate_up"]),
             *rotary_embedding_cuda(static["positions"], query, key, rotary.cos, rotary.sin),
+            embed_norm_concat_cuda(static["ids"], embedding, static["x"], weight, weight, 1e-6, 1e-6),
+            rotary_write_kv_cuda(
+                static["positions"], query, key, value, rotary.cos, rotary.sin, *caches, static["slots"]
+            ),
+            *caches,
         ]
 
     step()  # compiles every variant before the capture
@@ -390,10 +592,16 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         captured = step()
     for name, t in static.items():
-        t.copy_(torch.randint_like(t, 0, 1024) if name == "positions" else torch.randn_like(t))
+        if name == "slots":
+            t.copy_(torch.randperm(64, device="cuda")[:num_tokens])
+        else:
+            t.copy_(torch.randint_like(t, 0, 1024) if name in ("positions", "ids") else torch.randn_like(t))
     graph.replay()
     torch.cuda.synchronize()
-    for got, expected in zip(captured, step()):
+    replayed = [t.clone() for t in captured]  # the caches among them are written again below
+    for cache in caches:
+        cache.zero_()
+    for got, expected in zip(replayed, step()):
         assert torch.equal(got, expected)
 
 

@@ -39,4 +39,4 @@ class DraftModelProposer(Proposer):
             hidden = self.model(token, positions, self.kv_caches, meta)
             token = batch.sample(self.model.compute_logits(hidden), step)
             draft_ids.append(token)
-        return Drafts(torch.stack(draft_ids, dim=1).int(), batch.num_wanted)
+        return Drafts(torch.stack(draft_ids, dim=1), batch.num_wanted)

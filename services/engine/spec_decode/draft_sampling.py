@@ -46,7 +46,7 @@ def sample_each_row(
     layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     bitmask: torch.Tensor | None = None,  # [num_rows, num_words] int32 grammar masks
     masked_rows: torch.Tensor | None = None,  # [num_rows] int32, nonzero: apply the row's bitmask
-) -> torch.Tensor:  # [num_rows] int64
+) -> torch.Tensor:  # [num_rows] int32
     """Each row's own token (argmax at temperature 0, else its keyed sample) through the fused verify
     kernel, every row a request of its own with no draft to check. `layout`: that batch's
     [num_rows + 1] 0, 1, ... and [num_rows] -1 tensors, where the caller keeps them across calls."""
@@ -73,7 +73,7 @@ def sample_each_row(
         bitmask=bitmask,
         masked_rows=masked_rows,
     )
-    return token_ids[:, 0].long()
+    return token_ids[:, 0]
 
 
 @dataclass
@@ -110,16 +110,21 @@ class DraftSampling:
             no_drafts=torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
         )
 
-    def sample(self, logits: torch.Tensor, draft_index: int) -> torch.Tensor:
-        """[num_seqs] int64: each request's draft number `draft_index` from a drafting model's
-        logits ([num_seqs, vocab_size] float32), through the fused sampler (a bonus row per request,
-        no drafts to check), keyed as the target's row that will verify it."""
+    def draft_positions(self, num_drafts: int) -> torch.Tensor:
+        """[num_drafts, num_seqs] int64: the output position of each request's drafts 0, 1, ...
+        (their noise keys), computed at once for a chain of `num_drafts`."""
+        if num_drafts == 1:
+            return self.first_position[None]
+        offsets = torch.arange(num_drafts, device=self.first_position.device)[:, None]
+        return self.first_position[None] + offsets
+
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[num_seqs] int32: each request's draft at output position `positions` ([num_seqs] int64,
+        a row of `draft_positions`) from a drafting model's logits ([num_seqs, vocab_size] float32),
+        through the fused sampler (a bonus row per request, no drafts to check), keyed as the
+        target's row that will verify it."""
         return sample_each_row(
-            logits.contiguous(),
-            self,
-            self.first_position + draft_index,
-            GREEDY,
-            layout=(self.rows, self.no_drafts),
+            logits.contiguous(), self, positions, GREEDY, layout=(self.rows, self.no_drafts)
         )
 
 
@@ -128,6 +133,7 @@ def sample_drafts(
     inputs: InputBatch,
     slots: torch.Tensor,  # [num_seqs] int64
     draft_index: int,
-) -> torch.Tensor:  # [num_seqs] int64
+) -> torch.Tensor:  # [num_seqs] int32
     """Draft number `draft_index` of each request (after the tokens it has) from `logits`."""
-    return DraftSampling.gather(inputs, slots).sample(logits, draft_index)
+    sampling = DraftSampling.gather(inputs, slots)
+    return sampling.sample(logits, sampling.draft_positions(draft_index + 1)[draft_index])

@@ -49,6 +49,15 @@ class ChainedHead(Protocol):
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...  # [num_tokens, hidden_size]: the head's output, fed to the next draft
 
+    def forward_with_logits(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (`logits` of the output, the output)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [num_rows, vocab_size] float32
 
 
@@ -97,9 +106,11 @@ class MTPProposer(Proposer):
             chain = batch.chain_inputs(newest, 1, num_steps - 1, self.block_size)
         draft_ids = [batch.sample(self.head.logits(hidden), 0)]
         for step, (positions, meta) in enumerate(chain, start=1):
-            hidden = self.head(draft_ids[-1], positions, hidden, self.kv_cache, meta)
-            draft_ids.append(batch.sample(self.head.logits(hidden), step))
-        token_ids = torch.stack(draft_ids, dim=1).int()
+            logits, hidden = self.head.forward_with_logits(
+                draft_ids[-1], positions, hidden, self.kv_cache, meta
+            )
+            draft_ids.append(batch.sample(logits, step))
+        token_ids = torch.stack(draft_ids, dim=1)
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, len(draft_ids)))
         if self.ngram is not None and batch.num_steps > len(draft_ids):
             return self._append_ngram(batch, token_ids, num_drafts)

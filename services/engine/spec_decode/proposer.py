@@ -74,14 +74,21 @@ class DraftBatch:
         return cls(inputs, seqs, none, none, none.int(), num_wanted, 0, None)
 
     def sample(self, logits: torch.Tensor, num_before: int) -> torch.Tensor:
-        """[num_seqs] int64: each request's draft number `num_before` from a drafting model's
-        logits ([num_seqs, vocab_size] float32), sampled with the noise the target's verification
-        will use at that output position, so that the target's own sample decides acceptance."""
-        return self._sampling.sample(logits, num_before)
+        """[num_seqs] int32: each request's draft number `num_before` (< `num_steps`) from a
+        drafting model's logits ([num_seqs, vocab_size] float32), sampled with the noise the
+        target's verification will use at that output position, so that the target's own sample
+        decides acceptance."""
+        return self._sampling.sample(logits, self._draft_positions[num_before])
 
     @functools.cached_property
     def _sampling(self) -> DraftSampling:
         return self.sampling or DraftSampling.gather(self.inputs, self.seq_slots)
+
+    @functools.cached_property
+    def _draft_positions(self) -> torch.Tensor:
+        """[num_steps, num_seqs] int64 the output position of each draft of the chain: computed once
+        before it, so that a chained draft launches no kernel for its sampling key."""
+        return self._sampling.draft_positions(max(self.num_steps, 1))
 
     @functools.cached_property
     def newest_rows(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ from services.engine.llm import LLM
 from shared.model import LlamaForCausalLM, ModelConfigError, load_model
 from shared.model.eagle3 import load_eagle3_head, save_eagle3_head
 from shared.sampling_params import SamplingParams
+from tests.paged import empty_cache, two_chunks
 
 CPU = torch.device("cpu")
 DRAFT_VOCAB = 100
@@ -129,6 +130,31 @@ def test_a_head_with_its_own_embedding_uses_it(target, tmp_path) -> None:
     ids = torch.tensor([3, 7, 11])
     expected = public_tensors(target, embedding=True)["embed_tokens.weight"].half().float()[ids]
     assert torch.equal(head.embed(ids), expected)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("embedding", [False, True], ids=["target-embedding", "own-embedding"])
+def test_a_chained_draft_is_the_unfused_layer_and_its_logits(target, tmp_path, embedding: bool) -> None:
+    """`forward_with_logits` (a chained draft: the input norms in one kernel, the last residual add
+    in the final norm's) equals the layer's formulas op by op and `logits` of its output."""
+    head = load_eagle3_head(
+        write_public_head(tmp_path / "head", target, embedding), target, torch.float32, CPU
+    )
+    layer, config = head.midlayer, head.config
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, target.config.vocab_size, (9,), generator=generator)
+    features = torch.randn(9, config.hidden_size, generator=generator)
+    caches = [empty_cache(9, 4, config.num_key_value_heads, config.head_dim) for _ in range(2)]
+    for chunk in two_chunks(9, 4):
+        chunk_ids, hidden = ids[chunk.start : chunk.end], features[chunk.start : chunk.end]
+        inputs = torch.cat((layer.input_layernorm(head.embed(chunk_ids)), layer.hidden_norm(hidden)), dim=-1)
+        stream = hidden + layer.self_attn(chunk.positions, inputs, caches[0], chunk.meta)
+        expected = stream + layer.mlp(layer.post_attention_layernorm(stream))
+        logits, out = head.forward_with_logits(
+            chunk_ids.int(), chunk.positions, hidden, caches[1], chunk.meta
+        )
+        assert torch.equal(out, expected)
+        assert torch.equal(logits, head.logits(expected))
 
 
 def test_a_public_layout_head_serves_the_targets_greedy_output(target_dir, target, tmp_path) -> None:
