@@ -58,9 +58,14 @@ from holds: the same requests, the same fits, each request's acceptance within K
   their acceptance and the drafting cost, so drafting resumes once it pays again.
 - Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
   the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
-  all drafted for as many requests) goes to the fixed cost: the next choice may then try drafting
-  at full scale, which measures it; a sample at a new scale is refitted at once, so such a trial
-  lasts one step.
+  all drafted for as many requests) goes to the fixed cost, which would make drafting for the whole
+  batch look cheap; a sample at a new scale is refitted at once.
+- A host-drafted method (suffix decoding: its time per drafting request is host time, which can
+  cost more than a whole plain step's share per request) drafts for at most RAMP_FACTOR times as
+  many requests as its live samples measured, one while it has none, those whose drafts are worth
+  most kept. A scale never timed is not trusted: the batch reaches full scale in a few steps where
+  drafting is cheap, and where it is dear no step pays for more than twice what was measured (one
+  step drafting for every request at an unknown cost can lose more than a short run gains).
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ KEEP_CHOICE_DRIFT = 0.5
 """A kept choice is solved again once a request's acceptance moved more than this since."""
 DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
+RAMP_FACTOR = 2
+"""A host-drafted method drafts for at most this many times the requests its live samples measured."""
 MAX_DINKELBACH_ITERATIONS = 32
 COLLINEAR = 1e-4
 """A term is told apart from those already fitted only if they leave more than this share of its
@@ -194,6 +201,11 @@ class SampleWindow:
         values = self._live(step)[:, 2 + term]
         return len(values) > 0 and values.min() <= value <= values.max()
 
+    def largest(self, step: int, term: int) -> float:
+        """The largest value of term number `term` over the live samples (0 without samples)."""
+        values = self._live(step)[:, 2 + term]
+        return float(values.max()) if len(values) else 0.0
+
     def _live(self, step: int) -> np.ndarray:  # [num_live, num_terms + 3]
         rows = self.rows[: min(self.num_recorded, len(self.rows))]
         if self.max_age_steps is not None:
@@ -271,6 +283,10 @@ class DraftCostModel:
         coef = self.samples.fit(step)
         return DraftCost() if coef is None else DraftCost(*(float(c) for c in coef))
 
+    def max_requests(self, step: int) -> int:
+        """The most requests one live sample drafted for (0 without samples)."""
+        return int(self.samples.largest(step, 0))
+
 
 @dataclass
 class DraftChoices:
@@ -344,12 +360,16 @@ class AdaptiveSpeculation:
         min_acceptance: float,
         max_forwards: dict[str, int] | None = None,
         tree_tokens: dict[str, list[int]] | None = None,
+        host_methods: frozenset[str] = frozenset(),
     ):
         """`max_forwards`: per method, the most chained forwards one step's drafting runs (a draft
         model one per draft, MTP up to its head steps); methods not named run none. `tree_tokens`:
         per method that drafts a tree, whose k is the tree's depth, the drafts depth k brings
-        (index k: the tree's node count to that depth, less its root); others bring k."""
+        (index k: the tree's node count to that depth, less its root); others bring k.
+        `host_methods`: the methods drafted on the host (their `propose()` timed by
+        `record_drafting`), whose drafting requests ramp up (RAMP_FACTOR)."""
         self.enabled = enabled
+        self.host_methods = host_methods
         self.min_acceptance = min_acceptance
         self.max_forwards = max_forwards or {}
         self.tree_tokens = tree_tokens or {}
@@ -419,6 +439,7 @@ class AdaptiveSpeculation:
             trusted = np.array([t for _, _, t in batch])
             max_ks = np.array([k for _, k, _ in batch])
             chosen, rate = choices.best(np.where(trusted, max_ks, 0))
+            chosen = self._ramp(seqs, choices, chosen, rate)
             self._kept = KeptChoice(
                 self.step,
                 batch,
@@ -430,6 +451,7 @@ class AdaptiveSpeculation:
             )
             if probing:  # probes are for this step only
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
+                chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
         for seq, k in zip(seqs, ks):
             if k > 0:
@@ -522,6 +544,26 @@ class AdaptiveSpeculation:
             + verify_s * num_other_tokens
             + (step.per_request_s + step.per_emitted_s) * len(seqs),
         )
+
+    def _ramp(self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float) -> np.ndarray:
+        """`ks` with each host-drafted method's drafting requests cut to RAMP_FACTOR times the most
+        its live samples drafted for (one without samples), keeping those whose drafts are worth
+        most at `rate` (their expected tokens less the tokens their time would yield)."""
+        names = sorted({seq.spec.method for seq in seqs})  # the rows of choices.method, as _choices
+        rows = np.arange(len(ks))
+        value = choices.gain[rows, ks] - rate * choices.cost_s[rows, ks]  # [num_seqs]
+        ks = ks.copy()
+        for index, name in enumerate(names):
+            if name not in self.host_methods:
+                continue
+            model = self.draft_cost.get(name)
+            measured = 0 if model is None else model.max_requests(self.step)
+            drafting = np.flatnonzero((choices.method == index) & (ks > 0))
+            allowed = max(1, RAMP_FACTOR * measured)
+            if len(drafting) > allowed:
+                worst_first = drafting[np.argsort(value[drafting], kind="stable")]
+                ks[worst_first[: len(drafting) - allowed]] = 0
+        return ks
 
     def _draft_tokens(self, method: str, num_ks: int) -> np.ndarray:
         """[num_ks] the drafts a request of `method` verifies at k = 0, 1, ...: k, or a tree's

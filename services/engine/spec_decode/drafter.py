@@ -68,8 +68,9 @@ class Drafter:
         tree_tokens: dict[str, list[int]] = {}
         if self.tree is not None:  # a tree's k is its depth; depth k verifies its nodes to there
             tree_tokens[config.method] = [self.tree.num_nodes(k) - 1 for k in range(config.k + 1)]
+        host_methods = frozenset(m for m, p in self.proposers.items() if not p.on_device)
         self.adaptive = AdaptiveSpeculation(
-            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens
+            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens, host_methods
         )
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
