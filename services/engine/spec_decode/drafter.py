@@ -24,7 +24,7 @@ from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import DraftBatch, Proposer
 from services.engine.spec_decode.suffix import (
-    BackgroundGlobalIndex,
+    DeferredGlobalIndex,
     GlobalIndex,
     SuffixConfig,
     SuffixProposer,
@@ -268,9 +268,9 @@ def make_proposers(
     proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
     if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
-        # where a decode step takes a millisecond or less, the in-process global tree is indexed
-        # off the step by a thread
-        suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
+        # where the device runs the step while the host waits, the in-process global tree takes in
+        # finished outputs then (prepare_on_host), not on the step's critical path
+        suffix_index = DeferredGlobalIndex(suffix_config.global_index())
     proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
     return proposers
 
