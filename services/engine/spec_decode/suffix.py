@@ -50,7 +50,7 @@ from shared.speculative_config import SpeculativeConfig
 
 INSERT_CHUNK_TOKENS = 4
 """Tokens the deferred global index inserts between two looks at whether the device is still busy."""
-PREPARE_CHUNK_TOKENS = 64
+PREPARE_CHUNK_TOKENS = 16
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
 

@@ -628,9 +628,9 @@ def test_prepare_feeds_a_deferred_global_index_beside_the_prompts() -> None:
     proposer.start_request("done", [1, 2, 3])
     proposer.add_tokens("done", [4, 5, 6, 4, 5, 6, 4, 5])
     proposer.stop_request("done")
-    proposer.start_request("joined", [9] * 70)
+    proposer.start_request("joined", [9] * 2 * suffix.PREPARE_CHUNK_TOKENS)
     proposer.prepare(looks(2))  # the prompt's two chunks, the output's two (of 4 tokens each)
-    assert request_tree(proposer, "joined").num_tokens == 70
+    assert request_tree(proposer, "joined").num_tokens == 2 * suffix.PREPARE_CHUNK_TOKENS
     assert deferred.num_pending == 1 and "done" not in deferred
     proposer.prepare(looks(1))  # the insertion ends
     assert deferred.num_pending == 0 and "done" in deferred
@@ -661,13 +661,7 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
     for proposer in (prepared, plain):
         for seq in seqs.values():
             proposer.start(seq)
-    looks = [3]
-
-    def device_busy() -> bool:
-        looks[0] -= 1
-        return looks[0] >= 0
-
-    prepared.prepare(device_busy)  # three chunks of 64: the first prompt whole, the second not begun
+    prepared.prepare(looks(-(-150 // suffix.PREPARE_CHUNK_TOKENS)))  # the first prompt whole, no more
     first, second = (prepared._requests[name].index for name in seqs)
     assert first is not None and first.num_tokens == 150 and second is None
     prepared.prepare(lambda: False)
