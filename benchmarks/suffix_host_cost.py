@@ -131,6 +131,8 @@ class DeviceStepTimes:
     wake_s: list[float] = field(default_factory=list)
     """From the device's end (or the overrun's) to the host running again: the operating
     system's wake-up and, with a feeding thread, its hold on the interpreter lock."""
+    num_accepted: int = 0
+    num_drafted: int = 0
 
     @property
     def beyond_s(self) -> list[float]:
@@ -160,7 +162,7 @@ def device_replay(
             window_done = max(time.perf_counter(), device_done)
             time.sleep(max(0.0, device_done - time.perf_counter()))
             woke = time.perf_counter()
-            running = device_step(proposer, running, outputs, drafts, k)
+            running = device_step(proposer, running, outputs, drafts, k, times)
             times.after_s.append(time.perf_counter() - woke)
             times.overrun_s.append(window_done - device_done)
             times.wake_s.append(woke - window_done)
@@ -178,11 +180,14 @@ def device_step(
     outputs: dict[str, list[int]],
     drafts: dict[str, list[int]],
     k: int,
+    times: DeviceStepTimes,
 ) -> list[Sequence]:
     """What follows the device in a step: the verified tokens appended, finished requests
     forgotten, the next drafts; the requests still running."""
     for seq in running:
         new = accepted_tokens(drafts[seq.request_id], outputs[seq.request_id], seq.num_output_tokens)
+        times.num_accepted += len(new) - 1
+        times.num_drafted += len(drafts[seq.request_id])
         seq.token_ids += new
         proposer.append(seq, new)
     for seq in [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]:
@@ -328,9 +333,9 @@ def main() -> None:
 def print_device_replay(streams: list[Stream], args: argparse.Namespace) -> None:
     print(
         f"| requests | steps | ms/step beyond the device ({args.device_ms} ms), --feed {args.feed} "
-        "| after the device | window overrun | wake-up |"
+        "| after the device | window overrun | wake-up | accepted / drafted |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         runs = [
             device_replay(streams, concurrency, args.k, args.device_ms / 1e3, args.feed)
@@ -339,7 +344,7 @@ def print_device_replay(streams: list[Stream], args: argparse.Namespace) -> None
         best = min(runs, key=lambda t: sum(t.beyond_s))
         columns = [best.beyond_s, best.after_s, best.overrun_s, best.wake_s]
         cells = " | ".join(f"{1e3 * statistics.fmean(c):.3f}" for c in columns)
-        print(f"| {concurrency} | {len(best.after_s)} | {cells} |")
+        print(f"| {concurrency} | {len(best.after_s)} | {cells} | {best.num_accepted} / {best.num_drafted} |")
 
 
 if __name__ == "__main__":
