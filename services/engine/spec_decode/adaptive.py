@@ -54,8 +54,10 @@ from holds: the same requests, the same fits, each request's acceptance within K
 - Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
 - Every PROBE_EVERY_STEPS steps, requests left at k = 0 (acceptance below `min_acceptance`, or
   drafting not worth it) draft anyway, those idle longest first, as many as the predicted loss
-  allows within PROBE_SHARE of the time until the next probe (at least one). Their results refresh
-  their acceptance and the drafting cost, so drafting resumes once it pays again.
+  allows within PROBE_SHARE of the time until the next probe (at least one, unless a host-drafted
+  method's one-request cost is measured: then a probe dearer than that share waits for the shares
+  of the probe steps that probed nothing). Their results refresh their acceptance and the drafting
+  cost, so drafting resumes once it pays again.
 - Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
   the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
   all drafted for as many requests) goes to the fixed cost, which would make drafting for the whole
@@ -384,6 +386,8 @@ class AdaptiveSpeculation:
         self._fits: dict[bool, tuple[int, StepCost, dict[str, DraftCost]]] = {}
         """Per kind of step (mixed or not): (step fitted at, step cost fit, drafting cost fit per method)."""
         self._kept: KeptChoice | None = None
+        self._unspent_probe_s = 0.0
+        """The probe shares of the probe steps since the last that probed (PROBE_SHARE)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -565,6 +569,13 @@ class AdaptiveSpeculation:
                 ks[worst_first[: len(drafting) - allowed]] = 0
         return ks
 
+    def _probe_priced(self, method: str) -> bool:
+        """Whether a probe's predicted loss can be trusted: a host-drafted method with a live sample
+        of one request (else the fit may hold a whole batch's drafting time as a fixed cost, which
+        only a probe can tell apart)."""
+        model = self.draft_cost.get(method)
+        return method in self.host_methods and model is not None and model.samples.covers(self.step, 0, 1)
+
     def _draft_tokens(self, method: str, num_ks: int) -> np.ndarray:
         """[num_ks] the drafts a request of `method` verifies at k = 0, 1, ...: k, or a tree's
         nodes to depth k (past its depth: all of them)."""
@@ -577,18 +588,22 @@ class AdaptiveSpeculation:
         self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float, limits: np.ndarray
     ) -> None:
         """Drafts for requests left at k = 0, idle longest first, while the predicted loss fits in
-        PROBE_SHARE of the time until the next probe step (the first probe always goes). A probe
+        PROBE_SHARE of the time until the next probe step, with the shares of the probe steps
+        before that probed nothing; the first probe goes regardless unless its loss is priced
+        (`_probe_priced`: then one dearer than a share waits for several). A probe
         drafts the k that would be best for it if its drafting were worth its fixed costs (one draft
         for a request below `min_acceptance`); its loss is the time it adds (its own cost and any
         longer chain it makes its method run) less the time its expected tokens are worth at the
         batch's rate."""
         _, step_s = choices.rate(ks)
-        budget_s = PROBE_SHARE * PROBE_EVERY_STEPS * step_s
+        share_s = PROBE_SHARE * PROBE_EVERY_STEPS * step_s
+        budget_s = share_s + self._unspent_probe_s
         chains = np.zeros(len(choices.chain_cost_s), dtype=np.int64)
         np.maximum.at(chains, choices.method, ks)
         idle = [i for i in range(len(seqs)) if ks[i] == 0 and limits[i] > 0]
         idle.sort(key=lambda i: self.last_drafted.get(seqs[i].request_id, -1))
-        for n, i in enumerate(idle):
+        probed = False
+        for i in idle:
             gain, cost_s = choices.gain[i, : limits[i] + 1], choices.cost_s[i, : limits[i] + 1]
             k = 1 + int((gain[1:] - rate * cost_s[1:]).argmax())
             method = int(choices.method[i])
@@ -597,8 +612,10 @@ class AdaptiveSpeculation:
                 choices.chain_cost_s[method, chain] - choices.chain_cost_s[method, chains[method]]
             )
             loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
-            if n > 0 and loss_s > budget_s:
+            if loss_s > budget_s and (probed or self._probe_priced(seqs[i].spec.method)):
                 break
             ks[i] = k
             budget_s -= max(loss_s, 0.0)
             chains[method] = chain
+            probed = True
+        self._unspent_probe_s = 0.0 if probed else self._unspent_probe_s + share_s
