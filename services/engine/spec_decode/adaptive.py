@@ -82,6 +82,9 @@ ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
 PROBE_SHARE = 0.02
 """Share of the time between probe steps that probes may lose (predicted), beyond the first probe."""
+MAX_UNSPENT_PROBE_SHARES = 16
+"""A probe waits for at most this many probe steps' shares (a dearer one waits for its cost's samples
+to expire, after which the first probe of a probe step goes again)."""
 COST_WINDOW = 256
 DRAFT_COST_WINDOW = 64
 DRAFT_COST_MAX_AGE_STEPS = 256
@@ -618,4 +621,7 @@ class AdaptiveSpeculation:
             budget_s -= max(loss_s, 0.0)
             chains[method] = chain
             probed = True
-        self._unspent_probe_s = 0.0 if probed else self._unspent_probe_s + share_s
+        if probed or not idle:
+            self._unspent_probe_s = 0.0
+        else:
+            self._unspent_probe_s = min(self._unspent_probe_s + share_s, MAX_UNSPENT_PROBE_SHARES * share_s)
