@@ -267,7 +267,7 @@ def make_proposers(
     drafting model when it loads one."""
     proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
-    if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
+    if suffix_index is None and runner.device.type == "cuda":
         # where the device runs the step while the host waits, the in-process global tree takes in
         # finished outputs then (prepare_on_host), not on the step's critical path
         suffix_index = DeferredGlobalIndex(suffix_config.global_index())
