@@ -18,7 +18,9 @@ with `--feed window`, inserts finished outputs into the global tree (`DeferredGl
 the engine does); `--feed thread` inserts them on a thread instead (the engine's way before), 16
 tokens between releases of the lock. The step's proposer calls follow the device. Reported: the
 time a step takes beyond D (its critical path: the proposer's calls, waits for the lock, work
-that overran the device), per step.
+that overran the device), per step. `--lock-releases N` has the host's work after the device
+release the interpreter lock N times, as the engine's device calls (torch calls) do: a feeding
+thread may take it for a chunk each time.
 
 python -m benchmarks.suffix_host_cost --concurrency 1 16 64
 """
@@ -140,7 +142,7 @@ class DeviceStepTimes:
 
 
 def device_replay(
-    streams: list[Stream], concurrency: int, k: int, device_s: float, feed: str
+    streams: list[Stream], concurrency: int, k: int, device_s: float, feed: str, lock_releases: int
 ) -> DeviceStepTimes:
     """The replay with a device that works `device_s` a step (module docstring)."""
     config = SuffixConfig()
@@ -162,6 +164,8 @@ def device_replay(
             window_done = max(time.perf_counter(), device_done)
             time.sleep(max(0.0, device_done - time.perf_counter()))
             woke = time.perf_counter()
+            for _ in range(lock_releases):  # the engine's device calls, each letting a thread run
+                time.sleep(0)
             running = device_step(proposer, running, outputs, drafts, k, times)
             times.after_s.append(time.perf_counter() - woke)
             times.overrun_s.append(window_done - device_done)
@@ -302,6 +306,12 @@ def main() -> None:
     )
     parser.add_argument("--device-ms", type=float, help="replay with a device step of this many ms")
     parser.add_argument("--feed", choices=["window", "thread"], default="window")
+    parser.add_argument(
+        "--lock-releases",
+        type=int,
+        default=0,
+        help="with --device-ms: times the host's work after the device releases the interpreter lock",
+    )
     args = parser.parse_args()
     if args.outputs is not None and args.outputs.exists():
         streams = [(p, o) for p, o in json.loads(args.outputs.read_text())]
@@ -332,13 +342,14 @@ def main() -> None:
 
 def print_device_replay(streams: list[Stream], args: argparse.Namespace) -> None:
     print(
-        f"| requests | steps | ms/step beyond the device ({args.device_ms} ms), --feed {args.feed} "
+        f"| requests | steps | ms/step beyond the device ({args.device_ms} ms), --feed {args.feed}, "
+        f"{args.lock_releases} lock releases "
         "| after the device | window overrun | wake-up | accepted / drafted |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for concurrency in args.concurrency:
         runs = [
-            device_replay(streams, concurrency, args.k, args.device_ms / 1e3, args.feed)
+            device_replay(streams, concurrency, args.k, args.device_ms / 1e3, args.feed, args.lock_releases)
             for _ in range(args.repeats)
         ]
         best = min(runs, key=lambda t: sum(t.beyond_s))

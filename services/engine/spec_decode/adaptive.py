@@ -55,8 +55,8 @@ from holds: the same requests, the same fits, each request's acceptance within K
 - Every PROBE_EVERY_STEPS steps, requests left at k = 0 (acceptance below `min_acceptance`, or
   drafting not worth it) draft anyway, those idle longest first, as many as the predicted loss
   allows within PROBE_SHARE of the time until the next probe (at least one, unless a host-drafted
-  method's one-request cost is measured: then a probe dearer than that share waits for the shares
-  of the probe steps that probed nothing). Their results refresh their acceptance and the drafting
+  method's one-request cost is measured, PRICED_PROBE_SAMPLES times: then a probe dearer than that
+  share waits for the shares of the probe steps that probed nothing). Their results refresh their acceptance and the drafting
   cost, so drafting resumes once it pays again.
 - Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
   the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
@@ -80,8 +80,10 @@ from services.engine.sequence import Sequence
 
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
-PROBE_SHARE = 0.02
+PROBE_SHARE = 0.01
 """Share of the time between probe steps that probes may lose (predicted), beyond the first probe."""
+PRICED_PROBE_SAMPLES = 4
+"""Live one-request drafting samples after which a host-drafted method's probes are priced."""
 MAX_UNSPENT_PROBE_SHARES = 16
 """A probe waits for at most this many probe steps' shares (a dearer one waits for its cost's samples
 to expire, after which the first probe of a probe step goes again)."""
@@ -205,6 +207,10 @@ class SampleWindow:
         """Whether `value` of term number `term` lies within the values the live samples hold."""
         values = self._live(step)[:, 2 + term]
         return len(values) > 0 and values.min() <= value <= values.max()
+
+    def num_at(self, step: int, term: int, value: float) -> int:
+        """Live samples whose term number `term` is `value`."""
+        return int((self._live(step)[:, 2 + term] == value).sum())
 
     def largest(self, step: int, term: int) -> float:
         """The largest value of term number `term` over the live samples (0 without samples)."""
@@ -573,11 +579,16 @@ class AdaptiveSpeculation:
         return ks
 
     def _probe_priced(self, method: str) -> bool:
-        """Whether a probe's predicted loss can be trusted: a host-drafted method with a live sample
-        of one request (else the fit may hold a whole batch's drafting time as a fixed cost, which
-        only a probe can tell apart)."""
+        """Whether a probe's predicted loss can be trusted: a host-drafted method with
+        PRICED_PROBE_SAMPLES live samples of one request (with fewer the fit may hold a batch's
+        drafting time, or one request's catch-up on its prompt, as a fixed cost: only more probes
+        tell them apart)."""
         model = self.draft_cost.get(method)
-        return method in self.host_methods and model is not None and model.samples.covers(self.step, 0, 1)
+        return (
+            method in self.host_methods
+            and model is not None
+            and model.samples.num_at(self.step, 0, 1) >= PRICED_PROBE_SAMPLES
+        )
 
     def _draft_tokens(self, method: str, num_ks: int) -> np.ndarray:
         """[num_ks] the drafts a request of `method` verifies at k = 0, 1, ...: k, or a tree's
