@@ -12,6 +12,16 @@ them before the steps instead, as the engine does on a GPU while the device runs
 `--warm-global` first replays the same requests untimed, so that the global index holds their
 outputs: every request then finds long global matches (the costliest global look-ups).
 
+`--device-ms D` replays the steps as the engine runs them on a GPU instead: each step the device
+works for D ms (a sleep, which releases the interpreter lock) while the host indexes prompts and,
+with `--feed window`, inserts finished outputs into the global tree (`DeferredGlobalIndex`, what
+the engine does); `--feed thread` inserts them on a thread instead (the engine's way before), 16
+tokens between releases of the lock. The step's proposer calls follow the device. Reported: the
+time a step takes beyond D (its critical path: the proposer's calls, waits for the lock, work
+that overran the device), per step. `--lock-releases N` has the host's work after the device
+release the interpreter lock N times, as the engine's device calls (torch calls) do: a feeding
+thread may take it for a chunk each time.
+
 python -m benchmarks.suffix_host_cost --concurrency 1 16 64
 """
 
@@ -20,7 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +40,7 @@ from benchmarks.dataset import load_requests
 from services.engine.llm import LLM
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.proposer import DraftBatch
-from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
@@ -68,6 +80,129 @@ class TimedIndex:
         drafts = self.index.speculate_batch(queries)
         self.seconds += time.perf_counter() - began
         return list(drafts)
+
+
+class ThreadFedIndex:
+    """The global index fed by a thread, 16 tokens between releases of the interpreter lock; a
+    look-up while the thread is inside a chunk answers None (the engine's way before the deferred
+    index)."""
+
+    def __init__(self, index: GlobalSuffixIndex) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, list[int]]] = []
+        self._wake = threading.Condition()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
+        with self._wake:
+            self._pending.append((seq_id, list(token_ids)))
+            self._wake.notify()
+
+    def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
+        if not self._lock.acquire(blocking=False):
+            return [None] * len(queries)
+        try:
+            return list(self.index.speculate_batch(queries))
+        finally:
+            self._lock.release()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending:
+                    self._wake.wait()
+                seq_id, token_ids = self._pending.pop(0)
+            done = False
+            steps = self.index.add_sequence_steps(seq_id, token_ids, 16)
+            while not done:
+                with self._lock:
+                    done = next(steps, True) is True
+                time.sleep(0)
+
+
+@dataclass
+class DeviceStepTimes:
+    """Per step of a replay with an emulated device, seconds."""
+
+    after_s: list[float] = field(default_factory=list)
+    """The proposer's calls after the device (verified tokens appended, finished requests
+    forgotten, the next drafts), waits for the interpreter lock included."""
+    overrun_s: list[float] = field(default_factory=list)
+    """Window work (`prepare`) that went on past the device's end."""
+    wake_s: list[float] = field(default_factory=list)
+    """From the device's end (or the overrun's) to the host running again: the operating
+    system's wake-up and, with a feeding thread, its hold on the interpreter lock."""
+    num_accepted: int = 0
+    num_drafted: int = 0
+
+    @property
+    def beyond_s(self) -> list[float]:
+        return [sum(parts) for parts in zip(self.after_s, self.overrun_s, self.wake_s)]
+
+
+def device_replay(
+    streams: list[Stream], concurrency: int, k: int, device_s: float, feed: str, lock_releases: int
+) -> DeviceStepTimes:
+    """The replay with a device that works `device_s` a step (module docstring)."""
+    config = SuffixConfig()
+    index = config.global_index()
+    global_index = DeferredGlobalIndex(index) if feed == "window" else ThreadFedIndex(index)
+    proposer = SuffixProposer(config, global_index)
+    params = SamplingParams(temperature=0.0, max_tokens=max(len(out) for _, out in streams))
+    times = DeviceStepTimes()
+    for start in range(0, len(streams), concurrency):
+        group = streams[start : start + concurrency]
+        running = [Sequence(f"r{start + i}", list(p), params, frozenset()) for i, (p, _) in enumerate(group)]
+        outputs = {seq.request_id: out for seq, (_, out) in zip(running, group)}
+        drafts: dict[str, list[int]] = {seq.request_id: [] for seq in running}
+        for seq in running:
+            proposer.start(seq)
+        while running:
+            device_done = time.perf_counter() + device_s
+            proposer.prepare(until(device_done))
+            window_done = max(time.perf_counter(), device_done)
+            time.sleep(max(0.0, device_done - time.perf_counter()))
+            woke = time.perf_counter()
+            for _ in range(lock_releases):  # the engine's device calls, each letting a thread run
+                time.sleep(0)
+            running = device_step(proposer, running, outputs, drafts, k, times)
+            times.after_s.append(time.perf_counter() - woke)
+            times.overrun_s.append(window_done - device_done)
+            times.wake_s.append(woke - window_done)
+    return times
+
+
+def until(deadline: float) -> Callable[[], bool]:
+    """A device that is busy until `deadline` (perf_counter seconds)."""
+    return lambda: time.perf_counter() < deadline
+
+
+def device_step(
+    proposer: SuffixProposer,
+    running: list[Sequence],
+    outputs: dict[str, list[int]],
+    drafts: dict[str, list[int]],
+    k: int,
+    times: DeviceStepTimes,
+) -> list[Sequence]:
+    """What follows the device in a step: the verified tokens appended, finished requests
+    forgotten, the next drafts; the requests still running."""
+    for seq in running:
+        new = accepted_tokens(drafts[seq.request_id], outputs[seq.request_id], seq.num_output_tokens)
+        times.num_accepted += len(new) - 1
+        times.num_drafted += len(drafts[seq.request_id])
+        seq.token_ids += new
+        proposer.append(seq, new)
+    for seq in [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]:
+        proposer.forget(seq.request_id)
+    running = [s for s in running if s.num_output_tokens < len(outputs[s.request_id])]
+    ks = [max(0, min(k, len(outputs[s.request_id]) - s.num_output_tokens - 1)) for s in running]
+    if running:
+        proposed = proposer.propose(DraftBatch.on_host(None, running, ks))  # type: ignore[arg-type]
+        for seq, row, n in zip(running, proposed.token_ids.tolist(), proposed.num_drafts.tolist()):
+            drafts[seq.request_id] = row[:n]
+    return running
 
 
 def greedy_outputs(model: str, workload: str, num_requests: int, max_tokens: int) -> list[Stream]:
@@ -169,6 +304,14 @@ def main() -> None:
     parser.add_argument(
         "--warm-global", action="store_true", help="time a second pass over the same requests"
     )
+    parser.add_argument("--device-ms", type=float, help="replay with a device step of this many ms")
+    parser.add_argument("--feed", choices=["window", "thread"], default="window")
+    parser.add_argument(
+        "--lock-releases",
+        type=int,
+        default=0,
+        help="with --device-ms: times the host's work after the device releases the interpreter lock",
+    )
     args = parser.parse_args()
     if args.outputs is not None and args.outputs.exists():
         streams = [(p, o) for p, o in json.loads(args.outputs.read_text())]
@@ -177,6 +320,9 @@ def main() -> None:
         streams = greedy_outputs(model, args.workload, args.num_requests, args.max_tokens)
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(streams))
+    if args.device_ms is not None:
+        print_device_replay(streams, args)
+        return
     print(
         "| requests | steps | own indexes ms/step (p90) | global look-ups ms/step | global inserts ms/step |"
     )
@@ -192,6 +338,24 @@ def main() -> None:
             f"{1e3 * statistics.fmean(best.global_s):.3f} | {1e3 * statistics.fmean(best.insert_s):.3f} |"
         )
     print(f"accepted / drafted tokens: {best.num_accepted} / {best.num_drafted}")
+
+
+def print_device_replay(streams: list[Stream], args: argparse.Namespace) -> None:
+    print(
+        f"| requests | steps | ms/step beyond the device ({args.device_ms} ms), --feed {args.feed}, "
+        f"{args.lock_releases} lock releases "
+        "| after the device | window overrun | wake-up | accepted / drafted |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for concurrency in args.concurrency:
+        runs = [
+            device_replay(streams, concurrency, args.k, args.device_ms / 1e3, args.feed, args.lock_releases)
+            for _ in range(args.repeats)
+        ]
+        best = min(runs, key=lambda t: sum(t.beyond_s))
+        columns = [best.beyond_s, best.after_s, best.overrun_s, best.wake_s]
+        cells = " | ".join(f"{1e3 * statistics.fmean(c):.3f}" for c in columns)
+        print(f"| {concurrency} | {len(best.after_s)} | {cells} | {best.num_accepted} / {best.num_drafted} |")
 
 
 if __name__ == "__main__":

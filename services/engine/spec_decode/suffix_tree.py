@@ -240,6 +240,7 @@ class SuffixTree:
         end = len(seq.token_ids)
         active = [self.root]
         shorter = self.root  # the node of the new suffix one token shorter than the current one
+        deepest = self.max_depth - 1  # an active node is shorter than max_depth
         for length, node in enumerate(seq.active):
             assert node.children is not None
             child = node.children.get(token_id)
@@ -254,8 +255,9 @@ class SuffixTree:
                 child.link = shorter  # counted one more time just before: explicit already
             shorter = child
             child.count += 1
-            _bump_best(node, token_id)
-            if length + 1 < self.max_depth:
+            if node.best_token != token_id:  # where it is, it stays the best: no call
+                _bump_best(node, token_id)
+            if length < deepest:
                 active.append(child)
         seq.active = active
 

@@ -498,3 +498,87 @@ def test_a_chain_dear_in_steps_with_prefill_runs_only_in_decode_steps() -> None:
     while (adaptive.step + 1) % PROBE_EVERY_STEPS == 1 or (adaptive.step + 1) % EXPLORE_EVERY_STEPS == 0:
         adaptive.step += 1
     assert adaptive.choose(batch, 16, mixed=True) == [0] * 16
+
+
+# ---- a host-drafted method (suffix decoding) ------------------------------------------------------
+
+
+def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
+    """Before any drafting of a host method was timed, one request drafts; each step then at most
+    doubles the most requests a timed call drafted for, so cheap drafting reaches the whole batch
+    in a few steps and no step drafts at a scale four times what was measured."""
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+    batch = seqs([0.8] * 64)
+    drafting = []
+    for _ in range(10):
+        ks = adaptive.choose(batch, num_other_tokens=64)
+        num_drafting = sum(k > 0 for k in ks)
+        if num_drafting:
+            adaptive.record_drafting("suffix", [k for k in ks if k], 0, 1e-6 * num_drafting)
+        adaptive.record_step(64, 64 + sum(ks), 64, 0, 0.010 + 1e-6 * (64 + sum(ks)))
+        drafting.append(num_drafting)
+    assert drafting[:7] == [1, 2, 4, 8, 16, 32, 64]
+    assert drafting[7:] == [64] * 3
+
+
+def run_suffix_clock(
+    acceptances: list[float], per_request_s: float, ks: int | None, num_steps: int = 150
+) -> float:
+    """Output tokens per second of a batch on a synthetic clock, with the controller choosing
+    (`ks` None) or every request drafting `ks`. A step's device time is 1.5 ms + 15 us a request +
+    3 us a token in the forward; a drafting request's host time (suffix look-ups and index
+    updates) is `per_request_s` plus 4 us per token it indexes (those emitted since it last
+    drafted). Each draft is accepted with the request's true acceptance, the first rejection
+    ending the run; the controller starts from the engine's prior and learns from what it drafts."""
+    rng = random.Random(0)
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+    batch = seqs(acceptances, max_k=8)
+    for seq in batch:
+        seq.spec.acceptance = Sequence("prior", [1], SamplingParams(), frozenset()).spec.acceptance
+    unindexed = [0] * len(batch)
+    tokens, seconds = 0, 0.0
+    for _ in range(num_steps):
+        chosen = adaptive.choose(batch, num_other_tokens=len(batch)) if ks is None else [ks] * len(batch)
+        drafting = [i for i, k in enumerate(chosen) if k]
+        if drafting:
+            num_context_tokens = sum(unindexed[i] for i in drafting)
+            host_s = per_request_s * len(drafting) + 4e-6 * num_context_tokens
+            adaptive.record_drafting("suffix", [chosen[i] for i in drafting], num_context_tokens, host_s)
+            seconds += host_s
+            for i in drafting:
+                unindexed[i] = 0
+        num_tokens = len(batch) + sum(chosen)
+        num_emitted = 0
+        for i, (seq, k) in enumerate(zip(batch, chosen)):
+            num_accepted = 0
+            while num_accepted < k and rng.random() < acceptances[i]:
+                num_accepted += 1
+            adaptive.observe(seq, k, num_accepted)
+            num_emitted += num_accepted + 1
+            unindexed[i] += num_accepted + 1
+        step_s = 0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens
+        adaptive.record_step(len(batch), num_tokens, num_emitted, 0, step_s)
+        tokens, seconds = tokens + num_emitted, seconds + step_s
+    return tokens / seconds
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "per_request_s"),
+    [(16, 41e-6), (64, 31e-6), (16, 410e-6), (64, 310e-6), (16, 2e-3), (64, 2e-3)],
+)
+def test_suffix_host_cost_is_priced_never_a_loss(concurrency: int, per_request_s: float) -> None:
+    """Suffix decoding's host time per drafting request as `benchmarks/suffix_host_cost.py`
+    measured it on a development CPU (own-index updates and look-ups plus global look-ups, k = 8:
+    0.66 ms a step for 16 requests, 2.0 ms for 64), ten times that (a slower host, or the step's
+    share per request on a fast GPU being smaller) and 2 ms (where even one probe a probe step
+    loses more than the probes' share of the time), over a batch whose acceptance is
+    bimodal as on agentic work (global matches accept nearly every draft, the rest few): from
+    the first step, with no costs known, the controller keeps at least 0.95x the tokens per
+    second of not drafting and at least 0.9x those of the best fixed k."""
+    pick = random.Random(concurrency)
+    acceptances = [pick.choice([0.95, 0.9, 0.6, 0.3]) for _ in range(concurrency)]
+    plain = run_suffix_clock(acceptances, per_request_s, ks=0)
+    best_fixed = max(run_suffix_clock(acceptances, per_request_s, ks=k) for k in range(1, 9))
+    adaptive = run_suffix_clock(acceptances, per_request_s, ks=None)
+    assert adaptive >= 0.95 * plain
+    assert adaptive >= 0.9 * best_fixed

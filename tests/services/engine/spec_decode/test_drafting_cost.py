@@ -3,7 +3,9 @@ changes greedy output."""
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -17,6 +19,7 @@ from services.engine.spec_decode.adaptive import (
     StepCost,
     StepCostModel,
 )
+from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
 from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
@@ -205,3 +208,39 @@ def test_prompts_indexed_while_the_device_runs_are_not_charged(
         assert 0 < sum(context_tokens) <= num_outputs
     else:
         assert sum(context_tokens) >= sum(map(len, prompts)) + len(prompts)
+
+
+def test_finished_outputs_go_into_the_global_tree_while_the_device_runs(
+    target, naive_tokens, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the engine's deferred global index (a GPU's), finished outputs are inserted only
+    while the device runs a step (here: busy for two looks a step), never inside the step's
+    drafting or bookkeeping; greedy output is naive's, and the tree ends with every output."""
+    looks = itertools.cycle([True, True, False])
+    monkeypatch.setattr(LaunchedStep, "running", lambda self: next(looks))
+    deferred = DeferredGlobalIndex(GlobalSuffixIndex())
+    monkeypatch.setattr(SuffixConfig, "global_index", lambda self: deferred)
+    in_window = [False]
+    prepare = SuffixProposer.prepare
+
+    def preparing(self: SuffixProposer, device_busy: Callable[[], bool]) -> None:
+        in_window[0] = True
+        prepare(self, device_busy)
+        in_window[0] = False
+
+    monkeypatch.setattr(SuffixProposer, "prepare", preparing)
+    insert_chunk = DeferredGlobalIndex.insert_chunk
+    chunks_in_window: list[bool] = []
+
+    def watched(self: DeferredGlobalIndex) -> bool:
+        chunks_in_window.append(in_window[0])
+        return insert_chunk(self)
+
+    monkeypatch.setattr(DeferredGlobalIndex, "insert_chunk", watched)
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
+    prompts = repetitive_prompts()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert chunks_in_window and all(chunks_in_window)
+    deferred.index_while(lambda: True)  # what the last steps' windows left
+    assert len(deferred.index) == len(prompts)

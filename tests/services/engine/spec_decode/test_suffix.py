@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from services.engine.spec_decode import suffix
-from services.engine.spec_decode.suffix import SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
 from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import (
     GlobalSuffixIndex,
@@ -568,27 +569,76 @@ def test_the_global_index_gets_each_output_at_stop_whether_or_not_it_drafted(cac
     assert recorded(lazy).added == recorded(eager).added
 
 
-def test_background_global_index_answers_like_the_index_once_it_has_indexed() -> None:
-    """Indexing happens on a thread; look-ups then match a synchronous index, and while the
-    thread holds the tree a look-up answers None ("no answer in time") instead of waiting."""
-    import time
+def looks(num_busy: int) -> Callable[[], bool]:
+    """A device that is busy for the first `num_busy` looks."""
+    left = [num_busy]
 
-    from services.engine.spec_decode.suffix import BackgroundGlobalIndex
-    from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex
+    def device_busy() -> bool:
+        left[0] -= 1
+        return left[0] >= 0
 
-    sync, background = GlobalSuffixIndex(), BackgroundGlobalIndex(GlobalSuffixIndex())
-    sequences = {f"s{i}": [i % 3, 5, 6, 7, i, 5, 6, 8] for i in range(6)}
-    for seq_id, token_ids in sequences.items():
+    return device_busy
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deferred_global_index_inserts_while_the_device_is_busy(seed: int) -> None:
+    """Finished outputs are only queued; each look at a busy device inserts a chunk of one, and
+    a look that finds the device done stops. Once all are in, look-ups equal a synchronous
+    index's, replacements and evictions included, and look-ups in between always answer."""
+    rng = random.Random(seed)
+    sync = GlobalSuffixIndex(max_tree_depth=6, max_cached_requests=3)
+    deferred = DeferredGlobalIndex(GlobalSuffixIndex(max_tree_depth=6, max_cached_requests=3))
+    sequences = [(f"s{rng.randrange(5)}", random_seq(rng, vocab=4, max_len=30)) for _ in range(7)]
+    for seq_id, token_ids in sequences:
         sync.add_sequence(seq_id, token_ids)
-        background.add_sequence(seq_id, token_ids)
-    deadline = time.monotonic() + 10
-    while not all(seq_id in background for seq_id in sequences):
-        assert time.monotonic() < deadline, "the indexing thread did not catch up"
-        time.sleep(0.01)
-    queries = [([5, 6], 3), ([1, 5], 4), ([9], 2)]
-    assert background.speculate_batch(queries) == sync.speculate_batch(queries)
-    with background._lock:  # the thread is inside an insertion
-        assert background.speculate_batch(queries) == [None, None, None]
+        deferred.add_sequence(seq_id, token_ids)
+    queries = [(random_seq(rng, vocab=4, max_len=8), 4) for _ in range(20)]
+    assert len(deferred.index) == 0  # nothing inserted on the step that finished them
+    deferred.index_while(looks(1))
+    assert deferred.num_pending > 0 and len(deferred.index) == 0  # one chunk: the first output begun
+    while deferred.num_pending:
+        assert all(draft is not None for draft in deferred.speculate_batch(queries))
+        deferred.index_while(looks(rng.randint(0, 3)))
+    assert deferred.speculate_batch(queries) == sync.speculate_batch(queries)
+    assert deferred.index.tree.path_counts() == sync.tree.path_counts()
+    assert list(deferred.index._sequences) == list(sync._sequences)
+
+
+def test_deferred_global_index_keeps_at_most_the_cached_requests_waiting() -> None:
+    """More outputs waiting than the tree keeps: the oldest are dropped, and the tree ends as if
+    all had been inserted (the dropped ones evicted)."""
+    sync = GlobalSuffixIndex(max_cached_requests=2)
+    deferred = DeferredGlobalIndex(GlobalSuffixIndex(max_cached_requests=2))
+    for i in range(5):
+        sync.add_sequence(f"s{i}", [i, 7, i, 8])
+        deferred.add_sequence(f"s{i}", [i, 7, i, 8])
+    assert deferred.num_pending == 2
+    deferred.index_while(lambda: True)
+    assert deferred.num_pending == 0
+    assert deferred.index.tree.path_counts() == sync.tree.path_counts()
+    assert "s4" in deferred and "s0" not in deferred
+
+
+def test_prepare_feeds_a_deferred_global_index_beside_the_prompts() -> None:
+    """The proposer's `prepare` (called while the device runs a step) indexes joined requests'
+    prompts and inserts stopped requests' outputs into a deferred global index, a chunk of each
+    per look at the device."""
+    deferred = DeferredGlobalIndex(GlobalSuffixIndex())
+    proposer = SuffixProposer(global_index=deferred)
+    proposer.start_request("done", [1, 2, 3])
+    proposer.add_tokens("done", [4, 5, 6, 4, 5, 6, 4, 5])
+    proposer.stop_request("done")
+    proposer.start_request("joined", [9] * 2 * suffix.PREPARE_CHUNK_TOKENS)
+    proposer.prepare(looks(2))  # the prompt's two chunks, the output's two (of 4 tokens each)
+    assert request_tree(proposer, "joined").num_tokens == 2 * suffix.PREPARE_CHUNK_TOKENS
+    assert deferred.num_pending == 1 and "done" not in deferred
+    proposer.prepare(looks(1))  # the insertion ends
+    assert deferred.num_pending == 0 and "done" in deferred
+    proposer.prepare(lambda: True)
+    assert deferred.num_pending == 0 and "done" in deferred
+    sync = GlobalSuffixIndex()
+    sync.add_sequence("done", [4, 5, 6, 4, 5, 6, 4, 5])
+    assert deferred.speculate_batch([([4, 5], 3)]) == sync.speculate_batch([([4, 5], 3)])
 
 
 # --- prompts indexed while the device runs a step ---
@@ -611,13 +661,7 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
     for proposer in (prepared, plain):
         for seq in seqs.values():
             proposer.start(seq)
-    looks = [3]
-
-    def device_busy() -> bool:
-        looks[0] -= 1
-        return looks[0] >= 0
-
-    prepared.prepare(device_busy)  # three chunks of 64: the first prompt whole, the second not begun
+    prepared.prepare(looks(-(-150 // suffix.PREPARE_CHUNK_TOKENS)))  # the first prompt whole, no more
     first, second = (prepared._requests[name].index for name in seqs)
     assert first is not None and first.num_tokens == 150 and second is None
     prepared.prepare(lambda: False)

@@ -1,0 +1,38 @@
+"""On a GPU, suffix decoding feeds its global tree in the device's window and keeps greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.llm import LLM
+from services.engine.spec_decode.suffix import DeferredGlobalIndex
+from shared.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_suffix_feeds_the_global_tree_while_the_device_runs(make_checkpoint) -> None:
+    """Two rounds of the same requests, one at a time and then four at a time: greedy output
+    equals naive's, the in-process global tree is the deferred one, and outputs went into it
+    during the run's steps (a device that never outlasts the host's work would leave them all
+    waiting: the tree would never grow)."""
+    path = str(make_checkpoint("llama", num_hidden_layers=3))
+    generator = torch.Generator().manual_seed(5)
+    spans = [torch.randint(3, 384, (8,), generator=generator).tolist() for _ in range(4)]
+    prompts = [span * 3 for span in spans]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    naive = LLM(path, device="cuda", dtype="float32", max_model_len=256)
+    expected = [o.token_ids for o in naive.generate(prompt_token_ids=prompts, sampling_params=params)]
+    spec = dict(method="suffix", num_speculative_tokens=6)
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
+    index = llm.engine.drafter.suffix.global_index
+    assert isinstance(index, DeferredGlobalIndex)
+    first = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    second = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert first == second == expected
+    print(f"outputs indexed {len(index.index)}, waiting {index.num_pending}")
+    assert len(index.index) >= 1
