@@ -7,7 +7,8 @@ python -m benchmarks.profile_step --device cuda --model DIR --dtype bfloat16 --p
 
 With `--phases`, `result(wait)` is the host waiting for the device after launching a step; the rest
 is host work, most of it on the step's critical path at concurrency 1 (the device idles meanwhile
-except while `launch` and `_emit` run).
+except while `launch` and `_emit` run). `--cpu-time` counts each phase's CPU time on the engine's
+thread instead, which a shared machine's other work does not inflate (the wait then counts nothing).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=35)
     parser.add_argument("--phases", action="store_true", help="time each phase of a step instead")
     parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="with --phases: each phase's CPU time on this thread instead of its wall time (on a shared "
+        "machine what it would take alone; a wait for the device is then not counted)",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(model, device=args.device, dtype=args.dtype, speculative_config=config)
         llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
         if args.phases:
-            print_phases(label, llm, prompts, params, args.concurrency)
+            clock = time.thread_time if args.cpu_time else time.perf_counter
+            print_phases(label, llm, prompts, params, args.concurrency, clock)
         else:
             profile(llm, prompts, params, args.concurrency, args.rows)
         llm.close()
@@ -108,8 +116,15 @@ def profile(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: i
     stats.sort_stats("cumulative").print_stats(rows)
 
 
-def print_phases(label: str, llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> None:
-    """Mean wall time per step of each phase (nested phases indented under the one calling them)."""
+def print_phases(
+    label: str,
+    llm: LLM,
+    prompts: list[str],
+    params: SamplingParams,
+    concurrency: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Mean time per step of each phase by `clock` (wall time unless told)."""
     engine = llm.engine
     totals: dict[str, float] = collections.defaultdict(float)
     parts: dict[str, Any] = {
@@ -120,13 +135,13 @@ def print_phases(label: str, llm: LLM, prompts: list[str], params: SamplingParam
         "graphs": engine.runner.graphs,
     }
     originals = [(model_runner.LaunchedStep, "result", model_runner.LaunchedStep.result)]
-    model_runner.LaunchedStep.result = timed(model_runner.LaunchedStep.result, "result(wait)", totals)  # type: ignore[method-assign]
+    model_runner.LaunchedStep.result = timed(model_runner.LaunchedStep.result, "result(wait)", totals, clock)  # type: ignore[method-assign]
     for part, names in PHASES.items():
         if parts[part] is None:
             continue
         for name in names:
             originals.append((parts[part], name, getattr(parts[part], name)))
-            setattr(parts[part], name, timed(getattr(parts[part], name), f"{part}.{name}", totals))
+            setattr(parts[part], name, timed(getattr(parts[part], name), f"{part}.{name}", totals, clock))
     synchronize = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     synchronize()
     started = time.perf_counter()
@@ -149,16 +164,21 @@ def print_phases(label: str, llm: LLM, prompts: list[str], params: SamplingParam
             print(f"  {name:28s} {total / num_steps * 1e6:9.1f} us a step")
 
 
-def timed(function: Callable[..., Any], name: str, totals: dict[str, float]) -> Callable[..., Any]:
-    """`function`, adding its wall time to totals[name] and its calls to totals["#" + name]."""
+def timed(
+    function: Callable[..., Any],
+    name: str,
+    totals: dict[str, float],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[..., Any]:
+    """`function`, adding its time by `clock` to totals[name] and its calls to totals["#" + name]."""
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
+        started = clock()
         try:
             return function(*args, **kwargs)
         finally:
-            totals[name] += time.perf_counter() - started
+            totals[name] += clock() - started
             totals["#" + name] += 1
 
     return wrapper

@@ -62,6 +62,7 @@ def synthetic_step(
         cu_num_rows=np.arange(0, num_tokens + 1, query_len, dtype=np.int32),
         seq_slots=np.full(batch, scratch, dtype=np.int64),
         seq_rows=np.arange(batch, dtype=np.int64),
+        num_output=np.zeros(batch, dtype=np.int64),
         seq_methods=np.full(batch, -1, dtype=np.int32),
         num_wanted=np.zeros(batch, dtype=np.int32),
         max_seq_len=seq_len,

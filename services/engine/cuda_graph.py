@@ -122,6 +122,7 @@ class HostStep:
     cu_num_rows: np.ndarray  # [num_sampled + 1] int32
     seq_slots: np.ndarray  # [num_sampled] int64
     seq_rows: np.ndarray  # [num_sampled] int64 index among the step's sequences
+    num_output: np.ndarray  # [num_sampled] int64 output tokens of each request before the step (host only)
     seq_methods: np.ndarray  # [num_sampled] int32
     num_wanted: np.ndarray  # [num_sampled] int32
     max_seq_len: int
@@ -537,15 +538,14 @@ class DecodeGraphs:
             return None
         return bucket, query_class
 
-    def replay_forward(self, step: HostStep, key: tuple[int, int]) -> StepTensors:
-        """Copies the step in and replays its forward; the views of its bucket (the logits of its
-        rows in `self.logits`, in the step's row order) for a tail run eagerly."""
+    def replay_forward(self, step: HostStep, key: tuple[int, int]) -> None:
+        """Copies the step in and replays its forward: its final hidden states land in `self.hidden`,
+        the logits of its rows in `self.logits`, in the step's row order."""
         bucket, query_len = key
         self._copy_in(step, bucket, query_len)
         self.graphs[key].replay()
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode
-        return self.tensors(bucket, query_len)
 
     def fill_outputs(self, forward: ForwardContext) -> None:
         """Points an eager tail's forward at the replayed forward's outputs (its leading rows)."""

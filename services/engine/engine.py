@@ -23,7 +23,7 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.grammar import GrammarCompiler, GrammarState
 from services.engine.kv_export import KVExport
-from services.engine.model_runner import ModelRunner, StepOutput
+from services.engine.model_runner import ModelRunner, SeqResult, StepOutput
 from services.engine.output_processor import OutputProcessor
 from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -377,10 +377,8 @@ class LLMEngine:
         outputs = self._emit(unemitted)  # while the device runs the step
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
-        self._apply(batch, plan, step)
-        handed_off = [e for e in self._unemitted if e.seq.handoff]  # with their KV, not a step later
-        self._unemitted = [e for e in self._unemitted if not e.seq.handoff]
-        outputs += self._emit(handed_off)
+        handed_off = self._apply(batch, plan, step)
+        outputs += self._emit(handed_off)  # with their KV, not a step later
         self._free_stopped()
         self.drafter.propose_on_host(plan)
         self.drafter.cut_refused_drafts(plan.seqs)
@@ -397,46 +395,53 @@ class LLMEngine:
         ones give theirs back (their tokens are written again when they return)."""
         for seq in batch.preempted:
             self.inputs.remove(seq.request_id)
-        for seq in batch.seqs:
+        for seq in [seq for seq in batch.seqs if seq.request_id not in self.inputs.slot_of]:
             self.inputs.add(seq)
         self.inputs.flush()
 
-    def _apply(self, batch: ScheduledBatch, plan: StepPlan, step: StepOutput) -> None:
-        """Appends each request's kept tokens, rolls KV back past the first rejected draft (by
-        length), takes the post-step update's finish reason and the next drafts; frees the requests
-        that finished (handing off their KV on the prefill side). Their text waits for `_emit`."""
-        results = {seq.request_id: r for seq, r in zip(plan.seqs, step.results)}
+    def _apply(self, batch: ScheduledBatch, plan: StepPlan, step: StepOutput) -> list[Emission]:
+        """Takes each request's result (`_take_result`); frees the requests that finished (handing
+        off their KV on the prefill side). Their text waits for `_emit`, but for the requests handed
+        off, whose emissions are returned: their text goes out with their KV."""
+        results = dict(zip((seq.request_id for seq in plan.seqs), step.results))
         if step.prompt is not None:
             record_prompt_logprobs(batch.seqs, *step.prompt)
+        handed_off: list[Emission] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
             result = results.get(seq.request_id)
             if result is None:  # a prefill chunk that is not the last
                 seq.num_computed_tokens += num_new
             elif seq.finish_reason is None:  # else a stop string ended it during the step
-                num_drafts = len(seq.spec.draft_token_ids)
-                for token_id in result.token_ids:
-                    seq.append_token(token_id)
-                self._advance_grammar(seq, result.token_ids)
-                seq.finish_reason = result.finish_reason
-                seq.logprobs += [lp for lp in result.logprobs if lp is not None]
-                seq.num_computed_tokens = min(
-                    start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1
-                )
-                self.drafter.accepted(seq, result.token_ids, num_drafts, result.num_accepted)
-                seq.spec.draft_token_ids = result.drafts
-                seq.spec.k = len(result.drafts)
-                emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
-                if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
-                    emission.observe(self.outputs)
-                    seq.finish_reason = seq.finish_reason or FinishReason.HANDOFF
-                self._unemitted.append(emission)
+                emission = self._take_result(seq, num_new, result)
+                (handed_off if seq.handoff else self._unemitted).append(emission)
             self.block_manager.cache_full_blocks(seq)
         for seq in [seq for seq in batch.seqs if seq.finish_reason is not None and not seq.is_finished]:
             if seq.finish_reason is FinishReason.HANDOFF:
                 self.handoffs.append(self._export(seq))
             if seq not in self._stopped:
                 self._free(seq)
+        return handed_off
+
+    def _take_result(self, seq: Sequence, num_new: int, result: SeqResult) -> Emission:
+        """Appends the request's kept tokens, rolls its KV back past the first rejected draft (by
+        length), takes the post-step update's finish reason and the next drafts."""
+        num_drafts = len(seq.spec.draft_token_ids)
+        start = seq.num_computed_tokens
+        seq.append_tokens(result.token_ids)
+        if seq.grammar is not None:
+            self._advance_grammar(seq, result.token_ids)
+        seq.finish_reason = result.finish_reason
+        if result.logprobs:
+            seq.logprobs += [lp for lp in result.logprobs if lp is not None]
+        seq.num_computed_tokens = min(start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1)
+        self.drafter.accepted(seq, result.token_ids, num_drafts, result.num_accepted)
+        seq.spec.draft_token_ids = result.drafts
+        seq.spec.k = len(result.drafts)
+        emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
+        if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
+            emission.observe(self.outputs)
+            seq.finish_reason = seq.finish_reason or FinishReason.HANDOFF
+        return emission
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token_ids: list[int]) -> None:

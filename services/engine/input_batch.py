@@ -34,6 +34,17 @@ UNLIMITED = 2**31 - 1
 """max_tokens of the scratch slot: padding never stops."""
 
 
+def fused_from(seq: Sequence) -> int:
+    """The output count from which the fused verify kernel alone samples the request's rows: its
+    min_tokens (until then the torch sampler suppresses its EOS and stop ids), or never (UNLIMITED)
+    where its logits change before sampling (penalties, logit bias), it asks for logprobs or its
+    stop ids do not fit a slot. A grammar's mask is one of the kernel's inputs."""
+    p = seq.params
+    if p.has_penalties or p.logit_bias or p.logprobs is not None or not InputBatch.fits(seq):
+        return UNLIMITED
+    return p.min_tokens
+
+
 @dataclass
 class SlotParams:
     """Host mirrors of the per-slot parameters, [num_slots + 1] each (scratch last)."""
@@ -85,6 +96,40 @@ class SlotParams:
     def set_row(self, slot: int, row: dict[str, np.ndarray]) -> None:
         for name, value in row.items():
             getattr(self, name)[slot] = value
+
+
+class SlotBlockTables:
+    """Host copies of the running requests' block tables by slot, each extended by the blocks its
+    request took since the last step, so that a step reads the blocks it has not seen rather than
+    every block of every request. A request's table only grows while it holds its slot (freeing
+    its blocks gives the slot back)."""
+
+    def __init__(self, num_rows: int):
+        self.tables = np.zeros((num_rows, 0), dtype=np.int32)
+        self.num_blocks = [0] * num_rows
+
+    def reset(self, slot: int) -> None:
+        """A request takes the slot: its row starts empty."""
+        self.tables[slot] = 0
+        self.num_blocks[slot] = 0
+
+    def rows(self, seqs: list[Sequence], slots: list[int]) -> np.ndarray:
+        """[num_seqs, most blocks of one] int32: the block tables of `seqs`, in `slots`, 0 padded."""
+        width = 0
+        for seq, slot in zip(seqs, slots):
+            num_blocks, known = len(seq.block_table), self.num_blocks[slot]
+            width = max(width, num_blocks)
+            if num_blocks == known:
+                continue
+            if num_blocks > self.tables.shape[1]:
+                extra = max(num_blocks, 2 * self.tables.shape[1]) - self.tables.shape[1]
+                self.tables = np.pad(self.tables, ((0, 0), (0, extra)))
+            if num_blocks < known:  # not expected (see the class): written again whole
+                self.reset(slot)
+                known = 0
+            self.tables[slot, known:num_blocks] = seq.block_table[known:num_blocks]
+            self.num_blocks[slot] = num_blocks
+        return self.tables[slots, :width]
 
 
 @dataclass
@@ -150,6 +195,10 @@ class InputBatch:
         self.num_output = torch.zeros(rows, dtype=torch.int32, device=device)
         """Output tokens of each request (resumed ones included): what max_tokens counts."""
         self.host = SlotParams.empty(rows)
+        self.fused_from = np.zeros(rows, np.int64)
+        """Per slot, `fused_from` of its request (on the host only: rank 0 decides how a step verifies)."""
+        self.block_tables = SlotBlockTables(rows)
+        """The requests' block tables (on the host: each step sends those of its requests)."""
         self._floats = torch.zeros(3, rows, dtype=torch.float32, device=device)
         self._ints = torch.zeros(4 + MAX_EOS_IDS + MAX_STOP_IDS, rows, dtype=torch.int32, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
@@ -230,6 +279,8 @@ class InputBatch:
         slot = self._free.pop()
         self.slot_of[seq.request_id] = slot
         self.host.write(slot, seq)
+        self.fused_from[slot] = fused_from(seq)
+        self.block_tables.reset(slot)
         join = SlotJoin(slot, np.asarray(seq.token_ids, np.int32), seq.num_output_tokens, self.host.row(slot))
         self.write(join)
         if self.joins is not None:

@@ -14,7 +14,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -72,33 +73,38 @@ WARM_UP_QUERY_LEN = 512
 past it every query takes the widest tile already compiled."""
 
 
-@dataclass
-class SeqResult:
-    """One request's share of a verified step, after the post-step update and drafting."""
+FINISH_REASONS = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}
+"""The post-step update's finish codes (kernels/post_step_ref.py) that end a request."""
+
+
+class SeqResult(NamedTuple):
+    """One request's share of a verified step, after the post-step update and drafting (a tuple:
+    one is made per request and step, on the host's critical path)."""
 
     token_ids: list[int]
     """Accepted drafts and the recovered / bonus token, cut after the token that ends the request."""
     num_accepted: int
     """Drafts that verification accepted (a stop may keep fewer of them)."""
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None
     """STOP (EOS or a stop id) or LENGTH (max_tokens) at the last kept token; None: running."""
-    stop_token_id: int | None = None
+    stop_token_id: int | None
     """The stop id that ended the request (None for an EOS, max_tokens or running)."""
-    drafts: list[int] = field(default_factory=list)
+    drafts: list[int]
     """The next step's drafts from a device proposer."""
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
     """Per kept token, when the request asked for them."""
 
     @classmethod
     def unpack(cls, row: list[int], max_rows: int) -> SeqResult:
         """One row of the tail's packed result (verify_update's columns)."""
         drafts_at = TOKENS + max_rows
+        stop_token_id = row[STOP_TOKEN]
         return cls(
-            token_ids=row[TOKENS : TOKENS + row[KEPT]],
-            num_accepted=row[ACCEPTED],
-            finish_reason={STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}.get(row[FINISH]),
-            stop_token_id=row[STOP_TOKEN] if row[STOP_TOKEN] >= 0 else None,
-            drafts=row[drafts_at : drafts_at + row[NUM_DRAFTS]],
+            row[TOKENS : TOKENS + row[KEPT]],
+            row[ACCEPTED],
+            FINISH_REASONS.get(row[FINISH]),
+            stop_token_id if stop_token_id >= 0 else None,
+            row[drafts_at : drafts_at + row[NUM_DRAFTS]],
         )
 
 
@@ -125,8 +131,11 @@ class LaunchedStep:
         if self.done is not None:
             self.done.synchronize()
         results = [SeqResult.unpack(row, self.max_rows) for row in self.packed.tolist()]
-        for result, token_logprobs in zip(results, self.logprobs):
-            result.logprobs = token_logprobs[: len(result.token_ids)]
+        if self.logprobs:
+            results = [
+                result._replace(logprobs=tuple(token_logprobs[: len(result.token_ids)]))
+                for result, token_logprobs in zip(results, self.logprobs)
+            ]
         return StepOutput(results, self.num_tokens, self.is_decode, self.prompt)
 
 
@@ -366,7 +375,7 @@ class ModelRunner:
         the tail too when the fused kernel verifies every request. Its results come back in one
         copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
-        fused = all(self._fusable(seq) for seq in plan.seqs)
+        fused = self._fusable(step)
         joins = self.inputs.take_joins()
         self.ranks.send(
             StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, plan.only, fused)
@@ -463,14 +472,10 @@ class ModelRunner:
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
         return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored)
 
-    def _fusable(self, seq: Sequence) -> bool:
-        """Whether the fused verify kernel alone samples this request's rows (no penalties or logit
-        bias to apply to the logits first, no log-probabilities to return; a grammar's mask is one
-        of its inputs) and its stop ids fit its slot."""
-        p = seq.params
-        suppressing = seq.num_output_tokens < p.min_tokens
-        changed = p.has_penalties or bool(p.logit_bias)
-        return not (changed or suppressing or p.logprobs is not None) and self.inputs.fits(seq)
+    def _fusable(self, step: HostStep) -> bool:
+        """Whether the fused verify kernel alone samples the rows of every request of the step
+        (`input_batch.fused_from`)."""
+        return bool((step.num_output >= self.inputs.fused_from[step.seq_slots]).all())
 
     def _tail_eagerly(
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, fused: bool
@@ -524,24 +529,24 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
         """The step's host inputs: every scheduled token for the forward, and for each request of
-        the plan its logit rows (its last real token and its drafts) and slot."""
+        the plan its logit rows (its last real token and its drafts) and slot. Per request only
+        what changes from step to step is read from it; the rest is numpy over the step's arrays."""
         seqs = batch.seqs
-        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+        start_list = [seq.num_computed_tokens for seq in seqs]  # Python ints: cheaper to slice with
+        spans = map(token_span, seqs, start_list, map(int.__add__, start_list, batch.num_new_tokens))
+        starts = np.array(start_list, dtype=np.int64)
         lens = np.array(batch.num_new_tokens, dtype=np.int64)
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        spans = (token_span(seq, int(s), int(s + n)) for seq, s, n in zip(seqs, starts, lens))
         input_ids = np.fromiter(itertools.chain.from_iterable(spans), dtype=np.int64, count=int(cu[-1]))
         seq_of_token = np.repeat(np.arange(len(seqs)), lens)
         positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - starts, lens)
-        tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
-        for row, seq in zip(tables, seqs):  # one fill per row, no tensor per row
-            row[: len(seq.block_table)] = seq.block_table
+        slot_list = [self.inputs.slot_of[seq.request_id] for seq in seqs]
+        slots = np.array(slot_list, dtype=np.int64)
+        tables = self.inputs.block_tables.rows(seqs, slot_list)
         size = self.block_size
         slot_mapping = tables[seq_of_token, positions // size].astype(np.int64) * size + positions % size
-        slots = np.array([self.inputs.slot_of[seq.request_id] for seq in seqs], dtype=np.int64)
-        index = {seq.request_id: i for i, seq in enumerate(seqs)}
-        seq_rows = np.array([index[seq.request_id] for seq in plan.seqs], dtype=np.int64)
+        seq_rows = sampled_rows(seqs, plan.seqs)
         num_rows = 1 + np.array([len(seq.spec.draft_token_ids) for seq in plan.seqs], dtype=np.int64)
         num_rows = np.minimum(num_rows, lens[seq_rows])
         cu_rows = np.zeros(len(plan.seqs) + 1, dtype=np.int32)
@@ -551,7 +556,6 @@ class ModelRunner:
         has_grammar = np.array([seq.grammar is not None for seq in plan.seqs], dtype=np.int32)
         row_in_request = np.arange(cu_rows[-1]) - np.repeat(cu_rows[:-1], num_rows)
         num_output = np.array([seq.num_output_tokens for seq in plan.seqs], dtype=np.int64)
-        drafts = (seq.spec.draft_token_ids[: n - 1] + [-1] for seq, n in zip(plan.seqs, num_rows.tolist()))
         seq_lens = (starts + lens).astype(np.int32)
         tree_mask = tree_parents = None
         row_depths = row_in_request
@@ -572,14 +576,13 @@ class ModelRunner:
             logits_indices=np.repeat(rows_start, num_rows) + row_in_request,
             row_slots=np.repeat(slots[seq_rows], num_rows),
             row_positions=np.repeat(num_output, num_rows) + row_depths,
-            draft_ids=np.fromiter(
-                itertools.chain.from_iterable(drafts), dtype=np.int32, count=int(cu_rows[-1])
-            ),
+            draft_ids=draft_row_ids(plan.seqs, num_rows, row_in_request),
             request_of_row=request_of_row,
             masked_rows=np.repeat(has_grammar, num_rows),
             cu_num_rows=cu_rows,
             seq_slots=slots[seq_rows],
             seq_rows=seq_rows,
+            num_output=num_output,
             seq_methods=np.array(plan.methods, dtype=np.int32),
             num_wanted=np.array(plan.num_wanted, dtype=np.int32),
             max_seq_len=min(int(seq_lens.max()) + self.max_num_drafts + 1, self.max_model_len),
@@ -981,6 +984,28 @@ def token_span(seq: Sequence, start: int, end: int) -> list[int]:
     if end <= num_tokens:
         return tokens[start:end]
     return tokens[start:] + drafts[max(0, start - num_tokens) : end - num_tokens]
+
+
+def sampled_rows(seqs: list[Sequence], sampled: list[Sequence]) -> np.ndarray:
+    """[num_sampled] int64 each sampled request's index among the step's sequences (`sampled`
+    is a subsequence of `seqs`: all of it in a decode step)."""
+    if len(sampled) == len(seqs):
+        return np.arange(len(seqs), dtype=np.int64)
+    index = {seq.request_id: i for i, seq in enumerate(seqs)}
+    return np.array([index[seq.request_id] for seq in sampled], dtype=np.int64)
+
+
+def draft_row_ids(seqs: list[Sequence], num_rows: np.ndarray, row_in_request: np.ndarray) -> np.ndarray:
+    """[num_rows] int32 the draft each logit row checks: a request's drafts on its rows but the
+    last (`num_rows` [num_seqs]: its rows), -1 on that bonus row."""
+    draft_ids = np.full(len(row_in_request), -1, dtype=np.int32)
+    checks_draft = row_in_request < np.repeat(num_rows - 1, num_rows)
+    if checks_draft.any():
+        drafts = (seq.spec.draft_token_ids[: n - 1] for seq, n in zip(seqs, num_rows.tolist()))
+        draft_ids[checks_draft] = np.fromiter(
+            itertools.chain.from_iterable(drafts), dtype=np.int32, count=int(checks_draft.sum())
+        )
+    return draft_ids
 
 
 def row_batch(seqs: list[Sequence], vocab_size: int, masks: StepMasks) -> SamplingBatch:

@@ -44,6 +44,8 @@ class PromptRows:
     ) -> PromptRows | None:
         """The rows of `seqs` (the step's, computing `lens[i]` tokens from `starts[i]`, the first
         at forward token `cu[i]`) that score a prompt token; None when no request asks."""
+        if all(seq.prompt_logprobs is None for seq in seqs):  # the common case, told apart cheaply
+            return None
         indices, targets, temperatures, segments, num_top = [], [], [], [], 0
         for i, seq in enumerate(seqs):
             if not seq.scores_prompt:

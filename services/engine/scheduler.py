@@ -110,7 +110,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._fit_drafts(seq, budget if seq.num_uncomputed_tokens == 1 else min(budget, chunk))
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_new = self._fit_drafts(
+                seq, num_uncomputed, budget if num_uncomputed == 1 else min(budget, chunk)
+            )
             if not self._make_room(seq, num_new, batch):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.append_slots(seq, num_new)
@@ -119,14 +122,16 @@ class Scheduler:
             i += 1
         return budget
 
-    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` computes this step: its uncomputed tokens plus the drafts that fit the budget
-        and the free blocks (drafts are dropped before anyone is preempted)."""
+    def _fit_drafts(self, seq: Sequence, num_uncomputed: int, budget: int) -> int:
+        """Tokens `seq` computes this step: its `num_uncomputed` tokens plus the drafts that fit the
+        budget and the free blocks (drafts are dropped before anyone is preempted)."""
         num_drafts = len(seq.spec.draft_token_ids)
-        num_new = min(seq.num_uncomputed_tokens + num_drafts, budget)
-        if num_drafts and not self.block_manager.can_append(seq, num_new):
-            num_new = min(seq.num_uncomputed_tokens, budget)
-        keep = max(0, num_new - seq.num_uncomputed_tokens)
+        if num_drafts == 0:
+            return min(num_uncomputed, budget)
+        num_new = min(num_uncomputed + num_drafts, budget)
+        if not self.block_manager.can_append(seq, num_new):
+            num_new = min(num_uncomputed, budget)
+        keep = max(0, num_new - num_uncomputed)
         if keep < num_drafts:
             drop_drafts(seq, keep)
         return num_new

@@ -179,3 +179,8 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        if self.first_token_time is None and token_ids:
+            self.first_token_time = time.monotonic()

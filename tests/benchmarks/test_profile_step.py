@@ -9,10 +9,11 @@ from services.engine import model_runner
 from shared.reference import default_model
 
 
-def test_phases_are_timed_for_each_method(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("clock", [[], ["--cpu-time"]], ids=["wall", "cpu"])
+def test_phases_are_timed_for_each_method(capsys: pytest.CaptureFixture[str], clock: list[str]) -> None:
     profile_step.main(
         ["--model", default_model(), "--dtype", "float32", "--device", "cpu", "--num-requests", "2",
-         "--max-tokens", "6", "--phases", "--methods", "ngram"]
+         "--max-tokens", "6", "--phases", "--methods", "ngram", *clock]
     )  # fmt: skip
     out = capsys.readouterr().out
     headers = [line for line in out.splitlines() if " steps, " in line]

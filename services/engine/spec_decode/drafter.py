@@ -60,6 +60,7 @@ class Drafter:
         self.proposers = make_proposers(config, runner, suffix_index)
         self.device_methods = [m for m, p in self.proposers.items() if p.on_device]
         """Device proposers in the order the step's tail runs them (`StepTensors.seq_methods`)."""
+        self._device_index = {method: i for i, method in enumerate(self.device_methods)}
         self.own = own_proposer(self.device_methods, config.method)
         self.tree = DraftTree(config.tree) if config.tree else None
         """The server's draft tree (its own method's requests draft it), or None: chains."""
@@ -152,6 +153,8 @@ class Drafter:
         ks = [0] * len(seqs)
         chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
         for i, k in zip(drafting, chosen):
+            if k == 0:
+                continue
             seq = seqs[i]
             # the step emits at least one token, the next one at least one more
             ks[i] = max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 2))
@@ -162,19 +165,19 @@ class Drafter:
             ks = fit_draft_budget(
                 ks, [seq.spec.acceptance for seq in seqs], self.max_graph_tokens - num_running
             )
-        num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
-        ks = [self._reserve_chain(seq, k, num_new[seq.request_id]) for seq, k in zip(seqs, ks)]
-        chains = [
-            self._chain_length(seq, k) for seq, k in zip(seqs, ks) if seq.spec.method in self.chain_steps
-        ]
+        chained = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if k and seq.spec.method in self.chain_steps]
+        if chained:
+            num_new = dict(zip((seq.request_id for seq in batch.seqs), batch.num_new_tokens))
+            for i in chained:
+                ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
+        chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
         methods = [self.method_index(seq) for seq in seqs]
         only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
         return StepPlan(seqs, ks, max(chains, default=0), methods, only)
 
     def method_index(self, seq: Sequence) -> int:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
-        method = seq.spec.method
-        return self.device_methods.index(method) if method in self.device_methods else -1
+        return self._device_index.get(seq.spec.method, -1)
 
     def prepare_on_host(self, device_busy: Callable[[], bool]) -> None:
         """Host proposers' work that needs no result of the step in flight, while `device_busy()`."""
@@ -187,9 +190,11 @@ class Drafter:
         started = time.perf_counter()
         self.host_drafting_s = 0.0
         for method, proposer in self.proposers.items():
+            if proposer.on_device:
+                continue
             group = []
             for seq, k in zip(plan.seqs, plan.num_wanted):
-                if seq.spec.method != method or proposer.on_device or seq.finish_reason is not None:
+                if seq.spec.method != method or seq.finish_reason is not None:
                     continue
                 if k == 0:  # not drafting: neither asked nor counted in the drafting cost
                     seq.spec.draft_token_ids, seq.spec.k = [], 0
@@ -212,7 +217,10 @@ class Drafter:
     def cut_refused_drafts(self, seqs: list[Sequence]) -> None:
         """Cuts structured requests' drafts at the first one their grammar refuses, so that the step
         verifies only drafts the grammar allows (a refused one would be rejected at its row)."""
-        for seq, num_cut in zip(seqs, cut_refused_drafts(seqs)):
+        structured = [seq for seq in seqs if seq.grammar is not None]
+        if not structured:  # nothing to walk (nor the grammar library to load)
+            return
+        for seq, num_cut in zip(structured, cut_refused_drafts(structured)):
             seq.spec.num_refused = num_cut
             seq.spec.k = len(seq.spec.draft_token_ids)
 

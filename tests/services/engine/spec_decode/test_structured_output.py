@@ -11,8 +11,10 @@ import threading
 import pytest
 
 import services.engine.grammar as grammar_module
+import services.engine.input_batch as input_batch
 from services.engine.engine import RequestError
 from services.engine.grammar import StepMasks, fill_masks
+from services.engine.input_batch import UNLIMITED
 from services.engine.llm import LLM
 from services.engine.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -151,7 +153,7 @@ def test_a_request_without_a_grammar_beside_one_with_keeps_its_tokens(target, na
     fusable: dict[str, bool] = {}
     while engine.has_unfinished_requests():
         for seq in engine.scheduler.running:
-            fusable[seq.request_id] = engine.runner._fusable(seq)
+            fusable[seq.request_id] = seq.num_output_tokens >= input_batch.fused_from(seq)
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert [tokens[f"plain-{i}"] for i in range(len(prompts))] == naive_tokens
@@ -182,8 +184,10 @@ def test_the_fused_verify_under_a_grammar_emits_what_the_torch_path_does(
     )
     fused = [[o.token_ids for o in llm.generate(PROMPTS[:2], p)] for p in params]
     assert not torch_calls
-    fusable = ModelRunner._fusable
-    monkeypatch.setattr(ModelRunner, "_fusable", lambda self, seq: seq.grammar is None and fusable(self, seq))
+    fused_from = input_batch.fused_from
+    monkeypatch.setattr(
+        input_batch, "fused_from", lambda seq: UNLIMITED if seq.grammar is not None else fused_from(seq)
+    )
     on_torch_path = [[o.token_ids for o in llm.generate(PROMPTS[:2], p)] for p in params]
     assert torch_calls
     assert fused == on_torch_path

@@ -10,7 +10,6 @@ import torch
 
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.llm import LLM
-from services.engine.verify_update import StepTensors
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
@@ -132,9 +131,9 @@ def recorded_keys(graphs: DecodeGraphs) -> list[tuple[int, int]]:
     keys: list[tuple[int, int]] = []
     replay = graphs.replay_forward
 
-    def record(step: HostStep, key: tuple[int, int]) -> StepTensors:
+    def record(step: HostStep, key: tuple[int, int]) -> None:
         keys.append(key)
-        return replay(step, key)
+        replay(step, key)
 
     graphs.replay_forward = record  # type: ignore[method-assign]
     return keys
