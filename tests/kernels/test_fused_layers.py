@@ -596,6 +596,8 @@ def test_cuda_kernels_replay_from_a_cuda_graph() -> None:
             t.copy_(torch.randperm(64, device="cuda")[:num_tokens])
         else:
             t.copy_(torch.randint_like(t, 0, 1024) if name in ("positions", "ids") else torch.randn_like(t))
+    for cache in caches:  # the warm-up call wrote its own slots: only the replay's may be there
+        cache.zero_()
     graph.replay()
     torch.cuda.synchronize()
     replayed = [t.clone() for t in captured]  # the caches among them are written again below
