@@ -120,6 +120,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "cuda_graph_max_tokens": ["--cuda-graph-max-tokens", "64"],
     "cpu_threads": ["--cpu-threads", "3"],
     "core_cpus": ["--core-cpus", "2-3"],
+    "bus_side_policy": ["--bus-side-policy", "batch"],
     "speculative_config": ["--speculative-config", '{"method": "suffix"}'],
 }
 """A value unlike the default for every engine flag (a new flag must be added here)."""
