@@ -531,27 +531,9 @@ class Bus:
         `FIRST_EPOCH`, which `dispatch` must carry; recorded as `dispatch` records it) and the
         `dispatch` to its inbox: one round trip where `admit`, `claim_epoch` and `dispatch` take
         three. Nothing is dispatched for a request not admitted now."""
-        request = submit.request
-        keys = [
-            self.keys.request_state(request_id),
-            self.keys.queue_depth,
-            self.keys.inbox(instance_id),
-            self.keys.assignments(instance_id),
-        ]
-        owned = request.gateway_id and request.gateway_incarnation
-        if owned:
-            keys += [self.keys.gateway_requests(request.gateway_id or ""), self.keys.gateways]
-        args: list[bytes | str | int] = [
-            encode(submit),
-            max_queue_len,
-            request_id,
-            (request.gateway_id or "") if owned else "",
-            (request.gateway_incarnation or "") if owned else "",
-            FIRST_EPOCH,
-            instance_id,
-            PAYLOAD_FIELD,
-            encode(dispatch),
-        ]
+        placement = [self.keys.inbox(instance_id), self.keys.assignments(instance_id)]
+        keys, args = self._admission(request_id, submit, max_queue_len, placement)
+        args += [FIRST_EPOCH, instance_id, PAYLOAD_FIELD, encode(dispatch)]
         return ADMISSIONS[int(await self._run_script(ADMIT_AND_DISPATCH_LUA, keys, args))]
 
     async def admit_and_reserve(
@@ -561,8 +543,19 @@ class Bus:
         which `reserve` must carry) and the `reserve` to the decode instance's inbox: one round trip
         where `admit`, `claim_epoch` and the Reserve's XADD take three. Where the placement runs is
         recorded later, with its prefill's `dispatch`. Nothing is sent for a request not admitted now."""
+        keys, args = self._admission(request_id, submit, max_queue_len, [self.keys.inbox(decode_id)])
+        args += [FIRST_EPOCH, PAYLOAD_FIELD, encode(reserve)]
+        return ADMISSIONS[int(await self._run_script(ADMIT_AND_RESERVE_LUA, keys, args))]
+
+    def _admission(
+        self, request_id: str, submit: Submit, max_queue_len: int, placement_keys: list[str]
+    ) -> tuple[list[str], list[bytes | str | int]]:
+        """The KEYS and the leading ARGV the admitting scripts share: the request's state hash, the
+        queue depth, `placement_keys`, then the gateway's requests hash and the gateways set where a
+        gateway owns the request; the Submit, the longest queue, the request id, the owning
+        gateway's id and incarnation ("" where none owns it)."""
         request = submit.request
-        keys = [self.keys.request_state(request_id), self.keys.queue_depth, self.keys.inbox(decode_id)]
+        keys = [self.keys.request_state(request_id), self.keys.queue_depth, *placement_keys]
         owned = request.gateway_id and request.gateway_incarnation
         if owned:
             keys += [self.keys.gateway_requests(request.gateway_id or ""), self.keys.gateways]
@@ -572,11 +565,8 @@ class Bus:
             request_id,
             (request.gateway_id or "") if owned else "",
             (request.gateway_incarnation or "") if owned else "",
-            FIRST_EPOCH,
-            PAYLOAD_FIELD,
-            encode(reserve),
         ]
-        return ADMISSIONS[int(await self._run_script(ADMIT_AND_RESERVE_LUA, keys, args))]
+        return keys, args
 
     async def release(self, request_id: str, *instance_ids: str) -> None:
         """Frees a request's queue slot (exactly once) and forgets it, leaving its `ended` mark for
