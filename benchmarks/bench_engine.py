@@ -7,9 +7,9 @@
     python -m benchmarks.bench_engine ... --quantization int4   # fp8 / int8 / int4 weights, quantized at load
 
 Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
-tokens each (greedy, EOS ignored), after one warm-up run. The decode step time is the mean of the
-engine steps after every prompt is in (the whole step: scheduling, inputs, forward, sampling,
-outputs). On a GPU it is set against the weight-read floor: (the weight bytes a step reads + the KV
+tokens each (greedy, EOS ignored), after a warm-up run of the same batch. The decode step time is
+the mean of the engine steps after every prompt is in (the whole step: scheduling, inputs, forward,
+sampling, outputs), with their median beside it (a mean above the median: a few slow steps). On a GPU it is set against the weight-read floor: (the weight bytes a step reads + the KV
 bytes it reads) / device-to-device copy bandwidth, the least time any engine needs to read them once
 (per rank under tensor parallelism: its shards and its KV heads). The weight bytes are those stored:
 quantized weights and their scales, the embedding rows of the batch's tokens only (unless tied to
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -47,7 +48,8 @@ def random_prompt_ids(batch: int, prompt_len: int, vocab_size: int) -> torch.Ten
 def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int) -> dict[str, float]:
     prompts = random_prompt_ids(batch, prompt_len, vocab_size).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=params.model_copy(update={"max_tokens": 4}))
+    # A warm-up at the full batch: every kernel variant and graph bucket the timed run uses is built.
+    llm.generate(prompt_token_ids=prompts, sampling_params=params.model_copy(update={"max_tokens": 8}))
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{batch}-{i}", prompt_token_ids=prompt, params=params)
@@ -68,6 +70,7 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
         "seconds": elapsed,
         "output_tok_per_s": num_out / elapsed,
         "decode_step_ms": 1e3 * sum(step_times) / max(1, len(step_times)),
+        "decode_step_p50_ms": 1e3 * statistics.median(step_times) if step_times else 0.0,
     }
 
 
@@ -215,13 +218,15 @@ def main() -> None:
         f"speculative config: {args.speculative_config or 'naive'}, weights: {result['quantization']} "
         f"({result['weight_bytes_batch_1'] / 2**20:.1f} MiB read a step at batch 1)"
     )
-    print("| batch | output tokens | seconds | output tok/s | decode step ms | floor ms | step / floor |")
+    print(
+        "| batch | output tokens | seconds | output tok/s | decode step ms (p50) | floor ms | step / floor |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         floor = f"{r['floor_ms']:.3f} | {r['step_over_floor']:.2f}x" if "floor_ms" in r else "- | -"
         print(
             f"| {r['batch']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['output_tok_per_s']:.1f} "
-            f"| {r['decode_step_ms']:.3f} | {floor} |"
+            f"| {r['decode_step_ms']:.3f} ({r['decode_step_p50_ms']:.3f}) | {floor} |"
         )
 
 
