@@ -223,8 +223,36 @@ extern "C" __global__ void silu_and_mul(
 """
 )
 
+ROTATE = r"""
+/* Rotates chunk c (W elements) of one head's first half and its partner in the second half:
+   element i pairs with i + HALF. A position outside the tables (`valid` false) gives NaNs. */
+__device__ __forceinline__ void rotate_chunk(
+    const scalar_t* src, scalar_t* dst, const float* cos_table, const float* sin_table,
+    long long pos, bool valid, int c)
+{
+    float x1[W], x2[W], cs[W], sn[W], o1[W], o2[W];
+    load_w(src + c * W, x1);
+    load_w(src + HALF + c * W, x2);
+    if (valid) {
+        load_f32_w(cos_table + pos * HALF + c * W, cs);
+        load_f32_w(sin_table + pos * HALF + c * W, sn);
+    } else {
+#pragma unroll
+        for (int i = 0; i < W; ++i) cs[i] = sn[i] = __int_as_float(0x7fc00000);
+    }
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        o1[i] = __fsub_rn(__fmul_rn(x1[i], cs[i]), __fmul_rn(x2[i], sn[i]));
+        o2[i] = __fadd_rn(__fmul_rn(x2[i], cs[i]), __fmul_rn(x1[i], sn[i]));
+    }
+    store_w(dst + c * W, o1);
+    store_w(dst + HALF + c * W, o2);
+}
+"""
+
 ROTARY_SOURCE = (
     COMMON
+    + ROTATE
     + r"""
 /* One block per token, one thread per (head, W-element chunk of the first half) of the query and
    key heads: element i pairs with i + HALF. Inputs may be strided views (of a fused QKV output);
@@ -257,23 +285,7 @@ extern "C" __global__ void rotary_embedding(
             src = key + token * k_token_stride + kv_head * k_head_stride;
             dst = key_out + (token * num_kv_heads + kv_head) * (2 * HALF);
         }
-        float x1[W], x2[W], cs[W], sn[W], o1[W], o2[W];
-        load_w(src + c * W, x1);
-        load_w(src + HALF + c * W, x2);
-        if (valid) {
-            load_f32_w(cos_table + pos * HALF + c * W, cs);
-            load_f32_w(sin_table + pos * HALF + c * W, sn);
-        } else {
-#pragma unroll
-            for (int i = 0; i < W; ++i) cs[i] = sn[i] = __int_as_float(0x7fc00000);
-        }
-#pragma unroll
-        for (int i = 0; i < W; ++i) {
-            o1[i] = __fsub_rn(__fmul_rn(x1[i], cs[i]), __fmul_rn(x2[i], sn[i]));
-            o2[i] = __fadd_rn(__fmul_rn(x2[i], cs[i]), __fmul_rn(x1[i], sn[i]));
-        }
-        store_w(dst + c * W, o1);
-        store_w(dst + HALF + c * W, o2);
+        rotate_chunk(src, dst, cos_table, sin_table, pos, valid, c);
     }
 }
 """
@@ -282,6 +294,7 @@ extern "C" __global__ void rotary_embedding(
 
 ROTARY_KV_SOURCE = (
     COMMON
+    + ROTATE
     + r"""
 __device__ __forceinline__ void copy_w(scalar_t* dst, const scalar_t* src) {
 #if W == VEC
@@ -330,23 +343,7 @@ extern "C" __global__ void rotary_write_kv(
             src = key + token * k_token_stride + kv_head * k_head_stride;
             dst = key_cache + (slot * num_kv_heads + kv_head) * (2 * HALF);
         }
-        float x1[W], x2[W], cs[W], sn[W], o1[W], o2[W];
-        load_w(src + c * W, x1);
-        load_w(src + HALF + c * W, x2);
-        if (valid) {
-            load_f32_w(cos_table + pos * HALF + c * W, cs);
-            load_f32_w(sin_table + pos * HALF + c * W, sn);
-        } else {
-#pragma unroll
-            for (int i = 0; i < W; ++i) cs[i] = sn[i] = __int_as_float(0x7fc00000);
-        }
-#pragma unroll
-        for (int i = 0; i < W; ++i) {
-            o1[i] = __fsub_rn(__fmul_rn(x1[i], cs[i]), __fmul_rn(x2[i], sn[i]));
-            o2[i] = __fadd_rn(__fmul_rn(x2[i], cs[i]), __fmul_rn(x1[i], sn[i]));
-        }
-        store_w(dst + c * W, o1);
-        store_w(dst + HALF + c * W, o2);
+        rotate_chunk(src, dst, cos_table, sin_table, pos, valid, c);
     }
     if (slot < 0) return;
     const int value_chunks = 2 * HALF / W;
