@@ -162,14 +162,16 @@ def max_message_bytes(num_ranks: int) -> int:
 
 
 def message_problem(x: torch.Tensor, num_ranks: int) -> str | None:
-    """Why the kernel cannot all-reduce `x` over `num_ranks` ranks; None: it can."""
+    """Why the kernel cannot all-reduce `x` over `num_ranks` ranks; None: it can. It depends on the
+    dtype and shape only, never on an address, so that every rank makes the same choice (a rank
+    taking the kernel while another took NCCL would wait for ever)."""
     if x.dtype not in DTYPES:
         return f"dtype {x.dtype} is not one of {[str(d) for d in DTYPES]}"
     if not x.is_contiguous():
         return "the tensor is not contiguous"
     num_bytes = x.numel() * x.element_size()
-    if num_bytes % VECTOR_BYTES or x.data_ptr() % VECTOR_BYTES:
-        return f"{num_bytes} bytes at address {x.data_ptr():#x}: size and address must be multiples of {VECTOR_BYTES}"
+    if num_bytes % VECTOR_BYTES:
+        return f"{num_bytes} bytes is not a multiple of {VECTOR_BYTES}"
     if num_bytes > max_message_bytes(num_ranks):
         return f"{num_bytes} bytes is more than {max_message_bytes(num_ranks)} over {num_ranks} ranks"
     return None
@@ -221,10 +223,11 @@ class PeerAllReduce:
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, x {tuple(x.shape)} {x.dtype} on {x.device}: "
             "out must be a contiguous tensor like x",
         )
-        _cuda.check(out.data_ptr() % VECTOR_BYTES == 0, f"out's address must be a multiple of {VECTOR_BYTES}")
         num_vecs = x.numel() * x.element_size() // VECTOR_BYTES
         if num_vecs == 0:
             return out
+        if x.data_ptr() % VECTOR_BYTES or out.data_ptr() % VECTOR_BYTES:  # views: through aligned copies
+            return out.copy_(self.all_reduce(x.clone()))
         kernel = _cuda.function(
             SOURCE,
             "one_shot_all_reduce",
