@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.random_model import SHAPES
-from kernels.all_reduce import PeerAllReduce, open_peer_all_reduce
+from kernels.all_reduce import DEFAULT_BLOCKS, PeerAllReduce, open_peer_all_reduce
 
 DEFAULT_SIZES = [2**k for k in range(10, 28, 2)]  # 1 KiB .. 64 MiB
 
@@ -88,8 +88,9 @@ def _slowest(run: Callable[[], object], calls: int, cuda: bool) -> float:
     return float(seconds.item())
 
 
-def _measure(x: torch.Tensor, peer: PeerAllReduce | None, iters: int, num_ranks: int) -> dict[str, Any]:
-    """One size's row: NCCL (or gloo) eager and in a graph, the peer all-reduce where it takes `x`."""
+def _measure(x: torch.Tensor, peers: list[PeerAllReduce], iters: int, num_ranks: int) -> dict[str, Any]:
+    """One size's row: NCCL (or gloo) eager and in a graph, each peer all-reduce (one per grid, the
+    first the default's) where it takes `x`."""
     cuda = x.is_cuda
     seconds = _time_all_reduce(lambda: dist.all_reduce(x), iters, cuda)
     num_bytes = x.numel() * x.element_size()
@@ -100,11 +101,18 @@ def _measure(x: torch.Tensor, peer: PeerAllReduce | None, iters: int, num_ranks:
         "graph_us": _time_in_graph(lambda: dist.all_reduce(x), iters) * 1e6 if cuda else None,
         "peer_us": None,
         "peer_graph_us": None,
+        "peer_by_blocks": {},
     }
-    if peer is not None and peer.fits(x):
-        out = torch.empty_like(x)
-        row["peer_us"] = _time_all_reduce(lambda: peer.all_reduce(x, out=out), iters, True) * 1e6
-        row["peer_graph_us"] = _time_in_graph(lambda: peer.all_reduce(x, out=out), iters) * 1e6
+    out = torch.empty_like(x)
+    for peer in peers:
+        if peer.fits(x):
+            times = {
+                "us": _time_all_reduce(lambda: peer.all_reduce(x, out=out), iters, True) * 1e6,  # noqa: B023
+                "graph_us": _time_in_graph(lambda: peer.all_reduce(x, out=out), iters) * 1e6,  # noqa: B023
+            }
+            row["peer_by_blocks"][peer.num_blocks] = times
+    if peers and peers[0].num_blocks in row["peer_by_blocks"]:
+        row["peer_us"], row["peer_graph_us"] = row["peer_by_blocks"][peers[0].num_blocks].values()
     return row
 
 
@@ -114,17 +122,18 @@ def _rank(rank: int, args: argparse.Namespace, port: int, curve_path: Path) -> N
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
-    peer = open_peer_all_reduce(dist.group.WORLD, device) if args.peer else None
+    peers = [open_peer_all_reduce(dist.group.WORLD, device, blocks) for blocks in args.peer_blocks]
+    opened = [peer for peer in peers if peer is not None]
     try:
         dtype = getattr(torch, args.dtype)
         rows = []
         for size in args.sizes:
             x = torch.ones(max(1, size // dtype.itemsize), dtype=dtype, device=device)
-            rows.append(_measure(x, peer, args.iters, args.ranks))
+            rows.append(_measure(x, opened, args.iters, args.ranks))
         if rank == 0:
             curve_path.write_text(json.dumps(rows))
     finally:
-        if peer is not None:
+        for peer in opened:
             peer.close()
         dist.destroy_process_group()
 
@@ -141,7 +150,11 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="bytes per all-reduce")
     parser.add_argument("--iters", type=int, default=64)
     parser.add_argument(
-        "--no-peer", dest="peer", action="store_false", help="NCCL only: no peer all-reduce column"
+        "--peer-blocks",
+        type=int,
+        nargs="*",
+        default=[DEFAULT_BLOCKS],
+        help="grids of the peer all-reduce to time, the first for the step estimate (none: NCCL only)",
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), help="also estimate this shape's per-step time")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -173,11 +186,17 @@ def main() -> None:
     }
     group = "NCCL" if args.device == "cuda" else "gloo"
     print(f"all-reduce over {args.ranks} ranks on {result['device']} ({args.dtype}), us per call")
-    print(f"| bytes | {group} | {group} graph | peer | peer graph | {group} bus GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    peer_columns = "".join(f" peer {n} | peer {n} graph |" for n in args.peer_blocks)
+    print(
+        f"(peer N: the peer all-reduce over N blocks)\n| bytes | {group} | {group} graph |{peer_columns} {group} bus GB/s |"
+    )
+    print("|---:|---:|---:|" + "---:|---:|" * len(args.peer_blocks) + "---:|")
     for row in curve:
-        times = " | ".join(_us(row[key]) for key in ("us", "graph_us", "peer_us", "peer_graph_us"))
-        print(f"| {row['bytes']} | {times} | {row['bus_gbs']:.2f} |")
+        times = [_us(row["us"]), _us(row["graph_us"])]
+        for blocks in args.peer_blocks:
+            peer = row["peer_by_blocks"].get(str(blocks), {})
+            times += [_us(peer.get("us")), _us(peer.get("graph_us"))]
+        print(f"| {row['bytes']} | {' | '.join(times)} | {row['bus_gbs']:.2f} |")
     if args.shape:
         element_size = getattr(torch, args.dtype).itemsize
         result["shape"] = args.shape

@@ -30,15 +30,17 @@ from kernels import _cuda
 logger = logging.getLogger(__name__)
 
 THREADS = 512
-NUM_BLOCKS = 32
-"""The grid of every call (fixed: see the module docstring)."""
+MAX_BLOCKS = 128
+DEFAULT_BLOCKS = 64
+"""The grid of every call of a `PeerAllReduce` (fixed: see the module docstring): its threads move
+512 KiB in one pass."""
 MAX_RANKS = 8
 HALF_BYTES = 1 << 20
 """Bytes of each half of a rank buffer: no message is larger."""
-FLAGS_OFFSET = 256
-"""Where the flags start in a rank buffer, after NUM_BLOCKS uint32 epochs."""
-DATA_OFFSET = 4096
-"""Where the halves start, after the flags: [2 halves][NUM_BLOCKS][MAX_RANKS] uint32."""
+FLAGS_OFFSET = 512
+"""Where the flags start in a rank buffer, after MAX_BLOCKS uint32 epochs."""
+DATA_OFFSET = 16384
+"""Where the halves start, after the flags: [2 halves][MAX_BLOCKS][MAX_RANKS] uint32."""
 BUFFER_BYTES = DATA_OFFSET + 2 * HALF_BYTES
 VECTOR_BYTES = 16
 """Each thread moves 16 bytes at a time: messages and their addresses are multiples of it."""
@@ -46,12 +48,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 """cudaIpcMemLazyEnablePeerAccess: opening a peer's handle enables peer access to its device."""
 
-assert NUM_BLOCKS * 4 <= FLAGS_OFFSET and FLAGS_OFFSET + 2 * NUM_BLOCKS * MAX_RANKS * 4 <= DATA_OFFSET
+assert MAX_BLOCKS * 4 <= FLAGS_OFFSET and FLAGS_OFFSET + 2 * MAX_BLOCKS * MAX_RANKS * 4 <= DATA_OFFSET
 
 SOURCE = (
     _cuda.CONVERSIONS
     + r"""
-/* A rank buffer: [NUM_BLOCKS] uint32 epochs | [2][NUM_BLOCKS][MAX_RANKS] uint32 flags (at FLAGS_OFFSET)
+/* A rank buffer: [MAX_BLOCKS] uint32 epochs | [2][MAX_BLOCKS][MAX_RANKS] uint32 flags (at FLAGS_OFFSET)
    | [2][HALF_BYTES] staged data (at DATA_OFFSET). Epochs and staged data are written by their own
    rank only; flag [h][b][r] of a rank is written by rank r only. */
 
@@ -121,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) one_shot_all_reduce(
        system scope is cumulative: rank r, once it acquires the flag, sees this block's staged data.
        Thread r raises this rank's flag in rank r's buffer: [half][block][this rank] = epoch. */
     __syncthreads();
-    const long long flag = ((long long)half * NUM_BLOCKS + blockIdx.x) * MAX_RANKS;
+    const long long flag = ((long long)half * MAX_BLOCKS + blockIdx.x) * MAX_RANKS;
     if (threadIdx.x < NRANKS) {
         char* peer = reinterpret_cast<char*>(buffers[threadIdx.x]);
         store_release_sys(reinterpret_cast<unsigned int*>(peer + FLAGS_OFFSET) + flag + rank, epoch);
@@ -197,9 +199,20 @@ def peer_problem(rank: int, device_uuids: list[str], can_access: Callable[[str],
 class PeerAllReduce:
     """One rank's side: its rank buffer, the peers' buffers mapped here, the kernel's launches."""
 
-    def __init__(self, rank: int, device: torch.device, own_ptr: int, peer_ptrs: list[int]):
-        """`peer_ptrs`: every rank's buffer as mapped in this process (this rank's is `own_ptr`)."""
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        own_ptr: int,
+        peer_ptrs: list[int],
+        num_blocks: int = DEFAULT_BLOCKS,
+    ):
+        """`peer_ptrs`: every rank's buffer as mapped in this process (this rank's is `own_ptr`);
+        `num_blocks`: the grid, the same on every rank."""
+        if not 1 <= num_blocks <= MAX_BLOCKS:
+            raise ValueError(f"num_blocks {num_blocks} is not in 1..{MAX_BLOCKS}")
         self.rank = rank
+        self.num_blocks = num_blocks
         self.num_ranks = len(peer_ptrs)
         self.device = device
         self._own_ptr = own_ptr
@@ -235,7 +248,7 @@ class PeerAllReduce:
             **kernel_defines(x.dtype, self.num_ranks),
         )
         args = (x, out, self.buffers, np.int32(self.rank), np.int64(num_vecs))
-        _cuda.launch(kernel, (NUM_BLOCKS,), (THREADS,), args, self.device)
+        _cuda.launch(kernel, (self.num_blocks,), (THREADS,), args, self.device)
         return out
 
     def close(self) -> None:
@@ -257,7 +270,7 @@ def kernel_defines(dtype: torch.dtype, num_ranks: int) -> dict[str, int]:
         DTYPE=_cuda.DTYPE_IDS[dtype],
         NRANKS=num_ranks,
         THREADS=THREADS,
-        NUM_BLOCKS=NUM_BLOCKS,
+        MAX_BLOCKS=MAX_BLOCKS,
         MAX_RANKS=MAX_RANKS,
         FLAGS_OFFSET=FLAGS_OFFSET,
         DATA_OFFSET=DATA_OFFSET,
@@ -265,19 +278,27 @@ def kernel_defines(dtype: torch.dtype, num_ranks: int) -> dict[str, int]:
     )
 
 
-def open_peer_all_reduce(group: dist.ProcessGroup | None, device: torch.device) -> PeerAllReduce | None:
+def open_peer_all_reduce(
+    group: dist.ProcessGroup | None, device: torch.device, num_blocks: int = DEFAULT_BLOCKS
+) -> PeerAllReduce | None:
     """Every rank of `group` calls it at start-up (it runs collectives on the group): a `PeerAllReduce`
-    where every rank's device can map every other's memory, else None on every rank (the reason is
-    logged) and the group's own all-reduce serves."""
+    of `num_blocks` blocks where every rank's device can map every other's memory, else None on
+    every rank (the reason is logged) and the group's own all-reduce serves."""
+    if not 1 <= num_blocks <= MAX_BLOCKS:
+        raise ValueError(f"num_blocks {num_blocks} is not in 1..{MAX_BLOCKS}")
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         return None  # the same answer on every rank: nothing to agree on
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     cupy = _cuda.cupy_module()
-    uuids: list[str] = [""] * num_ranks
-    dist.all_gather_object(uuids, _device_uuid(device.index), group=group)
+    ranks: list[tuple[str, int]] = [("", 0)] * num_ranks
+    dist.all_gather_object(ranks, (_device_uuid(device.index), num_blocks), group=group)
     problem = "CuPy is not importable here" if cupy is None else None
-    problem = problem or peer_problem(rank, uuids, lambda uuid: _can_access(device, uuid))
+    if len({blocks for _, blocks in ranks}) > 1:
+        problem = problem or f"the ranks asked for different grids: {[blocks for _, blocks in ranks]} blocks"
+    problem = problem or peer_problem(
+        rank, [uuid for uuid, _ in ranks], lambda uuid: _can_access(device, uuid)
+    )
     problems: list[str | None] = [None] * num_ranks
     dist.all_gather_object(problems, problem, group=group)
     blocking = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
@@ -285,11 +306,16 @@ def open_peer_all_reduce(group: dist.ProcessGroup | None, device: torch.device) 
         if rank == 0:
             logger.info("tensor-parallel all-reduce through NCCL only (%s)", blocking)
         return None
-    return _map_buffers(cupy, group, rank, num_ranks, device)
+    return _map_buffers(cupy, group, rank, num_ranks, device, num_blocks)
 
 
 def _map_buffers(
-    cupy: Any, group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device
+    cupy: Any,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    num_ranks: int,
+    device: torch.device,
+    num_blocks: int,
 ) -> PeerAllReduce:
     """Allocates and zeroes this rank's buffer, exchanges the handles, maps the peers' buffers."""
     runtime = cupy.cuda.runtime
@@ -309,7 +335,7 @@ def _map_buffers(
         max_message_bytes(num_ranks),
         num_ranks,
     )
-    return PeerAllReduce(rank, device, own, ptrs)
+    return PeerAllReduce(rank, device, own, ptrs, num_blocks)
 
 
 def _device_uuid(index: int) -> str:

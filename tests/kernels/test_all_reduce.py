@@ -24,7 +24,9 @@ import torch.multiprocessing as mp
 
 from kernels import _cuda
 from kernels.all_reduce import (
+    DEFAULT_BLOCKS,
     DTYPES,
+    MAX_BLOCKS,
     MAX_RANKS,
     SOURCE,
     PeerAllReduce,
@@ -180,6 +182,8 @@ def _join_on_cpu(rank: int, num_ranks: int, port: int) -> None:
     try:
         assert tp.peer is None and dist.get_backend(tp.group) == "gloo"
         assert open_peer_all_reduce(tp.group, torch.device("cpu")) is None
+        with pytest.raises(ValueError, match="num_blocks 0 is not in 1..128"):
+            open_peer_all_reduce(tp.group, torch.device("cpu"), num_blocks=0)
         assert torch.equal(tp.all_reduce(torch.full((1000,), rank + 1.0)), torch.full((1000,), 3.0))
         dispatching = TensorParallel(rank, num_ranks, tp.group, HalvingPeer())  # type: ignore[arg-type]
         assert torch.equal(dispatching.all_reduce(torch.full((64,), 4.0)), torch.full((64,), 2.0))
@@ -285,20 +289,23 @@ def test_kernel_matches_reference_and_nccl(num_ranks: int) -> None:
 
 
 def _back_to_back(rank: int, num_ranks: int, device: torch.device) -> None:
-    """Calls queued without a host wait, each with new inputs and its own output: any stale staged
-    data or a flag mistaken for the next call's shows as a wrong sum."""
-    peer = open_peer(device)
+    """Calls queued without a host wait, each with new inputs and its own output, on the default
+    grid and the smallest and largest (a block looping over many vectors; every flag slot): any stale
+    staged data or a flag mistaken for the next call's shows as a wrong sum."""
     sizes = [HIDDEN, 8, 64 * HIDDEN, 3 * HIDDEN]
     calls = [(parts_of(num_ranks, sizes[i % 4], torch.bfloat16, seed=1000 + i), i) for i in range(200)]
     inputs = [parts[rank].to(device) for parts, _ in calls]
-    torch.cuda.synchronize()
-    outputs = [peer.all_reduce(x, out=torch.empty_like(x)) for x in inputs]
-    torch.cuda.synchronize()
-    wrong = [
-        i for (parts, i), out in zip(calls, outputs) if not torch.equal(out.cpu(), all_reduce_ref(parts))
-    ]
-    assert not wrong, f"rank {rank}: calls {wrong[:10]} (of {len(calls)}) differ from the reference"
-    peer.close()
+    for num_blocks in (DEFAULT_BLOCKS, 1, MAX_BLOCKS):
+        peer = open_peer_all_reduce(dist.group.WORLD, device, num_blocks)
+        assert peer is not None and peer.num_blocks == num_blocks
+        torch.cuda.synchronize()
+        outputs = [peer.all_reduce(x, out=torch.empty_like(x)) for x in inputs]
+        torch.cuda.synchronize()
+        wrong = [
+            i for (parts, i), out in zip(calls, outputs) if not torch.equal(out.cpu(), all_reduce_ref(parts))
+        ]
+        assert not wrong, f"rank {rank}, {num_blocks} blocks: calls {wrong[:10]} (of {len(calls)}) differ"
+        peer.close()
 
 
 @pytest.mark.gpu
