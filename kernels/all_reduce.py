@@ -6,8 +6,8 @@ Terms:
   handle (exchanged once, in `open_peer_all_reduce`): the rank's block epochs, its flags (written by
   the peers) and two *halves* of staged data.
 - *epoch*: the number of calls a block has run, kept in the rank buffer, so that CUDA-graph replays
-  advance it as eager calls do. The grid never changes, so every block of every rank counts the
-  same calls and block b covers the same elements on every rank.
+  advance it as eager calls do. A communicator's grid never changes, so every block of every rank
+  counts the same calls and block b covers the same elements on every rank.
 
 The ordering protocol is in the CUDA source's comments. Calls on a rank must be ordered (one stream,
 or graphs replayed on it), every rank making the same calls in the same order, as with NCCL.
@@ -43,7 +43,8 @@ DATA_OFFSET = 16384
 """Where the halves start, after the flags: [2 halves][MAX_BLOCKS][MAX_RANKS] uint32."""
 BUFFER_BYTES = DATA_OFFSET + 2 * HALF_BYTES
 VECTOR_BYTES = 16
-"""Each thread moves 16 bytes at a time: messages and their addresses are multiples of it."""
+"""Each thread moves 16 bytes at a time: messages are multiples of it (a tensor whose address is not
+goes through an aligned copy)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 """cudaIpcMemLazyEnablePeerAccess: opening a peer's handle enables peer access to its device."""
