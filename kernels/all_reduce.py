@@ -258,10 +258,7 @@ class PeerAllReduce:
         if cupy is None or self._own_ptr == 0:
             return
         torch.cuda.synchronize(self.device)
-        with cupy.cuda.Device(self.device.index):
-            for ptr in self._opened:
-                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-            cupy.cuda.runtime.free(self._own_ptr)
+        _release(cupy, self.device, self._own_ptr, self._opened)
         self._opened, self._own_ptr = [], 0
 
 
@@ -294,20 +291,40 @@ def open_peer_all_reduce(
     cupy = _cuda.cupy_module()
     ranks: list[tuple[str, int]] = [("", 0)] * num_ranks
     dist.all_gather_object(ranks, (_device_uuid(device.index), num_blocks), group=group)
-    problem = "CuPy is not importable here" if cupy is None else None
+    problem = (
+        f"the CUDA kernels are off here ({_cuda.DISABLE_ENV}=ref) or CuPy is missing"
+        if cupy is None
+        else None
+    )
     if len({blocks for _, blocks in ranks}) > 1:
         problem = problem or f"the ranks asked for different grids: {[blocks for _, blocks in ranks]} blocks"
     problem = problem or peer_problem(
         rank, [uuid for uuid, _ in ranks], lambda uuid: _can_access(device, uuid)
     )
+    if not _agree(problem, group, rank, num_ranks):
+        return None
+    peer, problem = _map_buffers(cupy, group, rank, num_ranks, device, num_blocks)
+    if not _agree(problem, group, rank, num_ranks):
+        if peer is not None:
+            peer.close()
+        return None
+    logger.info(
+        "tensor-parallel rank %d: peer all-reduce up to %d bytes over %d ranks",
+        rank,
+        max_message_bytes(num_ranks),
+        num_ranks,
+    )
+    return peer
+
+
+def _agree(problem: str | None, group: dist.ProcessGroup | None, rank: int, num_ranks: int) -> bool:
+    """True when no rank has a problem (every rank gets the same answer); rank 0 logs the first."""
     problems: list[str | None] = [None] * num_ranks
     dist.all_gather_object(problems, problem, group=group)
     blocking = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
-    if blocking is not None:
-        if rank == 0:
-            logger.info("tensor-parallel all-reduce through NCCL only (%s)", blocking)
-        return None
-    return _map_buffers(cupy, group, rank, num_ranks, device, num_blocks)
+    if blocking is not None and rank == 0:
+        logger.warning("tensor-parallel all-reduce through NCCL only (%s)", blocking)
+    return blocking is None
 
 
 def _map_buffers(
@@ -317,26 +334,45 @@ def _map_buffers(
     num_ranks: int,
     device: torch.device,
     num_blocks: int,
-) -> PeerAllReduce:
-    """Allocates and zeroes this rank's buffer, exchanges the handles, maps the peers' buffers."""
+) -> tuple[PeerAllReduce | None, str | None]:
+    """Allocates and zeroes this rank's buffer, exchanges the handles, maps the peers' buffers: the
+    rank's side, or what failed here (the exchange runs on every rank either way)."""
     runtime = cupy.cuda.runtime
+    own, handle, opened, problem = 0, b"", {}, None
     with cupy.cuda.Device(device.index):
-        own = runtime.malloc(BUFFER_BYTES)
-        runtime.memset(own, 0, BUFFER_BYTES)
-        runtime.deviceSynchronize()  # zeroed before any peer can raise a flag in it
+        try:
+            own = runtime.malloc(BUFFER_BYTES)
+            runtime.memset(own, 0, BUFFER_BYTES)
+            runtime.deviceSynchronize()  # zeroed before any peer can raise a flag in it
+            handle = bytes(runtime.ipcGetMemHandle(own))
+        except runtime.CUDARuntimeError as error:
+            problem = f"allocating or exporting the buffer failed: {error}"
         handles: list[bytes] = [b""] * num_ranks
-        dist.all_gather_object(handles, bytes(runtime.ipcGetMemHandle(own)), group=group)
-        ptrs = [
-            own if r == rank else runtime.ipcOpenMemHandle(handle, IPC_LAZY_ENABLE_PEER_ACCESS)
-            for r, handle in enumerate(handles)
-        ]
-    logger.info(
-        "tensor-parallel rank %d: peer all-reduce up to %d bytes over %d ranks",
-        rank,
-        max_message_bytes(num_ranks),
-        num_ranks,
-    )
-    return PeerAllReduce(rank, device, own, ptrs, num_blocks)
+        dist.all_gather_object(handles, handle, group=group)
+        for other, peer_handle in enumerate(handles):
+            if other == rank or problem is not None:
+                continue
+            if not peer_handle:
+                problem = f"rank {other} has no buffer to share"
+                continue
+            try:
+                opened[other] = runtime.ipcOpenMemHandle(peer_handle, IPC_LAZY_ENABLE_PEER_ACCESS)
+            except runtime.CUDARuntimeError as error:
+                problem = f"opening rank {other}'s buffer failed: {error}"
+    if problem is not None:
+        _release(cupy, device, own, list(opened.values()))
+        return None, problem
+    ptrs = [own if r == rank else opened[r] for r in range(num_ranks)]
+    return PeerAllReduce(rank, device, own, ptrs, num_blocks), None
+
+
+def _release(cupy: Any, device: torch.device, own: int, opened: list[int]) -> None:
+    """Unmaps the peers' buffers `opened` and frees this rank's `own` (0: none)."""
+    with cupy.cuda.Device(device.index):
+        for ptr in opened:
+            cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+        if own:
+            cupy.cuda.runtime.free(own)
 
 
 def _device_uuid(index: int) -> str:
