@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.random_model import SHAPES
-from kernels.all_reduce import DEFAULT_BLOCKS, PeerAllReduce, open_peer_all_reduce
+from kernels.all_reduce import DEFAULT_BLOCKS, VECTOR_BYTES, PeerAllReduce, open_peer_all_reduce
 
 DEFAULT_SIZES = [2**k for k in range(10, 28, 2)]  # 1 KiB .. 64 MiB
 
@@ -89,8 +89,9 @@ def _slowest(run: Callable[[], object], calls: int, cuda: bool) -> float:
 
 
 def _measure(x: torch.Tensor, peers: list[PeerAllReduce], iters: int, num_ranks: int) -> dict[str, Any]:
-    """One size's row: NCCL (or gloo) eager and in a graph, each peer all-reduce (one per grid, the
-    first the default's) where it takes `x`."""
+    """One size's row: NCCL (or gloo) eager and in a graph; where the peer all-reduce takes `x`,
+    its own choice of kernel eager and in a graph on the first grid of `peers` (the default), each
+    kernel forced (where it can run) in a graph, and its own choice in a graph on every grid."""
     cuda = x.is_cuda
     seconds = _time_all_reduce(lambda: dist.all_reduce(x), iters, cuda)
     num_bytes = x.numel() * x.element_size()
@@ -101,18 +102,23 @@ def _measure(x: torch.Tensor, peers: list[PeerAllReduce], iters: int, num_ranks:
         "graph_us": _time_in_graph(lambda: dist.all_reduce(x), iters) * 1e6 if cuda else None,
         "peer_us": None,
         "peer_graph_us": None,
-        "peer_by_blocks": {},
+        "one_shot_graph_us": None,
+        "two_shot_graph_us": None,
+        "peer_graph_us_by_blocks": {},
     }
+    if not peers or not peers[0].fits(x):
+        return row
     out = torch.empty_like(x)
-    for peer in peers:
-        if peer.fits(x):
-            times = {
-                "us": _time_all_reduce(lambda: peer.all_reduce(x, out=out), iters, True) * 1e6,  # noqa: B023
-                "graph_us": _time_in_graph(lambda: peer.all_reduce(x, out=out), iters) * 1e6,  # noqa: B023
-            }
-            row["peer_by_blocks"][peer.num_blocks] = times
-    if peers and peers[0].num_blocks in row["peer_by_blocks"]:
-        row["peer_us"], row["peer_graph_us"] = row["peer_by_blocks"][peers[0].num_blocks].values()
+
+    def in_graph(peer: PeerAllReduce, shots: int | None = None) -> float:
+        return _time_in_graph(lambda: peer.all_reduce(x, out=out, shots=shots), iters) * 1e6
+
+    row["peer_us"] = _time_all_reduce(lambda: peers[0].all_reduce(x, out=out), iters, True) * 1e6
+    row["peer_graph_us"] = in_graph(peers[0])
+    row["one_shot_graph_us"] = in_graph(peers[0], shots=1)
+    if (num_bytes // VECTOR_BYTES) % num_ranks == 0:
+        row["two_shot_graph_us"] = in_graph(peers[0], shots=2)
+    row["peer_graph_us_by_blocks"] = {peer.num_blocks: in_graph(peer) for peer in peers}
     return row
 
 
@@ -186,16 +192,19 @@ def main() -> None:
     }
     group = "NCCL" if args.device == "cuda" else "gloo"
     print(f"all-reduce over {args.ranks} ranks on {result['device']} ({args.dtype}), us per call")
-    peer_columns = "".join(f" peer {n} | peer {n} graph |" for n in args.peer_blocks)
+    grids = "".join(f" peer graph {n} |" for n in args.peer_blocks[1:])
     print(
-        f"(peer N: the peer all-reduce over N blocks)\n| bytes | {group} | {group} graph |{peer_columns} {group} bus GB/s |"
+        f"(peer: the peer all-reduce's own choice of kernel over {args.peer_blocks[0] if args.peer_blocks else '-'} "
+        "blocks; 1-shot / 2-shot: each kernel forced; peer graph N: over N blocks)"
     )
-    print("|---:|---:|---:|" + "---:|---:|" * len(args.peer_blocks) + "---:|")
+    print(
+        f"| bytes | {group} | {group} graph | peer | peer graph | 1-shot graph | 2-shot graph |{grids} {group} bus GB/s |"
+    )
+    print("|" + "---:|" * (8 + len(args.peer_blocks[1:])))
     for row in curve:
-        times = [_us(row["us"]), _us(row["graph_us"])]
-        for blocks in args.peer_blocks:
-            peer = row["peer_by_blocks"].get(str(blocks), {})
-            times += [_us(peer.get("us")), _us(peer.get("graph_us"))]
+        keys = ("us", "graph_us", "peer_us", "peer_graph_us", "one_shot_graph_us", "two_shot_graph_us")
+        times = [_us(row[key]) for key in keys]
+        times += [_us(row["peer_graph_us_by_blocks"].get(str(n))) for n in args.peer_blocks[1:]]
         print(f"| {row['bytes']} | {' | '.join(times)} | {row['bus_gbs']:.2f} |")
     if args.shape:
         element_size = getattr(torch, args.dtype).itemsize

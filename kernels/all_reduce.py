@@ -35,12 +35,18 @@ DEFAULT_BLOCKS = 64
 """The grid of every call of a `PeerAllReduce` (fixed: see the module docstring): its threads move
 512 KiB in one pass."""
 MAX_RANKS = 8
-HALF_BYTES = 1 << 20
+HALF_BYTES = 8 << 20
 """Bytes of each half of a rank buffer: no message is larger."""
+ONE_SHOT_READ_BYTES = 2 << 20
+"""One shot reads every rank's copy of the message: it takes messages up to this over the ranks
+(`one_shot_max_bytes`), two shots the larger ones up to TWO_SHOT_MAX_BYTES, NCCL the rest."""
+TWO_SHOT_MAX_BYTES = HALF_BYTES
 FLAGS_OFFSET = 512
-"""Where the flags start in a rank buffer, after MAX_BLOCKS uint32 epochs."""
-DATA_OFFSET = 16384
-"""Where the halves start, after the flags: [2 halves][MAX_BLOCKS][MAX_RANKS] uint32."""
+"""Where the flags start in a rank buffer, after MAX_BLOCKS uint32 epochs: [2 halves][MAX_BLOCKS][MAX_RANKS] uint32."""
+GATHER_FLAGS_OFFSET = FLAGS_OFFSET + 2 * MAX_BLOCKS * MAX_RANKS * 4
+"""The two-shot kernel's second flags, laid out as the first."""
+DATA_OFFSET = 32768
+"""Where the halves start, after the flags."""
 BUFFER_BYTES = DATA_OFFSET + 2 * HALF_BYTES
 VECTOR_BYTES = 16
 """Each thread moves 16 bytes at a time: messages are multiples of it (a tensor whose address is not
@@ -49,14 +55,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 """cudaIpcMemLazyEnablePeerAccess: opening a peer's handle enables peer access to its device."""
 
-assert MAX_BLOCKS * 4 <= FLAGS_OFFSET and FLAGS_OFFSET + 2 * MAX_BLOCKS * MAX_RANKS * 4 <= DATA_OFFSET
+assert MAX_BLOCKS * 4 <= FLAGS_OFFSET and GATHER_FLAGS_OFFSET + 2 * MAX_BLOCKS * MAX_RANKS * 4 <= DATA_OFFSET
 
 SOURCE = (
     _cuda.CONVERSIONS
     + r"""
 /* A rank buffer: [MAX_BLOCKS] uint32 epochs | [2][MAX_BLOCKS][MAX_RANKS] uint32 flags (at FLAGS_OFFSET)
-   | [2][HALF_BYTES] staged data (at DATA_OFFSET). Epochs and staged data are written by their own
-   rank only; flag [h][b][r] of a rank is written by rank r only. */
+   | the same again (at GATHER_FLAGS_OFFSET) | [2][HALF_BYTES] staged data (at DATA_OFFSET). Epochs
+   and staged data are written by their own rank only; flag [h][b][r] of a rank by rank r only. */
 
 __device__ __forceinline__ void store_release_sys(unsigned int* flag, unsigned int value) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(flag), "r"(value) : "memory");
@@ -98,6 +104,49 @@ __device__ __forceinline__ void store_vec(scalar_t* p, const float* v) {
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
+/* The staged half of rank r's buffer for this call. */
+__device__ __forceinline__ char* staged_half(const unsigned long long* buffers, int r, unsigned int epoch) {
+    return reinterpret_cast<char*>(buffers[r]) + DATA_OFFSET + (long long)(epoch & 1u) * HALF_BYTES;
+}
+
+/* This block's epoch for the call: one more than its last call's (kept in this rank's buffer). */
+__device__ __forceinline__ unsigned int begin_call(char* own) {
+    __shared__ unsigned int block_epoch;
+    if (threadIdx.x == 0) block_epoch = reinterpret_cast<unsigned int*>(own)[blockIdx.x] + 1u;  /* wraps */
+    __syncthreads();
+    return block_epoch;
+}
+
+/* Signal, then wait. The first barrier orders every thread's stores before thread r's release,
+   which is cumulative at system scope: rank r, once it acquires the flag, sees them. Thread r
+   raises this rank's flag in rank r's flag array (`flags_offset`): [half][block][this rank] = epoch,
+   then spins until rank r has raised its flag here; its acquire and the second barrier make rank
+   r's stores visible to every thread of this block. Flags compare for equality, not >=: a peer one
+   call ahead raises its flag in the other half, and counters may wrap. */
+__device__ __forceinline__ void exchange_flags(
+    const unsigned long long* buffers, char* own, int rank, int flags_offset, unsigned int epoch)
+{
+    __syncthreads();
+    const long long flag = ((long long)(epoch & 1u) * MAX_BLOCKS + blockIdx.x) * MAX_RANKS;
+    if (threadIdx.x < NRANKS) {
+        char* peer = reinterpret_cast<char*>(buffers[threadIdx.x]);
+        store_release_sys(reinterpret_cast<unsigned int*>(peer + flags_offset) + flag + rank, epoch);
+        const unsigned int* mine = reinterpret_cast<const unsigned int*>(own + flags_offset) + flag + threadIdx.x;
+        while (load_acquire_sys(mine) != epoch) {
+        }
+    }
+    __syncthreads();
+}
+
+/* Why no barrier at the end of a call: a rank restages a half only two calls later, and it cannot
+   pass that next call's first wait before every rank has begun it, that is, finished this call's
+   kernel (calls on a rank are ordered). Both kernels count calls in the same epochs. */
+
+/* One shot: every rank stages its whole input, then sums every rank's copy.
+   1. stage this thread's vectors of the input in this rank's half; 2. exchange flags;
+   3. sum vector v over the ranks' halves, rank 0 first, in float32, rounding once, so every rank
+   writes the same bits. The thread that reads input vector v writes output vector v: `output` may
+   be `input`. */
 extern "C" __global__ void __launch_bounds__(THREADS) one_shot_all_reduce(
     const scalar_t* input,                           /* [num_vecs * VEC] this rank's part */
     scalar_t* output,                                /* [num_vecs * VEC] the sum; may be `input` */
@@ -105,69 +154,103 @@ extern "C" __global__ void __launch_bounds__(THREADS) one_shot_all_reduce(
     int rank, long long num_vecs)
 {
     char* own = reinterpret_cast<char*>(buffers[rank]);
-    unsigned int* epochs = reinterpret_cast<unsigned int*>(own);
-    __shared__ unsigned int block_epoch;
-    if (threadIdx.x == 0) block_epoch = epochs[blockIdx.x] + 1u;  /* wraps: flags compare for equality */
-    __syncthreads();
-    const unsigned int epoch = block_epoch;
-    const unsigned int half = epoch & 1u;
-    const long long half_offset = DATA_OFFSET + (long long)half * HALF_BYTES;
+    const unsigned int epoch = begin_call(own);
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
 
-    /* 1. Stage: this thread's vectors of the input into its own rank buffer's half. The same thread
-       writes the same vectors of the output in step 4, so `output` may alias `input`. */
-    uint4* staged = reinterpret_cast<uint4*>(own + half_offset);
+    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, epoch));
     for (long long v = first; v < num_vecs; v += stride) staged[v] = reinterpret_cast<const uint4*>(input)[v];
+    exchange_flags(buffers, own, rank, FLAGS_OFFSET, epoch);
 
-    /* 2. Signal. The barrier orders every thread's staging before thread r's store, and a release at
-       system scope is cumulative: rank r, once it acquires the flag, sees this block's staged data.
-       Thread r raises this rank's flag in rank r's buffer: [half][block][this rank] = epoch. */
-    __syncthreads();
-    const long long flag = ((long long)half * MAX_BLOCKS + blockIdx.x) * MAX_RANKS;
-    if (threadIdx.x < NRANKS) {
-        char* peer = reinterpret_cast<char*>(buffers[threadIdx.x]);
-        store_release_sys(reinterpret_cast<unsigned int*>(peer + FLAGS_OFFSET) + flag + rank, epoch);
-
-        /* 3. Wait until rank r's block has raised its flag here: its acquire, then the barrier below,
-           make rank r's staged data visible to every thread of this block. Equality, not >=: a peer
-           one call ahead raises its flag in the other half, and counters may wrap. */
-        const unsigned int* mine = reinterpret_cast<const unsigned int*>(own + FLAGS_OFFSET) + flag + threadIdx.x;
-        while (load_acquire_sys(mine) != epoch) {
-        }
-    }
-    __syncthreads();
-
-    /* 4. Reduce: rank 0's part plus rank 1's ... in float32, one rounding at the end, so every rank
-       writes the same bits. No barrier at the end: a rank restages this half only two calls later,
-       and it cannot pass the next call's wait before every rank has finished this call's kernel. */
     for (long long v = first; v < num_vecs; v += stride) {
         float sum[VEC], part[VEC];
-        load_staged(reinterpret_cast<const scalar_t*>(reinterpret_cast<const char*>(buffers[0]) + half_offset) + v * VEC, sum);
+        load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, 0, epoch)) + v * VEC, sum);
 #pragma unroll
         for (int r = 1; r < NRANKS; ++r) {
-            load_staged(reinterpret_cast<const scalar_t*>(reinterpret_cast<const char*>(buffers[r]) + half_offset) + v * VEC, part);
+            load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, r, epoch)) + v * VEC, part);
 #pragma unroll
             for (int i = 0; i < VEC; ++i) sum[i] += part[i];
         }
         store_vec(output + v * VEC, sum);
     }
-    if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
+    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(own)[blockIdx.x] = epoch;
+}
+
+/* Two shots (reduce-scatter, then all-gather): the message is NRANKS slices of `slice_vecs`
+   vectors, and rank r sums slice r only, so each rank reads the message once, not NRANKS times.
+   A thread handles position j of every slice, so each exchange needs only this block's flags.
+   1. stage position j of every slice in this rank's half; 2. exchange flags;
+   3. sum position j of slice `rank` over the ranks' halves (as one shot does) and write the sum
+      over this rank's own staged copy of it, which no other rank reads in this step;
+   4. exchange the second flags; 5. copy position j of slice s from rank s's half into the output. */
+extern "C" __global__ void __launch_bounds__(THREADS) two_shot_all_reduce(
+    const scalar_t* input,                           /* [NRANKS * slice_vecs * VEC] this rank's part */
+    scalar_t* output,                                /* [NRANKS * slice_vecs * VEC] the sum; may be `input` */
+    const unsigned long long* __restrict__ buffers,  /* [NRANKS] every rank's buffer, mapped here */
+    int rank, long long slice_vecs)
+{
+    char* own = reinterpret_cast<char*>(buffers[rank]);
+    const unsigned int epoch = begin_call(own);
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+
+    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, epoch));
+    for (long long j = first; j < slice_vecs; j += stride) {
+#pragma unroll
+        for (int s = 0; s < NRANKS; ++s) staged[s * slice_vecs + j] = reinterpret_cast<const uint4*>(input)[s * slice_vecs + j];
+    }
+    exchange_flags(buffers, own, rank, FLAGS_OFFSET, epoch);
+
+    const long long mine = rank * slice_vecs;
+    for (long long j = first; j < slice_vecs; j += stride) {
+        float sum[VEC], part[VEC];
+        load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, 0, epoch)) + (mine + j) * VEC, sum);
+#pragma unroll
+        for (int r = 1; r < NRANKS; ++r) {
+            load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, r, epoch)) + (mine + j) * VEC, part);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) sum[i] += part[i];
+        }
+        store_vec(reinterpret_cast<scalar_t*>(staged + mine + j), sum);
+    }
+    exchange_flags(buffers, own, rank, GATHER_FLAGS_OFFSET, epoch);
+
+    for (long long j = first; j < slice_vecs; j += stride) {
+#pragma unroll
+        for (int s = 0; s < NRANKS; ++s) {
+            uint4 raw;
+            const uint4* summed = reinterpret_cast<const uint4*>(staged_half(buffers, s, epoch)) + s * slice_vecs + j;
+            asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "l"(summed) : "memory");
+            reinterpret_cast<uint4*>(output)[s * slice_vecs + j] = raw;
+        }
+    }
+    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(own)[blockIdx.x] = epoch;
 }
 """
 )
 
 
-def max_message_bytes(num_ranks: int) -> int:
-    """The largest message the kernel takes over `num_ranks` ranks: each rank reads every rank's
-    copy, so the limit halves as the ranks double (larger messages go to NCCL's ring)."""
-    return min(HALF_BYTES, 2 * HALF_BYTES // num_ranks)
+def one_shot_max_bytes(num_ranks: int) -> int:
+    """The largest message one shot takes over `num_ranks` ranks (each rank reads every rank's
+    copy, so the limit halves as the ranks double)."""
+    return min(HALF_BYTES, ONE_SHOT_READ_BYTES // num_ranks)
+
+
+def choose_shots(num_bytes: int, num_ranks: int) -> int | None:
+    """1 or 2 (which kernel reduces a message of `num_bytes` over `num_ranks` ranks), None: NCCL.
+    Two shots need the message's 16-byte vectors to split into `num_ranks` equal slices."""
+    if num_bytes <= one_shot_max_bytes(num_ranks):
+        return 1
+    if num_bytes <= TWO_SHOT_MAX_BYTES and (num_bytes // VECTOR_BYTES) % num_ranks == 0:
+        return 2
+    return None
 
 
 def message_problem(x: torch.Tensor, num_ranks: int) -> str | None:
-    """Why the kernel cannot all-reduce `x` over `num_ranks` ranks; None: it can. It depends on the
-    dtype and shape only, never on an address, so that every rank makes the same choice (a rank
-    taking the kernel while another took NCCL would wait for ever)."""
+    """Why the kernels cannot all-reduce `x` over `num_ranks` ranks; None: they can. It depends on
+    the dtype and shape only, never on an address, so that every rank makes the same choice (a rank
+    taking a kernel while another took NCCL would wait for ever)."""
     if x.dtype not in DTYPES:
         return f"dtype {x.dtype} is not one of {[str(d) for d in DTYPES]}"
     if not x.is_contiguous():
@@ -175,8 +258,11 @@ def message_problem(x: torch.Tensor, num_ranks: int) -> str | None:
     num_bytes = x.numel() * x.element_size()
     if num_bytes % VECTOR_BYTES:
         return f"{num_bytes} bytes is not a multiple of {VECTOR_BYTES}"
-    if num_bytes > max_message_bytes(num_ranks):
-        return f"{num_bytes} bytes is more than {max_message_bytes(num_ranks)} over {num_ranks} ranks"
+    if choose_shots(num_bytes, num_ranks) is None:
+        return (
+            f"{num_bytes} bytes is more than {one_shot_max_bytes(num_ranks)} (one shot over {num_ranks} ranks) "
+            f"and not {num_ranks} equal slices of {VECTOR_BYTES}-byte vectors up to {TWO_SHOT_MAX_BYTES} (two shots)"
+        )
     return None
 
 
@@ -219,36 +305,42 @@ class PeerAllReduce:
         self._own_ptr = own_ptr
         self._opened = [ptr for r, ptr in enumerate(peer_ptrs) if r != rank]
         self.buffers = torch.tensor(peer_ptrs, dtype=torch.int64, device=device)  # [num_ranks]
-        self.max_bytes = max_message_bytes(self.num_ranks)
 
     def fits(self, x: torch.Tensor) -> bool:
         """True when the kernel takes `x` (else the caller's process group reduces it)."""
         return x.device == self.device and message_problem(x, self.num_ranks) is None
 
-    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_reduce(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, shots: int | None = None
+    ) -> torch.Tensor:
         """The sum of every rank's `x` (all ranks call it, same shape and dtype) into `out` (default:
-        `x` itself); returns it. Capturable in a CUDA graph."""
+        `x` itself); returns it. Capturable in a CUDA graph. `shots`: 1 or 2 (the same on every rank)
+        forces a kernel where it can run, None: `choose_shots`."""
         out = x if out is None else out
         _cuda.check(x.device == self.device, f"x is on {x.device}, this rank's all-reduce on {self.device}")
         problem = message_problem(x, self.num_ranks)
         _cuda.check(problem is None, f"the peer all-reduce cannot take x: {problem}")
+        num_bytes = x.numel() * x.element_size()
+        shots = choose_shots(num_bytes, self.num_ranks) if shots is None else shots
+        _cuda.check(
+            shots == 1 or (shots == 2 and (num_bytes // VECTOR_BYTES) % self.num_ranks == 0),
+            f"shots={shots}: one shot takes any message up to {HALF_BYTES} bytes, two shots one of "
+            f"{self.num_ranks} equal slices of {VECTOR_BYTES}-byte vectors ({num_bytes} bytes here)",
+        )
         _cuda.check(
             out.shape == x.shape and out.dtype == x.dtype and out.device == x.device and out.is_contiguous(),
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, x {tuple(x.shape)} {x.dtype} on {x.device}: "
             "out must be a contiguous tensor like x",
         )
-        num_vecs = x.numel() * x.element_size() // VECTOR_BYTES
+        num_vecs = num_bytes // VECTOR_BYTES
         if num_vecs == 0:
             return out
         if x.data_ptr() % VECTOR_BYTES or out.data_ptr() % VECTOR_BYTES:  # views: through aligned copies
-            return out.copy_(self.all_reduce(x.clone()))
-        kernel = _cuda.function(
-            SOURCE,
-            "one_shot_all_reduce",
-            self.device,
-            **kernel_defines(x.dtype, self.num_ranks),
-        )
-        args = (x, out, self.buffers, np.int32(self.rank), np.int64(num_vecs))
+            return out.copy_(self.all_reduce(x.clone(), shots=shots))
+        name = "one_shot_all_reduce" if shots == 1 else "two_shot_all_reduce"
+        kernel = _cuda.function(SOURCE, name, self.device, **kernel_defines(x.dtype, self.num_ranks))
+        count = num_vecs if shots == 1 else num_vecs // self.num_ranks  # vectors, or vectors a slice
+        args = (x, out, self.buffers, np.int32(self.rank), np.int64(count))
         _cuda.launch(kernel, (self.num_blocks,), (THREADS,), args, self.device)
         return out
 
@@ -271,6 +363,7 @@ def kernel_defines(dtype: torch.dtype, num_ranks: int) -> dict[str, int]:
         MAX_BLOCKS=MAX_BLOCKS,
         MAX_RANKS=MAX_RANKS,
         FLAGS_OFFSET=FLAGS_OFFSET,
+        GATHER_FLAGS_OFFSET=GATHER_FLAGS_OFFSET,
         DATA_OFFSET=DATA_OFFSET,
         HALF_BYTES=HALF_BYTES,
     )
@@ -309,10 +402,11 @@ def open_peer_all_reduce(
             peer.close()
         return None
     logger.info(
-        "tensor-parallel rank %d: peer all-reduce up to %d bytes over %d ranks",
+        "tensor-parallel rank %d: peer all-reduce over %d ranks: one shot up to %d bytes, two up to %d",
         rank,
-        max_message_bytes(num_ranks),
         num_ranks,
+        one_shot_max_bytes(num_ranks),
+        TWO_SHOT_MAX_BYTES,
     )
     return peer
 

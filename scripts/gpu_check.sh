@@ -10,10 +10,10 @@
 # (benchmarks.offline, every method with naive in the same run). Split it over calls with
 # SPEC_SHAPES=llama-3.2-1b / qwen2.5-7b (the 1B stage runs about 9 minutes on an H100).
 # tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (the peer
-# all-reduce kernel vs its reference and NCCL on 2 and 4 GPUs, back to back and in replayed graphs; TP=2 greedy
-# = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for NCCL and the peer
-# all-reduce over 64 (the default), 32 and 128 blocks, eager and graph-replayed, bus GB/s, the shape's per-step
-# all-reduce estimates), engine-tp<n>.json
+# all-reduce kernels (one and two shots) vs their reference and NCCL on 2 and 4 GPUs, back to back and in replayed
+# graphs; TP=2 greedy = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for
+# NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 32 / 128,
+# bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
 # (decode step, random qwen2.5-7b, peer all-reduce on; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json
 # (the same with --no-peer-all-reduce) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
 # 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")

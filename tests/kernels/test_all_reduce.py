@@ -29,10 +29,12 @@ from kernels.all_reduce import (
     MAX_BLOCKS,
     MAX_RANKS,
     SOURCE,
+    TWO_SHOT_MAX_BYTES,
     PeerAllReduce,
+    choose_shots,
     kernel_defines,
-    max_message_bytes,
     message_problem,
+    one_shot_max_bytes,
     open_peer_all_reduce,
     peer_problem,
 )
@@ -76,20 +78,28 @@ def test_reference_refuses_parts_that_differ() -> None:
 # ---- which messages and groups ----------------------------------------------------------------------
 
 
-def test_decode_messages_fit_two_and_four_ranks() -> None:
-    """Batch 1..64 of a 7B hidden state in bf16 (7 KiB - 448 KiB) take the kernel on 2 and 4 ranks."""
+def test_decode_messages_take_one_shot_on_two_and_four_ranks() -> None:
+    """Batch 1..64 of a 7B hidden state in bf16 (7 KiB - 448 KiB)."""
     for num_ranks in (2, 4):
         for batch in (1, 16, 64):
             assert message_problem(torch.zeros(batch, HIDDEN, dtype=torch.bfloat16), num_ranks) is None
-    assert [max_message_bytes(n) for n in (2, 4, 8)] == [1 << 20, 1 << 19, 1 << 18]
+            assert choose_shots(batch * HIDDEN * 2, num_ranks) == 1
+    assert [one_shot_max_bytes(n) for n in (2, 4, 8)] == [1 << 20, 1 << 19, 1 << 18]
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
-def test_the_size_limit_is_inclusive(num_ranks: int) -> None:
-    limit = max_message_bytes(num_ranks)
-    assert message_problem(torch.zeros(limit // 2, dtype=torch.float16), num_ranks) is None
-    too_large = message_problem(torch.zeros(limit // 2 + 8, dtype=torch.float16), num_ranks)
-    assert too_large is not None and f"more than {limit}" in too_large
+def test_size_limits_are_inclusive_and_two_shots_need_equal_slices(num_ranks: int) -> None:
+    one_shot = one_shot_max_bytes(num_ranks)
+    assert choose_shots(16, num_ranks) == choose_shots(one_shot, num_ranks) == 1
+    assert choose_shots(one_shot + 16 * num_ranks, num_ranks) == 2
+    assert choose_shots(one_shot + 16, num_ranks) is None  # one vector over: no equal slices
+    assert choose_shots(TWO_SHOT_MAX_BYTES, num_ranks) == 2
+    assert choose_shots(TWO_SHOT_MAX_BYTES + 16 * num_ranks, num_ranks) is None
+    too_large = message_problem(
+        torch.zeros(TWO_SHOT_MAX_BYTES // 2 + 8 * num_ranks, dtype=torch.float16), num_ranks
+    )
+    assert too_large is not None and f"more than {one_shot} (one shot" in too_large
+    assert f"up to {TWO_SHOT_MAX_BYTES} (two shots)" in too_large
 
 
 def test_messages_the_kernel_does_not_take_are_named() -> None:
@@ -232,10 +242,11 @@ def open_peer(device: torch.device) -> PeerAllReduce:
 
 
 def message_sizes(num_ranks: int, dtype: torch.dtype) -> list[int]:
-    """Element counts from one 16-byte vector to the limit: decode rows of a 7B model, odd vector
-    counts (a block's last threads idle), and sizes spanning several passes of the grid."""
+    """Element counts from one 16-byte vector to the two-shot limit: decode rows of a 7B model, odd
+    vector counts (a block's last threads idle), sizes spanning several passes of the grid, each
+    kernel's limit and the first two-shot size past one shot's."""
     per_vector = 16 // dtype.itemsize
-    limit = max_message_bytes(num_ranks) // dtype.itemsize
+    one_shot = one_shot_max_bytes(num_ranks) // dtype.itemsize
     return [
         per_vector,
         3 * per_vector,
@@ -244,8 +255,17 @@ def message_sizes(num_ranks: int, dtype: torch.dtype) -> list[int]:
         16 * HIDDEN,
         64 * HIDDEN,
         40001 * per_vector,
-        limit,
+        one_shot,
+        one_shot + num_ranks * per_vector,
+        3 * one_shot + num_ranks * per_vector * 5,
+        TWO_SHOT_MAX_BYTES // dtype.itemsize,
     ]
+
+
+def shot_choices(num_elements: int, dtype: torch.dtype, num_ranks: int) -> list[int | None]:
+    """The size's own choice, and each kernel forced where it can run."""
+    num_vecs = num_elements * dtype.itemsize // 16
+    return [None, 1, *([2] if num_vecs % num_ranks == 0 else [])]
 
 
 def _matches_reference_and_nccl(rank: int, num_ranks: int, device: torch.device) -> None:
@@ -253,25 +273,26 @@ def _matches_reference_and_nccl(rank: int, num_ranks: int, device: torch.device)
     failures = []
     for dtype in DTYPES:
         for num_elements in message_sizes(num_ranks, dtype):
-            if num_elements * dtype.itemsize > max_message_bytes(num_ranks):
-                continue
             parts = parts_of(num_ranks, num_elements, dtype, seed=num_elements)
             expected = all_reduce_ref(parts).to(device)
             x = parts[rank].to(device)
-            out = torch.full_like(x, float("nan"))
-            peer.all_reduce(x, out=out)
-            in_place = peer.all_reduce(x.clone())
             nccl = x.clone()
             dist.all_reduce(nccl)
-            name = f"{dtype} x {num_elements}"
-            if not torch.equal(out, expected) or not torch.equal(in_place, expected):
-                failures.append(f"{name}: differs from all_reduce_ref (max {(out - expected).abs().max()})")
-            if not torch.equal(parts[rank].to(device), x):
-                failures.append(f"{name}: the input changed")
-            if not agrees_with_nccl(out, nccl, num_ranks):
-                failures.append(
-                    f"{name}: differs from NCCL's all-reduce (max {(out.float() - nccl.float()).abs().max()})"
-                )
+            for shots in shot_choices(num_elements, dtype, num_ranks):
+                out = torch.full_like(x, float("nan"))
+                peer.all_reduce(x, out=out, shots=shots)
+                in_place = peer.all_reduce(x.clone(), shots=shots)
+                name = f"{dtype} x {num_elements}, shots={shots}"
+                if not torch.equal(out, expected) or not torch.equal(in_place, expected):
+                    failures.append(
+                        f"{name}: differs from all_reduce_ref (max {(out - expected).abs().max()})"
+                    )
+                if not torch.equal(parts[rank].to(device), x):
+                    failures.append(f"{name}: the input changed")
+                if not agrees_with_nccl(out, nccl, num_ranks):
+                    failures.append(
+                        f"{name}: differs from NCCL's all-reduce (max {(out.float() - nccl.float()).abs().max()})"
+                    )
     parts = parts_of(num_ranks, HIDDEN, torch.bfloat16, seed=5)
     shifted = torch.empty(HIDDEN + 1, dtype=torch.bfloat16, device=device)[1:]  # 2 bytes off alignment
     shifted.copy_(parts[rank])
@@ -289,20 +310,28 @@ def test_kernel_matches_reference_and_nccl(num_ranks: int) -> None:
 
 
 def _back_to_back(rank: int, num_ranks: int, device: torch.device) -> None:
-    """Calls queued without a host wait, each with new inputs and its own output, on the default
-    grid and the smallest and largest (a block looping over many vectors; every flag slot): any stale
-    staged data or a flag mistaken for the next call's shows as a wrong sum."""
-    sizes = [HIDDEN, 8, 64 * HIDDEN, 3 * HIDDEN]
-    calls = [(parts_of(num_ranks, sizes[i % 4], torch.bfloat16, seed=1000 + i), i) for i in range(200)]
+    """Calls of both kernels queued without a host wait, each with new inputs and its own output,
+    on the default grid and the smallest and largest (a block looping over many vectors; every flag
+    slot): any stale staged data or a flag mistaken for the next call's shows as a wrong sum."""
+    past_one_shot = one_shot_max_bytes(num_ranks) // 2 + 8 * num_ranks  # bf16 elements: two shots
+    cycle = [(HIDDEN, 1), (8, None), (64 * HIDDEN, 2), (3 * HIDDEN, None), (past_one_shot, None), (HIDDEN, 2)]
+    calls = []
+    for i in range(180):
+        num_elements, shots = cycle[i % len(cycle)]
+        calls.append((parts_of(num_ranks, num_elements, torch.bfloat16, seed=1000 + i), shots))
     inputs = [parts[rank].to(device) for parts, _ in calls]
     for num_blocks in (DEFAULT_BLOCKS, 1, MAX_BLOCKS):
         peer = open_peer_all_reduce(dist.group.WORLD, device, num_blocks)
         assert peer is not None and peer.num_blocks == num_blocks
         torch.cuda.synchronize()
-        outputs = [peer.all_reduce(x, out=torch.empty_like(x)) for x in inputs]
+        outputs = [
+            peer.all_reduce(x, out=torch.empty_like(x), shots=shots) for x, (_, shots) in zip(inputs, calls)
+        ]
         torch.cuda.synchronize()
         wrong = [
-            i for (parts, i), out in zip(calls, outputs) if not torch.equal(out.cpu(), all_reduce_ref(parts))
+            i
+            for i, ((parts, _), out) in enumerate(zip(calls, outputs))
+            if not torch.equal(out.cpu(), all_reduce_ref(parts))
         ]
         assert not wrong, f"rank {rank}, {num_blocks} blocks: calls {wrong[:10]} (of {len(calls)}) differ"
         peer.close()
@@ -316,18 +345,25 @@ def test_back_to_back_calls_with_changing_inputs(num_ranks: int) -> None:
 
 
 def _graph_replays(rank: int, num_ranks: int, device: torch.device) -> None:
-    """A graph of three all-reduces (two sizes, one in place) replayed 50 times with new inputs,
-    eager calls between some replays: the device-side epochs keep replays and eager calls in step."""
+    """A graph of four all-reduces (two sizes, both kernels, one in place) replayed 50 times with new
+    inputs, eager calls between some replays: the device-side epochs keep replays and eager calls
+    in step."""
     peer = open_peer(device)
     small = torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device)
     large = torch.zeros(32 * HIDDEN, dtype=torch.bfloat16, device=device)
-    small_out, large_out = torch.empty_like(small), torch.empty_like(large)
-    peer.all_reduce(small, out=small_out)  # warm-up: compiles the kernel outside the capture
+    small_out, large_out, large_two_shots = (
+        torch.empty_like(small),
+        torch.empty_like(large),
+        torch.empty_like(large),
+    )
+    peer.all_reduce(small, out=small_out)  # warm-up: compiles the kernels outside the capture
+    peer.all_reduce(large, out=large_two_shots, shots=2)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         peer.all_reduce(small, out=small_out)
         peer.all_reduce(large, out=large_out)
+        peer.all_reduce(large, out=large_two_shots, shots=2)
         peer.all_reduce(small)
     failures = []
     for replay in range(50):
@@ -341,11 +377,13 @@ def _graph_replays(rank: int, num_ranks: int, device: torch.device) -> None:
             eager = peer.all_reduce(eager_parts[rank].to(device))
             if not torch.equal(eager.cpu(), all_reduce_ref(eager_parts)):
                 failures.append(f"eager call after replay {replay}")
-        expected_small = all_reduce_ref(small_parts)
+        expected_small, expected_large = all_reduce_ref(small_parts), all_reduce_ref(large_parts)
         if not torch.equal(small_out.cpu(), expected_small) or not torch.equal(
-            large_out.cpu(), all_reduce_ref(large_parts)
+            large_out.cpu(), expected_large
         ):
             failures.append(f"replay {replay}")
+        if not torch.equal(large_two_shots.cpu(), expected_large):
+            failures.append(f"replay {replay}: two shots")
         if not torch.equal(small.cpu(), all_reduce_ref([expected_small] * num_ranks)):
             failures.append(f"replay {replay}: the in-place call")
     assert not failures, f"rank {rank}: " + ", ".join(failures)
@@ -360,20 +398,25 @@ def test_graph_replays_with_new_inputs(num_ranks: int) -> None:
 
 
 def _dispatch_on_gpus(rank: int, num_ranks: int, device: torch.device) -> None:
-    """TensorParallel sends decode-sized messages to the kernel and larger ones to NCCL: both sum."""
+    """TensorParallel sends decode-sized messages and those two shots take to the kernels, larger
+    ones to NCCL: all sum; the kernels refuse what they cannot take."""
     peer = open_peer(device)
     tp = TensorParallel(rank, num_ranks, dist.group.WORLD, peer)
-    for num_elements in (16 * HIDDEN, max_message_bytes(num_ranks)):  # bf16: the second is twice the limit
+    two_shots = one_shot_max_bytes(num_ranks) // 2 + 8 * num_ranks  # bf16 elements
+    too_large = TWO_SHOT_MAX_BYTES // 2 + 8 * num_ranks
+    for num_elements in (16 * HIDDEN, two_shots, too_large):
         parts = parts_of(num_ranks, num_elements, torch.bfloat16, seed=num_elements)
         x = parts[rank].to(device)
         by_kernel = peer.fits(x)
-        assert by_kernel == (num_elements == 16 * HIDDEN)
+        assert by_kernel == (num_elements != too_large)
         nccl = x.clone()
         dist.all_reduce(nccl)
         summed = tp.all_reduce(x)
         assert torch.equal(summed.cpu(), all_reduce_ref(parts)) if by_kernel else torch.equal(summed, nccl)
     with pytest.raises(_cuda.KernelError, match="more than"):
-        peer.all_reduce(torch.zeros(max_message_bytes(num_ranks), dtype=torch.bfloat16, device=device))
+        peer.all_reduce(torch.zeros(too_large, dtype=torch.bfloat16, device=device))
+    with pytest.raises(_cuda.KernelError, match="shots=2"):
+        peer.all_reduce(torch.zeros(8 * (num_ranks + 1), dtype=torch.bfloat16, device=device), shots=2)
     peer.close()
 
 
