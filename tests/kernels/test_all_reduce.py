@@ -179,8 +179,13 @@ class HalvingPeer:
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() <= 64
 
+    closed = False
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x.mul_(0.5)
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _join_on_cpu(rank: int, num_ranks: int, port: int) -> None:
@@ -189,24 +194,26 @@ def _join_on_cpu(rank: int, num_ranks: int, port: int) -> None:
     assert config.peer_all_reduce  # the default: asked for, and gloo declines it
     store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=rank == 0)
     tp = join_group(config, rank, num_ranks, store)
+    halving = HalvingPeer()
     try:
         assert tp.peer is None and dist.get_backend(tp.group) == "gloo"
         assert open_peer_all_reduce(tp.group, torch.device("cpu")) is None
         with pytest.raises(ValueError, match="num_blocks 0 is not in 1..128"):
             open_peer_all_reduce(tp.group, torch.device("cpu"), num_blocks=0)
         assert torch.equal(tp.all_reduce(torch.full((1000,), rank + 1.0)), torch.full((1000,), 3.0))
-        dispatching = TensorParallel(rank, num_ranks, tp.group, HalvingPeer())  # type: ignore[arg-type]
+        dispatching = TensorParallel(rank, num_ranks, tp.group, halving)  # type: ignore[arg-type]
         assert torch.equal(dispatching.all_reduce(torch.full((64,), 4.0)), torch.full((64,), 2.0))
         assert torch.equal(dispatching.all_reduce(torch.full((65,), 4.0)), torch.full((65,), 8.0))
     finally:
-        leave_group(tp)
+        leave_group(TensorParallel(rank, num_ranks, tp.group, halving))  # type: ignore[arg-type]
+    assert halving.closed and not dist.is_initialized()
 
 
 @pytest.mark.timeout(120)
 def test_gloo_ranks_reduce_through_the_group() -> None:
     """CPU ranks joined as the engine joins them open no peer all-reduce (without a collective: the
     answer is the same everywhere) and sum through gloo; a peer all-reduce, where present, takes
-    exactly the messages it fits and the group the rest."""
+    exactly the messages it fits and the group the rest, and is closed when the rank leaves."""
     mp.spawn(_join_on_cpu, args=(2, free_port()), nprocs=2, join=True)
 
 
