@@ -12,7 +12,7 @@
 # tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (the peer
 # all-reduce kernels (one and two shots) vs their reference and NCCL on 2 and 4 GPUs, back to back and in replayed
 # graphs; TP=2 greedy = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for
-# NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 32 / 128,
+# NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 16 / 32 / 128,
 # bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
 # (decode step, random qwen2.5-7b, peer all-reduce on; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json
 # (the same with --no-peer-all-reduce) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
@@ -253,7 +253,7 @@ if [[ " $stages " == *" tp "* ]]; then
     fi
     if [[ "$tp_parts" == *" allreduce "* ]]; then
         for n in $sizes; do
-            timeout 150 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 --peer-blocks 64 32 128 \
+            timeout 150 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 --peer-blocks 64 16 32 128 \
                 --out "$OUT/allreduce-$n.json" 2>&1 | tail -22
         done
     fi
