@@ -1,5 +1,7 @@
-"""One-shot all-reduce over peer memory: a small message summed over the GPUs of one host in one
-kernel per rank, without the fixed latency of a NCCL collective; twin of `all_reduce_ref`.
+"""All-reduce over peer memory: a message summed over the GPUs of one host in one kernel per rank,
+without the fixed latency of a NCCL collective; twin of `all_reduce_ref`. *One shot* (every rank
+sums every rank's copy) for small messages, *two shots* (reduce-scatter, then all-gather) for
+larger ones.
 
 Terms:
 - *rank buffer*: one device allocation per rank that every other rank maps through its CUDA IPC
@@ -284,7 +286,7 @@ def peer_problem(rank: int, device_uuids: list[str], can_access: Callable[[str],
 
 
 class PeerAllReduce:
-    """One rank's side: its rank buffer, the peers' buffers mapped here, the kernel's launches."""
+    """One rank's side: its rank buffer, the peers' buffers mapped here, the kernels' launches."""
 
     def __init__(
         self,
@@ -307,7 +309,7 @@ class PeerAllReduce:
         self.buffers = torch.tensor(peer_ptrs, dtype=torch.int64, device=device)  # [num_ranks]
 
     def fits(self, x: torch.Tensor) -> bool:
-        """True when the kernel takes `x` (else the caller's process group reduces it)."""
+        """True when a kernel takes `x` (else the caller's process group reduces it)."""
         return x.device == self.device and message_problem(x, self.num_ranks) is None
 
     def all_reduce(
