@@ -148,7 +148,7 @@ def test_kernel_compiles_for_sm90(tmp_path: Path) -> None:
             spills = [int(n) for n in re.findall(r"(\d+) bytes spill", result.stderr)]
             assert len(spills) == 4 and not any(spills), result.stderr  # stores and loads, both kernels
             print(
-                f"\none_shot_all_reduce {dtype} x{num_ranks}:",
+                f"\ntwo_shot / one_shot_all_reduce {dtype} x{num_ranks}:",
                 *re.findall(r"Used \d+ registers", result.stderr),
             )
 
