@@ -38,7 +38,7 @@ class TensorParallel:
     """The torch.distributed process group of the ranks (NCCL on CUDA, gloo on CPU); None: the
     default group (or no group when `size` is 1)."""
     peer: PeerAllReduce | None = None
-    """The one-shot all-reduce over peer memory (GPUs of one host, kernels/all_reduce.py), for the
+    """The all-reduce over peer memory (GPUs of one host, kernels/all_reduce.py), for the
     messages it takes; None: the process group reduces every message."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
