@@ -4,6 +4,7 @@
     python -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 --batch-sizes 1 16 64  # GPU
     python -m benchmarks.bench_engine ... --enforce-eager   # the same without CUDA graphs
     python -m benchmarks.bench_engine ... --tensor-parallel-size 2   # split over cuda:0 and cuda:1
+    python -m benchmarks.bench_engine ... --tensor-parallel-size 2 --no-peer-all-reduce   # NCCL only
     python -m benchmarks.bench_engine ... --quantization int4   # fp8 / int8 / int4 weights, quantized at load
 
 Each batch size runs `batch` requests of `--prompt-len` random tokens generating `--output-len`
@@ -163,6 +164,12 @@ def main() -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
+    parser.add_argument(
+        "--no-peer-all-reduce",
+        dest="peer_all_reduce",
+        action="store_false",
+        help="every all-reduce through NCCL (default: small ones over peer memory where the GPUs allow)",
+    )
     parser.add_argument("--speculative-config", help="JSON, as for `specmesh serve` (default: naive)")
     parser.add_argument(
         "--quantization", choices=["fp8", "int8", "int4"], help="quantize the linear layers at load"
@@ -178,6 +185,7 @@ def main() -> None:
             max_num_seqs=max(args.batch_sizes),
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
+            peer_all_reduce=args.peer_all_reduce,
             speculative_config=SpeculativeConfig.from_json(args.speculative_config),
             quantization=args.quantization,
         )
@@ -201,6 +209,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "peer_all_reduce": llm.engine.runner.tp.peer is not None,
         "quantization": str(llm.engine.runner.quantization or "none"),
         "weight_bytes_batch_1": weight_bytes_read(llm.engine.runner.model, 1),
         "speculative_config": args.speculative_config,
@@ -214,7 +223,8 @@ def main() -> None:
         f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
     )
     print(
-        f"CUDA graphs: {result['cuda_graphs']}, tensor parallel: {args.tensor_parallel_size}, "
+        f"CUDA graphs: {result['cuda_graphs']}, tensor parallel: {args.tensor_parallel_size} "
+        f"(peer all-reduce: {result['peer_all_reduce']}), "
         f"speculative config: {args.speculative_config or 'naive'}, weights: {result['quantization']} "
         f"({result['weight_bytes_batch_1'] / 2**20:.1f} MiB read a step at batch 1)"
     )

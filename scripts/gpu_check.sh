@@ -9,10 +9,13 @@
 # verify-cost-*.json (benchmarks.verify_cost) and offline-<shape>-<greedy|sampled|agentic>.json
 # (benchmarks.offline, every method with naive in the same run). Split it over calls with
 # SPEC_SHAPES=llama-3.2-1b / qwen2.5-7b (the 1B stage runs about 9 minutes on an H100).
-# tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (TP=2 greedy
-# = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes, bus GB/s,
-# the shape's per-step all-reduce estimate), engine-tp<n>.json (decode step, random qwen2.5-7b, TP=1
-# rerun in the same call) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
+# tp (2 or 4 GPUs; TP_SIZES, default every power of two up to the GPUs present): tp-tests.log (the peer
+# all-reduce kernels (one and two shots) vs their reference and NCCL on 2 and 4 GPUs, back to back and in replayed
+# graphs; TP=2 greedy = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for
+# NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 16 / 32 / 128,
+# bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
+# (decode step, random qwen2.5-7b, peer all-reduce on; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json
+# (the same with --no-peer-all-reduce) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
 # 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
 # splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
@@ -244,22 +247,24 @@ if [[ " $stages " == *" tp "* ]]; then
     sizes=${TP_SIZES:-$(for n in 2 4; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)}
     tp_parts=" ${TP_PARTS:-tests allreduce engine offline} "
     if [[ "$tp_parts" == *" tests "* ]]; then
-        timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/services/engine/test_tensor_parallel_gpu.py \
-            2>&1 | tee "$OUT/tp-tests.log" | tail -5
+        timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_all_reduce.py \
+            tests/services/engine/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-tests.log" | tail -30
         status=$((status | PIPESTATUS[0]))
     fi
     if [[ "$tp_parts" == *" allreduce "* ]]; then
         for n in $sizes; do
-            timeout 120 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 \
-                --out "$OUT/allreduce-$n.json" 2>&1 | tail -16
+            timeout 150 python3 -m benchmarks.allreduce --ranks "$n" --shape qwen2.5-7b --batch-sizes 1 16 64 --peer-blocks 64 16 32 128 \
+                --out "$OUT/allreduce-$n.json" 2>&1 | tail -22
         done
     fi
     if [[ "$tp_parts" == *" engine "* ]]; then
         model=/tmp/specmesh-tp-qwen2.5-7b
         [ -f $model/config.json ] || python3 -m benchmarks.random_model qwen2.5-7b $model
-        for n in 1 $sizes; do  # TP=1 first: the baseline, on the same machine in the same call
+        for run in 1 $(for n in $sizes; do echo -n "$n $n-nccl "; done); do  # TP=1 first: the baseline, same call
+            n=${run%-nccl}
+            flags=$([ "$run" = "$n" ] || echo --no-peer-all-reduce)
             timeout 100 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
-                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 --out "$OUT/engine-tp$n.json" 2>&1 \
+                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/engine-tp$run.json" 2>&1 \
                 | tee -a "$OUT/tp.log" | tail -6
         done
     fi

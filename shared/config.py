@@ -33,6 +33,10 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     """Ranks the model is split over, one process per device of one host (`cuda:N` .. `cuda:N+size-1`,
     NCCL; on CPU, processes joined by gloo); the engine's process is rank 0."""
+    peer_all_reduce: bool = True
+    """Tensor parallelism on GPUs of one host with peer access: all-reduces small enough
+    (`kernels.all_reduce.choose_shots`) run as one kernel over peer memory, the rest through NCCL;
+    false: NCCL for every all-reduce. CPU ranks (gloo) always use the process group."""
     max_model_len: int | None = Field(default=None, ge=2)
     """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
     block_size: int = Field(default=16, ge=1, le=256)

@@ -37,6 +37,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         help="split the model over this many devices (cuda:N onwards; on CPU, processes joined by gloo)",
     )
     group.add_argument(
+        "--no-peer-all-reduce",
+        dest="peer_all_reduce",
+        action="store_false",
+        help="tensor parallelism on GPUs: every all-reduce through NCCL (default: small ones as one "
+        "kernel over the GPUs' peer memory where every GPU can reach the others)",
+    )
+    group.add_argument(
         "--kv-transport",
         choices=["tcp", "ipc"],
         default="tcp",
@@ -109,6 +116,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        peer_all_reduce=args.peer_all_reduce,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import services
+from kernels.all_reduce import open_peer_all_reduce
 from services.engine.cuda_graph import HostStep
 from services.engine.input_batch import SlotJoin
 from shared.config import EngineConfig
@@ -203,7 +204,7 @@ class Driver(Ranks):
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a follower that died already
                 conn.send_bytes(pickle.dumps(Stop()))
-        self._leave_group()
+        self._leave_group(self.tp)
         for follower in self.followers:
             try:
                 follower.wait(timeout=STOP_TIMEOUT_S)
@@ -215,13 +216,13 @@ class Driver(Ranks):
             conn.close()
 
     @staticmethod
-    def _leave_group() -> None:
-        """Destroys the process group while the followers destroy theirs: with NCCL each rank's
+    def _leave_group(tp: TensorParallel) -> None:
+        """Leaves the process group while the followers leave theirs: with NCCL each rank's
         destroy waits for the others', so rank 0 must not wait for its followers to exit first. A
         destroy that does not return (a follower died) is left behind after STOP_TIMEOUT_S."""
         if not dist.is_initialized():
             return
-        leaving = threading.Thread(target=dist.destroy_process_group, name="tp-leave-group", daemon=True)
+        leaving = threading.Thread(target=leave_group, args=(tp,), name="tp-leave-group", daemon=True)
         leaving.start()
         leaving.join(STOP_TIMEOUT_S)
         if leaving.is_alive():
@@ -273,7 +274,15 @@ def join_group(config: EngineConfig, rank: int, size: int, store: dist.Store) ->
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    return TensorParallel(rank, size, dist.group.WORLD)
+    peer = open_peer_all_reduce(dist.group.WORLD, device) if config.peer_all_reduce else None
+    return TensorParallel(rank, size, dist.group.WORLD, peer)
+
+
+def leave_group(tp: TensorParallel) -> None:
+    """Frees what the group holds on this rank (the peer all-reduce's buffers), then leaves it."""
+    if tp.peer is not None:
+        tp.peer.close()
+    dist.destroy_process_group()
 
 
 def _spawn_follower() -> tuple[subprocess.Popen[bytes], Connection]:

@@ -31,6 +31,7 @@ from services.engine.tensor_parallel import (
     StepCommand,
     Stop,
     join_group,
+    leave_group,
 )
 from shared.model import ModelConfig
 
@@ -71,7 +72,7 @@ def serve(conn: Connection) -> None:
     try:
         follow(runner, ranks)
     finally:
-        dist.destroy_process_group()
+        leave_group(ranks.tp)
 
 
 def die_with_parent(parent_pid: int) -> None:

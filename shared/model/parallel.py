@@ -17,12 +17,15 @@ A group of one rank runs none of the collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shared.model.config import ModelConfig, ModelConfigError
+
+if TYPE_CHECKING:  # CuPy is imported only where a peer all-reduce is opened
+    from kernels.all_reduce import PeerAllReduce
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,17 @@ class TensorParallel:
     group: Any = None
     """The torch.distributed process group of the ranks (NCCL on CUDA, gloo on CPU); None: the
     default group (or no group when `size` is 1)."""
+    peer: PeerAllReduce | None = None
+    """The all-reduce over peer memory (GPUs of one host, kernels/all_reduce.py), for the
+    messages it takes; None: the process group reduces every message."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place; returns it."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

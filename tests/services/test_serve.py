@@ -105,6 +105,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "quantization": ["--quantization", "int8"],
     "device": ["--device", "cuda:1"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2"],
+    "peer_all_reduce": ["--no-peer-all-reduce"],
     "max_model_len": ["--max-model-len", "777"],
     "kv_transport": ["--kv-transport", "ipc"],
     "block_size": ["--block-size", "32"],

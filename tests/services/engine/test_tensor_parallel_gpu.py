@@ -1,5 +1,6 @@
-"""Tensor parallelism on GPUs (NCCL, CUDA graphs captured with the collectives inside): the same
-greedy tokens as one GPU, for every speculative method. Run by `scripts/gpu_check.sh tp`."""
+"""Tensor parallelism on GPUs (the peer all-reduce and NCCL, CUDA graphs captured with the
+collectives inside): the same greedy tokens as one GPU, for every speculative method. Run by
+`scripts/gpu_check.sh tp`."""
 
 from __future__ import annotations
 
@@ -38,4 +39,5 @@ def test_greedy_output_of_two_gpus_is_one_gpus(make_checkpoint, shape: str) -> N
             }
             if size == 2:
                 assert llm.engine.runner.rows_agree()
+                assert llm.engine.runner.tp.peer is not None  # the peer all-reduce, the default
     assert outputs[2] == outputs[1]
