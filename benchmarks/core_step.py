@@ -167,13 +167,14 @@ async def drive(core: EngineCoreClient, loop: Closed) -> StepTimes:
             request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=loop.params)
             await core.add_request(request, epoch=1)
         for batch in await core.next_batches():
-            if not batch.started_at:
-                continue  # no step: a command's effects only
-            times.step_s.append(batch.step_s)
+            times.num_tokens += len(batch.token_ids)
+            if batch.step_s:
+                times.step_s.append(batch.step_s)
+            if not batch.started_at or batch.started_at == last_start:
+                continue  # no step (a command's effects only), or a second batch of one step
             if last_start is not None and not loop.fresh:
                 times.period_s.append(batch.started_at - last_start)
             last_start, loop.fresh = batch.started_at, False
-            times.num_tokens += len(batch.token_ids)
             loop.running.difference_update(batch.request_ids[end.row] for end in batch.ends)
     times.wall_s = time.perf_counter() - started
     return times
