@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from services.engine.llm import LLM
 from services.worker import engine_core
 from services.worker.channel import BlockingChannel
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
-from services.worker.core_messages import AddRequest, CoreOptions, RowEnd
+from services.worker.core_messages import AddRequest, CoreOptions, RowEnd, Shutdown
 from services.worker.cpus import bus_side_cpus, usable_cpus
 from services.worker.engine_core import EngineCore, core_cpu_threads
 from shared import trace
@@ -149,6 +150,39 @@ def test_a_step_s_outputs_leave_the_core_while_the_next_step_runs(model: str) ->
     assert len(at_read_back) == GREEDY.max_tokens  # the prefill, then a decode step per later token
     assert at_read_back == [(made, made) for made, _ in at_read_back]
     assert at_read_back[-1][0] == GREEDY.max_tokens - 1
+
+
+def test_a_request_sent_while_the_core_steps_joins_its_next_step(model: str) -> None:
+    """A request that arrives while a step runs is prefilled in the step after it (the loop reads
+    its commands before every step, not only when idle): its first token goes out during the step
+    after that."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu"))
+    ours, theirs = socket.socketpair()
+    worker = BlockingChannel(theirs)
+    core = EngineCore(engine, BlockingChannel(ours))
+    loop = threading.Thread(target=core.run)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with ours, theirs:
+        loop.start()
+        worker.send(AddRequest("r0", 1, PROMPTS[1], long, []))
+        starts: list[float] = []
+        sent_at = None
+        first_row_started_at = None
+        while first_row_started_at is None:
+            batch = worker.recv()
+            if batch.started_at and batch.started_at not in starts:
+                starts.append(batch.started_at)
+            if sent_at is None and "r0" in batch.request_ids:  # r0 decodes: a step is under way
+                worker.send(AddRequest("r1", 1, PROMPTS[0], GREEDY, []))
+                sent_at = time.time()  # any step that starts later reads the command first
+            if "r1" in batch.request_ids:
+                first_row_started_at = batch.started_at
+        worker.send(Shutdown())
+        loop.join(timeout=60)
+        engine.close()
+    assert sent_at is not None
+    # after the send, at most one step (r1's prefill) started before the one carrying its first row
+    assert len([t for t in starts if sent_at < t < first_row_started_at]) <= 1
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
