@@ -14,8 +14,10 @@ requests (one workload, greedy, closed loop at `--concurrency`) along each *path
 
 and reports, per path, the medians of the engine's *step* (in-process: around `engine.step()`;
 core: `StepBatch.step_s`), the loop's *period* (one step's start to the next one's, while the
-same requests run) and their difference, the *gap* (what the loop does besides stepping), and the
-output tok/s. A path that cannot run here (no redis-server) is skipped with the reason.
+same requests run) and their difference, the *gap* (what the loop does besides stepping), the
+*delivery* (from a step's start to its tokens in the caller's hands: in-process, the next
+`engine.step()` returning them; core, the batch carrying them read by its client), and the output
+tok/s. A path that cannot run here (no redis-server) is skipped with the reason.
 `--profile DIR`: the in-process path's `engine.step()` calls and the core path's whole loop after
 its warm-up run under cProfile (DIR/in-process.prof, DIR/core.prof), and the functions the core calls more often
 per step than the engine in-process does are listed (call counts are deterministic: differences
@@ -66,18 +68,23 @@ class StepTimes:
 
     step_s: list[float] = field(default_factory=list)
     period_s: list[float] = field(default_factory=list)
+    delivery_s: list[float] = field(default_factory=list)
+    """Per step whose tokens came out: from its start to its tokens in the caller's hands."""
+    num_steps: int = 0
     num_tokens: int = 0
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         step_ms = statistics.median(self.step_s) * 1000
         period_ms = statistics.median(self.period_s) * 1000 if self.period_s else float("nan")
+        delivery_ms = statistics.median(self.delivery_s) * 1000 if self.delivery_s else float("nan")
         return {
-            "num_steps": len(self.step_s),
+            "num_steps": self.num_steps or len(self.step_s),
             "num_tokens": self.num_tokens,
             "step_p50_ms": step_ms,
             "period_p50_ms": period_ms,
             "gap_p50_ms": period_ms - step_ms,
+            "delivery_p50_ms": delivery_ms,
             "output_tok_per_s": self.num_tokens / self.wall_s,
         }
 
@@ -123,7 +130,10 @@ def in_process(
                 engine.add_request(request_id, prompt_token_ids=prompt, params=loop.params)
             step_start = time.perf_counter()
             outputs = engine.step() if profiler is None else profiler.runcall(engine.step)
-            times.step_s.append(time.perf_counter() - step_start)
+            returned = time.perf_counter()
+            times.step_s.append(returned - step_start)
+            if last_start is not None and any(output.new_token_ids for output in outputs):
+                times.delivery_s.append(returned - last_start)  # a call returns the last step's tokens
             if last_start is not None and not loop.fresh:
                 times.period_s.append(step_start - last_start)
             last_start, loop.fresh = step_start, False
@@ -160,21 +170,31 @@ async def in_core(
 
 
 async def drive(core: EngineCoreClient, loop: Closed) -> StepTimes:
-    times, last_start = StepTimes(), None
+    """Steps the core's requests to their ends; a batch sent during (or after) step k carries the
+    tokens of step k - 1, whose start is the one before k's."""
+    times, starts = StepTimes(), [0.0, 0.0]
     started = time.perf_counter()
     while not loop.done:
         for request_id, prompt in loop.due():
             request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=loop.params)
             await core.add_request(request, epoch=1)
-        for batch in await core.next_batches():
-            if not batch.started_at:
-                continue  # no step: a command's effects only
-            times.step_s.append(batch.step_s)
-            if last_start is not None and not loop.fresh:
-                times.period_s.append(batch.started_at - last_start)
-            last_start, loop.fresh = batch.started_at, False
+        batches = await core.next_batches()
+        received = time.time()
+        for batch in batches:
             times.num_tokens += len(batch.token_ids)
             loop.running.difference_update(batch.request_ids[end.row] for end in batch.ends)
+            if batch.step_s:
+                times.step_s.append(batch.step_s)
+            if not batch.started_at:
+                continue  # no step: a command's effects only
+            if batch.started_at != starts[-1]:  # the first batch of a step
+                times.num_steps += 1
+                if starts[-1] and not loop.fresh:
+                    times.period_s.append(batch.started_at - starts[-1])
+                starts = [starts[-1], batch.started_at]
+                loop.fresh = False
+            if len(batch.token_ids) and starts[0]:
+                times.delivery_s.append(received - starts[0])
     times.wall_s = time.perf_counter() - started
     return times
 
@@ -259,16 +279,16 @@ def calls_table(in_process_prof: Path, core_prof: Path, min_difference: float = 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| path | steps | step p50 ms | period p50 ms | gap p50 ms | out tok/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| path | steps | step p50 ms | period p50 ms | gap p50 ms | delivery p50 ms | out tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['path']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['path']} | skipped: {r['skipped']} | | | | | |")
             continue
         lines.append(
             f"| {r['path']} | {r['num_steps']} | {r['step_p50_ms']:.3f} | {r['period_p50_ms']:.3f} "
-            f"| {r['gap_p50_ms']:.3f} | {r['output_tok_per_s']:.1f} |"
+            f"| {r['gap_p50_ms']:.3f} | {r['delivery_p50_ms']:.3f} | {r['output_tok_per_s']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -77,7 +77,8 @@
 # the part "core", on by default: the same engine's step and the loop's gap between steps, in-process with torch's
 # threads and with one, and in an engine core alone (no bus), with the suffix cache's client thread, pinned, and
 # read by a SCHED_BATCH client), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
-# with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json);
+# with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json),
+# and with MESH_PARTS="... c256" mesh-c256.json (the overhead run at concurrency 256, in a call of its own);
 # all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
 # the overhead run too, whose tok/s then pay for the tracing), MESH_METHODS replaces "naive ngram". On a host with two
 # GPUs the split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
@@ -466,6 +467,12 @@ if [[ " $stages " == *" mesh "* ]]; then
         pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 300 $mesh --concurrency 1 $pd --bus-side-policy batch --out "$OUT/mesh-batch.json" \
+            2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
+    fi
+    if [[ " $parts " == *" c256 "* ]]; then
+        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
+        # shellcheck disable=SC2086
+        timeout 480 $mesh --concurrency 256 $pd --log-dir /tmp/mesh-c256-logs --out "$OUT/mesh-c256.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" core "* ]]; then

@@ -150,6 +150,9 @@ class LLMEngine:
         into the uint8 buffer this gives for a number of bytes (one another process can open)."""
         self._unemitted: list[Emission] = []
         """Tokens the last step appended to requests, whose outputs the next call produces."""
+        self.on_outputs: Callable[[list[RequestOutput]], None] | None = None
+        """Where `step()` hands the last step's outputs as soon as they are made, while the device
+        runs the step (a worker's engine core sends them on then); None: `step()` returns them."""
         self._stopped: list[Sequence] = []
         """Requests a stop string ended while the step in flight still ran them: freed after it."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
@@ -374,7 +377,7 @@ class LLMEngine:
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
         launched = self.runner.launch(batch, plan)
-        outputs = self._emit(unemitted)  # while the device runs the step
+        outputs = self._hand_over(self._emit(unemitted))  # while the device runs the step
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
         handed_off = self._apply(batch, plan, step)
@@ -389,6 +392,13 @@ class LLMEngine:
             len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
         )
         return outputs
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs` to `on_outputs` now, if set (then `step()` does not return them), else kept."""
+        if self.on_outputs is None or not outputs:
+            return outputs
+        self.on_outputs(outputs)
+        return []
 
     def _update_slots(self, batch: ScheduledBatch) -> None:
         """Requests the scheduler runs for the first time take an input-batch slot; preempted

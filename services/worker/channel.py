@@ -14,6 +14,7 @@ together, so pickle is safe here; nothing else connects to the socket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import pickle
 import socket
@@ -64,6 +65,16 @@ def _unpack(body: bytes | bytearray, buffers: list[bytearray]) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 
+def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What of `parts` is left once their first `sent` bytes went out."""
+    while parts and sent >= parts[0].nbytes:
+        sent -= parts[0].nbytes
+        parts = parts[1:]
+    if parts and sent:
+        parts = [parts[0][sent:], *parts[1:]]
+    return parts
+
+
 class BlockingChannel:
     """The engine-core end: blocking sends and receives (its own thread does nothing else)."""
 
@@ -77,12 +88,7 @@ class BlockingChannel:
     def send(self, obj: Any) -> None:
         parts = [p for p in pack(obj) if p.nbytes]
         while parts:
-            sent = self.sock.sendmsg(parts[:MAX_IOV])
-            while parts and sent >= parts[0].nbytes:
-                sent -= parts[0].nbytes
-                parts.pop(0)
-            if parts and sent:
-                parts[0] = parts[0][sent:]
+            parts = _after(parts, self.sock.sendmsg(parts[:MAX_IOV]))
 
     def recv(self) -> Any:
         body_len, num_buffers = HEADER.unpack(self._read(HEADER.size))
@@ -114,12 +120,15 @@ class AsyncChannel:
         self._send_lock = asyncio.Lock()
 
     async def send(self, obj: Any) -> None:
-        """Frames are written whole, one at a time, in call order."""
-        parts = pack(obj)
+        """Frames are written whole, one at a time, in call order: as much of each as the socket
+        takes at once in one `sendmsg` (a small frame whole, so the core wakes once for it, not
+        once per part), the rest as the socket drains."""
+        parts = [p for p in pack(obj) if p.nbytes]
         async with self._send_lock:
+            with contextlib.suppress(BlockingIOError, InterruptedError):  # full: all of it waits below
+                parts = _after(parts, self.sock.sendmsg(parts[:MAX_IOV]))
             for part in parts:
-                if part.nbytes:
-                    await self.loop.sock_sendall(self.sock, part)
+                await self.loop.sock_sendall(self.sock, part)
 
     async def recv(self) -> Any:
         body_len, num_buffers = HEADER.unpack(await self._read(HEADER.size))

@@ -3,8 +3,9 @@
 worker -> core: commands (`AddRequest`, `Abort`, `Reserve`, `ImportKV`, `ImportShared`, `Activate`,
 `FetchKV`, `ReleaseKV`, `Shutdown`); `Reserve`, `ImportShared` and `FetchKV` are answered (a `Reply`),
 the others' effects come back in step batches.
-core -> worker: `EngineInfo` once, then a `StepBatch` after every step (and after commands that
-produced outputs while idle), and `Reply`s.
+core -> worker: `EngineInfo` once, then at least one `StepBatch` a step (the last step's outputs as
+soon as they are made, during the step; and after commands that produced outputs while idle), and
+`Reply`s.
 
 A `StepBatch` is columnar: row i is one request's delta, its new tokens are
 `token_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]]`; the arrays cross the channel without per-token
@@ -250,11 +251,14 @@ class StepBatch:
     handoffs: list[KVExport]
     """Prefill role: requests' KV to send to their decode instances (host tensors once received)."""
     step_s: float
+    """The time of the steps that ended since the last batch: one, carried by the first batch after
+    it ended, but where a step sent none during it (0: none)."""
     load: EngineLoad
     prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     """(row, its request's prompt logprobs) on the first row of requests that asked for them."""
     started_at: float = 0.0
-    """Wall clock as the step began (0: no step, a batch of command effects only)."""
+    """Wall clock as the step the batch was sent in (or after) began (0: no step, a batch of
+    command effects only). Rows of a step's tokens go out during the next step, as its device runs."""
     sent_at: float = 0.0
     """Wall clock as the core handed the batch to its channel. With `started_at`, the worker logs
     the core's hops of every row (`shared.trace`): the core itself logs none a step."""

@@ -1,8 +1,8 @@
 """The engine-core process: a worker's engine, stepping in a process of its own.
 
     apply commands  (non-blocking while there is work; blocking while idle)
-    step            (schedule, launch, read back)
-    send            (one StepBatch: the step's outputs as arrays, to the worker)
+    step            (schedule, launch; send the last step's outputs as one StepBatch of arrays
+                     while the device runs; read back)
 
 Nothing here touches Redis (except the shared suffix cache's client, on a thread of its own): the
 worker process owns the bus, so publishing never holds this interpreter's lock while a step runs
@@ -178,6 +178,7 @@ class EngineCore:
         """Prefill role with the ipc transport: exports gathered on the device, held until released."""
         if shared is not None:
             engine.allocate_export = shared.allocate
+        engine.on_outputs = self._send_outputs
         self.rows = RowBuilder()
         self.poller = select.poll()
         self.poller.register(channel.fileno(), select.POLLIN)
@@ -190,6 +191,13 @@ class EngineCore:
         """The profiler a `Profile` command started, and where its stats go."""
         self.suffix_stats_due = 0.0
         """When (`time.monotonic()`) the next batch carries the suffix-cache client's counters."""
+        self.started_at = 0.0
+        """Wall clock as the step under way (or the last) began."""
+        self.step_s = 0.0
+        """The time of the steps that ended since the last batch (one, but where a step sent none
+        during it: the last of a run, whose empty batch only returns outputs)."""
+        self.sent_in_step = False
+        """A batch went out during the step under way."""
 
     def run(self) -> None:
         while self.running:
@@ -197,7 +205,7 @@ class EngineCore:
             if self.engine.has_unfinished_requests():
                 self._step()
             elif self.dirty:
-                self._send([], 0.0, 0.0)
+                self._send([], started_at=0.0)
             self._expire_shared()
 
     def _apply_commands(self, wait: bool) -> None:
@@ -216,21 +224,40 @@ class EngineCore:
             logger.warning("shared KV of %s never released: freed at its deadline", ", ".join(expired))
 
     def _step(self) -> None:
-        started_at, started = time.time(), time.perf_counter()
+        """One engine step. The last step's outputs go out from inside it, while the device runs it
+        (`_send_outputs`); after it, a batch goes only with what the step made after its device
+        work (hand-offs, failures), or where none went during it (the step's time, the load)."""
+        self.started_at, started = time.time(), time.perf_counter()
+        self.sent_in_step = False
         try:
             for output in self.engine.step():
                 self._add_row(output)
+        except ConnectionError:
+            raise  # the channel, from `_send_outputs`: the worker is gone
         except Exception as exc:  # a broken step must not take the worker down: fail its requests
             if self.engine.config.tensor_parallel_size > 1:
                 raise  # the other ranks may be inside the step's collectives: the group cannot go on
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
+        self.step_s += time.perf_counter() - started
         exports, self.engine.handoffs = self.engine.handoffs, []
-        self._send(exports, time.perf_counter() - started, started_at)
+        if exports or len(self.rows) or not self.sent_in_step:
+            self._send(exports, self.started_at)
 
-    def _send(self, handoffs: list[KVExport], step_s: float, started_at: float) -> None:
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """`LLMEngine.on_outputs`: the last step's outputs, sent at once, while the device runs the
+        step in flight (its rows reach the bus a step sooner, and their packing and sending overlap
+        the device instead of delaying the next launch)."""
+        for output in outputs:
+            self._add_row(output)
+        self._send([], self.started_at)
+
+    def _send(self, handoffs: list[KVExport], started_at: float) -> None:
+        """The rows so far, with the time of the steps no batch carried yet."""
         handoffs = [self._share(export) for export in handoffs]
-        self.channel.send(self.rows.take(handoffs, step_s, started_at, self._load()))
+        self.channel.send(self.rows.take(handoffs, self.step_s, started_at, self._load()))
+        self.step_s = 0.0
+        self.sent_in_step = True
         self.dirty = False
 
     def _share(self, export: KVExport) -> KVExport:

@@ -26,9 +26,14 @@ def test_the_closed_loop_keeps_its_limit_and_marks_each_admission() -> None:
 
 def test_a_step_s_gap_is_its_period_less_its_step() -> None:
     times = core_step.StepTimes(
-        step_s=[0.010, 0.012, 0.011], period_s=[0.015, 0.016], num_tokens=6, wall_s=2.0
+        step_s=[0.010, 0.012, 0.011],
+        period_s=[0.015, 0.016],
+        delivery_s=[0.03, 0.02],
+        num_tokens=6,
+        wall_s=2.0,
     )
     summary = times.summary()
+    assert summary["delivery_p50_ms"] == pytest.approx(25.0) and summary["num_steps"] == 3
     assert summary["step_p50_ms"] == pytest.approx(11.0)
     assert summary["period_p50_ms"] == pytest.approx(15.5)
     assert summary["gap_p50_ms"] == pytest.approx(4.5)
@@ -48,10 +53,11 @@ def test_both_paths_make_every_requested_token_and_the_core_s_extra_calls_are_li
     for row in rows:
         assert row["num_tokens"] == 10  # 2 requests x 5 tokens
         assert row["output_tok_per_s"] > 0 and row["period_p50_ms"] > 0
+        assert 0 < row["delivery_p50_ms"] < 60_000
     assert rows[0]["num_steps"] == rows[1]["num_steps"] >= 10  # the same steps (prefill chunks too)
     printed = capsys.readouterr().out
     assert f"| core | {rows[1]['num_steps']} |" in printed
-    # profiled: the core's loop sends each step's batch, which the engine in-process never does
+    # profiled: the core's loop sends a batch each step, which the engine in-process never does
     [send] = [line for line in printed.splitlines() if "channel.py" in line and "(send)" in line]
     assert float(send.split("|")[2]) == 0 and float(send.split("|")[3]) >= 1
 

@@ -64,3 +64,33 @@ async def test_a_closed_end_is_reported() -> None:
     with pytest.raises(ChannelClosed):
         await channel.recv()
     channel.close()
+
+
+class CountingSocket(socket.socket):
+    """A socket that counts its writes."""
+
+    num_writes = 0
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        CountingSocket.num_writes += 1
+        return super().send(data, flags)
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        CountingSocket.num_writes += 1
+        return super().sendmsg(buffers, *args)
+
+
+async def test_a_small_frame_leaves_the_worker_end_in_one_write() -> None:
+    """Header, pickle and out-of-band arrays go in one `sendmsg`: the core, woken by the frame's
+    first bytes, finds all of it there instead of blocking for the rest."""
+    ours, theirs = socket.socketpair()
+    counted = CountingSocket(fileno=ours.detach())
+    channel = AsyncChannel(counted, asyncio.get_running_loop())
+    blocking = BlockingChannel(theirs)
+    message = {"token_ids": np.arange(64, dtype=np.int32), "cu": np.arange(3, dtype=np.int32), "text": "x"}
+    CountingSocket.num_writes = 0
+    await channel.send(message)
+    assert CountingSocket.num_writes == 1
+    assert same(blocking.recv(), message)
+    channel.close()
+    blocking.close()

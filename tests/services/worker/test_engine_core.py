@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,11 +20,12 @@ from typing import Any
 
 import pytest
 
+from services.engine.engine import LLMEngine
 from services.engine.llm import LLM
 from services.worker import engine_core
 from services.worker.channel import BlockingChannel
 from services.worker.core_client import EngineCoreClient, EngineCoreDied
-from services.worker.core_messages import CoreOptions, RowEnd
+from services.worker.core_messages import AddRequest, CoreOptions, RowEnd, Shutdown
 from services.worker.cpus import bus_side_cpus, usable_cpus
 from services.worker.engine_core import EngineCore, core_cpu_threads
 from shared import trace
@@ -93,9 +96,13 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
         batches += await asyncio.wait_for(core.next_batches(), 60)
     stepped = [batch for batch in batches if batch.num_rows]
     assert stepped
-    for batch in stepped:
+    for batch in stepped:  # sent during the step after the one that made its tokens
         assert before <= batch.started_at <= batch.sent_at <= time.time()
-        assert batch.sent_at - batch.started_at >= batch.step_s - 0.001  # the step, then the send
+    num_steps = len({batch.started_at for batch in batches if batch.started_at})
+    step_s = [batch.step_s for batch in batches if batch.step_s]
+    # each step's time goes out once; the last step, which only returns outputs, shares its batch's
+    assert num_steps - 1 <= len(step_s) <= num_steps
+    assert sum(step_s) <= batches[-1].sent_at - min(b.started_at for b in batches if b.started_at)
     logged = {
         (record.hop, record.pos): (record.t, record.pid, record.rtt)
         for record in caplog.records
@@ -107,6 +114,75 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
         assert logged[("core.sent", pos)] == (batch.sent_at, core.pid, 0)
         t, pid, _ = logged[("worker.from_core", pos)]
         assert t >= batch.sent_at and pid == os.getpid()
+
+
+def test_a_step_s_outputs_leave_the_core_while_the_next_step_runs(model: str) -> None:
+    """The core sends a step's rows as soon as the engine makes them, during the next step (on a
+    GPU, while the device runs it), not after that step ends: by the time the next step reads its
+    result back, the worker can already hold every earlier token."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu"))
+    ours, theirs = socket.socketpair()
+    received: list[int] = []
+    at_read_back: list[tuple[int, int]] = []  # (tokens the engine made before the step, tokens received)
+    launch = engine.runner.launch
+
+    def traced_launch(*args: Any) -> Any:
+        launched = launch(*args)
+        made_before = sum(seq.num_output_tokens for seq in engine.sequences.values())
+        result = launched.result
+
+        def traced_result() -> Any:
+            while select.select([theirs], [], [], 0)[0]:
+                received.extend(BlockingChannel(theirs).recv().token_ids.tolist())
+            at_read_back.append((made_before, len(received)))
+            return result()
+
+        launched.result = traced_result
+        return launched
+
+    engine.runner.launch = traced_launch  # type: ignore[method-assign]
+    with ours, theirs:
+        core = EngineCore(engine, BlockingChannel(ours))
+        core._add(AddRequest("r0", 1, PROMPTS[1], GREEDY, []))
+        while engine.has_unfinished_requests():
+            core._step()
+        engine.close()
+    assert len(at_read_back) == GREEDY.max_tokens  # the prefill, then a decode step per later token
+    assert at_read_back == [(made, made) for made, _ in at_read_back]
+    assert at_read_back[-1][0] == GREEDY.max_tokens - 1
+
+
+def test_a_request_sent_while_the_core_steps_joins_its_next_step(model: str) -> None:
+    """A request that arrives while a step runs is prefilled in the step after it (the loop reads
+    its commands before every step, not only when idle): its first token goes out during the step
+    after that."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu"))
+    ours, theirs = socket.socketpair()
+    worker = BlockingChannel(theirs)
+    core = EngineCore(engine, BlockingChannel(ours))
+    loop = threading.Thread(target=core.run)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with ours, theirs:
+        loop.start()
+        worker.send(AddRequest("r0", 1, PROMPTS[1], long, []))
+        starts: list[float] = []
+        sent_at = None
+        first_row_started_at = None
+        while first_row_started_at is None:
+            batch = worker.recv()
+            if batch.started_at and batch.started_at not in starts:
+                starts.append(batch.started_at)
+            if sent_at is None and "r0" in batch.request_ids:  # r0 decodes: a step is under way
+                worker.send(AddRequest("r1", 1, PROMPTS[0], GREEDY, []))
+                sent_at = time.time()  # any step that starts later reads the command first
+            if "r1" in batch.request_ids:
+                first_row_started_at = batch.started_at
+        worker.send(Shutdown())
+        loop.join(timeout=60)
+        engine.close()
+    assert sent_at is not None
+    # after the send, at most one step (r1's prefill) started before the one carrying its first row
+    assert len([t for t in starts if sent_at < t < first_row_started_at]) <= 1
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
