@@ -173,8 +173,8 @@ class VerifyAndUpdate:
         params = self.inputs.gather(t.seq_slots)
         num_kept, finish, stop_token, num_output = self.update(token_ids, num_accepted, t.seq_slots, params)
         drafts = self.draft(t, plan, finish, params, num_output, num_accepted)
-        self.inputs.drafts[t.seq_slots] = drafts.token_ids
-        self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts
+        self.inputs.drafts[t.seq_slots] = drafts.token_ids.int()
+        self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts.int()
         columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
         packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
         return torch.cat(packed, dim=1)

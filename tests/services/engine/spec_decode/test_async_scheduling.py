@@ -185,3 +185,23 @@ def test_preemption_and_a_full_batch_keep_the_output(target, reference) -> None:
         assert [o.token_ids for o in outputs] == reference[0]
         assert ahead[0] > 0
     assert llm.engine.scheduler.num_preemptions == 0  # max_num_seqs: waiting, never preempted
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp"])
+def test_steps_ahead_through_the_graphs_static_buffers(target, methods, reference, method) -> None:
+    """A step launched ahead, completed on the device between a graph's copy-in and its replay
+    (here graphs that run eagerly, test_cuda_graph.EagerGraphs: padded buckets, the scratch slot),
+    gives the synchronous eager engine's outputs."""
+    from tests.services.engine.test_cuda_graph import with_eager_graphs
+
+    spec = methods[method]
+    params = stop_params(*reference)
+    prompts = repetitive_prompts(12)
+    sync = make_llm(target, spec, async_scheduling=False)
+    sync.engine.drafter.max_graph_tokens = 40  # drafts trimmed alike with and without graphs
+    expected = sync.generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = make_llm(target, spec, async_scheduling=True)
+    graphs = with_eager_graphs(llm, max_tokens=40)
+    ahead = count_ahead(llm.engine)
+    assert_alike(expected, llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    assert ahead[0] > 20 and graphs.num_tail_replays > ahead[0]
