@@ -5,6 +5,7 @@ for every method that drafts on the device, through stops, aborts, joins and pre
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.llm import LLM
@@ -205,3 +206,50 @@ def test_steps_ahead_through_the_graphs_static_buffers(target, methods, referenc
     ahead = count_ahead(llm.engine)
     assert_alike(expected, llm.generate(prompt_token_ids=prompts, sampling_params=params))
     assert ahead[0] > 20 and graphs.num_tail_replays > ahead[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp", "draft_model", "eagle3"])
+def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, method: str) -> None:
+    """With CUDA graphs on a GPU (steps completed on the device between the copy-in and the replay,
+    results read back behind the next step's launch), greedy, stop ids, EOS, max_tokens and seeded
+    requests end as without asynchronous scheduling."""
+    from tests.services.engine.spec_decode.helpers import eagle3_head_for
+    from tests.services.engine.test_cuda_graph import mtp_head_for
+
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec: dict = {}
+    if method != "naive":
+        spec = {"method": method, "num_speculative_tokens": 4 if method == "ngram" else 3}
+    models = {"draft_model": lambda: path, "mtp": mtp_head_for, "eagle3": eagle3_head_for}
+    if method in models:
+        spec["model"] = str(models[method](path))
+    prompts = repetitive_prompts(21, seed=5)
+    params = []
+    for i, prompt in enumerate(prompts):
+        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
+        fields |= [
+            {},
+            {"stop_token_ids": [prompt[-1]]},
+            {"ignore_eos": False},
+            {"temperature": 0.8, "seed": i},
+        ][i % 4]
+        params.append(SamplingParams(**fields))
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            speculative_config={"adaptive": False, **spec} if spec else {},
+            async_scheduling=async_scheduling,
+            cuda_graph_max_tokens=64,
+        )
+        ahead = count_ahead(llm.engine)
+        outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert llm.engine.runner.graphs is not None
+        assert (ahead[0] > 10) == async_scheduling
+        llm.close()
+    assert_alike(*outputs)
