@@ -5,7 +5,8 @@ each request's kept tokens at the end of its token row (`InputBatch.num_tokens`)
 device proposer made (`InputBatch.drafts`). So the host describes the step by what it knows — which
 requests, in which slots, over which blocks, and how many query tokens each brings: its newest
 token and one per draft it asked for (`StepPlan.num_wanted` of the previous step) — and the rest is
-completed on the device (`fill_from_device`) from those lengths, just before the forward.
+completed on the device (`fill_from_device`) from those lengths, just before the forward: eager
+torch ops after a CUDA graph's copy-in and before its replay (the graphs do not capture them).
 
 A request whose proposer found fewer drafts than it asked for fills the rest of its query with
 placeholders: they are never drafts (their rows check none, so the first of them is where
@@ -105,3 +106,5 @@ def fill_from_device(t: StepTensors, step: HostStep, inputs: InputBatch, block_s
     forward.positions[:num_tokens] = positions
     if not kernels.cuda_available(positions):  # the attention's torch twin reads lengths on the host
         meta.seq_lens_cpu = meta.seq_lens[:num_seqs].tolist()
+    elif meta.max_seq_len is None:  # an eager step: the CUDA kernel's bound, which its host lengths are not
+        meta.max_seq_len = step.max_seq_len
