@@ -121,6 +121,7 @@ def test_async_scheduling_returns_what_sync_scheduling_does(target, methods, ref
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert_alike(sync, outputs)
     assert {o.finish_reason for o in outputs} == {"stop", "length"}
+    assert {type(o.stop_reason) for o in outputs} == {str, int, type(None)}  # strings, ids, neither
     assert ahead[0] > 20
     if method != "naive":
         assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
