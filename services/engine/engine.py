@@ -396,7 +396,7 @@ class LLMEngine:
             landing = self._in_flight
             self._in_flight = self._launch_ahead(landing)
             outputs = self._land(landing, started)
-            if self._in_flight is not None or not self.scheduler.running:  # nothing left to continue
+            if self._in_flight is not None or not self.scheduler.running:  # else: the host plans the next
                 return outputs
             started = time.perf_counter()
         batch = self.scheduler.schedule()
