@@ -3,6 +3,7 @@
     python -m benchmarks.bench_engine --shape llama-tiny --batch-sizes 1 32
     python -m benchmarks.bench_engine --shape llama-3.2-1b --dtype bfloat16 --batch-sizes 1 16 64  # GPU
     python -m benchmarks.bench_engine ... --enforce-eager   # the same without CUDA graphs
+    python -m benchmarks.bench_engine ... --no-async-scheduling   # each step waits for the last
     python -m benchmarks.bench_engine ... --tensor-parallel-size 2   # split over cuda:0 and cuda:1
     python -m benchmarks.bench_engine ... --tensor-parallel-size 2 --no-peer-all-reduce   # NCCL only
     python -m benchmarks.bench_engine ... --quantization int4   # fp8 / int8 / int4 weights, quantized at load
@@ -163,6 +164,12 @@ def main() -> None:
         "--profile", action="store_true", help="print a torch.profiler table of 8 decode steps"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="launch each step once the last one's result is read",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     parser.add_argument(
         "--no-peer-all-reduce",
@@ -184,6 +191,7 @@ def main() -> None:
             max_model_len=args.prompt_len + args.output_len + 8,
             max_num_seqs=max(args.batch_sizes),
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             tensor_parallel_size=args.tensor_parallel_size,
             peer_all_reduce=args.peer_all_reduce,
             speculative_config=SpeculativeConfig.from_json(args.speculative_config),
@@ -208,6 +216,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "cuda_graphs": llm.engine.runner.graphs is not None,
+        "async_scheduling": llm.engine.config.async_scheduling,
         "tensor_parallel_size": args.tensor_parallel_size,
         "peer_all_reduce": llm.engine.runner.tp.peer is not None,
         "quantization": str(llm.engine.runner.quantization or "none"),
@@ -223,8 +232,8 @@ def main() -> None:
         f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
     )
     print(
-        f"CUDA graphs: {result['cuda_graphs']}, tensor parallel: {args.tensor_parallel_size} "
-        f"(peer all-reduce: {result['peer_all_reduce']}), "
+        f"CUDA graphs: {result['cuda_graphs']}, async scheduling: {result['async_scheduling']}, "
+        f"tensor parallel: {args.tensor_parallel_size} (peer all-reduce: {result['peer_all_reduce']}), "
         f"speculative config: {args.speculative_config or 'naive'}, weights: {result['quantization']} "
         f"({result['weight_bytes_batch_1'] / 2**20:.1f} MiB read a step at batch 1)"
     )

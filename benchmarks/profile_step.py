@@ -6,8 +6,9 @@ python -m benchmarks.profile_step --device cuda --model DIR --dtype bfloat16 --p
     --methods naive ngram 'mtp1={"method": "mtp", "model": "DIR/mtp", "num_speculative_tokens": 1}'
 
 With `--phases`, `result(wait)` is the host waiting for the device after launching a step; the rest
-is host work, most of it on the step's critical path at concurrency 1 (the device idles meanwhile
-except while `launch` and `_emit` run). `--cpu-time` counts each phase's CPU time on the engine's
+is host work. With `--no-async-scheduling` (and in steps that need the host) most of it is on the
+step's critical path at concurrency 1 (the device idles meanwhile except while `launch` and `_emit`
+run); otherwise a decode step launched ahead (`_launch_ahead`) runs while the host lands the last. `--cpu-time` counts each phase's CPU time on the engine's
 thread instead, which a shared machine's other work does not inflate (the wait then counts nothing).
 """
 
@@ -34,10 +35,10 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig
 
 PHASES = {
-    "engine": ("step", "_update_slots", "_emit", "_apply", "_free_stopped"),
-    "scheduler": ("schedule",),
+    "engine": ("step", "_launch_ahead", "_land", "_update_slots", "_emit", "_apply", "_free_stopped"),
+    "scheduler": ("schedule", "schedule_ahead"),
     "drafter": ("plan", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
-    "runner": ("launch", "prepare", "_run", "_read_back"),
+    "runner": ("launch", "launch_ahead", "prepare", "_run", "_complete", "_read_back"),
     "graphs": ("lookup", "replay_forward", "_copy_in", "replay_tail"),
 }
 """The timed methods of each part of the engine (`graphs`: the runner's CUDA graphs, when captured)."""
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         "machine what it would take alone; a wait for the device is then not counted)",
     )
     parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="launch each step once the last one's result is read",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
@@ -85,7 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         methods = {"": SpeculativeConfig.from_json(args.speculative_config).model_dump()}
     for label, config in methods.items():
-        llm = LLM(model, device=args.device, dtype=args.dtype, speculative_config=config)
+        llm = LLM(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            speculative_config=config,
+            async_scheduling=args.async_scheduling,
+        )
         llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
         if args.phases:
             clock = time.thread_time if args.cpu_time else time.perf_counter

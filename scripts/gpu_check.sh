@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain|suffixhost ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain|suffixhost|async ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -89,6 +89,13 @@
 # --kernels, context 512: mtp k = 1 and 3 at batch 1 and 16; the tail's tail_L<n>_ms per chain length and its
 # kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
 # MTPCHAIN_PARTS (default "tests mtp draft") splits it over calls.
+# async (issue 12: asynchronous scheduling, each decode step launched before the last one's read-back):
+# async-tests.log (pytest -m gpu tests/services/engine: every engine GPU test, async scheduling on by default),
+# async-engine-<on|off>.json + async-engine.log (benchmarks.bench_engine, random Llama-3.2-1B shape, bf16,
+# batch 1 16 64, prompt 128, output 128: decode step ms and step / floor with and without --no-async-scheduling),
+# async-offline-<on|off>.json + async-offline.log (benchmarks.offline on the widened 1B-cost target,
+# code_editing, 12 requests of at most 128 tokens, c = 1 and 16, naive ngram mtp1, with and without).
+# ASYNC_PARTS (default "tests engine offline") splits it over calls: "tests", then "engine offline".
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -506,6 +513,41 @@ if [[ " $stages " == *" mtpchain "* ]]; then
             --kernels --method '{"method":"draft_model","model":"models/specmesh-code-draft"}' \
             --out "$OUT/verify-cost-mtpchain-draft.json" 2>&1 | tee -a "$OUT/mtpchain-kernels.txt" | grep -v "^    "
         status=$((status | PIPESTATUS[0]))
+    fi
+fi
+if [[ " $stages " == *" async "* ]]; then
+    async_parts=" ${ASYNC_PARTS:-tests engine offline} "
+    if [[ "$async_parts" == *" tests "* ]]; then
+        timeout 480 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/services/engine 2>&1 \
+            | tee "$OUT/async-tests.log" | tail -30
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$async_parts" == *" engine "* ]]; then
+        python3 -m benchmarks.random_model llama-3.2-1b /tmp/specmesh-llama-3.2-1b
+        for mode in on off; do
+            flags=$([ "$mode" = off ] && echo "--no-async-scheduling" || echo "")
+            # shellcheck disable=SC2086
+            timeout 200 python3 -m benchmarks.bench_engine --model /tmp/specmesh-llama-3.2-1b --dtype bfloat16 \
+                --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/async-engine-$mode.json" 2>&1 \
+                | tee -a "$OUT/async-engine.log" | tail -6
+            status=$((status | PIPESTATUS[0]))
+        done
+        rm -rf /tmp/specmesh-llama-3.2-1b
+    fi
+    if [[ "$async_parts" == *" offline "* ]]; then
+        dir=/tmp/widened-llama-3.2-1b
+        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+        mtp1='mtp1={"method":"mtp","model":"'$dir/mtp'","num_speculative_tokens":1}'
+        for mode in on off; do
+            flags=$([ "$mode" = off ] && echo "--no-async-scheduling" || echo "")
+            # shellcheck disable=SC2086
+            timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+                --num-requests 12 --max-tokens 128 --concurrency 1 16 --no-plots --no-progress $flags \
+                --methods naive ngram "$mtp1" --out "$OUT/async-offline-$mode.json" 2>&1 \
+                | tee -a "$OUT/async-offline.log" | grep "^| [a-z]"
+            status=$((status | PIPESTATUS[0]))
+        done
     fi
 fi
 exit $status

@@ -61,6 +61,9 @@ class EngineConfig(BaseModel):
     """Draft method and verification; the default, naive, runs the speculative path with no drafts."""
     enforce_eager: bool = False
     """Run every step eagerly; by default a GPU replays decode steps from CUDA graphs."""
+    async_scheduling: bool = True
+    """Launch a decode step before the previous step's result is read, its inputs taken from the
+    device (services/engine/engine.py says which steps can); False: every step waits for the last."""
     cuda_graph_max_tokens: int = Field(default=2048, ge=1, le=8192)
     """Largest step (tokens: prefill chunks, decode tokens and drafts) captured in a CUDA graph,
     capped by the step's token budget; larger steps run eagerly. Graphs are captured for token

@@ -64,6 +64,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "--enforce-eager", action="store_true", help="no CUDA graphs: run every GPU step eagerly"
     )
     group.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="wait for each step's result before launching the next (by default a decode step is "
+        "launched while the previous one runs)",
+    )
+    group.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
         default=2048,
@@ -128,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         cpu_threads=args.cpu_threads,
         **({"core_cpus": args.core_cpus} if args.core_cpus is not None else {}),

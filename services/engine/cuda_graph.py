@@ -538,11 +538,21 @@ class DecodeGraphs:
             return None
         return bucket, query_class
 
-    def replay_forward(self, step: HostStep, key: tuple[int, int]) -> None:
+    def replay_forward(
+        self,
+        step: HostStep,
+        key: tuple[int, int],
+        complete: Callable[[StepTensors], None] | None = None,
+    ) -> None:
         """Copies the step in and replays its forward: its final hidden states land in `self.hidden`,
-        the logits of its rows in `self.logits`, in the step's row order."""
+        the logits of its rows in `self.logits`, in the step's row order. `complete`: what fills in,
+        on the device, the inputs the host did not know (a step launched ahead), once copied in."""
         bucket, query_len = key
         self._copy_in(step, bucket, query_len)
+        if complete is not None:
+            complete(self.tensors(bucket, query_len))
+            if self._host_lens is not None:  # the attention's torch twin reads the completed lengths
+                self._host_lens = (self._host_lens[0], self.seq_lens[:bucket].tolist())
         self.graphs[key].replay()
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode

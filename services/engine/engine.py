@@ -9,6 +9,18 @@ apply(batch, launched.result())              # tokens, finishes, KV lengths, nex
 
 A step's outputs are therefore returned by the next call of `step()` (or by the one after the
 last step): the host's per-token work overlaps the device's next step instead of delaying it.
+
+Asynchronous scheduling (the default; `--no-async-scheduling` turns it off): a decode step whose
+inputs the device holds is launched *before* the step in flight lands, from what that step's tail
+leaves on the device (services/engine/run_ahead.py), so the device never waits for the host's
+apply / emit / plan between two decode steps. The host then runs one step behind: a request that
+ends (EOS, a stop id, max_tokens) is found a step late, and what its extra step computed is
+discarded (never emitted; its KV and slot freed); blocks are reserved for two steps' growth; a stop
+string found by `_emit` ends the request with the same text, its extra steps dropped. Steps that
+need the host wait for the step in flight and take the path above: prefill chunks, requests
+joining (admitted, resumed, activated) or preempted, grammar masks, the torch verifier (penalties,
+logit bias, logprobs, min_tokens not reached yet), host drafters (suffix), draft trees, tensor
+parallelism, a short KV cache or a request near max_model_len.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.grammar import GrammarCompiler, GrammarState
 from services.engine.kv_export import KVExport
-from services.engine.model_runner import ModelRunner, SeqResult, StepOutput
+from services.engine.model_runner import LaunchedStep, ModelRunner, SeqResult, StepOutput
 from services.engine.output_processor import OutputProcessor
 from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -56,6 +68,15 @@ class Emission:
         if self.kept is None:
             self.kept = outputs.observe(self.seq, self.num_new, self.finish_reason, self.stop_token_id)
         return self.kept
+
+
+@dataclass
+class InFlight:
+    """A launched step and what the host decided for it."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    launched: LaunchedStep
 
 
 class RequestError(ValueError):
@@ -154,7 +175,9 @@ class LLMEngine:
         """Where `step()` hands the last step's outputs as soon as they are made, while the device
         runs the step (a worker's engine core sends them on then); None: `step()` returns them."""
         self._stopped: list[Sequence] = []
-        """Requests a stop string ended while the step in flight still ran them: freed after it."""
+        """Requests a stop string ended while a step in flight still ran them: freed after it."""
+        self._in_flight: InFlight | None = None
+        """A step launched in an earlier call whose result is not applied yet (`_launch_ahead`)."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         logger.info(
@@ -367,19 +390,39 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Launches a step and lands one (reads its result back and applies it). A decode step whose
+        inputs the device holds is launched before the step in flight lands; any other waits for
+        it to land and is planned from the host's state."""
         started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            landing = self._in_flight
+            self._in_flight = self._launch_ahead(landing)
+            outputs = self._land(landing, started)
+            if self._in_flight is not None or not self.scheduler.running:  # else: the host plans the next
+                return outputs
+            started = time.perf_counter()
         batch = self.scheduler.schedule()
-        unemitted, self._unemitted = self._unemitted, []
         if batch.is_empty:
-            outputs = self._emit(unemitted)
+            outputs += self._emit(self._take_unemitted())
             self._free_stopped()
             return outputs
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        launched = self.runner.launch(batch, plan)
-        outputs = self._hand_over(self._emit(unemitted))  # while the device runs the step
+        flight = InFlight(batch, plan, self.runner.launch(batch, plan))
+        if self._may_run_ahead(flight):
+            self._in_flight = flight
+            return outputs + self._hand_over(self._emit(self._take_unemitted()))  # while the device runs it
+        return outputs + self._land(flight, started)
+
+    def _land(self, flight: InFlight, started: float) -> list[RequestOutput]:
+        """Waits for a launched step and applies its result; the last step's outputs are produced
+        while the device works, host drafting follows."""
+        batch, plan, launched = flight.batch, flight.plan, flight.launched
+        outputs = self._hand_over(self._emit(self._take_unemitted()))  # while the device works
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
+        ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
         handed_off = self._apply(batch, plan, step)
         outputs += self._emit(handed_off)  # with their KV, not a step later
         self._free_stopped()
@@ -388,9 +431,10 @@ class LLMEngine:
         num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
         seconds = time.perf_counter() - started
         mixed = not step.is_decode  # prefill chunks: another cost regime
-        self.drafter.record_step(
-            len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
-        )
+        if not ended:
+            self.drafter.record_step(
+                len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
+            )
         return outputs
 
     def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -399,6 +443,37 @@ class LLMEngine:
             return outputs
         self.on_outputs(outputs)
         return []
+
+    def _may_run_ahead(self, flight: InFlight) -> bool:
+        """Whether the next step may be launched before `flight` lands."""
+        return self.config.async_scheduling and self.runner.can_run_ahead and flight.launched.device_only
+
+    def _launch_ahead(self, previous: InFlight) -> InFlight | None:
+        """The next decode step of the running requests, launched before `previous` (a decode step,
+        every request in it) lands, from what its tail leaves on the device
+        (services/engine/run_ahead.py): each request brings its newest token and a place for each
+        draft it asked for. A request `previous` ends is found a step late; its extra step is
+        discarded. None where the next step needs the host."""
+        queries = [
+            (seq, 1 + k, num_new)
+            for seq, k, num_new in zip(
+                previous.plan.seqs, previous.plan.num_wanted, previous.batch.num_new_tokens
+            )
+            if seq.finish_reason is None and seq.status is SequenceStatus.RUNNING
+        ]
+        if not queries or not all(self.drafter.drafts_on_device(seq) for seq, _, _ in queries):
+            return None
+        seqs = [seq for seq, _, _ in queries]
+        extra = [num_new + self.drafter.max_lookahead(seq) for seq, _, num_new in queries]
+        batch = self.scheduler.schedule_ahead(seqs, [n for _, n, _ in queries], extra, self.max_model_len)
+        if batch is None:
+            return None
+        plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
+        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan))
+
+    def _take_unemitted(self) -> list[Emission]:
+        unemitted, self._unemitted = self._unemitted, []
+        return unemitted
 
     def _update_slots(self, batch: ScheduledBatch) -> None:
         """Requests the scheduler runs for the first time take an input-batch slot; preempted
@@ -421,8 +496,8 @@ class LLMEngine:
             result = results.get(seq.request_id)
             if result is None:  # a prefill chunk that is not the last
                 seq.num_computed_tokens += num_new
-            elif seq.finish_reason is None:  # else a stop string ended it during the step
-                emission = self._take_result(seq, num_new, result)
+            elif seq.finish_reason is None:  # else it ended while the step ran (a stop string, a step ahead)
+                emission = self._take_result(seq, result)
                 (handed_off if seq.handoff else self._unemitted).append(emission)
             self.block_manager.cache_full_blocks(seq)
         for seq in [seq for seq in batch.seqs if seq.finish_reason is not None and not seq.is_finished]:
@@ -432,18 +507,18 @@ class LLMEngine:
                 self._free(seq)
         return handed_off
 
-    def _take_result(self, seq: Sequence, num_new: int, result: SeqResult) -> Emission:
+    def _take_result(self, seq: Sequence, result: SeqResult) -> Emission:
         """Appends the request's kept tokens, rolls its KV back past the first rejected draft (by
         length), takes the post-step update's finish reason and the next drafts."""
         num_drafts = len(seq.spec.draft_token_ids)
-        start = seq.num_computed_tokens
+        num_computed = seq.num_tokens + result.num_accepted  # every token it had, the accepted drafts
         seq.append_tokens(result.token_ids)
         if seq.grammar is not None:
             self._advance_grammar(seq, result.token_ids)
         seq.finish_reason = result.finish_reason
         if result.logprobs:
             seq.logprobs += [lp for lp in result.logprobs if lp is not None]
-        seq.num_computed_tokens = min(start + num_new - num_drafts + result.num_accepted, seq.num_tokens - 1)
+        seq.num_computed_tokens = min(num_computed, seq.num_tokens - 1)
         self.drafter.accepted(seq, result.token_ids, num_drafts, result.num_accepted)
         seq.spec.draft_token_ids = result.drafts
         seq.spec.k = len(result.drafts)
@@ -481,11 +556,13 @@ class LLMEngine:
         return outputs
 
     def _free_stopped(self) -> None:
-        """Frees the requests a stop string ended (no step of theirs is in flight any more)."""
+        """Frees the requests a stop string ended that no step in flight runs any more."""
+        in_flight = {seq.request_id for seq in self._in_flight.batch.seqs} if self._in_flight else set()
         for seq in self._stopped:
-            self._free(seq)
-            self._forget(seq)
-        self._stopped = []
+            if seq.request_id not in in_flight:
+                self._free(seq)
+                self._forget(seq)
+        self._stopped = [seq for seq in self._stopped if seq.request_id in in_flight]
 
     def _free(self, seq: Sequence) -> None:
         """Frees a finished request's blocks, slot and drafting state (full blocks stay cached)."""

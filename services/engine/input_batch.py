@@ -194,6 +194,10 @@ class InputBatch:
         """Tokens in each row (prompt + output)."""
         self.num_output = torch.zeros(rows, dtype=torch.int32, device=device)
         """Output tokens of each request (resumed ones included): what max_tokens counts."""
+        self.drafts = torch.full((rows, max(max_num_drafts, 1)), -1, dtype=torch.int32, device=device)
+        """The drafts each request's last step proposed for its next, -1 past `num_drafts` (the
+        tail writes them: a step launched ahead reads them here, services/engine/run_ahead.py)."""
+        self.num_drafts = torch.zeros(rows, dtype=torch.int32, device=device)
         self.host = SlotParams.empty(rows)
         self.fused_from = np.zeros(rows, np.int64)
         """Per slot, `fused_from` of its request (on the host only: rank 0 decides how a step verifies)."""
@@ -297,6 +301,7 @@ class InputBatch:
         self.token_rows[join.slot, :num_tokens] = tokens
         self.num_tokens[join.slot] = num_tokens
         self.num_output[join.slot] = join.num_output
+        self.num_drafts[join.slot] = 0
 
     def record_joins(self) -> None:
         """Keeps every join from now on, for `take_joins`."""

@@ -9,6 +9,7 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -31,6 +32,7 @@ from services.engine.grammar import StepMasks, allocate_bitmask
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
+from services.engine.run_ahead import ahead_step, fill_from_device
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
@@ -122,6 +124,9 @@ class LaunchedStep:
     """Per request, when the torch verifier returned them."""
     prompt: tuple[PromptRows, PromptScores] | None = None
     """The step's scored prompt rows, when a request asked for prompt logprobs."""
+    device_only: bool = False
+    """A decode step the fused kernels verified whole (no grammar, tree or prompt rows): the next
+    step of its requests can be launched before this one's result is read (`launch_ahead`)."""
 
     def running(self) -> bool:
         """Whether the device is still at the step (never on the CPU, where `launch` ran it)."""
@@ -381,7 +386,22 @@ class ModelRunner:
             StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, plan.only, fused)
         )
         packed, logprobs, prompt = self._run(step, plan, fused)
-        return self._read_back(packed, step, logprobs, prompt)
+        device_only = fused and step.is_decode and not step.has_grammar and step.tree_parents is None
+        return self._read_back(packed, step, logprobs, prompt, device_only)
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether decode steps may be launched ahead here (one rank, chains of drafts)."""
+        return self.tp.size == 1 and self.tree is None
+
+    @torch.inference_mode()
+    def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
+        """`launch` for the next decode step of requests whose last step is still in flight: what the
+        host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
+        input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
+        step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
+        packed, logprobs, prompt = self._run(step, plan, fused=True, ahead=True)
+        return self._read_back(packed, step, logprobs, prompt, device_only=True)
 
     @torch.inference_mode()
     def follow_step(self, command: StepCommand) -> None:
@@ -393,23 +413,26 @@ class ModelRunner:
         self._run(command.step, plan, command.fused)
 
     def _run(
-        self, step: HostStep, plan: StepPlan, fused: bool
+        self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
         """The step's forward and tail; (the packed results on the device, logprobs per request,
-        the scored prompt rows)."""
+        the scored prompt rows). `ahead`: a step `launch_ahead` prepared, completed on the device."""
         key = None
+        complete = functools.partial(self._complete, step) if ahead else None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key)
+            self.graphs.replay_forward(step, key, complete)
             self._copy_masks(step, plan, self.graphs.bitmask)
             packed = self.graphs.replay_tail(step, key, plan)
             return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
+        if complete is not None:
+            complete(tensors)
         if key is not None:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key)
+            self.graphs.replay_forward(step, key, complete)
             self.graphs.fill_outputs(tensors.forward)
             logits = self.graphs.logits[: len(step.logits_indices)]
         else:
@@ -422,6 +445,9 @@ class ModelRunner:
             self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
+
+    def _complete(self, step: HostStep, tensors: StepTensors) -> None:
+        fill_from_device(tensors, step, self.inputs, self.block_size)
 
     def _target_forward(self, forward: ForwardContext) -> None:
         """The target over the step's tokens, eagerly: its final hidden states and, for the
@@ -461,6 +487,7 @@ class ModelRunner:
         step: HostStep,
         logprobs: list[list[TokenLogprobs | None]],
         prompt: PromptScores | None,
+        device_only: bool,
     ) -> LaunchedStep:
         """Starts the copy of the packed results to the host (pinned memory on a GPU, so that it
         runs behind the step's kernels while the host works on)."""
@@ -468,9 +495,15 @@ class ModelRunner:
         if packed.device.type == "cuda":
             self._results.reverse()
             packed, done = self._results[0].read(packed)
+        elif (
+            self.graphs is not None
+        ):  # a graph's output: the next step, launched before it is read, overwrites it
+            packed = packed.clone()
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
-        return LaunchedStep(packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored)
+        return LaunchedStep(
+            packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored, device_only
+        )
 
     def _fusable(self, step: HostStep) -> bool:
         """Whether the fused verify kernel alone samples the rows of every request of the step

@@ -96,6 +96,35 @@ class Scheduler:
             self._admit_waiting(batch, budget, chunk)
         return batch
 
+    def schedule_ahead(
+        self, seqs: list[Sequence], num_new_tokens: list[int], num_extra: list[int], max_len: int
+    ) -> ScheduledBatch | None:
+        """The next decode step of every running request, `seqs`, scheduled while their step in
+        flight still runs: each computes `num_new_tokens` (its newest token and its drafts' places)
+        and gets KV blocks for `num_extra` more positions (what the step in flight may add and a
+        drafting chain may write), up to `max_len` positions. None where the next step needs the
+        host: a waiting request could be admitted, or the blocks or the token budget fall short
+        (nothing is preempted ahead)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        num_running = sum(seq.finish_reason is None for seq in self.running)  # a stop string ended the rest
+        if len(seqs) != num_running or sum(num_new_tokens) > self.max_num_batched_tokens:
+            return None
+        growth = [n + m for n, m in zip(num_new_tokens, num_extra)]
+        if any(seq.num_computed_tokens + n > max_len for seq, n in zip(seqs, growth)):
+            return None
+        needed = sum(
+            max(0, self.block_manager.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
+            for seq, n in zip(seqs, growth)
+        )
+        if needed > self.block_manager.num_free_blocks:
+            return None
+        batch = ScheduledBatch()
+        for seq, n, num_new in zip(seqs, growth, num_new_tokens):
+            self.block_manager.append_slots(seq, n)
+            batch.add(seq, num_new)
+        return batch
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends `seq` and returns its blocks (full ones stay in the prefix cache)."""
         seq.status = SequenceStatus.FINISHED

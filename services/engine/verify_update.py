@@ -10,7 +10,8 @@ largest graph, CPU) calls it eagerly, so both paths keep the same tokens and sto
    token row up to the first one that ends it (EOS, a stop id, max_tokens once min_tokens is
    reached), so no token past a stop is kept;
 3. drafting: each device proposer drafts the next step of its own requests that are still running,
-   after the tokens just kept (services/engine/spec_decode/);
+   after the tokens just kept (services/engine/spec_decode/); the drafts are also kept by slot
+   (`InputBatch.drafts`), where a step launched before this one's read-back finds them;
 4. one packed int32 tensor per request (the `Column`s below), the step's only device-to-host read.
 
 Grammar requests verify here too: their rows are marked in `masked_rows` and the kernel applies the
@@ -172,6 +173,8 @@ class VerifyAndUpdate:
         params = self.inputs.gather(t.seq_slots)
         num_kept, finish, stop_token, num_output = self.update(token_ids, num_accepted, t.seq_slots, params)
         drafts = self.draft(t, plan, finish, params, num_output, num_accepted)
+        self.inputs.drafts[t.seq_slots] = drafts.token_ids.int()
+        self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts.int()
         columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
         packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
         return torch.cat(packed, dim=1)

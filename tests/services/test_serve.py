@@ -118,6 +118,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "enable_prefix_caching": ["--no-enable-prefix-caching"],
     "seed": ["--seed", "5"],
     "enforce_eager": ["--enforce-eager"],
+    "async_scheduling": ["--no-async-scheduling"],
     "cuda_graph_max_tokens": ["--cuda-graph-max-tokens", "64"],
     "cpu_threads": ["--cpu-threads", "3"],
     "core_cpus": ["--core-cpus", "2-3"],

@@ -179,6 +179,17 @@ class Drafter:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
         return self._device_index.get(seq.spec.method, -1)
 
+    def drafts_on_device(self, seq: Sequence) -> bool:
+        """Whether the request's drafts, if any, are a chain a device proposer makes in the step's
+        tail (naive requests draft nothing): its next step can be launched ahead."""
+        method = seq.spec.method
+        return (method == "naive" or method in self._device_index) and not self._drafts_tree(seq)
+
+    def max_lookahead(self, seq: Sequence) -> int:
+        """The most KV positions past a step's newest token the request's drafting-model chain
+        writes (0 without one)."""
+        return seq.spec.max_k if seq.spec.method in self.chain_steps else 0
+
     def prepare_on_host(self, device_busy: Callable[[], bool]) -> None:
         """Host proposers' work that needs no result of the step in flight, while `device_busy()`."""
         for proposer in self.proposers.values():

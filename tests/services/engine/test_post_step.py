@@ -36,6 +36,7 @@ def llm(target: str) -> LLM:
             "accept_policy": "accept_all",
             "adaptive": False,
         },
+        async_scheduling=False,  # drafts are planted on the host, which a step launched ahead does not read
     )
 
 

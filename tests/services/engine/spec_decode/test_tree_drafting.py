@@ -5,6 +5,8 @@ configs are refused."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -131,9 +133,9 @@ def recorded_keys(graphs: DecodeGraphs) -> list[tuple[int, int]]:
     keys: list[tuple[int, int]] = []
     replay = graphs.replay_forward
 
-    def record(step: HostStep, key: tuple[int, int]) -> None:
+    def record(step: HostStep, key: tuple[int, int], *rest: Any) -> None:
         keys.append(key)
-        replay(step, key)
+        replay(step, key, *rest)
 
     graphs.replay_forward = record  # type: ignore[method-assign]
     return keys

@@ -1,0 +1,256 @@
+"""Asynchronous scheduling (decode steps launched before the previous step's result is read) changes
+nothing a user sees: the same tokens, text, finish reasons and usage as `--no-async-scheduling`,
+for every method that drafts on the device, through stops, aborts, joins and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+from tests.services.engine.spec_decode.helpers import repetitive_prompts
+
+ALL_ALIKE = (
+    "token_ids",
+    "text",
+    "finish_reason",
+    "stop_reason",
+    "logprobs",
+    "num_cached_prompt_tokens",
+)
+"""What a request's last output must carry alike with and without asynchronous scheduling."""
+
+
+@pytest.fixture(scope="module")
+def methods(make_checkpoint, mtp_head) -> dict[str, dict]:
+    """Speculative configs by method: a trained MTP head (with n-gram drafts after its own), a
+    small random draft model (its drafts mostly rejected: rollback every step)."""
+    draft = make_checkpoint(
+        "llama",
+        seed=3,
+        num_hidden_layers=1,
+        hidden_size=48,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
+    return {
+        "naive": {},
+        "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),
+        "mtp": dict(method="mtp", model=mtp_head, num_speculative_tokens=3, mtp_strategy="with_ngram"),
+        "draft_model": dict(method="draft_model", model=str(draft), num_speculative_tokens=3),
+    }
+
+
+def make_llm(target: str, spec: dict, async_scheduling: bool, **engine) -> LLM:
+    spec = {"adaptive": False, **spec} if spec else {}
+    return LLM(
+        target,
+        device="cpu",
+        max_model_len=192,
+        speculative_config=spec,
+        async_scheduling=async_scheduling,
+        **engine,
+    )
+
+
+def count_ahead(engine: LLMEngine) -> list[int]:
+    """Counts the steps the engine launches ahead (one-element list, updated in place)."""
+    count = [0]
+    launch_ahead = engine.runner.launch_ahead
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return launch_ahead(*args, **kwargs)
+
+    engine.runner.launch_ahead = counted  # type: ignore[method-assign]
+    return count
+
+
+def stop_params(reference: list[list[int]], texts: list[str]) -> list[SamplingParams]:
+    """Per prompt, requests that end every way one can: a stop id met mid-run, a stop string cut
+    from the text, max_tokens, EOS (not ignored), min_tokens holding a stop id back, and a seeded
+    sampled request."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = []
+    for i, (tokens, text) in enumerate(zip(reference, texts)):
+        kind = i % 6
+        if kind == 0:
+            params.append(greedy.model_copy(update={"stop_token_ids": [tokens[12]]}))
+        elif kind == 1:
+            params.append(greedy.model_copy(update={"stop": [text[len(text) // 3 : len(text) // 3 + 2]]}))
+        elif kind == 2:
+            params.append(greedy.model_copy(update={"max_tokens": 5 + i}))
+        elif kind == 3:
+            params.append(greedy.model_copy(update={"ignore_eos": False}))
+        elif kind == 4:
+            params.append(greedy.model_copy(update={"min_tokens": 9, "stop_token_ids": [tokens[3]]}))
+        else:
+            params.append(SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=33))
+    return params
+
+
+def assert_alike(sync: list[RequestOutput], ahead: list[RequestOutput]) -> None:
+    for a, b in zip(sync, ahead, strict=True):
+        for name in ALL_ALIKE:
+            assert getattr(a, name) == getattr(b, name), (a.request_id, name)
+        assert len(a.token_ids) == len(b.token_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(target) -> tuple[list[list[int]], list[str]]:
+    """Greedy tokens and texts of the prompts, synchronous naive decoding."""
+    llm = make_llm(target, {}, async_scheduling=False)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(12), sampling_params=params)
+    return [o.token_ids for o in outputs], [o.text for o in outputs]
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp", "draft_model"])
+def test_async_scheduling_returns_what_sync_scheduling_does(target, methods, reference, method) -> None:
+    spec = methods[method]
+    params = stop_params(*reference)
+    prompts = repetitive_prompts(12)
+    sync = make_llm(target, spec, async_scheduling=False).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    llm = make_llm(target, spec, async_scheduling=True)
+    ahead = count_ahead(llm.engine)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert_alike(sync, outputs)
+    assert {o.finish_reason for o in outputs} == {"stop", "length"}
+    assert {type(o.stop_reason) for o in outputs} == {str, int, type(None)}  # strings, ids, neither
+    assert ahead[0] > 20
+    if method != "naive":
+        assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of and not engine.has_unfinished_requests()
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, RequestOutput]:
+    """Runs requests 0..2 from the start, aborts request 1 after 6 steps and lets the others join
+    after 4 and 9 steps; the last output of each request."""
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_token_ids=prompts[i], params=params)
+    last: dict[str, RequestOutput] = {}
+    num_steps = 0
+    while engine.has_unfinished_requests() or num_steps < 10:
+        if num_steps == 4:
+            engine.add_request("r3", prompt_token_ids=prompts[3], params=params)
+        if num_steps == 6 and (aborted := engine.abort_request("r1")) is not None:
+            last["r1"] = aborted
+        if num_steps == 9:
+            engine.add_request("r4", prompt_token_ids=prompts[4], params=params)
+        for output in engine.step():
+            last[output.request_id] = output
+        num_steps += 1
+    return last
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp"])
+def test_abort_and_joins_mid_run(target, methods, reference, method) -> None:
+    spec = methods[method]
+    prompts = repetitive_prompts(12)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    sync = drive(make_llm(target, spec, async_scheduling=False).engine, prompts, params)
+    llm = make_llm(target, spec, async_scheduling=True)
+    ahead = count_ahead(llm.engine)
+    outputs = drive(llm.engine, prompts, params)
+    assert ahead[0] > 10
+    for request_id in ("r0", "r2", "r3", "r4"):
+        assert_alike([sync[request_id]], [outputs[request_id]])
+    aborted = outputs["r1"]
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert aborted.token_ids == reference[0][1][: len(aborted.token_ids)]
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of
+
+
+def test_preemption_and_a_full_batch_keep_the_output(target, reference) -> None:
+    """Too few KV blocks for the batch (requests are preempted and recomputed) and fewer slots than
+    requests (the rest wait): steps run ahead only between those events."""
+    prompts = repetitive_prompts(12)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for engine_args in (dict(num_kv_blocks=24, block_size=8), dict(max_num_seqs=3)):
+        spec = dict(method="ngram", num_speculative_tokens=3)
+        sync = make_llm(target, spec, False, **engine_args).generate(
+            prompt_token_ids=prompts, sampling_params=params
+        )
+        llm = make_llm(target, spec, True, **engine_args)
+        ahead = count_ahead(llm.engine)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert_alike(sync, outputs)
+        assert [o.token_ids for o in outputs] == reference[0]
+        assert ahead[0] > 0
+    assert llm.engine.scheduler.num_preemptions == 0  # max_num_seqs: waiting, never preempted
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp"])
+def test_steps_ahead_through_the_graphs_static_buffers(target, methods, reference, method) -> None:
+    """A step launched ahead, completed on the device between a graph's copy-in and its replay
+    (here graphs that run eagerly, test_cuda_graph.EagerGraphs: padded buckets, the scratch slot),
+    gives the synchronous eager engine's outputs."""
+    from tests.services.engine.test_cuda_graph import with_eager_graphs
+
+    spec = methods[method]
+    params = stop_params(*reference)
+    prompts = repetitive_prompts(12)
+    sync = make_llm(target, spec, async_scheduling=False)
+    sync.engine.drafter.max_graph_tokens = 40  # drafts trimmed alike with and without graphs
+    expected = sync.generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = make_llm(target, spec, async_scheduling=True)
+    graphs = with_eager_graphs(llm, max_tokens=40)
+    ahead = count_ahead(llm.engine)
+    assert_alike(expected, llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    assert ahead[0] > 20 and graphs.num_tail_replays > ahead[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp", "draft_model", "eagle3"])
+def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, method: str) -> None:
+    """With CUDA graphs on a GPU (steps completed on the device between the copy-in and the replay,
+    results read back behind the next step's launch), greedy, stop ids, EOS, max_tokens and seeded
+    requests end as without asynchronous scheduling."""
+    from tests.services.engine.spec_decode.helpers import eagle3_head_for
+    from tests.services.engine.test_cuda_graph import mtp_head_for
+
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec: dict = {}
+    if method != "naive":
+        spec = {"method": method, "num_speculative_tokens": 4 if method == "ngram" else 3}
+    models = {"draft_model": lambda: path, "mtp": mtp_head_for, "eagle3": eagle3_head_for}
+    if method in models:
+        spec["model"] = str(models[method](path))
+    prompts = repetitive_prompts(21, seed=5)
+    params = []
+    for i, prompt in enumerate(prompts):
+        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
+        fields |= [
+            {},
+            {"stop_token_ids": [prompt[-1]]},
+            {"ignore_eos": False},
+            {"temperature": 0.8, "seed": i},
+        ][i % 4]
+        params.append(SamplingParams(**fields))
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            speculative_config={"adaptive": False, **spec} if spec else {},
+            async_scheduling=async_scheduling,
+            cuda_graph_max_tokens=64,
+        )
+        ahead = count_ahead(llm.engine)
+        outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert llm.engine.runner.graphs is not None
+        assert (ahead[0] > 10) == async_scheduling
+        llm.close()
+    assert_alike(*outputs)
