@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -100,8 +100,10 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
         assert before <= batch.started_at <= batch.sent_at <= time.time()
     num_steps = len({batch.started_at for batch in batches if batch.started_at})
     step_s = [batch.step_s for batch in batches if batch.step_s]
-    # each step's time goes out once; the last step, which only returns outputs, shares its batch's
-    assert num_steps - 1 <= len(step_s) <= num_steps
+    # each step's time goes out once: with its own batch, or with the next step's where a step sent
+    # none during it (the last of a run; with asynchronous scheduling, a step whose landing made no
+    # outputs yet)
+    assert num_steps // 2 <= len(step_s) <= num_steps
     assert sum(step_s) <= batches[-1].sent_at - min(b.started_at for b in batches if b.started_at)
     logged = {
         (record.hop, record.pos): (record.t, record.pid, record.rtt)
@@ -124,32 +126,36 @@ def test_a_step_s_outputs_leave_the_core_while_the_next_step_runs(model: str) ->
     ours, theirs = socket.socketpair()
     received: list[int] = []
     at_read_back: list[tuple[int, int]] = []  # (tokens the engine made before the step, tokens received)
-    launch = engine.runner.launch
 
-    def traced_launch(*args: Any) -> Any:
-        launched = launch(*args)
-        made_before = sum(seq.num_output_tokens for seq in engine.sequences.values())
-        result = launched.result
+    def traced(launch: Callable[..., Any]) -> Callable[..., Any]:
+        def traced_launch(*args: Any) -> Any:
+            launched = launch(*args)
+            made_before = sum(seq.num_output_tokens for seq in engine.sequences.values())
+            result = launched.result
 
-        def traced_result() -> Any:
-            while select.select([theirs], [], [], 0)[0]:
-                received.extend(BlockingChannel(theirs).recv().token_ids.tolist())
-            at_read_back.append((made_before, len(received)))
-            return result()
+            def traced_result() -> Any:
+                while select.select([theirs], [], [], 0)[0]:
+                    received.extend(BlockingChannel(theirs).recv().token_ids.tolist())
+                at_read_back.append((made_before, len(received)))
+                return result()
 
-        launched.result = traced_result
-        return launched
+            launched.result = traced_result
+            return launched
 
-    engine.runner.launch = traced_launch  # type: ignore[method-assign]
+        return traced_launch
+
+    engine.runner.launch = traced(engine.runner.launch)  # type: ignore[method-assign]
+    engine.runner.launch_ahead = traced(engine.runner.launch_ahead)  # type: ignore[method-assign]
     with ours, theirs:
         core = EngineCore(engine, BlockingChannel(ours))
         core._add(AddRequest("r0", 1, PROMPTS[1], GREEDY, []))
         while engine.has_unfinished_requests():
             core._step()
         engine.close()
-    assert len(at_read_back) == GREEDY.max_tokens  # the prefill, then a decode step per later token
-    assert at_read_back == [(made, made) for made, _ in at_read_back]
-    assert at_read_back[-1][0] == GREEDY.max_tokens - 1
+    # the prefill, then a decode step per later token (and, launched ahead, one past the last)
+    assert GREEDY.max_tokens <= len(at_read_back) <= GREEDY.max_tokens + 1
+    assert all(received >= made for made, received in at_read_back)
+    assert max(made for made, _ in at_read_back) >= GREEDY.max_tokens - 2
 
 
 def test_a_request_sent_while_the_core_steps_joins_its_next_step(model: str) -> None:
