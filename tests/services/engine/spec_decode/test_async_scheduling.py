@@ -223,7 +223,7 @@ def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, metho
     spec: dict = {}
     if method != "naive":
         spec = {"method": method, "num_speculative_tokens": 4 if method == "ngram" else 3}
-    models = {"draft_model": lambda: path, "mtp": mtp_head_for, "eagle3": eagle3_head_for}
+    models = {"draft_model": lambda target: target, "mtp": mtp_head_for, "eagle3": eagle3_head_for}
     if method in models:
         spec["model"] = str(models[method](path))
     prompts = repetitive_prompts(21, seed=5)
