@@ -68,6 +68,10 @@ from holds: the same requests, the same fits, each request's acceptance within K
   most kept. A scale never timed is not trusted: the batch reaches full scale in a few steps where
   drafting is cheap, and where it is dear no step pays for more than twice what was measured (one
   step drafting for every request at an unknown cost can lose more than a short run gains).
+- The audit: every AUDIT_EVERY_STEPS steps, where a batch drafts only on the host, the measured
+  time per emitted token of its decode steps that verified drafts (their drafting included) is set
+  against that of its plain decode steps; where drafting lost, host drafting pauses, for longer
+  after each loss in a row. It catches what the fits cannot express, whatever its cause.
 """
 
 from __future__ import annotations
@@ -105,6 +109,22 @@ DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
 RAMP_FACTOR = 2
 """A host-drafted method drafts for at most this many times the requests its live samples measured."""
+AUDIT_EVERY_STEPS = 32
+"""How often the measured time per token of steps that verified host drafts is set against that of
+steps that verified none (the audit)."""
+AUDIT_MIN_SAMPLES = 2
+"""Drafting steps since the last audit below which it judges nothing."""
+AUDIT_LOSS = 0.02
+"""Drafting steps costing this share more per emitted token than plain ones are a loss."""
+AUDIT_GAIN = 0.05
+"""Drafting steps costing this share less per emitted token than plain ones are a gain."""
+AUDIT_BATCH_RATIO = 1.25
+"""Steps compared by the audit have batch sizes within this factor of the drafting steps' median."""
+MAX_PAUSE_STEPS = 16 * AUDIT_EVERY_STEPS
+"""The longest a loss found by the audit stops host drafting."""
+TRIAL_LOSS_SHARE = 0.02
+"""A pause is long enough that the trial after it, if it loses as much as the last, loses at most
+this share of the time of the two."""
 MAX_DINKELBACH_ITERATIONS = 32
 COLLINEAR = 1e-4
 """A term is told apart from those already fitted only if they leave more than this share of its
@@ -299,6 +319,41 @@ class DraftCostModel:
         return int(self.samples.largest(step, 0))
 
 
+class RealizedRate:
+    """Seconds per emitted token of whole decode steps as measured: those that verified host drafts
+    (their drafting included) and those that verified none (the audit's two sides)."""
+
+    def __init__(self) -> None:
+        self.plain = SampleWindow(num_terms=1, window=16, max_age_steps=4 * AUDIT_EVERY_STEPS)
+        """(step, 1, requests, seconds): steps without drafts, mostly the explore steps."""
+        self.drafting = SampleWindow(num_terms=2, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)
+        """(step, 1, requests, emitted tokens, seconds): steps since the last audit that verified drafts."""
+
+    def record(self, step: int, num_requests: int, num_emitted: int, drafted: bool, seconds: float) -> None:
+        if drafted:
+            self.drafting.record(step, (num_requests, num_emitted), seconds)
+        else:
+            self.plain.record(step, (num_requests,), seconds)
+
+    def ratio(self, step: int) -> float | None:
+        """Drafting steps' seconds per emitted token over plain steps', both at batch sizes within
+        AUDIT_BATCH_RATIO of the drafting steps' median; None without enough samples of each."""
+        drafting, plain = self.drafting._live(step), self.plain._live(step)  # [n, (step, 1, R, ..., s)]
+        if len(drafting) < AUDIT_MIN_SAMPLES or not len(plain):
+            return None
+        batch = float(np.median(drafting[:, 2]))
+
+        def near(rows: np.ndarray) -> np.ndarray:
+            return rows[(rows[:, 2] * AUDIT_BATCH_RATIO >= batch) & (rows[:, 2] <= batch * AUDIT_BATCH_RATIO)]
+
+        drafting, plain = near(drafting), near(plain)
+        if not len(plain) or not drafting[:, 3].sum() or not plain[:, -1].sum():
+            return None
+        drafting_s = drafting[:, -1].sum() / drafting[:, 3].sum()
+        plain_s = plain[:, -1].sum() / plain[:, 2].sum()  # a plain step emits one token a request
+        return float(drafting_s / plain_s)
+
+
 @dataclass
 class DraftChoices:
     """What k drafts would bring and cost each request (row i, column k; column 0: no drafts),
@@ -397,6 +452,13 @@ class AdaptiveSpeculation:
         self._kept: KeptChoice | None = None
         self._unspent_probe_s = 0.0
         """The probe shares of the probe steps since the last that probed (PROBE_SHARE)."""
+        self.realized = RealizedRate()
+        self.paused_until = 0
+        """Host-drafted methods do not draft before this step: the audit found their drafting steps
+        dearer per token than plain ones, a cost the fits cannot express (a tail padded to the
+        longest k) or one that moved since they were measured."""
+        self._pause_steps = AUDIT_EVERY_STEPS
+        """The next pause's length: doubled by each loss in a row, reset by a gain."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -431,6 +493,12 @@ class AdaptiveSpeculation:
             # REFIT_EVERY_STEPS steps more at a scale the cached fit may have priced wrong
             self._fits.clear()
 
+    def record_realized(self, num_requests: int, num_emitted: int, drafted: bool, seconds: float) -> None:
+        """A decode step of a batch drafted on the host (or not at all), for the audit: its whole
+        time, its drafting for the next step included where it verified drafts (`drafted`), left
+        out where it verified none."""
+        self.realized.record(self.step, num_requests, num_emitted, drafted, seconds)
+
     def forget(self, request_id: str) -> None:
         self.last_drafted.pop(request_id, None)
 
@@ -440,6 +508,8 @@ class AdaptiveSpeculation:
         self.step += 1
         if not self.enabled:
             return [seq.spec.max_k for seq in seqs]
+        if self.step % AUDIT_EVERY_STEPS == AUDIT_EVERY_STEPS // 2:
+            self._audit()
         if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
@@ -466,10 +536,29 @@ class AdaptiveSpeculation:
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
                 chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
+        if self.step < self.paused_until:
+            ks = [0 if seq.spec.method in self.host_methods else k for seq, k in zip(seqs, ks)]
         for seq, k in zip(seqs, ks):
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
         return list(ks)
+
+    def _audit(self) -> None:
+        """Pauses host drafting where the drafting steps since the last audit cost more per emitted
+        token than plain ones (AUDIT_LOSS): twice as long as the last pause after each loss in a row,
+        and long enough that a trial losing as much costs at most TRIAL_LOSS_SHARE of the time (at
+        most MAX_PAUSE_STEPS); the first pause after a gain (AUDIT_GAIN) is AUDIT_EVERY_STEPS long.
+        The steps after a pause are the next trial."""
+        ratio = self.realized.ratio(self.step)
+        if ratio is None:
+            return
+        if ratio > 1 + AUDIT_LOSS:
+            trial_s = AUDIT_EVERY_STEPS * (ratio - 1) / TRIAL_LOSS_SHARE
+            pause = min(max(self._pause_steps, int(trial_s)), MAX_PAUSE_STEPS)
+            self.paused_until = self.step + pause
+            self._pause_steps = min(2 * pause, MAX_PAUSE_STEPS)
+        elif ratio < 1 - AUDIT_GAIN:
+            self._pause_steps = AUDIT_EVERY_STEPS
 
     def _still_holds(
         self, seqs: list[Sequence], batch: list[tuple[str, int, bool]], num_other_tokens: int, mixed: bool

@@ -522,14 +522,21 @@ def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
 
 
 def run_suffix_clock(
-    acceptances: list[float], per_request_s: float, ks: int | None, num_steps: int = 150
+    acceptances: list[float],
+    per_request_s: float,
+    ks: int | None,
+    num_steps: int = 150,
+    unpriced_s: float = 0.0,
+    padded_s: float = 0.0,
 ) -> float:
     """Output tokens per second of a batch on a synthetic clock, with the controller choosing
     (`ks` None) or every request drafting `ks`. A step's device time is 1.5 ms + 15 us a request +
     3 us a token in the forward; a drafting request's host time (suffix look-ups and index
     updates) is `per_request_s` plus 4 us per token it indexes (those emitted since it last
     drafted). Each draft is accepted with the request's true acceptance, the first rejection
-    ending the run; the controller starts from the engine's prior and learns from what it drafts."""
+    ending the run; the controller starts from the engine's prior and learns from what it drafts.
+    Costs the fits cannot express, in the step's time: `unpriced_s` per drafting request outside
+    the drafter's timer, and `padded_s` per request and row of the longest k (a padded tail)."""
     rng = random.Random(0)
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
     batch = seqs(acceptances, max_k=8)
@@ -540,6 +547,7 @@ def run_suffix_clock(
     for _ in range(num_steps):
         chosen = adaptive.choose(batch, num_other_tokens=len(batch)) if ks is None else [ks] * len(batch)
         drafting = [i for i, k in enumerate(chosen) if k]
+        host_s = 0.0
         if drafting:
             num_context_tokens = sum(unindexed[i] for i in drafting)
             host_s = per_request_s * len(drafting) + 4e-6 * num_context_tokens
@@ -557,9 +565,29 @@ def run_suffix_clock(
             num_emitted += num_accepted + 1
             unindexed[i] += num_accepted + 1
         step_s = 0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens
+        step_s += unpriced_s * len(drafting) + padded_s * len(batch) * max(chosen)
         adaptive.record_step(len(batch), num_tokens, num_emitted, 0, step_s)
+        adaptive.record_realized(len(batch), num_emitted, bool(drafting), step_s + host_s)
         tokens, seconds = tokens + num_emitted, seconds + step_s
     return tokens / seconds
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "unpriced_s", "padded_s"), [(16, 1e-3, 0.0), (64, 1e-3, 0.0), (64, 0.0, 10e-6)]
+)
+def test_drafting_that_loses_for_costs_the_fits_cannot_see_is_paused(
+    concurrency: int, unpriced_s: float, padded_s: float
+) -> None:
+    """Host drafting whose steps cost more per token than plain steps for a reason the cost fits
+    cannot express (host time outside the drafter's timer, 1 ms a drafting request; a tail padded to
+    the longest k, 10 us a request and row) is paused by the audit: over a long run the batch keeps
+    at least 0.95x the tokens per second of not drafting (0.81-0.92x without the audit)."""
+    pick = random.Random(concurrency)
+    acceptances = [pick.choice([0.95, 0.9, 0.6, 0.3]) for _ in range(concurrency)]
+    costs = {"unpriced_s": unpriced_s, "padded_s": padded_s}
+    plain = run_suffix_clock(acceptances, 40e-6, ks=0, num_steps=2000, **costs)
+    adaptive = run_suffix_clock(acceptances, 40e-6, ks=None, num_steps=2000, **costs)
+    assert adaptive >= 0.95 * plain
 
 
 @pytest.mark.parametrize(
