@@ -114,12 +114,15 @@ AUDIT_EVERY_STEPS = 32
 steps that verified none (the audit)."""
 AUDIT_MIN_SAMPLES = 2
 """Drafting steps since the last audit below which it judges nothing."""
-AUDIT_LOSS = 0.02
-"""Drafting steps costing this share more per emitted token than plain ones are a loss."""
+AUDIT_LOSS = 0.05
+"""Audited steps taking this share longer than plain steps would have for their tokens are a loss
+(what "never a loss" allows, and above the jitter of a step's time)."""
 AUDIT_GAIN = 0.05
-"""Drafting steps costing this share less per emitted token than plain ones are a gain."""
+"""Audited steps taking this share less than plain steps would have for their tokens are a gain."""
 AUDIT_BATCH_RATIO = 1.25
 """Steps compared by the audit have batch sizes within this factor of the drafting steps' median."""
+STALL_FACTOR = 3.0
+"""An audited step taking this many times the median step's time per request stalled: it is left out."""
 MAX_PAUSE_STEPS = 16 * AUDIT_EVERY_STEPS
 """The longest a loss found by the audit stops host drafting."""
 TRIAL_LOSS_SHARE = 0.02
@@ -321,13 +324,15 @@ class DraftCostModel:
 
 class RealizedRate:
     """Seconds per emitted token of whole decode steps as measured: those that verified host drafts
-    (their drafting included) and those that verified none (the audit's two sides)."""
+    (their drafting included) and those that verified none (the audit's two sides), both over the
+    last AUDIT_EVERY_STEPS steps, so that what moves the step's time meanwhile (longer contexts,
+    another load on the host) moves both."""
 
     def __init__(self) -> None:
-        self.plain = SampleWindow(num_terms=1, window=16, max_age_steps=4 * AUDIT_EVERY_STEPS)
-        """(step, 1, requests, seconds): steps without drafts, mostly the explore steps."""
+        self.plain = SampleWindow(num_terms=1, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)
+        """(step, 1, requests, seconds): steps without drafts (at least the explore step's)."""
         self.drafting = SampleWindow(num_terms=2, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)
-        """(step, 1, requests, emitted tokens, seconds): steps since the last audit that verified drafts."""
+        """(step, 1, requests, emitted tokens, seconds): steps that verified drafts."""
 
     def record(self, step: int, num_requests: int, num_emitted: int, drafted: bool, seconds: float) -> None:
         if drafted:
@@ -336,8 +341,10 @@ class RealizedRate:
             self.plain.record(step, (num_requests,), seconds)
 
     def ratio(self, step: int) -> float | None:
-        """Drafting steps' seconds per emitted token over plain steps', both at batch sizes within
-        AUDIT_BATCH_RATIO of the drafting steps' median; None without enough samples of each."""
+        """The time the audited steps took over the time plain steps would have taken for their
+        tokens (at the plain steps' seconds per token): steps at batch sizes within AUDIT_BATCH_RATIO
+        of the drafting steps' median, stalled steps left out (`unstalled`); None without enough
+        samples. A few probe steps that lose move it little; drafting that loses on most steps does."""
         drafting, plain = self.drafting._live(step), self.plain._live(step)  # [n, (step, 1, R, ..., s)]
         if len(drafting) < AUDIT_MIN_SAMPLES or not len(plain):
             return None
@@ -347,11 +354,20 @@ class RealizedRate:
             return rows[(rows[:, 2] * AUDIT_BATCH_RATIO >= batch) & (rows[:, 2] <= batch * AUDIT_BATCH_RATIO)]
 
         drafting, plain = near(drafting), near(plain)
-        if not len(plain) or not drafting[:, 3].sum() or not plain[:, -1].sum():
+        if not len(plain):
             return None
-        drafting_s = drafting[:, -1].sum() / drafting[:, 3].sum()
-        plain_s = plain[:, -1].sum() / plain[:, 2].sum()  # a plain step emits one token a request
-        return float(drafting_s / plain_s)
+        drafting, plain = unstalled(drafting), unstalled(plain)
+        plain_s = plain[:, -1].sum() / plain[:, 2].sum()  # per token: a plain step emits one a request
+        took_s = drafting[:, -1].sum() + plain[:, -1].sum()
+        plain_would_s = drafting[:, 3].sum() * plain_s + plain[:, -1].sum()
+        return float(took_s / plain_would_s) if plain_would_s > 0 else None
+
+
+def unstalled(rows: np.ndarray) -> np.ndarray:
+    """Audit samples (step, 1, requests, ..., seconds) less those whose seconds per request exceed
+    STALL_FACTOR times the median's: steps a garbage collection or another process stalled."""
+    per_request_s = rows[:, -1] / rows[:, 2]
+    return rows[per_request_s <= STALL_FACTOR * np.median(per_request_s)]
 
 
 @dataclass

@@ -528,6 +528,7 @@ def run_suffix_clock(
     num_steps: int = 150,
     unpriced_s: float = 0.0,
     padded_s: float = 0.0,
+    drift: float = 0.0,
 ) -> float:
     """Output tokens per second of a batch on a synthetic clock, with the controller choosing
     (`ks` None) or every request drafting `ks`. A step's device time is 1.5 ms + 15 us a request +
@@ -536,7 +537,8 @@ def run_suffix_clock(
     drafted). Each draft is accepted with the request's true acceptance, the first rejection
     ending the run; the controller starts from the engine's prior and learns from what it drafts.
     Costs the fits cannot express, in the step's time: `unpriced_s` per drafting request outside
-    the drafter's timer, and `padded_s` per request and row of the longest k (a padded tail)."""
+    the drafter's timer, and `padded_s` per request and row of the longest k (a padded tail). The
+    device's time grows by `drift` of itself a step (contexts growing, another load on the host)."""
     rng = random.Random(0)
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
     batch = seqs(acceptances, max_k=8)
@@ -544,7 +546,7 @@ def run_suffix_clock(
         seq.spec.acceptance = Sequence("prior", [1], SamplingParams(), frozenset()).spec.acceptance
     unindexed = [0] * len(batch)
     tokens, seconds = 0, 0.0
-    for _ in range(num_steps):
+    for step in range(num_steps):
         chosen = adaptive.choose(batch, num_other_tokens=len(batch)) if ks is None else [ks] * len(batch)
         drafting = [i for i, k in enumerate(chosen) if k]
         host_s = 0.0
@@ -564,7 +566,7 @@ def run_suffix_clock(
             adaptive.observe(seq, k, num_accepted)
             num_emitted += num_accepted + 1
             unindexed[i] += num_accepted + 1
-        step_s = 0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens
+        step_s = (0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens) * (1 + drift * step)
         step_s += unpriced_s * len(drafting) + padded_s * len(batch) * max(chosen)
         adaptive.record_step(len(batch), num_tokens, num_emitted, 0, step_s)
         adaptive.record_realized(len(batch), num_emitted, bool(drafting), step_s + host_s)
