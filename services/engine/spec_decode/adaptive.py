@@ -340,18 +340,19 @@ class RealizedRate:
         else:
             self.plain.record(step, (num_requests,), seconds)
 
-    def ratio(self, step: int) -> float | None:
-        """The time the audited steps took over the time plain steps would have taken for their
-        tokens (at the plain steps' seconds per token): steps at batch sizes within AUDIT_BATCH_RATIO
-        of the drafting steps' median, stalled steps left out (`unstalled`); None without enough
-        samples. A few probe steps that lose move it little; drafting that loses on most steps does."""
+    def ratio(self, step: int) -> tuple[float, float] | None:
+        """(the time the audited steps took over the time plain steps would have taken for their
+        tokens at the plain steps' seconds per token, the drafting steps' median batch size): steps
+        at batch sizes within AUDIT_BATCH_RATIO of that median, stalled steps left out (`unstalled`);
+        None without enough samples. A few probe steps that lose move it little; drafting that
+        loses on most steps does."""
         drafting, plain = self.drafting._live(step), self.plain._live(step)  # [n, (step, 1, R, ..., s)]
         if len(drafting) < AUDIT_MIN_SAMPLES or not len(plain):
             return None
         batch = float(np.median(drafting[:, 2]))
 
         def near(rows: np.ndarray) -> np.ndarray:
-            return rows[(rows[:, 2] * AUDIT_BATCH_RATIO >= batch) & (rows[:, 2] <= batch * AUDIT_BATCH_RATIO)]
+            return rows[near_batch(rows[:, 2], batch)]
 
         drafting, plain = near(drafting), near(plain)
         if not len(plain):
@@ -360,7 +361,12 @@ class RealizedRate:
         plain_s = plain[:, -1].sum() / plain[:, 2].sum()  # per token: a plain step emits one a request
         took_s = drafting[:, -1].sum() + plain[:, -1].sum()
         plain_would_s = drafting[:, 3].sum() * plain_s + plain[:, -1].sum()
-        return float(took_s / plain_would_s) if plain_would_s > 0 else None
+        return (float(took_s / plain_would_s), batch) if plain_would_s > 0 else None
+
+
+def near_batch(num_requests: np.ndarray | int, batch: float) -> np.ndarray | bool:
+    """Whether a batch of `num_requests` is within AUDIT_BATCH_RATIO of `batch`."""
+    return (num_requests * AUDIT_BATCH_RATIO >= batch) & (num_requests <= batch * AUDIT_BATCH_RATIO)
 
 
 def unstalled(rows: np.ndarray) -> np.ndarray:
@@ -473,8 +479,10 @@ class AdaptiveSpeculation:
         """Host-drafted methods do not draft before this step: the audit found their drafting steps
         dearer per token than plain ones, a cost the fits cannot express (a tail padded to the
         longest k) or one that moved since they were measured."""
+        self._paused_batch = 0.0
+        """The batch size the pause is for: batches beyond AUDIT_BATCH_RATIO of it draft."""
         self._pause_steps = AUDIT_EVERY_STEPS
-        """The next pause's length: doubled by each loss in a row, reset by a gain."""
+        """The next pause's length: longer after each loss in a row, reset by a gain."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -552,7 +560,7 @@ class AdaptiveSpeculation:
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
                 chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
-        if self.step < self.paused_until:
+        if self.step < self.paused_until and near_batch(len(seqs), self._paused_batch):
             ks = [0 if seq.spec.method in self.host_methods else k for seq, k in zip(seqs, ks)]
         for seq, k in zip(seqs, ks):
             if k > 0:
@@ -560,19 +568,21 @@ class AdaptiveSpeculation:
         return list(ks)
 
     def _audit(self) -> None:
-        """Pauses host drafting where the drafting steps since the last audit cost more per emitted
-        token than plain ones (AUDIT_LOSS): twice as long as the last pause after each loss in a row,
-        and long enough that a trial losing as much costs at most TRIAL_LOSS_SHARE of the time (at
-        most MAX_PAUSE_STEPS); the first pause after a gain (AUDIT_GAIN) is AUDIT_EVERY_STEPS long.
-        The steps after a pause are the next trial."""
-        ratio = self.realized.ratio(self.step)
-        if ratio is None:
+        """Pauses host drafting for batches of about the audited size where the steps since the
+        last audit took longer than plain steps would have for their tokens (AUDIT_LOSS). The first
+        pause is AUDIT_EVERY_STEPS long (one noisy verdict costs little); each loss in a row makes
+        the next at least twice as long, and long enough that a trial losing as much costs at most
+        TRIAL_LOSS_SHARE of the time (at most MAX_PAUSE_STEPS); a gain (AUDIT_GAIN) resets it. The
+        steps after a pause are the next trial."""
+        verdict = self.realized.ratio(self.step)
+        if verdict is None:
             return
+        ratio, batch = verdict
         if ratio > 1 + AUDIT_LOSS:
-            trial_s = AUDIT_EVERY_STEPS * (ratio - 1) / TRIAL_LOSS_SHARE
-            pause = min(max(self._pause_steps, int(trial_s)), MAX_PAUSE_STEPS)
-            self.paused_until = self.step + pause
-            self._pause_steps = min(2 * pause, MAX_PAUSE_STEPS)
+            pause = self._pause_steps
+            self.paused_until, self._paused_batch = self.step + pause, batch
+            trial_steps = int(AUDIT_EVERY_STEPS * (ratio - 1) / TRIAL_LOSS_SHARE)
+            self._pause_steps = min(max(2 * pause, trial_steps), MAX_PAUSE_STEPS)
         elif ratio < 1 - AUDIT_GAIN:
             self._pause_steps = AUDIT_EVERY_STEPS
 
