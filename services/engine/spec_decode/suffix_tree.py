@@ -19,7 +19,10 @@ A plain trie of all substrings holds about `n * max_depth` nodes for `n` tokens,
 them on count-1 chains (text that occurred once). So a path that occurred once is not stored
 node by node: a *leaf* stands for the whole rest of its single occurrence, `seq[start:]` cut at
 `max_depth`, and is turned into an ordinary node (*materialised*) when a second occurrence
-arrives. Nodes with count >= 2 are *explicit*; memory is O(explicit nodes + n).
+arrives. Nodes with count >= 2 are *explicit*; memory is O(explicit nodes + n). Nodes are ints
+indexing lists of ints and of int-to-int dicts, which the garbage collector does not track: a
+tree of a thousand outputs is a handful of tracked objects, not one or two per node, so full
+collections do not walk it.
 
 Complexity, with `D = max_depth`, `k` draft tokens:
 - appending a token to a sequence: O(K + 1) dict operations, where `K < D` is the length of the
@@ -42,25 +45,12 @@ DEFAULT_MAX_TREE_DEPTH = 64
 DEFAULT_MAX_CACHED_REQUESTS = 1000
 
 
-class SuffixNode:
-    """A path of the tree: explicit (`children` is a dict) or a leaf (`seq` is set, count 1).
-
-    A leaf stands for the single occurrence `seq[start:]` of its path: the token after depth `d`
-    is `seq[start + d]`, and the chain grows with `seq` up to the tree's depth bound.
-    """
-
-    __slots__ = ("best_token", "children", "count", "link", "seq", "start")
-
-    def __init__(self, seq: list[int] | None = None, start: int = 0) -> None:
-        self.count = 1 if seq is not None else 0
-        self.children: dict[int, SuffixNode] | None = None if seq is not None else {}
-        self.best_token: int | None = None
-        """The child token with the highest count (ties: smallest id); None when not yet known."""
-        self.link: SuffixNode | None = None
-        """Explicit nodes below the root: the node of the path without its first token (its
-        *suffix link*), explicit too, as it occurs wherever this path does."""
-        self.seq = seq
-        self.start = start
+ROOT = 0
+"""The root's node id: the empty path, explicit; its count is the number of indexed tokens."""
+NO_NODE = -1
+"""`link` of the root and of leaves."""
+NO_TOKEN = -1
+"""`best` of a node whose best child is not known (it has none, or it went stale)."""
 
 
 @dataclass
@@ -80,7 +70,7 @@ class IndexedSequence:
     """A sequence held by a tree; its leaves refer to `token_ids`, so it only ever grows."""
 
     token_ids: list[int]
-    active: list[SuffixNode]
+    active: list[int]
     """The explicit nodes of the sequence's suffixes, indexed by suffix length (0: the root)."""
 
 
@@ -108,18 +98,50 @@ def draft_limit(match_len: int, max_spec_tokens: int, max_spec_factor: float) ->
 
 
 class SuffixTree:
-    """All substrings (up to `max_depth` tokens) of the sequences it indexes, with counts."""
+    """All substrings (up to `max_depth` tokens) of the sequences it indexes, with counts.
+
+    A node is an int indexing per-node lists, explicit (`_children[node]` a dict) or a leaf
+    (`_children[node]` None, `_seq[node]` set, count 1). A leaf stands for the single occurrence
+    `seq[start:]` of its path: the token after depth `d` is `seq[start + d]`, and the chain grows
+    with `seq` up to the depth bound. Node ids of removed paths are reused.
+    """
 
     def __init__(self, max_depth: int = DEFAULT_MAX_TREE_DEPTH) -> None:
         check_tree_params(max_depth)
         self.max_depth = max_depth
-        self.root = SuffixNode()
-        """Explicit; its count is the number of indexed tokens."""
+        self._children: list[dict[int, int] | None] = [{}]
+        """Per node: token -> child node (untracked by the garbage collector: ints only); None for a leaf."""
+        self._count: list[int] = [0]
+        """Per node: occurrences of its path."""
+        self._best: list[int] = [NO_TOKEN]
+        """Per node: the child token with the highest count (ties: smallest id), NO_TOKEN when not yet known."""
+        self._link: list[int] = [NO_NODE]
+        """Explicit nodes below the root: the node of the path without its first token (its
+        *suffix link*), explicit too, as it occurs wherever this path does."""
+        self._seq: list[list[int] | None] = [None]
+        """Leaves: the token list of the sequence the leaf's occurrence is in."""
+        self._start: list[int] = [0]
+        """Leaves: where the leaf's occurrence starts in `_seq[node]`."""
+        self._free: list[int] = []
+        """Ids of removed nodes, reused by new ones."""
         self.num_nodes = 0
         """Nodes below the root, explicit and leaves (the tree's memory, for metrics)."""
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens indexed (the root's count)."""
+        return self._count[ROOT]
+
+    def count(self, node: int) -> int:
+        """Occurrences of the path of `node` (1 for a leaf)."""
+        return self._count[node]
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> child node of an explicit node; empty for a leaf."""
+        return self._children[node] or {}
+
     def new_sequence(self) -> IndexedSequence:
-        return IndexedSequence(token_ids=[], active=[self.root])
+        return IndexedSequence(token_ids=[], active=[ROOT])
 
     def extend(self, seq: IndexedSequence, token_ids: Iterable[int]) -> None:
         """Appends tokens to `seq`, counting every new substring; O(K + 1) per token."""
@@ -130,7 +152,7 @@ class SuffixTree:
         """Uncounts every substring of `seq`; paths left with count 0 are deleted, so removal is exact."""
         for start in range(len(seq.token_ids)):
             self._remove_occurrence(seq.token_ids, start)
-        self.root.count -= len(seq.token_ids)
+        self._count[ROOT] -= len(seq.token_ids)
 
     def speculate(
         self, context: list[int], max_spec_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -149,13 +171,14 @@ class SuffixTree:
         candidates = ((m, seq.active[m]) for m in range(len(seq.active) - 1, 0, -1))
         return self._best_draft(candidates, max_spec_tokens, max_spec_factor, min_token_prob)
 
-    def find(self, path: list[int]) -> SuffixNode | None:
+    def find(self, path: list[int]) -> int | None:
         """The explicit node of `path`, or the leaf whose chain contains it; None if absent."""
-        node = self.root
+        node = ROOT
         for depth, token_id in enumerate(path):
-            if node.children is None:
-                return node if _leaf_continues(node, depth, path[depth:]) else None
-            child = node.children.get(token_id)
+            children = self._children[node]
+            if children is None:
+                return node if self._leaf_continues(node, depth, path[depth:]) else None
+            child = children.get(token_id)
             if child is None:
                 return None
             node = child
@@ -168,40 +191,43 @@ class SuffixTree:
     def path_counts(self) -> dict[tuple[int, ...], int]:
         """Every path with its count, leaves expanded; O(paths), for tests and debugging."""
         counts: dict[tuple[int, ...], int] = {}
-        stack: list[tuple[tuple[int, ...], SuffixNode]] = [((), self.root)]
+        stack: list[tuple[tuple[int, ...], int]] = [((), ROOT)]
         while stack:
             path, node = stack.pop()
-            if node.children is None:
+            children = self._children[node]
+            if children is None:
                 counts.update(dict.fromkeys(self._leaf_paths(path, node), 1))
                 continue
             if path:
-                counts[path] = node.count
-            stack.extend((path + (t,), child) for t, child in node.children.items())
+                counts[path] = self._count[node]
+            stack.extend((path + (t,), child) for t, child in children.items())
         return counts
 
-    def _match_end(self, context: list[int]) -> tuple[int, SuffixNode, SuffixNode, int]:
+    def _match_end(self, context: list[int]) -> tuple[int, int, int, int]:
         """(m, node, explicit, depth): the longest suffix `context[-m:]` that is a path, its node as
         `find` gives it, and the deepest explicit node on it with its depth.
 
         Matching statistics (as in Chang & Lawler 1994): left to right, the longest path ending at
         each token is the longest one ending before it, shortened by suffix links until the token
         extends it. O(len(context)) look-ups, plus a walk within a leaf where a leaf is shortened."""
-        root = self.root
-        node, explicit, depth, length = root, root, 0, 0
+        children_of, seq_of, start_of = self._children, self._seq, self._start
+        node, explicit, depth, length = ROOT, ROOT, 0, 0
         for end, token_id in enumerate(context):
             while True:
                 if length < self.max_depth:
-                    if node.children is not None:
-                        child = node.children.get(token_id)
+                    children = children_of[node]
+                    if children is not None:
+                        child = children.get(token_id)
                         if child is not None:
                             node, length = child, length + 1
-                            if child.children is not None:
+                            if children_of[child] is not None:
                                 explicit, depth = child, length
                             break
                     else:
-                        assert node.seq is not None
-                        at = node.start + length
-                        if at < len(node.seq) and node.seq[at] == token_id:
+                        seq = seq_of[node]
+                        assert seq is not None
+                        at = start_of[node] + length
+                        if at < len(seq) and seq[at] == token_id:
                             length += 1
                             break
                 if length == 0:
@@ -210,22 +236,34 @@ class SuffixTree:
                 length -= 1
         return length, node, explicit, depth
 
-    def _shorter(
-        self, node: SuffixNode, explicit: SuffixNode, depth: int, path: list[int]
-    ) -> tuple[SuffixNode, SuffixNode, int]:
+    def _shorter(self, node: int, explicit: int, depth: int, path: list[int]) -> tuple[int, int, int]:
         """(node, explicit, depth) of `path`, from those of the path one token longer before it: by
         the longer path's suffix link where it is explicit, else by its deepest explicit node's
         link and a walk down the rest (within a leaf)."""
-        if node.children is not None:
-            link = node.link
-            assert link is not None
+        if self._children[node] is not None:
+            link = self._link[node]
+            assert link != NO_NODE
             return link, link, len(path)
         if depth == 0:  # a leaf below the root
-            return _walk(self.root, 0, path)
-        assert explicit.link is not None
-        return _walk(explicit.link, depth - 1, path)
+            return self._walk(ROOT, 0, path)
+        assert self._link[explicit] != NO_NODE
+        return self._walk(self._link[explicit], depth - 1, path)
 
-    def _suffix_nodes(self, context: list[int]) -> Iterator[tuple[int, SuffixNode]]:
+    def _walk(self, node: int, depth: int, path: list[int]) -> tuple[int, int, int]:
+        """From the explicit `node` of `path[:depth]`, down `path` (a path of the tree) to its node or
+        the leaf containing it: (that node, the deepest explicit node passed, its depth)."""
+        explicit, explicit_depth = node, depth
+        for token_id in path[depth:]:
+            children = self._children[node]
+            if children is None:
+                break
+            node = children[token_id]
+            depth += 1
+            if self._children[node] is not None:
+                explicit, explicit_depth = node, depth
+        return node, explicit, explicit_depth
+
+    def _suffix_nodes(self, context: list[int]) -> Iterator[tuple[int, int]]:
         """(m, the node `find(context[-m:])` gives) for every suffix of `context` that is a path,
         longest first, each from the one before by a suffix link."""
         longest, node, explicit, depth = self._match_end(context)
@@ -235,61 +273,93 @@ class SuffixTree:
             yield match_len, node
 
     def _append(self, seq: IndexedSequence, token_id: int) -> None:
+        children_of, count, link, best = self._children, self._count, self._link, self._best
         seq.token_ids.append(token_id)
-        self.root.count += 1
+        count[ROOT] += 1
         end = len(seq.token_ids)
-        active = [self.root]
-        shorter = self.root  # the node of the new suffix one token shorter than the current one
+        active = [ROOT]
+        shorter = ROOT  # the node of the new suffix one token shorter than the current one
         deepest = self.max_depth - 1  # an active node is shorter than max_depth
         for length, node in enumerate(seq.active):
-            assert node.children is not None
-            child = node.children.get(token_id)
+            children = children_of[node]
+            assert children is not None
+            child = children.get(token_id)
             if child is None:
                 # a new path, so are all longer ones: each gets a leaf for this occurrence
-                node.children[token_id] = SuffixNode(seq.token_ids, end - length - 1)
-                self.num_nodes += 1
-                _bump_best(node, token_id)
+                children[token_id] = self._new_leaf(seq.token_ids, end - length - 1)
+                self._bump_best(node, token_id)
                 continue
-            if child.children is None:
+            if children_of[child] is None:
                 self._materialise(child, length + 1)
-                child.link = shorter  # counted one more time just before: explicit already
+                link[child] = shorter  # counted one more time just before: explicit already
             shorter = child
-            child.count += 1
-            if node.best_token != token_id:  # where it is, it stays the best: no call
-                _bump_best(node, token_id)
+            count[child] += 1
+            if best[node] != token_id:  # where it is, it stays the best: no call
+                self._bump_best(node, token_id)
             if length < deepest:
                 active.append(child)
         seq.active = active
 
-    def _materialise(self, leaf: SuffixNode, depth: int) -> None:
+    def _new_leaf(self, seq: list[int], start: int) -> int:
+        """A leaf for the occurrence `seq[start:]`, in a freed node's place where there is one."""
+        self.num_nodes += 1
+        if self._free:
+            node = self._free.pop()
+            self._children[node], self._count[node], self._best[node] = None, 1, NO_TOKEN
+            self._link[node], self._seq[node], self._start[node] = NO_NODE, seq, start
+            return node
+        self._children.append(None)
+        self._count.append(1)
+        self._best.append(NO_TOKEN)
+        self._link.append(NO_NODE)
+        self._seq.append(seq)
+        self._start.append(start)
+        return len(self._count) - 1
+
+    def _materialise(self, leaf: int, depth: int) -> None:
         """Turns a leaf at `depth` into an explicit node whose one child continues its occurrence."""
-        assert leaf.seq is not None
-        seq, next_index = leaf.seq, leaf.start + depth
-        leaf.seq, leaf.children = None, {}
+        seq, start = self._seq[leaf], self._start[leaf]
+        assert seq is not None
+        next_index = start + depth
+        children: dict[int, int] = {}
+        self._children[leaf], self._seq[leaf] = children, None
         if depth < self.max_depth and next_index < len(seq):
-            leaf.children[seq[next_index]] = SuffixNode(seq, leaf.start)
-            leaf.best_token = seq[next_index]
-            self.num_nodes += 1
+            children[seq[next_index]] = self._new_leaf(seq, start)
+            self._best[leaf] = seq[next_index]
 
     def _remove_occurrence(self, token_ids: list[int], start: int) -> None:
-        node = self.root
+        node = ROOT
         for token_id in token_ids[start : start + self.max_depth]:
-            assert node.children is not None
-            child = node.children[token_id]
-            if child.count == 1:
+            children = self._children[node]
+            assert children is not None
+            child = children[token_id]
+            if self._count[child] == 1:
                 # this occurrence was the path's last: drop it with everything below it
-                assert child.children is not None or (child.seq is token_ids and child.start == start)
-                del node.children[token_id]
-                _forget_best(node, token_id)
-                self.num_nodes -= _chain_length(child)
+                assert self._children[child] is not None or (
+                    self._seq[child] is token_ids and self._start[child] == start
+                )
+                del children[token_id]
+                self._forget_best(node, token_id)
+                self._free_chain(child)
                 return
-            child.count -= 1
-            _forget_best(node, token_id)
+            self._count[child] -= 1
+            self._forget_best(node, token_id)
             node = child
+
+    def _free_chain(self, node: int) -> None:
+        """Frees `node` and the nodes below it; a path of count 1 has one occurrence, so below it is a chain."""
+        while True:
+            children = self._children[node]
+            self._children[node] = self._seq[node] = None
+            self._free.append(node)
+            self.num_nodes -= 1
+            if not children:
+                return
+            (node,) = children.values()
 
     def _best_draft(
         self,
-        candidates: Iterable[tuple[int, SuffixNode | None]],
+        candidates: Iterable[tuple[int, int | None]],
         max_spec_tokens: int,
         max_spec_factor: float,
         min_token_prob: float,
@@ -309,20 +379,21 @@ class SuffixTree:
             if max_len <= best.score:
                 break
             assert node is not None
-            if node.count == longer_count and not longer_at_depth:
+            if self._count[node] == longer_count and not longer_at_depth:
                 continue
             draft = self._grow_draft(node, match_len, max_len, min_token_prob)
-            longer_count = node.count
+            longer_count = self._count[node]
             longer_at_depth = match_len + len(draft.token_ids) >= self.max_depth
             if draft.score > best.score:
                 best = draft
         return best
 
-    def _grow_draft(self, node: SuffixNode, depth: int, max_len: int, min_token_prob: float) -> SuffixDraft:
+    def _grow_draft(self, node: int, depth: int, max_len: int, min_token_prob: float) -> SuffixDraft:
         """Greedy draft from the path `node` at `depth`: the most frequent continuation each step."""
-        if node.seq is not None:  # a leaf: the rest of its one occurrence, every token certain
-            begin = node.start + depth
-            token_ids = node.seq[begin : begin + min(max_len, self.max_depth - depth)]
+        seq = self._seq[node]
+        if seq is not None:  # a leaf: the rest of its one occurrence, every token certain
+            begin = self._start[node] + depth
+            token_ids = seq[begin : begin + min(max_len, self.max_depth - depth)]
             return SuffixDraft(token_ids, [1.0] * len(token_ids), depth, float(len(token_ids)))
         draft = SuffixDraft(match_len=depth)
         cum_prob = 1.0
@@ -335,28 +406,68 @@ class SuffixTree:
             draft.score += cum_prob
         return draft
 
-    def _greedy_path(self, node: SuffixNode, depth: int) -> Iterator[tuple[int, float, SuffixNode]]:
+    def _greedy_path(self, node: int, depth: int) -> Iterator[tuple[int, float, int]]:
         """(token, probability, node after it) along the most frequent continuation of a path."""
         while depth < self.max_depth:
-            if node.children is None:
-                assert node.seq is not None
-                if node.start + depth >= len(node.seq):
+            children = self._children[node]
+            if children is None:
+                seq = self._seq[node]
+                assert seq is not None
+                at = self._start[node] + depth
+                if at >= len(seq):
                     return
-                yield node.seq[node.start + depth], 1.0, node
+                yield seq[at], 1.0, node
             else:
-                token_id = _best_token(node)
-                if token_id is None:
+                token_id = self._best_token(node)
+                if token_id == NO_TOKEN:
                     return
-                child = node.children[token_id]
-                yield token_id, child.count / node.count, child
+                child = children[token_id]
+                yield token_id, self._count[child] / self._count[node], child
                 node = child
             depth += 1
 
-    def _leaf_paths(self, path: tuple[int, ...], leaf: SuffixNode) -> Iterator[tuple[int, ...]]:
-        assert leaf.seq is not None
-        end = min(leaf.start + self.max_depth, len(leaf.seq))
-        for stop in range(leaf.start + len(path), end + 1):
-            yield tuple(leaf.seq[leaf.start : stop])
+    def _leaf_paths(self, path: tuple[int, ...], leaf: int) -> Iterator[tuple[int, ...]]:
+        seq, start = self._seq[leaf], self._start[leaf]
+        assert seq is not None
+        end = min(start + self.max_depth, len(seq))
+        for stop in range(start + len(path), end + 1):
+            yield tuple(seq[start:stop])
+
+    def _leaf_continues(self, leaf: int, depth: int, rest: list[int]) -> bool:
+        """Whether the leaf's occurrence goes on with `rest` after its first `depth` tokens."""
+        seq = self._seq[leaf]
+        assert seq is not None
+        begin = self._start[leaf] + depth
+        return seq[begin : begin + len(rest)] == rest
+
+    def _best_token(self, node: int) -> int:
+        """The most frequent child token (ties: smallest id), recomputed only after it went stale;
+        NO_TOKEN without children."""
+        children = self._children[node]
+        if self._best[node] == NO_TOKEN and children:
+            count = self._count
+            self._best[node] = min(children, key=lambda t: (-count[children[t]], t))
+        return self._best[node]
+
+    def _bump_best(self, node: int, token_id: int) -> None:
+        """Keeps `best` exact after the child `token_id` gained one count; O(1)."""
+        children = self._children[node]
+        assert children is not None
+        best = self._best[node]
+        if best == token_id:
+            return
+        if best == NO_TOKEN:
+            if len(children) == 1:
+                self._best[node] = token_id
+            return
+        count, best_count = self._count[children[token_id]], self._count[children[best]]
+        if count > best_count or (count == best_count and token_id < best):
+            self._best[node] = token_id
+
+    def _forget_best(self, node: int, token_id: int) -> None:
+        """The child `token_id` lost counts: if it was the best, the best is unknown until asked."""
+        if self._best[node] == token_id:
+            self._best[node] = NO_TOKEN
 
 
 class GlobalSuffixIndex:
@@ -439,62 +550,3 @@ class GlobalSuffixIndex:
     def speculate_batch(self, queries: list[tuple[list[int], int]]) -> list[SuffixDraft | None]:
         """`speculate` for each (context, max_spec_tokens), with the index's limits; never None here."""
         return [self.speculate(context, max_spec_tokens) for context, max_spec_tokens in queries]
-
-
-def _walk(node: SuffixNode, depth: int, path: list[int]) -> tuple[SuffixNode, SuffixNode, int]:
-    """From the explicit `node` of `path[:depth]`, down `path` (a path of the tree) to its node or
-    the leaf containing it: (that node, the deepest explicit node passed, its depth)."""
-    explicit, explicit_depth = node, depth
-    for token_id in path[depth:]:
-        if node.children is None:
-            break
-        node = node.children[token_id]
-        depth += 1
-        if node.children is not None:
-            explicit, explicit_depth = node, depth
-    return node, explicit, explicit_depth
-
-
-def _chain_length(node: SuffixNode) -> int:
-    """Nodes from `node` down; a path of count 1 has one occurrence, so below it is a chain."""
-    length = 1
-    while node.children:
-        (node,) = node.children.values()
-        length += 1
-    return length
-
-
-def _leaf_continues(leaf: SuffixNode, depth: int, rest: list[int]) -> bool:
-    """Whether the leaf's occurrence goes on with `rest` after its first `depth` tokens."""
-    assert leaf.seq is not None
-    begin = leaf.start + depth
-    return leaf.seq[begin : begin + len(rest)] == rest
-
-
-def _best_token(node: SuffixNode) -> int | None:
-    """The most frequent child token (ties: smallest id), recomputed only after it went stale."""
-    children = node.children
-    if node.best_token is None and children:
-        node.best_token = min(children, key=lambda t: (-children[t].count, t))
-    return node.best_token
-
-
-def _bump_best(node: SuffixNode, token_id: int) -> None:
-    """Keeps `best_token` exact after the child `token_id` gained one count; O(1)."""
-    assert node.children is not None
-    best = node.best_token
-    if best == token_id:
-        return
-    if best is None:
-        if len(node.children) == 1:
-            node.best_token = token_id
-        return
-    count, best_count = node.children[token_id].count, node.children[best].count
-    if count > best_count or (count == best_count and token_id < best):
-        node.best_token = token_id
-
-
-def _forget_best(node: SuffixNode, token_id: int) -> None:
-    """The child `token_id` lost counts: if it was the best, the best is unknown until asked."""
-    if node.best_token == token_id:
-        node.best_token = None

@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import (
+    AUDIT_EVERY_STEPS,
     DRAFT_COST_MARGIN,
     DRAFT_COST_MAX_AGE_STEPS,
     EXPLORE_EVERY_STEPS,
@@ -522,24 +524,44 @@ def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
 
 
 def run_suffix_clock(
-    acceptances: list[float], per_request_s: float, ks: int | None, num_steps: int = 150
+    acceptances: list[float],
+    per_request_s: float,
+    ks: int | None,
+    num_steps: int = 150,
+    unpriced_s: float = 0.0,
+    padded_s: float = 0.0,
+    drift: float = 0.0,
+    lifetime_tokens: int | None = None,
+    new_acceptances: list[float] | None = None,
+    jitter: float = 0.0,
 ) -> float:
     """Output tokens per second of a batch on a synthetic clock, with the controller choosing
     (`ks` None) or every request drafting `ks`. A step's device time is 1.5 ms + 15 us a request +
     3 us a token in the forward; a drafting request's host time (suffix look-ups and index
     updates) is `per_request_s` plus 4 us per token it indexes (those emitted since it last
     drafted). Each draft is accepted with the request's true acceptance, the first rejection
-    ending the run; the controller starts from the engine's prior and learns from what it drafts."""
+    ending the run; the controller starts from the engine's prior and learns from what it drafts.
+    Costs the fits cannot express, in the step's time: `unpriced_s` per drafting request outside
+    the drafter's timer, and `padded_s` per request and row of the longest k (a padded tail). The
+    device's time grows by `drift` of itself a step (contexts growing, another load on the host) and
+    varies by +-`jitter` / 2 of itself. With `lifetime_tokens`, a request that emitted that many
+    tokens is replaced by a new one (learnt from the prior again), whose acceptance is the next of
+    `new_acceptances` in turn; the first requests start part-way through their lifetimes."""
     rng = random.Random(0)
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
     batch = seqs(acceptances, max_k=8)
     for seq in batch:
         seq.spec.acceptance = Sequence("prior", [1], SamplingParams(), frozenset()).spec.acceptance
     unindexed = [0] * len(batch)
+    acceptances = list(acceptances)
+    pool, num_started = new_acceptances or acceptances, len(batch)
+    lifetime = lifetime_tokens or 0
+    emitted = [i * lifetime // len(batch) for i in range(len(batch))]
     tokens, seconds = 0, 0.0
-    for _ in range(num_steps):
+    for step in range(num_steps):
         chosen = adaptive.choose(batch, num_other_tokens=len(batch)) if ks is None else [ks] * len(batch)
         drafting = [i for i, k in enumerate(chosen) if k]
+        host_s = 0.0
         if drafting:
             num_context_tokens = sum(unindexed[i] for i in drafting)
             host_s = per_request_s * len(drafting) + 4e-6 * num_context_tokens
@@ -556,10 +578,94 @@ def run_suffix_clock(
             adaptive.observe(seq, k, num_accepted)
             num_emitted += num_accepted + 1
             unindexed[i] += num_accepted + 1
-        step_s = 0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens
+            emitted[i] += num_accepted + 1
+        step_s = (0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens) * (1 + drift * step)
+        step_s *= 1 + jitter * (rng.random() - 0.5)
+        step_s += unpriced_s * len(drafting) + padded_s * len(batch) * max(chosen)
         adaptive.record_step(len(batch), num_tokens, num_emitted, 0, step_s)
+        adaptive.record_realized(len(batch), num_emitted, bool(drafting), step_s + host_s)
         tokens, seconds = tokens + num_emitted, seconds + step_s
+        for i in [i for i in range(len(batch)) if lifetime_tokens and emitted[i] >= lifetime_tokens]:
+            adaptive.forget(batch[i].request_id)
+            (batch[i],) = seqs([0.0], max_k=8)
+            batch[i].request_id, batch[i].spec.acceptance = f"r{num_started}", seqs_prior()
+            acceptances[i], emitted[i], unindexed[i] = pool[num_started % len(pool)], 0, 0
+            num_started += 1
     return tokens / seconds
+
+
+def seqs_prior() -> float:
+    """The acceptance a new request starts from."""
+    return Sequence("prior", [1], SamplingParams(), frozenset()).spec.acceptance
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "unpriced_s", "padded_s"), [(16, 1e-3, 0.0), (64, 1e-3, 0.0), (64, 0.0, 8e-6)]
+)
+def test_drafting_that_loses_for_costs_the_fits_cannot_see_is_paused(
+    concurrency: int, unpriced_s: float, padded_s: float
+) -> None:
+    """Host drafting whose steps cost more per token than plain steps for a reason the cost fits
+    cannot express (host time outside the drafter's timer, 1 ms a drafting request; a tail padded to
+    the longest k, 8 us a request and row) is paused by the audit: over a long run the batch keeps
+    at least 0.95x the tokens per second of not drafting (0.81-0.90x without the audit)."""
+    pick = random.Random(concurrency)
+    acceptances = [pick.choice([0.95, 0.9, 0.6, 0.3]) for _ in range(concurrency)]
+    costs = {"unpriced_s": unpriced_s, "padded_s": padded_s}
+    plain = run_suffix_clock(acceptances, 40e-6, ks=0, num_steps=2000, **costs)
+    adaptive = run_suffix_clock(acceptances, 40e-6, ks=None, num_steps=2000, **costs)
+    assert adaptive >= 0.95 * plain
+
+
+def test_a_pause_holds_for_batches_of_the_size_that_lost() -> None:
+    """The audit's verdict is about a batch of its size: 64 requests whose drafting steps took
+    twice the time per token of plain ones stop drafting on the host for AUDIT_EVERY_STEPS steps,
+    while a batch of 4 (another regime) still drafts; after the pause the 64 draft again."""
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+    large, small = seqs([0.95] * 64, max_k=8), seqs([0.95] * 4, max_k=8)
+    for _ in range(AUDIT_EVERY_STEPS // 2 - 1):
+        adaptive.choose(large, num_other_tokens=64)
+        adaptive.record_realized(64, 64, drafted=False, seconds=0.01)
+        adaptive.record_realized(64, 128, drafted=True, seconds=0.04)
+    assert not any(adaptive.choose(large, num_other_tokens=64))  # the audit's step: paused from here
+    assert any(adaptive.choose(small, num_other_tokens=4))
+    assert not any(adaptive.choose(large, num_other_tokens=64))
+    while adaptive.step < adaptive.paused_until:
+        adaptive.choose(large, num_other_tokens=64)
+    assert any(adaptive.choose(large, num_other_tokens=64))
+
+
+@pytest.mark.parametrize(("concurrency", "per_request_s"), [(16, 150e-6), (16, 300e-6), (64, 150e-6)])
+@pytest.mark.parametrize("drift", [1e-3, -3e-4])
+def test_the_audit_does_not_pause_drafting_that_pays_while_the_step_time_drifts(
+    concurrency: int, per_request_s: float, drift: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where drafting pays a little or breaks even, and the device's time grows or shrinks over the
+    run (contexts growing, the host's load changing), the audit's pauses cost at most 3% of the
+    tokens per second the controller gets without them."""
+    pick = random.Random(concurrency)
+    acceptances = [pick.choice([0.95, 0.9, 0.6, 0.3]) for _ in range(concurrency)]
+    audited = run_suffix_clock(acceptances, per_request_s, ks=None, num_steps=1000, drift=drift)
+    monkeypatch.setattr(AdaptiveSpeculation, "_audit", lambda self: None)
+    unaudited = run_suffix_clock(acceptances, per_request_s, ks=None, num_steps=1000, drift=drift)
+    assert audited >= 0.97 * unaudited
+
+
+@pytest.mark.parametrize("concurrency", [1, 16, 64])
+@pytest.mark.parametrize("per_request_s", [40e-6, 300e-6])
+def test_the_audit_does_not_pause_drafting_that_pays_as_requests_come_and_go(
+    concurrency: int, per_request_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests of 120 tokens replaced as they finish, one in five accepting almost nothing (new
+    ones learnt from the prior), steps varying by +-5%: the audit costs at most 2% of the tokens per
+    second the controller gets without it (c = 1 among them, where suffix drafting pays most)."""
+    pool = [0.95, 0.9, 0.6, 0.3, 0.05]
+    acceptances = [pool[i % len(pool)] for i in range(concurrency)]
+    clock: dict[str, Any] = dict(num_steps=2000, lifetime_tokens=120, new_acceptances=pool, jitter=0.1)
+    audited = run_suffix_clock(acceptances, per_request_s, None, **clock)
+    monkeypatch.setattr(AdaptiveSpeculation, "_audit", lambda self: None)
+    unaudited = run_suffix_clock(acceptances, per_request_s, None, **clock)
+    assert audited >= 0.98 * unaudited
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from services.engine.spec_decode.adaptive import (
 from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
 from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
+from shared.reference import default_model
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
 
 CHOOSE = AdaptiveSpeculation.choose
@@ -92,6 +93,34 @@ def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monke
     steps = drafter.adaptive.cost.samples
     step_seconds = steps.rows[: min(steps.num_recorded, len(steps.rows)), -1]
     assert len(step_seconds) > 0 and max(abs(step_seconds)) < 1e-12
+
+
+def test_the_audit_sees_whole_decode_steps(monkeypatch) -> None:
+    """On a clock that only the suffix proposer advances (1 ms a request), the audit's decode steps
+    that verified drafts carry the drafting done in them, and those that verified none carry none
+    (their drafting belongs to the next step's drafts). The shipped model, whose outputs repeat
+    its prompts: drafts are found and accepted."""
+    llm = LLM(default_model(), device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
+    drafter = llm.engine.drafter
+    clock = [0.0]
+    propose_batch = drafter.suffix.propose_batch
+
+    def slow_propose_batch(requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        clock[0] += 0.001 * len(requests)
+        return propose_batch(requests)
+
+    monkeypatch.setattr(drafter.suffix, "propose_batch", slow_propose_batch)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+
+    realized = drafter.adaptive.realized
+    drafting = realized.drafting.rows[: min(realized.drafting.num_recorded, len(realized.drafting.rows))]
+    plain = realized.plain.rows[: min(realized.plain.num_recorded, len(realized.plain.rows))]
+    assert len(drafting) > 0 and len(plain) > 0  # [n, (step, 1, requests, emitted, seconds)]
+    assert (drafting[:, 3] > drafting[:, 2]).any()  # drafts accepted: more tokens than requests
+    milliseconds = 1e3 * drafting[:, -1]  # a drafting step's own drafting: 1 ms a request drafted for
+    assert milliseconds.sum() > 0 and milliseconds == pytest.approx(milliseconds.round())
+    assert (plain[:, -1] == 0).all()
 
 
 def drafting_share(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections import Counter
@@ -91,7 +92,7 @@ def test_counts_equal_brute_force_under_chunked_growth(seed: int) -> None:
             chunk = rng.randint(1, 5)
             tree.extend(seq, tokens[len(seq.token_ids) : len(seq.token_ids) + chunk])
             assert tree.path_counts() == substring_counts([*seqs[:i], seq.token_ids], depth)
-    assert tree.root.count == sum(map(len, seqs))
+    assert tree.num_tokens == sum(map(len, seqs))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -110,7 +111,7 @@ def test_removal_is_exact(seed: int) -> None:
         assert index.tree.path_counts() == substring_counts(list(live.values()), index.tree.max_depth)
     for seq_id in list(live):
         index.remove_sequence(seq_id)
-    assert index.tree.root.children == {} and index.tree.root.count == 0
+    assert index.tree.path_counts() == {} and index.tree.num_tokens == 0 == index.tree.num_nodes
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -192,7 +193,7 @@ def test_eviction_forgets_the_oldest_request_exactly() -> None:
     reference.add_sequence("r2", requests["r2"])
     reference.add_sequence("r3", requests["r3"])
     assert index.tree.path_counts() == reference.tree.path_counts()
-    assert index.tree.root.count == reference.tree.root.count
+    assert index.tree.num_tokens == reference.tree.num_tokens
 
 
 # --- the proposer ---
@@ -382,11 +383,11 @@ def test_speculate_batch_uses_the_index_limits(seed: int) -> None:
 
 
 def count_nodes(tree: SuffixTree) -> int:
-    stack, count = [tree.root], -1  # the root is not counted
+    stack, count = [0], -1  # the root (node 0) is not counted
     while stack:
         node = stack.pop()
         count += 1
-        stack.extend((node.children or {}).values())
+        stack.extend(tree.children(node).values())
     return count
 
 
@@ -400,6 +401,29 @@ def test_node_count_follows_adds_and_removals(seed: int) -> None:
         else:
             index.add_sequence(f"r{rng.randrange(8)}", random_seq(rng, vocab=3, max_len=20))
         assert index.tree.num_nodes == count_nodes(index.tree), step
+
+
+def test_the_global_tree_holds_no_garbage_collected_object_per_node() -> None:
+    """The global tree's nodes are ints in lists and int dicts, which the cyclic garbage collector
+    does not track: indexing thousands of tokens adds a few tracked objects per sequence, so full
+    collections do not walk the tree (an object per node paused engine steps for tens of ms)."""
+    rng = random.Random(0)
+    outputs = [copied_seq(rng, []) * 8 for _ in range(20)]
+    index = GlobalSuffixIndex(max_tree_depth=16, max_cached_requests=30)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, tokens in enumerate(outputs):
+        index.add_sequence(f"r{i}", tokens)
+    gc.collect()
+    assert index.tree.num_nodes > 1000
+    assert len(gc.get_objects()) - before <= 5 * len(outputs)
+    for i in range(len(outputs)):  # removed nodes are reused, not leaked
+        index.remove_sequence(f"r{i}")
+    assert index.tree.num_nodes == 0 and index.tree.path_counts() == {}
+    num_ids = len(index.tree._count)
+    for i, tokens in enumerate(outputs):
+        index.add_sequence(f"r{i}", tokens)
+    assert len(index.tree._count) == num_ids
 
 
 # --- per-request trees built at the first draft ---
@@ -726,7 +750,7 @@ def drafts_matching_from_the_root(
     """The best draft, every match length's node found from the root and every one grown."""
     context = context[-tree.max_depth :]
     best = SuffixDraft()
-    longest = max(m for m in range(len(context) + 1) if tree.find(context[-m:] if m else []))
+    longest = max(m for m in range(len(context) + 1) if tree.find(context[-m:] if m else []) is not None)
     for m in range(longest, 0, -1):
         max_len = min(k, math.floor(factor * m))
         if max_len <= best.score:
@@ -767,7 +791,9 @@ def test_suffix_links_find_every_match_and_draft_as_matching_from_the_root(seed:
             context = copied_seq(rng, live)[-rng.randint(1, 30) :]
             k, factor, min_prob = rng.randint(1, 8), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4])
             trimmed = context[-tree.max_depth :]
-            longest = max(m for m in range(len(trimmed) + 1) if tree.find(trimmed[-m:] if m else []))
+            longest = max(
+                m for m in range(len(trimmed) + 1) if tree.find(trimmed[-m:] if m else []) is not None
+            )
             assert tree.longest_match(trimmed) == tree.longest_match(context) == longest
             linked = list(tree._suffix_nodes(trimmed))
             assert [(m, node) for m, node in linked] == [
