@@ -14,6 +14,18 @@ from shared.structured_output import StructuredOutput
 MAX_TOKENS = 40
 
 
+SMALL_DRAFT_MODEL = dict(
+    seed=3,
+    num_hidden_layers=1,
+    hidden_size=48,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    intermediate_size=64,
+)
+"""`make_checkpoint("llama", **SMALL_DRAFT_MODEL)`: a one-layer random draft model for the test targets
+(its drafts mostly rejected: rollback every step)."""
+
+
 def repetitive_prompts(count: int = 6, seed: int = 0) -> list[list[int]]:
     """Prompts that repeat a span, so n-gram and suffix drafts get accepted."""
     generator = torch.Generator().manual_seed(seed)

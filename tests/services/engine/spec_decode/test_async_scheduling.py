@@ -10,7 +10,7 @@ import torch
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
-from tests.services.engine.spec_decode.helpers import repetitive_prompts
+from tests.services.engine.spec_decode.helpers import SMALL_DRAFT_MODEL, repetitive_prompts
 
 ALL_ALIKE = (
     "token_ids",
@@ -27,15 +27,7 @@ ALL_ALIKE = (
 def methods(make_checkpoint, mtp_head) -> dict[str, dict]:
     """Speculative configs by method: a trained MTP head (with n-gram drafts after its own), a
     small random draft model (its drafts mostly rejected: rollback every step)."""
-    draft = make_checkpoint(
-        "llama",
-        seed=3,
-        num_hidden_layers=1,
-        hidden_size=48,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        intermediate_size=64,
-    )
+    draft = make_checkpoint("llama", **SMALL_DRAFT_MODEL)
     return {
         "naive": {},
         "ngram": dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3),

@@ -69,20 +69,26 @@ def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
     assert costly_drafts <= free_drafts // 4
 
 
-def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monkeypatch) -> None:
-    """On a clock that only the suffix proposer advances (1 ms a request), every drafting sample
-    is exactly that time and every step sample is zero: the drafter took its drafting out."""
-    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
-    drafter = llm.engine.drafter
+def clock_only_suffix_advances(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`time.perf_counter` becomes a clock that only the suffix proposer moves: 1 ms a request."""
     clock = [0.0]
-    propose_batch = drafter.suffix.propose_batch
+    suffix = llm.engine.drafter.suffix
+    propose_batch = suffix.propose_batch
 
     def slow_propose_batch(requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
         clock[0] += 0.001 * len(requests)
         return propose_batch(requests)
 
-    monkeypatch.setattr(drafter.suffix, "propose_batch", slow_propose_batch)
+    monkeypatch.setattr(suffix, "propose_batch", slow_propose_batch)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+
+def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monkeypatch) -> None:
+    """On a clock that only the suffix proposer advances (1 ms a request), every drafting sample
+    is exactly that time and every step sample is zero: the drafter took its drafting out."""
+    llm = LLM(target, device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
+    drafter = llm.engine.drafter
+    clock_only_suffix_advances(llm, monkeypatch)
     outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == naive_tokens
 
@@ -102,15 +108,7 @@ def test_the_audit_sees_whole_decode_steps(monkeypatch) -> None:
     its prompts: drafts are found and accepted."""
     llm = LLM(default_model(), device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
     drafter = llm.engine.drafter
-    clock = [0.0]
-    propose_batch = drafter.suffix.propose_batch
-
-    def slow_propose_batch(requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        clock[0] += 0.001 * len(requests)
-        return propose_batch(requests)
-
-    monkeypatch.setattr(drafter.suffix, "propose_batch", slow_propose_batch)
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    clock_only_suffix_advances(llm, monkeypatch)
     llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
 
     realized = drafter.adaptive.realized

@@ -13,7 +13,7 @@ from services.engine.engine import RequestError
 from services.engine.llm import LLM
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
-from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.spec_decode.helpers import GREEDY, SMALL_DRAFT_MODEL, repetitive_prompts
 
 
 def spec_llm(target: str, **spec) -> LLM:
@@ -49,17 +49,7 @@ def test_draft_model_keeps_greedy_output_and_accepts_itself(target, naive_tokens
 
 
 def test_small_draft_model_keeps_greedy_output(make_checkpoint, target, naive_tokens) -> None:
-    draft = str(
-        make_checkpoint(
-            "llama",
-            seed=3,
-            num_hidden_layers=1,
-            hidden_size=48,
-            num_attention_heads=3,
-            num_key_value_heads=1,
-            intermediate_size=64,
-        )
-    )
+    draft = str(make_checkpoint("llama", **SMALL_DRAFT_MODEL))
     llm = spec_llm(target, method="draft_model", model=draft, num_speculative_tokens=2)
     outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == naive_tokens
