@@ -208,6 +208,7 @@ def main() -> None:
                 row["step_over_floor"] = row["decode_step_ms"] / row["floor_ms"]
         if args.profile:
             profile_decode(llm, max(args.batch_sizes), args.prompt_len, vocab)
+        cuda_graphs = llm.engine.runner.graphs is not None  # closing destroys them
         llm.close()
     result = {
         "model": args.model or args.shape,
@@ -215,7 +216,7 @@ def main() -> None:
         "dtype": str(llm.engine.runner.dtype),
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
-        "cuda_graphs": llm.engine.runner.graphs is not None,
+        "cuda_graphs": cuda_graphs,
         "async_scheduling": llm.engine.config.async_scheduling,
         "tensor_parallel_size": args.tensor_parallel_size,
         "peer_all_reduce": llm.engine.runner.tp.peer is not None,

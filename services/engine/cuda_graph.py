@@ -434,14 +434,18 @@ class DecodeGraphs:
         """Captures every shape, largest first so smaller graphs reuse its memory."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for bucket, query_len in self.shapes():
-            forward = functools.partial(self._forward, bucket, query_len)
-            self.graphs[bucket, query_len] = self._capture(forward, pool)
-            for chain, only in itertools.product(self.chain_lengths, self.onlys):
-                packed: list[torch.Tensor] = []
-                plan = StepPlan([], [], chain, only=only)
-                tail = functools.partial(self._tail, bucket, query_len, plan, packed)
-                self.tails[bucket, query_len, chain, only] = (self._capture(tail, pool), packed[-1])
+        try:
+            for bucket, query_len in self.shapes():
+                forward = functools.partial(self._forward, bucket, query_len)
+                self.graphs[bucket, query_len] = self._capture(forward, pool)
+                for chain, only in itertools.product(self.chain_lengths, self.onlys):
+                    packed: list[torch.Tensor] = []
+                    plan = StepPlan([], [], chain, only=only)
+                    tail = functools.partial(self._tail, bucket, query_len, plan, packed)
+                    self.tails[bucket, query_len, chain, only] = (self._capture(tail, pool), packed[-1])
+        except BaseException:
+            self.release()  # the graphs captured so far hold the group's communicator (`release`)
+            raise
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (tokens %s, query classes %s, chains %s) in %.1f s",
@@ -451,6 +455,19 @@ class DecodeGraphs:
             self.chain_lengths,
             time.perf_counter() - started,
         )
+
+    def release(self) -> None:
+        """Destroys every captured graph. Before a tensor-parallel rank leaves its group: NCCL does
+        not destroy a communicator while a graph that captured its collectives lives, so leaving
+        first would wait for the graphs, and the communicator's teardown would run in the leaving
+        thread whenever they are freed, a later capture in this process perhaps (whose global
+        capture mode that thread's CUDA calls invalidate)."""
+        if self.hidden.is_cuda:  # no replay in flight
+            torch.cuda.synchronize(self.hidden.device)
+        for graph in [*self.graphs.values(), *(graph for graph, _ in self.tails.values())]:
+            graph.reset()
+        self.graphs.clear()
+        self.tails.clear()
 
     @staticmethod
     def _capture(run: Callable[[], None], pool: Any) -> torch.cuda.CUDAGraph:

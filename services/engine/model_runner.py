@@ -295,7 +295,12 @@ class ModelRunner:
         return list(range(self.spec.k + 1)) if has_model else [0]
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing with one rank) and the grammar fill's threads."""
+        """Destroys the CUDA graphs (steps then run eagerly), then leaves the tensor-parallel group
+        (rank 0 stops the other ranks; nothing with one rank), then stops the grammar fill's
+        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.ranks.close()
         self.step_masks.close()
 

@@ -72,6 +72,7 @@ def serve(conn: Connection) -> None:
     try:
         follow(runner, ranks)
     finally:
+        runner.close()  # its CUDA graphs first: they hold the group's communicator
         leave_group(ranks.tp)
 
 

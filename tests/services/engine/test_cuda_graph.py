@@ -14,6 +14,7 @@ import torch
 
 from services.engine.cuda_graph import BUCKETS, DecodeGraphs
 from services.engine.llm import LLM
+from services.engine.tensor_parallel import Ranks
 from services.engine.verify_update import StepPlan
 from shared.model import load_model
 from shared.sampling_params import SamplingParams
@@ -62,6 +63,10 @@ class EagerGraph:
 
     def __init__(self, run: Callable[[], torch.Tensor | None], out: torch.Tensor | None = None):
         self.run, self.out = run, out
+        self.released = False
+
+    def reset(self) -> None:
+        self.released = True
 
     def replay(self) -> None:
         result = self.run()
@@ -115,6 +120,59 @@ def with_eager_graphs(llm: LLM, max_tokens: int, prefill_len: int | None = None)
     runner.graphs = graphs
     drafter.max_graph_tokens = graphs.max_decode_tokens
     return graphs
+
+
+class LeavingRanks(Ranks):
+    """A group of one that notes, when it is left, whether `graphs` were all destroyed by then."""
+
+    def __init__(self, graphs: list[EagerGraph]):
+        self.graphs = graphs
+        self.left_after_graphs: list[bool] = []
+
+    def close(self) -> None:
+        self.left_after_graphs.append(all(graph.released for graph in self.graphs))
+
+
+def every_graph(graphs: DecodeGraphs) -> list[EagerGraph]:
+    return [*graphs.graphs.values(), *(graph for graph, _ in graphs.tails.values())]  # type: ignore[list-item]
+
+
+def test_closing_destroys_the_graphs_before_the_group_is_left(make_checkpoint) -> None:
+    """NCCL does not destroy a communicator while a graph that captured its collectives lives:
+    closing an engine destroys every graph before its ranks leave the group (else the leave waits
+    for them and its teardown runs whenever they are freed, during a later capture perhaps);
+    steps then run eagerly."""
+    llm = LLM(str(make_checkpoint("llama", num_hidden_layers=1)), device="cpu", max_model_len=64)
+    graphs = with_eager_graphs(llm, max_tokens=8)
+    captured = every_graph(graphs)
+    ranks = llm.engine.runner.ranks = LeavingRanks(captured)
+    llm.close()
+    assert ranks.left_after_graphs == [True] and len(captured) > 1
+    assert llm.engine.runner.graphs is None and not every_graph(graphs)
+
+
+def test_a_failed_capture_destroys_the_graphs_it_captured(make_checkpoint, monkeypatch) -> None:
+    """A capture that fails part way (the engine's start-up then leaves the group) destroys the
+    graphs captured before it."""
+    llm = LLM(str(make_checkpoint("llama", num_hidden_layers=1)), device="cpu", max_model_len=64)
+    graphs = with_eager_graphs(llm, max_tokens=8)
+    graphs.graphs.clear()
+    graphs.tails.clear()
+    captured: list[EagerGraph] = []
+
+    def capture(run: Callable[[], None], pool: Any) -> EagerGraph:
+        if len(captured) == 3:
+            raise RuntimeError("capture invalidated")
+        run()  # what a capture records (a tail's packed result among it)
+        captured.append(EagerGraph(run))
+        return captured[-1]
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        DecodeGraphs.capture(graphs)
+    assert len(captured) == 3 and all(graph.released for graph in captured)
+    assert not every_graph(graphs)
 
 
 CASES = {
