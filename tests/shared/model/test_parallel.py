@@ -77,6 +77,7 @@ def _rank_logits(rank: int, paths: list[str], store_path: str, out_dir: str) -> 
                 logits = prefill_logits(model, TOKEN_IDS)
             if rank == 0:
                 torch.save(logits, Path(out_dir) / f"{i}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
