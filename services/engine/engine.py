@@ -19,8 +19,9 @@ discarded (never emitted; its KV and slot freed); blocks are reserved for two st
 string found by `_emit` ends the request with the same text, its extra steps dropped. Steps that
 need the host wait for the step in flight and take the path above: prefill chunks, requests
 joining (admitted, resumed, activated) or preempted, grammar masks, the torch verifier (penalties,
-logit bias, logprobs, min_tokens not reached yet), host drafters (suffix), draft trees, tensor
-parallelism, a short KV cache or a request near max_model_len.
+logit bias, logprobs, min_tokens not reached yet), drafts made on the host (suffix decoding's,
+where a request drafts at all: one left at k = 0 runs ahead), draft trees, tensor parallelism, a
+short KV cache or a request near max_model_len.
 """
 
 from __future__ import annotations
@@ -432,9 +433,7 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
-            self.drafter.record_step(
-                len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
-            )
+            self.drafter.record_step(plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed)
         return outputs
 
     def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -461,7 +460,7 @@ class LLMEngine:
             )
             if seq.finish_reason is None and seq.status is SequenceStatus.RUNNING
         ]
-        if not queries or not all(self.drafter.drafts_on_device(seq) for seq, _, _ in queries):
+        if not queries or not all(self.drafter.drafts_on_device(seq, n - 1) for seq, n, _ in queries):
             return None
         seqs = [seq for seq, _, _ in queries]
         extra = [num_new + self.drafter.max_lookahead(seq) for seq, _, num_new in queries]

@@ -76,8 +76,6 @@ class Drafter:
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
-        self.host_only = False
-        """Whether the last planned step's requests all draft on the host (or not at all)."""
         self.inputs = runner.inputs
 
     @property
@@ -174,7 +172,6 @@ class Drafter:
                 ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
         chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
         methods = [self.method_index(seq) for seq in seqs]
-        self.host_only = all(m == -1 for m in methods)
         only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
         return StepPlan(seqs, ks, max(chains, default=0), methods, only)
 
@@ -182,11 +179,14 @@ class Drafter:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
         return self._device_index.get(seq.spec.method, -1)
 
-    def drafts_on_device(self, seq: Sequence) -> bool:
-        """Whether the request's drafts, if any, are a chain a device proposer makes in the step's
-        tail (naive requests draft nothing): its next step can be launched ahead."""
-        method = seq.spec.method
-        return (method == "naive" or method in self._device_index) and not self._drafts_tree(seq)
+    def drafts_on_device(self, seq: Sequence, num_wanted: int) -> bool:
+        """Whether the request's `num_wanted` drafts for its next step need nothing of the host:
+        none are wanted (naive requests; host-drafted ones the controller left at k = 0, which
+        then cost what naive requests cost) or they are a chain a device proposer makes in the
+        step's tail. Its next step can then be launched ahead."""
+        if num_wanted == 0:
+            return True
+        return seq.spec.method in self._device_index and not self._drafts_tree(seq)
 
     def max_lookahead(self, seq: Sequence) -> int:
         """The most KV positions past a step's newest token the request's drafting-model chain
@@ -240,22 +240,24 @@ class Drafter:
 
     def record_step(
         self,
+        plan: StepPlan,
         num_requests: int,
         num_tokens: int,
         num_emitted: int,
-        num_chain_steps: int,
         seconds: float,
         mixed: bool,
     ) -> None:
         """Books an engine step's time less its host drafting: its requests, the target forward's
-        tokens, the tokens it emitted and the drafting models' chain, which runs inside the step;
-        `mixed`: it carried prefill chunks. A decode step of requests that all draft on the host
-        (or not at all) also goes to the audit of host drafting: whole where it verified drafts,
-        less its drafting for the next step where it verified none."""
+        tokens, the tokens it emitted and the drafting models' chain (`plan`'s), which runs inside
+        the step; `mixed`: it carried prefill chunks. A decode step of requests that all draft on
+        the host (or not at all) also goes to the audit of host drafting: whole where it verified
+        drafts, less its drafting for the next step where it verified none. (`plan` is the step's
+        own: with steps launched ahead, the last one planned is the next step's.)"""
         self.adaptive.record_step(
-            num_requests, num_tokens, num_emitted, num_chain_steps, seconds - self.host_drafting_s, mixed
+            num_requests, num_tokens, num_emitted, plan.num_steps, seconds - self.host_drafting_s, mixed
         )
-        if not mixed and self.host_only:
+        host_only = all(m == -1 for m in plan.methods)
+        if not mixed and host_only:
             drafted = num_tokens > num_requests
             audited_s = seconds if drafted else seconds - self.host_drafting_s
             self.adaptive.record_realized(num_requests, num_emitted, drafted, audited_s)
