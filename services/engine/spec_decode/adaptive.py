@@ -537,7 +537,7 @@ class AdaptiveSpeculation:
             return [seq.spec.max_k for seq in seqs]
         if self.step % AUDIT_EVERY_STEPS == AUDIT_EVERY_STEPS // 2:
             self._audit()
-        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
+        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs or self._all_paused(seqs):
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
         batch = [(seq.request_id, seq.spec.max_k, seq.spec.acceptance >= self.min_acceptance) for seq in seqs]
@@ -563,12 +563,21 @@ class AdaptiveSpeculation:
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
                 chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
-        if self.step < self.paused_until and near_batch(len(seqs), self._paused_batch):
+        if self._paused(len(seqs)):
             ks = [0 if seq.spec.method in self.host_methods else k for seq, k in zip(seqs, ks)]
         for seq, k in zip(seqs, ks):
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
         return list(ks)
+
+    def _paused(self, num_seqs: int) -> bool:
+        """Whether host drafting is paused for a batch of `num_seqs` requests (`_audit`)."""
+        return self.step < self.paused_until and bool(near_batch(num_seqs, self._paused_batch))
+
+    def _all_paused(self, seqs: list[Sequence]) -> bool:
+        """Whether every request drafts on the host and host drafting is paused for their batch:
+        nothing to solve (a paused batch then costs the host what a plain one does)."""
+        return self._paused(len(seqs)) and all(seq.spec.method in self.host_methods for seq in seqs)
 
     def _audit(self) -> None:
         """Pauses host drafting for batches of about the audited size where the steps since the
