@@ -37,7 +37,7 @@ from shared.speculative_config import SpeculativeConfig
 PHASES = {
     "engine": ("step", "_launch_ahead", "_land", "_update_slots", "_emit", "_apply", "_free_stopped"),
     "scheduler": ("schedule", "schedule_ahead"),
-    "drafter": ("plan", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
+    "drafter": ("plan", "choose_pending", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
     "runner": ("launch", "launch_ahead", "prepare", "_run", "_complete", "_read_back"),
     "graphs": ("lookup", "replay_forward", "_copy_in", "replay_tail"),
 }

@@ -4,6 +4,7 @@ batch = scheduler.schedule()
 plan = drafter.plan(batch)                   # each request's k for its next step
 launched = model_runner.launch(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
 outputs = emit(last step's tokens)           # detokenize, stop strings: while the device works
+drafter.choose_pending()                     # the ks of host-drafted steps, chosen after the launch
 drafter.prepare_on_host(launched.running)    # drafting work that needs no result of this step
 apply(batch, launched.result())              # tokens, finishes, KV lengths, next drafts
 
@@ -421,6 +422,7 @@ class LLMEngine:
         while the device works, host drafting follows."""
         batch, plan, launched = flight.batch, flight.plan, flight.launched
         outputs = self._hand_over(self._emit(self._take_unemitted()))  # while the device works
+        self.drafter.choose_pending()
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
         ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
@@ -453,6 +455,7 @@ class LLMEngine:
         (services/engine/run_ahead.py): each request brings its newest token and a place for each
         draft it asked for. A request `previous` ends is found a step late; its extra step is
         discarded. None where the next step needs the host."""
+        self.drafter.choose_pending()  # what `previous` drafts for the next step
         queries = [
             (seq, 1 + k, num_new)
             for seq, k, num_new in zip(

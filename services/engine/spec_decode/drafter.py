@@ -76,6 +76,8 @@ class Drafter:
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
+        self._pending: list[tuple[StepPlan, ScheduledBatch, int]] = []
+        """Plans whose ks are chosen after their step's launch (`plan`): (plan, batch, running requests)."""
         self.inputs = runner.inputs
 
     @property
@@ -147,8 +149,36 @@ class Drafter:
 
     def plan(self, batch: ScheduledBatch, num_running: int) -> StepPlan:
         """Each sampled request's k for its next step, trimmed to the largest CUDA graph, with the
-        KV blocks its drafting model's chain writes reserved (k = 0 where they cannot be)."""
+        KV blocks its drafting model's chain writes reserved (k = 0 where they cannot be).
+
+        Where every request of the step drafts on the host or not at all, nothing the step launches
+        reads the ks: they are left to `choose_pending`, which the engine calls once the step is
+        launched, so that the controller's solve runs while the device works instead of delaying
+        the launch (a new request's first token among what it delayed)."""
         seqs = batch.sampled_seqs
+        methods = [self.method_index(seq) for seq in seqs]
+        only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
+        plan = StepPlan(seqs, [0] * len(seqs), 0, methods, only)
+        if all(m == -1 for m in methods) and not any(self._drafts_tree(seq) for seq in seqs):
+            self._pending.append((plan, batch, num_running))
+        else:
+            plan.num_wanted, plan.num_steps = self._choose(batch, seqs, num_running)
+        return plan
+
+    def choose_pending(self) -> None:
+        """Chooses the ks `plan` left for after the launch; called before anything reads them (the
+        host's drafting after the step, a step launched ahead of it). A request that ended
+        meanwhile drafts nothing."""
+        pending, self._pending = self._pending, []
+        for plan, batch, num_running in pending:
+            running = [i for i, seq in enumerate(plan.seqs) if seq.finish_reason is None]
+            ks, _ = self._choose(batch, [plan.seqs[i] for i in running], num_running)
+            plan.num_wanted = [0] * len(plan.seqs)
+            for i, k in zip(running, ks):
+                plan.num_wanted[i] = k
+
+    def _choose(self, batch: ScheduledBatch, seqs: list[Sequence], num_running: int) -> tuple[list[int], int]:
+        """(each of `seqs`' k, the longest drafting-model chain they need): `plan`'s choice."""
         drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
         ks = [0] * len(seqs)
         chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
@@ -171,9 +201,7 @@ class Drafter:
             for i in chained:
                 ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
         chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
-        methods = [self.method_index(seq) for seq in seqs]
-        only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
-        return StepPlan(seqs, ks, max(chains, default=0), methods, only)
+        return ks, max(chains, default=0)
 
     def method_index(self, seq: Sequence) -> int:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
