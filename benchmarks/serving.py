@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from benchmarks.client import CompletionClient, Sampling, drive
 from benchmarks.compare import Cell, add_speedups, result_header, save_and_print, write_result
-from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct
+from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct, warmup_burst
 from benchmarks.launch import cores_busy, launch_mesh
 from benchmarks.methods import request_override
 from benchmarks.metrics import RequestRecord, SpecCounts, run_duration_s, summarize
@@ -118,7 +118,7 @@ def run_clients(
         time.sleep(max(0.0, start_at - time.monotonic()))
         on_start()
         results = [future.result() for future in futures]
-    ordered = [None] * len(requests)
+    ordered: list[RequestRecord | None] = [None] * len(requests)
     for i, (records, _) in enumerate(results):
         ordered[i::num_processes] = records
     return ordered, sum(cpu_s for _, cpu_s in results)  # type: ignore[return-value]
@@ -205,8 +205,10 @@ def launched_cell(
     log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
     with launch_mesh(args, args.model, spec, log_dir, args.torch_threads, pd, args.gateway_workers) as mesh:
         args.log_dirs.append(str(mesh.log_dir))
-        asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
-        before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
+        burst = warmup_burst(requests, concurrency) if args.warmup_burst else []
+        asyncio.run(run_online(mesh.url, burst, args.sampling, concurrency))
+        num_warmup = NUM_WARMUP + len(burst)
+        before = mesh.worker_spec_counts(num_finished=num_warmup)
         cpu_at_start: dict[str, float] = {}
         records, client_cpu_s = run_clients(
             mesh.url,
@@ -222,7 +224,7 @@ def launched_cell(
         progress.update(len(records))
         cpu_after = {**mesh.cpu_seconds(), "client": cpu_before["client"] + client_cpu_s}
         busy = cores_busy(cpu_before, cpu_after, run_duration_s(records))
-        after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
+        after = mesh.worker_spec_counts(num_finished=num_warmup + sum(r.ok for r in records))
     return records, with_worker_positions(records, _minus(after, before)), busy
 
 
