@@ -235,7 +235,7 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" tests "* ]]; 
     timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu -s tests/services/engine/spec_decode/test_suffix_gpu.py \
         tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py -k suffix 2>&1 \
         | tee "$OUT/suffixhost-tests.log" | tail -20
-    status=${PIPESTATUS[0]}
+    status=$((status | PIPESTATUS[0]))
 fi
 for part in offline sampled; do  # greedy, then sampled
     [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" $part "* ]] || continue
