@@ -482,10 +482,6 @@ class ModelRunner:
             hidden, step.prompt_rows, self.model.compute_logits, self.model_config.vocab_size
         )
 
-    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
-        """`launch`, then wait for the result."""
-        return self.launch(batch, plan).result()
-
     def _read_back(
         self,
         packed: torch.Tensor,
@@ -500,9 +496,7 @@ class ModelRunner:
         if packed.device.type == "cuda":
             self._results.reverse()
             packed, done = self._results[0].read(packed)
-        elif (
-            self.graphs is not None
-        ):  # a graph's output: the next step, launched before it is read, overwrites it
+        elif self.graphs is not None:  # a graph's output, which the next step may overwrite unread
             packed = packed.clone()
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
