@@ -17,7 +17,8 @@ Why rank 0 drives rather than every rank running the scheduler: what the schedul
 same in every process (commands from the worker, the suffix cache's answers, adaptive speculation's
 timings), and keeping sequences, tokenizer and text N times would buy nothing.
 
-Commands travel over a socket per follower (pickled once, sent to each); tensors (KV moved in or
+Commands travel over a socket per follower, encoded once and sent to each (a step as one bytes
+message of its arrays, services/engine/step_wire.py; anything else pickled); tensors (KV moved in or
 out of the caches) over the process group. A group lives and dies together: followers die with
 rank 0 (a parent-death signal, end of file on their socket), and rank 0's process exits when a
 follower dies (its collectives could otherwise wait forever).
@@ -47,6 +48,8 @@ import services
 from kernels.all_reduce import open_peer_all_reduce
 from services.engine.cuda_graph import HostStep
 from services.engine.input_batch import SlotJoin
+from services.engine.step_wire import pack_step, unpack_step
+from services.engine.verify_update import StepPlan
 from shared.config import EngineConfig
 from shared.model.parallel import SINGLE, TensorParallel
 
@@ -78,16 +81,34 @@ class FollowerSetup:
 
 @dataclass
 class StepCommand:
-    """One step: the slots taken since the last one, the step's host inputs, the tail's plan."""
+    """One step: the slots taken since the last one, the step's host inputs, the tail's plan (its
+    drafts wanted and device proposers per request are the step's `num_wanted`, `seq_methods`)."""
 
     joins: list[SlotJoin]
     step: HostStep
-    num_wanted: list[int]
     num_steps: int
-    methods: list[int]
     only: int | None
     fused: bool
     """The fused kernel verifies every request (else rank 0 sends its verification)."""
+    ahead: bool = False
+    """Launched ahead (services/engine/run_ahead.py): each rank completes it from its own input
+    batch, which the step before left alike on every rank."""
+
+    def plan(self) -> StepPlan:
+        """The tail's plan, less the requests (which only rank 0 has)."""
+        step = self.step
+        return StepPlan([], step.num_wanted.tolist(), self.num_steps, step.seq_methods.tolist(), self.only)
+
+    def encode(self) -> bytes:
+        """One bytes message (services/engine/step_wire.py): the joins, rare, go pickled inside."""
+        numbers = [self.num_steps, NO_PROPOSER if self.only is None else self.only, self.fused, self.ahead]
+        return pack_step(self.step, numbers, self.joins or None)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> StepCommand:
+        step, (num_steps, only, fused, ahead), joins = unpack_step(data)
+        proposer = None if only == NO_PROPOSER else only
+        return cls(joins or [], step, num_steps, proposer, bool(fused), bool(ahead))
 
 
 @dataclass
@@ -114,6 +135,25 @@ class CompareRows:
 @dataclass
 class Stop:
     pass
+
+
+STEP, PICKLED = b"s", b"p"
+"""The first byte of a message to a follower: a `StepCommand` (every step, encoded), anything else."""
+NO_PROPOSER = -1
+"""`StepCommand.only` of None in its encoding."""
+
+
+def encode(command: object) -> bytes:
+    if isinstance(command, StepCommand):
+        return STEP + command.encode()
+    return PICKLED + pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    body = memoryview(data)[1:]
+    if data[:1] == STEP:
+        return StepCommand.decode(body)
+    return pickle.loads(body)
 
 
 # ---- a rank's view of the others --------------------------------------------------------------------
@@ -186,7 +226,7 @@ class Driver(Ranks):
             follower.wait()
 
     def send(self, command: object) -> None:
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(command)
         for conn in self.conns:
             conn.send_bytes(data)
 
@@ -203,7 +243,7 @@ class Driver(Ranks):
         self._closing.set()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a follower that died already
-                conn.send_bytes(pickle.dumps(Stop()))
+                conn.send_bytes(encode(Stop()))
         self._leave_group(self.tp)
         for follower in self.followers:
             try:
@@ -250,7 +290,7 @@ class Follower(Ranks):
         self.conn = conn
 
     def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
+        return decode(self.conn.recv_bytes())
 
     def share(self, make: Callable[[], T]) -> T:
         value: T = self.recv()

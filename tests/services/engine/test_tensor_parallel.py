@@ -27,6 +27,7 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
 from shared.structured_output import StructuredOutput
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.spec_decode.test_async_scheduling import count_ahead
 
 SHAPES = {
     "llama": ("llama", {"num_key_value_heads": 2}),  # GQA: one KV head per rank
@@ -96,6 +97,49 @@ def test_greedy_output_of_two_ranks_is_one_ranks(split, single, method: str) -> 
         assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     assert (drafted > 0) == (method != "naive")
     assert split.engine.runner.rows_agree()
+
+
+def mixed_finishes(single: LLM, method: str) -> list[SamplingParams]:
+    """Per prompt, a request that ends its own way while steps run ahead: max_tokens, a stop id met
+    mid-run, EOS not ignored, or seeded sampling (the fused kernel's noise, alike on every rank)."""
+    greedy = GREEDY.model_copy(update={"speculative": OVERRIDES[method]})
+    reference = [o.token_ids for o in generate(single, greedy)]
+    kinds = [
+        {"max_tokens": 7},
+        {"stop_token_ids": [reference[1][9]]},
+        {"ignore_eos": False},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 5},
+    ]
+    return [greedy.model_copy(update=kind) for kind in kinds]
+
+
+@pytest.mark.parametrize("method", sorted(OVERRIDES))
+def test_steps_ahead_on_two_ranks_return_what_one_rank_and_sync_steps_do(
+    split, single, monkeypatch, method: str
+) -> None:
+    """With asynchronous scheduling (the default) both ranks launch decode steps ahead, each
+    completing them from its own input batch: the tokens and finishes are one rank's, and those
+    of the same two ranks with it off."""
+    params = mixed_finishes(single, method)
+    expected = generate(single, params)
+    runner = split.engine.runner
+    # the count's wrapper (below) goes with the test
+    monkeypatch.setattr(runner, "launch_ahead", runner.launch_ahead)
+    ahead = count_ahead(split.engine)
+    outputs = generate(split, params)
+    launched_ahead = ahead[0]
+    monkeypatch.setattr(split.engine.config, "async_scheduling", False)
+    sync = generate(split, params)
+    for got in (outputs, sync):
+        assert [(o.token_ids, o.finish_reason) for o in got] == [
+            (o.token_ids, o.finish_reason) for o in expected
+        ]
+    assert {o.finish_reason for o in outputs} == {"length", "stop"}
+    assert launched_ahead > 20 and ahead[0] == launched_ahead  # none with it off
+    assert split.engine.runner.rows_agree()
+    engine = split.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_matches_one_rank(split, single) -> None:
