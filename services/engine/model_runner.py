@@ -264,6 +264,8 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
+        self.num_steps_ahead = 0
+        """Steps launched ahead (`launch_ahead`) so far: a benchmark's check that they ran."""
         self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
         """Where packed results are read back to, alternately (a step's stays readable while the
         next one launches)."""
@@ -402,6 +404,7 @@ class ModelRunner:
         """`launch` for the next decode step of requests whose last step is still in flight: what the
         host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
         input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
+        self.num_steps_ahead += 1
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
         self._send_step(step, plan, fused=True, ahead=True)
         packed, logprobs, prompt = self._run(step, plan, fused=True, ahead=True)
