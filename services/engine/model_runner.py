@@ -9,6 +9,7 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -196,6 +197,8 @@ class ModelRunner:
         except BaseException:
             ranks.close()
             raise
+        if self.tp.size > 1 and ranks.is_driver:  # a group left open would be torn down at exit
+            atexit.register(self.close)
 
     def _build(
         self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
@@ -299,12 +302,14 @@ class ModelRunner:
     def close(self) -> None:
         """Destroys the CUDA graphs (steps then run eagerly), then leaves the tensor-parallel group
         (rank 0 stops the other ranks; nothing with one rank), then stops the grammar fill's
-        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`)."""
+        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`).
+        Rank 0 of a group calls it at exit if nobody did."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
         self.ranks.close()
         self.step_masks.close()
+        atexit.unregister(self.close)
 
     def _use_graphs(self) -> bool:
         return (

@@ -21,7 +21,8 @@ Commands travel over a socket per follower, encoded once and sent to each (a ste
 message of its arrays, services/engine/step_wire.py; anything else pickled); tensors (KV moved in or
 out of the caches) over the process group. A group lives and dies together: followers die with
 rank 0 (a parent-death signal, end of file on their socket), and rank 0's process exits when a
-follower dies (its collectives could otherwise wait forever).
+follower dies (its collectives could otherwise wait forever). Closing ends every rank's part of the
+group before any rank's process ends (`Driver.close`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -139,6 +141,9 @@ class Stop:
 
 STEP, PICKLED = b"s", b"p"
 """The first byte of a message to a follower: a `StepCommand` (every step, encoded), anything else."""
+LEFT = b"left"
+"""A follower's only message to rank 0: it left the group (after `Stop`); it exits once rank 0 closes
+its socket."""
 NO_PROPOSER = -1
 """`StepCommand.only` of None in its encoding."""
 
@@ -236,15 +241,23 @@ class Driver(Ranks):
         return value
 
     def close(self) -> None:
-        """Tells the followers to stop, leaves the group with them, waits for them (kills those that
-        do not stop)."""
+        """Tells the followers to stop, leaves the group with them, then lets them exit once every
+        rank left it (no rank tears its part of the group down after another rank's process
+        ended), waits for them and kills those that do not stop. A dead follower costs no wait;
+        one that hangs, STOP_TIMEOUT_S."""
         if self._closing.is_set():
             return
+        for rank, follower in enumerate(self.followers, start=1):
+            if (code := follower.poll()) is not None:  # died before: as if the watcher saw it first
+                self._exit_rank_lost(rank, code)
         self._closing.set()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a follower that died already
                 conn.send_bytes(encode(Stop()))
         self._leave_group(self.tp)
+        self._wait_left(time.monotonic() + STOP_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()  # the followers exit on its end of file
         for follower in self.followers:
             try:
                 follower.wait(timeout=STOP_TIMEOUT_S)
@@ -252,8 +265,16 @@ class Driver(Ranks):
                 logger.error("tensor-parallel rank (pid %d) did not stop; killing it", follower.pid)
                 follower.kill()
                 follower.wait()
-        for conn in self.conns:
-            conn.close()
+
+    def _wait_left(self, deadline: float) -> None:
+        """Waits until every follower said it left the group, died (end of file) or `deadline`."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())) and conn.recv_bytes() == LEFT:
+                    continue
+            except (EOFError, OSError):  # it died: nothing to wait for
+                continue
+            logger.error("tensor-parallel rank %d did not leave the group in time; going on", rank)
 
     @staticmethod
     def _leave_group(tp: TensorParallel) -> None:
@@ -273,11 +294,15 @@ class Driver(Ranks):
     def _watch(self, rank: int, follower: subprocess.Popen[bytes]) -> None:
         code = follower.wait()
         if not self._closing.is_set():
-            logger.critical(
-                "tensor-parallel rank %d exited with code %s: its group cannot go on; exiting", rank, code
-            )
-            logging.shutdown()
-            os._exit(EXIT_RANK_LOST)
+            self._exit_rank_lost(rank, code)
+
+    @staticmethod
+    def _exit_rank_lost(rank: int, code: int) -> NoReturn:
+        logger.critical(
+            "tensor-parallel rank %d exited with code %s: its group cannot go on; exiting", rank, code
+        )
+        logging.shutdown()
+        os._exit(EXIT_RANK_LOST)
 
 
 class Follower(Ranks):
@@ -295,6 +320,15 @@ class Follower(Ranks):
     def share(self, make: Callable[[], T]) -> T:
         value: T = self.recv()
         return value
+
+    def say_left(self) -> None:
+        """Tells rank 0 this rank left the group, then waits until rank 0 lets it go (closes the
+        socket: every rank left, or rank 0 died)."""
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(LEFT)
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                self.conn.recv_bytes()
 
 
 def start_ranks(config: EngineConfig, max_model_len: int) -> Ranks:
@@ -315,7 +349,9 @@ def join_group(config: EngineConfig, rank: int, size: int, store: dist.Store) ->
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     peer = open_peer_all_reduce(dist.group.WORLD, device) if config.peer_all_reduce else None
-    return TensorParallel(rank, size, dist.group.WORLD, peer)
+    # the default group, not a reference to it: nothing then keeps the group's threads and sockets
+    # alive past `leave_group`, to be torn down at interpreter exit, after the other ranks left
+    return TensorParallel(rank, size, None, peer)
 
 
 def leave_group(tp: TensorParallel) -> None:
@@ -330,7 +366,9 @@ def _spawn_follower() -> tuple[subprocess.Popen[bytes], Connection]:
     ours, theirs = socket.socketpair()
     repo = str(Path(services.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
+    # -P: not the working directory first on the path (what `-m` does), so the follower imports
+    # rank 0's code even where the working directory holds another copy of the project
+    argv = [sys.executable, "-P", "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
     follower = subprocess.Popen(
         [*argv, "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),), env=env
     )

@@ -296,3 +296,38 @@ def test_rank_0_exits_when_a_follower_dies_mid_generation(make_checkpoint) -> No
         rank_0.wait()
         assert rank_0.stdout is not None
         rank_0.stdout.close()
+
+
+EXIT = """
+import sys, time
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=96, tensor_parallel_size=2)
+llm.generate(prompt_token_ids=[[5, 6, 7]] * 2, sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
+if sys.argv[2] == "close":
+    started = time.monotonic()
+    llm.close()
+    print(time.monotonic() - started, llm.engine.runner.ranks.followers[0].returncode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_group_ends_cleanly_closed_or_left_open_at_exit(make_checkpoint, how: str) -> None:
+    """Every rank leaves the group before any rank's process ends, the followers exit by
+    themselves (not killed), and nothing aborts in the interpreters' teardown; an engine nobody
+    closed is closed at exit."""
+    arch, overrides = SHAPES["llama"]
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT, str(make_checkpoint(arch, **overrides)), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tensor-parallel rank 1 left the group" in done.stderr
+    for sign in ("terminate called", "did not", "NOT been destroyed", "Traceback"):
+        assert sign not in done.stderr
+    if how == "close":
+        seconds, follower_code = done.stdout.split()
+        assert float(seconds) < 10 and follower_code == "0"
