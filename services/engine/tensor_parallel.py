@@ -366,9 +366,10 @@ def _spawn_follower() -> tuple[subprocess.Popen[bytes], Connection]:
     ours, theirs = socket.socketpair()
     repo = str(Path(services.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    # -P: not the working directory first on the path (what `-m` does), so the follower imports
-    # rank 0's code even where the working directory holds another copy of the project
-    argv = [sys.executable, "-P", "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
+    # not the working directory first on the path (what `-m` does; Python 3.11 on), so the follower
+    # imports rank 0's code even where the working directory holds another copy of the project
+    env["PYTHONSAFEPATH"] = "1"
+    argv = [sys.executable, "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
     follower = subprocess.Popen(
         [*argv, "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),), env=env
     )
