@@ -18,7 +18,8 @@
 # (N of M decode steps launched ahead)"; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json (the same with
 # --no-peer-all-reduce) and engine-tp<n>-sync.json (--no-async-scheduling: every step waits for the last's read-back), and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
 # 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
-# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1.
+# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
+# "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
 # CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
@@ -304,6 +305,10 @@ if [[ " $stages " == *" tp "* ]]; then
                 --methods naive ngram "mtp1={\"method\":\"mtp\",\"model\":\"$dir/mtp\",\"num_speculative_tokens\":1}" \
                 --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
         done
+    fi
+    if grep -l "terminate called" "$OUT"/tp-tests.log "$OUT"/tp.log 2>/dev/null; then  # a rank aborted at exit
+        echo "tp: a rank printed 'terminate called' (in the logs named above)"
+        status=1
     fi
 fi
 if [[ " $stages " == *" kvipc "* ]]; then
