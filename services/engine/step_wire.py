@@ -27,7 +27,7 @@ NONE, ARRAY, INT, OBJECT = range(4)
 ENTRY = 4
 """int64s per field entry: kind, dtype (index in DTYPES) or the integer, rows, columns (-1: 1-D)."""
 DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32))
-"""The dtypes a step's arrays may have."""
+"""The dtypes an array travels raw in (any other goes pickled, as an object)."""
 ALIGN = 8
 
 FIELDS = tuple(field.name for field in dataclasses.fields(HostStep))
@@ -42,7 +42,7 @@ def pack_step(step: HostStep, numbers: list[int], extra: object = None) -> bytes
         value = getattr(step, name)
         if value is None:
             header += [NONE, 0, 0, 0]
-        elif isinstance(value, np.ndarray) and value.ndim <= 2:
+        elif isinstance(value, np.ndarray) and value.ndim <= 2 and value.dtype in DTYPES:
             shape = (*value.shape, -1) if value.ndim == 1 else value.shape
             header += [ARRAY, DTYPES.index(value.dtype), *shape]
             arrays.append(np.ascontiguousarray(value))

@@ -69,9 +69,10 @@ def test_a_step_arrives_as_it_left(num_seqs: int, rows_each: int, num_blocks: in
     assert numbers == [3, -1, 1, 0] and extra is None
 
 
-def test_rare_parts_travel_pickled_in_the_same_message() -> None:
+def test_rare_parts_and_other_dtypes_travel_pickled_in_the_same_message() -> None:
     step = random_step(2, 3, 2, seed=1)
     step.tree_mask = np.arange(6, dtype=np.int64)
+    step.masked_rows = step.masked_rows.astype(np.int8)  # a dtype that does not travel raw
     step.tree_parents = np.array([[-1, 0, 1], [-1, 0, 0]], dtype=np.int64)
     step.prompt_rows = PromptRows(
         np.array([0, 1], np.int64), np.array([5, 6], np.int64), np.ones(2, np.float32), 2, [(0, 1, 2)]
