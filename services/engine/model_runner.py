@@ -148,11 +148,13 @@ class LaunchedStep:
 class ResultBuffer:
     """Pinned host memory a step's packed result is copied to without waiting, and the event that
     marks the copy done; kept across steps (a pinned allocation and an event cost the host more
-    than the copy)."""
+    than the copy). `blocking`: a host waiting on the event sleeps instead of spinning on a CPU for
+    the whole step; for hosts that launch steps ahead, whose wake-up is then off the device's path
+    (the next step is queued already)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking: bool) -> None:
         self._host = torch.empty(0, dtype=torch.int32)
-        self._done = torch.cuda.Event()
+        self._done = torch.cuda.Event(blocking=blocking)
 
     def read(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Starts the copy of `packed` ([num_seqs, width] int32 on the device); (its host view,
@@ -241,7 +243,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_steps_ahead = 0
         """Steps launched ahead (`launch_ahead`) so far: a benchmark's check that they ran."""
-        self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
+        sleeps = config.async_scheduling and self.can_run_ahead  # else every step waits for the host
+        self._results = [ResultBuffer(sleeps), ResultBuffer(sleeps)] if self.device.type == "cuda" else []
         """Where packed results are read back to, alternately (a step's stays readable while the
         next one launches)."""
         if self.device.type == "cuda":
