@@ -173,7 +173,7 @@ async def drive(core: EngineCoreClient, loop: Closed) -> StepTimes:
     """Steps the core's requests to their ends; a batch sent during (or after) step k carries the
     tokens of step k - 1, whose start is the one before k's."""
     times, starts = StepTimes(), [0.0, 0.0]
-    started = time.perf_counter()
+    started, began_at = time.perf_counter(), time.time()
     while not loop.done:
         for request_id, prompt in loop.due():
             request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=loop.params)
@@ -183,8 +183,9 @@ async def drive(core: EngineCoreClient, loop: Closed) -> StepTimes:
         for batch in batches:
             times.num_tokens += len(batch.token_ids)
             loop.running.difference_update(batch.request_ids[end.row] for end in batch.ends)
-            if batch.step_s:
-                times.step_s.append(batch.step_s)
+            if 0 < batch.started_at < began_at:
+                continue  # an earlier loop's last step, which sends after itself: none of this loop's
+            times.step_s += batch.step_s
             if not batch.started_at:
                 continue  # no step: a command's effects only
             if batch.started_at != starts[-1]:  # the first batch of a step

@@ -8,7 +8,7 @@ anything ending in `.jsonl` is read as a path.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.workloads import WORKLOADS, load_workload
@@ -63,6 +63,18 @@ def requests_for_cell(
     if requests_per_slot and concurrency:
         count = max(count, requests_per_slot * concurrency)
     return load_requests(workload, count, max_tokens)
+
+
+def warmup_burst(requests: list[BenchRequest], concurrency: int | None) -> list[BenchRequest]:
+    """One request per concurrent slot (at most one per request of the cell), with the cell's own
+    prompts and lengths, each led by a marker of its own: a first burst at the cell's concurrency
+    pays the one-time costs of its batch's shapes, and seeds no prefix cache the measured requests
+    use (a prompt's cached blocks chain from its first)."""
+    count = min(concurrency or len(requests), len(requests))
+    return [
+        replace(request, id=f"warmup-{i}", workload="warmup", prompt=f"# warm-up {i}\n{request.prompt}")
+        for i, request in enumerate(requests[:count])
+    ]
 
 
 def workload_label(workload: str) -> str:

@@ -6,8 +6,9 @@ The mesh must have run with `SPECMESH_TRACE_HOPS=1` (`benchmarks.overhead --trac
 `shared/trace.py` says what a hop line holds). Two tables: the first token's path (HTTP request
 to its first SSE chunk, every hop between) and a later token's (the engine core's step to the
 chunk), each hop with the median and p90 of the time from the hop before, and the median Redis
-round trips the process made between the two (where both are in one process; with several
-requests in flight at once, those of the others are counted too).
+round trips the process made between the two (where both are in one process and that process
+logged both itself: a worker logs its engine core's step hops without the core's count; with
+several requests in flight at once, those of the others are counted too).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ FIRST_TOKEN_PATH = [
 STEP_PATH = ["core.sent (previous)", *FIRST_TOKEN_PATH[FIRST_TOKEN_PATH.index("core.step_start") :]]
 """A later token: from the step before it left the core (the gap is the core's time between steps)."""
 
-Hop = tuple[float, int, int]
-"""(wall-clock time, the process's Redis round trips so far, its pid)."""
+Hop = tuple[float, int | None, int]
+"""(wall-clock time, the process's Redis round trips so far or None where another process logged
+the hop for it, its pid)."""
 
 
 def read_hops(log_dir: Path) -> dict[str, dict[int, dict[str, Hop]]]:
@@ -95,8 +97,8 @@ def hop_table(names: list[str], runs: list[list[Hop | None]]) -> list[dict[str, 
             if before is not None:
                 pair = f"{before[0]} -> {name}"
                 gaps_ms.setdefault(pair, []).append((after[0] - before[1][0]) * 1000)
-                if before[1][2] == after[2]:
-                    trips.setdefault(pair, []).append(after[1] - before[1][1])
+                if (trips_after := _trips_between(before[1], after)) is not None:
+                    trips.setdefault(pair, []).append(trips_after)
             before = (name, after)
     return [
         {
@@ -108,6 +110,14 @@ def hop_table(names: list[str], runs: list[list[Hop | None]]) -> list[dict[str, 
         }
         for pair, gaps in sorted(gaps_ms.items(), key=lambda item: _path_order(names, item[0]))
     ]
+
+
+def _trips_between(before: Hop, after: Hop) -> int | None:
+    """The Redis round trips a process made between two of its hops; None where the hops are of two
+    processes, or one was logged by another process (which does not know the count)."""
+    if before[2] != after[2] or before[1] is None or after[1] is None:
+        return None
+    return after[1] - before[1]
 
 
 def _path_order(names: list[str], pair: str) -> tuple[int, int]:

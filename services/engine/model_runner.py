@@ -9,6 +9,7 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -147,11 +148,13 @@ class LaunchedStep:
 class ResultBuffer:
     """Pinned host memory a step's packed result is copied to without waiting, and the event that
     marks the copy done; kept across steps (a pinned allocation and an event cost the host more
-    than the copy)."""
+    than the copy). `blocking`: a host waiting on the event sleeps instead of spinning on a CPU for
+    the whole step; for hosts that launch steps ahead, whose wake-up is then off the device's path
+    (the next step is queued already)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking: bool) -> None:
         self._host = torch.empty(0, dtype=torch.int32)
-        self._done = torch.cuda.Event()
+        self._done = torch.cuda.Event(blocking=blocking)
 
     def read(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Starts the copy of `packed` ([num_seqs, width] int32 on the device); (its host view,
@@ -196,6 +199,8 @@ class ModelRunner:
         except BaseException:
             ranks.close()
             raise
+        if self.tp.size > 1 and ranks.is_driver:  # a group left open would be torn down at exit
+            atexit.register(self.close)
 
     def _build(
         self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
@@ -209,44 +214,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         _check_kernels_support(model_config, self.device)
-        # the target's scheme (asked for, or its checkpoint's) quantizes the drafting models too
-        self.quantization = resolve_quantization(config.quantization, model_config.quantization, config.model)
-        method = self.quantization.method if self.quantization else None
-        self.model: LlamaForCausalLM = load_model(
-            config.model, self.dtype, self.device, max_model_len, self.tp, method
-        )
-        # replicated: small, latency-bound chains, and its heads need not split like the target's
-        self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
-        self.mtp_head: MTPHead | None = None
-        if spec.method == "mtp":
-            assert spec.model is not None
-            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
-        self.eagle3_head: Eagle3Head | None = None
-        if spec.method == "eagle3":
-            assert spec.model is not None
-            self.eagle3_head = load_eagle3_head(
-                spec.model, self.model, self.dtype, self.device, spec.eagle3_layers
-            )
-        self.aux_layers: tuple[int, ...] = self.eagle3_head.aux_layers if self.eagle3_head else ()
-        """Target layers whose entering streams the forward keeps (the EAGLE-3 head's; none otherwise)."""
+        self._load_models()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config, self.tp)
-        self.draft_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.draft_model.config, SINGLE)
-            if self.draft_model
-            else []
-        )
-        self.mtp_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config, self.tp)
-            if self.mtp_head
-            else []
-        )
-        # replicated, as the head is
-        self.eagle3_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.eagle3_head.config, SINGLE)
-            if self.eagle3_head
-            else []
-        )
+        caches = {
+            name: self._allocate_kv_cache(self.num_kv_blocks, cache_config, tp)
+            for name, (cache_config, tp) in self._cache_layouts().items()
+        }
+        self.kv_caches = caches["target"]
+        self.draft_kv_caches = caches.get("draft", [])
+        self.mtp_kv_caches = caches.get("mtp", [])
+        self.eagle3_kv_caches = caches.get("eagle3", [])
         self.max_num_drafts = spec.max_num_drafts
         self.tree = DraftTree(spec.tree) if spec.tree else None
         """The draft tree the server's head drafts, or None: chains."""
@@ -264,11 +241,54 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
-        self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
+        self.num_steps_ahead = 0
+        """Steps launched ahead (`launch_ahead`) so far: a benchmark's check that they ran."""
+        sleeps = config.async_scheduling and self.can_run_ahead  # else every step waits for the host
+        self._results = [ResultBuffer(sleeps), ResultBuffer(sleeps)] if self.device.type == "cuda" else []
         """Where packed results are read back to, alternately (a step's stays readable while the
         next one launches)."""
         if self.device.type == "cuda":
             self._warm_up_kernels()
+
+    def _load_models(self) -> None:
+        """The target and the drafting model its speculative method runs (draft model, MTP or
+        EAGLE-3 head)."""
+        config, spec = self.config, self.spec
+        # the target's scheme (asked for, or its checkpoint's) quantizes the drafting models too
+        self.quantization = resolve_quantization(
+            config.quantization, self.model_config.quantization, config.model
+        )
+        method = self.quantization.method if self.quantization else None
+        self.model: LlamaForCausalLM = load_model(
+            config.model, self.dtype, self.device, self.max_model_len, self.tp, method
+        )
+        # replicated: small, latency-bound chains, and its heads need not split like the target's
+        self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
+        self.mtp_head: MTPHead | None = None
+        if spec.method == "mtp":
+            assert spec.model is not None
+            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
+        self.eagle3_head: Eagle3Head | None = None
+        if spec.method == "eagle3":
+            assert spec.model is not None
+            self.eagle3_head = load_eagle3_head(
+                spec.model, self.model, self.dtype, self.device, spec.eagle3_layers
+            )
+        self.aux_layers: tuple[int, ...] = self.eagle3_head.aux_layers if self.eagle3_head else ()
+        """Target layers whose entering streams the forward keeps (the EAGLE-3 head's; none otherwise)."""
+
+    def _cache_layouts(self) -> dict[str, tuple[ModelConfig, TensorParallel]]:
+        """Each KV cache that shares the block tables (`caches`), by name: its model's config and
+        the ranks its heads split over (the draft model and the EAGLE-3 head are replicated, and
+        so are their caches)."""
+        layouts = {"target": (self.model_config, self.tp)}
+        if self.draft_model is not None:
+            layouts["draft"] = (self.draft_model.config, SINGLE)
+        if self.mtp_head is not None:
+            layouts["mtp"] = (self.mtp_head.config, self.tp)
+        if self.eagle3_head is not None:
+            layouts["eagle3"] = (self.eagle3_head.config, SINGLE)
+        return layouts
 
     def start(self, proposers: list[Proposer], own: int | None = None) -> None:
         """Sets the step's tail over the device proposers and captures the CUDA graphs; `own`: the
@@ -297,12 +317,14 @@ class ModelRunner:
     def close(self) -> None:
         """Destroys the CUDA graphs (steps then run eagerly), then leaves the tensor-parallel group
         (rank 0 stops the other ranks; nothing with one rank), then stops the grammar fill's
-        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`)."""
+        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`).
+        Rank 0 of a group calls it at exit if nobody did."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
         self.ranks.close()
         self.step_masks.close()
+        atexit.unregister(self.close)
 
     def _use_graphs(self) -> bool:
         return (
@@ -348,10 +370,6 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on this rank in every cache that shares the block tables (target,
         draft, MTP, EAGLE-3)."""
-        configs = [(self.model_config, self.tp)]
-        configs += [(self.draft_model.config, SINGLE)] if self.draft_model else []
-        configs += [(self.mtp_head.config, self.tp)] if self.mtp_head else []
-        configs += [(self.eagle3_head.config, SINGLE)] if self.eagle3_head else []
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
             2
@@ -360,7 +378,7 @@ class ModelRunner:
             * len(kv_head_range(c.num_key_value_heads, tp))
             * c.head_dim
             * elem
-            for c, tp in configs
+            for c, tp in self._cache_layouts().values()
         )
 
     def _load_draft_model(self) -> LlamaForCausalLM:
@@ -386,36 +404,43 @@ class ModelRunner:
         copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
         fused = self._fusable(step)
-        joins = self.inputs.take_joins()
-        self.ranks.send(
-            StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, plan.only, fused)
-        )
+        self._send_step(step, plan, fused)
         packed, logprobs, prompt = self._run(step, plan, fused)
         device_only = fused and step.is_decode and not step.has_grammar and step.tree_parents is None
         return self._read_back(packed, step, logprobs, prompt, device_only)
 
     @property
     def can_run_ahead(self) -> bool:
-        """Whether decode steps may be launched ahead here (one rank, chains of drafts)."""
-        return self.tp.size == 1 and self.tree is None
+        """Whether decode steps may be launched ahead here (chains of drafts: a tree step reads its
+        requests' trees on the host)."""
+        return self.tree is None
 
     @torch.inference_mode()
     def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
         """`launch` for the next decode step of requests whose last step is still in flight: what the
         host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
         input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
+        self.num_steps_ahead += 1
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
+        self._send_step(step, plan, fused=True, ahead=True)
         packed, logprobs, prompt = self._run(step, plan, fused=True, ahead=True)
         return self._read_back(packed, step, logprobs, prompt, device_only=True)
 
+    def _send_step(self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False) -> None:
+        """Rank 0: the step to the other ranks, with the slots taken since the last one (nothing
+        to do on one rank)."""
+        if self.tp.size > 1:
+            joins = self.inputs.take_joins()
+            self.ranks.send(StepCommand(joins, step, plan.num_steps, plan.only, fused, ahead))
+
     @torch.inference_mode()
     def follow_step(self, command: StepCommand) -> None:
-        """Rank 0's step on this rank (1..N-1): the same slots, forward and tail; nothing is read back."""
+        """Rank 0's step on this rank (1..N-1): the same slots, forward and tail; nothing is read
+        back. A step launched ahead is completed from this rank's own input batch, as on rank 0."""
         for join in command.joins:
             self.inputs.write(join)
         self.inputs.flush()
-        plan = StepPlan([], command.num_wanted, command.num_steps, command.methods, command.only)
-        self._run(command.step, plan, command.fused)
+        self._run(command.step, command.plan(), command.fused, command.ahead)
 
     def _run(
         self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False
@@ -482,10 +507,6 @@ class ModelRunner:
             hidden, step.prompt_rows, self.model.compute_logits, self.model_config.vocab_size
         )
 
-    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
-        """`launch`, then wait for the result."""
-        return self.launch(batch, plan).result()
-
     def _read_back(
         self,
         packed: torch.Tensor,
@@ -500,9 +521,7 @@ class ModelRunner:
         if packed.device.type == "cuda":
             self._results.reverse()
             packed, done = self._results[0].read(packed)
-        elif (
-            self.graphs is not None
-        ):  # a graph's output: the next step, launched before it is read, overwrites it
+        elif self.graphs is not None:  # a graph's output, which the next step may overwrite unread
             packed = packed.clone()
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)

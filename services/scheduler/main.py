@@ -9,6 +9,7 @@ from typing import Any
 
 from services.runtime import (
     add_redis_args,
+    freeze_start_up,
     redis_settings,
     setup_logging,
     start_status_server,
@@ -64,6 +65,7 @@ async def run_scheduler(args: argparse.Namespace) -> None:
     status = await start_status_server(
         args.metrics_host, args.metrics_port, metrics.registry, scheduler.health
     )
+    freeze_start_up()
     try:
         await scheduler.run(stop)
     finally:

@@ -138,14 +138,29 @@ class AsyncChannel:
         return _unpack(body, buffers)
 
     async def _read(self, num_bytes: int) -> bytearray:
+        """`num_bytes` of the socket: first what it holds already, then as they come."""
         buffer = bytearray(num_bytes)
         view = memoryview(buffer)
+        first = True
         while view.nbytes:
-            received = await self.loop.sock_recv_into(self.sock, view)
+            received = self._received_now(view) if first else None
+            if received is None:
+                received = await self.loop.sock_recv_into(self.sock, view)
             if received == 0:
                 raise ChannelClosed("the engine core closed its channel")
             view = view[received:]
+            first = False
         return buffer
+
+    def _received_now(self, view: memoryview) -> int | None:
+        """Reads what the socket holds already into `view` (None: nothing yet). uvloop's
+        `sock_recv_into` waits for the socket to be readable before reading, one turn of the loop
+        per call even where the bytes are there: a frame of five parts took five. One read per part
+        this way, so that a large frame still yields the loop between its chunks."""
+        try:
+            return self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            return None
 
     def close(self) -> None:
         self.sock.close()

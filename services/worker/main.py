@@ -17,6 +17,7 @@ from services.kv_transport.tls import TlsFiles
 from services.runtime import (
     KV_SECRET_ENV,
     add_redis_args,
+    freeze_start_up,
     read_secret_file,
     redis_settings,
     setup_logging,
@@ -152,6 +153,7 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
     )
     worker = Worker(core, bus, options, metrics)
     status = await start_status_server(args.metrics_host, args.metrics_port, metrics.registry, worker.health)
+    freeze_start_up()  # the bus side imports torch: a full collection would walk all of it mid-publish
     try:
         return await worker.run(stop)
     finally:

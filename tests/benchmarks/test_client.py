@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -113,19 +115,39 @@ async def test_client_stamps_chunks_and_reads_usage(fake_gateway: tuple[str, lis
     assert not failed.ok and failed.error is not None and failed.error.startswith("HTTP 400")
 
 
+START_DELAY_S = 3.0
+"""Client processes start sending this long after they are spawned (they import torch on the way)."""
+
+
 @pytest.mark.slow
 async def test_client_processes_split_the_requests_and_the_concurrency(
-    fake_gateway: tuple[str, list[dict]], monkeypatch: pytest.MonkeyPatch
+    fake_gateway: tuple[str, list[dict]],
 ) -> None:
     from benchmarks import serving
 
-    monkeypatch.setattr(serving, "CLIENT_START_DELAY_S", 0.5)  # spawned children report starting late
     url, bodies = fake_gateway
     requests = [BenchRequest(f"r{i}", "w", f"prompt {i}", 4) for i in range(9)]
+    spawned_at = time.perf_counter()
+    started_at: list[float] = []
     records, cpu_s = await asyncio.to_thread(
-        serving.run_clients, url, requests, Sampling(), 4, None, 0, num_processes=3
+        functools.partial(
+            serving.run_clients,
+            url,
+            requests,
+            Sampling(),
+            4,
+            None,
+            0,
+            num_processes=3,
+            on_start=lambda: started_at.append(time.perf_counter()),
+            start_delay_s=START_DELAY_S,
+        )
     )
     assert [r.request_id for r in records] == [r.id for r in requests]
     assert all(r.ok and r.num_output_tokens == 5 for r in records)
     assert sorted(b["prompt"] for b in bodies) == sorted(r.prompt for r in requests)
     assert cpu_s > 0
+    # the run's window opens as the requests start, not while the client processes start up
+    [started] = started_at
+    assert started - spawned_at >= START_DELAY_S
+    assert started <= min(r.arrived_at for r in records) + 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.client import Sampling
-from benchmarks.dataset import BenchRequest
+from benchmarks.dataset import BenchRequest, warmup_burst
 from benchmarks.methods import BASELINE, max_k, request_override, resolve_methods, with_k
 from benchmarks.offline import Admission, json_schema_grammar, run_requests, sampling_params
 from services.engine.engine import LLMEngine
@@ -117,3 +117,26 @@ def test_hf_baseline_streams_the_same_number_of_tokens(make_checkpoint) -> None:
         assert record.ok and record.num_output_tokens == 8
         assert 1 <= len(record.token_times) <= 8 and record.ttft_s > 0
     assert len(plain[0].token_times) == 8
+
+
+def cached_blocks(engine: LLMEngine, request: BenchRequest) -> int:
+    """How many of the request's prompt blocks the engine's prefix cache already holds."""
+    engine.add_request("probe", prompt=request.prompt, params=sampling_params(request, Sampling()))
+    found = len(engine.block_manager.match_prefix(engine.sequences["probe"]))
+    engine.abort_request("probe")
+    return found
+
+
+def test_a_warm_up_burst_fills_the_slots_and_seeds_no_cache_of_the_measured_requests() -> None:
+    engine = LLMEngine(
+        EngineConfig(model=default_model(), device="cpu", max_model_len=512, num_kv_blocks=128)
+    )
+    burst = warmup_burst(REQUESTS, concurrency=3)
+    assert len(burst) == 3 and len({r.id for r in burst}) == 3 and len({r.prompt for r in burst}) == 3
+    assert [r.max_tokens for r in burst] == [r.max_tokens for r in REQUESTS[:3]]
+    assert len(warmup_burst(REQUESTS, concurrency=64)) == len(REQUESTS)
+    records = run_requests(engine, burst, Sampling(ignore_eos=True), concurrency=3)
+    assert all(r.ok for r in records)
+    assert all(cached_blocks(engine, request) == 0 for request in REQUESTS)
+    run_requests(engine, REQUESTS[:1], Sampling(ignore_eos=True), concurrency=1)
+    assert cached_blocks(engine, REQUESTS[0]) > 0  # the probe sees a prompt the engine did cache

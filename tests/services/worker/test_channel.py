@@ -94,3 +94,35 @@ async def test_a_small_frame_leaves_the_worker_end_in_one_write() -> None:
     assert same(blocking.recv(), message)
     channel.close()
     blocking.close()
+
+
+async def test_a_frame_already_in_the_socket_is_read_without_waiting_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step batch that is whole in the socket when the worker reads it (the core wrote it in one
+    `sendmsg`) costs the worker's loop no turn per part: uvloop's `sock_recv_into` waits for the
+    socket to be readable first, even where the bytes are there."""
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    channel = AsyncChannel(ours, loop)
+    blocking = BlockingChannel(theirs)
+    waits = 0
+    sock_recv_into = loop.sock_recv_into
+
+    async def counted(sock: socket.socket, buffer: Any) -> int:
+        nonlocal waits
+        waits += 1
+        return await sock_recv_into(sock, buffer)
+
+    monkeypatch.setattr(loop, "sock_recv_into", counted)
+    batch = {"token_ids": np.arange(64, dtype=np.int32), "cu": np.arange(3, dtype=np.int32), "text": "x"}
+    blocking.send(batch)
+    assert same(await channel.recv(), batch)
+    assert waits == 0
+    sent = threading.Timer(0.2, blocking.send, [batch])  # not there yet: the read waits for it
+    sent.start()
+    assert same(await channel.recv(), batch)
+    sent.join()
+    assert waits == 1
+    channel.close()
+    blocking.close()
