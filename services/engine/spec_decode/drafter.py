@@ -76,8 +76,8 @@ class Drafter:
         self.max_graph_tokens: int | None = None
         """Tokens of the largest CUDA graph (set once graphs are captured): drafts are trimmed to fit."""
         self.host_drafting_s = 0.0
-        self.host_only = False
-        """Whether the last planned step's requests all draft on the host (or not at all)."""
+        self._pending: list[tuple[StepPlan, ScheduledBatch, int]] = []
+        """Plans whose ks are chosen after their step's launch (`plan`): (plan, batch, running requests)."""
         self.inputs = runner.inputs
 
     @property
@@ -149,8 +149,36 @@ class Drafter:
 
     def plan(self, batch: ScheduledBatch, num_running: int) -> StepPlan:
         """Each sampled request's k for its next step, trimmed to the largest CUDA graph, with the
-        KV blocks its drafting model's chain writes reserved (k = 0 where they cannot be)."""
+        KV blocks its drafting model's chain writes reserved (k = 0 where they cannot be).
+
+        Where every request of the step drafts on the host or not at all, nothing the step launches
+        reads the ks: they are left to `choose_pending`, which the engine calls once the step is
+        launched, so that the controller's solve runs while the device works instead of delaying
+        the launch (a new request's first token among what it delayed)."""
         seqs = batch.sampled_seqs
+        methods = [self.method_index(seq) for seq in seqs]
+        only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
+        plan = StepPlan(seqs, [0] * len(seqs), 0, methods, only)
+        if all(m == -1 for m in methods) and not any(self._drafts_tree(seq) for seq in seqs):
+            self._pending.append((plan, batch, num_running))
+        else:
+            plan.num_wanted, plan.num_steps = self._choose(batch, seqs, num_running)
+        return plan
+
+    def choose_pending(self) -> None:
+        """Chooses the ks `plan` left for after the launch; called before anything reads them (the
+        host's drafting after the step, a step launched ahead of it). A request that ended
+        meanwhile drafts nothing."""
+        pending, self._pending = self._pending, []
+        for plan, batch, num_running in pending:
+            running = [i for i, seq in enumerate(plan.seqs) if seq.finish_reason is None]
+            ks, _ = self._choose(batch, [plan.seqs[i] for i in running], num_running)
+            plan.num_wanted = [0] * len(plan.seqs)
+            for i, k in zip(running, ks):
+                plan.num_wanted[i] = k
+
+    def _choose(self, batch: ScheduledBatch, seqs: list[Sequence], num_running: int) -> tuple[list[int], int]:
+        """(each of `seqs`' k, the longest drafting-model chain they need): `plan`'s choice."""
         drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
         ks = [0] * len(seqs)
         chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
@@ -173,20 +201,20 @@ class Drafter:
             for i in chained:
                 ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
         chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
-        methods = [self.method_index(seq) for seq in seqs]
-        self.host_only = all(m == -1 for m in methods)
-        only = self.own if self.own is not None and all(m in (-1, self.own) for m in methods) else None
-        return StepPlan(seqs, ks, max(chains, default=0), methods, only)
+        return ks, max(chains, default=0)
 
     def method_index(self, seq: Sequence) -> int:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
         return self._device_index.get(seq.spec.method, -1)
 
-    def drafts_on_device(self, seq: Sequence) -> bool:
-        """Whether the request's drafts, if any, are a chain a device proposer makes in the step's
-        tail (naive requests draft nothing): its next step can be launched ahead."""
-        method = seq.spec.method
-        return (method == "naive" or method in self._device_index) and not self._drafts_tree(seq)
+    def drafts_on_device(self, seq: Sequence, num_wanted: int) -> bool:
+        """Whether the request's `num_wanted` drafts for its next step need nothing of the host:
+        none are wanted (naive requests; host-drafted ones the controller left at k = 0, which
+        then cost what naive requests cost) or they are a chain a device proposer makes in the
+        step's tail. Its next step can then be launched ahead."""
+        if num_wanted == 0:
+            return True
+        return seq.spec.method in self._device_index and not self._drafts_tree(seq)
 
     def max_lookahead(self, seq: Sequence) -> int:
         """The most KV positions past a step's newest token the request's drafting-model chain
@@ -240,22 +268,24 @@ class Drafter:
 
     def record_step(
         self,
+        plan: StepPlan,
         num_requests: int,
         num_tokens: int,
         num_emitted: int,
-        num_chain_steps: int,
         seconds: float,
         mixed: bool,
     ) -> None:
         """Books an engine step's time less its host drafting: its requests, the target forward's
-        tokens, the tokens it emitted and the drafting models' chain, which runs inside the step;
-        `mixed`: it carried prefill chunks. A decode step of requests that all draft on the host
-        (or not at all) also goes to the audit of host drafting: whole where it verified drafts,
-        less its drafting for the next step where it verified none."""
+        tokens, the tokens it emitted and the drafting models' chain (`plan`'s), which runs inside
+        the step; `mixed`: it carried prefill chunks. A decode step of requests that all draft on
+        the host (or not at all) also goes to the audit of host drafting: whole where it verified
+        drafts, less its drafting for the next step where it verified none. (`plan` is the step's
+        own: with steps launched ahead, the last one planned is the next step's.)"""
         self.adaptive.record_step(
-            num_requests, num_tokens, num_emitted, num_chain_steps, seconds - self.host_drafting_s, mixed
+            num_requests, num_tokens, num_emitted, plan.num_steps, seconds - self.host_drafting_s, mixed
         )
-        if not mixed and self.host_only:
+        host_only = all(m == -1 for m in plan.methods)
+        if not mixed and host_only:
             drafted = num_tokens > num_requests
             audited_s = seconds if drafted else seconds - self.host_drafting_s
             self.adaptive.record_realized(num_requests, num_emitted, drafted, audited_s)

@@ -635,6 +635,25 @@ def test_a_pause_holds_for_batches_of_the_size_that_lost() -> None:
     assert any(adaptive.choose(large, num_other_tokens=64))
 
 
+def test_a_paused_host_drafted_batch_solves_nothing() -> None:
+    """While host drafting is paused for a batch whose requests all draft on the host, its steps
+    choose k = 0 without solving (a paused batch costs the host what a plain one does); a batch that
+    also holds a device method's request still solves, for that request."""
+    adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+    large = seqs([0.95] * 64, max_k=8, methods=["suffix"] * 64)
+    for _ in range(AUDIT_EVERY_STEPS // 2 - 1):
+        adaptive.choose(large, num_other_tokens=64)
+        adaptive.record_realized(64, 64, drafted=False, seconds=0.01)
+        adaptive.record_realized(64, 128, drafted=True, seconds=0.04)
+    solves = counting_solves(adaptive)
+    for _ in range(AUDIT_EVERY_STEPS - 2):  # the audit's step on: paused, probes' steps among them
+        assert not any(adaptive.choose(large, num_other_tokens=64))
+    assert solves[0] == 0 and adaptive.step < adaptive.paused_until
+    mixed = large[:63] + seqs([0.95], max_k=8, methods=["ngram"])
+    ks = adaptive.choose(mixed, num_other_tokens=64)
+    assert solves[0] == 1 and not any(ks[:63]) and ks[63] > 0
+
+
 @pytest.mark.parametrize(("concurrency", "per_request_s"), [(16, 150e-6), (16, 300e-6), (64, 150e-6)])
 @pytest.mark.parametrize("drift", [1e-3, -3e-4])
 def test_the_audit_does_not_pause_drafting_that_pays_while_the_step_time_drifts(

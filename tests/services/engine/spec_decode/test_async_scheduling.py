@@ -1,6 +1,7 @@
 """Asynchronous scheduling (decode steps launched before the previous step's result is read) changes
 nothing a user sees: the same tokens, text, finish reasons and usage as `--no-async-scheduling`,
-for every method that drafts on the device, through stops, aborts, joins and preemption."""
+for every method that drafts on the device, through stops, aborts, joins and preemption; and steps
+of host-drafted requests that draft nothing run ahead too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import torch
 
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.llm import LLM
+from services.engine.model_runner import LaunchedStep
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
+from services.engine.spec_decode.adaptive import AdaptiveSpeculation
+from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
 from tests.services.engine.spec_decode.helpers import SMALL_DRAFT_MODEL, repetitive_prompts
 
@@ -118,6 +124,39 @@ def test_async_scheduling_returns_what_sync_scheduling_does(target, methods, ref
     if method != "naive":
         assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of and not engine.has_unfinished_requests()
+
+
+def test_suffix_requests_left_at_k_0_run_ahead(target, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Suffix-decoding requests drafted on the host: a step whose requests the controller left at
+    k = 0 (here every other stretch of four output tokens) is launched ahead, as a naive one is; a
+    step that needs the host's drafts waits for them. Greedy output is naive's either way, and the
+    drafts made are accepted."""
+
+    def every_other_stretch(
+        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+    ) -> list[int]:
+        return [seq.spec.max_k if seq.num_output_tokens // 4 % 2 == 0 else 0 for seq in seqs]
+
+    monkeypatch.setattr(AdaptiveSpeculation, "choose", every_other_stretch)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = dict(method="suffix", num_speculative_tokens=4, adaptive=True)
+    llm = make_llm(target, spec, async_scheduling=True)
+    engine = llm.engine
+    query_lens: list[int] = []
+    launch_ahead = engine.runner.launch_ahead
+
+    def recorded(batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
+        query_lens.extend(batch.num_new_tokens)
+        return launch_ahead(batch, plan)
+
+    engine.runner.launch_ahead = recorded  # type: ignore[method-assign]
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(12), sampling_params=params)
+    assert [o.token_ids for o in outputs] == reference[0]
+    assert len(query_lens) > 20
+    assert set(query_lens) == {1}  # a request that drafts (on the host) never runs ahead
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.inputs.slot_of and not engine.has_unfinished_requests()
 

@@ -271,3 +271,40 @@ def test_finished_outputs_go_into_the_global_tree_while_the_device_runs(
     assert chunks_in_window and all(chunks_in_window)
     deferred.index_while(lambda: True)  # what the last steps' windows left
     assert len(deferred.index) == len(prompts)
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_host_drafted_steps_choose_their_ks_after_the_launch(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose requests all draft on the host (suffix decoding) is launched before the
+    controller chooses their next ks (its solve then runs while the device works): each launch
+    comes before its choice. A device method's tail reads its ks, so they are chosen first. Greedy
+    output is naive's either way (the shipped model, whose outputs repeat its prompts: drafts are
+    accepted)."""
+    naive = LLM(default_model(), device="cpu", max_model_len=192)
+    naive_tokens = [
+        o.token_ids for o in naive.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    ]
+    events: list[str] = []
+
+    def logged_choose(
+        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+    ) -> list[int]:
+        events.append("choose")
+        return CHOOSE(self, seqs, num_other_tokens, mixed)
+
+    monkeypatch.setattr(AdaptiveSpeculation, "choose", logged_choose)
+    monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010))  # drafting pays
+    monkeypatch.setattr(DraftCostModel, "fit", lambda self, step: DraftCost())
+    spec = dict(method=method, num_speculative_tokens=3, adaptive_min_acceptance=0.0)
+    llm = LLM(default_model(), device="cpu", max_model_len=192, speculative_config=spec)
+    runner = llm.engine.runner
+    for name in ("launch", "launch_ahead"):
+        launch = getattr(runner, name)
+        setattr(runner, name, lambda *args, launch=launch: events.append("launch") or launch(*args))
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+    first = ["launch", "choose"] if method == "suffix" else ["choose", "launch"]
+    assert len(events) > 20 and events[: len(events) // 2 * 2] == first * (len(events) // 2)
