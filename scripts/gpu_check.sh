@@ -110,12 +110,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+# the carried wheels, installed once per set of wheels (runs of this script side by side on the GPUs of
+# one host must not reinstall under each other's imports)
+wheels=$(ls .whl 2>/dev/null | md5sum | cut -c1-32)
+if [ -d .whl ] && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
+    echo "$wheels" > /tmp/site/.wheels
 fi
+export PYTHONPATH=$([ -d .whl ] && echo /tmp/site:)$PWD
 export PYTHONUNBUFFERED=1
 stages=${*:-tests bench engine}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
