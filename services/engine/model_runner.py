@@ -9,7 +9,6 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -32,7 +31,7 @@ from services.engine.grammar import StepMasks, allocate_bitmask
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
-from services.engine.run_ahead import ahead_step, fill_from_device
+from services.engine.run_ahead import ahead_step
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
@@ -405,7 +404,7 @@ class ModelRunner:
         host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
         input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
-        packed, logprobs, prompt = self._run(step, plan, fused=True, ahead=True)
+        packed, logprobs, prompt = self._run(step, plan, fused=True)
         return self._read_back(packed, step, logprobs, prompt, device_only=True)
 
     @torch.inference_mode()
@@ -418,26 +417,26 @@ class ModelRunner:
         self._run(command.step, plan, command.fused)
 
     def _run(
-        self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False
+        self, step: HostStep, plan: StepPlan, fused: bool
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
         """The step's forward and tail; (the packed results on the device, logprobs per request,
-        the scored prompt rows). `ahead`: a step `launch_ahead` prepared, completed on the device."""
+        the scored prompt rows). A step launched ahead is completed on the device first (by the
+        forward's graph where one replays it)."""
         key = None
-        complete = functools.partial(self._complete, step) if ahead else None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key, complete)
+            self.graphs.replay_forward(step, key)
             self._copy_masks(step, plan, self.graphs.bitmask)
             packed = self.graphs.replay_tail(step, key, plan)
             return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
-        if complete is not None:
-            complete(tensors)
+        if step.ahead:
+            tensors.complete_ahead(self.inputs, self.block_size)
         if key is not None:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key, complete)
+            self.graphs.replay_forward(step, key)
             self.graphs.fill_outputs(tensors.forward)
             logits = self.graphs.logits[: len(step.logits_indices)]
         else:
@@ -450,9 +449,6 @@ class ModelRunner:
             self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
-
-    def _complete(self, step: HostStep, tensors: StepTensors) -> None:
-        fill_from_device(tensors, step, self.inputs, self.block_size)
 
     def _target_forward(self, forward: ForwardContext) -> None:
         """The target over the step's tokens, eagerly: its final hidden states and, for the
