@@ -232,41 +232,41 @@ def test_cuda_fill_matches_reference(block_size: int, padding: int) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_fill_replayed_from_a_graph_completes_each_step_copied_in() -> None:
-    """Captured once over a padded bucket, the fill completes whatever step and slot state are
-    copied in before each replay (the count read on the device), as the reference does; a count
-    of 0 leaves the step."""
+    """Captured once over a padded bucket's static tensors, the fill completes whatever step and
+    slot state are copied in before each replay (the count read on the device) as the reference
+    does on the same tensors; a count of 0 leaves the step."""
     from kernels.run_ahead import fill_ahead_cuda
 
     rng = random.Random(7)
-    bucket = random_case(64, rng, 4, padding=8).to("cuda")  # the static buffers: large enough for every step
+    host = random_case(64, rng, 4, padding=8)  # the bucket, large enough for every step below
+    host.block_tables = torch.zeros(host.block_tables.shape[0], 64, dtype=I32)
+    bucket = host.to("cuda")
     count = torch.zeros(1, dtype=I32, device="cuda")
-    graph = torch.cuda.CUDAGraph()
     fill_ahead_cuda(*bucket.args(count))  # compiles outside the capture
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fill_ahead_cuda(*bucket.args(count))
     for num_seqs in (1, 5, 16, 40, 0):
-        cpu = random_case(max(num_seqs, 1), rng, 4, padding=0)
-        _copy_into(bucket, cpu)
-        count.fill_(cpu.num_tokens if num_seqs else 0)
+        step = random_case(max(num_seqs, 1), rng, 4)
+        _copy_into(host, step)
+        _copy_into(bucket, host)
+        filled = step.num_tokens if num_seqs else 0
+        count.fill_(filled)
         graph.replay()
-        if num_seqs:
-            fill_ahead_ref(*cpu.args(None))
-        n, r = len(cpu.input_ids), len(cpu.seq_lens)
-        for name, got, want in zip(Case.WRITTEN, bucket.written(), cpu.written()):
-            assert torch.equal(got[: r if name == "seq_lens" else n], want), (num_seqs, name)
+        fill_ahead_ref(*host.args(torch.tensor([filled], dtype=I32)))
+        for name, got, want in zip(Case.WRITTEN, bucket.written(), host.written()):
+            assert torch.equal(got, want), (num_seqs, name)
 
 
-def _copy_into(bucket: Case, step: Case) -> None:
-    """`step`'s tensors into the leading entries of `bucket`'s (its slot state whole)."""
+def _copy_into(target: Case, source: Case) -> None:
+    """`source`'s tensors into the leading entries of `target`'s (block tables zero padded)."""
     for name in ("token_slots", "request_of_token", "query_start_loc", *Case.WRITTEN):
-        source = getattr(step, name)
-        getattr(bucket, name)[: len(source)].copy_(source)
-    tables = bucket.block_tables
+        values = getattr(source, name)
+        getattr(target, name)[: len(values)].copy_(values)
+    tables = target.block_tables
     tables.zero_()
-    tables[: step.block_tables.shape[0], : step.block_tables.shape[1]].copy_(step.block_tables)
+    tables[: source.block_tables.shape[0], : source.block_tables.shape[1]].copy_(source.block_tables)
     for f in fields(Slots):
-        target, source = getattr(bucket.slots, f.name), getattr(step.slots, f.name)
-        target[: source.shape[0]].copy_(source) if target.dim() == 1 else target[
-            : source.shape[0], : source.shape[1]
-        ].copy_(source)
+        values = getattr(source.slots, f.name)
+        getattr(target.slots, f.name)[: values.shape[0]].copy_(values)
