@@ -60,6 +60,10 @@ extern "C" __global__ void fill_ahead(
 """
 
 
+DEFINES = {"PLACEHOLDER_TOKEN_ID": PLACEHOLDER_TOKEN_ID, "NO_DRAFT": NO_DRAFT}
+"""The -D macros the kernel is compiled with."""
+
+
 def fill_ahead_cuda(
     num_filled: torch.Tensor | None,
     token_slots: torch.Tensor,
@@ -98,40 +102,68 @@ def fill_ahead_cuda(
     )
     if num_tokens == 0:
         return
-    kernel = _cuda.function(
-        SOURCE, "fill_ahead", device, PLACEHOLDER_TOKEN_ID=PLACEHOLDER_TOKEN_ID, NO_DRAFT=NO_DRAFT
+    grid, args = launch_arguments(
+        num_filled,
+        token_slots,
+        request_of_token,
+        query_start_loc,
+        block_tables,
+        slots,
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        row_positions,
+        draft_ids,
+        block_size,
     )
+    kernel = _cuda.function(SOURCE, "fill_ahead", device, **DEFINES)
+    _cuda.launch(kernel, grid, (THREADS,), args, device)
+
+
+def launch_arguments(
+    num_filled: torch.Tensor | None,
+    token_slots: torch.Tensor,
+    request_of_token: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: SlotState,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    row_positions: torch.Tensor,
+    draft_ids: torch.Tensor,
+    block_size: int,
+) -> tuple[tuple[int], tuple]:
+    """(grid, the kernel's arguments) of checked inputs: one thread per token the step can hold."""
+    num_tokens = capacity(input_ids, request_of_token, row_positions, draft_ids)
     i32, i64 = np.int32, np.int64
-    _cuda.launch(
-        kernel,
-        (-(-num_tokens // THREADS),),
-        (THREADS,),
-        (
-            num_filled,
-            i32(num_tokens),
-            token_slots,
-            request_of_token,
-            query_start_loc,
-            block_tables,
-            i64(block_tables.stride(0)),
-            i32(block_tables.shape[1]),
-            i32(block_size),
-            slots.token_rows,
-            i64(slots.token_rows.stride(0)),
-            slots.num_tokens,
-            slots.num_output,
-            slots.drafts,
-            i64(slots.drafts.stride(0)),
-            slots.num_drafts,
-            input_ids,
-            positions,
-            slot_mapping,
-            seq_lens,
-            row_positions,
-            draft_ids,
-        ),
-        device,
+    args = (
+        num_filled,
+        i32(num_tokens),
+        token_slots,
+        request_of_token,
+        query_start_loc,
+        block_tables,
+        i64(block_tables.stride(0)),
+        i32(block_tables.shape[1]),
+        i32(block_size),
+        slots.token_rows,
+        i64(slots.token_rows.stride(0)),
+        slots.num_tokens,
+        slots.num_output,
+        slots.drafts,
+        i64(slots.drafts.stride(0)),
+        slots.num_drafts,
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        row_positions,
+        draft_ids,
     )
+    return (-(-num_tokens // THREADS),), args
 
 
 def _check_step(

@@ -125,9 +125,7 @@ class HostStep:
     cu_num_rows: np.ndarray  # [num_sampled + 1] int32
     seq_slots: np.ndarray  # [num_sampled] int64
     seq_rows: np.ndarray  # [num_sampled] int64 index among the step's sequences
-    num_output: (
-        np.ndarray
-    )  # [num_sampled] int64 output tokens of each request before the step (host only; zeros ahead)
+    num_output: np.ndarray  # [num_sampled] int64 output tokens before the step (host only; 0 ahead)
     seq_methods: np.ndarray  # [num_sampled] int32
     num_wanted: np.ndarray  # [num_sampled] int32
     max_seq_len: int
@@ -378,6 +376,10 @@ class DecodeGraphs:
         self.tree_parents.fill_(-1)
         self._pad_all()
         self.staged.sync_twins()
+        longs, ints = self.staged.arrays[:2]
+        self._twin_fields = {name: longs[i] for i, name in enumerate(self.LONG_FIELDS)}
+        self._twin_fields |= {name: ints[i] for i, name in enumerate(self.INT_FIELDS)}
+        """Each field's row of the host twins, by name."""
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         aux_size = len(aux_layers) * model.config.hidden_size
         self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
@@ -624,12 +626,11 @@ class DecodeGraphs:
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
         self.staged.wait()
-        longs, ints, starts, cu_num_rows, seq_lens, masks, parents, num_ahead, tables = self.staged.arrays
+        _, _, starts, cu_num_rows, seq_lens, masks, parents, num_ahead, tables = self.staged.arrays
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
-            table, fields = (longs, self.LONG_FIELDS) if name in self.LONG_FIELDS else (ints, self.INT_FIELDS)
-            row = table[fields.index(name)]
+            row = self._twin_fields[name]
             row[: len(values)], row[len(values) : bucket] = values, padding
 
         for name, value in (
