@@ -69,7 +69,7 @@ def step_batch(batch: int, step: int) -> StepBatch:
         ends=[],
         logprobs=[],
         handoffs=[],
-        step_s=0.0,
+        step_s=[],
         load=EngineLoad(),
     )
 

@@ -183,8 +183,7 @@ async def drive(core: EngineCoreClient, loop: Closed) -> StepTimes:
         for batch in batches:
             times.num_tokens += len(batch.token_ids)
             loop.running.difference_update(batch.request_ids[end.row] for end in batch.ends)
-            if batch.step_s:
-                times.step_s.append(batch.step_s)
+            times.step_s += batch.step_s
             if not batch.started_at:
                 continue  # no step: a command's effects only
             if batch.started_at != starts[-1]:  # the first batch of a step

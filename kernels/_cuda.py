@@ -57,9 +57,8 @@ __device__ __forceinline__ unsigned short from_float(float x) {
 #else
 #define VEC 8
 #endif
-/* 16 bytes of scalar_t -> VEC floats */
-__device__ __forceinline__ void load_vec(const scalar_t* p, float* out) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
+/* 16 bytes holding VEC scalar_t -> VEC floats */
+__device__ __forceinline__ void unpack_vec(uint4 raw, float* out) {
 #if DTYPE == DT_F32
     out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
     out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
@@ -68,6 +67,26 @@ __device__ __forceinline__ void load_vec(const scalar_t* p, float* out) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = to_float(h[i]);
 #endif
+}
+/* VEC floats -> 16 bytes holding VEC scalar_t, rounded to nearest even */
+__device__ __forceinline__ uint4 pack_vec(const float* v) {
+    uint4 raw;
+#if DTYPE == DT_F32
+    raw.x = __float_as_uint(v[0]); raw.y = __float_as_uint(v[1]);
+    raw.z = __float_as_uint(v[2]); raw.w = __float_as_uint(v[3]);
+#else
+    unsigned short* h = reinterpret_cast<unsigned short*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = from_float(v[i]);
+#endif
+    return raw;
+}
+/* 16 bytes of scalar_t (16-byte aligned) <-> VEC floats */
+__device__ __forceinline__ void load_vec(const scalar_t* p, float* out) {
+    unpack_vec(*reinterpret_cast<const uint4*>(p), out);
+}
+__device__ __forceinline__ void store_vec(scalar_t* p, const float* v) {
+    *reinterpret_cast<uint4*>(p) = pack_vec(v);
 }
 """
 

@@ -76,34 +76,13 @@ __device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int* fla
     return value;
 }
 
-/* 16 staged bytes -> VEC floats. Not through the read-only or L1 cache: the bytes change between
-   calls (written by another GPU), and `.cg` reads them where that GPU's stores land. */
-__device__ __forceinline__ void load_staged(const scalar_t* p, float* out) {
+/* 16 bytes a peer wrote, not through the read-only or L1 cache: they change between calls (written
+   by another GPU), and `.cg` reads them where that GPU's stores land. */
+__device__ __forceinline__ uint4 load_cg(const void* p) {
     uint4 raw;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "l"(p) : "memory");
-#if DTYPE == DT_F32
-    out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
-    out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
-#else
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = to_float(h[i]);
-#endif
-}
-
-/* VEC floats -> 16 bytes of scalar_t, rounded to nearest even. */
-__device__ __forceinline__ void store_vec(scalar_t* p, const float* v) {
-    uint4 raw;
-#if DTYPE == DT_F32
-    raw.x = __float_as_uint(v[0]); raw.y = __float_as_uint(v[1]);
-    raw.z = __float_as_uint(v[2]); raw.w = __float_as_uint(v[3]);
-#else
-    unsigned short* h = reinterpret_cast<unsigned short*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = from_float(v[i]);
-#endif
-    *reinterpret_cast<uint4*>(p) = raw;
+    return raw;
 }
 
 /* The staged half of rank r's buffer for this call. */
@@ -111,12 +90,43 @@ __device__ __forceinline__ char* staged_half(const unsigned long long* buffers, 
     return reinterpret_cast<char*>(buffers[r]) + DATA_OFFSET + (long long)(epoch & 1u) * HALF_BYTES;
 }
 
-/* This block's epoch for the call: one more than its last call's (kept in this rank's buffer). */
-__device__ __forceinline__ unsigned int begin_call(char* own) {
+/* One block's share of a call: this rank's buffer (`own`), the block's epoch, and the vectors of
+   a grid-stride loop its thread handles (first, first + stride, ...), the same on every rank. */
+struct BlockCall {
+    char* own;
+    unsigned int epoch;
+    long long first;
+    long long stride;
+};
+
+/* Opens a call: this block's epoch is one more than its last call's (kept in this rank's buffer). */
+__device__ __forceinline__ BlockCall begin_call(const unsigned long long* buffers, int rank) {
     __shared__ unsigned int block_epoch;
+    char* own = reinterpret_cast<char*>(buffers[rank]);
     if (threadIdx.x == 0) block_epoch = reinterpret_cast<unsigned int*>(own)[blockIdx.x] + 1u;  /* wraps */
     __syncthreads();
-    return block_epoch;
+    return BlockCall{own, block_epoch, (long long)blockIdx.x * blockDim.x + threadIdx.x,
+                     (long long)gridDim.x * blockDim.x};
+}
+
+/* Closes a call: keeps this block's epoch for its next call. */
+__device__ __forceinline__ void end_call(const BlockCall& call) {
+    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(call.own)[blockIdx.x] = call.epoch;
+}
+
+/* Copies this rank's input, SLICES slices of `slice_vecs` vectors, into its staged half: the
+   thread handling position j copies position j of every slice, so the block that stages a vector
+   is the block that reads it on every rank after the exchange of its flags. */
+template <int SLICES>
+__device__ __forceinline__ void stage_input(
+    const BlockCall& call, const unsigned long long* buffers, int rank, const scalar_t* input, long long slice_vecs)
+{
+    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, call.epoch));
+    const uint4* in = reinterpret_cast<const uint4*>(input);
+    for (long long j = call.first; j < slice_vecs; j += call.stride) {
+#pragma unroll
+        for (int s = 0; s < SLICES; ++s) staged[s * slice_vecs + j] = in[s * slice_vecs + j];
+    }
 }
 
 /* Signal, then wait. The first barrier orders every thread's stores before thread r's release,
@@ -126,18 +136,31 @@ __device__ __forceinline__ unsigned int begin_call(char* own) {
    r's stores visible to every thread of this block. Flags compare for equality, not >=: a peer one
    call ahead raises its flag in the other half, and counters may wrap. */
 __device__ __forceinline__ void exchange_flags(
-    const unsigned long long* buffers, char* own, int rank, int flags_offset, unsigned int epoch)
+    const unsigned long long* buffers, const BlockCall& call, int rank, int flags_offset)
 {
     __syncthreads();
-    const long long flag = ((long long)(epoch & 1u) * MAX_BLOCKS + blockIdx.x) * MAX_RANKS;
+    const long long flag = ((long long)(call.epoch & 1u) * MAX_BLOCKS + blockIdx.x) * MAX_RANKS;
     if (threadIdx.x < NRANKS) {
         char* peer = reinterpret_cast<char*>(buffers[threadIdx.x]);
-        store_release_sys(reinterpret_cast<unsigned int*>(peer + flags_offset) + flag + rank, epoch);
-        const unsigned int* mine = reinterpret_cast<const unsigned int*>(own + flags_offset) + flag + threadIdx.x;
-        while (load_acquire_sys(mine) != epoch) {
+        store_release_sys(reinterpret_cast<unsigned int*>(peer + flags_offset) + flag + rank, call.epoch);
+        const unsigned int* mine = reinterpret_cast<const unsigned int*>(call.own + flags_offset) + flag + threadIdx.x;
+        while (load_acquire_sys(mine) != call.epoch) {
         }
     }
     __syncthreads();
+}
+
+/* Vector v of the message summed over the ranks' staged halves, rank 0 first, in float32, so that
+   every rank that sums it gets the same bits once it rounds. */
+__device__ __forceinline__ void sum_staged(const unsigned long long* buffers, unsigned int epoch, long long v, float* sum) {
+    unpack_vec(load_cg(reinterpret_cast<const uint4*>(staged_half(buffers, 0, epoch)) + v), sum);
+#pragma unroll
+    for (int r = 1; r < NRANKS; ++r) {
+        float part[VEC];
+        unpack_vec(load_cg(reinterpret_cast<const uint4*>(staged_half(buffers, r, epoch)) + v), part);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sum[i] += part[i];
+    }
 }
 
 /* Why no barrier at the end of a call: a rank restages a half only two calls later, and it cannot
@@ -146,36 +169,23 @@ __device__ __forceinline__ void exchange_flags(
 
 /* One shot: every rank stages its whole input, then sums every rank's copy.
    1. stage this thread's vectors of the input in this rank's half; 2. exchange flags;
-   3. sum vector v over the ranks' halves, rank 0 first, in float32, rounding once, so every rank
-   writes the same bits. The thread that reads input vector v writes output vector v: `output` may
-   be `input`. */
+   3. sum vector v over the ranks' halves (`sum_staged`), rounding once, so every rank writes the
+   same bits. The thread that reads input vector v writes output vector v: `output` may be `input`. */
 extern "C" __global__ void __launch_bounds__(THREADS) one_shot_all_reduce(
     const scalar_t* input,                           /* [num_vecs * VEC] this rank's part */
     scalar_t* output,                                /* [num_vecs * VEC] the sum; may be `input` */
     const unsigned long long* __restrict__ buffers,  /* [NRANKS] every rank's buffer, mapped here */
     int rank, long long num_vecs)
 {
-    char* own = reinterpret_cast<char*>(buffers[rank]);
-    const unsigned int epoch = begin_call(own);
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-
-    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, epoch));
-    for (long long v = first; v < num_vecs; v += stride) staged[v] = reinterpret_cast<const uint4*>(input)[v];
-    exchange_flags(buffers, own, rank, FLAGS_OFFSET, epoch);
-
-    for (long long v = first; v < num_vecs; v += stride) {
-        float sum[VEC], part[VEC];
-        load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, 0, epoch)) + v * VEC, sum);
-#pragma unroll
-        for (int r = 1; r < NRANKS; ++r) {
-            load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, r, epoch)) + v * VEC, part);
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) sum[i] += part[i];
-        }
+    const BlockCall call = begin_call(buffers, rank);
+    stage_input<1>(call, buffers, rank, input, num_vecs);
+    exchange_flags(buffers, call, rank, FLAGS_OFFSET);
+    for (long long v = call.first; v < num_vecs; v += call.stride) {
+        float sum[VEC];
+        sum_staged(buffers, call.epoch, v, sum);
         store_vec(output + v * VEC, sum);
     }
-    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(own)[blockIdx.x] = epoch;
+    end_call(call);
 }
 
 /* Two shots (reduce-scatter, then all-gather): the message is NRANKS slices of `slice_vecs`
@@ -191,43 +201,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) two_shot_all_reduce(
     const unsigned long long* __restrict__ buffers,  /* [NRANKS] every rank's buffer, mapped here */
     int rank, long long slice_vecs)
 {
-    char* own = reinterpret_cast<char*>(buffers[rank]);
-    const unsigned int epoch = begin_call(own);
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-
-    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, epoch));
-    for (long long j = first; j < slice_vecs; j += stride) {
-#pragma unroll
-        for (int s = 0; s < NRANKS; ++s) staged[s * slice_vecs + j] = reinterpret_cast<const uint4*>(input)[s * slice_vecs + j];
-    }
-    exchange_flags(buffers, own, rank, FLAGS_OFFSET, epoch);
+    const BlockCall call = begin_call(buffers, rank);
+    stage_input<NRANKS>(call, buffers, rank, input, slice_vecs);
+    exchange_flags(buffers, call, rank, FLAGS_OFFSET);
 
     const long long mine = rank * slice_vecs;
-    for (long long j = first; j < slice_vecs; j += stride) {
-        float sum[VEC], part[VEC];
-        load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, 0, epoch)) + (mine + j) * VEC, sum);
-#pragma unroll
-        for (int r = 1; r < NRANKS; ++r) {
-            load_staged(reinterpret_cast<const scalar_t*>(staged_half(buffers, r, epoch)) + (mine + j) * VEC, part);
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) sum[i] += part[i];
-        }
-        store_vec(reinterpret_cast<scalar_t*>(staged + mine + j), sum);
+    uint4* staged = reinterpret_cast<uint4*>(staged_half(buffers, rank, call.epoch));
+    for (long long j = call.first; j < slice_vecs; j += call.stride) {
+        float sum[VEC];
+        sum_staged(buffers, call.epoch, mine + j, sum);
+        staged[mine + j] = pack_vec(sum);
     }
-    exchange_flags(buffers, own, rank, GATHER_FLAGS_OFFSET, epoch);
+    exchange_flags(buffers, call, rank, GATHER_FLAGS_OFFSET);
 
-    for (long long j = first; j < slice_vecs; j += stride) {
+    for (long long j = call.first; j < slice_vecs; j += call.stride) {
 #pragma unroll
         for (int s = 0; s < NRANKS; ++s) {
-            uint4 raw;
-            const uint4* summed = reinterpret_cast<const uint4*>(staged_half(buffers, s, epoch)) + s * slice_vecs + j;
-            asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "l"(summed) : "memory");
-            reinterpret_cast<uint4*>(output)[s * slice_vecs + j] = raw;
+            const uint4* summed = reinterpret_cast<const uint4*>(staged_half(buffers, s, call.epoch));
+            reinterpret_cast<uint4*>(output)[s * slice_vecs + j] = load_cg(summed + s * slice_vecs + j);
         }
     }
-    if (threadIdx.x == 0) reinterpret_cast<unsigned int*>(own)[blockIdx.x] = epoch;
+    end_call(call);
 }
 """
 )

@@ -41,16 +41,7 @@ __device__ __forceinline__ void load_w(const scalar_t* p, float* out) {
 }
 __device__ __forceinline__ void store_w(scalar_t* p, const float* v) {
 #if W == VEC
-    uint4 raw;
-#if DTYPE == DT_F32
-    raw.x = __float_as_uint(v[0]); raw.y = __float_as_uint(v[1]);
-    raw.z = __float_as_uint(v[2]); raw.w = __float_as_uint(v[3]);
-#else
-    unsigned short* h = reinterpret_cast<unsigned short*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = from_float(v[i]);
-#endif
-    *reinterpret_cast<uint4*>(p) = raw;
+    store_vec(p, v);
 #else
 #pragma unroll
     for (int i = 0; i < W; ++i) p[i] = from_float(v[i]);

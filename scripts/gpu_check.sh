@@ -119,6 +119,39 @@ stages=${*:-tests bench engine}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+
+SAMPLED="--temperature 0.8 --top-p 0.95 --request-seed 1"
+# the sampling of every stage's sampled runs (benchmarks.offline flags)
+
+# widen SHAPE [DIR [FLAGS...]]: the reference model and its MTP head widened to SHAPE's cost
+# (benchmarks.widen) in DIR, default /tmp/widened-SHAPE, unless an earlier stage of this visit built it there
+widen() {
+    local shape=$1 dir=${2:-/tmp/widened-$1}
+    [ -d "$dir/target" ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
+        --mtp models/specmesh-code-15m-mtp --shape "$shape" --out "$dir" --device cuda "${@:3}" | tail -1
+}
+
+# mtp_config DIR [FIELDS]: the speculative config (JSON) of the MTP head widened in DIR, FIELDS added
+mtp_config() { echo "{\"method\":\"mtp\",\"model\":\"$1/mtp\"${2:+,$2}}"; }
+# draft_config [FIELDS]: the same for the reference draft model
+draft_config() { echo "{\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\"${1:+,$1}}"; }
+
+# offline_methods DIR NAME...: benchmarks.offline's --methods entries for the target widened in DIR:
+# naive, ngram and suffix as named; mtp1 / mtp3 the MTP head at k = 1 / 3; hybrid the MTP head at
+# k = 3 in one model step with n-gram drafts after it; draft3 the reference draft model at k = 3
+offline_methods() {
+    local dir=$1 name
+    shift
+    for name in "$@"; do
+        case $name in
+            mtp1 | mtp3) echo -n "$name=$(mtp_config "$dir" "\"num_speculative_tokens\":${name#mtp}") " ;;
+            hybrid) echo -n "hybrid=$(mtp_config "$dir" '"num_speculative_tokens":3,"num_model_steps":1,"mtp_strategy":"with_ngram"') " ;;
+            draft3) echo -n "draft3=$(draft_config '"num_speculative_tokens":3') " ;;
+            *) echo -n "$name " ;;
+        esac
+    done
+}
+
 if [[ " $stages " == *" tests "* ]]; then
     timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
         tests/kernels tests/services/engine 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
@@ -154,29 +187,27 @@ if [[ " $stages " == *" spec "* ]]; then
     # the speculation tables of BENCHMARKS.md: every method with naive in the same run
     for shape in ${SPEC_SHAPES:-llama-3.2-1b qwen2.5-7b}; do
         dir=/tmp/widened-$shape
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
-        mtp='{"method":"mtp","model":"'$dir/mtp'"'
-        draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
+        widen $shape
         run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128 --no-plots --no-progress"
         if [ $shape = llama-3.2-1b ]; then
             timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 5 --batch-sizes 1 16 64 --out "$OUT/verify-cost-ngram.json" | tail -10
-            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 64 --method "$mtp}" --out "$OUT/verify-cost-mtp.json" | tail -7
-            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 16 64 --method "$draft}" --out "$OUT/verify-cost-draft.json" | tail -4
-            methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 64 --method "$(mtp_config $dir)" --out "$OUT/verify-cost-mtp.json" | tail -7
+            timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 16 64 --method "$(draft_config)" --out "$OUT/verify-cost-draft.json" | tail -4
+            methods=$(offline_methods $dir naive ngram mtp1 mtp3 hybrid draft3)
             # shellcheck disable=SC2086
             timeout 400 $run --workload code_editing --concurrency 1 16 64 256 --requests-per-slot 1 \
                 --methods $methods --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
             # shellcheck disable=SC2086
             timeout 300 $run --workload code_editing --concurrency 1 16 64 --requests-per-slot 1 \
-                --temperature 0.8 --top-p 0.95 --request-seed 1 --methods $methods \
+                $SAMPLED --methods $methods \
                 --out "$OUT/offline-$shape-sampled.json" | grep "^| [a-z]"
             timeout 200 $run --workload agentic --concurrency 1 16 64 --requests-per-slot 1 \
                 --methods naive suffix ngram --out "$OUT/offline-$shape-agentic.json" | grep "^| [a-z]"
         else
             timeout 120 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 5 --batch-sizes 1 16 --out "$OUT/verify-cost-7b.json" | tail -5
+            # shellcheck disable=SC2046
             timeout 200 $run --workload code_editing agentic --concurrency 1 \
-                --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
+                --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/offline-$shape-greedy.json" | grep "^| [a-z]"
         fi
         rm -rf $dir
     done
@@ -185,11 +216,8 @@ if [[ " $stages " == *" limit "* ]]; then
     # close to the limit at c=1: the target's verify step over 1 + k tokens against a plain step, and
     # every method's acceptance and TPOT, in the same call; benchmarks.limit joins them per method
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    draft='{"method":"draft_model","model":"models/specmesh-code-draft"'
-    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} hybrid=$mtp,\"num_speculative_tokens\":3,\"num_model_steps\":1,\"mtp_strategy\":\"with_ngram\"} draft3=$draft,\"num_speculative_tokens\":3}"
+    widen llama-3.2-1b
+    methods=$(offline_methods $dir naive ngram mtp1 mtp3 hybrid draft3)
     run="python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --num-requests 12 --max-tokens 128
         --concurrency 1 --requests-per-slot 1 --no-plots --no-progress"
     timeout 150 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 2 3 5 8 --batch-sizes 1 --context 512 \
@@ -197,9 +225,9 @@ if [[ " $stages " == *" limit "* ]]; then
     # shellcheck disable=SC2086
     timeout 240 $run --workload code_editing --repeats ${LIMIT_REPEATS:-2} --methods $methods \
         --out "$OUT/limit-offline-greedy.json" | grep "^| [a-z]"
-    # shellcheck disable=SC2086
-    timeout 120 $run --workload code_editing --temperature 0.8 --top-p 0.95 --request-seed 1 \
-        --methods naive ngram "mtp1=$mtp,\"num_speculative_tokens\":1}" --out "$OUT/limit-offline-sampled.json" | grep "^| [a-z]"
+    # shellcheck disable=SC2046,SC2086
+    timeout 120 $run --workload code_editing $SAMPLED \
+        --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/limit-offline-sampled.json" | grep "^| [a-z]"
     # shellcheck disable=SC2086
     timeout 120 $run --workload agentic --methods naive suffix ngram --out "$OUT/limit-offline-agentic.json" | grep "^| [a-z]"
     for sampling in greedy sampled agentic; do
@@ -212,29 +240,20 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" tests "* ]]; 
     timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu -s tests/services/engine/spec_decode/test_suffix_gpu.py \
         tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py -k suffix 2>&1 \
         | tee "$OUT/suffixhost-tests.log" | tail -20
-    status=${PIPESTATUS[0]}
+    status=$((status | PIPESTATUS[0]))
 fi
-if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" offline "* ]]; then
+for part in offline sampled; do  # greedy, then sampled
+    [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" $part "* ]] || continue
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
+    flags=$([ $part = sampled ] && echo "$SAMPLED")
+    name=$([ $part = sampled ] && echo "-sampled")
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost.json" \
+        $flags --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost$name.json" \
         --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|drafting paused"
-fi
-if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" sampled "* ]]; then
-    dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    # shellcheck disable=SC2086
-    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
-        --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
-        --temperature 0.8 --top-p 0.95 --request-seed 1 --no-plots --no-progress --methods naive suffix ngram \
-        --out "$OUT/offline-agentic-suffixhost-sampled.json" --log services.engine.spec_decode.adaptive 2>&1 \
-        | grep -E "^\| [a-z]|drafting paused"
-fi
+done
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json
     {
@@ -248,8 +267,7 @@ if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; th
 fi
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" stalls "* ]]; then
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
     # steps slower than 15 ms at 64 agentic requests, three bursts on one engine (the global tree full
     # after the first), with the garbage collections that ran in them
     timeout 150 python3 -m benchmarks.step_stalls --model $dir/target --workload agentic --concurrency 64 \
@@ -259,12 +277,10 @@ if [[ " $stages " == *" steady "* ]]; then
     # steady state on the 1B-cost target: 4 requests per concurrency slot, admitted as others
     # finish, so most steps carry a prefill chunk; greedy and sampled, naive in the same run
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    methods="naive ngram mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3} draft3={\"method\":\"draft_model\",\"model\":\"models/specmesh-code-draft\",\"num_speculative_tokens\":3}"
+    widen llama-3.2-1b
+    methods=$(offline_methods $dir naive ngram mtp1 mtp3 draft3)
     for sampling in greedy sampled; do
-        flags=$([ $sampling = sampled ] && echo "--temperature 0.8 --top-p 0.95 --request-seed 1" || echo "")
+        flags=$([ $sampling = sampled ] && echo "$SAMPLED")
         # shellcheck disable=SC2086
         timeout 270 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
             --concurrency ${STEADY_CONCURRENCY:-16 64} --num-requests 12 --requests-per-slot 4 --max-tokens 128 \
@@ -300,12 +316,12 @@ if [[ " $stages " == *" tp "* ]]; then
     fi
     if [[ "$tp_parts" == *" offline "* ]]; then
         dir=/tmp/widened-qwen2.5-7b
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape qwen2.5-7b --out $dir --device cuda | tail -1
+        widen qwen2.5-7b
         for n in 1 $sizes; do
+            # shellcheck disable=SC2046
             timeout 150 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --tensor-parallel-size "$n" \
                 --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --no-plots --no-progress \
-                --methods naive ngram "mtp1={\"method\":\"mtp\",\"model\":\"$dir/mtp\",\"num_speculative_tokens\":1}" \
+                --methods $(offline_methods $dir naive ngram mtp1) \
                 --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
         done
     fi
@@ -349,14 +365,10 @@ fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" spec "* ]]; then
     for shape in ${QUANT_SPEC_SHAPES:-llama-3.2-1b}; do
         dir=/tmp/widened-$shape
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape $shape --out $dir --device cuda | tail -1
-        mtp='{"method":"mtp","model":"'$dir/mtp'"'
-        draft='{"method":"draft_model","model":"models/specmesh-code-draft","num_speculative_tokens":3}'
+        widen $shape
         for q in ${QUANT_METHODS:-none fp8 int8 int4}; do
             flag=$([ "$q" = none ] || echo "--quantization $q")
-            methods="naive ngram suffix mtp1=$mtp,\"num_speculative_tokens\":1} mtp3=$mtp,\"num_speculative_tokens\":3}"
-            [ "$q" = int4 ] || methods="$methods draft3=$draft"
+            methods=$(offline_methods $dir naive ngram suffix mtp1 mtp3 $([ "$q" = int4 ] || echo draft3))
             # shellcheck disable=SC2086
             timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 $flag --workload code_editing \
                 --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --no-plots --no-progress \
@@ -388,16 +400,14 @@ if [[ " $stages " == *" grammar "* ]]; then
             2>&1 | tee -a "$OUT/grammar.log" | grep "batch  64"
     fi
     dir=/tmp/widened-llama-3.2-1b
-    if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]] && [ ! -d $dir/target ]; then
-        python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    if [[ " $parts " == *" step "* || " $parts " == *" offline "* ]]; then
+        widen llama-3.2-1b
     fi
     if [[ " $parts " == *" step "* ]]; then
         timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
             --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
     fi
-    mtp='{"method":"mtp","model":"'$dir/mtp'"'
-    methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3}"
+    methods=$(offline_methods $dir naive ngram mtp3)
     # code_editing under edit_schema.json (JSON around code: drafts leave the grammar) and json_editing
     # under json_edit_schema.json (the answer copies a JSON record of the prompt: drafts can match)
     declare -A schemas=([code_editing]=edit_schema [json_editing]=json_edit_schema)
@@ -425,8 +435,7 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
 fi
 if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
     dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m --mtp models/specmesh-code-15m-mtp \
-        --eagle3 models/specmesh-code-15m-eagle3 --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b $dir --eagle3 models/specmesh-code-15m-eagle3
     mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
     eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
     tree=${TREE:-3,2,1}
@@ -472,14 +481,13 @@ fi
 if [[ " $stages " == *" mesh "* ]]; then
     python3 -c "from services.serve import find_redis_server; print('redis-server:', find_redis_server())" || exit 1
     dir=/tmp/widened-llama-3.2-1b
-    [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-        --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+    widen llama-3.2-1b
     parts=${MESH_PARTS:-overhead hops core batch}
+    pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd")  # the split mesh too (overhead, batch, c256)
     mesh="python3 -m benchmarks.overhead --device cuda --model $dir/target --dtype bfloat16 --workload code_editing
         --num-requests 12 --requests-per-slot 1 --max-tokens 128 --methods ${MESH_METHODS:-naive ngram} --gpu-memory-utilization 0.4
         --gateway-workers 4 --client-processes 4 --no-plots --no-progress ${MESH_FLAGS:-}"
     if [[ " $parts " == *" overhead "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 420 $mesh --concurrency ${MESH_CONCURRENCY:-1 16 64} $pd --log-dir /tmp/mesh-logs \
             --out "$OUT/mesh-overhead.json" 2>&1 | tee "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
@@ -493,13 +501,11 @@ if [[ " $stages " == *" mesh "* ]]; then
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" batch "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 300 $mesh --concurrency 1 $pd --bus-side-policy batch --out "$OUT/mesh-batch.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" c256 "* ]]; then
-        pd=$([ "${MESH_PD:-0}" = 1 ] && echo "--pd" || echo "")
         # shellcheck disable=SC2086
         timeout 480 $mesh --concurrency 256 $pd --log-dir /tmp/mesh-c256-logs --out "$OUT/mesh-c256.json" \
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
@@ -521,18 +527,17 @@ if [[ " $stages " == *" mtpchain "* ]]; then
     fi
     dir=/tmp/widened-llama-3.2-1b
     if [[ "$mtpchain_parts" == *" mtp "* || "$mtpchain_parts" == *" draft "* ]]; then
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
+        widen llama-3.2-1b
     fi
     if [[ "$mtpchain_parts" == *" mtp "* ]]; then
         timeout 300 python3 -m benchmarks.verify_cost --model $dir/target --ks 1 3 --batch-sizes 1 16 --context 512 \
-            --kernels --method '{"method":"mtp","model":"'$dir/mtp'"}' --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
+            --kernels --method "$(mtp_config $dir)" --out "$OUT/verify-cost-mtpchain.json" 2>&1 \
             | tee "$OUT/mtpchain-kernels.txt" | grep -v "^    "
         status=$((status | PIPESTATUS[0]))
     fi
     if [[ "$mtpchain_parts" == *" draft "* ]]; then
         timeout 200 python3 -m benchmarks.verify_cost --model $dir/target --ks 3 --batch-sizes 1 --context 512 \
-            --kernels --method '{"method":"draft_model","model":"models/specmesh-code-draft"}' \
+            --kernels --method "$(draft_config)" \
             --out "$OUT/verify-cost-mtpchain-draft.json" 2>&1 | tee -a "$OUT/mtpchain-kernels.txt" | grep -v "^    "
         status=$((status | PIPESTATUS[0]))
     fi
@@ -568,15 +573,13 @@ if [[ " $stages " == *" async "* ]]; then
     rm -rf /tmp/specmesh-llama-3.2-1b
     if [[ "$async_parts" == *" offline "* ]]; then
         dir=/tmp/widened-llama-3.2-1b
-        [ -d $dir/target ] || python3 -m benchmarks.widen --model models/specmesh-code-15m \
-            --mtp models/specmesh-code-15m-mtp --shape llama-3.2-1b --out $dir --device cuda | tail -1
-        mtp1='mtp1={"method":"mtp","model":"'$dir/mtp'","num_speculative_tokens":1}'
+        widen llama-3.2-1b
         for mode in on off; do
             flags=$([ "$mode" = off ] && echo "--no-async-scheduling" || echo "")
-            # shellcheck disable=SC2086
+            # shellcheck disable=SC2046,SC2086
             timeout 240 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
                 --num-requests 12 --max-tokens 128 --concurrency 1 16 --no-plots --no-progress $flags \
-                --methods naive ngram "$mtp1" --out "$OUT/async-offline-$mode.json" 2>&1 \
+                --methods $(offline_methods $dir naive ngram mtp1) --out "$OUT/async-offline-$mode.json" 2>&1 \
                 | tee -a "$OUT/async-offline.log" | grep "^| [a-z]"
             status=$((status | PIPESTATUS[0]))
         done

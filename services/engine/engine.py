@@ -263,7 +263,7 @@ class LLMEngine:
         if seq is None or seq.is_finished or seq in self._stopped:
             return None
         seq.finish_reason = FinishReason.ABORT
-        self._unemitted = [e for e in self._unemitted if e.seq is not seq]  # its text ends here
+        self._drop_unemitted(seq)
         output = self._output(seq, [])
         self._free(seq)
         self._forget(seq)
@@ -275,13 +275,17 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return
-        self._unemitted = [e for e in self._unemitted if e.seq is not seq]
+        self._drop_unemitted(seq)
         if seq in self._stopped:
             self._stopped.remove(seq)
         if not seq.is_finished:
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
             self._free(seq)
         self._forget(seq)
+
+    def _drop_unemitted(self, seq: Sequence) -> None:
+        """Drops the request's tokens whose output is still due: its text ends where it is."""
+        self._unemitted = [e for e in self._unemitted if e.seq is not seq]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._unemitted)
@@ -299,8 +303,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, None, params, prompt_token_ids, resumed_token_ids)
         seq.prompt_logprobs = None  # the prefill instance computes and sends them
         if not self.block_manager.can_allocate(seq, seq.num_tokens, []):
-            self.sequences.pop(request_id)
-            self.outputs.release(request_id)
+            self._forget(seq)
             self.drafter.finish(seq)
             raise CapacityError(f"no free KV blocks for {seq.num_tokens} tokens on this instance")
         self.block_manager.allocate(seq, [])

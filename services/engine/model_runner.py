@@ -208,44 +208,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         _check_kernels_support(model_config, self.device)
-        # the target's scheme (asked for, or its checkpoint's) quantizes the drafting models too
-        self.quantization = resolve_quantization(config.quantization, model_config.quantization, config.model)
-        method = self.quantization.method if self.quantization else None
-        self.model: LlamaForCausalLM = load_model(
-            config.model, self.dtype, self.device, max_model_len, self.tp, method
-        )
-        # replicated: small, latency-bound chains, and its heads need not split like the target's
-        self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
-        self.mtp_head: MTPHead | None = None
-        if spec.method == "mtp":
-            assert spec.model is not None
-            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
-        self.eagle3_head: Eagle3Head | None = None
-        if spec.method == "eagle3":
-            assert spec.model is not None
-            self.eagle3_head = load_eagle3_head(
-                spec.model, self.model, self.dtype, self.device, spec.eagle3_layers
-            )
-        self.aux_layers: tuple[int, ...] = self.eagle3_head.aux_layers if self.eagle3_head else ()
-        """Target layers whose entering streams the forward keeps (the EAGLE-3 head's; none otherwise)."""
+        self._load_models()
         self.num_kv_blocks = self._agree_min(self._num_kv_blocks())
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks, model_config, self.tp)
-        self.draft_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.draft_model.config, SINGLE)
-            if self.draft_model
-            else []
-        )
-        self.mtp_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.mtp_head.config, self.tp)
-            if self.mtp_head
-            else []
-        )
-        # replicated, as the head is
-        self.eagle3_kv_caches = (
-            self._allocate_kv_cache(self.num_kv_blocks, self.eagle3_head.config, SINGLE)
-            if self.eagle3_head
-            else []
-        )
+        caches = {
+            name: self._allocate_kv_cache(self.num_kv_blocks, cache_config, tp)
+            for name, (cache_config, tp) in self._cache_layouts().items()
+        }
+        self.kv_caches = caches["target"]
+        self.draft_kv_caches = caches.get("draft", [])
+        self.mtp_kv_caches = caches.get("mtp", [])
+        self.eagle3_kv_caches = caches.get("eagle3", [])
         self.max_num_drafts = spec.max_num_drafts
         self.tree = DraftTree(spec.tree) if spec.tree else None
         """The draft tree the server's head drafts, or None: chains."""
@@ -268,6 +240,46 @@ class ModelRunner:
         next one launches)."""
         if self.device.type == "cuda":
             self._warm_up_kernels()
+
+    def _load_models(self) -> None:
+        """The target and the drafting model its speculative method runs (draft model, MTP or
+        EAGLE-3 head)."""
+        config, spec = self.config, self.spec
+        # the target's scheme (asked for, or its checkpoint's) quantizes the drafting models too
+        self.quantization = resolve_quantization(
+            config.quantization, self.model_config.quantization, config.model
+        )
+        method = self.quantization.method if self.quantization else None
+        self.model: LlamaForCausalLM = load_model(
+            config.model, self.dtype, self.device, self.max_model_len, self.tp, method
+        )
+        # replicated: small, latency-bound chains, and its heads need not split like the target's
+        self.draft_model = self._load_draft_model() if spec.method == "draft_model" else None
+        self.mtp_head: MTPHead | None = None
+        if spec.method == "mtp":
+            assert spec.model is not None
+            self.mtp_head = load_mtp_head(spec.model, self.model, self.dtype, self.device, method).eval()
+        self.eagle3_head: Eagle3Head | None = None
+        if spec.method == "eagle3":
+            assert spec.model is not None
+            self.eagle3_head = load_eagle3_head(
+                spec.model, self.model, self.dtype, self.device, spec.eagle3_layers
+            )
+        self.aux_layers: tuple[int, ...] = self.eagle3_head.aux_layers if self.eagle3_head else ()
+        """Target layers whose entering streams the forward keeps (the EAGLE-3 head's; none otherwise)."""
+
+    def _cache_layouts(self) -> dict[str, tuple[ModelConfig, TensorParallel]]:
+        """Each KV cache that shares the block tables (`caches`), by name: its model's config and
+        the ranks its heads split over (the draft model and the EAGLE-3 head are replicated, and
+        so are their caches)."""
+        layouts = {"target": (self.model_config, self.tp)}
+        if self.draft_model is not None:
+            layouts["draft"] = (self.draft_model.config, SINGLE)
+        if self.mtp_head is not None:
+            layouts["mtp"] = (self.mtp_head.config, self.tp)
+        if self.eagle3_head is not None:
+            layouts["eagle3"] = (self.eagle3_head.config, SINGLE)
+        return layouts
 
     def start(self, proposers: list[Proposer], own: int | None = None) -> None:
         """Sets the step's tail over the device proposers and captures the CUDA graphs; `own`: the
@@ -347,10 +359,6 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on this rank in every cache that shares the block tables (target,
         draft, MTP, EAGLE-3)."""
-        configs = [(self.model_config, self.tp)]
-        configs += [(self.draft_model.config, SINGLE)] if self.draft_model else []
-        configs += [(self.mtp_head.config, self.tp)] if self.mtp_head else []
-        configs += [(self.eagle3_head.config, SINGLE)] if self.eagle3_head else []
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
             2
@@ -359,7 +367,7 @@ class ModelRunner:
             * len(kv_head_range(c.num_key_value_heads, tp))
             * c.head_dim
             * elem
-            for c, tp in configs
+            for c, tp in self._cache_layouts().values()
         )
 
     def _load_draft_model(self) -> LlamaForCausalLM:
@@ -478,10 +486,6 @@ class ModelRunner:
             hidden, step.prompt_rows, self.model.compute_logits, self.model_config.vocab_size
         )
 
-    def execute(self, batch: ScheduledBatch, plan: StepPlan) -> StepOutput:
-        """`launch`, then wait for the result."""
-        return self.launch(batch, plan).result()
-
     def _read_back(
         self,
         packed: torch.Tensor,
@@ -496,9 +500,7 @@ class ModelRunner:
         if packed.device.type == "cuda":
             self._results.reverse()
             packed, done = self._results[0].read(packed)
-        elif (
-            self.graphs is not None
-        ):  # a graph's output: the next step, launched before it is read, overwrites it
+        elif self.graphs is not None:  # a graph's output, which the next step may overwrite unread
             packed = packed.clone()
         max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)

@@ -250,9 +250,9 @@ class StepBatch:
     """(row, its new tokens' logprobs) for rows of requests that asked for them."""
     handoffs: list[KVExport]
     """Prefill role: requests' KV to send to their decode instances (host tensors once received)."""
-    step_s: float
-    """The time of the steps that ended since the last batch: one, carried by the first batch after
-    it ended, but where a step sent none during it (0: none)."""
+    step_s: list[float]
+    """The time of each engine step that ended since the last batch, oldest first: a step's time
+    goes out once, with the first batch sent after it ends (after it, or during the next step)."""
     load: EngineLoad
     prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     """(row, its request's prompt logprobs) on the first row of requests that asked for them."""
@@ -343,7 +343,7 @@ def concat(batches: list[StepBatch]) -> StepBatch:
         ends=ends,
         logprobs=[(row + int(o), lps) for b, o in zip(batches, offsets) for row, lps in b.logprobs],
         handoffs=[h for b in batches for h in b.handoffs],
-        step_s=sum(b.step_s for b in batches),
+        step_s=[s for b in batches for s in b.step_s],
         load=batches[-1].load,
         prompt_logprobs=[
             (row + int(o), lps) for b, o in zip(batches, offsets) for row, lps in b.prompt_logprobs

@@ -142,7 +142,9 @@ class RowBuilder:
         self.num_output_tokens.append(0)
         self.epochs.append(epoch)
 
-    def take(self, handoffs: list[KVExport], step_s: float, started_at: float, load: EngineLoad) -> StepBatch:
+    def take(
+        self, handoffs: list[KVExport], step_s: list[float], started_at: float, load: EngineLoad
+    ) -> StepBatch:
         batch = StepBatch(
             request_ids=self.request_ids,
             cu_num_tokens=np.cumsum([0, *self.num_new_tokens], dtype=TOKEN_DTYPE),
@@ -193,9 +195,8 @@ class EngineCore:
         """When (`time.monotonic()`) the next batch carries the suffix-cache client's counters."""
         self.started_at = 0.0
         """Wall clock as the step under way (or the last) began."""
-        self.step_s = 0.0
-        """The time of the steps that ended since the last batch (one, but where a step sent none
-        during it: the last of a run, whose empty batch only returns outputs)."""
+        self.step_s: list[float] = []
+        """The time of each step that ended since the last batch (`StepBatch.step_s`)."""
         self.sent_in_step = False
         """A batch went out during the step under way."""
 
@@ -226,7 +227,8 @@ class EngineCore:
     def _step(self) -> None:
         """One engine step. The last step's outputs go out from inside it, while the device runs it
         (`_send_outputs`); after it, a batch goes only with what the step made after its device
-        work (hand-offs, failures), or where none went during it (the step's time, the load)."""
+        work (hand-offs, failures), where none went during it (the step's time, the load), or where
+        it was the last of a run (its time goes out before the core waits idle)."""
         self.started_at, started = time.time(), time.perf_counter()
         self.sent_in_step = False
         try:
@@ -239,9 +241,9 @@ class EngineCore:
                 raise  # the other ranks may be inside the step's collectives: the group cannot go on
             logger.exception("engine step failed; aborting the running requests")
             self._abort_all(f"engine step failed: {exc}")
-        self.step_s += time.perf_counter() - started
+        self.step_s.append(time.perf_counter() - started)
         exports, self.engine.handoffs = self.engine.handoffs, []
-        if exports or len(self.rows) or not self.sent_in_step:
+        if exports or len(self.rows) or not self.sent_in_step or not self.engine.has_unfinished_requests():
             self._send(exports, self.started_at)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -256,7 +258,7 @@ class EngineCore:
         """The rows so far, with the time of the steps no batch carried yet."""
         handoffs = [self._share(export) for export in handoffs]
         self.channel.send(self.rows.take(handoffs, self.step_s, started_at, self._load()))
-        self.step_s = 0.0
+        self.step_s = []
         self.sent_in_step = True
         self.dirty = False
 

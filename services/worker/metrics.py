@@ -96,9 +96,10 @@ class WorkerMetrics:
             if isinstance(value, bool | int | float):
                 self._suffix_cache.labels(**self.labels, stat=name).set(float(value))
 
-    def observe_step(self, step_s: float, load: EngineLoad) -> None:
-        if step_s:
-            self.step_seconds.observe(step_s)
+    def observe_step(self, step_s: list[float], load: EngineLoad) -> None:
+        """A batch's steps (each step's time) and the load after them."""
+        for seconds in step_s:
+            self.step_seconds.observe(seconds)
         self.running.set(load.num_running)
         self.waiting.set(load.num_waiting)
         self.queued_tokens.set(load.queued_tokens)

@@ -10,10 +10,6 @@ dispatch over row counts, and replay from a CUDA graph.
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -35,7 +31,7 @@ from kernels.quant_ref import (
     quantize_weight_ref,
     unpack_int32,
 )
-from tests.kernels.helpers import needs_cuda, poison_allocator, rel_error
+from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, poison_allocator, rel_error
 
 GROUPS = {"fp8": [None], "int8": [None, 64], "int4": [None, 32, 128]}
 
@@ -594,11 +590,12 @@ def test_cuda_quant_gemv_takes_strided_rows_and_replays_from_a_graph(scheme: str
     assert torch.equal(replayed, quant_gemv_cuda(fresh, qweight, scale, scheme))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+@needs_nvcc
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quant_mma_compiles_for_sm90(scheme: str, tmp_path) -> None:
     """Where the CUDA toolkit is installed, the tensor-core kernel's source assembles for sm_90 as
-    quant_mma_cuda compiles it for 1, 64 and 256 rows, bf16 and fp16 (the launch's -D macros)."""
+    quant_mma_cuda compiles it for 1, 64 and 256 rows, bf16 and fp16 (the launch's -D macros),
+    without spilling registers."""
     from kernels.quant_gemm import (
         MMA_SOURCE,
         MMA_TILES_M,
@@ -608,8 +605,6 @@ def test_quant_mma_compiles_for_sm90(scheme: str, tmp_path) -> None:
         mma_config,
     )
 
-    source = tmp_path / "quant_mma.cu"
-    source.write_text(MMA_SOURCE)
     for dtype in (torch.bfloat16, torch.float16):
         for num_rows, out_features in ((1, 4096), (64, 4096), (256, 32768)):  # k_warps 4, 4, 1
             config = mma_config(num_rows, out_features, 4096, scheme, num_sms=132)
@@ -624,19 +619,6 @@ def test_quant_mma_compiles_for_sm90(scheme: str, tmp_path) -> None:
                 HAS_BIAS=1,
                 **decode_constants(scheme, dtype),
             )
-            command = [
-                "nvcc",
-                "-cubin",
-                "-arch=sm_90",
-                "-std=c++17",
-                "-Xptxas=-v",
-                "-o",
-                str(tmp_path / "k.cubin"),
-            ]
-            command += [str(source)] + [f"-D{k}={v}" for k, v in defines.items()]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr[-3000:]
-            print(
-                f"\nquant_mma {scheme} {dtype} {num_rows} rows:",
-                *re.findall(r"Used \d+ registers", result.stderr),
-            )
+            registers = assemble_sm90(MMA_SOURCE, defines, tmp_path)
+            assert set(registers) == {"quant_mma", "quant_mma_reduce"}
+            print(f"\nquant_mma {scheme} {dtype} {num_rows} rows registers: {registers}")

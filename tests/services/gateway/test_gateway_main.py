@@ -257,3 +257,14 @@ async def _answer_every_submit(bus: Bus) -> None:
 async def _submits(bus: Bus) -> list[Submit]:
     deliveries, _ = await bus.read_stream(bus.keys.requests, "0-0", block_ms=50, count=10_000)
     return [d.message for d in deliveries if isinstance(d.message, Submit)]
+
+
+def test_a_worker_that_fails_to_start_says_why(tmp_path: Path) -> None:
+    """`--workers 2` with a model directory that cannot be read: the supervisor exits non-zero and
+    the log names the cause (a forked worker leaves through os._exit, which prints nothing itself)."""
+    missing = tmp_path / "no-model"
+    command = [sys.executable, "-m", "services.gateway.main", "--model", str(missing), "--workers", "2"]
+    command += ["--port", str(free_port())]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"cannot read {missing / 'config.json'}" in done.stderr + done.stdout

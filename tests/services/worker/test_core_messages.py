@@ -21,7 +21,7 @@ def step(rows: dict[str, list[int]], ends: list[RowEnd] | None = None) -> StepBa
         ends=ends or [],
         logprobs=[(1, [(t, -0.5, [(t, -0.5)]) for t in rows[ids[1]]])] if len(ids) > 1 else [],
         handoffs=[],
-        step_s=0.01,
+        step_s=[0.01],
         load=EngineLoad(),
     )
 
@@ -62,7 +62,7 @@ def test_concatenated_steps_keep_each_request_in_order() -> None:
         ("b", [4], "<b>", True),
     ]
     assert [row for row, _ in both.logprobs] == [1, 3]
-    assert both.step_s == 0.02
+    assert both.step_s == [0.01, 0.01]
 
 
 def test_prompt_logprobs_stay_on_their_request_through_selection_concat_and_the_bus() -> None:

@@ -99,11 +99,10 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
     for batch in stepped:  # sent during the step after the one that made its tokens
         assert before <= batch.started_at <= batch.sent_at <= time.time()
     num_steps = len({batch.started_at for batch in batches if batch.started_at})
-    step_s = [batch.step_s for batch in batches if batch.step_s]
-    # each step's time goes out once: with its own batch, or with the next step's where a step sent
-    # none during it (the last of a run; with asynchronous scheduling, a step whose landing made no
-    # outputs yet)
-    assert num_steps // 2 <= len(step_s) <= num_steps
+    step_s = [seconds for batch in batches for seconds in batch.step_s]
+    # each step's time goes out once, with the first batch after the step: every step's so far, but
+    # the last read batch's own step's where that batch went out during it
+    assert num_steps - 1 <= len(step_s) <= num_steps
     assert sum(step_s) <= batches[-1].sent_at - min(b.started_at for b in batches if b.started_at)
     logged = {
         (record.hop, record.pos): (record.t, record.pid, record.rtt)
@@ -116,6 +115,44 @@ async def test_the_core_stamps_each_step_and_its_client_logs_the_core_s_hops(
         assert logged[("core.sent", pos)] == (batch.sent_at, core.pid, 0)
         t, pid, _ = logged[("worker.from_core", pos)]
         assert t >= batch.sent_at and pid == os.getpid()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_step_s_time_goes_out_once(
+    model: str, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each engine step's time, as the core's clock measured it, goes out in exactly one entry of
+    one batch, in step order, the last step's included (before the core waits idle): on a clock
+    where step i takes i seconds, the batches' entries are 1, 2, ..., the number of steps."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", async_scheduling=async_scheduling))
+    clock = SimpleNamespace(now=0.0, num_steps=0)
+    monkeypatch.setattr(
+        engine_core,
+        "time",
+        SimpleNamespace(time=time.time, monotonic=time.monotonic, perf_counter=lambda: clock.now),
+    )
+    step = engine.step
+
+    def timed_step() -> list[Any]:
+        outputs = step()
+        clock.num_steps += 1
+        clock.now += clock.num_steps
+        return outputs
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    ours, theirs = socket.socketpair()
+    step_s: list[float] = []
+    with ours, theirs:
+        core = EngineCore(engine, BlockingChannel(ours))
+        for i, prompt in enumerate(PROMPTS[:2]):
+            core._add(AddRequest(f"r{i}", 1, prompt, GREEDY, []))
+        while engine.has_unfinished_requests():
+            core._step()
+            while select.select([theirs], [], [], 0)[0]:
+                step_s += BlockingChannel(theirs).recv().step_s
+        engine.close()
+    assert clock.num_steps > GREEDY.max_tokens
+    assert step_s == [float(i) for i in range(1, clock.num_steps + 1)]
 
 
 def test_a_step_s_outputs_leave_the_core_while_the_next_step_runs(model: str) -> None:

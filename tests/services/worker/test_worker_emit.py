@@ -64,7 +64,7 @@ def one_token_step(
         ends=ends or [],
         logprobs=[],
         handoffs=[],
-        step_s=0.01,
+        step_s=[0.01],
         load=EngineLoad(),
     )
 
