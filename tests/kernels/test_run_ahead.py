@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 
+from kernels.run_ahead import DEFINES, SOURCE, THREADS, launch_arguments
 from kernels.run_ahead_ref import NO_DRAFT, PLACEHOLDER_TOKEN_ID, fill_ahead_ref
-from tests.kernels.helpers import needs_cuda
+from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_gxx, needs_nvcc, run_on_host
 
 I32, I64 = torch.int32, torch.int64
 UNSET = -7
@@ -208,6 +209,31 @@ def test_nothing_to_fill_leaves_the_step() -> None:
     once = case.written()
     fill_ahead_ref(*case.args(count))
     assert all(torch.equal(a, b) for a, b in zip(case.written(), once))
+
+
+@needs_nvcc
+def test_cuda_source_assembles_for_sm90(tmp_path) -> None:
+    """Where the CUDA toolkit is installed, the kernel assembles for sm_90 as the wrapper compiles
+    it, without spilling registers."""
+    assert set(assemble_sm90(SOURCE, DEFINES, tmp_path)) == {"fill_ahead"}
+
+
+@needs_gxx
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("padding", [0, 5])
+def test_cuda_source_run_on_the_host_matches_reference(block_size: int, padding: int, tmp_path) -> None:
+    """Without a GPU: the kernel's CUDA source, built for the host by g++ and run thread by thread
+    with the launch arguments the wrapper builds, writes what the reference writes, bit for bit."""
+    rng = random.Random(200 + block_size * 10 + padding)
+    for num_seqs in SIZES:
+        expected = random_case(num_seqs, rng, block_size, padding)
+        case = Case(**{**vars(expected), **{name: getattr(expected, name).clone() for name in Case.WRITTEN}})
+        count = torch.tensor([expected.num_tokens], dtype=I32) if padding else None
+        fill_ahead_ref(*expected.args(count))
+        grid, args = launch_arguments(*case.args(count))
+        run_on_host(SOURCE, "fill_ahead", DEFINES, grid, (THREADS,), args, tmp_path)
+        for name, got, want in zip(Case.WRITTEN, case.written(), expected.written()):
+            assert torch.equal(got, want), (num_seqs, name)
 
 
 @pytest.mark.gpu
