@@ -53,6 +53,7 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
     # A warm-up at the full batch: every kernel variant and graph bucket the timed run uses is built.
     llm.generate(prompt_token_ids=prompts, sampling_params=params.model_copy(update={"max_tokens": 8}))
     engine = llm.engine
+    ahead_before = engine.runner.num_steps_ahead
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{batch}-{i}", prompt_token_ids=prompt, params=params)
     started = time.perf_counter()
@@ -73,6 +74,8 @@ def run(llm: LLM, batch: int, prompt_len: int, output_len: int, vocab_size: int)
         "output_tok_per_s": num_out / elapsed,
         "decode_step_ms": 1e3 * sum(step_times) / max(1, len(step_times)),
         "decode_step_p50_ms": 1e3 * statistics.median(step_times) if step_times else 0.0,
+        "decode_steps": len(step_times),
+        "steps_ahead": engine.runner.num_steps_ahead - ahead_before,
     }
 
 
@@ -233,7 +236,9 @@ def main() -> None:
         f"{result['model']} on {result['device']} ({result['dtype']}), prompt {args.prompt_len}, output {args.output_len}"
     )
     print(
-        f"CUDA graphs: {result['cuda_graphs']}, async scheduling: {result['async_scheduling']}, "
+        f"CUDA graphs: {result['cuda_graphs']}, async scheduling: {result['async_scheduling']} "
+        f"({sum(r['steps_ahead'] for r in rows)} of {sum(r['decode_steps'] for r in rows)} decode steps "
+        "launched ahead), "
         f"tensor parallel: {args.tensor_parallel_size} (peer all-reduce: {result['peer_all_reduce']}), "
         f"speculative config: {args.speculative_config or 'naive'}, weights: {result['quantization']} "
         f"({result['weight_bytes_batch_1'] / 2**20:.1f} MiB read a step at batch 1)"

@@ -14,10 +14,12 @@
 # graphs; TP=2 greedy = TP=1 on GPUs, CUDA graphs, every method), allreduce-<n>.json (all-reduce time vs bytes for
 # NCCL and the peer all-reduce, eager and graph-replayed, each kernel forced, its default 64 blocks and 16 / 32 / 128,
 # bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
-# (decode step, random qwen2.5-7b, peer all-reduce on; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json
-# (the same with --no-peer-all-reduce) and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
+# (decode step, random qwen2.5-7b, peer all-reduce on, steps launched ahead: its log line "async scheduling: True
+# (N of M decode steps launched ahead)"; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json (the same with
+# --no-peer-all-reduce) and engine-tp<n>-sync.json (--no-async-scheduling: every step waits for the last's read-back), and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
 # 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
-# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1.
+# splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
+# "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
 # over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
 # CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
@@ -306,9 +308,9 @@ if [[ " $stages " == *" tp "* ]]; then
     if [[ "$tp_parts" == *" engine "* ]]; then
         model=/tmp/specmesh-tp-qwen2.5-7b
         [ -f $model/config.json ] || python3 -m benchmarks.random_model qwen2.5-7b $model
-        for run in 1 $(for n in $sizes; do echo -n "$n $n-nccl "; done); do  # TP=1 first: the baseline, same call
-            n=${run%-nccl}
-            flags=$([ "$run" = "$n" ] || echo --no-peer-all-reduce)
+        for run in 1 $(for n in $sizes; do echo -n "$n $n-nccl $n-sync "; done); do  # TP=1 first: the baseline, same call
+            n=${run%-*}
+            case $run in *-nccl) flags=--no-peer-all-reduce ;; *-sync) flags=--no-async-scheduling ;; *) flags= ;; esac
             timeout 100 python3 -m benchmarks.bench_engine --model $model --dtype bfloat16 --tensor-parallel-size "$n" \
                 --batch-sizes 1 16 64 --prompt-len 128 --output-len 128 $flags --out "$OUT/engine-tp$run.json" 2>&1 \
                 | tee -a "$OUT/tp.log" | tail -6
@@ -324,6 +326,10 @@ if [[ " $stages " == *" tp "* ]]; then
                 --methods $(offline_methods $dir naive ngram mtp1) \
                 --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
         done
+    fi
+    if grep -l "terminate called" "$OUT"/tp-tests.log "$OUT"/tp.log 2>/dev/null; then  # a rank aborted at exit
+        echo "tp: a rank printed 'terminate called' (in the logs named above)"
+        status=1
     fi
 fi
 if [[ " $stages " == *" kvipc "* ]]; then

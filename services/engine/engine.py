@@ -19,8 +19,9 @@ discarded (never emitted; its KV and slot freed); blocks are reserved for two st
 string found by `_emit` ends the request with the same text, its extra steps dropped. Steps that
 need the host wait for the step in flight and take the path above: prefill chunks, requests
 joining (admitted, resumed, activated) or preempted, grammar masks, the torch verifier (penalties,
-logit bias, logprobs, min_tokens not reached yet), host drafters (suffix), draft trees, tensor
-parallelism, a short KV cache or a request near max_model_len.
+logit bias, logprobs, min_tokens not reached yet), host drafters (suffix), draft trees, a short KV
+cache or a request near max_model_len. Under tensor parallelism every rank launches the same steps
+ahead, each completing them from its own input batch.
 """
 
 from __future__ import annotations

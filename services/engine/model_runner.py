@@ -9,6 +9,7 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -195,6 +196,8 @@ class ModelRunner:
         except BaseException:
             ranks.close()
             raise
+        if self.tp.size > 1 and ranks.is_driver:  # a group left open would be torn down at exit
+            atexit.register(self.close)
 
     def _build(
         self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, spec: SpeculativeConfig
@@ -235,6 +238,8 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
+        self.num_steps_ahead = 0
+        """Steps launched ahead (`launch_ahead`) so far: a benchmark's check that they ran."""
         self._results = [ResultBuffer(), ResultBuffer()] if self.device.type == "cuda" else []
         """Where packed results are read back to, alternately (a step's stays readable while the
         next one launches)."""
@@ -308,12 +313,14 @@ class ModelRunner:
     def close(self) -> None:
         """Destroys the CUDA graphs (steps then run eagerly), then leaves the tensor-parallel group
         (rank 0 stops the other ranks; nothing with one rank), then stops the grammar fill's
-        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`)."""
+        threads. The graphs go first: they hold the group's NCCL communicator (`DecodeGraphs.release`).
+        Rank 0 of a group calls it at exit if nobody did."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
         self.ranks.close()
         self.step_masks.close()
+        atexit.unregister(self.close)
 
     def _use_graphs(self) -> bool:
         return (
@@ -393,36 +400,43 @@ class ModelRunner:
         copy (`LaunchedStep.result`)."""
         step = self.prepare(batch, plan)
         fused = self._fusable(step)
-        joins = self.inputs.take_joins()
-        self.ranks.send(
-            StepCommand(joins, step, plan.num_wanted, plan.num_steps, plan.methods, plan.only, fused)
-        )
+        self._send_step(step, plan, fused)
         packed, logprobs, prompt = self._run(step, plan, fused)
         device_only = fused and step.is_decode and not step.has_grammar and step.tree_parents is None
         return self._read_back(packed, step, logprobs, prompt, device_only)
 
     @property
     def can_run_ahead(self) -> bool:
-        """Whether decode steps may be launched ahead here (one rank, chains of drafts)."""
-        return self.tp.size == 1 and self.tree is None
+        """Whether decode steps may be launched ahead here (chains of drafts: a tree step reads its
+        requests' trees on the host)."""
+        return self.tree is None
 
     @torch.inference_mode()
     def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
         """`launch` for the next decode step of requests whose last step is still in flight: what the
         host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
         input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
+        self.num_steps_ahead += 1
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
+        self._send_step(step, plan, fused=True)
         packed, logprobs, prompt = self._run(step, plan, fused=True)
         return self._read_back(packed, step, logprobs, prompt, device_only=True)
 
+    def _send_step(self, step: HostStep, plan: StepPlan, fused: bool) -> None:
+        """Rank 0: the step to the other ranks, with the slots taken since the last one (nothing
+        to do on one rank)."""
+        if self.tp.size > 1:
+            joins = self.inputs.take_joins()
+            self.ranks.send(StepCommand(joins, step, plan.num_steps, plan.only, fused))
+
     @torch.inference_mode()
     def follow_step(self, command: StepCommand) -> None:
-        """Rank 0's step on this rank (1..N-1): the same slots, forward and tail; nothing is read back."""
+        """Rank 0's step on this rank (1..N-1): the same slots, forward and tail; nothing is read
+        back. A step launched ahead is completed from this rank's own input batch, as on rank 0."""
         for join in command.joins:
             self.inputs.write(join)
         self.inputs.flush()
-        plan = StepPlan([], command.num_wanted, command.num_steps, command.methods, command.only)
-        self._run(command.step, plan, command.fused)
+        self._run(command.step, command.plan(), command.fused)
 
     def _run(
         self, step: HostStep, plan: StepPlan, fused: bool

@@ -17,10 +17,12 @@ Why rank 0 drives rather than every rank running the scheduler: what the schedul
 same in every process (commands from the worker, the suffix cache's answers, adaptive speculation's
 timings), and keeping sequences, tokenizer and text N times would buy nothing.
 
-Commands travel over a socket per follower (pickled once, sent to each); tensors (KV moved in or
+Commands travel over a socket per follower, encoded once and sent to each (a step as one bytes
+message of its arrays, services/engine/step_wire.py; anything else pickled); tensors (KV moved in or
 out of the caches) over the process group. A group lives and dies together: followers die with
 rank 0 (a parent-death signal, end of file on their socket), and rank 0's process exits when a
-follower dies (its collectives could otherwise wait forever).
+follower dies (its collectives could otherwise wait forever). Closing ends every rank's part of the
+group before any rank's process ends (`Driver.close`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,8 @@ import services
 from kernels.all_reduce import open_peer_all_reduce
 from services.engine.cuda_graph import HostStep
 from services.engine.input_batch import SlotJoin
+from services.engine.step_wire import pack_step, unpack_step
+from services.engine.verify_update import StepPlan
 from shared.config import EngineConfig
 from shared.model.parallel import SINGLE, TensorParallel
 
@@ -78,16 +83,31 @@ class FollowerSetup:
 
 @dataclass
 class StepCommand:
-    """One step: the slots taken since the last one, the step's host inputs, the tail's plan."""
+    """One step: the slots taken since the last one, the step's host inputs, the tail's plan (its
+    drafts wanted and device proposers per request are the step's `num_wanted`, `seq_methods`)."""
 
     joins: list[SlotJoin]
     step: HostStep
-    num_wanted: list[int]
     num_steps: int
-    methods: list[int]
     only: int | None
     fused: bool
     """The fused kernel verifies every request (else rank 0 sends its verification)."""
+
+    def plan(self) -> StepPlan:
+        """The tail's plan, less the requests (which only rank 0 has)."""
+        step = self.step
+        return StepPlan([], step.num_wanted.tolist(), self.num_steps, step.seq_methods.tolist(), self.only)
+
+    def encode(self) -> bytes:
+        """One bytes message (services/engine/step_wire.py): the joins, rare, go pickled inside."""
+        numbers = [self.num_steps, NO_PROPOSER if self.only is None else self.only, self.fused]
+        return pack_step(self.step, numbers, self.joins or None)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> StepCommand:
+        step, (num_steps, only, fused), joins = unpack_step(data)
+        proposer = None if only == NO_PROPOSER else only
+        return cls(joins or [], step, num_steps, proposer, bool(fused))
 
 
 @dataclass
@@ -114,6 +134,28 @@ class CompareRows:
 @dataclass
 class Stop:
     pass
+
+
+STEP, PICKLED = b"s", b"p"
+"""The first byte of a message to a follower: a `StepCommand` (every step, encoded), anything else."""
+LEFT = b"left"
+"""A follower's only message to rank 0: it left the group (after `Stop`); it exits once rank 0 closes
+its socket."""
+NO_PROPOSER = -1
+"""`StepCommand.only` of None in its encoding."""
+
+
+def encode(command: object) -> bytes:
+    if isinstance(command, StepCommand):
+        return STEP + command.encode()
+    return PICKLED + pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    body = memoryview(data)[1:]
+    if data[:1] == STEP:
+        return StepCommand.decode(body)
+    return pickle.loads(body)
 
 
 # ---- a rank's view of the others --------------------------------------------------------------------
@@ -186,7 +228,7 @@ class Driver(Ranks):
             follower.wait()
 
     def send(self, command: object) -> None:
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(command)
         for conn in self.conns:
             conn.send_bytes(data)
 
@@ -196,15 +238,23 @@ class Driver(Ranks):
         return value
 
     def close(self) -> None:
-        """Tells the followers to stop, leaves the group with them, waits for them (kills those that
-        do not stop)."""
+        """Tells the followers to stop, leaves the group with them, then lets them exit once every
+        rank left it (no rank tears its part of the group down after another rank's process
+        ended), waits for them and kills those that do not stop. A dead follower costs no wait;
+        one that hangs, STOP_TIMEOUT_S."""
         if self._closing.is_set():
             return
+        for rank, follower in enumerate(self.followers, start=1):
+            if (code := follower.poll()) is not None:  # died before: as if the watcher saw it first
+                self._exit_rank_lost(rank, code)
         self._closing.set()
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a follower that died already
-                conn.send_bytes(pickle.dumps(Stop()))
+                conn.send_bytes(encode(Stop()))
         self._leave_group(self.tp)
+        self._wait_left(time.monotonic() + STOP_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()  # the followers exit on its end of file
         for follower in self.followers:
             try:
                 follower.wait(timeout=STOP_TIMEOUT_S)
@@ -212,8 +262,16 @@ class Driver(Ranks):
                 logger.error("tensor-parallel rank (pid %d) did not stop; killing it", follower.pid)
                 follower.kill()
                 follower.wait()
-        for conn in self.conns:
-            conn.close()
+
+    def _wait_left(self, deadline: float) -> None:
+        """Waits until every follower said it left the group, died (end of file) or `deadline`."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())) and conn.recv_bytes() == LEFT:
+                    continue
+            except (EOFError, OSError):  # it died: nothing to wait for
+                continue
+            logger.error("tensor-parallel rank %d did not leave the group in time; going on", rank)
 
     @staticmethod
     def _leave_group(tp: TensorParallel) -> None:
@@ -233,11 +291,15 @@ class Driver(Ranks):
     def _watch(self, rank: int, follower: subprocess.Popen[bytes]) -> None:
         code = follower.wait()
         if not self._closing.is_set():
-            logger.critical(
-                "tensor-parallel rank %d exited with code %s: its group cannot go on; exiting", rank, code
-            )
-            logging.shutdown()
-            os._exit(EXIT_RANK_LOST)
+            self._exit_rank_lost(rank, code)
+
+    @staticmethod
+    def _exit_rank_lost(rank: int, code: int) -> NoReturn:
+        logger.critical(
+            "tensor-parallel rank %d exited with code %s: its group cannot go on; exiting", rank, code
+        )
+        logging.shutdown()
+        os._exit(EXIT_RANK_LOST)
 
 
 class Follower(Ranks):
@@ -250,11 +312,20 @@ class Follower(Ranks):
         self.conn = conn
 
     def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
+        return decode(self.conn.recv_bytes())
 
     def share(self, make: Callable[[], T]) -> T:
         value: T = self.recv()
         return value
+
+    def say_left(self) -> None:
+        """Tells rank 0 this rank left the group, then waits until rank 0 lets it go (closes the
+        socket: every rank left, or rank 0 died)."""
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(LEFT)
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                self.conn.recv_bytes()
 
 
 def start_ranks(config: EngineConfig, max_model_len: int) -> Ranks:
@@ -275,7 +346,9 @@ def join_group(config: EngineConfig, rank: int, size: int, store: dist.Store) ->
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     peer = open_peer_all_reduce(dist.group.WORLD, device) if config.peer_all_reduce else None
-    return TensorParallel(rank, size, dist.group.WORLD, peer)
+    # the default group, not a reference to it: nothing then keeps the group's threads and sockets
+    # alive past `leave_group`, to be torn down at interpreter exit, after the other ranks left
+    return TensorParallel(rank, size, None, peer)
 
 
 def leave_group(tp: TensorParallel) -> None:
@@ -290,6 +363,9 @@ def _spawn_follower() -> tuple[subprocess.Popen[bytes], Connection]:
     ours, theirs = socket.socketpair()
     repo = str(Path(services.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    # not the working directory first on the path (what `-m` does; Python 3.11 on), so the follower
+    # imports rank 0's code even where the working directory holds another copy of the project
+    env["PYTHONSAFEPATH"] = "1"
     argv = [sys.executable, "-m", "services.engine.tp_follower", "--fd", str(theirs.fileno())]
     follower = subprocess.Popen(
         [*argv, "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),), env=env

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import logging
 import os
 import pickle
@@ -74,6 +75,8 @@ def serve(conn: Connection) -> None:
     finally:
         runner.close()  # its CUDA graphs first: they hold the group's communicator
         leave_group(ranks.tp)
+    logger.info("tensor-parallel rank %d left the group", setup.rank)
+    ranks.say_left()
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -105,5 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Ends the process without the interpreter's teardown: a follower has nothing left to save
+    once it left the group, and the teardown would destroy what native threads (the process
+    group's, the CUDA runtime's) may still hold, in an order nobody chose."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    faulthandler.enable()  # a native crash prints every thread's Python stack
+    exit_now(main())

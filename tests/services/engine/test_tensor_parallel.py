@@ -27,6 +27,7 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeOverride
 from shared.structured_output import StructuredOutput
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
+from tests.services.engine.spec_decode.test_async_scheduling import count_ahead
 
 SHAPES = {
     "llama": ("llama", {"num_key_value_heads": 2}),  # GQA: one KV head per rank
@@ -96,6 +97,49 @@ def test_greedy_output_of_two_ranks_is_one_ranks(split, single, method: str) -> 
         assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     assert (drafted > 0) == (method != "naive")
     assert split.engine.runner.rows_agree()
+
+
+def mixed_finishes(single: LLM, method: str) -> list[SamplingParams]:
+    """Per prompt, a request that ends its own way while steps run ahead: max_tokens, a stop id met
+    mid-run, EOS not ignored, or seeded sampling (the fused kernel's noise, alike on every rank)."""
+    greedy = GREEDY.model_copy(update={"speculative": OVERRIDES[method]})
+    reference = [o.token_ids for o in generate(single, greedy)]
+    kinds = [
+        {"max_tokens": 7},
+        {"stop_token_ids": [reference[1][9]]},
+        {"ignore_eos": False},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 5},
+    ]
+    return [greedy.model_copy(update=kind) for kind in kinds]
+
+
+@pytest.mark.parametrize("method", sorted(OVERRIDES))
+def test_steps_ahead_on_two_ranks_return_what_one_rank_and_sync_steps_do(
+    split, single, monkeypatch, method: str
+) -> None:
+    """With asynchronous scheduling (the default) both ranks launch decode steps ahead, each
+    completing them from its own input batch: the tokens and finishes are one rank's, and those
+    of the same two ranks with it off."""
+    params = mixed_finishes(single, method)
+    expected = generate(single, params)
+    runner = split.engine.runner
+    # the count's wrapper (below) goes with the test
+    monkeypatch.setattr(runner, "launch_ahead", runner.launch_ahead)
+    ahead = count_ahead(split.engine)
+    outputs = generate(split, params)
+    launched_ahead = ahead[0]
+    monkeypatch.setattr(split.engine.config, "async_scheduling", False)
+    sync = generate(split, params)
+    for got in (outputs, sync):
+        assert [(o.token_ids, o.finish_reason) for o in got] == [
+            (o.token_ids, o.finish_reason) for o in expected
+        ]
+    assert {o.finish_reason for o in outputs} == {"length", "stop"}
+    assert launched_ahead > 20 and ahead[0] == launched_ahead  # none with it off
+    assert split.engine.runner.rows_agree()
+    engine = split.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_matches_one_rank(split, single) -> None:
@@ -252,3 +296,38 @@ def test_rank_0_exits_when_a_follower_dies_mid_generation(make_checkpoint) -> No
         rank_0.wait()
         assert rank_0.stdout is not None
         rank_0.stdout.close()
+
+
+EXIT = """
+import sys, time
+from services.engine.llm import LLM
+from shared.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=96, tensor_parallel_size=2)
+llm.generate(prompt_token_ids=[[5, 6, 7]] * 2, sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
+if sys.argv[2] == "close":
+    started = time.monotonic()
+    llm.close()
+    print(time.monotonic() - started, llm.engine.runner.ranks.followers[0].returncode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_group_ends_cleanly_closed_or_left_open_at_exit(make_checkpoint, how: str) -> None:
+    """Every rank leaves the group before any rank's process ends, the followers exit by
+    themselves (not killed), and nothing aborts in the interpreters' teardown; an engine nobody
+    closed is closed at exit."""
+    arch, overrides = SHAPES["llama"]
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT, str(make_checkpoint(arch, **overrides)), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tensor-parallel rank 1 left the group" in done.stderr
+    for sign in ("terminate called", "did not", "NOT been destroyed", "Traceback"):
+        assert sign not in done.stderr
+    if how == "close":
+        seconds, follower_code = done.stdout.split()
+        assert float(seconds) < 10 and follower_code == "0"
