@@ -38,7 +38,7 @@ PHASES = {
     "engine": ("step", "_launch_ahead", "_land", "_update_slots", "_emit", "_apply", "_free_stopped"),
     "scheduler": ("schedule", "schedule_ahead"),
     "drafter": ("plan", "choose_pending", "prepare_on_host", "propose_on_host", "record_step", "accepted"),
-    "runner": ("launch", "launch_ahead", "prepare", "_run", "_complete", "_read_back"),
+    "runner": ("launch", "launch_ahead", "prepare", "_run", "_read_back"),
     "graphs": ("lookup", "replay_forward", "_copy_in", "replay_tail"),
 }
 """The timed methods of each part of the engine (`graphs`: the runner's CUDA graphs, when captured)."""

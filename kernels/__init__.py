@@ -24,6 +24,7 @@ from kernels.fused_layers_ref import (
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
+from kernels.run_ahead_ref import SlotState, fill_ahead_ref
 from kernels.verify_ref import verify_sample_ref
 
 
@@ -307,6 +308,42 @@ def post_step_update(
     )
 
 
+def fill_ahead(
+    num_filled: torch.Tensor | None,
+    token_slots: torch.Tensor,
+    request_of_token: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: SlotState,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    row_positions: torch.Tensor,
+    draft_ids: torch.Tensor,
+    block_size: int,
+) -> None:
+    """See `fill_ahead_ref` for the arguments; one launch on CUDA, which a CUDA graph can capture."""
+    fill = fill_ahead_ref
+    if _cuda.available(input_ids):
+        from kernels.run_ahead import fill_ahead_cuda as fill
+    fill(
+        num_filled,
+        token_slots,
+        request_of_token,
+        query_start_loc,
+        block_tables,
+        slots,
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        row_positions,
+        draft_ids,
+        block_size,
+    )
+
+
 __all__ = [
     "compiled_variants",
     "AttentionMetadata",
@@ -314,6 +351,7 @@ __all__ = [
     "cuda_available",
     "dequantize_weight",
     "embed_norm_concat",
+    "fill_ahead",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "linear",

@@ -101,11 +101,16 @@
 # kernel list) and verify-cost-mtpchain-draft.json (draft_model k = 3, batch 1).
 # MTPCHAIN_PARTS (default "tests mtp draft") splits it over calls.
 # async (issue 12: asynchronous scheduling, each decode step launched before the last one's read-back):
-# async-tests.log (pytest -m gpu tests/services/engine: every engine GPU test, async scheduling on by default),
+# async-tests.log (pytest -m gpu tests/kernels/test_run_ahead.py tests/services/engine: the kernel that completes
+# a step launched ahead vs its torch twin, eagerly and replayed from a graph; every engine GPU test, async
+# scheduling on by default, among them a step ahead launching its two graphs and no kernel of its own),
 # async-engine-<on|off>.json + async-engine.log (benchmarks.bench_engine, random Llama-3.2-1B shape, bf16,
 # batch 1 16 64, prompt 128, output 128: decode step ms and step / floor with and without --no-async-scheduling),
 # async-offline-<on|off>.json + async-offline.log (benchmarks.offline on the widened 1B-cost target,
 # code_editing, 12 requests of at most 128 tokens, c = 1 and 16, naive ngram mtp1, with and without).
+# The part "phases" (not in the default) adds async-phases.log: benchmarks.profile_step --phases on the random
+# 1B shape, c = 1 and 64, async on: each phase's host time a step (runner.launch_ahead, graphs._copy_in, ...)
+# and result(wait), the host waiting for the device.
 # ASYNC_PARTS (default "tests engine offline") splits it over calls: "tests", then "engine offline".
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
@@ -572,12 +577,14 @@ fi
 if [[ " $stages " == *" async "* ]]; then
     async_parts=" ${ASYNC_PARTS:-tests engine offline} "
     if [[ "$async_parts" == *" tests "* ]]; then
-        timeout 480 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/services/engine 2>&1 \
-            | tee "$OUT/async-tests.log" | tail -30
+        timeout 480 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_run_ahead.py \
+            tests/services/engine 2>&1 | tee "$OUT/async-tests.log" | tail -30
         status=$((status | PIPESTATUS[0]))
     fi
-    if [[ "$async_parts" == *" engine "* ]]; then
+    if [[ "$async_parts" == *" engine "* || "$async_parts" == *" phases "* ]]; then
         python3 -m benchmarks.random_model llama-3.2-1b /tmp/specmesh-llama-3.2-1b
+    fi
+    if [[ "$async_parts" == *" engine "* ]]; then
         for mode in on off; do
             flags=$([ "$mode" = off ] && echo "--no-async-scheduling" || echo "")
             # shellcheck disable=SC2086
@@ -586,8 +593,16 @@ if [[ " $stages " == *" async "* ]]; then
                 | tee -a "$OUT/async-engine.log" | tail -6
             status=$((status | PIPESTATUS[0]))
         done
-        rm -rf /tmp/specmesh-llama-3.2-1b
     fi
+    if [[ "$async_parts" == *" phases "* ]]; then
+        for c in 1 64; do
+            timeout 240 python3 -m benchmarks.profile_step --device cuda --model /tmp/specmesh-llama-3.2-1b \
+                --dtype bfloat16 --phases --num-requests $c --concurrency $c --max-tokens 128 2>&1 \
+                | tee -a "$OUT/async-phases.log" | tail -25
+            status=$((status | PIPESTATUS[0]))
+        done
+    fi
+    rm -rf /tmp/specmesh-llama-3.2-1b
     if [[ "$async_parts" == *" offline "* ]]; then
         dir=/tmp/widened-llama-3.2-1b
         widen llama-3.2-1b

@@ -35,7 +35,10 @@ A graph replays fixed shapes and fixed pointers. So:
   logit rows are padded up to the bucket's row count with one-row padding requests on the input
   batch's scratch slot, so every row stays finite and no real request sees them;
 - the attention kernel's launch shape is fixed at capture from the bounds `max_query_len` and
-  `max_model_len` (AttentionMetadata); the per-sequence lengths come from the buffers at replay.
+  `max_model_len` (AttentionMetadata); the per-sequence lengths come from the buffers at replay;
+- a step launched ahead (services/engine/run_ahead.py) is completed on the device by the forward
+  graph's first kernel, which reads how many tokens to complete from an input buffer (0 in any
+  other step, where it does nothing), so that step too is one copy and two replays.
 
 Steps with more tokens than the largest bucket (`cuda_graph_max_tokens`) run the same code eagerly;
 the tail is replayed only when the fused kernel verifies every request (no penalties, min_tokens
@@ -122,7 +125,7 @@ class HostStep:
     cu_num_rows: np.ndarray  # [num_sampled + 1] int32
     seq_slots: np.ndarray  # [num_sampled] int64
     seq_rows: np.ndarray  # [num_sampled] int64 index among the step's sequences
-    num_output: np.ndarray  # [num_sampled] int64 output tokens of each request before the step (host only)
+    num_output: np.ndarray  # [num_sampled] int64 output tokens before the step (host only; 0 ahead)
     seq_methods: np.ndarray  # [num_sampled] int32
     num_wanted: np.ndarray  # [num_sampled] int32
     max_seq_len: int
@@ -135,6 +138,10 @@ class HostStep:
     tree_parents: np.ndarray | None = None
     """[num_sampled, max_rows] int64 each request's parent array over its rows (a chain: j - 1;
     -1 at the root and past the rows), where the step verifies trees."""
+    ahead: bool = False
+    """A step launched ahead (services/engine/run_ahead.py): its tokens' ids, positions and KV
+    slots, its rows' output positions and drafts and its context lengths are completed on the
+    device (`StepTensors.complete_ahead`); here they are placeholders, and `num_output` is not known."""
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +192,8 @@ class HostStep:
             block_tables=int32s[8].view(self.block_tables.shape),
             query_lens_cpu=self.query_lens.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
+            # the attention kernel's bound, which the host's lengths are not before the completion
+            max_seq_len=self.max_seq_len if self.ahead else None,
         )
         if self.tree_mask is not None:
             meta.tree_mask = torch.from_numpy(self.tree_mask).to(device, non_blocking=True)
@@ -317,6 +326,7 @@ class DecodeGraphs:
         self.tail = tail
         self.inputs = inputs
         self.max_model_len = max_model_len
+        self.block_size = block_size
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [max_tokens]
         self.query_lens = sorted(set(query_lens))
         self.chain_lengths = sorted(set(chain_lengths))
@@ -338,6 +348,7 @@ class DecodeGraphs:
                 ((size,), torch.int32),
                 ((size if trees else 0,), torch.long),
                 ((parents_size,), torch.long),
+                ((1,), torch.int32),
                 ((size, max_blocks), torch.int32),  # last: a step copies only its bucket's rows
             ],
             device,
@@ -350,11 +361,14 @@ class DecodeGraphs:
             self.seq_lens,
             self.tree_mask,
             self.tree_parents,
+            self.num_ahead,
             self.block_tables,
         ) = self.staged.buffers
         """`tree_mask`: each token's tree-attention mask (`AttentionMetadata.tree_mask`), where
         `trees`; `tree_parents`: each request's parent array over its rows, [num_rows(bucket),
-        max_rows(query class)] in its leading entries (`StepTensors.tree_parents`), where `trees`."""
+        max_rows(query class)] in its leading entries (`StepTensors.tree_parents`), where `trees`;
+        `num_ahead`: [1] the tokens of a step launched ahead, which the forward completes first
+        (0: a step the host described whole)."""
         self.query_start_loc.copy_(torch.arange(size + 1))
         self.cu_num_rows.copy_(torch.arange(size + 1))
         self.seq_lens.fill_(1)
@@ -362,6 +376,10 @@ class DecodeGraphs:
         self.tree_parents.fill_(-1)
         self._pad_all()
         self.staged.sync_twins()
+        longs, ints = self.staged.arrays[:2]
+        self._twin_fields = {name: longs[i] for i, name in enumerate(self.LONG_FIELDS)}
+        self._twin_fields |= {name: ints[i] for i, name in enumerate(self.INT_FIELDS)}
+        """Each field's row of the host twins, by name."""
         self.hidden = torch.zeros(size, model.config.hidden_size, dtype=dtype, device=device)
         aux_size = len(aux_layers) * model.config.hidden_size
         self.aux_hidden = torch.zeros(size, aux_size, dtype=dtype, device=device) if aux_layers else None
@@ -527,8 +545,11 @@ class DecodeGraphs:
         return self.tree_parents[: rows * width].view(rows, width)
 
     def _forward(self, bucket: int, query_len: int) -> None:
-        """Into the persistent outputs: what the model allocates is a temporary of the capture."""
-        forward = self.tensors(bucket, query_len).forward
+        """Into the persistent outputs: what the model allocates is a temporary of the capture.
+        A step launched ahead is completed first, so its replay needs no launch before it."""
+        tensors = self.tensors(bucket, query_len)
+        self._complete_ahead(tensors, bucket)
+        forward = tensors.forward
         args = (forward.input_ids, forward.positions, self.kv_caches, forward.meta)
         if self.aux_hidden is None:
             hidden = self.model(*args)
@@ -539,6 +560,13 @@ class DecodeGraphs:
         rows = self.num_rows(bucket)
         logits_indices = self.field("logits_indices")[:rows]
         self.model.compute_logits(hidden[logits_indices], out=self.logits[:rows])
+
+    def _complete_ahead(self, tensors: StepTensors, bucket: int) -> None:
+        """Completes the leading `num_ahead` tokens of the bucket on the device (none but in a step
+        launched ahead)."""
+        tensors.complete_ahead(self.inputs, self.block_size, self.num_ahead)
+        if self._host_lens is not None:  # the attention's torch twin in the tail reads the completed lengths
+            self._host_lens = (self._host_lens[0], self.seq_lens[:bucket].tolist())
 
     def _tail(self, bucket: int, query_len: int, plan: StepPlan, packed: list[torch.Tensor]) -> None:
         """The tail over the forward's outputs; its packed result is appended to `packed`."""
@@ -555,21 +583,12 @@ class DecodeGraphs:
             return None
         return bucket, query_class
 
-    def replay_forward(
-        self,
-        step: HostStep,
-        key: tuple[int, int],
-        complete: Callable[[StepTensors], None] | None = None,
-    ) -> None:
-        """Copies the step in and replays its forward: its final hidden states land in `self.hidden`,
-        the logits of its rows in `self.logits`, in the step's row order. `complete`: what fills in,
-        on the device, the inputs the host did not know (a step launched ahead), once copied in."""
+    def replay_forward(self, step: HostStep, key: tuple[int, int]) -> None:
+        """Copies the step in and replays its forward (which completes a step launched ahead
+        first): its final hidden states land in `self.hidden`, the logits of its rows in
+        `self.logits`, in the step's row order."""
         bucket, query_len = key
         self._copy_in(step, bucket, query_len)
-        if complete is not None:
-            complete(self.tensors(bucket, query_len))
-            if self._host_lens is not None:  # the attention's torch twin reads the completed lengths
-                self._host_lens = (self._host_lens[0], self.seq_lens[:bucket].tolist())
         self.graphs[key].replay()
         self.num_replays += 1
         self.num_mixed_replays += not step.is_decode
@@ -607,12 +626,11 @@ class DecodeGraphs:
         num_pad, num_pad_rows = bucket - num_tokens, rows - num_rows
         scratch = self.inputs.scratch_slot
         self.staged.wait()
-        longs, ints, starts, cu_num_rows, seq_lens, masks, parents, tables = self.staged.arrays
+        _, _, starts, cu_num_rows, seq_lens, masks, parents, num_ahead, tables = self.staged.arrays
 
         def fill(name: str, values: np.ndarray, padding: int | np.ndarray) -> None:
             """A field's leading entries from the step, the rest of the bucket padding."""
-            table, fields = (longs, self.LONG_FIELDS) if name in self.LONG_FIELDS else (ints, self.INT_FIELDS)
-            row = table[fields.index(name)]
+            row = self._twin_fields[name]
             row[: len(values)], row[len(values) : bucket] = values, padding
 
         for name, value in (
@@ -647,6 +665,7 @@ class DecodeGraphs:
         query_lens[:num_seqs], query_lens[num_seqs : num_seqs + num_pad] = step.query_lens, 1
         seq_lens[:num_seqs], seq_lens[num_seqs : num_seqs + num_pad] = step.seq_lens, 1
         seq_lens[num_seqs + num_pad : bucket] = 0
+        num_ahead[0] = num_tokens if step.ahead else 0
         starts[0] = 0
         np.cumsum(query_lens, out=starts[1 : bucket + 1])
         if not kernels.cuda_available(self.longs):

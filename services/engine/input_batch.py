@@ -114,22 +114,28 @@ class SlotBlockTables:
         self.num_blocks[slot] = 0
 
     def rows(self, seqs: list[Sequence], slots: list[int]) -> np.ndarray:
-        """[num_seqs, most blocks of one] int32: the block tables of `seqs`, in `slots`, 0 padded."""
-        width = 0
+        """[num_seqs, most blocks of one] int32: the block tables of `seqs`, in `slots`, 0 padded
+        (a loop of few operations a request: it runs every step)."""
+        width, known = 0, self.num_blocks
         for seq, slot in zip(seqs, slots):
-            num_blocks, known = len(seq.block_table), self.num_blocks[slot]
-            width = max(width, num_blocks)
-            if num_blocks == known:
-                continue
-            if num_blocks > self.tables.shape[1]:
-                extra = max(num_blocks, 2 * self.tables.shape[1]) - self.tables.shape[1]
-                self.tables = np.pad(self.tables, ((0, 0), (0, extra)))
-            if num_blocks < known:  # not expected (see the class): written again whole
-                self.reset(slot)
-                known = 0
-            self.tables[slot, known:num_blocks] = seq.block_table[known:num_blocks]
-            self.num_blocks[slot] = num_blocks
+            num_blocks = len(seq.block_table)
+            if num_blocks != known[slot]:
+                self._update(slot, seq.block_table)
+            if num_blocks > width:
+                width = num_blocks
         return self.tables[slots, :width]
+
+    def _update(self, slot: int, block_table: list[int]) -> None:
+        """The slot's row takes the blocks its request took since the last step."""
+        num_blocks, known = len(block_table), self.num_blocks[slot]
+        if num_blocks > self.tables.shape[1]:
+            extra = max(num_blocks, 2 * self.tables.shape[1]) - self.tables.shape[1]
+            self.tables = np.pad(self.tables, ((0, 0), (0, extra)))
+        if num_blocks < known:  # not expected (see the class): written again whole
+            self.reset(slot)
+            known = 0
+        self.tables[slot, known:num_blocks] = block_table[known:num_blocks]
+        self.num_blocks[slot] = num_blocks
 
 
 @dataclass

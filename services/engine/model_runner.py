@@ -10,7 +10,6 @@ sends each step to the others (services/engine/tensor_parallel.py), which run it
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import math
@@ -33,7 +32,7 @@ from services.engine.grammar import StepMasks, allocate_bitmask
 from services.engine.input_batch import InputBatch
 from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
-from services.engine.run_ahead import ahead_step, fill_from_device
+from services.engine.run_ahead import ahead_step
 from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
@@ -422,16 +421,16 @@ class ModelRunner:
         input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
         self.num_steps_ahead += 1
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
-        self._send_step(step, plan, fused=True, ahead=True)
-        packed, logprobs, prompt = self._run(step, plan, fused=True, ahead=True)
+        self._send_step(step, plan, fused=True)
+        packed, logprobs, prompt = self._run(step, plan, fused=True)
         return self._read_back(packed, step, logprobs, prompt, device_only=True)
 
-    def _send_step(self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False) -> None:
+    def _send_step(self, step: HostStep, plan: StepPlan, fused: bool) -> None:
         """Rank 0: the step to the other ranks, with the slots taken since the last one (nothing
         to do on one rank)."""
         if self.tp.size > 1:
             joins = self.inputs.take_joins()
-            self.ranks.send(StepCommand(joins, step, plan.num_steps, plan.only, fused, ahead))
+            self.ranks.send(StepCommand(joins, step, plan.num_steps, plan.only, fused))
 
     @torch.inference_mode()
     def follow_step(self, command: StepCommand) -> None:
@@ -440,29 +439,29 @@ class ModelRunner:
         for join in command.joins:
             self.inputs.write(join)
         self.inputs.flush()
-        self._run(command.step, command.plan(), command.fused, command.ahead)
+        self._run(command.step, command.plan(), command.fused)
 
     def _run(
-        self, step: HostStep, plan: StepPlan, fused: bool, ahead: bool = False
+        self, step: HostStep, plan: StepPlan, fused: bool
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
         """The step's forward and tail; (the packed results on the device, logprobs per request,
-        the scored prompt rows). `ahead`: a step `launch_ahead` prepared, completed on the device."""
+        the scored prompt rows). A step launched ahead is completed on the device first (by the
+        forward's graph where one replays it)."""
         key = None
-        complete = functools.partial(self._complete, step) if ahead else None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key, complete)
+            self.graphs.replay_forward(step, key)
             self._copy_masks(step, plan, self.graphs.bitmask)
             packed = self.graphs.replay_tail(step, key, plan)
             return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
-        if complete is not None:
-            complete(tensors)
+        if step.ahead:
+            tensors.complete_ahead(self.inputs, self.block_size)
         if key is not None:
             assert self.graphs is not None
-            self.graphs.replay_forward(step, key, complete)
+            self.graphs.replay_forward(step, key)
             self.graphs.fill_outputs(tensors.forward)
             logits = self.graphs.logits[: len(step.logits_indices)]
         else:
@@ -475,9 +474,6 @@ class ModelRunner:
             self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
-
-    def _complete(self, step: HostStep, tensors: StepTensors) -> None:
-        fill_from_device(tensors, step, self.inputs, self.block_size)
 
     def _target_forward(self, forward: ForwardContext) -> None:
         """The target over the step's tokens, eagerly: its final hidden states and, for the

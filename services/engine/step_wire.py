@@ -31,6 +31,8 @@ DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32))
 ALIGN = 8
 
 FIELDS = tuple(field.name for field in dataclasses.fields(HostStep))
+FLAGS = frozenset(field.name for field in dataclasses.fields(HostStep) if field.type in ("bool", bool))
+"""The fields that are flags: they travel as integers and come back as bools."""
 
 
 def pack_step(step: HostStep, numbers: list[int], extra: object = None) -> bytes:
@@ -80,7 +82,7 @@ def unpack_step(data: bytes | bytearray | memoryview) -> tuple[HostStep, list[in
             fields[name] = array if columns < 0 else array.reshape(rows, columns)
             offset += -(-array.nbytes // ALIGN) * ALIGN
         elif kind == INT:
-            fields[name] = a
+            fields[name] = bool(a) if name in FLAGS else a
         elif kind == OBJECT:
             late[name] = a
         else:

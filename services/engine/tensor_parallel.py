@@ -92,9 +92,6 @@ class StepCommand:
     only: int | None
     fused: bool
     """The fused kernel verifies every request (else rank 0 sends its verification)."""
-    ahead: bool = False
-    """Launched ahead (services/engine/run_ahead.py): each rank completes it from its own input
-    batch, which the step before left alike on every rank."""
 
     def plan(self) -> StepPlan:
         """The tail's plan, less the requests (which only rank 0 has)."""
@@ -103,14 +100,14 @@ class StepCommand:
 
     def encode(self) -> bytes:
         """One bytes message (services/engine/step_wire.py): the joins, rare, go pickled inside."""
-        numbers = [self.num_steps, NO_PROPOSER if self.only is None else self.only, self.fused, self.ahead]
+        numbers = [self.num_steps, NO_PROPOSER if self.only is None else self.only, self.fused]
         return pack_step(self.step, numbers, self.joins or None)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepCommand:
-        step, (num_steps, only, fused, ahead), joins = unpack_step(data)
+        step, (num_steps, only, fused), joins = unpack_step(data)
         proposer = None if only == NO_PROPOSER else only
-        return cls(joins or [], step, num_steps, proposer, bool(fused), bool(ahead))
+        return cls(joins or [], step, num_steps, proposer, bool(fused))
 
 
 @dataclass

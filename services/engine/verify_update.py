@@ -32,6 +32,7 @@ import torch
 
 import kernels
 from kernels.post_step_ref import RUNNING
+from kernels.run_ahead_ref import SlotState
 from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
@@ -66,6 +67,35 @@ class StepTensors:
     tree_parents: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (HostStep.tree_parents)
     tree_path: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (TreeVerdict.path)
     """Where the step verifies draft trees: each request's accepted path, once verified."""
+
+    def complete_ahead(
+        self, slots: SlotState, block_size: int, num_filled: torch.Tensor | None = None
+    ) -> None:
+        """Completes a step launched ahead (services/engine/run_ahead.py) in place, from what the
+        last step's tail left in `slots`: its tokens' ids, positions and KV slots, its rows'
+        output positions and drafts, its requests' context lengths (`kernels.fill_ahead`: one
+        launch). `num_filled`: [1] int32 on the device, how many leading tokens are the step's
+        (0: a step the host described whole, left as it is); None: every token."""
+        forward, meta = self.forward, self.forward.meta
+        kernels.fill_ahead(
+            num_filled,
+            forward.token_slots,
+            self.request_of_row,
+            meta.query_start_loc,
+            meta.block_tables,
+            slots,
+            forward.input_ids,
+            forward.positions,
+            meta.slot_mapping,
+            meta.seq_lens,
+            self.row_positions,
+            self.draft_ids,
+            block_size,
+        )
+        if not kernels.cuda_available(
+            forward.positions
+        ):  # the attention's torch twin reads lengths on the host
+            meta.seq_lens_cpu = meta.seq_lens.tolist()
 
 
 @dataclass

@@ -1,13 +1,16 @@
-"""Helpers shared by the kernel tests: relative error against float64, output poisoning, and
-assembling a kernel's source for sm_90 where nvcc is installed (no GPU needed)."""
+"""Helpers shared by the kernel tests: relative error against float64, output poisoning,
+assembling a kernel's source for sm_90 where nvcc is installed, and running a kernel whose threads
+never meet on the host through g++ (neither needs a GPU)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from kernels import _cuda
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (no GPU needed)")
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,3 +61,80 @@ def _kernel_reports(ptxas_log: str) -> dict[str, str]:
     """ptxas -v's report of each entry function (kernel), by name."""
     chunks = ptxas_log.split("Compiling entry function '")[1:]
     return {chunk.split("'", 1)[0]: chunk for chunk in chunks}
+
+
+HOST_SHIM = r"""
+#include <algorithm>
+struct Dim3 { int x, y, z; };
+static Dim3 blockIdx, blockDim, threadIdx;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+using std::min; using std::max;
+"""
+"""What a CUDA source without shared memory, barriers, warp functions or atomics needs to compile
+as C++: each thread then runs alone, one after another."""
+
+
+def run_on_host(
+    source: str,
+    name: str,
+    defines: Mapping[str, int],
+    grid: Sequence[int],
+    block: Sequence[int],
+    args: Sequence[Any],
+    tmp_path: Path,
+) -> None:
+    """Runs kernel `name` of `source` on the host over a 1-D `grid` of `block` threads, thread by
+    thread, with the arguments a wrapper passes `_cuda.launch` (CPU tensors, numpy integers, None).
+    Only for kernels whose threads never meet (no shared memory, barriers, warp functions, atomics)
+    and take pointers and integers."""
+    types = _parameter_types(source, name)
+    assert len(types) == len(args), f"{name} takes {len(types)} arguments, {len(args)} given"
+    casts = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
+    entry = f"""
+extern "C" void run_grid(int grid, int block, const unsigned long long* a) {{
+    blockDim = {{block, 1, 1}};
+    for (int b = 0; b < grid; ++b) for (int t = 0; t < block; ++t) {{
+        blockIdx = {{b, 0, 0}}; threadIdx = {{t, 0, 0}};
+        {name}({casts});
+    }}
+}}"""
+    macros = "".join(f"#define {key} ({value})\n" for key, value in defines.items())
+    code = HOST_SHIM + macros + source + entry
+    source_path, library = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
+    if not (library.exists() and source_path.read_text() == code):  # built once per test
+        source_path.write_text(code)
+        result = subprocess.run(
+            ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(library), str(source_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    words = [_word(arg) for arg in args]
+    ctypes.CDLL(str(library)).run_grid(
+        ctypes.c_int(grid[0]), ctypes.c_int(block[0]), (ctypes.c_ulonglong * len(words))(*words)
+    )
+
+
+def _parameter_types(source: str, name: str) -> list[str]:
+    """The C types of kernel `name`'s parameters (comments and __restrict__ dropped)."""
+    match = re.search(
+        rf"__global__ void {name}\((.*?)\)\s*\{{", re.sub(r"/\*.*?\*/", "", source, flags=re.S), re.S
+    )
+    assert match is not None, f"no kernel {name} in the source"
+    parameters = [p.replace("__restrict__", "").split() for p in match.group(1).split(",")]
+    types = [" ".join(words[:-1]) for words in parameters]
+    assert all("float" not in t and "double" not in t for t in types), "integer and pointer parameters only"
+    return types
+
+
+def _word(arg: Any) -> int:
+    """A kernel argument as the 64-bit word the host entry casts back."""
+    if isinstance(arg, torch.Tensor):
+        assert arg.device.type == "cpu", "host runs take CPU tensors"
+        return arg.data_ptr()
+    if arg is None:
+        return 0
+    return int(arg) & 0xFFFFFFFFFFFFFFFF

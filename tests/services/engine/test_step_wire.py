@@ -86,10 +86,13 @@ def test_rare_parts_and_other_dtypes_travel_pickled_in_the_same_message() -> Non
 
 @pytest.mark.parametrize("only, ahead", [(None, True), (2, False)])
 def test_a_step_command_and_other_commands_decode_to_what_was_sent(only: int | None, ahead: bool) -> None:
-    command = StepCommand([], random_step(5, 4, 3), num_steps=2, only=only, fused=True, ahead=ahead)
+    step = random_step(5, 4, 3)
+    step.ahead = ahead  # each rank completes a step launched ahead from its own input batch
+    command = StepCommand([], step, num_steps=2, only=only, fused=True)
     got = decode(encode(command))
     assert isinstance(got, StepCommand)
-    assert (got.joins, got.num_steps, got.only, got.fused, got.ahead) == ([], 2, only, True, ahead)
+    assert (got.joins, got.num_steps, got.only, got.fused, got.step.ahead) == ([], 2, only, True, ahead)
+    assert isinstance(got.step.ahead, bool)
     assert_same_step(got.step, command.step)
     plan = got.plan()
     assert plan.num_wanted == command.step.num_wanted.tolist()

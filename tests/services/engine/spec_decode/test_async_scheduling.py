@@ -5,6 +5,9 @@ of host-drafted requests that draft nothing run ahead too."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -238,6 +241,78 @@ def test_steps_ahead_through_the_graphs_static_buffers(target, methods, referenc
     ahead = count_ahead(llm.engine)
     assert_alike(expected, llm.generate(prompt_token_ids=prompts, sampling_params=params))
     assert ahead[0] > 20 and graphs.num_tail_replays > ahead[0]
+
+
+def test_a_step_ahead_is_completed_inside_its_forward_graph(target, methods, monkeypatch) -> None:
+    """Through the graphs, a step launched ahead runs nothing of its own between its copy-in and
+    its forward's replay: the completion is part of what the forward graph runs (on a GPU, the
+    graph's first kernel), and it completes only steps launched ahead."""
+    from services.engine.verify_update import StepTensors
+    from tests.services.engine.test_cuda_graph import EagerGraph, with_eager_graphs
+
+    llm = make_llm(target, methods["ngram"], async_scheduling=True)
+    graphs = with_eager_graphs(llm, max_tokens=40)
+    events: list[str] = []
+    copy_in, replay, complete = graphs._copy_in, EagerGraph.replay, StepTensors.complete_ahead
+
+    def copied_in(step, *args) -> None:
+        events.append("copy ahead" if step.ahead else "copy")
+        copy_in(step, *args)
+
+    def replayed(graph: EagerGraph) -> None:
+        events.append("replay")
+        replay(graph)
+
+    def completed(tensors: StepTensors, *args) -> None:
+        events.append("complete")
+        complete(tensors, *args)
+
+    monkeypatch.setattr(graphs, "_copy_in", copied_in)
+    monkeypatch.setattr(EagerGraph, "replay", replayed)
+    monkeypatch.setattr(StepTensors, "complete_ahead", completed)
+    ahead = count_ahead(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm.generate(prompt_token_ids=repetitive_prompts(4), sampling_params=params)
+    assert ahead[0] > 5 and events.count("copy ahead") == ahead[0]
+    steps = " ".join(events).replace("copy ahead", "ahead").split()
+    for i, event in enumerate(steps[:-1]):
+        if event in ("ahead", "copy"):  # the forward graph runs next, completing first
+            assert steps[i + 1 : i + 3] == ["replay", "complete"], steps[i : i + 4]
+    assert steps.count("complete") == steps.count("ahead") + steps.count("copy")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_ahead_launches_only_its_two_graphs_on_the_gpu(make_checkpoint) -> None:
+    """On a GPU the launch of a step ahead is its inputs' copy, the forward graph (which completes
+    it), the tail graph and the result's copy: no kernel launched on its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kernel_launches = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+    seen: list[tuple[int, int]] = []
+
+    def profiled(run: Callable[[], Any]) -> Any:
+        """`run()`, noting the kernels and graphs it launched in `seen`."""
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            result = run()
+            torch.cuda.synchronize()
+        names = [event.name for event in profiler.events()]
+        seen.append((sum(name in kernel_launches for name in names), names.count("cudaGraphLaunch")))
+        return result
+
+    profiled(lambda: torch.ones(3, device="cuda").add_(1))
+    assert seen.pop()[0] >= 1  # the profiler sees a launch
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
+    runner = llm.engine.runner
+    launch_ahead = runner.launch_ahead
+    runner.launch_ahead = lambda *args: profiled(lambda: launch_ahead(*args))  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(prompt_token_ids=repetitive_prompts(5, seed=3), sampling_params=params)
+    assert runner.graphs is not None
+    llm.close()
+    assert len(seen) > 5 and all(launched == (0, 2) for launched in seen), seen
 
 
 @pytest.mark.gpu
