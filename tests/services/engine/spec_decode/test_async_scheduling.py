@@ -293,7 +293,7 @@ def test_a_step_ahead_launches_only_its_two_graphs_on_the_gpu(make_checkpoint) -
 
     def profiled(run: Callable[[], Any]) -> Any:
         """`run()`, noting the kernels and graphs it launched in `seen`."""
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as profiler:
             result = run()
             torch.cuda.synchronize()
         names = [event.name for event in profiler.events()]
