@@ -221,10 +221,25 @@ def test_redis_killed_and_down_5_s_under_16_streams_ends_none_normally_with_othe
                     f"{prompt!r} ended normally with other text"
                 )
         assert f"redis exited with code -9; restarting it in {REDIS_DOWN_S:g} s" in mesh.output()
+        wait_until_healthy(mesh)  # 503 until the worker has registered again with the new Redis
         after = asyncio.run(one_stream(mesh, LOAD_PROMPTS[0], LOAD_MAX_TOKENS))
         assert after.done and after.text == expected_under_load[LOAD_PROMPTS[0]], after
     errors = [o.error for o in outcomes if o.error]
     print(f"{num_open} open at the kill; {sum(o.done for o in outcomes)} whole, errors {errors}")
+
+
+def wait_until_healthy(mesh: Served, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Returns once the gateway's /health says a worker can take requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{mesh.url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # 503 (HTTPError) or not answering yet
+            pass
+        assert time.monotonic() < deadline, f"the mesh did not become healthy in {timeout_s:g} s"
+        time.sleep(0.1)
 
 
 async def one_stream(mesh: Served, prompt: str, max_tokens: int = MAX_TOKENS) -> Outcome:
