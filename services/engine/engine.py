@@ -80,6 +80,8 @@ class InFlight:
     batch: ScheduledBatch
     plan: StepPlan
     launched: LaunchedStep
+    called_s: float
+    """When the `step()` call that launched it began (`perf_counter`)."""
 
 
 class RequestError(ValueError):
@@ -181,6 +183,8 @@ class LLMEngine:
         """Requests a stop string ended while a step in flight still ran them: freed after it."""
         self._in_flight: InFlight | None = None
         """A step launched in an earlier call whose result is not applied yet (`_launch_ahead`)."""
+        self._landed_s = float("-inf")
+        """When the last step landed (`perf_counter`): a step's time runs from there (`_land`)."""
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         logger.info(
@@ -399,15 +403,14 @@ class LLMEngine:
         """Launches a step and lands one (reads its result back and applies it). A decode step whose
         inputs the device holds is launched before the step in flight lands; any other waits for
         it to land and is planned from the host's state."""
-        started = time.perf_counter()
+        called_s = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None:
             landing = self._in_flight
-            self._in_flight = self._launch_ahead(landing)
-            outputs = self._land(landing, started)
+            self._in_flight = self._launch_ahead(landing, called_s)
+            outputs = self._land(landing)
             if self._in_flight is not None or not self.scheduler.running:  # else: the host plans the next
                 return outputs
-            started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             outputs += self._emit(self._take_unemitted())
@@ -415,15 +418,18 @@ class LLMEngine:
             return outputs
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        flight = InFlight(batch, plan, self.runner.launch(batch, plan))
+        flight = InFlight(batch, plan, self.runner.launch(batch, plan), called_s)
         if self._may_run_ahead(flight):
             self._in_flight = flight
             return outputs + self._hand_over(self._emit(self._take_unemitted()))  # while the device runs it
-        return outputs + self._land(flight, started)
+        return outputs + self._land(flight)
 
-    def _land(self, flight: InFlight, started: float) -> list[RequestOutput]:
+    def _land(self, flight: InFlight) -> list[RequestOutput]:
         """Waits for a launched step and applies its result; the last step's outputs are produced
-        while the device works, host drafting follows."""
+        while the device works, host drafting follows. The step's time runs from the last landing
+        (or, after the engine idled, from the call that launched it) to this one: with steps back
+        to back, one step's worth of the engine's whole time, a synchronous step's planning and
+        launch and a step launched ahead's overlap with the last alike."""
         batch, plan, launched = flight.batch, flight.plan, flight.launched
         outputs = self._hand_over(self._emit(self._take_unemitted()))  # while the device works
         self.drafter.choose_pending()
@@ -436,7 +442,9 @@ class LLMEngine:
         self.drafter.propose_on_host(plan)
         self.drafter.cut_refused_drafts(plan.seqs)
         num_emitted = sum(e.num_new for e in self._unemitted + handed_off)
-        seconds = time.perf_counter() - started
+        landed_s = time.perf_counter()
+        seconds = landed_s - max(flight.called_s, self._landed_s)
+        self._landed_s = landed_s
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
             self.drafter.record_step(plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed)
@@ -453,7 +461,7 @@ class LLMEngine:
         """Whether the next step may be launched before `flight` lands."""
         return self.config.async_scheduling and self.runner.can_run_ahead and flight.launched.device_only
 
-    def _launch_ahead(self, previous: InFlight) -> InFlight | None:
+    def _launch_ahead(self, previous: InFlight, called_s: float) -> InFlight | None:
         """The next decode step of the running requests, launched before `previous` (a decode step,
         every request in it) lands, from what its tail leaves on the device
         (services/engine/run_ahead.py): each request brings its newest token and a place for each
@@ -475,7 +483,7 @@ class LLMEngine:
         if batch is None:
             return None
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan))
+        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s)
 
     def _take_unemitted(self) -> list[Emission]:
         unemitted, self._unemitted = self._unemitted, []

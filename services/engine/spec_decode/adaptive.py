@@ -329,7 +329,9 @@ class RealizedRate:
     """Seconds per emitted token of whole decode steps as measured: those that verified host drafts
     (their drafting included) and those that verified none (the audit's two sides), both over the
     last AUDIT_EVERY_STEPS steps, so that what moves the step's time meanwhile (longer contexts,
-    another load on the host) moves both."""
+    another load on the host) moves both. A step's time runs from the last step's landing to its
+    own: a plain step launched ahead costs what its overlap with the last leaves, a step that
+    waited for host drafts its planning and launch as well."""
 
     def __init__(self) -> None:
         self.plain = SampleWindow(num_terms=1, window=AUDIT_EVERY_STEPS, max_age_steps=AUDIT_EVERY_STEPS)

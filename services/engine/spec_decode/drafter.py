@@ -275,7 +275,8 @@ class Drafter:
         seconds: float,
         mixed: bool,
     ) -> None:
-        """Books an engine step's time less its host drafting: its requests, the target forward's
+        """Books an engine step's time (from the last landing to its own, the engine's `_land`) less
+        its host drafting: its requests, the target forward's
         tokens, the tokens it emitted and the drafting models' chain (`plan`'s), which runs inside
         the step; `mixed`: it carried prefill chunks. A decode step of requests that all draft on
         the host (or not at all) also goes to the audit of host drafting: whole where it verified

@@ -53,8 +53,38 @@ class SuffixAutomaton:
         """The state of the sequence's suffix of min(len, max_depth - 1) tokens."""
 
     def extend(self, token_ids: list[int]) -> None:
+        """Appends `token_ids`: per token, the construction's new state (`_add_state`), one more
+        occurrence for the new suffix of min(len, max_depth) tokens and the states of its suffixes,
+        and the best continuation of the old tail and its suffixes' states brought up to date. One
+        loop with the lists bound once: it runs for every token every request emits."""
+        next_, link, length, count, best = self._next, self._link, self._length, self._count, self._best
+        max_depth = self.max_depth
         for token_id in token_ids:
-            self._append(token_id)
+            old_tail = self._tail
+            self.num_tokens += 1
+            self._add_state(token_id)
+            # the old tail may have been split: its suffix of max_depth - 1 tokens is then in the split-off part
+            tail_len = min(self.num_tokens - 1, max_depth - 1)
+            while old_tail != ROOT and length[link[old_tail]] >= tail_len:
+                old_tail = link[old_tail]
+            deep = next_[old_tail][token_id]  # the state of the new suffix of min(len, max_depth) tokens
+            state = deep
+            while state != -1:  # the new end position: one more occurrence for it and its suffixes
+                count[state] += 1
+                state = link[state]
+            state = old_tail
+            while state != -1:  # each gained one occurrence of token_id after it
+                current = best[state]
+                if current == NO_TOKEN:
+                    best[state] = token_id
+                elif current != token_id:
+                    gained, held = count[next_[state][token_id]], count[next_[state][current]]
+                    if gained > held or (gained == held and token_id < current):
+                        best[state] = token_id
+                state = link[state]
+            if length[link[deep]] >= max_depth - 1:
+                deep = link[deep]
+            self._tail = deep
 
     def speculate(self, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
         """The best-scored draft after the sequence, over every suffix of it that occurred before
@@ -103,27 +133,17 @@ class SuffixAutomaton:
                 stack.extend((path + (t,), target) for t, target in self._next[state].items())
         return counts
 
-    def _append(self, token_id: int) -> None:
-        old_tail = self._tail
-        self.num_tokens += 1
-        self._add_state(token_id)
-        # the old tail may have been split: its suffix of max_depth - 1 tokens is then in the split-off part
-        tail_len = min(self.num_tokens - 1, self.max_depth - 1)
-        while old_tail != ROOT and self._length[self._link[old_tail]] >= tail_len:
-            old_tail = self._link[old_tail]
-        deep = self._next[old_tail][token_id]  # the state of the new suffix of min(len, max_depth) tokens
-        self._count_occurrence(deep)
-        self._bump_best(old_tail, token_id)
-        if self._length[self._link[deep]] >= self.max_depth - 1:
-            deep = self._link[deep]
-        self._tail = deep
-
     def _add_state(self, token_id: int) -> None:
         """The suffix automaton's online construction: a state for the whole new sequence, the
         transitions into it, and a clone where a state's substrings stop sharing end positions."""
         next_, link, length = self._next, self._link, self._length
         last = self._last
-        cur = self._new_state(length[last] + 1, ROOT, {}, 0, NO_TOKEN)
+        cur = len(length)
+        next_.append({})
+        link.append(ROOT)
+        length.append(length[last] + 1)
+        self._count.append(0)
+        self._best.append(NO_TOKEN)
         state = last
         while state != -1 and token_id not in next_[state]:
             next_[state][token_id] = cur
@@ -153,26 +173,6 @@ class SuffixAutomaton:
         self._count.append(count)
         self._best.append(best)
         return len(self._length) - 1
-
-    def _count_occurrence(self, state: int) -> None:
-        """The new end position: one more occurrence for `state` and every state of its suffixes."""
-        count, link = self._count, self._link
-        while state != -1:
-            count[state] += 1
-            state = link[state]
-
-    def _bump_best(self, state: int, token_id: int) -> None:
-        """`state` and its suffixes' states each gained one occurrence of `token_id` after them."""
-        next_, count, best, link = self._next, self._count, self._best, self._link
-        while state != -1:
-            current = best[state]
-            if current == NO_TOKEN:
-                best[state] = token_id
-            elif current != token_id:
-                gained, held = count[next_[state][token_id]], count[next_[state][current]]
-                if gained > held or (gained == held and token_id < current):
-                    best[state] = token_id
-            state = link[state]
 
 
 class _GreedyPath:

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from services.engine.llm import LLM
@@ -69,8 +70,9 @@ def test_costly_drafting_stops_drafting_and_keeps_greedy_output(
     assert costly_drafts <= free_drafts // 4
 
 
-def clock_only_suffix_advances(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`time.perf_counter` becomes a clock that only the suffix proposer moves: 1 ms a request."""
+def clock_only_suffix_advances(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """`time.perf_counter` becomes a clock that only the suffix proposer moves: 1 ms a request
+    (returned: [its time], for others to move too)."""
     clock = [0.0]
     suffix = llm.engine.drafter.suffix
     propose_batch = suffix.propose_batch
@@ -81,6 +83,7 @@ def clock_only_suffix_advances(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(suffix, "propose_batch", slow_propose_batch)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    return clock
 
 
 def test_drafting_time_is_booked_apart_from_the_step(target, naive_tokens, monkeypatch) -> None:
@@ -308,3 +311,39 @@ def test_host_drafted_steps_choose_their_ks_after_the_launch(
     assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
     first = ["launch", "choose"] if method == "suffix" else ["choose", "launch"]
     assert len(events) > 20 and events[: len(events) // 2 * 2] == first * (len(events) // 2)
+
+
+def test_an_audited_step_carries_the_launches_since_the_last_landing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock that only launches (0.25 ms each, a step's host work before the device runs it) and
+    the suffix proposer (1 ms a request) advance, an audited decode step carries the launches since
+    the last landing: a plain step launched ahead its successor's, a synchronous drafting step its
+    own, planned and launched after the last landing (before, it carried none: drafting steps
+    looked cheaper than they are). One launch a step, but where the engine moves between steps
+    launched ahead and synchronous ones (one step then carries two, another none). Greedy output
+    is naive's."""
+    llm = LLM(default_model(), device="cpu", max_model_len=192, speculative_config=dict(method="suffix"))
+    naive = LLM(default_model(), device="cpu", max_model_len=192)
+    prompts = repetitive_prompts()
+    naive_tokens = [o.token_ids for o in naive.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    clock = clock_only_suffix_advances(llm, monkeypatch)
+    runner = llm.engine.runner
+    for name in ("launch", "launch_ahead"):
+        launch = getattr(runner, name)
+
+        def timed_launch(*args: object, launch: Callable[..., LaunchedStep] = launch) -> LaunchedStep:
+            clock[0] += 0.00025
+            return launch(*args)
+
+        monkeypatch.setattr(runner, name, timed_launch)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+
+    realized = llm.engine.drafter.adaptive.realized
+    drafting = realized.drafting.rows[: min(realized.drafting.num_recorded, len(realized.drafting.rows))]
+    plain = realized.plain.rows[: min(realized.plain.num_recorded, len(realized.plain.rows))]
+    assert len(drafting) > 0 and len(plain) > 0  # [n, (step, 1, requests, emitted, seconds)]
+    plain_launches = (1e3 * plain[:, -1] / 0.25).round(6)
+    assert np.isin(plain_launches, [0, 1, 2]).all() and (plain_launches == 1).mean() > 0.8
+    drafting_ms = 1e3 * drafting[:, -1]  # launches, then 1 ms a request drafted for after them
+    drafting_launches = ((drafting_ms % 1) / 0.25).round(6)
+    assert np.isin(drafting_launches, [1, 2]).all()
