@@ -46,7 +46,7 @@ def step_batch(num_rows: int) -> StepBatch:
         ends=[],
         logprobs=[],
         handoffs=[],
-        step_s=0.001,
+        step_s=[0.001],
         load=EngineLoad(num_running=num_rows),
     )
 
