@@ -92,10 +92,8 @@ class StepTensors:
             self.draft_ids,
             block_size,
         )
-        if not kernels.cuda_available(
-            forward.positions
-        ):  # the attention's torch twin reads lengths on the host
-            meta.seq_lens_cpu = meta.seq_lens.tolist()
+        if not kernels.cuda_available(forward.positions):
+            meta.seq_lens_cpu = meta.seq_lens.tolist()  # the attention's torch twin reads them on the host
 
 
 @dataclass

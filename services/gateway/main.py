@@ -275,7 +275,7 @@ def _fork_gateway(args: argparse.Namespace, index: int) -> int:
     try:
         _die_with_parent(supervisor, f"gateway-{index}".encode())
         code = serve(args, reuse_port=True)
-    except BaseException:  # os._exit skips the interpreter's own report: the log must say why
+    except Exception:  # os._exit skips the interpreter's own report: the log must say why
         logger.exception("gateway worker %d failed", index)
     finally:
         os._exit(code)

@@ -276,12 +276,12 @@ class Drafter:
         mixed: bool,
     ) -> None:
         """Books an engine step's time (from the last landing to its own, the engine's `_land`) less
-        its host drafting: its requests, the target forward's
-        tokens, the tokens it emitted and the drafting models' chain (`plan`'s), which runs inside
-        the step; `mixed`: it carried prefill chunks. A decode step of requests that all draft on
-        the host (or not at all) also goes to the audit of host drafting: whole where it verified
-        drafts, less its drafting for the next step where it verified none. (`plan` is the step's
-        own: with steps launched ahead, the last one planned is the next step's.)"""
+        its host drafting: its requests, the target forward's tokens, the tokens it emitted and the
+        drafting models' chain (`plan`'s), which runs inside the step; `mixed`: it carried prefill
+        chunks. A decode step of requests that all draft on the host (or not at all) also goes to the
+        audit of host drafting: whole where it verified drafts, less its drafting for the next step
+        where it verified none. (`plan` is the step's own: with steps launched ahead, the last one
+        planned is the next step's.)"""
         self.adaptive.record_step(
             num_requests, num_tokens, num_emitted, plan.num_steps, seconds - self.host_drafting_s, mixed
         )
