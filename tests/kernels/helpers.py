@@ -126,7 +126,9 @@ def _parameter_types(source: str, name: str) -> list[str]:
     assert match is not None, f"no kernel {name} in the source"
     parameters = [p.replace("__restrict__", "").split() for p in match.group(1).split(",")]
     types = [" ".join(words[:-1]) for words in parameters]
-    assert all("float" not in t and "double" not in t for t in types), "integer and pointer parameters only"
+    assert all("*" in t or ("float" not in t and "double" not in t) for t in types), (
+        "integer and pointer parameters only"
+    )
     return types
 
 
