@@ -26,7 +26,7 @@ from kernels.skinny_gemm import (
     splitk_plan,
     splitk_preferred,
 )
-from tests.kernels.helpers import needs_cuda, rel_error
+from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, rel_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -294,3 +294,14 @@ def test_cuda_dispatch_takes_splitk_for_few_rows_of_small_and_tall_matrices() ->
             assert torch.equal(kernels.linear(x, weight), skinny_linear_splitk_cuda(x, weight))
         five = torch.randn(SPLITK_MAX_ROWS + 1, 8192, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(kernels.linear(five, weight), F.linear(five, weight))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mrows", [1, 2, 4])
+def test_splitk_kernel_assembles_for_sm90_without_spills(mrows: int, tmp_path) -> None:
+    from kernels.skinny_gemm import SOURCE, UNROLL, WARPS_PER_BLOCK
+
+    for dtype, bias, out_f32 in ((1, 0, 0), (2, 1, 1)):
+        defines = dict(DTYPE=dtype, MROWS=mrows, ROWS=1, WARPS=WARPS_PER_BLOCK, UNROLL=UNROLL)
+        defines.update(HAS_BIAS=bias, OUT_F32=out_f32)
+        assert "skinny_linear_splitk" in assemble_sm90(SOURCE, defines, tmp_path)

@@ -19,7 +19,7 @@ from kernels.verify_ref import (
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
-from tests.kernels.helpers import needs_cuda, poison_allocator
+from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, poison_allocator
 
 SETTINGS = [
     dict(temperature=0.0),
@@ -352,3 +352,94 @@ def test_cuda_masked_verify_matches_the_torch_rejection_sampler() -> None:
         fused = [(t[: n + 1].tolist(), n) for t, n in zip(token_ids.cpu(), num_accepted.tolist())]
         torch_path = RejectionSampler(strategy)(logits, batch, requests)
         assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy
+
+
+# ---- the greedy argmax split over several blocks per row (`greedy_chunks`) ----
+
+
+@pytest.mark.parametrize("vocab", [384, 1001, 32_000, 128_256])
+def test_greedy_chunks_cover_the_row_in_aligned_nonempty_chunks(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, greedy_chunks
+
+    for min_chunk in (None, "128", "1000000"):
+        if min_chunk is not None:
+            monkeypatch.setenv(MIN_CHUNK_ENV, min_chunk)
+        for num_rows in (1, 2, 16, 64, 200):
+            chunks, chunk_len = greedy_chunks(num_rows, vocab, 132)
+            assert 1 <= chunks <= max(1, 132 // num_rows)
+            assert chunks == 1 or chunk_len % 128 == 0
+            assert (chunks - 1) * chunk_len < vocab <= chunks * chunk_len  # none empty
+    monkeypatch.delenv(MIN_CHUNK_ENV)
+    assert greedy_chunks(1, 128_256, 132)[0] > 8  # batch 1 on an H100 / H200: many blocks
+    monkeypatch.setenv(SPLIT_ENV, "off")
+    assert greedy_chunks(1, 128_256, 132) == (1, 128_256)
+
+
+def greedy_requests(num_reqs: int, vocab: int, rng: random.Random) -> list[VerifyRequest]:
+    params = SamplingParams(temperature=0.0)
+    return [
+        VerifyRequest(params, 0, rng.randrange(500), [rng.randrange(vocab) for _ in range(rng.randrange(6))])
+        for _ in range(num_reqs)
+    ]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [1001, 32_000, 128_256])
+def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows at batch 1-16 (split over blocks; small chunks forced so that odd vocabularies
+    and grammar masks split too), mixed with sampled rows (one block each), equal the reference,
+    the unsplit kernel, and repeated graph replays (the row counters are left zero)."""
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
+
+    rng = random.Random(vocab)
+    monkeypatch.setenv(MIN_CHUNK_ENV, "128")
+    for num_reqs, greedy_only in ((1, True), (2, True), (16, True), (5, False)):
+        requests = (
+            greedy_requests(num_reqs, vocab, rng) if greedy_only else random_requests(num_reqs, vocab, rng)
+        )
+        num_rows = sum(r.num_rows for r in requests)
+        logits = (torch.randn(num_rows, vocab, device="cuda") * 4).contiguous()
+        logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie across chunks
+        plant_drafts(requests, logits)
+        rows = row_tensors(requests, "cuda")
+        for masks in (None, random_masks(logits, requests, rng)):
+            args = dict(strategy=STRATEGIES["greedy"])
+            if masks is not None:
+                args.update(bitmask=masks[0], masked_rows=masks[1])
+            expected = verify_sample_ref(logits, **rows, **args)
+            got = verify_sample_cuda(logits, **rows, **args)
+            monkeypatch.setenv(SPLIT_ENV, "off")
+            unsplit = verify_sample_cuda(logits, **rows, **args)
+            monkeypatch.delenv(SPLIT_ENV)
+            for g, e, u in zip(got, expected, unsplit):
+                assert torch.equal(g.cpu(), e.cpu()) and torch.equal(g, u)
+    requests = greedy_requests(3, vocab, rng)
+    static = torch.zeros(sum(r.num_rows for r in requests), vocab, device="cuda")
+    rows = row_tensors(requests, "cuda")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    ).cuda()
+    call = dict(strategy=STRATEGIES["greedy"], max_rows=max_rows, request_of_row=request_of_row)
+    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = verify_sample_cuda(static, **rows, **call)
+    for _ in range(4):
+        static.copy_(torch.randn_like(static) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["greedy"])
+        for g, e in zip(replayed, expected):
+            assert torch.equal(g.cpu(), e.cpu())
+
+
+@needs_nvcc
+def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
+    from kernels.verify import SOURCE, THREADS
+
+    assert "verify_sample" in assemble_sm90(SOURCE, {"THREADS": THREADS}, tmp_path)
