@@ -235,6 +235,7 @@ def test_cuda_splitk_linear_matches_float64(dtype: torch.dtype) -> None:
     for n, k in [(8, 64), (97, 264), (1000, 776), (130, 4104), *DECODE_SHAPES.values()]:
         weight = (torch.randn(n, k, generator=generator) * k**-0.5).to("cuda", dtype)
         bias = torch.randn(n, generator=generator).to("cuda", dtype)
+        weight64, bias64 = weight.double(), bias.double()
         for num_rows in range(1, SPLITK_MAX_ROWS + 1):
             x = torch.randn(num_rows, k, generator=generator).to("cuda", dtype)
             for slices in (None, 1, 2, 3, 64):
@@ -242,7 +243,7 @@ def test_cuda_splitk_linear_matches_float64(dtype: torch.dtype) -> None:
                     poison = torch.full((num_rows, n), float("nan"), device="cuda", dtype=out_dtype or dtype)
                     out = skinny_linear_splitk_cuda(x, weight, b, out_dtype, out=poison, slices=slices)
                     torch.cuda.synchronize()
-                    expected = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
+                    expected = x.double() @ weight64.t() + (bias64 if b is not None else 0)
                     error = rel_error(out, expected)
                     assert error < TOLERANCE[dtype], f"{num_rows} x {k} x {n}, {slices} slices: {error:.2e}"
                     worst = max(worst, error)
