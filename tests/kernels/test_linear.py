@@ -10,6 +10,7 @@ every slice count, repeated graph replays that reuse its arrival counters on a G
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,15 @@ from kernels.skinny_gemm import (
     splitk_plan,
     splitk_preferred,
 )
-from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, rel_error
+from tests.kernels.helpers import (
+    assemble_sm90,
+    host_conversions,
+    needs_cuda,
+    needs_gxx,
+    needs_nvcc,
+    rel_error,
+    run_threads_on_host,
+)
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -306,3 +315,39 @@ def test_splitk_kernel_assembles_for_sm90_without_spills(mrows: int, tmp_path) -
         defines = dict(DTYPE=dtype, MROWS=mrows, ROWS=1, WARPS=WARPS_PER_BLOCK, UNROLL=UNROLL)
         defines.update(HAS_BIAS=bias, OUT_F32=out_f32)
         assert "skinny_linear_splitk" in assemble_sm90(SOURCE, defines, tmp_path)
+
+
+@needs_gxx
+@pytest.mark.parametrize("num_rows", [1, 3, 4])
+def test_splitk_kernel_on_the_host_matches_f_linear(num_rows: int, tmp_path) -> None:
+    """The split-K kernel's CUDA source run on the host, one thread per CUDA thread (bf16, strided x,
+    bias, float32 and bf16 outputs): every slice count gives F.linear's result up to summation
+    order, the arrival counters are left zero, and a second launch on the same counters agrees."""
+    from kernels.skinny_gemm import SOURCE, UNROLL, WARPS_PER_BLOCK, _slices
+
+    source = SOURCE.replace(_cuda.CONVERSIONS, host_conversions(_cuda.CONVERSIONS))
+    generator = torch.Generator().manual_seed(24)
+    n, k = 37, 1320
+    weight = (torch.randn(n, k, generator=generator) * k**-0.5).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    wide = torch.randn(num_rows, k + 64, generator=generator).bfloat16()
+    x = wide[:, 32 : 32 + k]
+    expected = x.double() @ weight.double().t() + bias.double()
+    tiles = -(-n // WARPS_PER_BLOCK)
+    counters = torch.zeros(tiles, dtype=torch.int32)
+    mrows = next(v for v in (1, 2, 4) if v >= num_rows)
+    for wanted in (1, 2, 3, 6):
+        slices, k_per_split = _slices(k, wanted)
+        partial = torch.full((slices * num_rows * n,), float("nan"))
+        for out_f32 in (1, 0):
+            out = torch.full((num_rows, n), float("nan"), dtype=torch.float32 if out_f32 else torch.bfloat16)
+            defines = dict(DTYPE=1, MROWS=mrows, ROWS=1, WARPS=WARPS_PER_BLOCK, UNROLL=UNROLL)
+            defines.update(HAS_BIAS=1, OUT_F32=out_f32)
+            args = (x, weight, bias, out, partial, counters, np.int32(num_rows), np.int32(n), np.int32(k))
+            args += (np.int64(x.stride(0)), np.int32(k_per_split))
+            grid = (tiles, slices)
+            run_threads_on_host(
+                source, "skinny_linear_splitk", defines, grid, 32 * WARPS_PER_BLOCK, args, tmp_path
+            )
+            assert not counters.any(), "the last blocks leave the counters zero"
+            assert rel_error(out, expected) < (2e-6 if out_f32 else 1e-2), (wanted, out_f32)
