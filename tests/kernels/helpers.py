@@ -122,7 +122,9 @@ extern "C" void run_grid(int grid, int block, const unsigned long long* a) {{
 def _parameter_types(source: str, name: str) -> list[str]:
     """The C types of kernel `name`'s parameters (comments and __restrict__ dropped)."""
     match = re.search(
-        rf"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?{name}\((.*?)\)\s*\{{", re.sub(r"/\*.*?\*/", "", source, flags=re.S), re.S
+        rf"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?{name}\((.*?)\)\s*\{{",
+        re.sub(r"/\*.*?\*/", "", source, flags=re.S),
+        re.S,
     )
     assert match is not None, f"no kernel {name} in the source"
     parameters = [p.replace("__restrict__", "").split() for p in match.group(1).split(",")]
@@ -175,6 +177,11 @@ static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f
 template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 template <class T> static inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline float atomicAdd(float* p, float v) {
+    float old = *p, want;
+    do { want = old + v; } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return old;
+}
 template <class T> static inline T __shfl_xor_sync(unsigned, T v, int offset) {
     std::barrier<>* warp = warp_barriers[threadIdx.x / 32];
     unsigned long long bits = 0;

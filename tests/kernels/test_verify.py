@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,14 @@ from kernels.verify_ref import (
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
-from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, poison_allocator
+from tests.kernels.helpers import (
+    assemble_sm90,
+    needs_cuda,
+    needs_gxx,
+    needs_nvcc,
+    poison_allocator,
+    run_threads_on_host,
+)
 
 SETTINGS = [
     dict(temperature=0.0),
@@ -443,3 +451,60 @@ def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
     from kernels.verify import SOURCE, THREADS
 
     assert "verify_sample" in assemble_sm90(SOURCE, {"THREADS": THREADS}, tmp_path)
+
+
+@needs_gxx
+@pytest.mark.parametrize("vocab", [1000, 1001])
+def test_split_greedy_verify_on_the_host_matches_reference(vocab: int, tmp_path) -> None:
+    """The verify kernel's CUDA source run on the host (one thread per CUDA thread, 128 a block):
+    greedy rows split over chunks of 128 logits, with and without grammar masks, give the
+    reference's tokens, accepted counts and greedy ids; a sampled request's blocks past its first
+    return at once; the row and request counters are left zero."""
+    from kernels.verify import SOURCE, greedy_chunks
+
+    rng = random.Random(vocab)
+    requests = greedy_requests(3, vocab, rng)
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    requests.append(VerifyRequest(sampled, 5, 7, [rng.randrange(vocab) for _ in range(2)]))
+    num_rows = sum(r.num_rows for r in requests)
+    logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).contiguous()
+    logits[0, 500] = logits[0, 999] = logits[0].max() + 1  # a tie across chunks: the lower index wins
+    plant_drafts(requests, logits)
+    rows = row_tensors(requests, "cpu")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(len(requests), dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    )
+    for masks in (None, random_masks(logits, requests, rng)):
+        args = dict(strategy=STRATEGIES["greedy"])
+        if masks is not None:
+            args.update(bitmask=masks[0], masked_rows=masks[1])
+        expected = verify_sample_ref(logits, **rows, **args)
+        for chunk_len in (vocab, 128, 256):
+            chunks = -(-vocab // chunk_len)
+            out = dict(
+                greedy=torch.full((num_rows,), -7, dtype=torch.int32),
+                sampled=torch.full((num_rows,), -7, dtype=torch.int32),
+                passes=torch.full((num_rows,), -7, dtype=torch.int32),
+                counters=torch.zeros(len(requests), dtype=torch.int32),
+                token_ids=torch.full((len(requests), max_rows), -7, dtype=torch.int32),
+                num_accepted=torch.full((len(requests),), -7, dtype=torch.int32),
+            )
+            row_counters = torch.zeros(num_rows, dtype=torch.int32)
+            kernel_args = (
+                logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"], rows["seeds"],
+                rows["positions"], rows["draft_ids"], request_of_row, rows["cu_num_rows"], *out.values(),
+                masks[0] if masks else None, masks[1] if masks else None,
+                torch.empty(num_rows * chunks), torch.empty(num_rows * chunks, dtype=torch.int32), row_counters,
+                np.int32(vocab), np.int32(num_mask_words(vocab)), np.int32(max_rows), np.int32(0),
+                np.int32(0), np.int32(chunk_len),
+            )  # fmt: skip
+            grid = (num_rows, chunks)
+            run_threads_on_host(SOURCE, "verify_sample", {"THREADS": 128}, grid, 128, kernel_args, tmp_path)
+            assert not out["counters"].any() and not row_counters.any()
+            greedy_rows = slice(0, num_rows - requests[-1].num_rows)
+            assert torch.equal(out["greedy"], expected[2]), chunk_len
+            assert torch.equal(out["token_ids"][:3], expected[0][:3]), chunk_len
+            assert torch.equal(out["num_accepted"][:3], expected[1][:3]), chunk_len
+            assert torch.equal(out["passes"][greedy_rows], expected[4][greedy_rows]), chunk_len
+    assert greedy_chunks(1, vocab, 132)[0] == 1  # (a vocabulary this small is never split by default)
