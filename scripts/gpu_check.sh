@@ -115,7 +115,7 @@
 # ASYNC_PARTS (default "tests engine offline") splits it over calls: "tests", then "engine offline".
 # skinny (issue 12: the plain batch-1 decode step against the weight-read floor; about 6 minutes on one GPU):
 # skinny-tests.log (pytest -m gpu: the split-K skinny product, the attention split rule under a graph's bound,
-# the split greedy verify, each vs its reference, plus the CUDA-graph and GPU-parity engine tests they run in),
+# the split greedy verify, each vs its reference, plus the model forward, CUDA-graph and GPU-parity tests they run in),
 # skinny-kernels.json + skinny-kernels.log (benchmarks.gpu_kernels --only decode_paths: each new path against the
 # old per shape, the switches' sweeps, and the plain step from a graph with each switch off and all off; the
 # log's "decode" and "plain step" lines), skinny-engine-<new|old>.json + skinny-engine.log (benchmarks.bench_engine,
@@ -630,8 +630,9 @@ if [[ " $stages " == *" skinny "* ]]; then
     skinny_parts=" ${SKINNY_PARTS:-tests bench engine} "
     if [[ "$skinny_parts" == *" tests "* ]]; then
         timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_linear.py \
-            tests/kernels/test_attention.py tests/kernels/test_verify.py tests/services/engine/test_cuda_graph.py \
-            tests/services/engine/test_gpu_parity.py 2>&1 | tee "$OUT/skinny-tests.log" | tail -20
+            tests/kernels/test_attention.py tests/kernels/test_verify.py tests/kernels/test_fused_layers.py \
+            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py 2>&1 \
+            | tee "$OUT/skinny-tests.log" | tail -20
         status=$((status | PIPESTATUS[0]))
     fi
     if [[ "$skinny_parts" == *" bench "* ]]; then
