@@ -8,6 +8,8 @@ only then, so CPU-only machines and CI never import it. `SPECMESH_KERNELS=ref` f
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +24,14 @@ from kernels.fused_layers_ref import (
     silu_and_mul_ref,
 )
 from kernels.ngram_ref import ngram_match_ref
-from kernels.post_step_ref import post_step_update_ref
+from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_ref
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
 from kernels.verify_ref import verify_sample_ref
+
+POST_STEP_SLOTS_ENV = "SPECMESH_POST_STEP_SLOTS"
+"""Set to `off` to run `post_step_update_slots` as the torch ops it folds (gathers, the update,
+scatters) even on CUDA (A/B timing of the step's tail)."""
 
 
 def compiled_variants() -> int:
@@ -311,6 +317,42 @@ def post_step_update(
     )
 
 
+def post_step_update_slots(
+    token_rows: torch.Tensor,
+    slots: torch.Tensor,
+    num_tokens: torch.Tensor,
+    num_output: torch.Tensor,
+    new_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    max_tokens: torch.Tensor,
+    min_tokens: torch.Tensor,
+    ignore_eos: torch.Tensor,
+    eos_ids: torch.Tensor,
+    stop_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `post_step_update_slots_ref` for the arguments; one launch on CUDA (with
+    SPECMESH_POST_STEP_SLOTS=off: the gathers, `post_step_update` and the scatters it folds)."""
+    slot_state = (token_rows, slots, num_tokens, num_output)
+    if not _cuda.available(token_rows) or os.environ.get(POST_STEP_SLOTS_ENV, "").lower() == "off":
+        update = post_step_update if _cuda.available(token_rows) else post_step_update_ref
+        return post_step_update_slots_ref(
+            *slot_state,
+            new_tokens,
+            num_accepted,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            eos_ids,
+            stop_ids,
+            update,
+        )
+    from kernels.post_step import post_step_update_slots_cuda
+
+    return post_step_update_slots_cuda(
+        *slot_state, new_tokens, num_accepted, max_tokens, min_tokens, ignore_eos, eos_ids, stop_ids
+    )
+
+
 def fill_ahead(
     num_filled: torch.Tensor | None,
     token_slots: torch.Tensor,
@@ -360,6 +402,7 @@ __all__ = [
     "linear",
     "ngram_match",
     "post_step_update",
+    "post_step_update_slots",
     "quant_linear",
     "rotary_embedding",
     "rotary_write_kv",
