@@ -46,6 +46,7 @@ FUSED = (
     "verify_sample",
     "ngram_match",
     "post_step_update",
+    "post_step_update_slots",
 )
 """Entry points of `kernels` that are one CUDA kernel each."""
 ATTENTION, GEMM, CAST = "attention", "gemm", "cast of a GEMM's output"

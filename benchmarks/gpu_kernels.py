@@ -18,13 +18,19 @@ Measures, on the card it runs on (named in the output):
   Qwen2.5-7B-shaped models at batch 1 / 16 / 64 with k = 0..5 drafts per sequence, eager (what the
   engine runs now, host overhead included) and replayed from a CUDA graph (device time), against the
   weight + KV read floor; the torch-reference path is rerun in the same process as the baseline;
-  at batch 1 the step's device time per kernel (torch profiler), the map of where a step goes.
+  at batch 1 the step's device time per kernel (torch profiler), the map of where a step goes;
+- `--only decode_paths`: the batch-1 decode paths of issue 12 against the ones they replace: the
+  split-K skinny product vs cuBLAS (and the one-row kernel) on the qkv / o / down matrices of both
+  shapes at 1 / 2 / 4 rows and per SPLITK_WARPS_PER_SM; attention at batch 1, context 256 / 1024 /
+  4096 under a graph's bound per min_split_keys; greedy verify at batch 1 / 16 split vs one block
+  per row per MIN_CHUNK; the whole plain step (batch 1, k = 0, graph) with each switch off and all off.
 Timings use CUDA events or synchronised host clocks, warm-up first, medians of repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -524,6 +530,242 @@ def step_rows(
     return rows
 
 
+DECODE_MATRICES = {
+    name: {m: LINEAR_SHAPES[name][m] for m in ("qkv", "o", "down")} for name in ("llama-3.2-1b", "qwen2.5-7b")
+}
+SPLIT_KEYS = (64, 128, 256, 512, 1024, 1 << 20)
+"""min_split_keys swept by `decode_attention_rows` (1 << 20: never split)."""
+
+
+def decode_linear_rows(copy_gbs: float) -> list[dict[str, Any]]:
+    """qkv / o / down at 1 / 2 / 4 rows: cuBLAS, the one-row kernel, the split-K kernel with its
+    plan and with SPLITK_WARPS_PER_SM 16 / 32 / 64 / 96 (weights cycled past the L2 cache)."""
+    from kernels import skinny_gemm
+
+    num_sms = _cuda.num_sms(torch.cuda.current_device())
+    rows = []
+    for model, matrices in DECODE_MATRICES.items():
+        for name, (n, k) in matrices.items():
+            copies = min(32, -(-256 * 2**20 // (2 * n * k)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            for num_rows in (1, 2, 4):
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+                products: dict[str, Callable[..., torch.Tensor]] = {
+                    "cublas": torch.nn.functional.linear,
+                    "skinny1": functools.partial(skinny_gemm.skinny_linear_cuda, rows_per_warp=1),
+                    "splitk": skinny_gemm.skinny_linear_splitk_cuda,
+                }
+                for warps in (16, 32, 64, 96):
+                    slices, _ = skinny_gemm.splitk_plan(n, k, num_sms, warps)
+                    products[f"splitk_w{warps}"] = functools.partial(
+                        skinny_gemm.skinny_linear_splitk_cuda, slices=slices
+                    )
+                row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
+                row["slices"] = skinny_gemm.splitk_plan(n, k, num_sms)[0]
+                for label, product in products.items():
+                    us = 1e3 * graph_time_ms(functools.partial(_each_weight, product, x, weights)) / copies
+                    row[f"{label}_us"] = us
+                    row[f"{label}_fraction_of_copy"] = 2 * n * k / us / 1e3 / copy_gbs
+                row["dispatch"] = "splitk" if skinny_gemm.splitk_preferred(x, weights[0]) else "other"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            weights.clear()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def decode_attention_rows() -> list[dict[str, Any]]:
+    """Batch-1 decode attention (q = 1) at context 256 / 1024 / 4096, 16 layers' caches called back
+    to back in one graph (per-call device time), with the graph's bound (max_seq_len 8192, as the
+    engine's decode graphs launch) per min_split_keys, and with the exact length (eager's choice)."""
+    from kernels.attention import MIN_SPLIT_KEYS_ENV, append_attention_cuda
+
+    rows = []
+    for name, heads, kv_heads, head_dim in [("llama-3.2-1b", 32, 8, 64), ("qwen2.5-7b", 28, 4, 128)]:
+        for ctx in (256, 1024, 4096):
+            layers = [paged_batch(1, ctx, 1, heads, kv_heads, head_dim, torch.bfloat16) for _ in range(16)]
+            row: dict[str, Any] = dict(shape=name, batch=1, context=ctx)
+            for bound in ("graph", "exact"):
+                for keys in SPLIT_KEYS:
+                    os.environ[MIN_SPLIT_KEYS_ENV] = str(keys)
+                    try:
+                        calls = [
+                            functools.partial(
+                                append_attention_cuda,
+                                q,
+                                kc,
+                                vc,
+                                dataclasses.replace(meta, max_query_len=1, max_seq_len=8192)
+                                if bound == "graph"
+                                else meta,
+                                head_dim**-0.5,
+                            )
+                            for q, kc, vc, meta in layers
+                        ]
+                        row[f"{bound}_keys{keys}_us"] = (
+                            per_call_us(functools.partial(_call_each, calls), calls=1) / 16
+                        )
+                    finally:
+                        del os.environ[MIN_SPLIT_KEYS_ENV]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del layers
+    return rows
+
+
+def _call_each(calls: list[Callable[[], Any]]) -> None:
+    for call in calls:
+        call()
+
+
+def decode_verify_rows() -> list[dict[str, Any]]:
+    """Greedy verify at batch 1 / 16 (k = 0 and 5), vocabulary 128256: one block per row
+    (SPECMESH_VERIFY_SPLIT=off) vs the split argmax per MIN_CHUNK; temperature rows for reference."""
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
+
+    rows = []
+    vocab = 128_256
+    for batch, k in [(1, 0), (1, 5), (16, 0), (16, 5)]:
+        num_rows = batch * (k + 1)
+        logits = torch.randn(num_rows, vocab, device="cuda") * 3
+        for mode, temp in (("greedy", 0.0), ("temperature", 0.8)):
+            args = dict(
+                temperature=torch.full((num_rows,), temp, device="cuda"),
+                top_k=torch.zeros(num_rows, device="cuda", dtype=torch.int32),
+                top_p=torch.ones(num_rows, device="cuda"),
+                min_p=torch.zeros(num_rows, device="cuda"),
+                seeds=torch.arange(num_rows, device="cuda"),
+                positions=torch.arange(num_rows, device="cuda"),
+                draft_ids=torch.randint(0, vocab, (num_rows,), device="cuda", dtype=torch.int32),
+                cu_num_rows=torch.arange(0, num_rows + 1, k + 1, device="cuda", dtype=torch.int32),
+                request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(k + 1),
+            )
+            call = functools.partial(verify_sample_cuda, logits, **args, strategy=0, max_rows=k + 1)
+            row: dict[str, Any] = dict(batch=batch, k=k, mode=mode, vocab=vocab)
+            for label, env in [
+                ("off", {SPLIT_ENV: "off"}),
+                ("chunk4096", {MIN_CHUNK_ENV: "4096"}),
+                ("chunk8192", {MIN_CHUNK_ENV: "8192"}),
+                ("chunk16384", {MIN_CHUNK_ENV: "16384"}),
+                ("chunk32768", {MIN_CHUNK_ENV: "32768"}),
+            ]:
+                os.environ.update(env)
+                try:
+                    row[f"{label}_us"] = per_call_us(call, calls=4)
+                finally:
+                    for key in env:
+                        del os.environ[key]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+PLAIN_STEP_SWITCHES: dict[str, dict[str, str]] = {
+    "all_new": {},
+    "splitk_off": {"SPECMESH_SPLITK_GEMV": "off"},
+    "attn_keys64": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "64"},
+    "attn_keys256": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "256"},
+    "attn_keys1024": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "1024"},
+    "attn_nosplit": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": str(1 << 20)},
+    "verify_split_off": {"SPECMESH_VERIFY_SPLIT": "off"},
+    "all_off": {
+        "SPECMESH_SPLITK_GEMV": "off",
+        "SPECMESH_VERIFY_SPLIT": "off",
+        "SPECMESH_ATTN_MIN_SPLIT_KEYS": "64",
+    },
+}
+"""The plain step's environment per variant (`all_off`: the kernels as before issue 12, but for the
+attention's empty split blocks returning at once)."""
+
+
+def plain_step_rows(copy_gbs: float) -> list[dict[str, Any]]:
+    """The plain decode step (batch 1, k = 0, context 256; forward + LM head + greedy verify) from a
+    CUDA graph whose attention has the engine's bound (max_seq_len 8192), per PLAIN_STEP_SWITCHES,
+    with the floor; the kernel table of `all_new` and `all_off`."""
+    rows = []
+    for shape in ("llama-3.2-1b", "qwen2.5-7b"):
+        step, floor_ms = _plain_step(shape, copy_gbs)
+        row: dict[str, Any] = dict(shape=shape, batch=1, k=0, context=256, floor_ms=floor_ms)
+        for label, env in PLAIN_STEP_SWITCHES.items():
+            os.environ.update(env)
+            try:
+                row[f"{label}_ms"] = graph_time_ms(step, reps=50)
+                if label in ("all_new", "all_off"):
+                    row[f"{label}_kernels"] = kernel_table(step)
+            finally:
+                for key in env:
+                    del os.environ[key]
+        row["all_new_over_floor"] = row["all_new_ms"] / floor_ms
+        row["all_off_over_floor"] = row["all_off_ms"] / floor_ms
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("kernels")}), flush=True)
+        del step
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _plain_step(shape: str, copy_gbs: float) -> tuple[Callable[[], Any], float]:
+    ctx, block_size = 256, 16
+    model = random_model(shape, ctx + 32)
+    c = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = -(-(ctx + 16) // block_size)
+    kv_shape = (blocks, block_size, c.num_key_value_heads, c.head_dim)
+    caches = [
+        (
+            torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16),
+            torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(c.num_hidden_layers)
+    ]
+    tables = torch.arange(blocks, device="cuda", dtype=torch.int32).view(1, blocks)
+    seq_len = ctx + 1
+    positions = torch.tensor([ctx], device="cuda")
+    meta = AttentionMetadata(
+        slot_mapping=tables[0, ctx // block_size].long().view(1) * block_size + ctx % block_size,
+        query_start_loc=torch.tensor([0, 1], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], device="cuda", dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[1],
+        seq_lens_cpu=[seq_len],
+        max_query_len=1,
+        max_seq_len=8192,
+    )
+    input_ids = torch.randint(0, c.vocab_size, (1,), device="cuda")
+    verify_args = dict(
+        temperature=torch.zeros(1, device="cuda"),
+        top_k=torch.zeros(1, device="cuda", dtype=torch.int32),
+        top_p=torch.ones(1, device="cuda"),
+        min_p=torch.zeros(1, device="cuda"),
+        seeds=torch.zeros(1, device="cuda", dtype=torch.long),
+        positions=torch.zeros(1, device="cuda", dtype=torch.long),
+        draft_ids=torch.randint(0, c.vocab_size, (1,), device="cuda", dtype=torch.int32),
+        cu_num_rows=torch.tensor([0, 1], device="cuda", dtype=torch.int32),
+        request_of_row=torch.zeros(1, device="cuda", dtype=torch.int32),
+    )
+    kv_bytes = 2 * c.num_hidden_layers * seq_len * c.num_key_value_heads * c.head_dim * 2
+    floor_ms = (weight_bytes + kv_bytes) / copy_gbs / 1e6
+    step = functools.partial(_target_step, model, input_ids, positions, caches, meta, verify_args, 1)
+    return step, floor_ms
+
+
+def decode_path_rows(copy_gbs: float) -> dict[str, Any]:
+    """Issue 12's batch-1 decode paths, new against old (see the module docstring)."""
+    out: dict[str, Any] = {}
+    for name, run in (
+        ("linear", lambda: decode_linear_rows(copy_gbs)),
+        ("attention", decode_attention_rows),
+        ("verify", decode_verify_rows),
+        ("plain_step", lambda: plain_step_rows(copy_gbs)),
+    ):
+        try:
+            out[name] = run()
+        except Exception as exc:  # noqa: BLE001 - one broken part must not hide the others
+            out[name] = {"error": repr(exc)[:500]}
+            print(name, "error", repr(exc)[:500], flush=True)
+    return out
+
+
 def _graph_ms_with(step: Callable[[], Any], switch: str) -> float:
     """The step's graph time with one kernel switched off (`switch=off`: SPECMESH_SKINNY_GEMM puts
     every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores)."""
@@ -582,6 +824,7 @@ def main() -> None:
     ]
     if not args.skip_steps:
         sections += [
+            ("decode_paths", lambda: decode_path_rows(result["copy_gb_per_s"])),
             (
                 "step_llama",
                 lambda: step_rows(
@@ -645,6 +888,7 @@ def summarize(result: dict[str, Any]) -> None:
                 if f"{s}_{key}_us" in row
             )
         )
+    summarize_decode_paths(result.get("decode_paths"))
     for key in ("step_llama", "step_qwen"):
         for row in result.get(key, []) if isinstance(result.get(key), list) else []:
             print(
@@ -656,6 +900,42 @@ def summarize(result: dict[str, Any]) -> None:
             )
             for kernel in row.get("kernels", []):
                 print(f"    {kernel['us']:8.1f} us {kernel['launches']:6.1f}x  {kernel['kernel']}")
+
+
+def summarize_decode_paths(paths: Any) -> None:
+    """The decode-path section, one line per shape: new against old."""
+    if not isinstance(paths, dict):
+        return
+    for row in paths.get("linear", []) if isinstance(paths.get("linear"), list) else []:
+        labels = [k[:-3] for k in row if k.endswith("_us")]
+        print(
+            f"decode linear {row['model']:13s} {row['matrix']:5s} rows={row['rows']} slices={row['slices']} "
+            + " ".join(f"{label} {row[label + '_us']:6.1f}" for label in labels)
+            + f" us ({row['dispatch']})"
+        )
+    for row in paths.get("attention", []) if isinstance(paths.get("attention"), list) else []:
+        print(
+            f"decode attention {row['shape']:13s} ctx={row['context']:5d} us per layer: "
+            + " ".join(f"{k[:-3]} {v:.2f}" for k, v in row.items() if k.endswith("_us"))
+        )
+    for row in paths.get("verify", []) if isinstance(paths.get("verify"), list) else []:
+        print(
+            f"decode verify B={row['batch']:2d} k={row['k']} {row['mode']:11s} us: "
+            + " ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_us"))
+        )
+    for row in paths.get("plain_step", []) if isinstance(paths.get("plain_step"), list) else []:
+        print(
+            f"plain step {row['shape']:13s} floor {row['floor_ms']:.3f} ms: "
+            + " ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms") and k != "floor_ms")
+            + f" ms; all_new {row['all_new_over_floor']:.2f}x the floor, all_off {row['all_off_over_floor']:.2f}x"
+        )
+        for key in ("all_new_kernels", "all_off_kernels"):
+            print(f"  {key}:")
+            for kernel in row.get(key, [])[:16]:
+                print(f"    {kernel['us']:8.1f} us {kernel['launches']:6.1f}x  {kernel['kernel']}")
+    for part, value in paths.items():
+        if isinstance(value, dict) and "error" in value:
+            print(f"decode {part} error: {value['error']}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ only then, so CPU-only machines and CI never import it. `SPECMESH_KERNELS=ref` f
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +24,14 @@ from kernels.fused_layers_ref import (
     silu_and_mul_ref,
 )
 from kernels.ngram_ref import ngram_match_ref
-from kernels.post_step_ref import post_step_update_ref
+from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_ref
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
 from kernels.verify_ref import verify_sample_ref
+
+POST_STEP_SLOTS_ENV = "SPECMESH_POST_STEP_SLOTS"
+"""Set to `off` to run `post_step_update_slots` as the torch ops it folds (gathers, the update,
+scatters) even on CUDA (A/B timing of the step's tail)."""
 
 
 def compiled_variants() -> int:
@@ -68,17 +74,20 @@ def linear(
     out_dtype: torch.dtype | None = None,  # None: x's dtype (or out's)
     out: torch.Tensor | None = None,  # [num_rows, out_features], contiguous: written in place
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernel (kernels/skinny_gemm.py) where
-    it beats cuBLAS (one bf16 / fp16 row, a large matrix), cuBLAS otherwise. With `out`, the result
+    """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernels (kernels/skinny_gemm.py) where
+    they beat cuBLAS (one bf16 / fp16 row and a large wide matrix; split over K for 1-4 rows and a
+    small or tall matrix), cuBLAS otherwise. With `out`, the result
     lands there (cast once, as `.to(out_dtype)` would). Not differentiable through the kernel: with
     autograd recording, cuBLAS runs."""
     if out is not None:
         out_dtype = out.dtype
     if _cuda.available(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        from kernels.skinny_gemm import preferred, skinny_linear_cuda
+        from kernels import skinny_gemm
 
-        if preferred(x, weight):
-            return skinny_linear_cuda(x, weight, bias, out_dtype, out=out)
+        if skinny_gemm.preferred(x, weight):
+            return skinny_gemm.skinny_linear_cuda(x, weight, bias, out_dtype, out=out)
+        if skinny_gemm.splitk_preferred(x, weight):
+            return skinny_gemm.skinny_linear_splitk_cuda(x, weight, bias, out_dtype, out=out)
     result = F.linear(x, weight, bias)
     if out is not None:
         return out.copy_(result)
@@ -308,6 +317,42 @@ def post_step_update(
     )
 
 
+def post_step_update_slots(
+    token_rows: torch.Tensor,
+    slots: torch.Tensor,
+    num_tokens: torch.Tensor,
+    num_output: torch.Tensor,
+    new_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    max_tokens: torch.Tensor,
+    min_tokens: torch.Tensor,
+    ignore_eos: torch.Tensor,
+    eos_ids: torch.Tensor,
+    stop_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `post_step_update_slots_ref` for the arguments; one launch on CUDA (with
+    SPECMESH_POST_STEP_SLOTS=off: the gathers, `post_step_update` and the scatters it folds)."""
+    slot_state = (token_rows, slots, num_tokens, num_output)
+    if not _cuda.available(token_rows) or os.environ.get(POST_STEP_SLOTS_ENV, "").lower() == "off":
+        update = post_step_update if _cuda.available(token_rows) else post_step_update_ref
+        return post_step_update_slots_ref(
+            *slot_state,
+            new_tokens,
+            num_accepted,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            eos_ids,
+            stop_ids,
+            update,
+        )
+    from kernels.post_step import post_step_update_slots_cuda
+
+    return post_step_update_slots_cuda(
+        *slot_state, new_tokens, num_accepted, max_tokens, min_tokens, ignore_eos, eos_ids, stop_ids
+    )
+
+
 def fill_ahead(
     num_filled: torch.Tensor | None,
     token_slots: torch.Tensor,
@@ -357,6 +402,7 @@ __all__ = [
     "linear",
     "ngram_match",
     "post_step_update",
+    "post_step_update_slots",
     "quant_linear",
     "rotary_embedding",
     "rotary_write_kv",

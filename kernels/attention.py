@@ -50,8 +50,13 @@ small batches: the verify rows (1 + k tokens x the GQA group) split over more bl
 re-reading its context tiles from L2, instead of running one long chain of tiles per kv head."""
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = BLOCK_N
-"""A context split takes at least one tile: at small batches even a short context is split,
-since one block walking its tiles one after another is latency-bound (kernels/NOTES.md)."""
+"""Fewest keys of a context split (the default of `min_split_keys`): one tile, so at small batches
+even a short context is split, since one block walking its tiles one after another is
+latency-bound (kernels/NOTES.md). The kernels apply it to each query tile's own context, so a CUDA
+graph launched for the longest context splits a short one only as far as this allows."""
+MIN_SPLIT_KEYS_ENV = "SPECMESH_ATTN_MIN_SPLIT_KEYS"
+"""Overrides MIN_KEYS_PER_SPLIT (a multiple of BLOCK_N; larger: fewer splits and merges at short
+contexts) for A/B timing and tuning on a GPU."""
 
 SOURCE = (
     _cuda.CONVERSIONS
@@ -136,14 +141,25 @@ __device__ __forceinline__ void load_tile(
    one-token decodes launches the tiles it has, not max_tiles for every sequence.
    False: nothing to do (a sequence past max_query_len, or a tile past the step's queries). */
 struct BlockWork {
-    int q_begin, t0, group, rows, first_pos, context_len, s_begin, s_end, num_kv_tiles;
+    int q_begin, t0, group, rows, first_pos, context_len, s_begin, s_end, num_kv_tiles, splits;
     const int* table;
 };
+
+/* The splits a query tile's context span uses of the launched num_splits: each takes at least
+   min_split_keys keys (whole BLOCK_N tiles), so a short context (a graph launched for the longest
+   one) runs in fewer blocks and the rest return at once; one split writes the output itself and
+   merge_splits skips it. Shared by the attention kernels and merge_splits. */
+__device__ __forceinline__ int split_keys(int span, int num_splits, int min_split_keys, int& per_split)
+{
+    per_split = max((span + num_splits - 1) / num_splits, min_split_keys);
+    per_split = (per_split + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    return max(1, min(num_splits, (span + per_split - 1) / per_split));
+}
 __device__ __forceinline__ bool block_work(
     BlockWork& w, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, const int* __restrict__ tile_starts, int num_seqs,
     int num_heads, int num_kv_heads, int max_blocks, int tile_tokens, int num_splits,
-    int max_query_len, int sliding_window)
+    int max_query_len, int sliding_window, int min_split_keys)
 {
     int seq = blockIdx.x, tile = 0;
     if (tile_starts != nullptr) {
@@ -168,7 +184,9 @@ __device__ __forceinline__ bool block_work(
     const int kv_end = first_pos + nt;
     const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
     const int span = kv_end - kv_begin;
-    const int per_split = ((span + num_splits - 1) / num_splits + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    int per_split;
+    const int splits = split_keys(span, num_splits, min_split_keys, per_split);
+    if ((int)blockIdx.z >= splits) return false;
     const int s_begin = kv_begin + (int)blockIdx.z * per_split;
     const int s_end = min(kv_end, s_begin + per_split);
     w.q_begin = q_begin;
@@ -181,6 +199,7 @@ __device__ __forceinline__ bool block_work(
     w.s_end = s_end;
     w.num_kv_tiles = s_end > s_begin ? (s_end - s_begin + BLOCK_N - 1) / BLOCK_N : 0;
     w.table = block_tables + (long long)seq * max_blocks;
+    w.splits = splits;
     return true;
 }
 
@@ -197,7 +216,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
     float* __restrict__ part_out,              /* [num_splits, num_tokens, num_heads, HEAD_DIM] */
     float* __restrict__ part_ml,               /* [num_splits, num_tokens, num_heads, 2] */
     int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
-    int tile_tokens, int num_splits, int max_query_len, float scale_log2, int sliding_window)
+    int tile_tokens, int num_splits, int max_query_len, float scale_log2, int sliding_window,
+    int min_split_keys)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     float* qs = reinterpret_cast<float*>(smem);                       /* [RMAX][HEAD_DIM] */
@@ -210,7 +230,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
 
     BlockWork w;
     if (!block_work(w, block_tables, seq_lens, query_start_loc, tile_starts, num_seqs, num_heads,
-                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window))
+                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window,
+                    min_split_keys))
         return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
@@ -368,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
         const long long token = q_begin + t0 + r / group;
         const int head = kv_head * group + r % group;
         const long long row = token * num_heads + head;
-        if (num_splits == 1) {
+        if (w.splits == 1) {
             const float l = l_s[r];
             out[row * HEAD_DIM + d] = from_float(l > 0.f ? o / l : 0.f);
         } else {
@@ -387,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
         const long long token = q_begin + t0 + r / group;
         const int head = kv_head * group + r % group;
         const long long row = token * num_heads + head;
-        if (num_splits == 1) {
+        if (w.splits == 1) {
             const float l = l_s[r];
             const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
@@ -440,14 +461,15 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     scalar_t* __restrict__ out, float* __restrict__ part_out,
     float* __restrict__ part_ml, int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
     int block_size, int max_blocks, int tile_tokens, int num_splits, int max_query_len,
-    float scale_log2, int sliding_window)
+    float scale_log2, int sliding_window, int min_split_keys)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     scalar_t* kv = reinterpret_cast<scalar_t*>(smem);   /* 2 stages x (K, V) x [BLOCK_N][ROW_STRIDE] */
 
     BlockWork w;
     if (!block_work(w, block_tables, seq_lens, query_start_loc, tile_starts, num_seqs, num_heads,
-                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window))
+                    num_kv_heads, max_blocks, tile_tokens, num_splits, max_query_len, sliding_window,
+                    min_split_keys))
         return;
     const int kv_head = blockIdx.y, split = blockIdx.z;
     const int q_begin = w.q_begin, t0 = w.t0, group = w.group, rows = w.rows, first_pos = w.first_pos;
@@ -617,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
         }
         const long long token = q_begin + t0 + r / group;
         const long long row = token * num_heads + kv_head * group + r % group;
-        if (num_splits == 1) {
+        if (w.splits == 1) {
             out[row * HEAD_DIM + d] = from_float(l > 0.f ? acc / l : 0.f);
         } else {
             const long long base = (long long)split * num_tokens * num_heads + row;
@@ -628,11 +650,13 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
 }
 #endif
 
-/* Merges the splits of one (token, head): out = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. */
+/* Merges the splits of one (token, head): out = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j over
+   the splits its query tile used (split_keys); a tile that used one has its output written. */
 extern "C" __global__ void merge_splits(
     const float* __restrict__ part_out, const float* __restrict__ part_ml,
-    const int* __restrict__ query_start_loc, scalar_t* __restrict__ out,
-    int num_seqs, int num_tokens, int num_heads, int num_splits, int max_query_len)
+    const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, scalar_t* __restrict__ out,
+    int num_seqs, int num_tokens, int num_heads, int num_splits, int max_query_len, int tile_tokens,
+    int sliding_window, int min_split_keys)
 {
     const long long row = blockIdx.x;                 /* token * num_heads + head */
     const int token = (int)(row / num_heads);
@@ -641,19 +665,27 @@ extern "C" __global__ void merge_splits(
         const int mid = (lo + hi) >> 1;
         if (query_start_loc[mid] <= token) lo = mid; else hi = mid;
     }
-    if (query_start_loc[lo + 1] - query_start_loc[lo] > max_query_len) return;
+    const int q_begin = query_start_loc[lo], q_len = query_start_loc[lo + 1] - q_begin;
+    if (q_len > max_query_len || token >= query_start_loc[num_seqs]) return;
+    const int t0 = (token - q_begin) / tile_tokens * tile_tokens;   /* as block_work's tile */
+    const int first_pos = seq_lens[lo] - q_len + t0;
+    const int kv_end = first_pos + min(tile_tokens, q_len - t0);
+    const int kv_begin = sliding_window > 0 ? max(0, first_pos - sliding_window + 1) : 0;
+    int per_split;
+    const int splits = split_keys(kv_end - kv_begin, num_splits, min_split_keys, per_split);
+    if (splits == 1) return;
     const long long stride = (long long)num_tokens * num_heads;
     float m = NEG_INF;
-    for (int j = 0; j < num_splits; ++j) m = fmaxf(m, part_ml[(j * stride + row) * 2]);
+    for (int j = 0; j < splits; ++j) m = fmaxf(m, part_ml[(j * stride + row) * 2]);
     float total = 0.f;
-    for (int j = 0; j < num_splits; ++j) {
+    for (int j = 0; j < splits; ++j) {
         const float l = part_ml[(j * stride + row) * 2 + 1];
         if (l > 0.f) total += exp2f(part_ml[(j * stride + row) * 2] - m) * l;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
         float o = 0.f;
-        for (int j = 0; j < num_splits; ++j) {
+        for (int j = 0; j < splits; ++j) {
             const float l = part_ml[(j * stride + row) * 2 + 1];
             if (l > 0.f) o += exp2f(part_ml[(j * stride + row) * 2] - m) * part_out[(j * stride + row) * HEAD_DIM + d];
         }
@@ -840,9 +872,10 @@ def _launch_attention(
             num_tiles = sum(-(-n // tile_tokens) for n in meta.query_lens_cpu if n <= max_query_len)
         else:  # a graph's bound: a tile holds at least one token
             num_tiles = min(num_tokens, num_seqs * max_tiles)
+    min_keys = min_split_keys()
     if num_splits is None:
         max_seq_len = meta.max_seq_len if meta.max_seq_len is not None else max(meta.seq_lens_cpu)
-        num_splits = choose_splits(num_tiles * num_kv_heads, max_seq_len, device)
+        num_splits = choose_splits(num_tiles * num_kv_heads, max_seq_len, device, min_keys)
     dtype_id = _cuda.DTYPE_IDS[query.dtype]
     if tensor_cores:
         smem = mma_smem_bytes(head_dim, query.element_size())
@@ -897,6 +930,7 @@ def _launch_attention(
             i32(max_query_len),
             np.float32(scale * LOG2E),
             i32(sliding_window or 0),
+            i32(min_keys),
         ),
         device,
         shared_mem=smem,
@@ -920,26 +954,40 @@ def _launch_attention(
                 part_out,
                 part_ml,
                 meta.query_start_loc,
+                meta.seq_lens,
                 out,
                 i32(num_seqs),
                 i32(num_tokens),
                 i32(num_heads),
                 i32(num_splits),
                 i32(max_query_len),
+                i32(tile_tokens),
+                i32(sliding_window or 0),
+                i32(min_keys),
             ),
             device,
         )
 
 
-def choose_splits(num_blocks: int, max_seq_len: int, device: torch.device) -> int:
-    """Context splits per sequence: none when the unsplit blocks already cover every SM (a split
-    then only adds the merge), else enough for about two blocks per SM, each with at least
-    MIN_KEYS_PER_SPLIT keys (H100 sweep in kernels/NOTES.md)."""
+def min_split_keys() -> int:
+    """Fewest keys of a context split: SPECMESH_ATTN_MIN_SPLIT_KEYS, else MIN_KEYS_PER_SPLIT,
+    rounded up to whole tiles."""
+    keys = int(os.environ.get(MIN_SPLIT_KEYS_ENV, MIN_KEYS_PER_SPLIT))
+    return max(BLOCK_N, -(-keys // BLOCK_N) * BLOCK_N)
+
+
+def choose_splits(
+    num_blocks: int, max_seq_len: int, device: torch.device, min_keys: int = MIN_KEYS_PER_SPLIT
+) -> int:
+    """Context splits launched per query tile: none when the unsplit blocks already cover every SM
+    (a split then only adds the merge) or the longest context fits one split of `min_keys`, else
+    enough for about two blocks per SM. Each tile then uses only the splits of at least `min_keys`
+    keys its own context fills (`split_keys` in the kernels), the others return at once."""
     num_sms = _cuda.num_sms(device.index or 0)
     if num_blocks >= num_sms:
         return 1
     by_occupancy = -(-2 * num_sms // num_blocks)
-    by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    by_length = max(1, max_seq_len // min_keys)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 

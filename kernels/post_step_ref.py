@@ -14,6 +14,8 @@ on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -69,3 +71,41 @@ def post_step_update_ref(
         torch.tensor(finish, dtype=torch.int32, device=device),
         torch.tensor(stop_token, dtype=torch.int32, device=device),
     )
+
+
+def post_step_update_slots_ref(
+    token_rows: torch.Tensor,  # [num_slots, capacity] int32 token rows, appended to in place
+    slots: torch.Tensor,  # [num_reqs] int64 slot (and row) of each request
+    num_tokens: torch.Tensor,  # [num_slots] int32 tokens in each row, updated at `slots`
+    num_output: torch.Tensor,  # [num_slots] int32 generated tokens of each slot, updated at `slots`
+    new_tokens: torch.Tensor,  # [num_reqs, width] int32
+    num_accepted: torch.Tensor,  # [num_reqs] int32: the step emitted num_accepted + 1 tokens
+    max_tokens: torch.Tensor,  # [num_slots] int32
+    min_tokens: torch.Tensor,  # [num_slots] int32
+    ignore_eos: torch.Tensor,  # [num_slots] int32 (0 / 1)
+    eos_ids: torch.Tensor,  # [num_slots, max_eos] int32 padded with -1 (any strides)
+    stop_ids: torch.Tensor,  # [num_slots, max_stop] int32 padded with -1 (any strides)
+    update: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = post_step_update_ref,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`post_step_update_ref` with every per-request input read at its slot of the batch's
+    per-slot tensors and the lengths written back there (the tail's gathers and scatters folded
+    in); returns (num_kept, finish, stop_token, num_output after the update), each [num_reqs].
+    `update`: the per-request update between the gathers and the scatters (`kernels` passes the
+    dispatching `post_step_update` for its unfused A/B path)."""
+    lengths, produced = num_tokens[slots], num_output[slots]
+    num_kept, finish, stop_token = update(
+        token_rows,
+        slots,
+        lengths,
+        produced,
+        new_tokens,
+        num_accepted + 1,
+        max_tokens[slots],
+        min_tokens[slots],
+        ignore_eos[slots],
+        eos_ids[slots],
+        stop_ids[slots],
+    )
+    num_tokens[slots] = lengths
+    num_output[slots] = produced
+    return num_kept, finish, stop_token, produced

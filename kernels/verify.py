@@ -5,7 +5,9 @@ id); for sampling rows the temperature softmax, the min_p / top_k / top_p cut (r
 the probabilities' bit patterns: the k-th largest, and the smallest top set whose mass reaches
 top_p), and the sample argmax(probs / e) with e ~ Exp(1) from the counter-based generator of
 `sampling_noise_ref` computed in registers (float64 log, then float32: the same numbers as the
-reference); and whether the row's draft passes. The last block of a request to finish (an atomic
+reference); and whether the row's draft passes. A greedy row's argmax (its whole work) is split over
+several blocks when few rows leave SMs idle (`greedy_chunks`); the last block of the row to finish
+(an atomic counter per row) merges the blocks' argmaxes and carries on as the row's block. The last block of a request to finish (an atomic
 counter per request) walks the request's rows, accepts the leading passing drafts and writes the
 emitted tokens, so acceptance needs no second launch and no host round trip.
 
@@ -22,6 +24,8 @@ subset of them).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -29,6 +33,13 @@ from kernels import _cuda
 from kernels.verify_ref import NORMAL, num_mask_words
 
 THREADS = 512
+SPLIT_ENV = "SPECMESH_VERIFY_SPLIT"
+"""Set to `off` to scan every row in one block again (A/B timing of the split greedy argmax)."""
+MIN_CHUNK_ENV = "SPECMESH_VERIFY_MIN_CHUNK"
+"""Overrides MIN_CHUNK (tuning on a GPU)."""
+MIN_CHUNK = 8192
+"""Fewest logits a block of a split greedy row scans (32 KB): at batch 1 a 128k vocabulary takes
+15 blocks. Not yet tuned on a GPU."""
 
 SOURCE = r"""
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -57,7 +68,7 @@ __device__ __forceinline__ float masked(float x, const unsigned* __restrict__ ma
 template <class F>
 __device__ __forceinline__ void scan_row(const float* __restrict__ row, const unsigned* __restrict__ mask,
                                          int vocab, F f) {
-    if ((vocab & 3) == 0) {
+    if ((vocab & 3) == 0 && (reinterpret_cast<unsigned long long>(row) & 15) == 0) {
         const float4* row4 = reinterpret_cast<const float4*>(row);
         const int n4 = vocab >> 2;
 #pragma unroll 4
@@ -199,7 +210,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     int* __restrict__ num_accepted,            /* [num_reqs] */
     const unsigned* __restrict__ bitmask,      /* [num_rows, num_words] grammar masks, or null */
     const int* __restrict__ masked_rows,       /* [num_rows] nonzero: the row's mask applies; or null */
-    int vocab, int num_words, int max_rows, int strategy, int policy)
+    float* __restrict__ chunk_best,            /* [num_rows, gridDim.y] with several chunks */
+    int* __restrict__ chunk_best_i,            /* [num_rows, gridDim.y] */
+    int* __restrict__ row_counters,            /* [num_rows], zero; left zero */
+    int vocab, int num_words, int max_rows, int strategy, int policy, int chunk_len)
 {
     __shared__ float hist[256];
     __shared__ float scratch[32];
@@ -211,11 +225,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     const float t = temperature[r];
     const int draft = draft_ids[r];
     const unsigned* mask = masked_rows != nullptr && masked_rows[r] ? bitmask + (long long)r * num_words : nullptr;
+    const int chunks = gridDim.y;
+    if (t > 0.f && blockIdx.y > 0) return;   /* sampled rows: one block walks the row */
 
-    /* pass 1: argmax of the logits (greedy id) */
+    /* pass 1: argmax of the logits (greedy id). A greedy row with several chunks: each block takes
+       chunk_len logits (a multiple of 32: whole mask words), the last to finish merges them. */
     float best = NEG_INF; int best_i = 0x7fffffff;
-    scan_row(row, mask, vocab, [&](float x, int i) { better(best, best_i, x, i); });
-    block_argmax(best, best_i, scratch, scratch_i);
+    if (t > 0.f || chunks == 1) {
+        scan_row(row, mask, vocab, [&](float x, int i) { better(best, best_i, x, i); });
+        block_argmax(best, best_i, scratch, scratch_i);
+    } else {
+        const int begin = blockIdx.y * chunk_len, len = max(0, min(vocab - begin, chunk_len));
+        const unsigned* chunk_mask = mask != nullptr ? mask + begin / 32 : nullptr;
+        scan_row(row + begin, chunk_mask, len, [&](float x, int i) { better(best, best_i, x, begin + i); });
+        block_argmax(best, best_i, scratch, scratch_i);
+        if (threadIdx.x == 0) {
+            chunk_best[(long long)r * chunks + blockIdx.y] = best;
+            chunk_best_i[(long long)r * chunks + blockIdx.y] = best_i;
+            __threadfence();
+            is_last = atomicAdd(&row_counters[r], 1) == chunks - 1;
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        best = NEG_INF; best_i = 0x7fffffff;
+        for (int c = threadIdx.x; c < chunks; c += THREADS)
+            better(best, best_i, __ldcg(chunk_best + (long long)r * chunks + c),
+                   __ldcg(chunk_best_i + (long long)r * chunks + c));
+        block_argmax(best, best_i, scratch, scratch_i);
+        if (threadIdx.x == 0) row_counters[r] = 0;
+    }
     const int greedy_id = best_i;
     int sampled_id = greedy_id;
     bool pass = draft >= 0 && draft == greedy_id;
@@ -368,6 +407,53 @@ def scratch_counters(num_reqs: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
+def greedy_chunks(num_rows: int, vocab: int, num_sms: int) -> tuple[int, int]:
+    """(blocks per row, logits per block) of a launch: a greedy row's argmax split over about
+    num_sms / num_rows blocks of at least MIN_CHUNK logits (a multiple of 128: whole mask words,
+    16-byte loads); one block per row when SPECMESH_VERIFY_SPLIT is `off`."""
+    if os.environ.get(SPLIT_ENV, "").lower() == "off":
+        return 1, vocab
+    min_chunk = int(os.environ.get(MIN_CHUNK_ENV, MIN_CHUNK))
+    chunks = max(1, min(num_sms // max(num_rows, 1), vocab // max(min_chunk, 1)))
+    per_chunk = -(-vocab // chunks)
+    chunk_len = -(-per_chunk // 128) * 128 if chunks > 1 else vocab
+    return -(-vocab // chunk_len), chunk_len
+
+
+class _ChunkScratch:
+    """Per-device partial argmaxes of split greedy rows and their arrival counters (zero between
+    launches: the kernel leaves them zero). Grows outside a CUDA graph capture only, keeping the
+    buffers a captured graph points at alive."""
+
+    def __init__(self) -> None:
+        self.tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.retired: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def get(
+        self, entries: int, num_rows: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if (
+            self.tensors is not None
+            and self.tensors[0].numel() >= entries
+            and self.tensors[2].numel() >= num_rows
+        ):
+            return self.tensors
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if self.tensors is not None:
+            self.retired.append(self.tensors)
+        size, rows = max(entries, 4096), max(num_rows, 1024)
+        self.tensors = (
+            torch.empty(size, dtype=torch.float32, device=device),
+            torch.empty(size, dtype=torch.int32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device),
+        )
+        return self.tensors
+
+
+_CHUNK_SCRATCH: dict[torch.device, _ChunkScratch] = {}
+
+
 def verify_sample_cuda(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32
     temperature: torch.Tensor,  # [num_rows] float32
@@ -423,10 +509,15 @@ def verify_sample_cuda(
     if num_rows == 0:
         return token_ids, num_accepted, row_greedy, row_sampled, row_pass
     kernel = _cuda.function(SOURCE, "verify_sample", device, THREADS=THREADS)
+    chunks, chunk_len = greedy_chunks(num_rows, vocab, _cuda.num_sms(device.index or 0))
+    scratch = _CHUNK_SCRATCH.setdefault(device, _ChunkScratch()).get(num_rows * chunks, num_rows, device)
+    if scratch is None or chunks == 1:  # a capture that would need larger buffers: unsplit
+        chunks, chunk_len = 1, vocab
+    chunk_best, chunk_best_i, row_counters = scratch if scratch is not None else (None, None, None)
     i32 = np.int32
     _cuda.launch(
         kernel,
-        (num_rows,),
+        (num_rows, chunks),
         (THREADS,),
         (
             logits,
@@ -447,11 +538,15 @@ def verify_sample_cuda(
             num_accepted,
             bitmask,
             masked_rows,
+            chunk_best,
+            chunk_best_i,
+            row_counters,
             i32(vocab),
             i32(num_mask_words(vocab)),
             i32(max_rows),
             i32(strategy),
             i32(policy),
+            i32(chunk_len),
         ),
         device,
     )

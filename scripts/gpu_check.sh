@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device visit: install carried wheels, run every GPU test, time the kernels and the engine, save to $OUT.
 # The carried wheels (.whl) and redis-server (.carry/bin, on PATH) come from scripts/device-kit.sh.
-#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain|suffixhost|async ...]   (default: tests bench engine)
+#   (on the device machine) bash scripts/gpu_check.sh [tests|bench|engine|spec|steady|tp|quant|grammar|kvipc|trees|eagle3train|mesh|limit|mtpchain|suffixhost|async|skinny ...]   (default: tests bench engine)
 # $OUT gets: gpu.txt (card, versions), gpu-tests.log, kernels.json + kernels.log (benchmarks/gpu_kernels.py),
 # engine-<shape>-<mode>.json + engine.log (benchmarks.bench_engine: modes below; ENGINE_SHAPES / ENGINE_MODES
 # pick a subset), and hf-<shape>.json
@@ -113,6 +113,15 @@
 # 1B shape, c = 1 and 64, async on: each phase's host time a step (runner.launch_ahead, graphs._copy_in, ...)
 # and result(wait), the host waiting for the device.
 # ASYNC_PARTS (default "tests engine offline") splits it over calls: "tests", then "engine offline".
+# skinny (issue 12: the plain batch-1 decode step against the weight-read floor; about 6 minutes on one GPU):
+# skinny-tests.log (pytest -m gpu: the split-K skinny product, the attention split rule under a graph's bound,
+# the split greedy verify, the slot-indexed post-step update, each vs its reference, plus the model forward,
+# CUDA-graph and GPU-parity tests they run in),
+# skinny-kernels.json + skinny-kernels.log (benchmarks.gpu_kernels --only decode_paths: each new path against the
+# old per shape, the switches' sweeps, and the plain step from a graph with each switch off and all off; the
+# log's "decode" and "plain step" lines), skinny-engine-<new|old>.json + skinny-engine.log (benchmarks.bench_engine,
+# random Llama-3.2-1B shape, batch 1: the engine's step with the new paths and with SPECMESH_SPLITK_GEMV=off
+# SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off). SKINNY_PARTS (default "tests bench engine") splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -616,6 +625,34 @@ if [[ " $stages " == *" async "* ]]; then
                 | tee -a "$OUT/async-offline.log" | grep "^| [a-z]"
             status=$((status | PIPESTATUS[0]))
         done
+    fi
+fi
+if [[ " $stages " == *" skinny "* ]]; then
+    skinny_parts=" ${SKINNY_PARTS:-tests bench engine} "
+    if [[ "$skinny_parts" == *" tests "* ]]; then
+        timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_linear.py \
+            tests/kernels/test_attention.py tests/kernels/test_verify.py tests/kernels/test_fused_layers.py \
+            tests/kernels/test_post_step.py \
+            tests/services/engine/test_cuda_graph.py tests/services/engine/test_gpu_parity.py 2>&1 \
+            | tee "$OUT/skinny-tests.log" | tail -20
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$skinny_parts" == *" bench "* ]]; then
+        timeout 270 python3 -m benchmarks.gpu_kernels --only decode_paths --out "$OUT/skinny-kernels.json" 2>&1 \
+            | tee "$OUT/skinny-kernels.log" | grep -E "^(card|== |decode|plain step|  all_|    )" | head -150
+        status=$((status | PIPESTATUS[0]))
+    fi
+    if [[ "$skinny_parts" == *" engine "* ]]; then
+        python3 -m benchmarks.random_model llama-3.2-1b /tmp/specmesh-llama-3.2-1b
+        for mode in new old; do
+            # shellcheck disable=SC2046
+            env $([ "$mode" = old ] && echo "SPECMESH_SPLITK_GEMV=off SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off") \
+                timeout 100 python3 -m benchmarks.bench_engine --model /tmp/specmesh-llama-3.2-1b --dtype bfloat16 \
+                --batch-sizes 1 --prompt-len 128 --output-len 128 --out "$OUT/skinny-engine-$mode.json" 2>&1 \
+                | tee -a "$OUT/skinny-engine.log" | tail -4
+            status=$((status | PIPESTATUS[0]))
+        done
+        rm -rf /tmp/specmesh-llama-3.2-1b
     fi
 fi
 exit $status

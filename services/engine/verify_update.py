@@ -6,7 +6,7 @@ largest graph, CPU) calls it eagerly, so both paths keep the same tokens and sto
 
 1. verify + sample (`kernels.verify_sample`): per request, its accepted drafts and then the
    recovered or bonus token;
-2. the post-step update (`kernels.post_step_update`): those tokens are appended to the request's
+2. the post-step update (`kernels.post_step_update_slots`): those tokens are appended to the request's
    token row up to the first one that ends it (EOS, a stop id, max_tokens once min_tokens is
    reached), so no token past a stop is kept;
 3. drafting: each device proposer drafts the next step of its own requests that are still running,
@@ -199,7 +199,7 @@ class VerifyAndUpdate:
     ) -> torch.Tensor:
         """Post-step update and drafting after any verifier; the packed result."""
         params = self.inputs.gather(t.seq_slots)
-        num_kept, finish, stop_token, num_output = self.update(token_ids, num_accepted, t.seq_slots, params)
+        num_kept, finish, stop_token, num_output = self.update(token_ids, num_accepted, t.seq_slots)
         drafts = self.draft(t, plan, finish, params, num_output, num_accepted)
         self.inputs.drafts[t.seq_slots] = drafts.token_ids.int()
         self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts.int()
@@ -208,29 +208,25 @@ class VerifyAndUpdate:
         return torch.cat(packed, dim=1)
 
     def update(
-        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor, params: GatheredParams
+        self, token_ids: torch.Tensor, num_accepted: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Appends each request's emitted tokens to its row, up to the one that ends it; (num_kept,
-        finish, stop_token, num_output after the update) per request. Lengths are gathered per
-        request and scattered back."""
+        finish, stop_token, num_output after the update) per request. One kernel reads each
+        request's lengths and stop settings at its slot and writes the lengths back there."""
         inputs = self.inputs
-        lengths, num_output = inputs.num_tokens[slots], inputs.num_output[slots]
-        num_kept, finish, stop_token = kernels.post_step_update(
+        return kernels.post_step_update_slots(
             inputs.token_rows,
             slots,
-            lengths,
-            num_output,
+            inputs.num_tokens,
+            inputs.num_output,
             token_ids,
-            num_accepted + 1,
-            params.max_tokens,
-            params.min_tokens,
-            params.ignore_eos,
-            inputs.eos_ids[slots],
-            inputs.stop_ids[slots],
+            num_accepted,
+            inputs.max_tokens,
+            inputs.min_tokens,
+            inputs.ignore_eos,
+            inputs.eos_ids,
+            inputs.stop_ids,
         )
-        inputs.num_tokens[slots] = lengths
-        inputs.num_output[slots] = num_output
-        return num_kept, finish, stop_token, num_output
 
     def draft(
         self,

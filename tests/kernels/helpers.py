@@ -5,6 +5,7 @@ never meet on the host through g++ (neither needs a GPU)."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import re
 import shutil
 import subprocess
@@ -121,12 +122,16 @@ extern "C" void run_grid(int grid, int block, const unsigned long long* a) {{
 def _parameter_types(source: str, name: str) -> list[str]:
     """The C types of kernel `name`'s parameters (comments and __restrict__ dropped)."""
     match = re.search(
-        rf"__global__ void {name}\((.*?)\)\s*\{{", re.sub(r"/\*.*?\*/", "", source, flags=re.S), re.S
+        rf"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?{name}\((.*?)\)\s*\{{",
+        re.sub(r"/\*.*?\*/", "", source, flags=re.S),
+        re.S,
     )
     assert match is not None, f"no kernel {name} in the source"
     parameters = [p.replace("__restrict__", "").split() for p in match.group(1).split(",")]
     types = [" ".join(words[:-1]) for words in parameters]
-    assert all("float" not in t and "double" not in t for t in types), "integer and pointer parameters only"
+    assert all("*" in t or ("float" not in t and "double" not in t) for t in types), (
+        "integer and pointer parameters only"
+    )
     return types
 
 
@@ -138,3 +143,141 @@ def _word(arg: Any) -> int:
     if arg is None:
         return 0
     return int(arg) & 0xFFFFFFFFFFFFFFFF
+
+
+THREADED_SHIM = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <math.h>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct Dim3 { unsigned x, y, z; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static thread_local Dim3 threadIdx;
+static Dim3 blockIdx, blockDim, gridDim;
+static std::barrier<>* block_barrier;
+static std::vector<std::barrier<>*> warp_barriers;
+static unsigned long long shuffle_slots[1024];
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __syncthreads() block_barrier->arrive_and_wait()
+#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
+using std::min; using std::max;
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
+template <class T> static inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline float atomicAdd(float* p, float v) {
+    float old = *p, want;
+    do { want = old + v; } while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return old;
+}
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int offset) {
+    std::barrier<>* warp = warp_barriers[threadIdx.x / 32];
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    shuffle_slots[threadIdx.x] = bits;
+    warp->arrive_and_wait();
+    bits = shuffle_slots[threadIdx.x ^ offset];
+    warp->arrive_and_wait();
+    std::memcpy(&v, &bits, sizeof(T));
+    return v;
+}
+"""
+"""What a CUDA source with block barriers, warp shuffles, static shared memory and atomics needs to
+run as C++ with one std::thread per CUDA thread: blocks one after another (so the last block of a
+last-block-reduces scheme is the last in launch order), a block's threads side by side meeting at
+std::barrier (a thread that returns drops out of its block's and warp's barriers)."""
+
+
+def host_conversions(conversions: str) -> str:
+    """`_cuda.CONVERSIONS` for the host: bf16 rounding (nearest even) in C++ instead of PTX; fp16
+    is not converted (host runs take bf16 and float32)."""
+    bf16 = (
+        "{ unsigned u = __float_as_uint(x); u += 0x7fffu + ((u >> 16) & 1u); h = (unsigned short)(u >> 16); }"
+    )
+    out = conversions.replace('asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));', bf16)
+    out = out.replace('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));', "h = 0;")
+    out = out.replace('float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f;', "return 0.f;")
+    assert "asm(" not in out
+    return out
+
+
+def run_threads_on_host(
+    source: str,
+    name: str,
+    defines: Mapping[str, int],
+    grid: Sequence[int],
+    block: int,
+    args: Sequence[Any],
+    tmp_path: Path,
+) -> None:
+    """Runs kernel `name` of `source` on the host over a 1-D or 2-D `grid` of `block` threads (at
+    most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper passes
+    `_cuda.launch`. `source` must hold no PTX (swap `_cuda.CONVERSIONS` for `host_conversions`)."""
+    types = _parameter_types(source, name)
+    assert len(types) == len(args), f"{name} takes {len(types)} arguments, {len(args)} given"
+    casts = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
+    entry = f"""
+extern "C" void run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {{
+    blockDim = {{(unsigned)block, 1, 1}};
+    gridDim = {{(unsigned)grid_x, (unsigned)grid_y, 1}};
+    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {{
+        blockIdx = {{(unsigned)bx, (unsigned)by, 0}};
+        std::barrier<> bar(block);
+        block_barrier = &bar;
+        std::vector<std::barrier<>*> warps;
+        for (int w = 0; w < (block + 31) / 32; ++w) warps.push_back(new std::barrier<>(std::min(32, block - 32 * w)));
+        warp_barriers = warps;
+        std::vector<std::thread> threads;
+        for (int t = 0; t < block; ++t) threads.emplace_back([&, t] {{
+            threadIdx = {{(unsigned)t, 0, 0}};
+            {name}({casts});
+            warps[t / 32]->arrive_and_drop();
+            bar.arrive_and_drop();
+        }});
+        for (auto& th : threads) th.join();
+        for (auto* w : warps) delete w;
+    }}
+}}"""
+    macros = "".join(f"#define {key} ({value})\n" for key, value in defines.items())
+    code = THREADED_SHIM + macros + source + entry
+    digest = hashlib.sha1(code.encode()).hexdigest()[:12]  # dlopen keeps one library per path
+    source_path, library = tmp_path / f"{name}_{digest}.cpp", tmp_path / f"{name}_{digest}.so"
+    if not library.exists():
+        source_path.write_text(code)
+        result = subprocess.run(
+            [
+                "g++",
+                "-std=c++20",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-pthread",
+                "-o",
+                str(library),
+                str(source_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    words = [_word(arg) for arg in args]
+    grid_x, grid_y = grid[0], grid[1] if len(grid) > 1 else 1
+    ctypes.CDLL(str(library)).run_grid(
+        ctypes.c_int(grid_x),
+        ctypes.c_int(grid_y),
+        ctypes.c_int(block),
+        (ctypes.c_ulonglong * len(words))(*words),
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +18,14 @@ from kernels.attention_ref import (
     append_attention_ref,
     write_kv_ref,
 )
-from tests.kernels.helpers import needs_cuda, poison_allocator, rel_error
+from tests.kernels.helpers import (
+    needs_cuda,
+    needs_gxx,
+    needs_nvcc,
+    poison_allocator,
+    rel_error,
+    run_on_host,
+)
 
 
 def make_batch(
@@ -338,3 +347,194 @@ def test_cuda_write_kv_matches_reference(dtype: torch.dtype) -> None:
         write_kv_ref(key, value, caches[2], caches[3], slots)
         assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
         assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+
+
+# ---- the split rule (`min_split_keys`) ----
+
+
+def split_keys(span: int, num_splits: int, min_keys: int, block_n: int = 64) -> tuple[int, int]:
+    """The kernels' `split_keys`: (splits used, keys per split) of a query tile's context span."""
+    per_split = max(-(-span // num_splits), min_keys)
+    per_split = -(-per_split // block_n) * block_n
+    return max(1, min(num_splits, -(-span // per_split))), per_split
+
+
+@pytest.mark.parametrize("min_keys", [64, 128, 256, 1024])
+def test_split_rule_covers_the_context_with_nonempty_splits(min_keys: int) -> None:
+    for span in [1, 63, 64, 65, 100, 256, 257, 1000, 4096, 8193]:
+        for num_splits in [1, 2, 3, 4, 33, 64]:
+            used, per_split = split_keys(span, num_splits, min_keys)
+            assert 1 <= used <= num_splits and per_split % 64 == 0
+            assert (used - 1) * per_split < span <= used * per_split  # every used split has keys
+            assert used == 1 or per_split >= min_keys
+
+
+def test_choose_splits_honours_min_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import _cuda, attention
+
+    monkeypatch.setattr(_cuda, "num_sms", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert attention.choose_splits(8, 256, device) == 4  # batch 1, 8 kv heads, 256 keys: 64-key splits
+    assert attention.choose_splits(8, 256, device, 256) == 1
+    assert attention.choose_splits(8, 8192, device, 256) == 32  # a graph's bound: used per tile in-kernel
+    assert attention.choose_splits(264, 8192, device) == 1  # the blocks cover the SMs
+    monkeypatch.setenv(attention.MIN_SPLIT_KEYS_ENV, "100")
+    assert attention.min_split_keys() == 128  # whole tiles
+    monkeypatch.delenv(attention.MIN_SPLIT_KEYS_ENV)
+    assert attention.min_split_keys() == attention.MIN_KEYS_PER_SPLIT
+
+
+HOST_MERGE_SHIM = r"""
+#include <cmath>
+#include <cstring>
+struct uint4 { unsigned int x, y, z, w; };
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+using std::exp2f; using std::fmaxf;
+"""
+
+
+def merge_source() -> str:
+    """merge_splits and the split rule it shares, as C++ the host can run (float32 variant)."""
+    from kernels import _cuda
+    from kernels.attention import SOURCE
+
+    rule = SOURCE[SOURCE.index("__device__ __forceinline__ int split_keys") :]
+    rule = rule[: rule.index("\n}\n") + 3]
+    merge = SOURCE[SOURCE.index('extern "C" __global__ void merge_splits') :]
+    merge = merge[: merge.index("\n}\n") + 3]
+    neg_inf = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
+    return HOST_MERGE_SHIM + _cuda.CONVERSIONS + neg_inf + rule + merge.replace('extern "C" ', "")
+
+
+@needs_gxx
+@pytest.mark.parametrize("min_keys", [64, 256])
+def test_merge_splits_merges_only_the_splits_a_tile_used_on_the_host(min_keys: int, tmp_path) -> None:
+    """merge_splits run on the host (kernels/attention.py): a tile whose context one split covers
+    keeps the output its block wrote; the others get the merge of their used splits only (the
+    unused splits' partials are poisoned)."""
+    head_dim, num_heads, num_splits, tile_tokens = 16, 2, 8, 4
+    query_lens, seq_lens = [1, 6, 3], [200, 900, 70]  # tiles of 4 tokens: 1 + 2 + 1
+    cu = [0, 1, 7, 10]
+    num_tokens = cu[-1] + 2  # two padding tokens past the last sequence
+    generator = torch.Generator().manual_seed(5)
+    part_out = torch.randn(num_splits, num_tokens, num_heads, head_dim, generator=generator)
+    part_ml = torch.stack(
+        [
+            torch.randn(num_splits, num_tokens, num_heads, generator=generator) * 3,
+            torch.rand(num_splits, num_tokens, num_heads, generator=generator) + 0.5,
+        ],
+        dim=-1,
+    )
+    expected = torch.full((num_tokens, num_heads, head_dim), 7.0)
+    used_by_token = {}
+    for seq, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        for t in range(q_len):
+            t0 = t // tile_tokens * tile_tokens
+            kv_end = seq_len - q_len + t0 + min(tile_tokens, q_len - t0)
+            used, _ = split_keys(kv_end, num_splits, min_keys)
+            used_by_token[cu[seq] + t] = used
+    for token, used in used_by_token.items():
+        part_out[used:, token] = float("nan")
+        part_ml[used:, token] = float("nan")
+        if used > 1:
+            maxes, sums = part_ml[:used, token, :, 0], part_ml[:used, token, :, 1]
+            weight = torch.exp2(maxes - maxes.max(0).values)
+            expected[token] = (weight[..., None] * part_out[:used, token]).sum(0) / (weight * sums).sum(0)[
+                :, None
+            ]
+    out = torch.full((num_tokens, num_heads, head_dim), 7.0)
+    args = (
+        part_out,
+        part_ml,
+        torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        out,
+        np.int32(3),
+        np.int32(num_tokens),
+        np.int32(num_heads),
+        np.int32(num_splits),
+        np.int32(16),
+        np.int32(tile_tokens),
+        np.int32(0),
+        np.int32(min_keys),
+    )
+    defines = {"DTYPE": 0, "HEAD_DIM": head_dim, "BLOCK_N": 64}
+    run_on_host(
+        merge_source(), "merge_splits", defines, (num_tokens * num_heads,), (head_dim,), args, tmp_path
+    )
+    assert sorted(set(used_by_token.values())) != [1]  # some tiles merge
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_attention_and_merge_assemble_for_sm90_without_spills(head_dim: int, tmp_path) -> None:
+    """The decode path (the tensor-core variant, merge_splits) assembles without spills. (The
+    CUDA-core variant, the fallback for float32 and wide heads, spills a few bytes.)"""
+    from kernels import _cuda
+    from kernels.attention import SOURCE
+    from tests.kernels.helpers import _kernel_reports
+
+    source = tmp_path / "attention.cu"
+    source.write_text(SOURCE)
+    defines = [
+        f"-D{k}={v}"
+        for k, v in {"DTYPE": 1, "HEAD_DIM": head_dim, "RMAX": 16, "BLOCK_N": 64, "THREADS": 128}.items()
+    ]
+    command = [
+        "nvcc",
+        "-cubin",
+        "-arch=sm_90",
+        *_cuda.NVRTC_OPTIONS,
+        "-Xptxas=-v",
+        "-o",
+        str(tmp_path / "a.cubin"),
+    ]
+    result = subprocess.run([*command, str(source), *defines], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = _kernel_reports(result.stderr)
+    for kernel in ("append_attention_mma", "merge_splits"):
+        assert "0 bytes spill stores, 0 bytes spill loads" in reports[kernel], reports[kernel]
+
+
+DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, query_lens, context_lens): batch-1 decode and verify
+    (32, 8, 64, [1], [255]),
+    (32, 8, 64, [1], [1023]),
+    (32, 8, 64, [1], [4095]),
+    (28, 4, 128, [6], [250]),
+    (32, 8, 64, [1, 6, 1], [40, 3000, 700]),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_cuda_attention_min_split_keys_under_a_graph_bound(
+    dtype: torch.dtype, case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph launches splits for its longest context (max_seq_len); each tile uses only those its
+    own context fills with min_split_keys keys, one split writing its output itself."""
+    from kernels.attention import MIN_SPLIT_KEYS_ENV, append_attention_cuda
+
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens = DECODE_CASES[case]
+    generator = torch.Generator().manual_seed(3000 + case)
+    query, key_cache, value_cache, meta = make_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype, "cuda", generator
+    )
+    scale = 1 / math.sqrt(head_dim)
+    ref = append_attention_ref(query.double(), key_cache.double(), value_cache.double(), meta, scale)
+    bounded = dataclasses.replace(meta, max_query_len=8, max_seq_len=8192)
+    for min_keys in (64, 128, 256, 1024, 1 << 20):
+        monkeypatch.setenv(MIN_SPLIT_KEYS_ENV, str(min_keys))
+        for splits in (None, 33):
+            for batch_meta in (meta, bounded):
+                poison_allocator(tuple(query.shape), dtype, query.device)
+                out = append_attention_cuda(
+                    query, key_cache, value_cache, batch_meta, scale, num_splits=splits
+                )
+                torch.cuda.synchronize()
+                error = rel_error(out, ref)
+                assert error < TOLERANCE[dtype], f"min keys {min_keys}, splits {splits}: {error:.2e}"

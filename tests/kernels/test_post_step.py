@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from kernels.post_step_ref import LENGTH, RUNNING, STOP, post_step_update_ref
-from tests.kernels.helpers import needs_cuda
+from kernels.post_step_ref import LENGTH, RUNNING, STOP, post_step_update_ref, post_step_update_slots_ref
+from tests.kernels.helpers import needs_cuda, needs_gxx, run_on_host
 
 I32 = torch.int32
 
@@ -144,4 +145,111 @@ def test_cuda_post_step_matches_reference(by_row_id: bool) -> None:
         for g, e in zip(got, expected):
             assert torch.equal(g.cpu(), e.cpu())
         for i in (0, 2, 3):  # token rows, lengths, num_output
+            assert torch.equal(gpu_state[i].cpu(), cpu_state[i])
+
+
+# ---- the slot-indexed update (`post_step_update_slots`: the tail's gathers and scatters folded in) ----
+
+
+def make_slot_state(num_reqs: int, rng: random.Random) -> list:
+    """Per-slot tensors laid out as InputBatch keeps them (stop limits and the EOS / stop ids rows
+    of one packed int32 tensor, the ids read through transposed views) and `num_reqs` requests in
+    shuffled slots; the random stop settings of `make_state`."""
+    state = make_state(num_reqs, rng, by_row_id=True)
+    token_rows, slots, lengths, num_output, new_tokens, num_new = state[:6]
+    max_tokens, min_tokens, ignore_eos, eos_ids, stop_ids = state[6:]
+    num_slots = token_rows.shape[0]
+    packed = torch.full((3 + eos_ids.shape[1] + stop_ids.shape[1], num_slots), -5, dtype=I32)
+    per_slot = [torch.full((num_slots,), 3, dtype=I32) for _ in range(2)]
+    for column, values in enumerate((max_tokens, min_tokens, ignore_eos)):
+        packed[column, slots] = values
+    packed[3 : 3 + eos_ids.shape[1], slots] = eos_ids.t()
+    packed[3 + eos_ids.shape[1] :, slots] = stop_ids.t()
+    per_slot[0][slots], per_slot[1][slots] = lengths, num_output
+    return [
+        token_rows,
+        slots,
+        per_slot[0],
+        per_slot[1],
+        new_tokens,
+        num_new - 1,  # num_accepted
+        packed[0],
+        packed[1],
+        packed[2],
+        packed[3 : 3 + eos_ids.shape[1]].t(),
+        packed[3 + eos_ids.shape[1] :].t(),
+    ]
+
+
+def test_slot_update_reference_is_the_update_between_gathers_and_scatters() -> None:
+    torch.manual_seed(4)  # make_state's new tokens
+    row_state = make_state(40, random.Random(4), by_row_id=True)
+    torch.manual_seed(4)
+    slot_state = make_slot_state(40, random.Random(4))
+    kept, finish, stop = post_step_update_ref(*row_state)
+    got = post_step_update_slots_ref(*slot_state)
+    slots = slot_state[1]
+    assert torch.equal(got[0], kept) and torch.equal(got[1], finish) and torch.equal(got[2], stop)
+    assert torch.equal(got[3], row_state[3]) and torch.equal(slot_state[3][slots], row_state[3])
+    assert torch.equal(slot_state[2][slots], row_state[2]) and torch.equal(slot_state[0], row_state[0])
+
+
+@needs_gxx
+@pytest.mark.parametrize("num_reqs", [1, 9, 130])
+def test_slot_update_kernel_on_the_host_matches_reference(num_reqs: int, tmp_path) -> None:
+    """post_step_update_slots and post_step_update run on the host (one thread per request)."""
+    from kernels.post_step import SOURCE, THREADS
+
+    state = make_slot_state(num_reqs, random.Random(num_reqs))
+    expected_state = [t.clone() for t in state[:4]]
+    expected = post_step_update_slots_ref(*expected_state, *state[4:])
+    token_rows, slots, num_tokens, num_output, new_tokens, num_accepted = state[:6]
+    max_tokens, min_tokens, ignore_eos, eos_ids, stop_ids = state[6:]
+    outputs = torch.full((4, num_reqs), -7, dtype=I32)
+    args = (
+        token_rows, np.int64(token_rows.stride(0)), np.int32(token_rows.shape[1]), slots, num_tokens, num_output,
+        new_tokens, np.int32(new_tokens.shape[1]), num_accepted, max_tokens, min_tokens, ignore_eos,
+        eos_ids, np.int32(eos_ids.shape[1]), np.int64(eos_ids.stride(0)), np.int64(eos_ids.stride(1)),
+        stop_ids, np.int32(stop_ids.shape[1]), np.int64(stop_ids.stride(0)), np.int64(stop_ids.stride(1)),
+        *outputs, np.int32(num_reqs),
+    )  # fmt: skip
+    grid = (-(-num_reqs // THREADS),)
+    run_on_host(SOURCE, "post_step_update_slots", {}, grid, (THREADS,), args, tmp_path)
+    for got, want in zip(outputs, expected):
+        assert torch.equal(got, want)
+    for got, want in zip(state[:4], expected_state):
+        assert torch.equal(got, want)
+    # the per-request kernel, now a wrapper of the same loop
+    rows = make_state(num_reqs, random.Random(num_reqs), by_row_id=True)
+    expected_rows = [t.clone() for t in rows[:4]]
+    expected = post_step_update_ref(*expected_rows[:2], *expected_rows[2:4], *rows[4:])
+    out = torch.full((3, num_reqs), -7, dtype=I32)
+    token_ids, row_ids, lengths, produced, new_tokens, num_new = rows[:6]
+    args = (
+        token_ids, np.int64(token_ids.stride(0)), np.int32(token_ids.shape[1]), row_ids, lengths, produced,
+        new_tokens, np.int32(new_tokens.shape[1]), num_new, *rows[6:9], rows[9], np.int32(rows[9].shape[1]),
+        rows[10], np.int32(rows[10].shape[1]), *out, np.int32(num_reqs),
+    )  # fmt: skip
+    run_on_host(SOURCE, "post_step_update", {}, grid, (THREADS,), args, tmp_path)
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want)
+    for got, want in zip(rows[:4], expected_rows):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_slot_update_matches_reference() -> None:
+    from kernels.post_step import post_step_update_slots_cuda
+
+    for num_reqs in (1, 9, 300):
+        cpu_state = make_slot_state(num_reqs, random.Random(num_reqs))
+        gpu_state = [t.cuda() for t in cpu_state]
+        gpu_state[9] = gpu_state[9].t().contiguous().t()  # the transposed views as InputBatch's
+        gpu_state[10] = gpu_state[10].t().contiguous().t()
+        expected = post_step_update_slots_ref(*cpu_state)
+        got = post_step_update_slots_cuda(*gpu_state)
+        for g, e in zip(got, expected):
+            assert torch.equal(g.cpu(), e)
+        for i in range(4):  # token rows, slot lengths, slot num_output
             assert torch.equal(gpu_state[i].cpu(), cpu_state[i])

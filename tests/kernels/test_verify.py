@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,14 @@ from kernels.verify_ref import (
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
-from tests.kernels.helpers import needs_cuda, poison_allocator
+from tests.kernels.helpers import (
+    assemble_sm90,
+    needs_cuda,
+    needs_gxx,
+    needs_nvcc,
+    poison_allocator,
+    run_threads_on_host,
+)
 
 SETTINGS = [
     dict(temperature=0.0),
@@ -352,3 +360,151 @@ def test_cuda_masked_verify_matches_the_torch_rejection_sampler() -> None:
         fused = [(t[: n + 1].tolist(), n) for t, n in zip(token_ids.cpu(), num_accepted.tolist())]
         torch_path = RejectionSampler(strategy)(logits, batch, requests)
         assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy
+
+
+# ---- the greedy argmax split over several blocks per row (`greedy_chunks`) ----
+
+
+@pytest.mark.parametrize("vocab", [384, 1001, 32_000, 128_256])
+def test_greedy_chunks_cover_the_row_in_aligned_nonempty_chunks(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, greedy_chunks
+
+    for min_chunk in (None, "128", "1000000"):
+        if min_chunk is not None:
+            monkeypatch.setenv(MIN_CHUNK_ENV, min_chunk)
+        for num_rows in (1, 2, 16, 64, 200):
+            chunks, chunk_len = greedy_chunks(num_rows, vocab, 132)
+            assert 1 <= chunks <= max(1, 132 // num_rows)
+            assert chunks == 1 or chunk_len % 128 == 0
+            assert (chunks - 1) * chunk_len < vocab <= chunks * chunk_len  # none empty
+    monkeypatch.delenv(MIN_CHUNK_ENV)
+    assert greedy_chunks(1, 128_256, 132)[0] > 8  # batch 1 on an H100 / H200: many blocks
+    monkeypatch.setenv(SPLIT_ENV, "off")
+    assert greedy_chunks(1, 128_256, 132) == (1, 128_256)
+
+
+def greedy_requests(num_reqs: int, vocab: int, rng: random.Random) -> list[VerifyRequest]:
+    params = SamplingParams(temperature=0.0)
+    return [
+        VerifyRequest(params, 0, rng.randrange(500), [rng.randrange(vocab) for _ in range(rng.randrange(6))])
+        for _ in range(num_reqs)
+    ]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [1001, 32_000, 128_256])
+def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows at batch 1-16 (split over blocks; small chunks forced so that odd vocabularies
+    and grammar masks split too), mixed with sampled rows (one block each), equal the reference,
+    the unsplit kernel, and repeated graph replays (the row counters are left zero)."""
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
+
+    rng = random.Random(vocab)
+    monkeypatch.setenv(MIN_CHUNK_ENV, "128")
+    for num_reqs, greedy_only in ((1, True), (2, True), (16, True), (5, False)):
+        requests = (
+            greedy_requests(num_reqs, vocab, rng) if greedy_only else random_requests(num_reqs, vocab, rng)
+        )
+        num_rows = sum(r.num_rows for r in requests)
+        logits = (torch.randn(num_rows, vocab, device="cuda") * 4).contiguous()
+        logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie across chunks
+        plant_drafts(requests, logits)
+        rows = row_tensors(requests, "cuda")
+        for masks in (None, random_masks(logits, requests, rng)):
+            args = dict(strategy=STRATEGIES["greedy"])
+            if masks is not None:
+                args.update(bitmask=masks[0], masked_rows=masks[1])
+            expected = verify_sample_ref(logits, **rows, **args)
+            got = verify_sample_cuda(logits, **rows, **args)
+            monkeypatch.setenv(SPLIT_ENV, "off")
+            unsplit = verify_sample_cuda(logits, **rows, **args)
+            monkeypatch.delenv(SPLIT_ENV)
+            for g, e, u in zip(got, expected, unsplit):
+                assert torch.equal(g.cpu(), e.cpu()) and torch.equal(g, u)
+    requests = greedy_requests(3, vocab, rng)
+    static = torch.zeros(sum(r.num_rows for r in requests), vocab, device="cuda")
+    rows = row_tensors(requests, "cuda")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    ).cuda()
+    call = dict(strategy=STRATEGIES["greedy"], max_rows=max_rows, request_of_row=request_of_row)
+    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = verify_sample_cuda(static, **rows, **call)
+    for _ in range(4):
+        static.copy_(torch.randn_like(static) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["greedy"])
+        for g, e in zip(replayed, expected):
+            assert torch.equal(g.cpu(), e.cpu())
+
+
+@needs_nvcc
+def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
+    from kernels.verify import SOURCE, THREADS
+
+    assert "verify_sample" in assemble_sm90(SOURCE, {"THREADS": THREADS}, tmp_path)
+
+
+@needs_gxx
+@pytest.mark.parametrize("vocab", [1000, 1001])
+def test_split_greedy_verify_on_the_host_matches_reference(vocab: int, tmp_path) -> None:
+    """The verify kernel's CUDA source run on the host (one thread per CUDA thread, 128 a block):
+    greedy rows split over chunks of 128 logits, with and without grammar masks, give the
+    reference's tokens, accepted counts and greedy ids; a sampled request's blocks past its first
+    return at once; the row and request counters are left zero."""
+    from kernels.verify import SOURCE, greedy_chunks
+
+    rng = random.Random(vocab)
+    requests = greedy_requests(3, vocab, rng)
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    requests.append(VerifyRequest(sampled, 5, 7, [rng.randrange(vocab) for _ in range(2)]))
+    num_rows = sum(r.num_rows for r in requests)
+    logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).contiguous()
+    logits[0, 500] = logits[0, 999] = logits[0].max() + 1  # a tie across chunks: the lower index wins
+    plant_drafts(requests, logits)
+    rows = row_tensors(requests, "cpu")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(len(requests), dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    )
+    for masks in (None, random_masks(logits, requests, rng)):
+        args = dict(strategy=STRATEGIES["greedy"])
+        if masks is not None:
+            args.update(bitmask=masks[0], masked_rows=masks[1])
+        expected = verify_sample_ref(logits, **rows, **args)
+        for chunk_len in (vocab, 128, 256):
+            chunks = -(-vocab // chunk_len)
+            out = dict(
+                greedy=torch.full((num_rows,), -7, dtype=torch.int32),
+                sampled=torch.full((num_rows,), -7, dtype=torch.int32),
+                passes=torch.full((num_rows,), -7, dtype=torch.int32),
+                counters=torch.zeros(len(requests), dtype=torch.int32),
+                token_ids=torch.full((len(requests), max_rows), -7, dtype=torch.int32),
+                num_accepted=torch.full((len(requests),), -7, dtype=torch.int32),
+            )
+            row_counters = torch.zeros(num_rows, dtype=torch.int32)
+            kernel_args = (
+                logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"], rows["seeds"],
+                rows["positions"], rows["draft_ids"], request_of_row, rows["cu_num_rows"], *out.values(),
+                masks[0] if masks else None, masks[1] if masks else None,
+                torch.empty(num_rows * chunks), torch.empty(num_rows * chunks, dtype=torch.int32), row_counters,
+                np.int32(vocab), np.int32(num_mask_words(vocab)), np.int32(max_rows), np.int32(0),
+                np.int32(0), np.int32(chunk_len),
+            )  # fmt: skip
+            grid = (num_rows, chunks)
+            run_threads_on_host(SOURCE, "verify_sample", {"THREADS": 128}, grid, 128, kernel_args, tmp_path)
+            assert not out["counters"].any() and not row_counters.any()
+            greedy_rows = slice(0, num_rows - requests[-1].num_rows)
+            assert torch.equal(out["greedy"], expected[2]), chunk_len
+            assert torch.equal(out["token_ids"][:3], expected[0][:3]), chunk_len
+            assert torch.equal(out["num_accepted"][:3], expected[1][:3]), chunk_len
+            assert torch.equal(out["passes"][greedy_rows], expected[4][greedy_rows]), chunk_len
+    assert greedy_chunks(1, vocab, 132)[0] == 1  # (a vocabulary this small is never split by default)

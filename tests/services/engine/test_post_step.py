@@ -114,13 +114,13 @@ def test_stop_string_still_ends_before_the_post_step_stop(llm: LLM) -> None:
 def test_the_engine_takes_the_post_step_verdict(llm: LLM, monkeypatch) -> None:
     """The host does not recompute token-level stops: a verdict of LENGTH after one kept token
     ends the request there, whatever the tokens and max_tokens say."""
-    real = kernels.post_step_update
+    real = kernels.post_step_update_slots
 
     def one_token_then_length(*args):
-        num_kept, finish, stop_token = real(*args)
-        drafted = args[5] > 1  # num_new: the step with the planted drafts
-        return torch.where(drafted, 1, num_kept), torch.where(drafted, LENGTH, finish), stop_token
+        num_kept, finish, stop_token, num_output = real(*args)
+        drafted = args[5] > 0  # num_accepted: the step with the planted drafts
+        return torch.where(drafted, 1, num_kept), torch.where(drafted, LENGTH, finish), stop_token, num_output
 
-    monkeypatch.setattr(kernels, "post_step_update", one_token_then_length)
+    monkeypatch.setattr(kernels, "post_step_update_slots", one_token_then_length)
     _, step = generate_with_drafts(llm, greedy(max_tokens=50, ignore_eos=True), [A, B])
     assert step.new_token_ids == [A] and step.finish_reason == "length"
