@@ -20,10 +20,10 @@ Measures, on the card it runs on (named in the output):
   weight + KV read floor; the torch-reference path is rerun in the same process as the baseline;
   at batch 1 the step's device time per kernel (torch profiler), the map of where a step goes;
 - `--only decode_paths`: the batch-1 decode paths of issue 12 against the ones they replace: the
-  split-K skinny product vs cuBLAS (and the one-row kernel) on the qkv / o / down matrices of both
-  shapes at 1 / 2 / 4 rows and per SPLITK_WARPS_PER_SM; attention at batch 1, context 256 / 1024 /
-  4096 under a graph's bound per min_split_keys; greedy verify at batch 1 / 16 split vs one block
-  per row per MIN_CHUNK; the whole plain step (batch 1, k = 0, graph) with each switch off and all off.
+  one-row skinny kernel vs cuBLAS on the qkv / o / down matrices of both shapes at one row (and
+  which one `kernels.linear` picks); attention at batch 1, context 256 / 1024 / 4096 under a graph's
+  bound per min_split_keys; greedy verify at batch 1 / 16 split vs one block per row per MIN_CHUNK;
+  the whole plain step (batch 1, k = 0, graph) with each switch off and all off.
 Timings use CUDA events or synchronised host clocks, warm-up first, medians of repeats.
 """
 
@@ -538,37 +538,28 @@ SPLIT_KEYS = (64, 128, 256, 512, 1024, 1 << 20)
 
 
 def decode_linear_rows(copy_gbs: float) -> list[dict[str, Any]]:
-    """qkv / o / down at 1 / 2 / 4 rows: cuBLAS, the one-row kernel, the split-K kernel with its
-    plan and with SPLITK_WARPS_PER_SM 16 / 32 / 64 / 96 (weights cycled past the L2 cache)."""
+    """qkv / o / down at one row: cuBLAS and the one-row kernel, and which one `kernels.linear`
+    dispatches to (weights cycled past the L2 cache)."""
     from kernels import skinny_gemm
 
-    num_sms = _cuda.num_sms(torch.cuda.current_device())
+    products: dict[str, Callable[..., torch.Tensor]] = {
+        "cublas": torch.nn.functional.linear,
+        "skinny1": functools.partial(skinny_gemm.skinny_linear_cuda, rows_per_warp=1),
+    }
     rows = []
     for model, matrices in DECODE_MATRICES.items():
         for name, (n, k) in matrices.items():
             copies = min(32, -(-256 * 2**20 // (2 * n * k)))
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-            for num_rows in (1, 2, 4):
-                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
-                products: dict[str, Callable[..., torch.Tensor]] = {
-                    "cublas": torch.nn.functional.linear,
-                    "skinny1": functools.partial(skinny_gemm.skinny_linear_cuda, rows_per_warp=1),
-                    "splitk": skinny_gemm.skinny_linear_splitk_cuda,
-                }
-                for warps in (16, 32, 64, 96):
-                    slices, _ = skinny_gemm.splitk_plan(n, k, num_sms, warps)
-                    products[f"splitk_w{warps}"] = functools.partial(
-                        skinny_gemm.skinny_linear_splitk_cuda, slices=slices
-                    )
-                row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
-                row["slices"] = skinny_gemm.splitk_plan(n, k, num_sms)[0]
-                for label, product in products.items():
-                    us = 1e3 * graph_time_ms(functools.partial(_each_weight, product, x, weights)) / copies
-                    row[f"{label}_us"] = us
-                    row[f"{label}_fraction_of_copy"] = 2 * n * k / us / 1e3 / copy_gbs
-                row["dispatch"] = "splitk" if skinny_gemm.splitk_preferred(x, weights[0]) else "other"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=1)
+            for label, product in products.items():
+                us = 1e3 * graph_time_ms(functools.partial(_each_weight, product, x, weights)) / copies
+                row[f"{label}_us"] = us
+                row[f"{label}_fraction_of_copy"] = 2 * n * k / us / 1e3 / copy_gbs
+            row["dispatch"] = "skinny1" if skinny_gemm.preferred(x, weights[0]) else "cublas"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             weights.clear()
             torch.cuda.empty_cache()
     return rows
@@ -662,20 +653,19 @@ def decode_verify_rows() -> list[dict[str, Any]]:
 
 PLAIN_STEP_SWITCHES: dict[str, dict[str, str]] = {
     "all_new": {},
-    "splitk_off": {"SPECMESH_SPLITK_GEMV": "off"},
     "attn_keys64": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "64"},
     "attn_keys256": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "256"},
     "attn_keys1024": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": "1024"},
     "attn_nosplit": {"SPECMESH_ATTN_MIN_SPLIT_KEYS": str(1 << 20)},
     "verify_split_off": {"SPECMESH_VERIFY_SPLIT": "off"},
     "all_off": {
-        "SPECMESH_SPLITK_GEMV": "off",
         "SPECMESH_VERIFY_SPLIT": "off",
         "SPECMESH_ATTN_MIN_SPLIT_KEYS": "64",
     },
 }
 """The plain step's environment per variant (`all_off`: the kernels as before issue 12, but for the
-attention's empty split blocks returning at once)."""
+attention's empty split blocks returning at once and the one-row kernel on the small wide matrices,
+which no switch turns off alone)."""
 
 
 def plain_step_rows(copy_gbs: float) -> list[dict[str, Any]]:
@@ -909,7 +899,7 @@ def summarize_decode_paths(paths: Any) -> None:
     for row in paths.get("linear", []) if isinstance(paths.get("linear"), list) else []:
         labels = [k[:-3] for k in row if k.endswith("_us")]
         print(
-            f"decode linear {row['model']:13s} {row['matrix']:5s} rows={row['rows']} slices={row['slices']} "
+            f"decode linear {row['model']:13s} {row['matrix']:5s} rows={row['rows']} "
             + " ".join(f"{label} {row[label + '_us']:6.1f}" for label in labels)
             + f" us ({row['dispatch']})"
         )

@@ -74,11 +74,10 @@ def linear(
     out_dtype: torch.dtype | None = None,  # None: x's dtype (or out's)
     out: torch.Tensor | None = None,  # [num_rows, out_features], contiguous: written in place
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernels (kernels/skinny_gemm.py) where
-    they beat cuBLAS (one bf16 / fp16 row and a large wide matrix; split over K for 1-4 rows and a
-    small or tall matrix), cuBLAS otherwise. With `out`, the result
-    lands there (cast once, as `.to(out_dtype)` would). Not differentiable through the kernel: with
-    autograd recording, cuBLAS runs."""
+    """`F.linear(x, weight, bias)` in `out_dtype`: the skinny CUDA kernel (kernels/skinny_gemm.py) where
+    it beats cuBLAS (one bf16 / fp16 row and a wide matrix, large or small: `preferred`), cuBLAS
+    otherwise. With `out`, the result lands there (cast once, as `.to(out_dtype)` would). Not
+    differentiable through the kernel: with autograd recording, cuBLAS runs."""
     if out is not None:
         out_dtype = out.dtype
     if _cuda.available(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
@@ -86,8 +85,6 @@ def linear(
 
         if skinny_gemm.preferred(x, weight):
             return skinny_gemm.skinny_linear_cuda(x, weight, bias, out_dtype, out=out)
-        if skinny_gemm.splitk_preferred(x, weight):
-            return skinny_gemm.skinny_linear_splitk_cuda(x, weight, bias, out_dtype, out=out)
     result = F.linear(x, weight, bias)
     if out is not None:
         return out.copy_(result)

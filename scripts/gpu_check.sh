@@ -114,14 +114,15 @@
 # and result(wait), the host waiting for the device.
 # ASYNC_PARTS (default "tests engine offline") splits it over calls: "tests", then "engine offline".
 # skinny (issue 12: the plain batch-1 decode step against the weight-read floor; about 6 minutes on one GPU):
-# skinny-tests.log (pytest -m gpu: the split-K skinny product, the attention split rule under a graph's bound,
-# the split greedy verify, the slot-indexed post-step update, each vs its reference, plus the model forward,
-# CUDA-graph and GPU-parity tests they run in),
-# skinny-kernels.json + skinny-kernels.log (benchmarks.gpu_kernels --only decode_paths: each new path against the
-# old per shape, the switches' sweeps, and the plain step from a graph with each switch off and all off; the
-# log's "decode" and "plain step" lines), skinny-engine-<new|old>.json + skinny-engine.log (benchmarks.bench_engine,
-# random Llama-3.2-1B shape, batch 1: the engine's step with the new paths and with SPECMESH_SPLITK_GEMV=off
-# SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off). SKINNY_PARTS (default "tests bench engine") splits it over calls.
+# skinny-tests.log (pytest -m gpu: the skinny product and its dispatch, the attention split rule under a graph's
+# bound, the split greedy verify, the slot-indexed post-step update, each vs its reference, plus the model
+# forward, CUDA-graph and GPU-parity tests they run in),
+# skinny-kernels.json + skinny-kernels.log (benchmarks.gpu_kernels --only decode_paths: the one-row kernel against
+# cuBLAS per qkv / o / down and the one dispatch picks, each other new path against the old per shape, the switches'
+# sweeps, and the plain step from a graph with each switch off and all off; the log's "decode" and "plain step"
+# lines), skinny-engine-<new|old>.json + skinny-engine.log (benchmarks.bench_engine, random Llama-3.2-1B shape,
+# batch 1: the engine's step with the new paths and with SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off).
+# SKINNY_PARTS (default "tests bench engine") splits it over calls.
 set -uo pipefail
 OUT=${OUT:-/tmp/specmesh-gpu}
 mkdir -p "$OUT"
@@ -646,7 +647,7 @@ if [[ " $stages " == *" skinny "* ]]; then
         python3 -m benchmarks.random_model llama-3.2-1b /tmp/specmesh-llama-3.2-1b
         for mode in new old; do
             # shellcheck disable=SC2046
-            env $([ "$mode" = old ] && echo "SPECMESH_SPLITK_GEMV=off SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off") \
+            env $([ "$mode" = old ] && echo "SPECMESH_VERIFY_SPLIT=off SPECMESH_POST_STEP_SLOTS=off") \
                 timeout 100 python3 -m benchmarks.bench_engine --model /tmp/specmesh-llama-3.2-1b --dtype bfloat16 \
                 --batch-sizes 1 --prompt-len 128 --output-len 128 --out "$OUT/skinny-engine-$mode.json" 2>&1 \
                 | tee -a "$OUT/skinny-engine.log" | tail -4

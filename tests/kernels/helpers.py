@@ -200,19 +200,6 @@ last-block-reduces scheme is the last in launch order), a block's threads side b
 std::barrier (a thread that returns drops out of its block's and warp's barriers)."""
 
 
-def host_conversions(conversions: str) -> str:
-    """`_cuda.CONVERSIONS` for the host: bf16 rounding (nearest even) in C++ instead of PTX; fp16
-    is not converted (host runs take bf16 and float32)."""
-    bf16 = (
-        "{ unsigned u = __float_as_uint(x); u += 0x7fffu + ((u >> 16) & 1u); h = (unsigned short)(u >> 16); }"
-    )
-    out = conversions.replace('asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));', bf16)
-    out = out.replace('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));', "h = 0;")
-    out = out.replace('float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f;', "return 0.f;")
-    assert "asm(" not in out
-    return out
-
-
 def run_threads_on_host(
     source: str,
     name: str,
@@ -224,7 +211,7 @@ def run_threads_on_host(
 ) -> None:
     """Runs kernel `name` of `source` on the host over a 1-D or 2-D `grid` of `block` threads (at
     most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper passes
-    `_cuda.launch`. `source` must hold no PTX (swap `_cuda.CONVERSIONS` for `host_conversions`)."""
+    `_cuda.launch`. `source` must hold no inline PTX (`asm`)."""
     types = _parameter_types(source, name)
     assert len(types) == len(args), f"{name} takes {len(types)} arguments, {len(args)} given"
     casts = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
