@@ -405,8 +405,13 @@ def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.
     rng = random.Random(vocab)
     monkeypatch.setenv(MIN_CHUNK_ENV, "128")
     for num_reqs, greedy_only in ((1, True), (2, True), (16, True), (5, False)):
-        requests = (
-            greedy_requests(num_reqs, vocab, rng) if greedy_only else random_requests(num_reqs, vocab, rng)
+        # row 0 greedy: a tie at a sampled row's top_k / top_p cut keeps every tied token in the
+        # kernel, one of them in the reference (the mixed case's first request had top_k = 1)
+        requests = greedy_requests(1, vocab, rng)
+        requests += (
+            greedy_requests(num_reqs - 1, vocab, rng)
+            if greedy_only
+            else random_requests(num_reqs - 1, vocab, rng)
         )
         num_rows = sum(r.num_rows for r in requests)
         logits = (torch.randn(num_rows, vocab, device="cuda") * 4).contiguous()
