@@ -25,13 +25,13 @@ from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
 from tests.kernels.helpers import (
+    THREADED_SHIM,
+    _parameter_types,
+    _word,
     assemble_sm90,
     needs_cuda,
     needs_gxx,
     needs_nvcc,
-    THREADED_SHIM,
-    _parameter_types,
-    _word,
     poison_allocator,
 )
 
@@ -455,6 +455,80 @@ def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.
         expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["greedy"])
         for g, e in zip(replayed, expected):
             assert torch.equal(g.cpu(), e.cpu())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [1001, 32_000, 128_256])
+def test_cuda_split_sampled_rows_match_reference(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled and greedy rows at batch 1-8 split over blocks (default chunks and forced small
+    ones), with and without grammar masks, for each strategy, equal the reference, sampled rows in
+    one block (SPECMESH_VERIFY_SPLIT=greedy) and no split at all (`off`); the row counters are left
+    zero."""
+    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
+
+    rng = random.Random(vocab + 1)
+    for min_chunk in (None, "128"):
+        if min_chunk is not None:
+            monkeypatch.setenv(MIN_CHUNK_ENV, min_chunk)
+        for num_reqs in (1, 2, 8):
+            requests = random_requests(num_reqs, vocab, rng)
+            num_rows = sum(r.num_rows for r in requests)
+            logits = (torch.randn(num_rows, vocab, device="cuda") * rng.choice([1.0, 4.0])).contiguous()
+            plant_drafts(requests, logits)
+            rows = row_tensors(requests, "cuda")
+            for strategy in sorted(STRATEGIES):
+                masks = random_masks(logits, requests, rng) if strategy in ("greedy", "topp") else None
+                args: dict[str, Any] = dict(strategy=STRATEGIES[strategy])
+                if masks is not None:
+                    args.update(bitmask=masks[0], masked_rows=masks[1])
+                expected = verify_sample_ref(logits, **rows, **args)
+                got = verify_sample_cuda(logits, **rows, **args)
+                baselines = []
+                for mode in ("greedy", "off"):
+                    monkeypatch.setenv(SPLIT_ENV, mode)
+                    baselines.append(verify_sample_cuda(logits, **rows, **args))
+                    monkeypatch.delenv(SPLIT_ENV)
+                names = ["token_ids", "num_accepted", "greedy_ids", "sampled_ids", "passes"]
+                for i, (name, g, e) in enumerate(zip(names, got, expected)):
+                    assert torch.equal(g.cpu(), e.cpu()), (name, strategy, num_reqs, min_chunk)
+                    assert all(torch.equal(g, b[i]) for b in baselines), (name, strategy, num_reqs, min_chunk)
+                torch.cuda.synchronize()
+                assert not _CHUNK_SCRATCH[logits.device].tensors[2].any(), "row counters left zero"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_split_sampled_rows_under_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured launch with split sampled rows (top_k / top_p / min_p) replayed on new logits
+    gives the reference's outputs each time and leaves the row and request counters zero."""
+    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, scratch_counters, verify_sample_cuda
+
+    monkeypatch.setenv(MIN_CHUNK_ENV, "2048")
+    vocab, rng = 128_256, random.Random(12)
+    requests = random_requests(3, vocab, rng)
+    num_rows = sum(r.num_rows for r in requests)
+    static = torch.zeros(num_rows, vocab, device="cuda")
+    rows = row_tensors(requests, "cuda")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    ).cuda()
+    call = dict(strategy=STRATEGIES["target_match"], max_rows=max_rows, request_of_row=request_of_row)
+    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = verify_sample_cuda(static, **rows, **call)
+    for _ in range(4):
+        static.copy_(torch.randn_like(static) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["target_match"])
+        for g, e in zip(replayed, expected):
+            assert torch.equal(g.cpu(), e.cpu())
+        assert not _CHUNK_SCRATCH[static.device].tensors[2].any()
+        assert not scratch_counters(3, static.device).any()
 
 
 @needs_nvcc
