@@ -506,7 +506,8 @@ def split_chunks(num_rows: int, vocab: int, num_sms: int) -> tuple[int, int]:
     blocks of at least MIN_CHUNK logits (a multiple of 128: whole mask words, 16-byte loads); one
     block per row when SPECMESH_VERIFY_SPLIT is `off`. The grid never exceeds num_sms blocks: one
     512-thread block fits any SM, so every block of the launch is resident at once, which the
-    barriers among a sampled row's blocks need."""
+    barriers among a sampled row's blocks need (a process limited to fewer SMs than the device has,
+    as under MPS with an active thread percentage, would break that: set SPECMESH_VERIFY_SPLIT=greedy)."""
     if os.environ.get(SPLIT_ENV, "").lower() == "off":
         return 1, vocab
     min_chunk = int(os.environ.get(MIN_CHUNK_ENV, MIN_CHUNK))
