@@ -22,8 +22,9 @@ Measures, on the card it runs on (named in the output):
 - `--only decode_paths`: the batch-1 decode paths of issue 12 against the ones they replace: the
   one-row skinny kernel vs cuBLAS on the qkv / o / down matrices of both shapes at one row (and
   which one `kernels.linear` picks); attention at batch 1, context 256 / 1024 / 4096 under a graph's
-  bound per min_split_keys; greedy verify at batch 1 / 16 split vs one block per row per MIN_CHUNK;
-  the whole plain step (batch 1, k = 0, graph) with each switch off and all off.
+  bound per min_split_keys; greedy, temperature and top_p verify at batch 1 / 16 split vs one block
+  per row per MIN_CHUNK (`--decode-parts verify` runs only these); the whole plain step (batch 1,
+  k = 0, graph) with each switch off and all off.
 Timings use CUDA events or synchronised host clocks, warm-up first, medians of repeats.
 """
 
@@ -609,9 +610,15 @@ def _call_each(calls: list[Callable[[], Any]]) -> None:
         call()
 
 
+VERIFY_MODES = {"greedy": (0.0, 1.0), "temperature": (0.8, 1.0), "top_p": (0.8, 0.9)}
+"""Decode verify rows per mode: (temperature, top_p)."""
+
+
 def decode_verify_rows() -> list[dict[str, Any]]:
-    """Greedy verify at batch 1 / 16 (k = 0 and 5), vocabulary 128256: one block per row
-    (SPECMESH_VERIFY_SPLIT=off) vs the split argmax per MIN_CHUNK; temperature rows for reference."""
+    """Verify at batch 1 / 16 (k = 0 and 5), vocabulary 128256, greedy, temperature 0.8 and
+    temperature 0.8 with top_p 0.9: one block per row (SPECMESH_VERIFY_SPLIT=off), sampled rows in
+    one block and greedy rows split (`greedy`: the kernel before sampled rows split), and every row
+    split per MIN_CHUNK."""
     from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
 
     rows = []
@@ -619,11 +626,11 @@ def decode_verify_rows() -> list[dict[str, Any]]:
     for batch, k in [(1, 0), (1, 5), (16, 0), (16, 5)]:
         num_rows = batch * (k + 1)
         logits = torch.randn(num_rows, vocab, device="cuda") * 3
-        for mode, temp in (("greedy", 0.0), ("temperature", 0.8)):
+        for mode, (temp, top_p) in VERIFY_MODES.items():
             args = dict(
                 temperature=torch.full((num_rows,), temp, device="cuda"),
                 top_k=torch.zeros(num_rows, device="cuda", dtype=torch.int32),
-                top_p=torch.ones(num_rows, device="cuda"),
+                top_p=torch.full((num_rows,), top_p, device="cuda"),
                 min_p=torch.zeros(num_rows, device="cuda"),
                 seeds=torch.arange(num_rows, device="cuda"),
                 positions=torch.arange(num_rows, device="cuda"),
@@ -635,6 +642,7 @@ def decode_verify_rows() -> list[dict[str, Any]]:
             row: dict[str, Any] = dict(batch=batch, k=k, mode=mode, vocab=vocab)
             for label, env in [
                 ("off", {SPLIT_ENV: "off"}),
+                ("greedy_split", {SPLIT_ENV: "greedy"}),
                 ("chunk4096", {MIN_CHUNK_ENV: "4096"}),
                 ("chunk8192", {MIN_CHUNK_ENV: "8192"}),
                 ("chunk16384", {MIN_CHUNK_ENV: "16384"}),
@@ -739,15 +747,22 @@ def _plain_step(shape: str, copy_gbs: float) -> tuple[Callable[[], Any], float]:
     return step, floor_ms
 
 
-def decode_path_rows(copy_gbs: float) -> dict[str, Any]:
-    """Issue 12's batch-1 decode paths, new against old (see the module docstring)."""
+DECODE_PARTS = ("linear", "attention", "verify", "plain_step")
+
+
+def decode_path_rows(copy_gbs: float, parts: list[str] | None = None) -> dict[str, Any]:
+    """Issue 12's batch-1 decode paths, new against old (see the module docstring); `parts`: a
+    subset of DECODE_PARTS (default all)."""
     out: dict[str, Any] = {}
-    for name, run in (
-        ("linear", lambda: decode_linear_rows(copy_gbs)),
-        ("attention", decode_attention_rows),
-        ("verify", decode_verify_rows),
-        ("plain_step", lambda: plain_step_rows(copy_gbs)),
-    ):
+    runs: dict[str, Callable[[], Any]] = {
+        "linear": lambda: decode_linear_rows(copy_gbs),
+        "attention": decode_attention_rows,
+        "verify": decode_verify_rows,
+        "plain_step": lambda: plain_step_rows(copy_gbs),
+    }
+    for name, run in runs.items():
+        if parts and name not in parts:
+            continue
         try:
             out[name] = run()
         except Exception as exc:  # noqa: BLE001 - one broken part must not hide the others
@@ -800,6 +815,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_kernels.json"))
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections")
+    parser.add_argument(
+        "--decode-parts", nargs="+", choices=DECODE_PARTS, help="decode_paths: run only these parts"
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["copy_gb_per_s"] = copy_bandwidth_gbs()
@@ -814,7 +832,7 @@ def main() -> None:
     ]
     if not args.skip_steps:
         sections += [
-            ("decode_paths", lambda: decode_path_rows(result["copy_gb_per_s"])),
+            ("decode_paths", lambda: decode_path_rows(result["copy_gb_per_s"], args.decode_parts)),
             (
                 "step_llama",
                 lambda: step_rows(

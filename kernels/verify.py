@@ -5,9 +5,14 @@ id); for sampling rows the temperature softmax, the min_p / top_k / top_p cut (r
 the probabilities' bit patterns: the k-th largest, and the smallest top set whose mass reaches
 top_p), and the sample argmax(probs / e) with e ~ Exp(1) from the counter-based generator of
 `sampling_noise_ref` computed in registers (float64 log, then float32: the same numbers as the
-reference); and whether the row's draft passes. A greedy row's argmax (its whole work) is split over
-several blocks when few rows leave SMs idle (`greedy_chunks`); the last block of the row to finish
-(an atomic counter per row) merges the blocks' argmaxes and carries on as the row's block. The last block of a request to finish (an atomic
+reference); and whether the row's draft passes. When few rows leave SMs idle, each row is split over
+several blocks (`split_chunks`). A greedy row's blocks each take the argmax of their chunk, and the
+last block to finish (an atomic counter per row) merges them and carries on as the row's block. A
+sampled row's blocks run every pass over their chunk and meet after each pass (a barrier on the
+row's counter) to merge the parts through global memory (max, sums, radix histograms, the sample's
+argmax), so each holds the whole row's values; the row's first block then carries on. The barrier
+needs every block of the launch resident at once: the grid is at most one block per SM.
+The last block of a request to finish (an atomic
 counter per request) walks the request's rows, accepts the leading passing drafts and writes the
 emitted tokens, so acceptance needs no second launch and no host round trip.
 
@@ -34,12 +39,13 @@ from kernels.verify_ref import NORMAL, num_mask_words
 
 THREADS = 512
 SPLIT_ENV = "SPECMESH_VERIFY_SPLIT"
-"""Set to `off` to scan every row in one block again (A/B timing of the split greedy argmax)."""
+"""`off`: every row in one block again; `greedy`: greedy rows split, sampled rows in one block (A/B
+timing of the split rows)."""
 MIN_CHUNK_ENV = "SPECMESH_VERIFY_MIN_CHUNK"
 """Overrides MIN_CHUNK (tuning on a GPU)."""
 MIN_CHUNK = 8192
-"""Fewest logits a block of a split greedy row scans (32 KB): at batch 1 a 128k vocabulary takes
-15 blocks. Not yet tuned on a GPU."""
+"""Fewest logits a block of a split row scans (32 KB): at batch 1 a 128k vocabulary takes 15
+blocks. Not yet tuned on a GPU."""
 
 SOURCE = r"""
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -122,6 +128,82 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
     }
 }
 
+/* A row scanned by several blocks (`chunks` > 1; the block's copy lives in shared memory): block `c` of the row scans its chunk, and after each
+   pass the row's blocks publish their partial result in the row's scratch, meet at a barrier (the
+   row's counter) and merge every chunk's part in chunk order, so that each block holds the same
+   merged value. The scratch is double-buffered by pass parity: a block writes pass p + 2's parts only
+   after every block has passed barrier p + 1, so after it read pass p's. */
+struct RowSplit {
+    int chunks, c, phase;
+    int* counter;        /* the row's arrival counter: zero before the launch, left zero */
+    float* vals;         /* [2][chunks][256]: histograms, sums (entry 0), argmax values (entry 0) */
+    int* idx;            /* [2][chunks]: argmax indices */
+};
+
+/* Waits until every block of the row has reached this barrier (the blocks are co-resident: see
+   split_chunks). The fences make each block's parts, written before, visible to the others. */
+__device__ __forceinline__ void row_barrier(RowSplit& s) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(s.counter, 1);
+        const int target = s.chunks * (s.phase + 1);
+        while (*(volatile int*)s.counter < target) __nanosleep(64);
+        __threadfence();
+        ++s.phase;
+    }
+    __syncthreads();
+}
+
+/* The end of a split row's passes: the last block to leave resets the row's counter. */
+__device__ __forceinline__ void row_leave(RowSplit& s) {
+    if (s.chunks > 1 && threadIdx.x == 0 && atomicAdd(s.counter, 1) == s.chunks * (s.phase + 1) - 1)
+        *s.counter = 0;
+}
+
+/* The sum of every chunk's (block-uniform) `v`, added in chunk order: the same float in every block. */
+__device__ __forceinline__ float merge_sum(RowSplit& s, float v, float* scratch) {
+    if (s.chunks == 1) return v;
+    float* parts = s.vals + (s.phase & 1) * s.chunks * 256;
+    if (threadIdx.x == 0) parts[s.c * 256] = v;
+    row_barrier(s);
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int c = 0; c < s.chunks; ++c) total += __ldcg(parts + c * 256);
+        scratch[0] = total;
+    }
+    __syncthreads();
+    v = scratch[0];
+    __syncthreads();
+    return v;
+}
+
+/* The row's argmax from every chunk's (block-uniform) argmax, lowest index among equal values. */
+__device__ __forceinline__ void merge_argmax(RowSplit& s, float& v, int& i, float* sv, int* si) {
+    if (s.chunks == 1) return;
+    float* parts = s.vals + (s.phase & 1) * s.chunks * 256;
+    int* parts_i = s.idx + (s.phase & 1) * s.chunks;
+    if (threadIdx.x == 0) { parts[s.c * 256] = v; parts_i[s.c] = i; }
+    row_barrier(s);
+    v = NEG_INF; i = 0x7fffffff;
+    for (int c = threadIdx.x; c < s.chunks; c += THREADS) better(v, i, __ldcg(parts + c * 256), __ldcg(parts_i + c));
+    block_argmax(v, i, sv, si);
+}
+
+/* A 256-bin histogram summed over the row's chunks, bin by bin in chunk order. */
+__device__ __forceinline__ void merge_hist(RowSplit& s, float* hist) {
+    if (s.chunks == 1) return;
+    float* parts = s.vals + (s.phase & 1) * s.chunks * 256;
+    for (int b = threadIdx.x; b < 256; b += THREADS) parts[s.c * 256 + b] = hist[b];
+    row_barrier(s);
+    for (int b = threadIdx.x; b < 256; b += THREADS) {
+        float total = 0.f;
+        for (int c = 0; c < s.chunks; ++c) total += __ldcg(parts + c * 256 + b);
+        hist[b] = total;
+    }
+    __syncthreads();
+}
+
 /* The target probability of token i, computed as the reference does: exp(l / t - max) / sum. */
 __device__ __forceinline__ float prob(const float* __restrict__ row, const unsigned* __restrict__ mask, int i,
                                       float t, float m, float z) {
@@ -135,7 +217,7 @@ template <bool COUNT>
 __device__ int radix_digit(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab,
                            float t, float m, float z,
                            unsigned lower, unsigned prefix, unsigned digits, int shift, float target,
-                           float* above, float* hist)
+                           float* above, float* hist, RowSplit& split)
 {
     for (int b = threadIdx.x; b < 256; b += THREADS) hist[b] = 0.f;
     __syncthreads();
@@ -146,6 +228,7 @@ __device__ int radix_digit(const float* __restrict__ row, const unsigned* __rest
             atomicAdd(&hist[(bits >> shift) & 255], COUNT ? 1.f : q);
     });
     __syncthreads();
+    merge_hist(split, hist);
     __shared__ int digit;
     if (threadIdx.x == 0) {
         float acc = *above;
@@ -167,14 +250,14 @@ __device__ int radix_digit(const float* __restrict__ row, const unsigned* __rest
 template <bool COUNT>
 __device__ unsigned radix_select(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab,
                                  float t, float m, float z,
-                                 unsigned lower, float target, float* hist, float* above_s)
+                                 unsigned lower, float target, float* hist, float* above_s, RowSplit& split)
 {
     if (threadIdx.x == 0) *above_s = 0.f;
     __syncthreads();
     unsigned prefix = 0, digits = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         const int d = radix_digit<COUNT>(row, mask, vocab, t, m, z, lower, prefix, digits, shift, target,
-                                         above_s, hist);
+                                         above_s, hist, split);
         if (d < 0) return lower;
         prefix |= ((unsigned)d) << shift;
         digits |= 255u << shift;
@@ -183,14 +266,14 @@ __device__ unsigned radix_select(const float* __restrict__ row, const unsigned* 
 }
 
 __device__ float kept_sum(const float* __restrict__ row, const unsigned* __restrict__ mask, int vocab, float t,
-                          float m, float z, unsigned lower, float* scratch)
+                          float m, float z, unsigned lower, float* scratch, RowSplit& split)
 {
     float s = 0.f;
     scan_row(row, mask, vocab, [&](float x, int) {
         const float q = expf(x / t - m) / z;
         if (__float_as_uint(q) >= lower) s += q;
     });
-    return block_sum(s, scratch);
+    return merge_sum(split, block_sum(s, scratch), scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
@@ -210,10 +293,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     int* __restrict__ num_accepted,            /* [num_reqs] */
     const unsigned* __restrict__ bitmask,      /* [num_rows, num_words] grammar masks, or null */
     const int* __restrict__ masked_rows,       /* [num_rows] nonzero: the row's mask applies; or null */
-    float* __restrict__ chunk_best,            /* [num_rows, gridDim.y] with several chunks */
-    int* __restrict__ chunk_best_i,            /* [num_rows, gridDim.y] */
+    float* __restrict__ chunk_vals,            /* [num_rows, 2, gridDim.y, 256] with several chunks */
+    int* __restrict__ chunk_idx,               /* [num_rows, 2, gridDim.y] */
     int* __restrict__ row_counters,            /* [num_rows], zero; left zero */
-    int vocab, int num_words, int max_rows, int strategy, int policy, int chunk_len)
+    int vocab, int num_words, int max_rows, int strategy, int policy, int chunk_len, int split_sampled)
 {
     __shared__ float hist[256];
     __shared__ float scratch[32];
@@ -225,23 +308,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
     const float t = temperature[r];
     const int draft = draft_ids[r];
     const unsigned* mask = masked_rows != nullptr && masked_rows[r] ? bitmask + (long long)r * num_words : nullptr;
-    const int chunks = gridDim.y;
-    if (t > 0.f && blockIdx.y > 0) return;   /* sampled rows: one block walks the row */
+    /* the row's chunks: each block takes chunk_len logits (a multiple of 128: whole mask words) */
+    const int chunks = t > 0.f && !split_sampled ? 1 : gridDim.y;
+    if ((int)blockIdx.y >= chunks) return;
+    const int begin = chunks == 1 ? 0 : blockIdx.y * chunk_len;
+    const int len = chunks == 1 ? vocab : max(0, min(vocab - begin, chunk_len));
+    const float* part = row + begin;
+    const unsigned* part_mask = mask != nullptr ? mask + begin / 32 : nullptr;
+    __shared__ RowSplit split;  /* in shared memory: the passes' helpers take it by reference */
+    if (threadIdx.x == 0)
+        split = RowSplit{chunks, (int)blockIdx.y, 0, row_counters + r,
+                         chunk_vals + (long long)r * 2 * gridDim.y * 256, chunk_idx + (long long)r * 2 * gridDim.y};
+    __syncthreads();
 
-    /* pass 1: argmax of the logits (greedy id). A greedy row with several chunks: each block takes
-       chunk_len logits (a multiple of 32: whole mask words), the last to finish merges them. */
+    /* pass 1: argmax of the logits (greedy id). A split greedy row: the last block to finish merges
+       the chunks' argmaxes and carries on alone; a split sampled row: every block merges them. */
     float best = NEG_INF; int best_i = 0x7fffffff;
-    if (t > 0.f || chunks == 1) {
-        scan_row(row, mask, vocab, [&](float x, int i) { better(best, best_i, x, i); });
-        block_argmax(best, best_i, scratch, scratch_i);
-    } else {
-        const int begin = blockIdx.y * chunk_len, len = max(0, min(vocab - begin, chunk_len));
-        const unsigned* chunk_mask = mask != nullptr ? mask + begin / 32 : nullptr;
-        scan_row(row + begin, chunk_mask, len, [&](float x, int i) { better(best, best_i, x, begin + i); });
-        block_argmax(best, best_i, scratch, scratch_i);
+    scan_row(part, part_mask, len, [&](float x, int i) { better(best, best_i, x, begin + i); });
+    block_argmax(best, best_i, scratch, scratch_i);
+    if (t > 0.f) {
+        merge_argmax(split, best, best_i, scratch, scratch_i);
+    } else if (chunks > 1) {
         if (threadIdx.x == 0) {
-            chunk_best[(long long)r * chunks + blockIdx.y] = best;
-            chunk_best_i[(long long)r * chunks + blockIdx.y] = best_i;
+            split.vals[blockIdx.y * 256] = best;
+            split.idx[blockIdx.y] = best_i;
             __threadfence();
             is_last = atomicAdd(&row_counters[r], 1) == chunks - 1;
         }
@@ -250,8 +340,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
         __threadfence();
         best = NEG_INF; best_i = 0x7fffffff;
         for (int c = threadIdx.x; c < chunks; c += THREADS)
-            better(best, best_i, __ldcg(chunk_best + (long long)r * chunks + c),
-                   __ldcg(chunk_best_i + (long long)r * chunks + c));
+            better(best, best_i, __ldcg(split.vals + c * 256), __ldcg(split.idx + c));
         block_argmax(best, best_i, scratch, scratch_i);
         if (threadIdx.x == 0) row_counters[r] = 0;
     }
@@ -263,25 +352,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
         /* max(l / t) = max(l) / t exactly: division by t > 0 is monotone */
         const float m = best / t;
         float z = 0.f;
-        scan_row(row, mask, vocab, [&](float x, int) { z += expf(x / t - m); });
-        z = block_sum(z, scratch);
+        scan_row(part, part_mask, len, [&](float x, int) { z += expf(x / t - m); });
+        z = merge_sum(split, block_sum(z, scratch), scratch);
         /* candidates: bits(q) >= lower */
         unsigned lower = 1u;  /* q > 0 */
         const float mp = min_p[r];
         if (mp > 0.f) lower = max(lower, __float_as_uint(mp * (1.f / z)));
         const int k = top_k[r];
-        if (k > 0 && k < vocab) lower = radix_select<true>(row, mask, vocab, t, m, z, lower, (float)k, hist, &above_s);
+        if (k > 0 && k < vocab)
+            lower = radix_select<true>(part, part_mask, len, t, m, z, lower, (float)k, hist, &above_s, split);
         const float tp = top_p[r];
         if (tp < 1.f) {
-            const float s2 = kept_sum(row, mask, vocab, t, m, z, lower, scratch);
-            lower = radix_select<false>(row, mask, vocab, t, m, z, lower, tp * s2, hist, &above_s);
+            const float s2 = kept_sum(part, part_mask, len, t, m, z, lower, scratch, split);
+            lower = radix_select<false>(part, part_mask, len, t, m, z, lower, tp * s2, hist, &above_s, split);
         }
-        const float total = kept_sum(row, mask, vocab, t, m, z, lower, scratch);
+        const float total = kept_sum(part, part_mask, len, t, m, z, lower, scratch, split);
         /* sample: argmax over kept tokens of (q / total) / e, e = -log(u) keyed by (seed, position, column) */
         const unsigned long long key = splitmix64((unsigned long long)seeds[r] ^
             splitmix64((unsigned long long)positions[r] * 4ull + STREAM_TARGET));
         float sbest = NEG_INF; int sbest_i = 0x7fffffff;
-        scan_row(row, mask, vocab, [&](float x, int i) {
+        scan_row(part, part_mask, len, [&](float x, int j) {
+            const int i = begin + j;
             const float q = expf(x / t - m) / z;
             if (__float_as_uint(q) < lower) return;
             const float p = q / total;
@@ -297,6 +388,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) verify_sample(
             better(sbest, sbest_i, p / e, i);
         });
         block_argmax(sbest, sbest_i, scratch, scratch_i);
+        merge_argmax(split, sbest, sbest_i, scratch, scratch_i);
+        row_leave(split);
+        if (blockIdx.y > 0) return;   /* the row's first block carries on alone */
         sampled_id = sbest_i;
         if (strategy == S_TOPP) {
             bool kept = false;
@@ -407,10 +501,13 @@ def scratch_counters(num_reqs: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
-def greedy_chunks(num_rows: int, vocab: int, num_sms: int) -> tuple[int, int]:
-    """(blocks per row, logits per block) of a launch: a greedy row's argmax split over about
-    num_sms / num_rows blocks of at least MIN_CHUNK logits (a multiple of 128: whole mask words,
-    16-byte loads); one block per row when SPECMESH_VERIFY_SPLIT is `off`."""
+def split_chunks(num_rows: int, vocab: int, num_sms: int) -> tuple[int, int]:
+    """(blocks per row, logits per block) of a launch: a row split over about num_sms / num_rows
+    blocks of at least MIN_CHUNK logits (a multiple of 128: whole mask words, 16-byte loads); one
+    block per row when SPECMESH_VERIFY_SPLIT is `off`. The grid never exceeds num_sms blocks: one
+    512-thread block fits any SM, so every block of the launch is resident at once, which the
+    barriers among a sampled row's blocks need (a process limited to fewer SMs than the device has,
+    as under MPS with an active thread percentage, would break that: set SPECMESH_VERIFY_SPLIT=greedy)."""
     if os.environ.get(SPLIT_ENV, "").lower() == "off":
         return 1, vocab
     min_chunk = int(os.environ.get(MIN_CHUNK_ENV, MIN_CHUNK))
@@ -420,10 +517,15 @@ def greedy_chunks(num_rows: int, vocab: int, num_sms: int) -> tuple[int, int]:
     return -(-vocab // chunk_len), chunk_len
 
 
+def split_sampled_rows() -> bool:
+    """Whether sampled rows split like greedy ones (SPECMESH_VERIFY_SPLIT neither `off` nor `greedy`)."""
+    return os.environ.get(SPLIT_ENV, "").lower() not in ("off", "greedy")
+
+
 class _ChunkScratch:
-    """Per-device partial argmaxes of split greedy rows and their arrival counters (zero between
-    launches: the kernel leaves them zero). Grows outside a CUDA graph capture only, keeping the
-    buffers a captured graph points at alive."""
+    """Per-device parts of split rows ([num_rows, 2, chunks, 256] floats, [num_rows, 2, chunks]
+    indices) and the rows' arrival counters (zero between launches: the kernel leaves them zero).
+    Grows outside a CUDA graph capture only, keeping the buffers a captured graph points at alive."""
 
     def __init__(self) -> None:
         self.tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -434,7 +536,7 @@ class _ChunkScratch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if (
             self.tensors is not None
-            and self.tensors[0].numel() >= entries
+            and self.tensors[1].numel() >= 2 * entries
             and self.tensors[2].numel() >= num_rows
         ):
             return self.tensors
@@ -442,10 +544,10 @@ class _ChunkScratch:
             return None
         if self.tensors is not None:
             self.retired.append(self.tensors)
-        size, rows = max(entries, 4096), max(num_rows, 1024)
+        size, rows = max(entries, 256), max(num_rows, 1024)
         self.tensors = (
-            torch.empty(size, dtype=torch.float32, device=device),
-            torch.empty(size, dtype=torch.int32, device=device),
+            torch.empty(size * 2 * 256, dtype=torch.float32, device=device),
+            torch.empty(size * 2, dtype=torch.int32, device=device),
             torch.zeros(rows, dtype=torch.int32, device=device),
         )
         return self.tensors
@@ -509,11 +611,11 @@ def verify_sample_cuda(
     if num_rows == 0:
         return token_ids, num_accepted, row_greedy, row_sampled, row_pass
     kernel = _cuda.function(SOURCE, "verify_sample", device, THREADS=THREADS)
-    chunks, chunk_len = greedy_chunks(num_rows, vocab, _cuda.num_sms(device.index or 0))
+    chunks, chunk_len = split_chunks(num_rows, vocab, _cuda.num_sms(device.index or 0))
     scratch = _CHUNK_SCRATCH.setdefault(device, _ChunkScratch()).get(num_rows * chunks, num_rows, device)
     if scratch is None or chunks == 1:  # a capture that would need larger buffers: unsplit
         chunks, chunk_len = 1, vocab
-    chunk_best, chunk_best_i, row_counters = scratch if scratch is not None else (None, None, None)
+    chunk_vals, chunk_idx, row_counters = scratch if scratch is not None else (None, None, None)
     i32 = np.int32
     _cuda.launch(
         kernel,
@@ -538,8 +640,8 @@ def verify_sample_cuda(
             num_accepted,
             bitmask,
             masked_rows,
-            chunk_best,
-            chunk_best_i,
+            chunk_vals,
+            chunk_idx,
             row_counters,
             i32(vocab),
             i32(num_mask_words(vocab)),
@@ -547,6 +649,7 @@ def verify_sample_cuda(
             i32(strategy),
             i32(policy),
             i32(chunk_len),
+            i32(split_sampled_rows()),
         ),
         device,
     )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
+import subprocess
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,12 +25,14 @@ from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
 from tests.kernels.helpers import (
+    THREADED_SHIM,
+    _parameter_types,
+    _word,
     assemble_sm90,
     needs_cuda,
     needs_gxx,
     needs_nvcc,
     poison_allocator,
-    run_threads_on_host,
 )
 
 SETTINGS = [
@@ -362,27 +368,27 @@ def test_cuda_masked_verify_matches_the_torch_rejection_sampler() -> None:
         assert fused == [(r.token_ids, r.num_accepted) for r in torch_path], strategy
 
 
-# ---- the greedy argmax split over several blocks per row (`greedy_chunks`) ----
+# ---- rows split over several blocks (`split_chunks`) ----
 
 
 @pytest.mark.parametrize("vocab", [384, 1001, 32_000, 128_256])
-def test_greedy_chunks_cover_the_row_in_aligned_nonempty_chunks(
+def test_split_chunks_cover_the_row_in_aligned_nonempty_chunks(
     vocab: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, greedy_chunks
+    from kernels.verify import MIN_CHUNK_ENV, SPLIT_ENV, split_chunks
 
     for min_chunk in (None, "128", "1000000"):
         if min_chunk is not None:
             monkeypatch.setenv(MIN_CHUNK_ENV, min_chunk)
         for num_rows in (1, 2, 16, 64, 200):
-            chunks, chunk_len = greedy_chunks(num_rows, vocab, 132)
+            chunks, chunk_len = split_chunks(num_rows, vocab, 132)
             assert 1 <= chunks <= max(1, 132 // num_rows)
             assert chunks == 1 or chunk_len % 128 == 0
             assert (chunks - 1) * chunk_len < vocab <= chunks * chunk_len  # none empty
     monkeypatch.delenv(MIN_CHUNK_ENV)
-    assert greedy_chunks(1, 128_256, 132)[0] > 8  # batch 1 on an H100 / H200: many blocks
+    assert split_chunks(1, 128_256, 132)[0] > 8  # batch 1 on an H100 / H200: many blocks
     monkeypatch.setenv(SPLIT_ENV, "off")
-    assert greedy_chunks(1, 128_256, 132) == (1, 128_256)
+    assert split_chunks(1, 128_256, 132) == (1, 128_256)
 
 
 def greedy_requests(num_reqs: int, vocab: int, rng: random.Random) -> list[VerifyRequest]:
@@ -405,8 +411,13 @@ def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.
     rng = random.Random(vocab)
     monkeypatch.setenv(MIN_CHUNK_ENV, "128")
     for num_reqs, greedy_only in ((1, True), (2, True), (16, True), (5, False)):
-        requests = (
-            greedy_requests(num_reqs, vocab, rng) if greedy_only else random_requests(num_reqs, vocab, rng)
+        # row 0 greedy: a tie at a sampled row's top_k / top_p cut keeps every tied token in the
+        # kernel, one of them in the reference (the mixed case's first request had top_k = 1)
+        requests = greedy_requests(1, vocab, rng)
+        requests += (
+            greedy_requests(num_reqs - 1, vocab, rng)
+            if greedy_only
+            else random_requests(num_reqs - 1, vocab, rng)
         )
         num_rows = sum(r.num_rows for r in requests)
         logits = (torch.randn(num_rows, vocab, device="cuda") * 4).contiguous()
@@ -446,6 +457,80 @@ def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.
             assert torch.equal(g.cpu(), e.cpu())
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [1001, 32_000, 128_256])
+def test_cuda_split_sampled_rows_match_reference(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled and greedy rows at batch 1-8 split over blocks (default chunks and forced small
+    ones), with and without grammar masks, for each strategy, equal the reference, sampled rows in
+    one block (SPECMESH_VERIFY_SPLIT=greedy) and no split at all (`off`); the row counters are left
+    zero."""
+    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, SPLIT_ENV, verify_sample_cuda
+
+    rng = random.Random(vocab + 1)
+    for min_chunk in (None, "128"):
+        if min_chunk is not None:
+            monkeypatch.setenv(MIN_CHUNK_ENV, min_chunk)
+        for num_reqs in (1, 2, 8):
+            requests = random_requests(num_reqs, vocab, rng)
+            num_rows = sum(r.num_rows for r in requests)
+            logits = (torch.randn(num_rows, vocab, device="cuda") * rng.choice([1.0, 4.0])).contiguous()
+            plant_drafts(requests, logits)
+            rows = row_tensors(requests, "cuda")
+            for strategy in sorted(STRATEGIES):
+                masks = random_masks(logits, requests, rng) if strategy in ("greedy", "topp") else None
+                args: dict[str, Any] = dict(strategy=STRATEGIES[strategy])
+                if masks is not None:
+                    args.update(bitmask=masks[0], masked_rows=masks[1])
+                expected = verify_sample_ref(logits, **rows, **args)
+                got = verify_sample_cuda(logits, **rows, **args)
+                baselines = []
+                for mode in ("greedy", "off"):
+                    monkeypatch.setenv(SPLIT_ENV, mode)
+                    baselines.append(verify_sample_cuda(logits, **rows, **args))
+                    monkeypatch.delenv(SPLIT_ENV)
+                names = ["token_ids", "num_accepted", "greedy_ids", "sampled_ids", "passes"]
+                for i, (name, g, e) in enumerate(zip(names, got, expected)):
+                    assert torch.equal(g.cpu(), e.cpu()), (name, strategy, num_reqs, min_chunk)
+                    assert all(torch.equal(g, b[i]) for b in baselines), (name, strategy, num_reqs, min_chunk)
+                torch.cuda.synchronize()
+                assert not _CHUNK_SCRATCH[logits.device].tensors[2].any(), "row counters left zero"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_split_sampled_rows_under_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured launch with split sampled rows (top_k / top_p / min_p) replayed on new logits
+    gives the reference's outputs each time and leaves the row and request counters zero."""
+    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, scratch_counters, verify_sample_cuda
+
+    monkeypatch.setenv(MIN_CHUNK_ENV, "2048")
+    vocab, rng = 128_256, random.Random(12)
+    requests = random_requests(3, vocab, rng)
+    num_rows = sum(r.num_rows for r in requests)
+    static = torch.zeros(num_rows, vocab, device="cuda")
+    rows = row_tensors(requests, "cuda")
+    max_rows = max(r.num_rows for r in requests)
+    request_of_row = torch.repeat_interleave(
+        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    ).cuda()
+    call = dict(strategy=STRATEGIES["target_match"], max_rows=max_rows, request_of_row=request_of_row)
+    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = verify_sample_cuda(static, **rows, **call)
+    for _ in range(4):
+        static.copy_(torch.randn_like(static) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["target_match"])
+        for g, e in zip(replayed, expected):
+            assert torch.equal(g.cpu(), e.cpu())
+        assert not _CHUNK_SCRATCH[static.device].tensors[2].any()
+        assert not scratch_counters(3, static.device).any()
+
+
 @needs_nvcc
 def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
     from kernels.verify import SOURCE, THREADS
@@ -453,58 +538,186 @@ def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
     assert "verify_sample" in assemble_sm90(SOURCE, {"THREADS": THREADS}, tmp_path)
 
 
+# ---- the kernel run on the host with every block at once (the split rows' barriers need that) ----
+
+CONCURRENT_ENTRY = r"""
+extern "C" int run_grid_concurrently(int grid_x, int grid_y, int block, const unsigned long long* a) {
+    blockDim = {(unsigned)block, 1, 1};
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
+    std::vector<pid_t> children;
+    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
+        const pid_t pid = fork();
+        if (pid != 0) { children.push_back(pid); continue; }
+        alarm(300);  /* a block that never gets past a barrier fails the run instead of hanging it */
+        blockIdx = {(unsigned)bx, (unsigned)by, 0};
+        std::barrier<> bar(block);
+        block_barrier = &bar;
+        std::vector<std::barrier<>*> warps;
+        for (int w = 0; w < (block + 31) / 32; ++w) warps.push_back(new std::barrier<>(std::min(32, block - 32 * w)));
+        warp_barriers = warps;
+        std::vector<std::thread> threads;
+        for (int t = 0; t < block; ++t) threads.emplace_back([&, t] {
+            threadIdx = {(unsigned)t, 0, 0};
+            KERNEL_CALL;
+            warps[t / 32]->arrive_and_drop();
+            bar.arrive_and_drop();
+        });
+        for (auto& th : threads) th.join();
+        _exit(0);
+    }
+    int failed = 0;
+    for (pid_t pid : children) { int status = 0; waitpid(pid, &status, 0); failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+    return failed;
+}"""
+
+
+def run_blocks_concurrently(
+    library: Path, source: str, grid: tuple[int, int], block: int, args: list[Any]
+) -> None:
+    """Runs `verify_sample` of `source` (built into `library` once) on the host with every block of
+    `grid` at once: one forked process per block (its own shared memory and barriers), one thread
+    per CUDA thread; global memory is `args`' tensors, which must be in shared memory
+    (`share_memory_()`) for the blocks' writes to meet."""
+    if not library.exists():
+        types = _parameter_types(source, "verify_sample")
+        call = "verify_sample(" + ", ".join(f"({t})a[{i}]" for i, t in enumerate(types)) + ")"
+        shim = THREADED_SHIM + "#include <sched.h>\n#include <sys/wait.h>\n#include <unistd.h>\n"
+        shim += "#define __nanosleep(ns) sched_yield()\n"
+        code = shim + f"#define THREADS ({block})\n" + source + CONCURRENT_ENTRY.replace("KERNEL_CALL", call)
+        library.with_suffix(".cpp").write_text(code)
+        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(library)]
+        result = subprocess.run([*command, str(library.with_suffix(".cpp"))], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+    words = [_word(arg) for arg in args]
+    failed = ctypes.CDLL(str(library)).run_grid_concurrently(
+        ctypes.c_int(grid[0]),
+        ctypes.c_int(grid[1]),
+        ctypes.c_int(block),
+        (ctypes.c_ulonglong * len(words))(*words),
+    )
+    assert failed == 0, f"{failed} blocks failed (a barrier never passed?)"
+
+
+HOST_THREADS = 32
+
+
+@pytest.fixture(scope="module")
+def host_verify(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Runs the verify kernel on the host: (logits, row tensors, strategy, masks, chunk_len,
+    split_sampled) -> (token_ids, num_accepted, greedy, sampled, passes) as the wrapper returns them,
+    checking that every counter is left zero."""
+    from kernels.verify import SOURCE
+
+    library = tmp_path_factory.mktemp("verify_host") / "verify_sample.so"
+
+    def run(
+        logits: torch.Tensor,
+        rows: dict[str, torch.Tensor],
+        strategy: int,
+        masks: tuple[torch.Tensor, torch.Tensor] | None,
+        chunk_len: int,
+        split_sampled: bool,
+        policy: int = 0,
+    ) -> tuple[torch.Tensor, ...]:
+        num_rows, vocab = logits.shape
+        counts = rows["cu_num_rows"].diff()
+        num_reqs, max_rows = len(counts), int(counts.max())
+        request_of_row = torch.repeat_interleave(torch.arange(num_reqs, dtype=torch.int32), counts.long())
+        chunks = -(-vocab // chunk_len)
+
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            return t.clone().share_memory_()
+
+        out = [shared(torch.full(shape, -7, dtype=torch.int32)) for shape in ((num_rows,),) * 3]
+        counters, row_counters = (
+            shared(torch.zeros(num_reqs, dtype=torch.int32)),
+            shared(torch.zeros(num_rows, dtype=torch.int32)),
+        )
+        token_ids = shared(torch.full((num_reqs, max_rows), -7, dtype=torch.int32))
+        num_accepted = shared(torch.full((num_reqs,), -7, dtype=torch.int32))
+        args = [
+            logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"], rows["seeds"],
+            rows["positions"], rows["draft_ids"], request_of_row, rows["cu_num_rows"], *out, counters,
+            token_ids, num_accepted, masks[0] if masks else None, masks[1] if masks else None,
+            shared(torch.full((num_rows * 2 * chunks * 256,), float("nan"))),
+            shared(torch.full((num_rows * 2 * chunks,), -7, dtype=torch.int32)), row_counters,
+            np.int32(vocab), np.int32(num_mask_words(vocab)), np.int32(max_rows), np.int32(strategy),
+            np.int32(policy), np.int32(chunk_len), np.int32(split_sampled),
+        ]  # fmt: skip
+        run_blocks_concurrently(library, SOURCE, (num_rows, chunks), HOST_THREADS, args)
+        assert not counters.any() and not row_counters.any(), "counters must be left zero"
+        return token_ids, num_accepted, *out
+
+    return run
+
+
+def split_requests(vocab: int, rng: random.Random) -> list[VerifyRequest]:
+    """Greedy and sampled requests (every setting of SETTINGS), 0-5 drafts each."""
+    requests = greedy_requests(1, vocab, rng)
+    for settings in SETTINGS[1:]:
+        params = SamplingParams(**settings, seed=rng.randrange(2**62))
+        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(0, 2))]
+        requests.append(VerifyRequest(params, params.seed or 0, rng.randrange(500), drafts))
+    return requests
+
+
 @needs_gxx
 @pytest.mark.parametrize("vocab", [1000, 1001])
-def test_split_greedy_verify_on_the_host_matches_reference(vocab: int, tmp_path) -> None:
-    """The verify kernel's CUDA source run on the host (one thread per CUDA thread, 128 a block):
-    greedy rows split over chunks of 128 logits, with and without grammar masks, give the
-    reference's tokens, accepted counts and greedy ids; a sampled request's blocks past its first
-    return at once; the row and request counters are left zero."""
-    from kernels.verify import SOURCE, greedy_chunks
-
+def test_split_verify_on_the_host_matches_reference(vocab: int, host_verify: Any) -> None:
+    """The verify kernel's CUDA source run on the host, all blocks at once: greedy and sampled rows
+    (temperatures, top_k, top_p, min_p) split over chunks of 128 / 256 logits, with and without
+    grammar masks, for each strategy, give the reference's tokens, accepted counts, greedy and
+    sampled ids and passes, as the unsplit kernel does (a tie across chunks on a greedy row: the
+    lower index wins); the row and request counters are left zero."""
     rng = random.Random(vocab)
-    requests = greedy_requests(3, vocab, rng)
-    sampled = SamplingParams(temperature=0.8, seed=5)
-    requests.append(VerifyRequest(sampled, 5, 7, [rng.randrange(vocab) for _ in range(2)]))
+    requests = split_requests(vocab, rng)
     num_rows = sum(r.num_rows for r in requests)
     logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).contiguous()
-    logits[0, 500] = logits[0, 999] = logits[0].max() + 1  # a tie across chunks: the lower index wins
+    logits[0, 130] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie across chunks: the lower index wins
     plant_drafts(requests, logits)
     rows = row_tensors(requests, "cpu")
-    max_rows = max(r.num_rows for r in requests)
-    request_of_row = torch.repeat_interleave(
-        torch.arange(len(requests), dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
-    )
-    for masks in (None, random_masks(logits, requests, rng)):
-        args = dict(strategy=STRATEGIES["greedy"])
+    for strategy in ("greedy", "target_match", "topp"):
+        masks = random_masks(logits, requests, rng) if strategy != "greedy" else None
+        args = dict(strategy=STRATEGIES[strategy])
         if masks is not None:
             args.update(bitmask=masks[0], masked_rows=masks[1])
         expected = verify_sample_ref(logits, **rows, **args)
-        for chunk_len in (vocab, 128, 256):
-            chunks = -(-vocab // chunk_len)
-            out = dict(
-                greedy=torch.full((num_rows,), -7, dtype=torch.int32),
-                sampled=torch.full((num_rows,), -7, dtype=torch.int32),
-                passes=torch.full((num_rows,), -7, dtype=torch.int32),
-                counters=torch.zeros(len(requests), dtype=torch.int32),
-                token_ids=torch.full((len(requests), max_rows), -7, dtype=torch.int32),
-                num_accepted=torch.full((len(requests),), -7, dtype=torch.int32),
-            )
-            row_counters = torch.zeros(num_rows, dtype=torch.int32)
-            kernel_args = (
-                logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"], rows["seeds"],
-                rows["positions"], rows["draft_ids"], request_of_row, rows["cu_num_rows"], *out.values(),
-                masks[0] if masks else None, masks[1] if masks else None,
-                torch.empty(num_rows * chunks), torch.empty(num_rows * chunks, dtype=torch.int32), row_counters,
-                np.int32(vocab), np.int32(num_mask_words(vocab)), np.int32(max_rows), np.int32(0),
-                np.int32(0), np.int32(chunk_len),
-            )  # fmt: skip
-            grid = (num_rows, chunks)
-            run_threads_on_host(SOURCE, "verify_sample", {"THREADS": 128}, grid, 128, kernel_args, tmp_path)
-            assert not out["counters"].any() and not row_counters.any()
-            greedy_rows = slice(0, num_rows - requests[-1].num_rows)
-            assert torch.equal(out["greedy"], expected[2]), chunk_len
-            assert torch.equal(out["token_ids"][:3], expected[0][:3]), chunk_len
-            assert torch.equal(out["num_accepted"][:3], expected[1][:3]), chunk_len
-            assert torch.equal(out["passes"][greedy_rows], expected[4][greedy_rows]), chunk_len
-    assert greedy_chunks(1, vocab, 132)[0] == 1  # (a vocabulary this small is never split by default)
+        for chunk_len, split_sampled in (
+            ((256, True),) if strategy != "greedy" else ((vocab, True), (128, True))
+        ):
+            got = host_verify(logits, rows, STRATEGIES[strategy], masks, chunk_len, split_sampled)
+            for name, g, e in zip(("tokens", "accepted", "greedy", "sampled", "passes"), got, expected):
+                assert torch.equal(g, e), (strategy, chunk_len, split_sampled, name)
+
+
+@needs_gxx
+def test_split_sampled_rows_keep_ties_at_the_cut_as_one_block_does(host_verify: Any) -> None:
+    """Logits with many exact ties (integers): a top_k or top_p cut falls inside a group of equal
+    probabilities, where the kernel keeps every tied token; the split rows sample exactly the token
+    one block per row samples, and a top_k = 1 row samples one of the tied maxima."""
+    vocab, rng = 1001, random.Random(3)
+    settings = [
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=0.7, top_k=1),
+        dict(temperature=1.0, top_p=0.3),
+        dict(temperature=1.5, top_k=40, top_p=0.6, min_p=0.05),
+    ]
+    requests = []
+    for i, setting in enumerate(settings * 3):
+        params = SamplingParams(**setting, seed=rng.randrange(2**62))
+        requests.append(
+            VerifyRequest(params, params.seed or 0, rng.randrange(500), [rng.randrange(vocab)] * (i % 3))
+        )
+    num_rows = sum(r.num_rows for r in requests)
+    logits = torch.randint(-6, 3, (num_rows, vocab), generator=torch.Generator().manual_seed(1)).float()
+    rows = row_tensors(requests, "cpu")
+    for strategy in ("target_match", "topp"):
+        one_block = host_verify(logits, rows, STRATEGIES[strategy], None, vocab, True)
+        split = host_verify(logits, rows, STRATEGIES[strategy], None, 128, True)
+        for g, e in zip(split, one_block):
+            assert torch.equal(g, e), strategy
+        top_k1 = rows["top_k"] == 1
+        sampled = split[3].long()
+        assert bool(
+            (logits[top_k1].gather(1, sampled[top_k1, None])[:, 0] == logits[top_k1].max(1).values).all()
+        )
