@@ -17,7 +17,6 @@ import hmac
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -358,8 +357,9 @@ async def _stream(
     request: web.Request, job: Job, renderer: Renderer, fanout: FanOut, choices: list[ChoiceState]
 ) -> web.StreamResponse:
     """SSE. The 200 goes out once every choice has its first event, so a request the mesh refuses
-    at once (busy, no worker, invalid) still gets its own HTTP status."""
-    early: deque[tuple[int, TokenEvent]] = deque()
+    at once (busy, no worker, invalid) still gets its own HTTP status; it goes in one write with
+    the opening chunks and those of the events read so far (the first tokens)."""
+    early: list[tuple[int, TokenEvent]] = []
     waiting = set(range(len(job.requests)))
     while waiting and (item := await fanout.next()) is not None:
         _raise_if_failed(fanout, item[1])
@@ -369,9 +369,14 @@ async def _stream(
     sse = EventStream(job.include_usage)
     try:
         await sse.start(request)
-        for opening in renderer.first_chunks(choices):
-            await sse.send(opening)
-        while (item := early.popleft() if early else await fanout.next()) is not None:
+        opening = renderer.first_chunks(choices)
+        for index, event in early:
+            choices[index].add(event)
+            opening += renderer.chunks(choices[index], event)
+        await sse.send(*opening)
+        for _, event in early:
+            trace.hop("gateway.sent", event.request_id, event.num_output_tokens)
+        while (item := await fanout.next()) is not None:
             index, event = item
             if event.error is not None:
                 fanout.cancel_reason = f"another choice failed: {event.error.message}"
@@ -379,8 +384,7 @@ async def _stream(
                 await sse.fail(APIError.from_mesh(event.error))
                 break
             choices[index].add(event)
-            for chunk in renderer.chunks(choices[index], event):
-                await sse.send(chunk)
+            await sse.send(*renderer.chunks(choices[index], event))
             trace.hop("gateway.sent", event.request_id, event.num_output_tokens)
         else:
             if job.include_usage:

@@ -11,13 +11,21 @@ from services.gateway.errors import APIError
 DONE = b"data: [DONE]\n\n"
 
 
+class _HeadersWithFirstChunk(web.StreamResponse):
+    """A stream whose status and headers go out with its first chunk, in one write, as aiohttp's own
+    `web.Response` sends them: the client wakes once for both, not once for the headers and again
+    for the first token."""
+
+    _send_headers_immediately = False
+
+
 class EventStream:
-    """One SSE response; each chunk is written whole, so a chunk is never split across writes."""
+    """One SSE response; each write holds whole chunks, so a chunk is never split across writes."""
 
     def __init__(self, include_usage: bool):
         self.include_usage = include_usage
         """OpenAI puts `usage: null` in every chunk only when the client asked for usage."""
-        self.response = web.StreamResponse(
+        self.response = _HeadersWithFirstChunk(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
@@ -26,11 +34,15 @@ class EventStream:
         )
 
     async def start(self, request: web.Request) -> None:
+        """The status and headers, held until the first `send` (which sends them with no chunks too)."""
         await self.response.prepare(request)
 
-    async def send(self, body: BaseModel) -> None:
+    async def send(self, *bodies: BaseModel) -> None:
+        """`bodies` as chunks, in one write."""
         exclude = None if self.include_usage else {"usage"}
-        await self.response.write(b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n")
+        await self.response.write(
+            b"".join(b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n" for body in bodies)
+        )
 
     async def fail(self, error: APIError) -> None:
         """A failure after the 200 went out: an error event (the OpenAI SDK raises on it), and the

@@ -198,6 +198,8 @@ class SplitwiseScheduler:
                 continue
             for delivery in deliveries:
                 self._spawn(self._handle(delivery))
+            if deliveries:  # each handler sends its first command (an admission) before the next read
+                await asyncio.sleep(0)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

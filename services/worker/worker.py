@@ -369,25 +369,25 @@ class Worker:
         its requests and gives them back for re-dispatch (`_abandon`)."""
         while True:
             backlog = await self.core.next_batches()
-            self._observe(backlog)
             try:
                 publish = functools.partial(self._publish_backlog, backlog)
                 batch = await retry_transient(publish, "publishing step outputs", self.options.ttl_s)
             except TRANSIENT_ERRORS as exc:
                 reraise_if_cancelled(exc)
+                self._observe(backlog)
                 await self._abandon(f"the bus was unreachable for {self.options.ttl_s:g} s ({exc})")
                 continue
             except Exception as exc:  # a bug in one batch must not stop every later one
                 reraise_if_cancelled(exc)
                 logger.exception("publishing step outputs failed")
                 batch = concat(backlog)
+            self._observe(backlog)  # after the publish: the rows wait for no metrics
             self._retire(batch)
 
     async def _publish_backlog(self, backlog: list[StepBatch]) -> StepBatch:
-        """Publishes `backlog` and the batches queued since, as one; returns what went out."""
-        queued = self.core.queued_batches()
-        self._observe(queued)
-        backlog.extend(queued)
+        """Publishes `backlog` and the batches queued since (added to `backlog`), as one; returns
+        what went out."""
+        backlog.extend(self.core.queued_batches())
         batch = concat(backlog)
         await self._publish(batch)
         return batch
