@@ -228,9 +228,13 @@ class Drafter:
                 proposer.prepare(device_busy)
 
     def propose_on_host(self, plan: StepPlan) -> None:
-        """Drafts of the host proposers' requests that are still running (after the step's tokens)."""
+        """Drafts of the host proposers' requests that are still running (after the step's tokens).
+        Nothing per request where none drafts (host drafting paused, or every k = 0): their drafts
+        are the step's device drafts, none for a host-drafted request (`LLMEngine._take_result`)."""
         started = time.perf_counter()
         self.host_drafting_s = 0.0
+        if not any(plan.num_wanted):
+            return
         for method, proposer in self.proposers.items():
             if proposer.on_device:
                 continue
