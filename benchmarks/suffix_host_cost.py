@@ -4,10 +4,10 @@ The target's greedy outputs are generated once (naive, the shipped model); then 
 proposer is driven as the engine drives it under greedy verification: each step every running
 request verifies its drafts against its true continuation (the accepted prefix plus one token are
 appended), then the running requests draft their next step. Only the proposer's own calls are
-timed, on the engine's thread: `append` and `propose` (the per-request indexes' updates and
-look-ups; the global index's look-ups inside `propose` apart), and `forget` (a finished output
-goes into the in-process global index; on a GPU a thread does that, in the mesh the suffix-cache
-service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
+timed, on the engine's thread: the step's tokens appended to each request and `propose` (the
+per-request indexes' updates and look-ups; the global index's look-ups inside `propose` apart),
+and `forget` (a finished output goes into the in-process global index; on a GPU the engine does
+that while the device runs a step, in the mesh the suffix-cache service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
 them before the steps instead, as the engine does on a GPU while the device runs a step.
 `--warm-global` first replays the same requests untimed, so that the global index holds their
 outputs: every request then finds long global matches (the costliest global look-ups).
@@ -214,7 +214,6 @@ def device_step(
         times.num_accepted += len(new) - 1
         times.num_drafted += len(drafts[seq.request_id])
         seq.token_ids += new
-        proposer.append(seq, new)
     for seq in [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]:
         proposer.forget(seq.request_id)
     running = [s for s in running if s.num_output_tokens < len(outputs[s.request_id])]
@@ -280,7 +279,7 @@ def drafter_replay(streams: list[Stream], concurrency: int, mode: str) -> Drafte
                 drafts = seq.spec.draft_token_ids
                 new = accepted_tokens(drafts, outputs[seq.request_id], seq.num_output_tokens)
                 seq.append_tokens(new)
-                drafter.accepted(seq, new, len(drafts), len(new) - 1)
+                drafter.accepted(seq, len(drafts), len(new) - 1)
                 seq.spec.draft_token_ids, seq.spec.k = [], 0  # the step's device drafts: none
                 times.num_drafted_steps += bool(drafts)
                 num_emitted += len(new)
@@ -417,7 +416,6 @@ def replay_pass(
                 times.num_accepted += len(new) - 1
                 times.num_drafted += len(drafts[seq.request_id])
                 seq.token_ids += new
-                proposer.append(seq, new)
             own_s = time.perf_counter() - began
             finished = [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]
             running = [s for s in running if s not in finished]

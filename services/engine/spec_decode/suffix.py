@@ -193,7 +193,7 @@ class SuffixProposer(Proposer):
 
     def start(self, seq: Sequence) -> None:
         """Keeps the sequence's own token list, which the engine extends: a step's tokens cost
-        nothing here (`append` has nothing to do) until the request drafts."""
+        nothing here until the request drafts."""
         self._start(seq.request_id, seq.token_ids, seq.num_prompt_tokens)
 
     def _start(self, request_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:

@@ -746,9 +746,6 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
     num_outputs = 0
     for step in range(12):
         new = {name: [rng.randrange(6) for _ in range(rng.randint(1, 4))] for name in seqs}
-        for proposer in (prepared, plain):
-            for name, seq in seqs.items():
-                proposer.append(seq, new[name])
         for name, seq in seqs.items():
             seq.token_ids += new[name]
             num_outputs += len(new[name])
