@@ -245,6 +245,8 @@ class DrafterTimes:
     `DeferredGlobalIndex` only queues it)."""
     num_drafted_steps: int = 0
     """Request-steps that drafted (probes)."""
+    idle_s: list[float] = field(default_factory=list)
+    """The host time of the steps that drafted nothing for the next step, less `finish`."""
 
 
 def drafter_replay(streams: list[Stream], concurrency: int, mode: str) -> DrafterTimes:
@@ -294,6 +296,8 @@ def drafter_replay(streams: list[Stream], concurrency: int, mode: str) -> Drafte
             drafter.record_step(plan, len(running), num_tokens, num_emitted, step_s, mixed=False)
             times.host_s.append(clock() - began)
             times.finish_s.append(finished - finishing)
+            if not any(plan.num_wanted):
+                times.idle_s.append(times.host_s[-1] - times.finish_s[-1])
             running = [s for s in running if s.finish_reason is None]
     return times
 
@@ -303,9 +307,9 @@ def print_drafter_replay(streams: list[Stream], args: argparse.Namespace) -> Non
     print(
         "| requests | steps | "
         + " | ".join(f"{m} ms/step (finish)" for m in modes)
-        + " | kept: drafted request-steps |"
+        + " | kept: drafted request-steps | k = 0 steps less finish: naive, paused, kept |"
     )
-    print("|---:|---:|" + "---:|" * (len(modes) + 1))
+    print("|---:|---:|" + "---:|" * (len(modes) + 2))
     for concurrency in args.concurrency:
         best = {}
         for _ in range(args.repeats):  # the modes alternated, the fastest replay of each kept
@@ -318,7 +322,8 @@ def print_drafter_replay(streams: list[Stream], args: argparse.Namespace) -> Non
             for m in modes
         )
         steps = len(best["naive"].host_s)
-        print(f"| {concurrency} | {steps} | {cells} | {best['suffix-kept'].num_drafted_steps} |")
+        idle = ", ".join(f"{1e3 * statistics.fmean(best[m].idle_s or [0.0]):.3f}" for m in modes)
+        print(f"| {concurrency} | {steps} | {cells} | {best['suffix-kept'].num_drafted_steps} | {idle} |")
 
 
 def global_inserts(streams: list[Stream], rounds: int) -> None:
