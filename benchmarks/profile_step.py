@@ -10,6 +10,9 @@ is host work. With `--no-async-scheduling` (and in steps that need the host) mos
 step's critical path at concurrency 1 (the device idles meanwhile except while `launch` and `_emit`
 run); otherwise a decode step launched ahead (`_launch_ahead`) runs while the host lands the last. `--cpu-time` counts each phase's CPU time on the engine's
 thread instead, which a shared machine's other work does not inflate (the wait then counts nothing).
+Each run's first line after the summary, `engine.step less runner._run`, is the step's host work
+on the CPU (where `runner._run` is the forward itself): what a suffix batch at k = 0
+(`--pause-host-drafting`) costs beside naive's.
 """
 
 from __future__ import annotations
@@ -180,6 +183,8 @@ def print_phases(
         f"{seconds / num_steps * 1e3:.3f} ms a step, {num_tokens / num_steps:.2f} tokens a step, "
         f"TPOT {seconds / max(num_tokens, 1) * 1e3:.3f} ms"
     )
+    beyond_run_s = totals["engine.step"] - totals["runner._run"]
+    print(f"  {'engine.step less runner._run':28s} {beyond_run_s / num_steps * 1e6:9.1f} us a step")
     for name, total in sorted(totals.items(), key=lambda item: -item[1]):
         if not name.startswith("#"):
             print(f"  {name:28s} {total / num_steps * 1e6:9.1f} us a step")

@@ -4,10 +4,10 @@ The target's greedy outputs are generated once (naive, the shipped model); then 
 proposer is driven as the engine drives it under greedy verification: each step every running
 request verifies its drafts against its true continuation (the accepted prefix plus one token are
 appended), then the running requests draft their next step. Only the proposer's own calls are
-timed, on the engine's thread: `append` and `propose` (the per-request indexes' updates and
-look-ups; the global index's look-ups inside `propose` apart), and `forget` (a finished output
-goes into the in-process global index; on a GPU a thread does that, in the mesh the suffix-cache
-service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
+timed, on the engine's thread: the step's tokens appended to each request and `propose` (the
+per-request indexes' updates and look-ups; the global index's look-ups inside `propose` apart),
+and `forget` (a finished output goes into the in-process global index; on a GPU the engine does
+that while the device runs a step, in the mesh the suffix-cache service). Prompts are indexed at each request's first draft, as on the CPU; `--prepare` indexes
 them before the steps instead, as the engine does on a GPU while the device runs a step.
 `--warm-global` first replays the same requests untimed, so that the global index holds their
 outputs: every request then finds long global matches (the costliest global look-ups).
@@ -27,7 +27,16 @@ what the process holds so far frozen out of garbage collection as the engine fre
 time a token, the garbage collections that ran (by generation: count, total, longest) and the
 objects the collector tracks afterwards.
 
+`--drafter` replays the drafter's whole host work of a decode step instead (`Drafter.plan`,
+`choose_pending`, `prepare_on_host` with no window, `accepted` per request, `finish` for the
+requests that end, `propose_on_host`, `record_step`), under naive and under suffix decoding left
+at k = 0: paused (`AdaptiveSpeculation.pause`, what the audit does) and kept there by the
+controller (acceptance never trusted: `adaptive_min_acceptance` 1, probes every
+PROBE_EVERY_STEPS steps). The controller is fed a synthetic step time (1.5 ms + 15 us a request +
+3 us a token) as a GPU would give it; the host time is the calls' CPU time on this thread.
+
 python -m benchmarks.suffix_host_cost --concurrency 1 16 64
+python -m benchmarks.suffix_host_cost --outputs /tmp/suffix_streams.json --drafter --concurrency 16 64 256
 python -m benchmarks.suffix_host_cost --outputs /tmp/suffix_streams.json --global-inserts 2
 """
 
@@ -43,14 +52,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from benchmarks.dataset import load_requests
 from services.engine.llm import LLM
-from services.engine.sequence import Sequence
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import FinishReason, Sequence
+from services.engine.spec_decode.drafter import Drafter
 from services.engine.spec_decode.proposer import DraftBatch
 from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
+from shared.speculative_config import SpeculativeConfig
 
 Stream = tuple[list[int], list[int]]
 """A request's prompt ids and greedy output ids."""
@@ -200,7 +214,6 @@ def device_step(
         times.num_accepted += len(new) - 1
         times.num_drafted += len(drafts[seq.request_id])
         seq.token_ids += new
-        proposer.append(seq, new)
     for seq in [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]:
         proposer.forget(seq.request_id)
     running = [s for s in running if s.num_output_tokens < len(outputs[s.request_id])]
@@ -210,6 +223,107 @@ def device_step(
         for seq, row, n in zip(running, proposed.token_ids.tolist(), proposed.num_drafts.tolist()):
             drafts[seq.request_id] = row[:n]
     return running
+
+
+class NoRunner:
+    """What `Drafter` reads of a model runner, for host-drafted methods only (no drafting model)."""
+
+    device = torch.device("cpu")
+    inputs = None
+    block_size = 16
+    mtp_head = eagle3_head = draft_model = None
+
+
+@dataclass
+class DrafterTimes:
+    """Per step of a drafter replay, CPU seconds on this thread."""
+
+    host_s: list[float] = field(default_factory=list)
+    """The drafter's calls, `finish` included."""
+    finish_s: list[float] = field(default_factory=list)
+    """`finish` alone: on the CPU a finished output goes into the global tree there (on a GPU
+    `DeferredGlobalIndex` only queues it)."""
+    num_drafted_steps: int = 0
+    """Request-steps that drafted (probes)."""
+    idle_s: list[float] = field(default_factory=list)
+    """The host time of the steps that drafted nothing for the next step, less `finish`."""
+
+
+def drafter_replay(streams: list[Stream], concurrency: int, mode: str) -> DrafterTimes:
+    """The drafter's host work, step by step, under `mode`: naive, suffix-paused or suffix-kept
+    (module docstring)."""
+    config = {"method": "naive"} if mode == "naive" else {"method": "suffix", "num_speculative_tokens": 8}
+    if mode == "suffix-kept":
+        config["adaptive_min_acceptance"] = 1.0
+    drafter = Drafter(SpeculativeConfig.model_validate(config), NoRunner(), None)  # type: ignore[arg-type]
+    if mode == "suffix-paused":
+        drafter.adaptive.pause(num_steps=2**62, batch=None)
+    params = SamplingParams(temperature=0.0, max_tokens=max(len(out) for _, out in streams) + 2)
+    times = DrafterTimes()
+    clock = time.thread_time
+    for start in range(0, len(streams), concurrency):
+        group = streams[start : start + concurrency]
+        running = [Sequence(f"r{start + i}", list(p), params, frozenset()) for i, (p, _) in enumerate(group)]
+        outputs = {seq.request_id: out for seq, (_, out) in zip(running, group)}
+        for seq in running:
+            drafter.configure(seq)
+        while running:
+            batch = ScheduledBatch()
+            for seq in running:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                batch.add(seq, 1 + len(seq.spec.draft_token_ids))
+            began = clock()
+            plan = drafter.plan(batch, num_running=len(running))
+            drafter.choose_pending()
+            drafter.prepare_on_host(lambda: False)
+            num_emitted = 0
+            for seq in running:
+                drafts = seq.spec.draft_token_ids
+                new = accepted_tokens(drafts, outputs[seq.request_id], seq.num_output_tokens)
+                seq.append_tokens(new)
+                drafter.accepted(seq, len(drafts), len(new) - 1)
+                seq.spec.draft_token_ids, seq.spec.k = [], 0  # the step's device drafts: none
+                times.num_drafted_steps += bool(drafts)
+                num_emitted += len(new)
+            finishing = clock()
+            for seq in [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]:
+                seq.finish_reason = FinishReason.LENGTH
+                drafter.finish(seq)
+            finished = clock()
+            drafter.propose_on_host(plan)
+            num_tokens = sum(batch.num_new_tokens)
+            step_s = 1.5e-3 + 15e-6 * len(running) + 3e-6 * num_tokens
+            drafter.record_step(plan, len(running), num_tokens, num_emitted, step_s, mixed=False)
+            times.host_s.append(clock() - began)
+            times.finish_s.append(finished - finishing)
+            if not any(plan.num_wanted):
+                times.idle_s.append(times.host_s[-1] - times.finish_s[-1])
+            running = [s for s in running if s.finish_reason is None]
+    return times
+
+
+def print_drafter_replay(streams: list[Stream], args: argparse.Namespace) -> None:
+    modes = ("naive", "suffix-paused", "suffix-kept")
+    print(
+        "| requests | steps | "
+        + " | ".join(f"{m} ms/step (finish)" for m in modes)
+        + " | kept: drafted request-steps | k = 0 steps less finish: naive, paused, kept |"
+    )
+    print("|---:|---:|" + "---:|" * (len(modes) + 2))
+    for concurrency in args.concurrency:
+        best = {}
+        for _ in range(args.repeats):  # the modes alternated, the fastest replay of each kept
+            for mode in modes:
+                run = drafter_replay(streams, concurrency, mode)
+                if mode not in best or sum(run.host_s) < sum(best[mode].host_s):
+                    best[mode] = run
+        cells = " | ".join(
+            f"{1e3 * statistics.fmean(best[m].host_s):.3f} ({1e3 * statistics.fmean(best[m].finish_s):.3f})"
+            for m in modes
+        )
+        steps = len(best["naive"].host_s)
+        idle = ", ".join(f"{1e3 * statistics.fmean(best[m].idle_s or [0.0]):.3f}" for m in modes)
+        print(f"| {concurrency} | {steps} | {cells} | {best['suffix-kept'].num_drafted_steps} | {idle} |")
 
 
 def global_inserts(streams: list[Stream], rounds: int) -> None:
@@ -307,7 +421,6 @@ def replay_pass(
                 times.num_accepted += len(new) - 1
                 times.num_drafted += len(drafts[seq.request_id])
                 seq.token_ids += new
-                proposer.append(seq, new)
             own_s = time.perf_counter() - began
             finished = [s for s in running if s.num_output_tokens >= len(outputs[s.request_id])]
             running = [s for s in running if s not in finished]
@@ -349,6 +462,12 @@ def main() -> None:
     parser.add_argument("--feed", choices=["window", "thread"], default="window")
     parser.add_argument("--global-inserts", type=int, help="time inserting the outputs this many times over")
     parser.add_argument(
+        "--replicate", type=int, default=1, help="replay the requests this many times over (c > their number)"
+    )
+    parser.add_argument(
+        "--drafter", action="store_true", help="the drafter's host work a step: naive, suffix at k = 0"
+    )
+    parser.add_argument(
         "--lock-releases",
         type=int,
         default=0,
@@ -362,11 +481,15 @@ def main() -> None:
         streams = greedy_outputs(model, args.workload, args.num_requests, args.max_tokens)
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(streams))
+    streams *= args.replicate
     if args.global_inserts is not None:
         global_inserts(streams, args.global_inserts)
         return
     if args.device_ms is not None:
         print_device_replay(streams, args)
+        return
+    if args.drafter:
+        print_drafter_replay(streams, args)
         return
     print(
         "| requests | steps | own indexes ms/step (p90) | global look-ups ms/step | global inserts ms/step |"

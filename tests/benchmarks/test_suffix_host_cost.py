@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.suffix_host_cost import accepted_tokens, device_replay, replay
+from benchmarks.suffix_host_cost import accepted_tokens, device_replay, drafter_replay, replay
 
 
 def test_greedy_verification_keeps_the_matching_drafts_and_one_token() -> None:
@@ -40,3 +40,16 @@ def test_device_replay_times_each_step_and_drafts_as_the_plain_replay(feed: str)
     assert (times.num_accepted, times.num_drafted) == (plain.num_accepted, plain.num_drafted)
     assert len(times.after_s) == len(times.overrun_s) == len(times.wake_s) == len(plain.own_s)
     assert min(times.after_s + times.overrun_s + times.wake_s) >= 0.0
+
+
+def test_drafter_replay_times_each_step_and_drafts_only_where_the_controller_probes() -> None:
+    """The drafter's host work a step: naive and suffix paused never draft; suffix kept at k = 0
+    drafts only on probe steps, far fewer request-steps than it runs; every step is booked."""
+    span = [11, 12, 13, 14, 15, 16, 17, 18]
+    streams = [(span * 3, span * 6), ([40 + i for i in range(10)] + span, span * 6)]
+    runs = {mode: drafter_replay(streams, 2, mode) for mode in ("naive", "suffix-paused", "suffix-kept")}
+    assert runs["naive"].num_drafted_steps == runs["suffix-paused"].num_drafted_steps == 0
+    assert 0 < runs["suffix-kept"].num_drafted_steps < len(runs["suffix-kept"].host_s)
+    for times in runs.values():
+        assert len(times.host_s) == len(times.finish_s) and min(times.host_s) >= 0.0
+    assert len(runs["naive"].idle_s) == len(runs["naive"].host_s)

@@ -49,6 +49,10 @@ DRAFT_COST_MARGIN above the fits: the choice that looks best on noisy estimates 
 whose gain was overestimated, and speculation should not lose to plain decoding.
 A solved choice is kept for the next steps (KEEP_CHOICE_STEPS at most) while what it was solved
 from holds: the same requests, the same fits, each request's acceptance within KEEP_CHOICE_DRIFT.
+A choice of k = 0 for a batch that drafts only on the host also holds as requests come and go,
+while most of its requests remain: a batch where host drafting does not pay costs the host about
+what a plain batch does, instead of a solve on every step a request joins or leaves (probe steps
+still solve, and probe the requests idle longest, newcomers among them).
 
 *Exploration*: the estimates only see what is tried.
 - Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
@@ -76,6 +80,7 @@ from holds: the same requests, the same fits, each request's acceptance within K
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -108,6 +113,8 @@ KEEP_CHOICE_STEPS = 16
 acceptance hold (solving costs ~0.2 ms of host time, as much as a draft's verification at batch 1)."""
 KEEP_CHOICE_DRIFT = 0.5
 """A kept choice is solved again once a request's acceptance moved more than this since."""
+KEEP_ZERO_SHARE = 0.5
+"""A kept choice of k = 0 on the host holds while more than this share of its batch remains."""
 DRAFT_COST_MARGIN = 0.1
 """Drafts' time (verifying and drafting) is counted this much above the fitted costs."""
 RAMP_FACTOR = 2
@@ -445,6 +452,10 @@ class KeptChoice:
     acceptance: list[float]
     ks: list[int]
 
+    @functools.cached_property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(request_id for request_id, _, _ in self.batch)
+
 
 class AdaptiveSpeculation:
     def __init__(
@@ -546,6 +557,8 @@ class AdaptiveSpeculation:
         if not probing and self._still_holds(seqs, batch, num_other_tokens, mixed):
             assert self._kept is not None
             ks = self._kept.ks
+        elif not probing and self._zero_holds(seqs, batch, mixed):
+            ks = [0] * len(seqs)
         else:
             choices = self._choices(seqs, num_other_tokens, mixed)
             trusted = np.array([t for _, _, t in batch])
@@ -630,6 +643,24 @@ class AdaptiveSpeculation:
                 abs(seq.spec.acceptance - a) <= KEEP_CHOICE_DRIFT for seq, a in zip(seqs, kept.acceptance)
             )
         )
+
+    def _zero_holds(self, seqs: list[Sequence], batch: list[tuple[str, int, bool]], mixed: bool) -> bool:
+        """Whether a kept choice of k = 0 on the host still holds for a batch that requests joined or
+        left since: it is recent, with the fit in force, every request drafts on the host, and more
+        than KEEP_ZERO_SHARE of the requests it was solved for remain."""
+        kept = self._kept
+        if (
+            kept is None
+            or any(kept.ks)
+            or self.step - kept.step >= KEEP_CHOICE_STEPS
+            or kept.mixed != mixed
+            or kept.fits is not self._fits.get(mixed)
+            or not all(seq.spec.method in self.host_methods for seq in seqs)
+        ):
+            return False
+        solved_for = kept.request_ids
+        remaining = sum(request_id in solved_for for request_id, _, _ in batch)
+        return remaining > KEEP_ZERO_SHARE * len(kept.batch)
 
     def _fitted(self, mixed: bool = False) -> tuple[StepCost, dict[str, DraftCost]]:
         """The decode step's cost and each method's drafting cost, refitted every REFIT_EVERY_STEPS

@@ -128,17 +128,16 @@ class Drafter:
             return "naive", 0
         return method, k
 
-    def accepted(self, seq: Sequence, token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
-        """Books a verify step: statistics, acceptance estimate, the proposer's own state. A draft
-        the grammar refused before verification counts as the rejected one after those verified."""
+    def accepted(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Books a verify step: statistics and acceptance estimate (a proposer with host state reads
+        the request's tokens when it next drafts). A draft the grammar refused before verification
+        counts as the rejected one after those verified."""
         seq.spec.record(num_drafts, num_accepted)
         if self._drafts_tree(seq) and num_drafts:  # its acceptance is per depth: the depths it drafted
             assert self.tree is not None
             num_drafts = self.tree.depths[num_drafts]
         self.adaptive.observe(seq, num_drafts + min(seq.spec.num_refused, 1), num_accepted)
         seq.spec.num_refused = 0
-        if seq.spec.method != "naive" and token_ids:
-            self.proposers[seq.spec.method].append(seq, token_ids)
 
     def finish(self, seq: Sequence) -> None:
         if seq.spec.method != "naive":
@@ -174,6 +173,8 @@ class Drafter:
             running = [i for i, seq in enumerate(plan.seqs) if seq.finish_reason is None]
             ks, _ = self._choose(batch, [plan.seqs[i] for i in running], num_running)
             plan.num_wanted = [0] * len(plan.seqs)
+            if not any(ks):  # nobody drafts (host drafting paused, or not worth it)
+                continue
             for i, k in zip(running, ks):
                 plan.num_wanted[i] = k
 
@@ -182,6 +183,8 @@ class Drafter:
         drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
         ks = [0] * len(seqs)
         chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
+        if not any(chosen):
+            return ks, 0
         for i, k in zip(drafting, chosen):
             if k == 0:
                 continue
@@ -228,9 +231,13 @@ class Drafter:
                 proposer.prepare(device_busy)
 
     def propose_on_host(self, plan: StepPlan) -> None:
-        """Drafts of the host proposers' requests that are still running (after the step's tokens)."""
+        """Drafts of the host proposers' requests that are still running (after the step's tokens).
+        Nothing per request where none drafts (host drafting paused, or every k = 0): their drafts
+        are the step's device drafts, none for a host-drafted request (`LLMEngine._take_result`)."""
         started = time.perf_counter()
         self.host_drafting_s = 0.0
+        if not any(plan.num_wanted):
+            return
         for method, proposer in self.proposers.items():
             if proposer.on_device:
                 continue

@@ -199,8 +199,5 @@ class Proposer:
         """Host work that needs no step's result, done while `device_busy()` (the device runs a
         step and the host would only wait): stop soon after it turns False."""
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        """The request kept `token_ids` this step (already in `seq.token_ids`)."""
-
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted."""

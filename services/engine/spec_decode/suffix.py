@@ -8,12 +8,14 @@ Each step, both are matched against the end of the request's tokens and the draf
 score (expected accepted tokens) is proposed. The draft length follows the match length: at most
 `floor(max_spec_factor * match_len)` tokens.
 
-A request's own index is built at its first draft, from its tokens so far. The engine's `append`
-only records a step's tokens; the index takes them in at the request's next `propose`, so that
-all of a step's index work happens in the one call the drafter times and prices (adaptive
-speculation charges it per context token). Requests left at k = 0 cost a list append per step,
-not an index update. The index drafts as a suffix tree of the same tokens would, whenever it is
-built, so drafts do not depend on when it was built.
+A request's own index is built at its first draft, from its tokens so far, and is lazy: it
+holds the request's token list itself (the engine's `Sequence.token_ids`, which the engine
+extends) and how many of those tokens it has indexed, and takes in the rest, in one bulk
+`extend`, at the request's next `propose`, so that all of a step's index work happens in the one
+call the drafter times and prices (adaptive speculation charges it per context token). A request
+left at k = 0 (drafting paused, or not worth it) costs nothing per step. The index drafts as a
+suffix tree of the same tokens would, whenever it is built or caught up, so drafts do not depend
+on when that happened.
 
 Cost per `propose`, with `D = max_tree_depth` and `k` draft tokens: on the per-request index
 O(min(s, D)) per new token, for the s states of the sequence's repeated suffixes (a few on copied
@@ -160,7 +162,8 @@ class SuffixConfig:
 @dataclass
 class _RequestState:
     token_ids: list[int]
-    """The request's prompt and output so far."""
+    """The request's prompt and output so far: the engine's own list where the request came as a
+    `Sequence` (`start`), which the engine extends in place (and cuts at a stop string)."""
     num_prompt_tokens: int
     index: SuffixAutomaton | None = None
     """The request's own index over the first `index.num_tokens` of them; None until it first drafts."""
@@ -185,19 +188,19 @@ class SuffixProposer(Proposer):
         """Running requests whose tokens `prepare` has not indexed yet, oldest first (an ordered set)."""
 
     def start_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Records the prompt; the request's index waits for its first draft."""
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already started")
-        self._requests[request_id] = _RequestState(list(prompt_token_ids), len(prompt_token_ids))
-        self._unprepared[request_id] = None
+        """Records (a copy of) the prompt; the request's index waits for its first draft."""
+        self._start(request_id, list(prompt_token_ids), len(prompt_token_ids))
 
     def start(self, seq: Sequence) -> None:
-        self.start_request(seq.request_id, seq.prompt_token_ids)
+        """Keeps the sequence's own token list, which the engine extends: a step's tokens cost
+        nothing here until the request drafts."""
+        self._start(seq.request_id, seq.token_ids, seq.num_prompt_tokens)
 
-    def append(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Only records the tokens: the request's index takes them in at its next `propose`, which the
-        drafter times and prices (with the step's other index work, in one pass)."""
-        self._state(seq.request_id).token_ids.extend(token_ids)
+    def _start(self, request_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already started")
+        self._requests[request_id] = _RequestState(token_ids, num_prompt_tokens)
+        self._unprepared[request_id] = None
 
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
@@ -206,13 +209,17 @@ class SuffixProposer(Proposer):
         """Indexes the tokens of requests that joined, oldest first, PREPARE_CHUNK_TOKENS at a time
         while the device is busy: off the step's critical path, and not charged to drafting. An index
         begun here is the one the request's first draft would build, so drafts do not change. A
-        deferred global index takes in finished outputs in the same window, a chunk after each
-        prompt chunk: neither waits for the other."""
-        deferred = self.global_index if isinstance(self.global_index, DeferredGlobalIndex) else None
-        while device_busy():
-            indexed = self._index_prompt_chunk()
-            if not (deferred is not None and deferred.insert_chunk()) and not indexed:
-                return
+        deferred global index takes in finished outputs in the same window, its chunks alternating
+        with the prompts': neither waits for the other."""
+        chunks = [self._index_prompt_chunk]
+        if isinstance(self.global_index, DeferredGlobalIndex):
+            chunks.append(self.global_index.insert_chunk)
+        while chunks:
+            for chunk in list(chunks):
+                if not device_busy():  # a look before each chunk: the device waits for one at most
+                    return
+                if not chunk():
+                    chunks.remove(chunk)
 
     def _index_prompt_chunk(self) -> bool:
         """Indexes the next PREPARE_CHUNK_TOKENS tokens of the oldest request not indexed yet;

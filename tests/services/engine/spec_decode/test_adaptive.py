@@ -725,3 +725,34 @@ def test_suffix_host_cost_is_priced_never_a_loss(concurrency: int, per_request_s
     adaptive = run_suffix_clock(acceptances, per_request_s, ks=None)
     assert adaptive >= 0.95 * plain
     assert adaptive >= 0.9 * best_fixed
+
+
+def test_a_kept_choice_of_no_host_drafts_holds_as_requests_come_and_go() -> None:
+    """A batch of host-drafted requests left at k = 0 (acceptance below the minimum) keeps that
+    choice while requests join and leave, without solving on each such step, until most of the
+    batch is new or the choice is KEEP_CHOICE_STEPS old; probe steps still solve and probe. A
+    batch drafting a device method solves again as before."""
+    for method, holds in (("suffix", True), ("ngram", False)):
+        adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+        for n in (16, 64):
+            adaptive.cost.record(n, n, n, 0, 1e-3 + 10e-6 * n)
+            adaptive.cost.record(n, 2 * n, 2 * n, 0, 1e-3 + 20e-6 * n)
+        batch = seqs([0.01] * 64, max_k=8, methods=[method] * 64)
+        while adaptive.step % PROBE_EVERY_STEPS != 1:  # up to a probe step, which solves
+            adaptive.choose(batch, num_other_tokens=64)
+        solves = counting_solves(adaptive)
+        for i in range(8):  # a request leaves and another joins on each step
+            (batch[i],) = seqs([0.01], max_k=8, methods=[method])
+            batch[i].request_id = f"new{i}"
+            assert not any(adaptive.choose(batch, num_other_tokens=64))
+        assert solves[0] == (0 if holds else 8)
+        while adaptive.step % PROBE_EVERY_STEPS != 0:
+            adaptive.choose(batch, num_other_tokens=64)
+        probed = adaptive.choose(batch, num_other_tokens=64)  # the next probe step
+        assert any(probed)
+        fresh = seqs([0.01] * 64, max_k=8, methods=[method] * 64)
+        for seq in fresh:
+            seq.request_id = "fresh-" + seq.request_id
+        solved = solves[0]
+        adaptive.choose(fresh, num_other_tokens=64)  # a batch of new requests: solved
+        assert solves[0] == solved + 1

@@ -528,6 +528,56 @@ def test_lazy_trees_draft_exactly_as_eager_ones(seed: int) -> None:
     assert recorded(lazy).local.tree.path_counts() == recorded(eager).local.tree.path_counts()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_requests_left_at_k0_draft_after_their_pause_as_eager_indexing_does(seed: int) -> None:
+    """The engine's way: each request's index holds the sequence's own token list, which grows by
+    a step's tokens with no proposer call while the request is left at k = 0 (drafting paused for
+    runs of steps, or never worth it), and `prepare` runs at random between steps. Whenever a
+    request drafts again, its draft equals that of an eager reference that indexed every token
+    the step it came and was asked every step; the global index gets the same outputs."""
+    from services.engine.sequence import Sequence
+    from services.engine.spec_decode.proposer import DraftBatch
+    from shared.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    config = SuffixConfig(max_tree_depth=rng.choice([4, 8, 64]), max_cached_requests=100)
+    lazy, eager = lazy_and_eager(config)
+    vocab = rng.randint(2, 6)
+    seqs: dict[str, Sequence] = {}
+    paused_until: dict[str, int] = {}
+    num_drafted = 0
+    for step in range(200):
+        if rng.random() < 0.08 or not seqs:
+            seq = Sequence(f"r{step}", random_seq(rng, vocab, max_len=40), SamplingParams(), frozenset())
+            seqs[seq.request_id] = seq
+            lazy.start(seq)
+            eager.start_request(seq.request_id, list(seq.token_ids))
+            paused_until[seq.request_id] = step + rng.choice([0, 5, 30])
+        for seq in seqs.values():
+            new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+            seq.append_tokens(new)  # the engine's only write: no lazy proposer call
+            eager.add_tokens(seq.request_id, new)
+        if rng.random() < 0.3:
+            lazy.prepare(looks(rng.randint(0, 4)))
+        ks = {name: rng.choice([1, 4, 8]) for name in seqs}
+        expected = eager.propose_drafts([(name, seqs[name].token_ids, k) for name, k in ks.items()])
+        drafting = [name for name in seqs if step >= paused_until[name]]
+        if drafting:
+            batch = DraftBatch.on_host(None, [seqs[n] for n in drafting], [ks[n] for n in drafting])  # type: ignore[arg-type]
+            drafts = lazy.propose(batch)
+            got = [row[:n] for row, n in zip(drafts.token_ids.tolist(), drafts.num_drafts.tolist())]
+            assert got == [expected[list(seqs).index(n)].token_ids for n in drafting], step
+            num_drafted += sum(map(len, got))
+        for name in [n for n in seqs if rng.random() < 0.03]:
+            lazy.stop_request(name)
+            eager.stop_request(name)
+            del seqs[name]
+            assert recorded(lazy).added == recorded(eager).added, step
+        if rng.random() < 0.05:  # a pause of host drafting for every request
+            paused_until = {name: step + rng.randint(1, 40) for name in seqs}
+    assert num_drafted > 0
+
+
 class CountingTree(SuffixAutomaton):
     built = 0
 
@@ -645,18 +695,18 @@ def test_deferred_global_index_keeps_at_most_the_cached_requests_waiting() -> No
 
 def test_prepare_feeds_a_deferred_global_index_beside_the_prompts() -> None:
     """The proposer's `prepare` (called while the device runs a step) indexes joined requests'
-    prompts and inserts stopped requests' outputs into a deferred global index, a chunk of each
-    per look at the device."""
+    prompts and inserts stopped requests' outputs into a deferred global index, alternately, a
+    chunk per look at the device."""
     deferred = DeferredGlobalIndex(GlobalSuffixIndex())
     proposer = SuffixProposer(global_index=deferred)
     proposer.start_request("done", [1, 2, 3])
     proposer.add_tokens("done", [4, 5, 6, 4, 5, 6, 4, 5])
     proposer.stop_request("done")
     proposer.start_request("joined", [9] * 2 * suffix.PREPARE_CHUNK_TOKENS)
-    proposer.prepare(looks(2))  # the prompt's two chunks, the output's two (of 4 tokens each)
+    proposer.prepare(looks(4))  # the prompt's two chunks, the output's two (of 4 tokens each)
     assert request_tree(proposer, "joined").num_tokens == 2 * suffix.PREPARE_CHUNK_TOKENS
     assert deferred.num_pending == 1 and "done" not in deferred
-    proposer.prepare(looks(1))  # the insertion ends
+    proposer.prepare(looks(2))  # no prompt left; the insertion ends
     assert deferred.num_pending == 0 and "done" in deferred
     proposer.prepare(lambda: True)
     assert deferred.num_pending == 0 and "done" in deferred
@@ -696,9 +746,6 @@ def test_prepare_indexes_prompts_while_the_device_is_busy_and_drafts_do_not_chan
     num_outputs = 0
     for step in range(12):
         new = {name: [rng.randrange(6) for _ in range(rng.randint(1, 4))] for name in seqs}
-        for proposer in (prepared, plain):
-            for name, seq in seqs.items():
-                proposer.append(seq, new[name])
         for name, seq in seqs.items():
             seq.token_ids += new[name]
             num_outputs += len(new[name])
