@@ -296,20 +296,24 @@ async def run_clients(port: int, num_streams: int, max_tokens: int) -> None:
 
 
 def measure(args: argparse.Namespace, num_rows: int, redis_port: int) -> dict[str, float]:
-    ms: dict[str, float] = {}
-    ms.update(time_core_and_channel(num_rows, args.steps))
-    ms.update(asyncio.run(time_worker_and_redis(num_rows, args.gateways, args.steps, redis_port)))
-    import uvloop
+    """Seconds a step of each hop in `args.hops` (core and channel, worker and redis: together)."""
+    seconds: dict[str, float] = {}
+    if {"core", "channel"} & set(args.hops):
+        seconds.update(time_core_and_channel(num_rows, args.steps))
+    if {"worker", "redis"} & set(args.hops):
+        seconds.update(asyncio.run(time_worker_and_redis(num_rows, args.gateways, args.steps, redis_port)))
+    if "gateway" in args.hops:
+        import uvloop
 
-    streams = max(1, num_rows // args.gateways)
-    interval_s = args.gateway_interval_ms / 1000
-    ms["gateway"] = uvloop.run(time_gateway(streams, args.gateway_steps, interval_s, args.model))
-    return ms
+        streams = max(1, num_rows // args.gateways)
+        interval_s = args.gateway_interval_ms / 1000
+        seconds["gateway"] = uvloop.run(time_gateway(streams, args.gateway_steps, interval_s, args.model))
+    return seconds
 
 
 def run(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
     server, port = start_redis()
-    results: dict[int, dict[str, list[float]]] = {n: {hop: [] for hop in HOPS} for n in args.rows}
+    results: dict[int, dict[str, list[float]]] = {n: {hop: [] for hop in args.hops} for n in args.rows}
     try:
         for repeat in range(args.repeats):
             for num_rows in args.rows:
@@ -323,15 +327,16 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
 
 
 def table(results: dict[int, dict[str, list[float]]], num_gateways: int) -> str:
+    names = list(next(iter(results.values())))
     lines = [
-        "| rows a step | " + " | ".join(f"{hop} ms" for hop in HOPS) + " |",
-        "|---:|" + "---:|" * len(HOPS),
+        "| rows a step | " + " | ".join(f"{hop} ms" for hop in names) + " |",
+        "|---:|" + "---:|" * len(names),
     ]
     for num_rows, hops in results.items():
-        cells = [f"{statistics.median(hops[hop]):.3f}" for hop in HOPS]
+        cells = [f"{statistics.median(hops[hop]):.3f}" for hop in names]
         lines.append(f"| {num_rows} | {' | '.join(cells)} |")
     lines.append(
-        f"\n(medians of {len(next(iter(results.values()))['core'])} repeats; gateway: one of "
+        f"\n(medians of {len(next(iter(results.values()))[names[0]])} repeats; gateway: one of "
         f"{num_gateways} processes, its rows / {num_gateways} streams)"
     )
     return "\n".join(lines)
@@ -351,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         "--gateway-interval-ms", type=float, default=20.0, help="between a gateway's steps (longer than one)"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hops", nargs="+", choices=HOPS, default=list(HOPS), help="time only these")
     parser.add_argument(
         "--model", type=Path, default=None, help="tokenizer and config (default: the reference)"
     )

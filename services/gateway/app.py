@@ -379,8 +379,7 @@ async def _stream(
                 await sse.fail(APIError.from_mesh(event.error))
                 break
             choices[index].add(event)
-            for chunk in renderer.chunks(choices[index], event):
-                await sse.send(chunk)
+            await _send_chunks(sse, renderer, choices[index], event)
             trace.hop("gateway.sent", event.request_id, event.num_output_tokens)
         else:
             if job.include_usage:
@@ -389,6 +388,16 @@ async def _stream(
     except ConnectionResetError:  # the client went away; leaving the FanOut cancels the rest
         request[STATS].status = CLIENT_CLOSED
     return sse.response
+
+
+async def _send_chunks(sse: EventStream, renderer: Renderer, choice: ChoiceState, event: TokenEvent) -> None:
+    """The event's chunks: a text delta from its choice's template, any other built and serialized."""
+    delta = renderer.delta_event(choice, event)
+    if delta is not None:
+        await sse.send_bytes(delta)
+        return
+    for chunk in renderer.chunks(choice, event):
+        await sse.send(chunk)
 
 
 def _raise_if_failed(fanout: FanOut, event: TokenEvent) -> None:
