@@ -17,6 +17,8 @@ output path; each hop is timed alone, as the CPU its process spends on one step:
   client (the real app over loopback; the clients are a child process reading raw bytes). Steps
   are paced (`--gateway-interval-ms`), so the CPU is one step's, not a backlog's; the process's
   CPU over as many idle intervals is taken off.
+- `gateway-behind`: the same, given `--behind` steps at a time (one XREAD's entries, as a gateway
+  that fell that far behind reads them): what a step costs it while it catches up.
 
 What a hop must stay well under is the device's step (a 1B-cost step at batch 256 on an H200 is a
 few milliseconds): a hop that takes longer falls behind, however the others do. Medians over
@@ -53,7 +55,7 @@ from shared.protocol import GenerateRequest, Message, OutputBatch, TokenEvent, e
 from shared.reference import default_model
 from shared.sampling_params import SamplingParams
 
-HOPS = ("core", "channel", "worker", "redis", "gateway")
+HOPS = ("core", "channel", "worker", "redis", "gateway", "gateway-behind")
 PROMPT_LEN = 200
 TEXT = " tok"
 """Each row's text delta (a token's worth of text)."""
@@ -217,8 +219,11 @@ def gateway_batch(ids: list[str], step: int, finished: bool = False) -> bytes:
     return encode(OutputBatch.of(events))
 
 
-async def time_gateway(num_streams: int, steps: int, interval_s: float, model: Path) -> float:
-    """CPU seconds a step of one gateway process serving `num_streams` SSE streams."""
+async def time_gateway(
+    num_streams: int, steps: int, interval_s: float, model: Path, behind: int = 1
+) -> float:
+    """CPU seconds a step of one gateway process serving `num_streams` SSE streams, given its
+    steps `behind` at a time (one XREAD's entries, for a gateway that fell that far behind)."""
     backend = BenchBackend()
     app = create_app(ServedModel.load(model), backend, GatewaySettings())
     from aiohttp import web
@@ -244,13 +249,15 @@ async def time_gateway(num_streams: int, steps: int, interval_s: float, model: P
         for step, payload in enumerate(payloads[:10]):  # the 200s, the first chunks
             await backend._dispatch(f"{step}-0", payload)
             await asyncio.sleep(interval_s)
+        num_reads = -(-steps // behind)
         started = time.process_time()
-        for _ in range(steps):  # the same pacing without batches: the process's idle cost
+        for _ in range(num_reads):  # the same pacing without batches: the process's idle cost
             await asyncio.sleep(interval_s)
         idle_s = time.process_time() - started
         started = time.process_time()
-        for step, payload in enumerate(payloads[10:], start=10):
-            await backend._dispatch(f"{step}-0", payload)
+        for read in range(num_reads):
+            for step in range(10 + read * behind, min(10 + (read + 1) * behind, len(payloads))):
+                await backend._dispatch(f"{step}-0", payloads[step])
             await asyncio.sleep(interval_s)
         gateway_s = (time.process_time() - started - idle_s) / steps
         await backend._dispatch(f"{steps + 10}-0", gateway_batch(ids, steps + 10, finished=True))
@@ -302,12 +309,14 @@ def measure(args: argparse.Namespace, num_rows: int, redis_port: int) -> dict[st
         seconds.update(time_core_and_channel(num_rows, args.steps))
     if {"worker", "redis"} & set(args.hops):
         seconds.update(asyncio.run(time_worker_and_redis(num_rows, args.gateways, args.steps, redis_port)))
-    if "gateway" in args.hops:
-        import uvloop
+    import uvloop
 
-        streams = max(1, num_rows // args.gateways)
-        interval_s = args.gateway_interval_ms / 1000
-        seconds["gateway"] = uvloop.run(time_gateway(streams, args.gateway_steps, interval_s, args.model))
+    streams = max(1, num_rows // args.gateways)
+    interval_s = args.gateway_interval_ms / 1000
+    for hop, behind in (("gateway", 1), ("gateway-behind", args.behind)):
+        if hop in args.hops:
+            gateway = time_gateway(streams, args.gateway_steps, interval_s, args.model, behind)
+            seconds[hop] = uvloop.run(gateway)
     return seconds
 
 
@@ -355,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gateway-interval-ms", type=float, default=20.0, help="between a gateway's steps (longer than one)"
     )
+    parser.add_argument("--behind", type=int, default=8, help="gateway-behind: steps a gateway takes at once")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hops", nargs="+", choices=HOPS, default=list(HOPS), help="time only these")
     parser.add_argument(
