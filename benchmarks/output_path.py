@@ -381,9 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     results = run(args)
     print(table(results, args.gateways))
     if args.out:
-        args.out.write_text(
-            json.dumps({"args": vars(args) | {"model": str(args.model)}, "ms": results}, indent=1)
-        )
+        settings = {
+            key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+        }
+        args.out.write_text(json.dumps({"args": settings, "ms": results}, indent=1))
 
 
 if __name__ == "__main__":
