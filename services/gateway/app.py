@@ -384,7 +384,7 @@ async def _stream(
                 await sse.fail(APIError.from_mesh(event.error))
                 break
             choices[index].add(event)
-            await sse.send(*renderer.chunks(choices[index], event))
+            await _send_chunks(sse, renderer, choices[index], event)
             trace.hop("gateway.sent", event.request_id, event.num_output_tokens)
         else:
             if job.include_usage:
@@ -393,6 +393,15 @@ async def _stream(
     except ConnectionResetError:  # the client went away; leaving the FanOut cancels the rest
         request[STATS].status = CLIENT_CLOSED
     return sse.response
+
+
+async def _send_chunks(sse: EventStream, renderer: Renderer, choice: ChoiceState, event: TokenEvent) -> None:
+    """The event's chunks: a text delta from its choice's template, any other built and serialized."""
+    delta = renderer.delta_event(choice, event)
+    if delta is not None:
+        await sse.send_bytes(delta)
+        return
+    await sse.send(*renderer.chunks(choice, event))
 
 
 def _raise_if_failed(fanout: FanOut, event: TokenEvent) -> None:

@@ -4,7 +4,8 @@
 this gateway's id, and workers send the outputs of every request of this gateway to one stream,
 the gateway's own (`out:{gateway_id}`): each entry is an `OutputBatch`, a step's new tokens for
 all of this gateway's requests that the step touched. ONE reader task follows that stream with a
-blocking XREAD, decodes each batch once, and hands every row to its request's queue, in order.
+blocking XREAD, decodes each batch once, and hands every row to its request, in order; a request
+takes every row queued for it at once, as one event.
 The reader remembers the last entry id, so after a Redis reconnect it resumes where it was: it
 alone trims the stream, and only of entries it has read. Each request checks the continuity of its
 rows (`continuity.py`): repeats are dropped, and a gap is waited on (a bounded time) for a replay,
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,7 +70,7 @@ class MeshBackend(Protocol):
 
     async def close(self) -> None: ...
 
-    def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    def submit(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """Sends the request into the mesh when iteration starts; yields its events (deltas) in
         order, the last one `finished` or carrying an `error`. Closing the iterator early stops
         following the request but does not cancel it: call `cancel` for that."""
@@ -94,10 +95,60 @@ def error_event(request_id: str, code: int, type: str, message: str) -> TokenEve
 
 @dataclass
 class _Follow:
-    """One open request and the events read for it."""
+    """One open request and the rows read for it, not yet taken."""
 
     request_id: str
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    rows: list[TokenEvent] = field(default_factory=list)
+    waiter: asyncio.Future[None] | None = None
+
+    def put(self, row: TokenEvent) -> None:
+        self.rows.append(row)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self, timeout_s: float) -> list[TokenEvent]:
+        """Every row queued, at once (a request that fell behind catches up in one go), waiting
+        up to `timeout_s` for one; none: the wait timed out."""
+        if not self.rows:
+            loop = asyncio.get_running_loop()
+            self.waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake, self.waiter)
+            try:
+                await self.waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+        rows, self.rows = self.rows, []
+        return rows
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def coalesce(events: list[TokenEvent]) -> list[TokenEvent]:
+    """Consecutive deltas of one request as one event (their tokens, text and logprobs in order,
+    the last one's position and end), so a reader that fell behind writes one chunk for several
+    steps; an error event (only ever the last) stays an event of its own."""
+    ending = events[-1:] if events and events[-1].error is not None else []
+    deltas = events[: len(events) - len(ending)]
+    if len(deltas) < 2:
+        return events
+    last = deltas[-1]
+    merged = TokenEvent(
+        last.request_id,
+        [token_id for event in deltas for token_id in event.token_ids],
+        "".join(event.text for event in deltas),
+        [logprob for event in deltas for logprob in event.logprobs],
+        last.finished,
+        last.finish_reason,
+        last.stop_reason,
+        last.num_output_tokens,
+        last.spec_stats,
+        prompt_logprobs=next((e.prompt_logprobs for e in deltas if e.prompt_logprobs is not None), None),
+    )
+    return [merged, *ending]
 
 
 class RedisBackend:
@@ -169,7 +220,7 @@ class RedisBackend:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def submit(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         request_id = request.request_id
         follow = self._follow(request_id)
         continuity = Continuity(request_id, self.replay_timeout_s)
@@ -188,18 +239,15 @@ class RedisBackend:
                 )
                 return
             while True:
-                try:
-                    event = await asyncio.wait_for(
-                        follow.queue.get(), continuity.wait_s(self.request_timeout_s)
-                    )
-                except asyncio.TimeoutError:
+                rows = await follow.take(continuity.wait_s(self.request_timeout_s))
+                if not rows:
                     message = f"no answer from the mesh for {self.request_timeout_s:g} s"
                     ending = continuity.timeout_error() or error_event(request_id, 504, "timeout", message)
                     assert ending.error is not None
                     await self.cancel(request_id, reason=f"gateway timeout: {ending.error.message}")
                     yield ending
                     return
-                for ready in continuity.accept(event):
+                for ready in coalesce(continuity.accept_all(rows)):
                     yield ready
                     if ready.finished or ready.error is not None:
                         return
@@ -318,7 +366,7 @@ class RedisBackend:
             trace.hop("gateway.read", event.request_id, event.num_output_tokens)
             follow = self._follows.get(event.request_id)
             if follow is not None:
-                follow.queue.put_nowait(event)
+                follow.put(event)
 
 
 def _text(value: bytes | str) -> str:

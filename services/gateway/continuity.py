@@ -59,6 +59,15 @@ class Continuity:
             self.gap_since = None
         return ready
 
+    def accept_all(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """`accept` of each in turn, up to the event that ends the request."""
+        ready: list[TokenEvent] = []
+        for event in events:
+            ready += self.accept(event)
+            if ready and (ready[-1].finished or ready[-1].error is not None):
+                break
+        return ready
+
     def wait_s(self, idle_timeout_s: float) -> float:
         """How long to wait for the next row: `idle_timeout_s`, or less while a gap is open."""
         if self.gap_since is None:

@@ -33,6 +33,7 @@ from services.gateway.openai_api import (
     Usage,
 )
 from services.gateway.prepare import Job
+from services.gateway.streaming import DeltaTemplate
 from services.gateway.tool_calls import ToolCallStream, parse_tool_calls
 from shared.protocol import TokenEvent, TokenLogprob
 from shared.tokenizer import Tokenizer
@@ -143,6 +144,8 @@ class Renderer:
         self.job = job
         self.model = model
         self.token_text = token_text
+        self._delta_templates: dict[int, DeltaTemplate] = {}
+        """Per choice index, its text-only chunk (`delta_event`)."""
 
     def response(self, choices: list[ChoiceState]) -> Completion | ChatCompletion:
         job = self.job
@@ -239,6 +242,19 @@ class Renderer:
             )
             chunks.append(self._chat_chunk(last))
         return chunks
+
+    def delta_event(self, choice: ChoiceState, event: TokenEvent) -> bytes | None:
+        """The SSE event of an event of `choice` that only adds text (no logprobs asked, no tools,
+        not its end), from the choice's template: what `chunks` would give, serialized. None for
+        any other event."""
+        if not event.text or event.finished or self.job.logprobs is not None or self.job.tools is not None:
+            return None
+        template = self._delta_templates.get(choice.index)
+        if template is None:
+            body = self.chunk(choice, TokenEvent(event.request_id, text=DeltaTemplate.PLACEHOLDER))
+            assert body is not None
+            template = self._delta_templates[choice.index] = DeltaTemplate(body, self.job.include_usage)
+        return template.event(event.text)
 
     def chunk(self, choice: ChoiceState, event: TokenEvent) -> OpenAIBody | None:
         """The chunk for one event of `choice` (already added to it); None when it carries nothing."""

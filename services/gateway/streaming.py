@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import uuid
+
 from aiohttp import web
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from services.gateway.errors import APIError
 
@@ -17,6 +20,31 @@ class _HeadersWithFirstChunk(web.StreamResponse):
     for the first token."""
 
     _send_headers_immediately = False
+
+
+def event_bytes(body: BaseModel, include_usage: bool) -> bytes:
+    """One SSE event of `body`."""
+    exclude = None if include_usage else {"usage"}
+    return b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+
+class DeltaTemplate:
+    """The SSE event of a chunk that carries nothing but a text delta, serialized once around a
+    placeholder: each delta's event is then the two halves around the text's JSON string, byte
+    for byte what serializing a body holding it gives, for a copy instead of a body built and
+    serialized per delta."""
+
+    PLACEHOLDER = f"specmesh-delta-{uuid.uuid4().hex}"
+
+    def __init__(self, body: BaseModel, include_usage: bool):
+        """`body`: the chunk, its text `PLACEHOLDER` (which must occur in it once)."""
+        head, placeholder, tail = event_bytes(body, include_usage).partition(to_json(self.PLACEHOLDER))
+        if not placeholder or to_json(self.PLACEHOLDER) in tail:
+            raise ValueError("the body must hold the placeholder once")
+        self.head, self.tail = head, tail
+
+    def event(self, text: str) -> bytes:
+        return self.head + to_json(text) + self.tail
 
 
 class EventStream:
@@ -39,10 +67,11 @@ class EventStream:
 
     async def send(self, *bodies: BaseModel) -> None:
         """`bodies` as chunks, in one write."""
-        exclude = None if self.include_usage else {"usage"}
-        await self.response.write(
-            b"".join(b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n" for body in bodies)
-        )
+        await self.response.write(b"".join(event_bytes(body, self.include_usage) for body in bodies))
+
+    async def send_bytes(self, event: bytes) -> None:
+        """A chunk already serialized (`event_bytes`, or a `DeltaTemplate`'s)."""
+        await self.response.write(event)
 
     async def fail(self, error: APIError) -> None:
         """A failure after the 200 went out: an error event (the OpenAI SDK raises on it), and the

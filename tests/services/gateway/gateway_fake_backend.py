@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp.test_utils import TestClient
@@ -136,7 +136,7 @@ class InProcessBackend:
     async def close(self) -> None:
         self.closed = True
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def submit(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         self.submitted.append(request)
         async for event in self.script(request):
             yield event

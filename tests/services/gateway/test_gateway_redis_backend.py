@@ -16,10 +16,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway_fake_backend import sse_data
 
 from services.gateway.app import GatewaySettings, create_app
-from services.gateway.backend import HEALTH_EVERY_S, HEALTH_PROBE_TIMEOUT_S, RedisBackend
+from services.gateway.backend import HEALTH_EVERY_S, HEALTH_PROBE_TIMEOUT_S, RedisBackend, coalesce
 from services.gateway.prepare import ServedModel
 from shared.bus import Bus, RedisSettings
-from shared.protocol import Cancel, GenerateRequest, OutputBatch, Submit, TokenEvent, encode
+from shared.protocol import (
+    Cancel,
+    ErrorInfo,
+    GenerateRequest,
+    OutputBatch,
+    Submit,
+    TokenEvent,
+    TokenLogprob,
+    encode,
+)
 from shared.sampling_params import SamplingParams
 
 
@@ -111,7 +120,8 @@ async def test_events_published_by_hand_reach_the_submitter_in_order(backend: Re
     for i in range(5):
         await publish(bus, backend.gateway_id, token_event("r1", i, last=i == 4))
     received = await asyncio.wait_for(events, 5)
-    assert [e.text for e in received] == [f"<r1:{i}>" for i in range(5)]
+    assert "".join(e.text for e in received) == "".join(f"<r1:{i}>" for i in range(5))
+    assert [t for e in received for t in e.token_ids] == list(range(5))
     assert received[-1].finished
 
 
@@ -166,11 +176,77 @@ async def test_64_concurrent_requests_each_get_their_own_events_in_order(
         )
     finally:
         await worker.stop()
-    for rid, events in zip(ids, results):
-        assert [e.request_id for e in events] == [rid] * 20
-        assert [e.text for e in events] == [f"<{rid}:{i}>" for i in range(20)]
-        assert [e.finished for e in events] == [False] * 19 + [True]
+    for rid, events in zip(ids, results):  # rows that queued up meanwhile come as one event
+        assert {e.request_id for e in events} == {rid}
+        assert "".join(e.text for e in events) == "".join(f"<{rid}:{i}>" for i in range(20))
+        assert [t for e in events for t in e.token_ids] == list(range(20))
+        assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
     assert backend._follows == {}
+
+
+async def test_a_request_that_fell_behind_takes_its_queued_rows_as_one_event(
+    backend: RedisBackend, bus: Bus
+) -> None:
+    """Rows that came while the request was not reading are one event: one chunk for its client,
+    whatever the number of steps it missed (the reader's work no longer grows with its lag)."""
+    stream = backend.submit(generate_request("r"))
+    first = asyncio.ensure_future(anext(stream))
+    await requests_on_bus(bus, 1)
+    await publish(bus, backend.gateway_id, token_event("r", 0))
+    assert (await asyncio.wait_for(first, 5)).token_ids == [0]
+    for i in range(1, 6):
+        await publish(bus, backend.gateway_id, token_event("r", i, last=i == 5))
+    deadline = time.monotonic() + 5
+    while len(backend._follows["r"].rows) < 5 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    caught_up = await anext(stream)
+    assert caught_up.token_ids == [1, 2, 3, 4, 5]
+    assert caught_up.text == "".join(f"<r:{i}>" for i in range(1, 6))
+    assert caught_up.finished and caught_up.finish_reason == "stop" and caught_up.num_output_tokens == 6
+    await stream.aclose()
+    assert backend._follows == {}
+
+
+def test_coalesce_keeps_every_token_logprob_and_the_last_rows_end() -> None:
+    prompt = [None, TokenLogprob(token_id=3, logprob=-1.0)]
+    rows = [
+        TokenEvent(
+            "r",
+            [1],
+            "a",
+            [TokenLogprob(token_id=1, logprob=-0.1)],
+            num_output_tokens=1,
+            prompt_logprobs=prompt,
+        ),
+        TokenEvent(
+            "r",
+            [2, 3],
+            "bc",
+            [TokenLogprob(token_id=2, logprob=-0.2), TokenLogprob(token_id=3, logprob=-0.3)],
+            num_output_tokens=3,
+        ),
+        TokenEvent(
+            "r",
+            [4],
+            "d",
+            [TokenLogprob(token_id=4, logprob=-0.4)],
+            True,
+            "stop",
+            "END",
+            4,
+            {"num_verify_steps": 3},
+        ),
+    ]
+    [merged] = coalesce(rows)
+    assert (merged.token_ids, merged.text, merged.num_output_tokens) == ([1, 2, 3, 4], "abcd", 4)
+    assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4]
+    assert merged.prompt_logprobs == prompt
+    assert (merged.finished, merged.finish_reason, merged.stop_reason) == (True, "stop", "END")
+    assert merged.spec_stats == {"num_verify_steps": 3}
+    error = TokenEvent("r", finished=True, error=ErrorInfo(code=500, type="server_error", message="lost"))
+    merged_rows = coalesce([*rows[:2], error])
+    assert [e.text for e in merged_rows] == ["abc", ""] and merged_rows[1] is error
+    assert coalesce(rows[:1]) == rows[:1] and coalesce([]) == []
 
 
 async def test_a_new_request_hears_its_first_event_while_the_reader_blocks(
@@ -209,7 +285,10 @@ async def test_reader_resumes_after_its_connection_is_killed(backend: RedisBacke
     for i in range(3, 6):
         await publish(bus, backend.gateway_id, token_event("r", i, last=i == 5))
     received = await asyncio.wait_for(events, 10)
-    assert [e.text for e in received] == [f"<r:{i}>" for i in range(6)]
+    # rows that queued up while the request was not reading come as one event
+    assert "".join(e.text for e in received) == "".join(f"<r:{i}>" for i in range(6))
+    assert [t for e in received for t in e.token_ids] == list(range(6))
+    assert received[-1].finished and received[-1].num_output_tokens == 6
 
 
 async def test_silent_request_times_out_with_504_and_is_cancelled(
