@@ -502,3 +502,36 @@ def test_a_grammar_step_ahead_fills_its_masks_after_the_step_before_lands(
     for i in ahead:  # the step before lands between the forward and the masks of the step ahead
         assert events[i : i + 4] == ["forward ahead", "result", "fill", "tail"]
     assert not llm.engine.inputs.slot_of
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["naive", "ngram"])
+def test_grammar_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, method: str) -> None:
+    """With CUDA graphs on a GPU (a grammar step's forward replayed ahead, its masks copied in and
+    its tail replayed once the step before has landed), grammar and plain requests end as without
+    asynchronous scheduling."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if method == "ngram" else {}
+    prompts = repetitive_prompts(12, seed=5)
+    reference = [[int(t) for t in prompt[:16]] for prompt in prompts]
+    params = grammar_params(reference, ["ab" * 8] * len(prompts))
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+            cuda_graph_max_tokens=64,
+        )
+        pending = count_pending_tails(llm.engine)
+        outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert llm.engine.runner.graphs is not None
+        if method == "naive":
+            assert (pending[0] > 10) == async_scheduling
+        llm.close()
+    assert_alike(*outputs)
+    assert_grammars_followed(outputs[1], params)
