@@ -21,8 +21,7 @@ string found by `_emit` ends the request with the same text, its extra steps dro
 
 A step with grammar rows runs ahead in two parts: its forward is launched before the step in flight
 lands; its tail (verify with the masks) once that step has landed, its tokens advanced each
-grammar and the host filled the masks, while the forward runs (`_launch_tail`). The landed step's
-outputs are made while the masks fill, and returned by the call that landed it. The device waits
+grammar and the host filled the masks, while the forward runs (`_launch_tail`). The device waits
 for the masks only where landing and filling outlast the forward. Only grammar requests that verify
 no drafts run ahead (k = 0: naive, or a drafting method the controller left at k = 0): a constrained
 request's drafts are cut on the host at the first token its grammar refuses before its step is
@@ -451,6 +450,7 @@ class LLMEngine:
         step = launched.result()
         ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
         handed_off = self._apply(batch, plan, step)
+        self._launch_tail()
         outputs += self._emit(handed_off)  # with their KV, not a step later
         self._free_stopped()
         self.drafter.propose_on_host(plan)
@@ -462,7 +462,7 @@ class LLMEngine:
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
             self.drafter.record_step(plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed)
-        return outputs + self._launch_tail()
+        return outputs
 
     def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` to `on_outputs` now, if set (then `step()` does not return them), else kept."""
@@ -471,18 +471,12 @@ class LLMEngine:
         self.on_outputs(outputs)
         return []
 
-    def _launch_tail(self) -> list[RequestOutput]:
+    def _launch_tail(self) -> None:
         """Launches the tail of the step in flight where it waits for its grammar masks: the step
-        before it has just landed, so each grammar has moved past that step's tokens. The masks
-        fill on the fill's threads while this thread produces the landed step's outputs (which
-        are returned here, not by the next call), then the tail is launched."""
+        before it has just landed, so each grammar has moved past that step's tokens."""
         flight = self._in_flight
-        if flight is None or not isinstance(flight.launched, PendingTail):
-            return []
-        self.runner.start_masks(flight.launched)
-        outputs = self._hand_over(self._emit(self._take_unemitted()))
-        flight.launched = self.runner.launch_tail(flight.launched)
-        return outputs
+        if flight is not None and isinstance(flight.launched, PendingTail):
+            flight.launched = self.runner.launch_tail(flight.launched)
 
     def _may_run_ahead(self, flight: InFlight) -> bool:
         """Whether the next step may be launched before `flight` lands."""

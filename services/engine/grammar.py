@@ -130,7 +130,6 @@ class StepMasks:
         self._host = torch.empty(0, self.num_words, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
         self._filler: MaskFiller | None = None
-        self._starter: ThreadPoolExecutor | None = None
 
     def fill(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> torch.Tensor:
         """[num_rows, num_words] int32 on the host: `write`, and every token allowed in the rows of
@@ -143,13 +142,6 @@ class StepMasks:
                 rows[start:end] = -1
         self.write(seqs, cu_num_rows, host)
         return host
-
-    def start(self, seqs: list[Sequence], cu_num_rows: np.ndarray) -> Future[torch.Tensor]:
-        """`fill` on a thread of its own, so that the caller's other work runs meanwhile; nothing
-        may move the requests' grammars or drafts until it is done."""
-        if self._starter is None:
-            self._starter = ThreadPoolExecutor(1, "grammar-start")
-        return self._starter.submit(self.fill, seqs, cu_num_rows)
 
     def write(self, seqs: list[Sequence], cu_num_rows: np.ndarray, bitmask: torch.Tensor) -> None:
         """Request i's rows `cu_num_rows[i] ..` of `bitmask` get the masks of its grammar after its
@@ -190,8 +182,6 @@ class StepMasks:
 
     def close(self) -> None:
         """Stops the fill's threads (none were started without a grammar request)."""
-        if self._starter is not None:
-            self._starter.shutdown(wait=False)
         if self._filler is not None:
             self._filler.close()
 

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -161,8 +160,6 @@ class PendingTail:
     logits: torch.Tensor | None = None  # [num_rows, vocab_size] an eager tail's input
     tensors: StepTensors | None = None
     """An eager tail's device tensors."""
-    masks: Future[torch.Tensor] | None = None
-    """Its masks being filled on the host (`ModelRunner.start_masks`), else None."""
 
 
 class ResultBuffer:
@@ -448,13 +445,6 @@ class ModelRunner:
         pending = self._run_forward(step, plan, fused=True)
         return pending if step.has_grammar else self.launch_tail(pending)
 
-    def start_masks(self, pending: PendingTail) -> None:
-        """Starts filling the pending step's grammar masks on a thread of the fill, from the
-        grammars as they are now: the caller works on meanwhile, and `launch_tail` waits for them."""
-        step = pending.step
-        if step.has_grammar:
-            pending.masks = self.step_masks.start(pending.plan.seqs, step.cu_num_rows)
-
     @torch.inference_mode()
     def launch_tail(self, pending: PendingTail) -> LaunchedStep:
         """The tail of a step whose forward is queued: its grammar masks filled from the host's
@@ -517,7 +507,7 @@ class ModelRunner:
         step, plan, fused = pending.step, pending.plan, pending.fused
         if pending.key is not None:
             assert self.graphs is not None
-            self._copy_masks(step, plan, self.graphs.bitmask, pending.masks)
+            self._copy_masks(step, plan, self.graphs.bitmask)
             packed = self.graphs.replay_tail(step, pending.key, plan)
             return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
         assert pending.logits is not None and pending.tensors is not None
@@ -526,7 +516,7 @@ class ModelRunner:
             tensors.bitmask = torch.empty(
                 len(step.masked_rows), self.step_masks.num_words, dtype=torch.int32, device=self.device
             )
-            self._copy_masks(step, plan, tensors.bitmask, pending.masks)
+            self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
         return (*self._tail_eagerly(pending.logits, tensors, plan, fused), prompt)
 
@@ -539,21 +529,14 @@ class ModelRunner:
             return
         forward.hidden, forward.aux_hidden = self.model.forward_with_aux(*args, self.aux_layers)
 
-    def _copy_masks(
-        self, step: HostStep, plan: StepPlan, out: torch.Tensor, filling: Future[torch.Tensor] | None = None
-    ) -> None:
+    def _copy_masks(self, step: HostStep, plan: StepPlan, out: torch.Tensor) -> None:
         """The grammar masks of the step's rows into `out` ([>= num_rows, num_words] on the device),
         filled on the host once the forward is launched, so that the filling runs while the device
-        computes it (rank 0 fills, or waits for `filling`, a fill started earlier; the other ranks
-        receive its masks). Nothing for a step without a grammar: no row reads a mask."""
+        computes it (rank 0 fills; the other ranks receive its masks). Nothing for a step without a
+        grammar: no row reads a mask."""
         if not step.has_grammar:
             return
-        fill = (
-            filling.result
-            if filling is not None
-            else lambda: self.step_masks.fill(plan.seqs, step.cu_num_rows)
-        )
-        masks = self.ranks.share(fill)
+        masks = self.ranks.share(lambda: self.step_masks.fill(plan.seqs, step.cu_num_rows))
         self.step_masks.copy_to(masks, out[: len(masks)])
 
     def _score_prompt(self, hidden: torch.Tensor, step: HostStep) -> PromptScores | None:
