@@ -20,21 +20,18 @@ discarded (never emitted; its KV and slot freed); blocks are reserved for two st
 string found by `_emit` ends the request with the same text, its extra steps dropped.
 
 A step with grammar rows runs ahead in two parts: its forward is launched before the step in flight
-lands; its tail (verify with the masks) once that step has landed, its tokens advanced each
-grammar and the host filled the masks, while the forward runs (`_launch_tail`). The device waits
-for the masks only where landing and filling outlast the forward. Only grammar requests that verify
-no drafts run ahead (k = 0: naive, or a drafting method the controller left at k = 0): a constrained
-request's drafts are cut on the host at the first token its grammar refuses before its step is
-planned, and a step launched ahead verifies drafts the host has not seen yet. The masked verify
-would reject a refused draft at its row all the same (its mask refuses it), so the tokens would not
-change; but the forward would compute the rows the cut drops, and the refusals would reach the
-drafting controller as rejections. Steps that need the host wait for the step in flight and take the
-path above: prefill chunks, requests joining (admitted, resumed, activated) or preempted, grammar
-requests with drafts, the torch verifier (penalties,
-logit bias, logprobs, min_tokens not reached yet), drafts made on the host (suffix decoding's,
-where a request drafts at all: one left at k = 0 runs ahead), draft trees, a short KV cache or a
-request near max_model_len. Under tensor parallelism every rank launches the same steps ahead,
-each completing them from its own input batch.
+lands; its tail (verify with the masks) once that step has landed, its tokens advanced each grammar
+and the host filled the masks, while the forward runs (`_launch_tail`). The device waits for the
+masks only where landing and filling outlast the forward. Grammar requests that verify drafts do
+not run ahead (`_drafts_ahead`).
+
+Steps that need the host wait for the step in flight and take the path above: prefill chunks,
+requests joining (admitted, resumed, activated) or preempted, grammar requests with drafts, the
+torch verifier (penalties, logit bias, logprobs, min_tokens not reached yet), drafts made on the
+host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), draft trees,
+a short KV cache or a request near max_model_len. Under tensor parallelism every rank launches the
+same steps ahead, each completing them from its own input batch (a grammar step's masks included:
+rank 0 fills them when it launches the tail and sends them, the others receive them before theirs).
 """
 
 from __future__ import annotations
@@ -510,7 +507,12 @@ class LLMEngine:
 
     def _drafts_ahead(self, seq: Sequence, num_drafts: int) -> bool:
         """Whether the request's next step, verifying `num_drafts` drafts, may be launched ahead: the
-        drafts come from the device, and a grammar request verifies none (the module says why)."""
+        drafts come from the device, and a grammar request verifies none. A grammar request's drafts
+        are cut on the host at the first token its grammar refuses before its step is planned
+        (`Drafter.cut_refused_drafts`); a step launched ahead verifies drafts the host has not seen.
+        Its masked verify would reject a refused draft at its row all the same (the row's mask
+        refuses it), so the tokens would not change, but the forward would compute the rows the
+        cut drops, and the drafting controller would count the refusals as rejections."""
         return self.drafter.drafts_on_device(seq, num_drafts) and (seq.grammar is None or num_drafts == 0)
 
     def _take_unemitted(self) -> list[Emission]:
