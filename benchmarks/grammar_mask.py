@@ -21,10 +21,17 @@ different place in a legal answer, each with k drafts that follow it (so every r
 rows), advanced by one token per step; on each of `--threads` (the fill's threads).
 
 With `--engine-model` (a checkpoint: on a GPU, the 1B-cost widened target of benchmarks.widen), the
-engine decodes `batch` requests side by side twice: plain, then each constrained to a JSON schema
-that cannot end before max_tokens (so every step masks every row). The figure is the median decode
-step with the grammar against the plain one (the goal: at most 5% more), beside the host time
-spent filling the masks per step, which runs while the forward runs.
+engine decodes `batch` requests side by side three times: plain, then each constrained to a JSON
+schema that cannot end before max_tokens (so every step masks every row), with steps launched
+ahead (the engine's default) and synchronously (as before grammar steps ran ahead). The figure is
+the median decode step with the grammar against the plain one (the goal: at most 5% more), beside
+the host time spent filling the masks per step, which runs while the forward runs.
+
+With `--host-path` (CPU, the shipped model): the host's path of a decode step with grammar rows,
+from reading the step before back to launching this step's tail (`host_path`), steps launched
+ahead against synchronous ones, every request under the long JSON schema:
+
+    python -m benchmarks.grammar_mask --host-path --batch 16 64 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -377,11 +384,16 @@ def engine_step_cost(
     decode_steps_ms(engine, 1, constrained)  # warm-up: compiles the grammar, fills the caches
     rows = []
     for batch in batches:
-        plain_ms = grammar_ms = float("inf")
+        plain_ms = grammar_ms = synchronous_ms = float("inf")
         fills.clear()
         for _ in range(repeats):
             plain_ms = min(plain_ms, statistics.median(decode_steps_ms(engine, batch, plain)))
             grammar_ms = min(grammar_ms, statistics.median(decode_steps_ms(engine, batch, constrained)))
+            grammar_steps_ahead(engine, False)
+            synchronous_ms = min(
+                synchronous_ms, statistics.median(decode_steps_ms(engine, batch, constrained))
+            )
+            grammar_steps_ahead(engine, True)
         rows.append(
             {
                 "batch": batch,
@@ -389,14 +401,153 @@ def engine_step_cost(
                 "grammar_step_ms": grammar_ms,
                 "mask_cost_ms": grammar_ms - plain_ms,
                 "mask_cost_fraction": (grammar_ms - plain_ms) / plain_ms,
+                "grammar_step_synchronous_ms": synchronous_ms,
+                "synchronous_cost_fraction": (synchronous_ms - plain_ms) / plain_ms,
                 "host_fill_ms_median": statistics.median(fills) if fills else None,
                 "num_fills": len(fills),
             }
         )
+        fill_ms = statistics.median(fills) if fills else 0.0
         print(
             f"batch {batch:>3}: plain step {plain_ms:.3f} ms, with the grammar {grammar_ms:.3f} ms "
-            f"({100 * rows[-1]['mask_cost_fraction']:+.1f}%), host fill {rows[-1]['host_fill_ms_median'] or 0:.3f} ms/step"
+            f"({100 * (grammar_ms / plain_ms - 1):+.1f}%; its steps synchronous {synchronous_ms:.3f} ms, "
+            f"{100 * (synchronous_ms / plain_ms - 1):+.1f}%), host fill {fill_ms:.3f} ms/step"
         )
+    llm.close()
+    return rows
+
+
+def grammar_steps_ahead(engine: Any, ahead: bool) -> None:
+    """Whether the engine launches steps with grammar rows ahead (its default) or synchronously,
+    as it did before they ran ahead (the step before lands, then the step is planned and launched)."""
+    may_run_ahead = engine.__class__._may_run_ahead
+
+    def synchronous(flight: Any) -> bool:
+        return may_run_ahead(engine, flight) and not any(seq.grammar for seq in flight.plan.seqs)
+
+    engine._may_run_ahead = (lambda flight: may_run_ahead(engine, flight)) if ahead else synchronous
+
+
+HostEvent = tuple[str, float, float, bool]
+"""(kind, start, end, the step decodes only): a forward or (once its masks are in) a tail
+launched, a fill, a result read."""
+
+
+def record_host_events(engine: Any, events: list[HostEvent]) -> Callable[[], None]:
+    """Appends to `events` when each step's forward and tail are launched and end (on a CPU they
+    compute inline), when each fill runs, and when each result is read back; what undoes the
+    read-back's recording (the others are the engine's own)."""
+    from services.engine.model_runner import LaunchedStep
+
+    runner, masks = engine.runner, engine.runner.step_masks
+
+    def wrap(owner: Any, name: str, kind: str, is_decode: Callable[..., bool]) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            value = original(*args, **kwargs)
+            events.append((kind, started, time.perf_counter(), is_decode(*args)))
+            return value
+
+        setattr(owner, name, wrapper)
+
+    wrap(runner, "_run_forward", "forward", lambda step, *_: step.is_decode)
+    wrap(runner, "_tail_eagerly", "tail", lambda *_: True)  # once the masks are copied in
+    wrap(masks, "fill", "fill", lambda *_: True)
+    wrap(engine, "step", "step", lambda: True)
+    original_result = LaunchedStep.result
+
+    def result(self: Any) -> Any:
+        output = original_result(self)
+        events.append(("read", time.perf_counter(), time.perf_counter(), self.is_decode))
+        return output
+
+    LaunchedStep.result = result  # type: ignore[method-assign]
+    return lambda: setattr(LaunchedStep, "result", original_result)
+
+
+def host_path(events: list[HostEvent]) -> dict[str, float]:
+    """Per decode step S (median, ms): the host's time from reading back step S - 1 to launching
+    S's tail, less S's forward where it lies between (a GPU runs it; here the CPU computes it
+    inline), split into the part before S's forward is launched, which the device idles through,
+    and the part while it runs (landing S - 1, filling S's masks), which the device waits for only
+    past the forward; the fill alone; and an engine step's host time, outside the model's forward
+    and tail (the least a step can take however fast the device)."""
+    before, during, fills, host = [], [], [], []
+    last_read: float | None = None
+    forward: HostEvent | None = None
+    fill_s = computed_s = 0.0
+    for event in events:
+        kind, start, end, decode = event
+        if kind in ("forward", "tail"):
+            computed_s += end - start
+        if kind == "step":  # recorded at its end: what it spent outside the model
+            host.append(end - start - computed_s)
+            computed_s = 0.0
+        elif kind == "read":
+            last_read, fill_s = end, 0.0
+        elif kind == "forward":
+            forward = event
+        elif kind == "fill":
+            fill_s += end - start
+        elif kind == "tail" and decode and last_read is not None and forward is not None and forward[3]:
+            if forward[1] >= last_read:  # launched after the read: a synchronous step
+                before.append(forward[1] - last_read)
+                during.append(start - forward[2])
+            else:  # launched ahead
+                before.append(0.0)
+                during.append(start - last_read)
+            fills.append(fill_s)
+    skip = 2  # the first decode steps still bring the grammars' and drafts' set-up
+    return {
+        "before_forward_ms": 1e3 * statistics.median(before[skip:]),
+        "while_forward_ms": 1e3 * statistics.median(during[skip:]),
+        "fill_ms": 1e3 * statistics.median(fills[skip:]),
+        "host_ms": 1e3 * statistics.median(host[skip:]),
+        "num_steps": len(before) - skip,
+    }
+
+
+def host_path_cost(batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
+    """Per batch: `host_path` of decode steps with every request under LONG_SCHEMA, with steps
+    that carry grammar rows launched ahead (the engine's) and synchronous (as before they ran
+    ahead), the two interleaved `repeats` times on the shipped model on the CPU; the smallest
+    median of each kept."""
+    from services.engine.llm import LLM
+
+    # one torch thread: torch's threads spinning after the forward would take the fill's core
+    llm = LLM(str(MODEL), device="cpu", max_num_seqs=max(batches), max_model_len=512, cpu_threads=1)
+    engine = llm.engine
+    events: list[HostEvent] = []
+    restore = record_host_events(engine, events)
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, structured=StructuredOutput.json_schema(LONG_SCHEMA)
+    )
+    decode_steps_ms(engine, 1, params)  # warm-up: compiles the grammar
+    rows = []
+    for batch in batches:
+        best: dict[str, dict[str, float]] = {}
+        for _ in range(repeats):
+            for mode in ("synchronous", "ahead"):
+                grammar_steps_ahead(engine, mode == "ahead")
+                events.clear()
+                step_ms = statistics.median(decode_steps_ms(engine, batch, params))
+                path = host_path(events) | {"step_ms": step_ms}
+                total = path["before_forward_ms"] + path["while_forward_ms"]
+                if (
+                    mode not in best
+                    or total < best[mode]["before_forward_ms"] + best[mode]["while_forward_ms"]
+                ):
+                    best[mode] = path
+        for mode, path in best.items():
+            rows.append({"batch": batch, "grammar_steps": mode, **path})
+            print(
+                f"batch {batch:>3}, grammar steps {mode:<11}: host path {path['before_forward_ms']:.3f} ms "
+                f"before the forward + {path['while_forward_ms']:.3f} ms while it runs "
+                f"(fill {path['fill_ms']:.3f} ms); host {path['host_ms']:.3f} ms a step; CPU step {path['step_ms']:.1f} ms"
+            )
+    restore()
     llm.close()
     return rows
 
@@ -428,7 +579,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (default: bfloat16)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
     parser.add_argument("--out", type=Path, help="write the engine mode's result JSON here")
+    parser.add_argument(
+        "--host-path",
+        action="store_true",
+        help="the host's path of a decode step with grammar rows, launched ahead and synchronous (CPU)",
+    )
     args = parser.parse_args(argv)
+    if args.host_path:
+        rows = host_path_cost(args.batch, args.max_tokens, args.repeats)
+        if args.out:
+            args.out.write_text(json.dumps({"device": "cpu", "rows": rows}, indent=2) + "\n")
+        return
     if args.step_masks:
         threads = args.threads or [None]
         if any(t is not None and t < 1 for t in threads):

@@ -34,8 +34,8 @@
 # drafts cut at the grammar), grammar-fill.json (benchmarks.grammar_mask --step-masks, CPU only: the host's fill
 # of a step's masks on 1 / 2 / 4 / 8 / 16 threads x batch 1 / 16 / 64 x k 0 / 3, under the long schema of the
 # step benchmark, edit_schema.json (code) and json_edit_schema.json (json_editing)), grammar-mask.json (benchmarks.grammar_mask
-# --engine-model: decode step with every request under a JSON schema vs plain, batch 1 / 16 / 64, on the 1B-cost
-# widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
+# --engine-model: decode step with every request under a JSON schema vs plain, its steps launched ahead and
+# synchronous, batch 1 / 16 / 64, on the 1B-cost widened target), offline-grammar-<off|on>.json (naive / ngram / mtp on code_editing with benchmarks/workloads/edit_schema.json
 # off and on) and offline-grammar-json-<off|on>.json (the same on json_editing with json_edit_schema.json);
 # GRAMMAR_PARTS (tests fill step offline) and GRAMMAR_WORKLOADS split it over calls; "fill step offline"
 # measures the fill, the per-step mask cost and the speedups with a schema in one call.
@@ -422,14 +422,16 @@ if [[ " $stages " == *" grammar "* ]]; then
     # structured output on the GPU (xgrammar must be among the carried wheels), in parts (GRAMMAR_PARTS,
     # default "tests fill step offline"; split it over calls, e.g. "tests fill step", then "offline"):
     # tests: the fused verify with the grammar bitmask against its reference and the torch sampler,
-    # graph replays with grammar requests, the host's batched fill and draft cut; fill: the host fill
-    # alone; step: the per-step mask cost on the 1B-cost widened target at batch 1 / 16 / 64 against a
-    # plain step (grammar-mask.json); offline: ngram / mtp over naive with a JSON schema off and on
+    # graph replays with grammar requests, grammar steps launched ahead against synchronous ones, the
+    # host's batched fill and draft cut; fill: the host fill alone; step: the per-step mask cost on the
+    # 1B-cost widened target at batch 1 / 16 / 64 against a plain step, grammar steps launched ahead
+    # and synchronous, in the same run (grammar-mask.json); offline: ngram / mtp over naive with a JSON schema off and on
     # (GRAMMAR_WORKLOADS, default "code_editing json_editing")
     parts=${GRAMMAR_PARTS:-tests fill step offline}
     if [[ " $parts " == *" tests "* ]]; then
         timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_verify.py \
-            tests/services/engine/test_cuda_graph.py -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
+            tests/services/engine/test_cuda_graph.py tests/services/engine/spec_decode/test_async_scheduling.py \
+            -k "mask or grammar" 2>&1 | tee "$OUT/grammar-tests.log" | tail -12
         status=$((status | PIPESTATUS[0]))
         timeout 120 python3 -m pytest -p no:cacheprovider -q tests/services/engine/test_grammar.py \
             2>&1 | tee -a "$OUT/grammar-tests.log" | tail -3
@@ -445,7 +447,7 @@ if [[ " $stages " == *" grammar "* ]]; then
         widen llama-3.2-1b
     fi
     if [[ " $parts " == *" step "* ]]; then
-        timeout 240 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
+        timeout 360 python3 -m benchmarks.grammar_mask --engine-model $dir/target --device cuda --dtype bfloat16 \
             --batch 1 16 64 --max-tokens 128 --out "$OUT/grammar-mask.json" 2>&1 | tee -a "$OUT/grammar.log" | tail -3
     fi
     methods=$(offline_methods $dir naive ngram mtp3)

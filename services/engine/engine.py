@@ -17,13 +17,21 @@ leaves on the device (services/engine/run_ahead.py), so the device never waits f
 apply / emit / plan between two decode steps. The host then runs one step behind: a request that
 ends (EOS, a stop id, max_tokens) is found a step late, and what its extra step computed is
 discarded (never emitted; its KV and slot freed); blocks are reserved for two steps' growth; a stop
-string found by `_emit` ends the request with the same text, its extra steps dropped. Steps that
-need the host wait for the step in flight and take the path above: prefill chunks, requests
-joining (admitted, resumed, activated) or preempted, grammar masks, the torch verifier (penalties,
-logit bias, logprobs, min_tokens not reached yet), drafts made on the host (suffix decoding's,
-where a request drafts at all: one left at k = 0 runs ahead), draft trees, a short KV cache or a
-request near max_model_len. Under tensor parallelism every rank launches the same steps ahead,
-each completing them from its own input batch.
+string found by `_emit` ends the request with the same text, its extra steps dropped.
+
+A step with grammar rows runs ahead in two parts: its forward is launched before the step in flight
+lands; its tail (verify with the masks) once that step has landed, its tokens advanced each grammar
+and the host filled the masks, while the forward runs (`_launch_tail`). The device waits for the
+masks only where landing and filling outlast the forward. Grammar requests that verify drafts do
+not run ahead (`_drafts_ahead`).
+
+Steps that need the host wait for the step in flight and take the path above: prefill chunks,
+requests joining (admitted, resumed, activated) or preempted, grammar requests with drafts, the
+torch verifier (penalties, logit bias, logprobs, min_tokens not reached yet), drafts made on the
+host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), draft trees,
+a short KV cache or a request near max_model_len. Under tensor parallelism every rank launches the
+same steps ahead, each completing them from its own input batch (a grammar step's masks included:
+rank 0 fills them when it launches the tail and sends them, the others receive them before theirs).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import torch
 from services.engine.block_manager import BlockManager
 from services.engine.grammar import GrammarCompiler, GrammarState
 from services.engine.kv_export import KVExport
-from services.engine.model_runner import LaunchedStep, ModelRunner, SeqResult, StepOutput
+from services.engine.model_runner import LaunchedStep, ModelRunner, PendingTail, SeqResult, StepOutput
 from services.engine.output_processor import OutputProcessor
 from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -79,7 +87,8 @@ class InFlight:
 
     batch: ScheduledBatch
     plan: StepPlan
-    launched: LaunchedStep
+    launched: LaunchedStep | PendingTail
+    """A step launched ahead with grammar rows is a `PendingTail` until the step before it lands."""
     called_s: float
     """When the `step()` call that launched it began (`perf_counter`)."""
 
@@ -431,12 +440,14 @@ class LLMEngine:
         to back, one step's worth of the engine's whole time, a synchronous step's planning and
         launch and a step launched ahead's overlap with the last alike."""
         batch, plan, launched = flight.batch, flight.plan, flight.launched
+        assert isinstance(launched, LaunchedStep)  # its tail was launched when the step before landed
         outputs = self._hand_over(self._emit(self._take_unemitted()))  # while the device works
         self.drafter.choose_pending()
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
         ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
         handed_off = self._apply(batch, plan, step)
+        self._launch_tail()
         outputs += self._emit(handed_off)  # with their KV, not a step later
         self._free_stopped()
         self.drafter.propose_on_host(plan)
@@ -457,9 +468,18 @@ class LLMEngine:
         self.on_outputs(outputs)
         return []
 
+    def _launch_tail(self) -> None:
+        """Launches the tail of the step in flight where it waits for its grammar masks: the step
+        before it has just landed, so each grammar has moved past that step's tokens."""
+        flight = self._in_flight
+        if flight is not None and isinstance(flight.launched, PendingTail):
+            flight.launched = self.runner.launch_tail(flight.launched)
+
     def _may_run_ahead(self, flight: InFlight) -> bool:
         """Whether the next step may be launched before `flight` lands."""
-        return self.config.async_scheduling and self.runner.can_run_ahead and flight.launched.device_only
+        launched = flight.launched
+        assert isinstance(launched, LaunchedStep)
+        return self.config.async_scheduling and self.runner.can_run_ahead and launched.device_only
 
     def _launch_ahead(self, previous: InFlight, called_s: float) -> InFlight | None:
         """The next decode step of the running requests, launched before `previous` (a decode step,
@@ -475,7 +495,7 @@ class LLMEngine:
             )
             if seq.finish_reason is None and seq.status is SequenceStatus.RUNNING
         ]
-        if not queries or not all(self.drafter.drafts_on_device(seq, n - 1) for seq, n, _ in queries):
+        if not queries or not all(self._drafts_ahead(seq, n - 1) for seq, n, _ in queries):
             return None
         seqs = [seq for seq, _, _ in queries]
         extra = [num_new + self.drafter.max_lookahead(seq) for seq, _, num_new in queries]
@@ -484,6 +504,16 @@ class LLMEngine:
             return None
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
         return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s)
+
+    def _drafts_ahead(self, seq: Sequence, num_drafts: int) -> bool:
+        """Whether the request's next step, verifying `num_drafts` drafts, may be launched ahead: the
+        drafts come from the device, and a grammar request verifies none. A grammar request's drafts
+        are cut on the host at the first token its grammar refuses before its step is planned
+        (`Drafter.cut_refused_drafts`); a step launched ahead verifies drafts the host has not seen.
+        Its masked verify would reject a refused draft at its row all the same (the row's mask
+        refuses it), so the tokens would not change, but the forward would compute the rows the
+        cut drops, and the drafting controller would count the refusals as rejections."""
+        return self.drafter.drafts_on_device(seq, num_drafts) and (seq.grammar is None or num_drafts == 0)
 
     def _take_unemitted(self) -> list[Emission]:
         unemitted, self._unemitted = self._unemitted, []

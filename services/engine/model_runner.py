@@ -125,8 +125,10 @@ class LaunchedStep:
     prompt: tuple[PromptRows, PromptScores] | None = None
     """The step's scored prompt rows, when a request asked for prompt logprobs."""
     device_only: bool = False
-    """A decode step the fused kernels verified whole (no grammar, tree or prompt rows): the next
-    step of its requests can be launched before this one's result is read (`launch_ahead`)."""
+    """A decode step the fused kernels verified whole (no tree or prompt rows): the next step of
+    its requests can be launched before this one's result is read (`launch_ahead`). Grammar rows
+    do not stop it: the next step's masks are filled once this one lands, before that step's tail
+    is launched (`launch_tail`)."""
 
     def running(self) -> bool:
         """Whether the device is still at the step (never on the CPU, where `launch` ran it)."""
@@ -142,6 +144,22 @@ class LaunchedStep:
                 for result, token_logprobs in zip(results, self.logprobs)
             ]
         return StepOutput(results, self.num_tokens, self.is_decode, self.prompt)
+
+
+@dataclass
+class PendingTail:
+    """A step whose target forward is queued and whose tail is not launched yet: a step launched
+    ahead with grammar rows waits here for its masks, which follow the tokens of the step before
+    it, read back while this forward runs (`ModelRunner.launch_tail`)."""
+
+    step: HostStep
+    plan: StepPlan
+    fused: bool
+    key: tuple[int, int] | None
+    """The graphs' key where the tail replays from a graph too (None: an eager tail)."""
+    logits: torch.Tensor | None = None  # [num_rows, vocab_size] an eager tail's input
+    tensors: StepTensors | None = None
+    """An eager tail's device tensors."""
 
 
 class ResultBuffer:
@@ -405,7 +423,7 @@ class ModelRunner:
         fused = self._fusable(step)
         self._send_step(step, plan, fused)
         packed, logprobs, prompt = self._run(step, plan, fused)
-        device_only = fused and step.is_decode and not step.has_grammar and step.tree_parents is None
+        device_only = fused and step.is_decode and step.tree_parents is None
         return self._read_back(packed, step, logprobs, prompt, device_only)
 
     @property
@@ -415,15 +433,25 @@ class ModelRunner:
         return self.tree is None
 
     @torch.inference_mode()
-    def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep:
+    def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep | PendingTail:
         """`launch` for the next decode step of requests whose last step is still in flight: what the
         host does not know yet of it (each request's newest tokens, positions, drafts) comes from the
-        input batch, which that step's tail writes first (services/engine/run_ahead.py)."""
+        input batch, which that step's tail writes first (services/engine/run_ahead.py). A step
+        with grammar rows launches only its forward: its masks need the tokens of the step in
+        flight, so its tail waits for `launch_tail`, once that step has landed."""
         self.num_steps_ahead += 1
         step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
         self._send_step(step, plan, fused=True)
-        packed, logprobs, prompt = self._run(step, plan, fused=True)
-        return self._read_back(packed, step, logprobs, prompt, device_only=True)
+        pending = self._run_forward(step, plan, fused=True)
+        return pending if step.has_grammar else self.launch_tail(pending)
+
+    @torch.inference_mode()
+    def launch_tail(self, pending: PendingTail) -> LaunchedStep:
+        """The tail of a step whose forward is queued: its grammar masks filled from the host's
+        grammar states now (while the forward runs) and copied in, then verify, update and draft."""
+        packed, logprobs, prompt = self._run_tail(pending)
+        device_only = pending.fused and pending.step.is_decode and pending.step.tree_parents is None
+        return self._read_back(packed, pending.step, logprobs, prompt, device_only)
 
     def _send_step(self, step: HostStep, plan: StepPlan, fused: bool) -> None:
         """Rank 0: the step to the other ranks, with the slots taken since the last one (nothing
@@ -445,17 +473,19 @@ class ModelRunner:
         self, step: HostStep, plan: StepPlan, fused: bool
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
         """The step's forward and tail; (the packed results on the device, logprobs per request,
-        the scored prompt rows). A step launched ahead is completed on the device first (by the
-        forward's graph where one replays it)."""
+        the scored prompt rows)."""
+        return self._run_tail(self._run_forward(step, plan, fused))
+
+    def _run_forward(self, step: HostStep, plan: StepPlan, fused: bool) -> PendingTail:
+        """Queues the step's target forward and LM head. A step launched ahead is completed on the
+        device first (by the forward's graph where one replays it)."""
         key = None
         if self.graphs is not None:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
             self.graphs.replay_forward(step, key)
-            self._copy_masks(step, plan, self.graphs.bitmask)
-            packed = self.graphs.replay_tail(step, key, plan)
-            return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
+            return PendingTail(step, plan, fused, key)
         logits_indices, tensors = step.to_device(self.device, self.model_config.hidden_size)
         if step.ahead:
             tensors.complete_ahead(self.inputs, self.block_size)
@@ -467,13 +497,28 @@ class ModelRunner:
         else:
             self._target_forward(tensors.forward)
             logits = self.model.compute_logits(tensors.forward.hidden[logits_indices])
+        return PendingTail(step, plan, fused, None, logits, tensors)
+
+    def _run_tail(
+        self, pending: PendingTail
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]], PromptScores | None]:
+        """The tail after `_run_forward`: the grammar masks filled and copied in (while the forward
+        runs), then the tail's graph or its eager kernels."""
+        step, plan, fused = pending.step, pending.plan, pending.fused
+        if pending.key is not None:
+            assert self.graphs is not None
+            self._copy_masks(step, plan, self.graphs.bitmask)
+            packed = self.graphs.replay_tail(step, pending.key, plan)
+            return packed, [], self._score_prompt(self.graphs.hidden[: step.num_tokens], step)
+        assert pending.logits is not None and pending.tensors is not None
+        tensors = pending.tensors
         if fused and step.has_grammar:
             tensors.bitmask = torch.empty(
                 len(step.masked_rows), self.step_masks.num_words, dtype=torch.int32, device=self.device
             )
             self._copy_masks(step, plan, tensors.bitmask)
         prompt = self._score_prompt(tensors.forward.hidden, step)
-        return (*self._tail_eagerly(logits, tensors, plan, fused), prompt)
+        return (*self._tail_eagerly(pending.logits, tensors, plan, fused), prompt)
 
     def _target_forward(self, forward: ForwardContext) -> None:
         """The target over the step's tokens, eagerly: its final hidden states and, for the

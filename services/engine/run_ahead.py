@@ -16,6 +16,11 @@ verification stops and samples, as a bonus row would), and their KV, written pas
 is rolled back by length like a rejected draft's. The greedy and seeded tokens are those of a
 step without them: a row's token depends only on the target's logits there and the row's output
 position (kernels/verify_ref.py).
+
+A step with grammar rows is launched ahead in two parts: its forward before the step in flight
+lands, its tail (verify with the masks) after, once the host has advanced each grammar by the
+tokens that step kept and filled the masks while the forward runs (`ModelRunner.launch_tail`). Only
+requests that verify no drafts run so (services/engine/engine.py says why).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def ahead_step(
     tables = inputs.block_tables.rows(seqs, slot_list)
     unknown = np.zeros(num_tokens, dtype=np.int64)
     query_lens = lens.astype(np.int32)
+    has_grammar = np.array([seq.grammar is not None for seq in seqs], dtype=np.int32)
     return HostStep(
         input_ids=np.full(num_tokens, PLACEHOLDER_TOKEN_ID, dtype=np.int64),
         positions=unknown,
@@ -60,7 +66,7 @@ def ahead_step(
         row_positions=unknown,
         draft_ids=np.full(num_tokens, NO_DRAFT, dtype=np.int32),
         request_of_row=np.repeat(np.arange(len(seqs), dtype=np.int32), lens),
-        masked_rows=np.zeros(num_tokens, dtype=np.int32),
+        masked_rows=np.repeat(has_grammar, lens),
         cu_num_rows=cu.astype(np.int32),
         seq_slots=slots,
         seq_rows=np.arange(len(seqs), dtype=np.int64),

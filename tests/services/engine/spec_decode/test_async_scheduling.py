@@ -1,10 +1,11 @@
 """Asynchronous scheduling (decode steps launched before the previous step's result is read) changes
 nothing a user sees: the same tokens, text, finish reasons and usage as `--no-async-scheduling`,
-for every method that drafts on the device, through stops, aborts, joins and preemption; and steps
-of host-drafted requests that draft nothing run ahead too."""
+for every method that drafts on the device, through stops, aborts, joins and preemption; steps
+of host-drafted requests that draft nothing run ahead too, and so do steps with grammar rows."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -13,13 +14,13 @@ import torch
 
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.llm import LLM
-from services.engine.model_runner import LaunchedStep
+from services.engine.model_runner import LaunchedStep, PendingTail
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.adaptive import AdaptiveSpeculation
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
-from tests.services.engine.spec_decode.helpers import SMALL_DRAFT_MODEL, repetitive_prompts
+from tests.services.engine.spec_decode.helpers import CHOICES, GRAMMARS, SMALL_DRAFT_MODEL, repetitive_prompts
 
 ALL_ALIKE = (
     "token_ids",
@@ -360,3 +361,177 @@ def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, metho
         assert (ahead[0] > 10) == async_scheduling
         llm.close()
     assert_alike(*outputs)
+
+
+# ---- grammar requests: the forward launched ahead, the tail once the step before has landed ------
+
+
+def grammar_params(reference: list[list[int]], texts: list[str]) -> list[SamplingParams]:
+    """Per prompt, grammar requests beside plain ones: a JSON schema ending at its grammar's end
+    (EOS not ignored), a regex whose grammar ends while the request goes on unconstrained (EOS
+    ignored), a choice under seeded sampling, a plain greedy request with a stop string, a JSON
+    schema cut by max_tokens, and `stop_params`' seeded sampled plain request."""
+    plain = stop_params(reference, texts)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=30)
+    params = []
+    for i, plain_params in enumerate(plain):
+        kind = i % 6
+        if kind == 0:
+            update = {"structured": GRAMMARS["json_schema"], "ignore_eos": False}
+            params.append(greedy.model_copy(update=update))
+        elif kind == 1:
+            params.append(greedy.model_copy(update={"structured": GRAMMARS["regex"]}))
+        elif kind == 2:
+            params.append(sampled.model_copy(update={"structured": GRAMMARS["choice"], "ignore_eos": False}))
+        elif kind == 4:
+            params.append(greedy.model_copy(update={"structured": GRAMMARS["json_schema"], "max_tokens": 9}))
+        else:
+            params.append(plain_params)
+    return params
+
+
+def count_pending_tails(engine: LLMEngine) -> list[int]:
+    """Counts the tails launched after the step before landed (one-element list, updated in place)."""
+    count = [0]
+    launch_tail = engine.runner.launch_tail
+
+    def counted(pending: PendingTail) -> LaunchedStep:
+        count[0] += 1
+        return launch_tail(pending)
+
+    engine.runner.launch_tail = counted  # type: ignore[method-assign]
+    return count
+
+
+def assert_grammars_followed(outputs: list[RequestOutput], params: list[SamplingParams]) -> None:
+    """Every grammar request that ended at its grammar's end gave a complete answer."""
+    for output, request_params in zip(outputs, params, strict=True):
+        structured = request_params.structured
+        if structured is None or output.finish_reason != "stop":
+            continue
+        if structured == GRAMMARS["json_schema"]:
+            json.loads(output.text)
+        elif structured == GRAMMARS["choice"]:
+            assert output.text in CHOICES
+    assert any(p.structured is not None and o.finish_reason == "stop" for o, p in zip(outputs, params))
+
+
+@pytest.mark.parametrize("method", ["naive", "ngram", "mtp"])
+def test_grammar_requests_run_ahead_and_return_what_sync_scheduling_does(
+    target, methods, reference, method, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grammar and plain requests in one batch, ending every way (their grammar's end found a step
+    late, max_tokens, a stop string, a stop id): asynchronous scheduling returns the synchronous
+    outputs. A step ahead with grammar rows launches its tail only after the step before landed;
+    grammar requests that verify drafts never run ahead (the drafting methods' controller here
+    leaves every request at k = 0 for every other stretch of four steps)."""
+    choices = [0]
+
+    def every_other_stretch(
+        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+    ) -> list[int]:
+        choices[0] += 1
+        return [seq.spec.max_k if choices[0] // 4 % 2 else 0 for seq in seqs]
+
+    monkeypatch.setattr(AdaptiveSpeculation, "choose", every_other_stretch)
+    spec = {**methods[method], "adaptive": True} if method != "naive" else {}
+    params = grammar_params(*reference)
+    prompts = repetitive_prompts(12)
+    sync = make_llm(target, spec, async_scheduling=False).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    llm = make_llm(target, spec, async_scheduling=True)
+    engine = llm.engine
+    pending = count_pending_tails(engine)
+    grammar_query_lens: list[int] = []
+    launch_ahead = engine.runner.launch_ahead
+
+    def recorded(batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep | PendingTail:
+        grammar_query_lens.extend(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.grammar)
+        return launch_ahead(batch, plan)
+
+    engine.runner.launch_ahead = recorded  # type: ignore[method-assign]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert_alike(sync, outputs)
+    assert_grammars_followed(outputs, params)
+    assert pending[0] > 10
+    assert set(grammar_query_lens) == {1}  # a grammar request that drafts never runs ahead
+    if method != "naive":
+        assert sum(o.spec_stats["num_draft_tokens"] for o in outputs if o.spec_stats) > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.inputs.slot_of and not engine.has_unfinished_requests()
+
+
+def test_a_grammar_step_ahead_fills_its_masks_after_the_step_before_lands(
+    target, methods, reference, monkeypatch
+) -> None:
+    """Through the graphs (run eagerly here): a step ahead with grammar rows replays its forward,
+    then the step before is read back, then its masks are filled and its tail replayed; the outputs
+    are the synchronous engine's, with aborts and joins mid-run."""
+    from services.engine.grammar import StepMasks
+    from tests.services.engine.test_cuda_graph import with_eager_graphs
+
+    prompts = repetitive_prompts(12)
+    params = grammar_params(*reference)[0].model_copy(update={"max_tokens": 30})
+    sync = drive(make_llm(target, {}, async_scheduling=False).engine, prompts, params)
+    llm = make_llm(target, {}, async_scheduling=True)
+    graphs = with_eager_graphs(llm, max_tokens=40)
+    events: list[str] = []
+    replay_forward, replay_tail = graphs.replay_forward, graphs.replay_tail
+    result, fill = LaunchedStep.result, StepMasks.fill
+
+    def forward(step, *args):
+        events.append("forward ahead" if step.ahead else "forward")
+        return replay_forward(step, *args)
+
+    def tail(*args):
+        events.append("tail")
+        return replay_tail(*args)
+
+    monkeypatch.setattr(graphs, "replay_forward", forward)
+    monkeypatch.setattr(graphs, "replay_tail", tail)
+    monkeypatch.setattr(LaunchedStep, "result", lambda self: events.append("result") or result(self))
+    monkeypatch.setattr(StepMasks, "fill", lambda self, *args: events.append("fill") or fill(self, *args))
+    outputs = drive(llm.engine, prompts, params)
+    for request_id in ("r0", "r2", "r3", "r4"):
+        assert_alike([sync[request_id]], [outputs[request_id]])
+    assert outputs["r1"].finish_reason == "abort"
+    ahead = [i for i, event in enumerate(events) if event == "forward ahead"]
+    assert len(ahead) > 10
+    for i in ahead:  # the step before lands between the forward and the masks of the step ahead
+        assert events[i : i + 4] == ["forward ahead", "result", "fill", "tail"]
+    assert not llm.engine.inputs.slot_of
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["naive", "ngram"])
+def test_grammar_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, method: str) -> None:
+    """With CUDA graphs on a GPU (a grammar step's forward replayed ahead, its masks copied in and
+    its tail replayed once the step before has landed), grammar and plain requests end as without
+    asynchronous scheduling."""
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if method == "ngram" else {}
+    prompts = repetitive_prompts(12, seed=5)
+    reference = [[int(t) for t in prompt[:16]] for prompt in prompts]
+    params = grammar_params(reference, ["ab" * 8] * len(prompts))
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+            cuda_graph_max_tokens=64,
+        )
+        pending = count_pending_tails(llm.engine)
+        outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert llm.engine.runner.graphs is not None
+        if method == "naive":
+            assert (pending[0] > 10) == async_scheduling
+        llm.close()
+    assert_alike(*outputs)
+    assert_grammars_followed(outputs[1], params)
