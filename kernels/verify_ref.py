@@ -95,7 +95,8 @@ def truncated_probs_ref(
     keep_sorted = rank < k
     sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
     mass = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    keep_sorted &= (mass.cumsum(dim=-1) - mass) < top_p[:, None]
+    # top_p = 1 is no cut: the float cumsum may reach 1 before the tail, which must stay kept
+    keep_sorted &= ((mass.cumsum(dim=-1) - mass) < top_p[:, None]) | (top_p[:, None] >= 1)
     keep &= torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     probs = probs.masked_fill(~keep, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)

@@ -124,7 +124,8 @@ def _top_k_top_p_mask(probs: torch.Tensor, top_k: list[int], top_p: torch.Tensor
     sorted_probs = sorted_probs.masked_fill(~keep_sorted, 0.0)
     mass = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     mass_before = mass.cumsum(dim=-1) - mass
-    keep_sorted &= mass_before < top_p
+    # top_p = 1 is no cut: the float cumsum may reach 1 before the tail, which must stay kept
+    keep_sorted &= (mass_before < top_p) | (top_p >= 1)
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 

@@ -19,6 +19,7 @@ from kernels.verify_ref import (
     STRATEGIES,
     allowed_tokens_ref,
     num_mask_words,
+    truncated_probs_ref,
     verify_sample_ref,
 )
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
@@ -264,6 +265,44 @@ def test_masks_that_do_not_fit_are_refused() -> None:
         )
 
 
+def peaked_logits(num_rows: int, vocab: int) -> torch.Tensor:
+    """randn * 4: rows whose float32 cumulative mass, sorted, reaches 1 before the tail (most rows
+    at 384 tokens: tens of tokens of probability about 1e-9 lie past that point)."""
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
+
+
+def test_top_p_of_one_keeps_every_token() -> None:
+    """top_p = 1 is no cut (the kernel skips its top_p pass): the reference keeps the tail that lies
+    past the point where the float32 cumsum of the sorted mass reaches 1."""
+    logits = peaked_logits(16, 384)
+    ones, zeros = torch.ones(16), torch.zeros(16)
+    probs = truncated_probs_ref(logits, ones, zeros.int(), ones, zeros)
+    assert bool((probs > 0).all())
+
+
+@needs_gxx
+def test_a_tail_draft_passes_top_p_of_one_on_the_host(host_verify: Any) -> None:
+    """Under the topp strategy a top_p = 1 row's least likely token is inside the (untruncated) set:
+    the kernel run on the host and the reference both pass it, with and without a grammar mask."""
+    vocab = 384
+    logits = peaked_logits(2, vocab)
+    params = SamplingParams(temperature=1.0, seed=7)
+    requests = [VerifyRequest(params, 7, 40, [int(logits[0].argmin())])]
+    rows = row_tensors(requests, "cpu")
+    allowed = torch.ones(2, vocab, dtype=torch.bool)
+    allowed[:, 1::3] = False
+    allowed[0, int(logits[0].argmin())] = True
+    for masks in (None, (pack_bitmask(allowed), torch.ones(2, dtype=torch.int32))):
+        args: dict[str, Any] = dict(strategy=STRATEGIES["topp"])
+        if masks is not None:
+            args.update(bitmask=masks[0], masked_rows=masks[1])
+        expected = verify_sample_ref(logits, **rows, **args)
+        got = host_verify(logits, rows, STRATEGIES["topp"], masks, vocab, False)
+        for name, g, e in zip(("tokens", "accepted", "greedy", "sampled", "passes"), got, expected):
+            assert torch.equal(g, e), (name, masks is not None)
+        assert expected[4].tolist() == [1, 0]
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_noise_is_bit_exact() -> None:
@@ -288,7 +327,8 @@ def test_cuda_verify_matches_reference(vocab: int, strategy: str) -> None:
     for policy in sorted(POLICIES):
         requests = random_requests(rng.choice([1, 7, 33]), vocab, rng)
         num_rows = sum(r.num_rows for r in requests)
-        logits = (torch.randn(num_rows, vocab, device="cuda") * rng.choice([1.0, 4.0])).contiguous()
+        generator = torch.Generator().manual_seed(rng.randrange(2**31))  # a failure replays on the host
+        logits = (torch.randn(num_rows, vocab, generator=generator) * rng.choice([1.0, 4.0])).cuda()
         plant_drafts(requests, logits)
         rows = row_tensors(requests, "cuda")
         expected = verify_sample_ref(logits, **rows, strategy=STRATEGIES[strategy], policy=POLICIES[policy])
@@ -331,7 +371,8 @@ def test_cuda_masked_verify_matches_reference(vocab: int, strategy: str) -> None
     for policy in sorted(POLICIES):
         requests = random_requests(rng.choice([1, 7, 33]), vocab, rng)
         num_rows = sum(r.num_rows for r in requests)
-        logits = (torch.randn(num_rows, vocab, device="cuda") * rng.choice([1.0, 4.0])).contiguous()
+        generator = torch.Generator().manual_seed(rng.randrange(2**31))  # a failure replays on the host
+        logits = (torch.randn(num_rows, vocab, generator=generator) * rng.choice([1.0, 4.0])).cuda()
         plant_drafts(requests, logits)
         bitmask, masked_rows = random_masks(logits, requests, rng)
         rows = row_tensors(requests, "cuda")

@@ -168,3 +168,14 @@ def test_logit_bias_outside_its_range_is_refused() -> None:
         SamplingParams(logit_bias={1: 101.0})
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_top_p_of_one_keeps_the_tail_whatever_the_batch() -> None:
+    """top_p = 1 is no cut. On peaked logits (randn * 4 over 384 tokens) the float32 cumulative mass
+    reaches 1 before the tail; a top_p = 1 row still keeps every token when another row of its batch
+    turns the top_k / top_p masks on."""
+    logits = torch.randn(8, 384, generator=torch.Generator().manual_seed(0)) * 4
+    params = [SamplingParams(temperature=1.0)] * 7 + [SamplingParams(temperature=1.0, top_p=0.9)]
+    probs = truncated_probs(logits, params)
+    assert bool((probs[:7] > 0).all())
+    assert torch.equal(probs[:7], truncated_probs(logits[:7], params[:7]))
