@@ -224,8 +224,10 @@ def test_a_request_sent_while_the_core_steps_joins_its_next_step(model: str) -> 
         loop.join(timeout=60)
         engine.close()
     assert sent_at is not None
-    # after the send, at most one step (r1's prefill) started before the one carrying its first row
-    assert len([t for t in starts if sent_at < t < first_row_started_at]) <= 1
+    # after the send, r1's prefill and at most one more step started before the one carrying its
+    # first row: the core may read its commands just before the send and stamp that step's start
+    # just after it (a race a loaded machine hits), so that step is counted without having seen r1
+    assert len([t for t in starts if sent_at < t < first_row_started_at]) <= 2
 
 
 async def test_kv_handed_between_two_cores_in_one_command_continues_the_same_tokens(
