@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import random
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -440,6 +441,36 @@ def greedy_requests(num_reqs: int, vocab: int, rng: random.Random) -> list[Verif
     ]
 
 
+def replays_match_reference(requests: list, vocab: int, strategy: str) -> Iterator[torch.Tensor]:
+    """Captures one CUDA verify launch for `requests`, replays it four times on new logits and
+    checks each replay against the reference; yields the captured logits after each replay."""
+    from kernels.verify import verify_sample_cuda
+
+    static = torch.zeros(sum(r.num_rows for r in requests), vocab, device="cuda")
+    rows = row_tensors(requests, "cuda")
+    request_of_row = torch.repeat_interleave(
+        torch.arange(len(requests), dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
+    ).cuda()
+    call = dict(
+        strategy=STRATEGIES[strategy],
+        max_rows=max(r.num_rows for r in requests),
+        request_of_row=request_of_row,
+    )
+    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = verify_sample_cuda(static, **rows, **call)
+    for _ in range(4):
+        static.copy_(torch.randn_like(static) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES[strategy])
+        for g, e in zip(replayed, expected):
+            assert torch.equal(g.cpu(), e.cpu())
+        yield static
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("vocab", [1001, 32_000, 128_256])
@@ -476,26 +507,8 @@ def test_cuda_split_greedy_rows_match_reference(vocab: int, monkeypatch: pytest.
             monkeypatch.delenv(SPLIT_ENV)
             for g, e, u in zip(got, expected, unsplit):
                 assert torch.equal(g.cpu(), e.cpu()) and torch.equal(g, u)
-    requests = greedy_requests(3, vocab, rng)
-    static = torch.zeros(sum(r.num_rows for r in requests), vocab, device="cuda")
-    rows = row_tensors(requests, "cuda")
-    max_rows = max(r.num_rows for r in requests)
-    request_of_row = torch.repeat_interleave(
-        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
-    ).cuda()
-    call = dict(strategy=STRATEGIES["greedy"], max_rows=max_rows, request_of_row=request_of_row)
-    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = verify_sample_cuda(static, **rows, **call)
-    for _ in range(4):
-        static.copy_(torch.randn_like(static) * 4)
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["greedy"])
-        for g, e in zip(replayed, expected):
-            assert torch.equal(g.cpu(), e.cpu())
+    for _ in replays_match_reference(greedy_requests(3, vocab, rng), vocab, "greedy"):
+        pass
 
 
 @pytest.mark.gpu
@@ -543,31 +556,11 @@ def test_cuda_split_sampled_rows_match_reference(vocab: int, monkeypatch: pytest
 def test_cuda_split_sampled_rows_under_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     """A captured launch with split sampled rows (top_k / top_p / min_p) replayed on new logits
     gives the reference's outputs each time and leaves the row and request counters zero."""
-    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, scratch_counters, verify_sample_cuda
+    from kernels.verify import _CHUNK_SCRATCH, MIN_CHUNK_ENV, scratch_counters
 
     monkeypatch.setenv(MIN_CHUNK_ENV, "2048")
     vocab, rng = 128_256, random.Random(12)
-    requests = random_requests(3, vocab, rng)
-    num_rows = sum(r.num_rows for r in requests)
-    static = torch.zeros(num_rows, vocab, device="cuda")
-    rows = row_tensors(requests, "cuda")
-    max_rows = max(r.num_rows for r in requests)
-    request_of_row = torch.repeat_interleave(
-        torch.arange(3, dtype=torch.int32), torch.tensor([r.num_rows for r in requests])
-    ).cuda()
-    call = dict(strategy=STRATEGIES["target_match"], max_rows=max_rows, request_of_row=request_of_row)
-    verify_sample_cuda(static, **rows, **call)  # warm-up: buffers exist before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = verify_sample_cuda(static, **rows, **call)
-    for _ in range(4):
-        static.copy_(torch.randn_like(static) * 4)
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = verify_sample_ref(static, **rows, strategy=STRATEGIES["target_match"])
-        for g, e in zip(replayed, expected):
-            assert torch.equal(g.cpu(), e.cpu())
+    for static in replays_match_reference(random_requests(3, vocab, rng), vocab, "target_match"):
         assert not _CHUNK_SCRATCH[static.device].tensors[2].any()
         assert not scratch_counters(3, static.device).any()
 
