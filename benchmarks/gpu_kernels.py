@@ -190,6 +190,25 @@ def ngram_row() -> dict[str, Any]:
     return dict(batch=batch, history_len=length, **out)
 
 
+def _verify_rows(
+    batch: int, k: int, vocab: int, temp: float, top_k: int, top_p: float
+) -> dict[str, torch.Tensor]:
+    """`verify_sample_cuda`'s row arguments for `batch` requests of 1 + k rows each, every row
+    sampled alike, random drafts."""
+    num_rows = batch * (k + 1)
+    return dict(
+        temperature=torch.full((num_rows,), temp, device="cuda"),
+        top_k=torch.full((num_rows,), top_k, device="cuda", dtype=torch.int32),
+        top_p=torch.full((num_rows,), top_p, device="cuda"),
+        min_p=torch.zeros(num_rows, device="cuda"),
+        seeds=torch.arange(num_rows, device="cuda"),
+        positions=torch.arange(num_rows, device="cuda"),
+        draft_ids=torch.randint(0, vocab, (num_rows,), device="cuda", dtype=torch.int32),
+        cu_num_rows=torch.arange(0, num_rows + 1, k + 1, device="cuda", dtype=torch.int32),
+        request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(k + 1),
+    )
+
+
 def verify_rows() -> list[dict[str, Any]]:
     from kernels.verify import verify_sample_cuda
 
@@ -203,17 +222,7 @@ def verify_rows() -> list[dict[str, Any]]:
             ("temperature", 0.8, 0, 1.0),
             ("top_k_top_p", 0.8, 50, 0.9),
         ]:
-            args = dict(
-                temperature=torch.full((num_rows,), temp, device="cuda"),
-                top_k=torch.full((num_rows,), top_k, device="cuda", dtype=torch.int32),
-                top_p=torch.full((num_rows,), top_p, device="cuda"),
-                min_p=torch.zeros(num_rows, device="cuda"),
-                seeds=torch.arange(num_rows, device="cuda"),
-                positions=torch.arange(num_rows, device="cuda"),
-                draft_ids=torch.randint(0, vocab, (num_rows,), device="cuda", dtype=torch.int32),
-                cu_num_rows=torch.arange(0, num_rows + 1, k + 1, device="cuda", dtype=torch.int32),
-                request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(k + 1),
-            )
+            args = _verify_rows(batch, k, vocab, temp, top_k, top_p)
             call = functools.partial(verify_sample_cuda, logits, **args, strategy=1, max_rows=k + 1)
             rows.append(
                 dict(
@@ -627,17 +636,7 @@ def decode_verify_rows() -> list[dict[str, Any]]:
         num_rows = batch * (k + 1)
         logits = torch.randn(num_rows, vocab, device="cuda") * 3
         for mode, (temp, top_p) in VERIFY_MODES.items():
-            args = dict(
-                temperature=torch.full((num_rows,), temp, device="cuda"),
-                top_k=torch.zeros(num_rows, device="cuda", dtype=torch.int32),
-                top_p=torch.full((num_rows,), top_p, device="cuda"),
-                min_p=torch.zeros(num_rows, device="cuda"),
-                seeds=torch.arange(num_rows, device="cuda"),
-                positions=torch.arange(num_rows, device="cuda"),
-                draft_ids=torch.randint(0, vocab, (num_rows,), device="cuda", dtype=torch.int32),
-                cu_num_rows=torch.arange(0, num_rows + 1, k + 1, device="cuda", dtype=torch.int32),
-                request_of_row=torch.arange(batch, device="cuda", dtype=torch.int32).repeat_interleave(k + 1),
-            )
+            args = _verify_rows(batch, k, vocab, temp, 0, top_p)
             call = functools.partial(verify_sample_cuda, logits, **args, strategy=0, max_rows=k + 1)
             row: dict[str, Any] = dict(batch=batch, k=k, mode=mode, vocab=vocab)
             for label, env in [
