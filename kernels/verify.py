@@ -43,7 +43,7 @@ SPLIT_ENV = "SPECMESH_VERIFY_SPLIT"
 timing of the split rows)."""
 MIN_CHUNK_ENV = "SPECMESH_VERIFY_MIN_CHUNK"
 """Overrides MIN_CHUNK (tuning on a GPU)."""
-MIN_CHUNK = 8192
+MIN_CHUNK = 4096
 """Fewest logits a block of a split row scans (32 KB): at batch 1 a 128k vocabulary takes 15
 blocks. `benchmarks.gpu_kernels --only decode_paths --decode-parts verify` times the others."""
 
