@@ -154,6 +154,9 @@ THREADED_SHIM = r"""
 #include <cstring>
 #include <thread>
 #include <vector>
+#include <sched.h>
+#include <sys/wait.h>
+#include <unistd.h>
 struct Dim3 { unsigned x, y, z; };
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
@@ -169,6 +172,7 @@ static unsigned long long shuffle_slots[1024];
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __syncthreads() block_barrier->arrive_and_wait()
+#define __nanosleep(ns) sched_yield()
 #define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
 using std::min; using std::max;
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -195,9 +199,59 @@ template <class T> static inline T __shfl_xor_sync(unsigned, T v, int offset) {
 }
 """
 """What a CUDA source with block barriers, warp shuffles, static shared memory and atomics needs to
-run as C++ with one std::thread per CUDA thread: blocks one after another (so the last block of a
-last-block-reduces scheme is the last in launch order), a block's threads side by side meeting at
-std::barrier (a thread that returns drops out of its block's and warp's barriers)."""
+run as C++ with one std::thread per CUDA thread: a block's threads side by side meeting at
+std::barrier (a thread that returns drops out of its block's and warp's barriers); how blocks run
+is `run_threads_on_host`'s choice."""
+
+
+BLOCK_RUN = """
+        blockIdx = {(unsigned)bx, (unsigned)by, 0};
+        std::barrier<> bar(block);
+        block_barrier = &bar;
+        std::vector<std::barrier<>*> warps;
+        for (int w = 0; w < (block + 31) / 32; ++w) warps.push_back(new std::barrier<>(std::min(32, block - 32 * w)));
+        warp_barriers = warps;
+        std::vector<std::thread> threads;
+        for (int t = 0; t < block; ++t) threads.emplace_back([&, t] {
+            threadIdx = {(unsigned)t, 0, 0};
+            KERNEL_CALL;
+            warps[t / 32]->arrive_and_drop();
+            bar.arrive_and_drop();
+        });
+        for (auto& th : threads) th.join();
+        for (auto* w : warps) delete w;
+"""
+"""One block of the grid on the host: its threads side by side, then joined."""
+
+SEQUENTIAL_GRID = """
+extern "C" int run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {
+    blockDim = {(unsigned)block, 1, 1};
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
+    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
+        BLOCK_RUN
+    }
+    return 0;
+}"""
+"""Blocks one after another, in launch order."""
+
+CONCURRENT_GRID = """
+extern "C" int run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {
+    blockDim = {(unsigned)block, 1, 1};
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
+    std::vector<pid_t> children;
+    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
+        const pid_t pid = fork();
+        if (pid != 0) { children.push_back(pid); continue; }
+        alarm(300);  /* a block that never gets past a barrier fails the run instead of hanging it */
+        BLOCK_RUN
+        _exit(0);
+    }
+    int failed = 0;
+    for (pid_t pid : children) { int status = 0; waitpid(pid, &status, 0); failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+    return failed;
+}"""
+"""Every block at once, one forked process each (its own shared memory and barriers): what a
+kernel whose blocks wait for each other needs; global memory must then be in shared memory."""
 
 
 def run_threads_on_host(
@@ -208,63 +262,34 @@ def run_threads_on_host(
     block: int,
     args: Sequence[Any],
     tmp_path: Path,
+    concurrent_blocks: bool = False,
 ) -> None:
     """Runs kernel `name` of `source` on the host over a 1-D or 2-D `grid` of `block` threads (at
     most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper passes
-    `_cuda.launch`. `source` must hold no inline PTX (`asm`)."""
+    `_cuda.launch`. `source` must hold no inline PTX (`asm`). Blocks run one after another (so the
+    last block of a last-block-reduces scheme is the last in launch order), or with
+    `concurrent_blocks` all at once in forked processes, the tensors of `args` then in shared memory
+    (`share_memory_()`) for the blocks' writes to meet."""
     types = _parameter_types(source, name)
     assert len(types) == len(args), f"{name} takes {len(types)} arguments, {len(args)} given"
-    casts = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
-    entry = f"""
-extern "C" void run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {{
-    blockDim = {{(unsigned)block, 1, 1}};
-    gridDim = {{(unsigned)grid_x, (unsigned)grid_y, 1}};
-    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {{
-        blockIdx = {{(unsigned)bx, (unsigned)by, 0}};
-        std::barrier<> bar(block);
-        block_barrier = &bar;
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < (block + 31) / 32; ++w) warps.push_back(new std::barrier<>(std::min(32, block - 32 * w)));
-        warp_barriers = warps;
-        std::vector<std::thread> threads;
-        for (int t = 0; t < block; ++t) threads.emplace_back([&, t] {{
-            threadIdx = {{(unsigned)t, 0, 0}};
-            {name}({casts});
-            warps[t / 32]->arrive_and_drop();
-            bar.arrive_and_drop();
-        }});
-        for (auto& th : threads) th.join();
-        for (auto* w : warps) delete w;
-    }}
-}}"""
+    call = f"{name}(" + ", ".join(f"({t})a[{i}]" for i, t in enumerate(types)) + ")"
+    grid_code = CONCURRENT_GRID if concurrent_blocks else SEQUENTIAL_GRID
+    entry = grid_code.replace("BLOCK_RUN", BLOCK_RUN).replace("KERNEL_CALL", call)
     macros = "".join(f"#define {key} ({value})\n" for key, value in defines.items())
     code = THREADED_SHIM + macros + source + entry
     digest = hashlib.sha1(code.encode()).hexdigest()[:12]  # dlopen keeps one library per path
     source_path, library = tmp_path / f"{name}_{digest}.cpp", tmp_path / f"{name}_{digest}.so"
     if not library.exists():
         source_path.write_text(code)
-        result = subprocess.run(
-            [
-                "g++",
-                "-std=c++20",
-                "-O1",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                "-o",
-                str(library),
-                str(source_path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(library)]
+        result = subprocess.run([*command, str(source_path)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     words = [_word(arg) for arg in args]
     grid_x, grid_y = grid[0], grid[1] if len(grid) > 1 else 1
-    ctypes.CDLL(str(library)).run_grid(
+    failed = ctypes.CDLL(str(library)).run_grid(
         ctypes.c_int(grid_x),
         ctypes.c_int(grid_y),
         ctypes.c_int(block),
         (ctypes.c_ulonglong * len(words))(*words),
     )
+    assert failed == 0, f"{failed} blocks failed (a barrier never passed?)"

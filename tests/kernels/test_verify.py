@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import random
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,14 +24,12 @@ from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.sampler import SamplingBatch
 from shared.sampling_params import SamplingParams
 from tests.kernels.helpers import (
-    THREADED_SHIM,
-    _parameter_types,
-    _word,
     assemble_sm90,
     needs_cuda,
     needs_gxx,
     needs_nvcc,
     poison_allocator,
+    run_threads_on_host,
 )
 
 SETTINGS = [
@@ -574,64 +569,6 @@ def test_verify_kernel_assembles_for_sm90_without_spills(tmp_path) -> None:
 
 # ---- the kernel run on the host with every block at once (the split rows' barriers need that) ----
 
-CONCURRENT_ENTRY = r"""
-extern "C" int run_grid_concurrently(int grid_x, int grid_y, int block, const unsigned long long* a) {
-    blockDim = {(unsigned)block, 1, 1};
-    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
-    std::vector<pid_t> children;
-    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
-        const pid_t pid = fork();
-        if (pid != 0) { children.push_back(pid); continue; }
-        alarm(300);  /* a block that never gets past a barrier fails the run instead of hanging it */
-        blockIdx = {(unsigned)bx, (unsigned)by, 0};
-        std::barrier<> bar(block);
-        block_barrier = &bar;
-        std::vector<std::barrier<>*> warps;
-        for (int w = 0; w < (block + 31) / 32; ++w) warps.push_back(new std::barrier<>(std::min(32, block - 32 * w)));
-        warp_barriers = warps;
-        std::vector<std::thread> threads;
-        for (int t = 0; t < block; ++t) threads.emplace_back([&, t] {
-            threadIdx = {(unsigned)t, 0, 0};
-            KERNEL_CALL;
-            warps[t / 32]->arrive_and_drop();
-            bar.arrive_and_drop();
-        });
-        for (auto& th : threads) th.join();
-        _exit(0);
-    }
-    int failed = 0;
-    for (pid_t pid : children) { int status = 0; waitpid(pid, &status, 0); failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
-    return failed;
-}"""
-
-
-def run_blocks_concurrently(
-    library: Path, source: str, grid: tuple[int, int], block: int, args: list[Any]
-) -> None:
-    """Runs `verify_sample` of `source` (built into `library` once) on the host with every block of
-    `grid` at once: one forked process per block (its own shared memory and barriers), one thread
-    per CUDA thread; global memory is `args`' tensors, which must be in shared memory
-    (`share_memory_()`) for the blocks' writes to meet."""
-    if not library.exists():
-        types = _parameter_types(source, "verify_sample")
-        call = "verify_sample(" + ", ".join(f"({t})a[{i}]" for i, t in enumerate(types)) + ")"
-        shim = THREADED_SHIM + "#include <sched.h>\n#include <sys/wait.h>\n#include <unistd.h>\n"
-        shim += "#define __nanosleep(ns) sched_yield()\n"
-        code = shim + f"#define THREADS ({block})\n" + source + CONCURRENT_ENTRY.replace("KERNEL_CALL", call)
-        library.with_suffix(".cpp").write_text(code)
-        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(library)]
-        result = subprocess.run([*command, str(library.with_suffix(".cpp"))], capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr[-3000:]
-    words = [_word(arg) for arg in args]
-    failed = ctypes.CDLL(str(library)).run_grid_concurrently(
-        ctypes.c_int(grid[0]),
-        ctypes.c_int(grid[1]),
-        ctypes.c_int(block),
-        (ctypes.c_ulonglong * len(words))(*words),
-    )
-    assert failed == 0, f"{failed} blocks failed (a barrier never passed?)"
-
-
 HOST_THREADS = 32
 
 
@@ -642,7 +579,7 @@ def host_verify(tmp_path_factory: pytest.TempPathFactory) -> Any:
     checking that every counter is left zero."""
     from kernels.verify import SOURCE
 
-    library = tmp_path_factory.mktemp("verify_host") / "verify_sample.so"
+    library_dir = tmp_path_factory.mktemp("verify_host")
 
     def run(
         logits: torch.Tensor,
@@ -678,7 +615,8 @@ def host_verify(tmp_path_factory: pytest.TempPathFactory) -> Any:
             np.int32(vocab), np.int32(num_mask_words(vocab)), np.int32(max_rows), np.int32(strategy),
             np.int32(policy), np.int32(chunk_len), np.int32(split_sampled),
         ]  # fmt: skip
-        run_blocks_concurrently(library, SOURCE, (num_rows, chunks), HOST_THREADS, args)
+        grid, defines = (num_rows, chunks), {"THREADS": HOST_THREADS}
+        run_threads_on_host(SOURCE, "verify_sample", defines, grid, HOST_THREADS, args, library_dir, True)
         assert not counters.any() and not row_counters.any(), "counters must be left zero"
         return token_ids, num_accepted, *out
 
