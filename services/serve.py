@@ -186,9 +186,10 @@ def place_workers(
 
 def default_speculative_config(model: str, device: str = "auto") -> str:
     """On a GPU: n-gram drafting, which runs inside the decode step's CUDA graphs and was the one
-    method ahead of naive at every concurrency measured there greedy (sampled: 0.95x at c=16) (BENCHMARKS.md "Speculation on the GPU"). On CPU,
-    where the target forward dominates a step: for the shipped model, which has an MTP head beside
-    it, MTP drafts topped up with n-gram drafts; any other model, model-free suffix decoding."""
+    method ahead of naive at every concurrency measured there greedy (sampled: 0.95x at c=16;
+    BENCHMARKS.md "Speculation on the GPU"). On CPU, where the target forward dominates a step: for
+    the shipped model, which has an MTP head beside it, MTP drafts topped up with n-gram drafts; any
+    other model, model-free suffix decoding."""
     import torch  # here: the launcher itself needs no torch unless it must look for a GPU
 
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
