@@ -284,29 +284,28 @@ class DeliveredRecords:
     """Rows to append to requests' delivered records (`Keys.delivered`), column by column, so a step
     of hundreds of requests is built from its arrays and packed without a Python object a row.
 
-    Row i is request `request_ids[i]`, placed under epoch `epochs[i]`; its tokens are
-    `token_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]]` (ending in `OUTPUT_END` for a request that
-    ended), the first at output position `starts[i]` (`APPEND_AT_END`: wherever the record ends).
+    Row i is request `request_ids[i]`, placed under epoch `epochs[i]`; its `num_tokens[i]` tokens
+    are the next ones of `token_ids` (ending in `OUTPUT_END` for a request that ended), the first at
+    output position `starts[i]` (`APPEND_AT_END`: wherever the record ends).
     """
 
     request_ids: list[str]
-    epochs: np.ndarray  # [num_rows] int64
-    starts: np.ndarray  # [num_rows] int64
-    cu_num_tokens: np.ndarray  # [num_rows + 1] int64
-    token_ids: np.ndarray  # [cu_num_tokens[-1]] int32
+    epochs: np.ndarray  # [num_rows] int
+    starts: np.ndarray  # [num_rows] int
+    num_tokens: np.ndarray  # [num_rows] int
+    token_ids: np.ndarray  # [sum(num_tokens)] int32
     renew_ttl: np.ndarray  # [num_rows] bool: renew the record's TTL (a new record gets one anyway)
 
     @classmethod
     def of(cls, rows: Sequence[tuple[str, int, int, bytes]]) -> DeliveredRecords:
         """From (request id, epoch, start, int32 token bytes) rows, every TTL renewed (refusals,
         reports: rows that are not a step's)."""
-        tokens = [np.frombuffer(row[3], TOKEN_DTYPE) for row in rows]
         return cls(
             request_ids=[row[0] for row in rows],
             epochs=np.asarray([row[1] for row in rows], np.int64),
             starts=np.asarray([row[2] for row in rows], np.int64),
-            cu_num_tokens=np.cumsum([0, *(len(t) for t in tokens)], dtype=np.int64),
-            token_ids=np.concatenate(tokens) if tokens else np.zeros(0, TOKEN_DTYPE),
+            num_tokens=np.asarray([len(row[3]) // TOKEN_DTYPE.itemsize for row in rows], np.int64),
+            token_ids=np.frombuffer(b"".join(row[3] for row in rows), TOKEN_DTYPE),
             renew_ttl=np.ones(len(rows), bool),
         )
 
@@ -317,14 +316,16 @@ class DeliveredRecords:
         """The script's three arguments: per row `RECORD_COLUMNS` <u4 (id bytes, token bytes, start,
         epoch, renew TTL), the ids' UTF-8 bytes concatenated, and the rows' int32 tokens."""
         ids = "".join(self.request_ids).encode()
+        header = np.empty((len(self), RECORD_COLUMNS), "<u4")
         if len(ids) == sum(map(len, self.request_ids)):  # ASCII ids: a character is a byte
-            id_bytes = np.fromiter(map(len, self.request_ids), np.int64, len(self.request_ids))
+            header[:, 0] = np.fromiter(map(len, self.request_ids), np.int64, len(self))
         else:
-            id_bytes = np.asarray([len(request_id.encode()) for request_id in self.request_ids], np.int64)
-        header = np.stack(
-            [id_bytes, 4 * np.diff(self.cu_num_tokens), self.starts, self.epochs, self.renew_ttl], axis=1
-        )
-        return header.astype("<u4").tobytes(), ids, self.token_ids.astype(TOKEN_DTYPE).tobytes()
+            header[:, 0] = [len(request_id.encode()) for request_id in self.request_ids]
+        header[:, 1] = TOKEN_DTYPE.itemsize * self.num_tokens
+        header[:, 2] = self.starts
+        header[:, 3] = self.epochs
+        header[:, 4] = self.renew_ttl
+        return header.tobytes(), ids, self.token_ids.astype(TOKEN_DTYPE, copy=False).tobytes()
 
 
 ADMIT_FUNCTION_LUA = """

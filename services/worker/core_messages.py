@@ -322,27 +322,21 @@ class StepBatch:
         """These rows (sorted; None: all) as appends to their requests' delivered records: each
         row's new tokens, then `OUTPUT_END` where its request ended here (a hand-off is no end).
         `renew_ttl`: [num_rows] bool, the rows whose record's TTL is renewed."""
-        num_tokens = np.diff(self.cu_num_tokens)  # [num_rows]
-        ended = np.zeros(self.num_rows, bool)  # [num_rows]
-        ended[[end.row for end in self.ends if not end.handoff]] = True
-        token_ids = np.insert(self.token_ids, self.cu_num_tokens[1:][ended], OUTPUT_END)
-        starts = self.num_output_tokens.astype(np.int64) - num_tokens
-        num_tokens = num_tokens + ended
-        request_ids, epochs = self.request_ids, np.asarray(self.epochs, np.int64)
+        cu, token_ids = self.cu_num_tokens, self.token_ids
+        num_tokens = cu[1:] - cu[:-1]  # [num_rows]
+        starts = self.num_output_tokens - num_tokens  # [num_rows]
+        end_rows = [end.row for end in self.ends if not end.handoff]
+        if end_rows:
+            token_ids = np.insert(token_ids, cu[1:][end_rows], OUTPUT_END)
+            num_tokens[end_rows] += 1
+        request_ids, epochs = self.request_ids, np.asarray(self.epochs)
         if rows is not None and len(rows) < self.num_rows:
             token_ids = token_ids[self._token_mask(rows, num_tokens)]
             kept = rows.tolist()
             request_ids = [request_ids[i] for i in kept]
             epochs, starts, renew_ttl = epochs[rows], starts[rows], renew_ttl[rows]
             num_tokens = num_tokens[rows]
-        return DeliveredRecords(
-            request_ids=request_ids,
-            epochs=epochs,
-            starts=starts,
-            cu_num_tokens=np.concatenate([[0], np.cumsum(num_tokens)]).astype(np.int64),
-            token_ids=token_ids,
-            renew_ttl=renew_ttl,
-        )
+        return DeliveredRecords(request_ids, epochs, starts, num_tokens, token_ids, renew_ttl)
 
     def _has_row_extras(self) -> bool:
         """Whether any row has an end or logprobs (else a selection needs no row renumbering)."""

@@ -99,7 +99,7 @@ def test_delivered_records_of_selected_rows_carry_their_tokens_and_end_markers()
         (np.asarray([0, 2, 3]), {"a": [1, 2], "c": [OUTPUT_END], "d": [4, 5, 6, OUTPUT_END]}),
     ):
         records = batch.delivered_records(rows, renew)
-        cu = records.cu_num_tokens.tolist()
+        cu = np.cumsum([0, *records.num_tokens]).tolist()
         assert {
             request_id: records.token_ids[cu[i] : cu[i + 1]].tolist()
             for i, request_id in enumerate(records.request_ids)
