@@ -221,13 +221,13 @@ local headers, ids, tokens = ARGV[6], ARGV[7], ARGV[8]
 local appends, fenced = {}, {}
 local id_at, tokens_at = 1, 1
 for pos = 1, #headers, 20 do
-    local id_len, tokens_len, start, epoch, refresh = struct.unpack('<I4I4I4I4I4', headers, pos)
+    local id_len, tokens_len, start, epoch, renew = struct.unpack('<I4I4I4I4I4', headers, pos)
     local request_id = string.sub(ids, id_at, id_at + id_len - 1)
     local state = state_prefix .. request_id
     if redis.call('HGET', state, 'epoch') ~= tostring(epoch) and redis.call('EXISTS', state) == 1 then
         fenced[#fenced + 1] = request_id
     elseif tokens_len > 0 then
-        appends[#appends + 1] = {record_prefix .. request_id, start, tokens_at, tokens_len, refresh}
+        appends[#appends + 1] = {record_prefix .. request_id, start, tokens_at, tokens_len, renew}
     end
     id_at, tokens_at = id_at + id_len, tokens_at + tokens_len
 end
@@ -241,7 +241,7 @@ for i, key in ipairs(KEYS) do
     end
 end
 for _, append in ipairs(appends) do
-    local key, start, at, num_bytes, refresh = append[1], append[2], append[3], append[4], append[5]
+    local key, start, at, num_bytes, renew = append[1], append[2], append[3], append[4], append[5]
     local before = redis.call('APPEND', key, string.sub(tokens, at, at + num_bytes - 1)) - num_bytes
     if start ~= 4294967295 and before ~= 4 * start then
         if before == 0 then
@@ -249,7 +249,7 @@ for _, append in ipairs(appends) do
         else
             redis.call('SET', key, redis.call('GETRANGE', key, 0, before - 1), 'KEEPTTL')
         end
-    elseif before == 0 or refresh == 1 then
+    elseif before == 0 or renew == 1 then
         redis.call('EXPIRE', key, ttl_s)
     end
 end
