@@ -3,7 +3,8 @@
     python -m benchmarks.bus_emit --batch 64 --steps 300
 
 Publishing (a worker): `per-gateway` is what a worker does now, one `OutputBatch` for the step's
-requests (token ids as int32 bytes) plus each request's delivered record, in one script call
+requests (token ids as int32 bytes) plus each request's delivered record
+(`StepBatch.delivered_records`, no TTL renewed, as in most steps), in one script call
 (`Bus.publish_step`); `per-request` is what it did before, one msgpack `TokenEvent` XADDed to each
 request's own stream, also in one script call. Both include building and encoding the messages
 from a step's arrays. Reading (a gateway): one XREAD of its stream plus decoding the batch into
@@ -79,17 +80,8 @@ def per_request_stream(bus: Bus, request_id: str) -> str:
 
 
 async def publish_per_gateway(bus: Bus, step: StepBatch) -> None:
-    cu = step.cu_num_tokens.tolist()
-    delivered = [
-        (
-            request_id,
-            step.epochs[row],
-            int(step.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
-            step.token_ids[cu[row] : cu[row + 1]].tobytes(),
-        )
-        for row, request_id in enumerate(step.request_ids)
-    ]
-    await bus.publish_step([(GATEWAY, encode(step.output_batch()))], delivered)
+    records = step.delivered_records(None, np.zeros(step.num_rows, bool))  # as a worker's usual step
+    await bus.publish_step([(GATEWAY, encode(step.output_batch()))], records)
 
 
 async def publish_per_request(bus: Bus, script: Any, step: StepBatch) -> None:

@@ -92,7 +92,7 @@
 # with --bus-side-policy batch, the split mesh too with MESH_PD=1, to set beside the c=1 rows of mesh-overhead.json),
 # and with MESH_PARTS="... c256" mesh-c256.json (the overhead run at concurrency 256, in a call of its own),
 # and with MESH_PARTS="... path" mesh-path.json (benchmarks.output_path: each hop of a step's outputs, the
-# engine core's rows to the gateway's SSE writes, timed alone on this host's CPU at 64 and 256 rows a step);
+# engine core's rows to the gateway's SSE writes, timed alone on this host's CPU at 1, 64 and 256 rows a step);
 # all in mesh.log. MESH_FLAGS is appended to the mesh commands (e.g. "--kv-transport ipc"; --trace-hops there traces
 # the overhead run too, whose tok/s then pay for the tracing), MESH_METHODS replaces "naive ngram". On a host with two
 # GPUs the split mesh puts prefill on one and decode on the other, as `specmesh serve --pd` does.
@@ -556,9 +556,9 @@ if [[ " $stages " == *" mesh "* ]]; then
             2>&1 | tee -a "$OUT/mesh.log" | sed -n '/^mesh overhead/,$p'
     fi
     if [[ " $parts " == *" path "* ]]; then
-        # no GPU: each hop's host cost a step on this host's CPU, at 64 and 256 rows a step
-        timeout 300 python3 -m benchmarks.output_path --rows 64 256 --gateways 4 --repeats 3 \
-            --out "$OUT/mesh-path.json" 2>&1 | tee -a "$OUT/mesh.log" | tail -6
+        # no GPU: each hop's host cost a step on this host's CPU, at 1, 64 and 256 rows a step
+        timeout 360 python3 -m benchmarks.output_path --rows 1 64 256 --gateways 4 --repeats 3 \
+            --out "$OUT/mesh-path.json" 2>&1 | tee -a "$OUT/mesh.log" | tail -7
     fi
     if [[ " $parts " == *" core "* ]]; then
         # shellcheck disable=SC2086

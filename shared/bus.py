@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -217,34 +216,40 @@ END_BYTES = np.asarray([OUTPUT_END], TOKEN_DTYPE).tobytes()
 
 PUBLISH_STEP_LUA = """
 local ttl_s, num_outputs, field = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local record_prefix, state_prefix, records = ARGV[4], ARGV[5], ARGV[6]
+local record_prefix, state_prefix = ARGV[4], ARGV[5]
+local headers, ids, tokens = ARGV[6], ARGV[7], ARGV[8]
 local appends, fenced = {}, {}
-local pos, id_len, tokens_len, start, epoch = 1, 0, 0, 0, 0
-while pos <= #records do
-    id_len, tokens_len, start, epoch, pos = struct.unpack('<I4I4I4I4', records, pos)
-    local request_id = string.sub(records, pos, pos + id_len - 1)
+local id_at, tokens_at = 1, 1
+for pos = 1, #headers, 20 do
+    local id_len, tokens_len, start, epoch, renew = struct.unpack('<I4I4I4I4I4', headers, pos)
+    local request_id = string.sub(ids, id_at, id_at + id_len - 1)
     local state = state_prefix .. request_id
     if redis.call('HGET', state, 'epoch') ~= tostring(epoch) and redis.call('EXISTS', state) == 1 then
         fenced[#fenced + 1] = request_id
     elseif tokens_len > 0 then
-        local tokens = string.sub(records, pos + id_len, pos + id_len + tokens_len - 1)
-        appends[#appends + 1] = {record_prefix .. request_id, start, tokens}
+        appends[#appends + 1] = {record_prefix .. request_id, start, tokens_at, tokens_len, renew}
     end
-    pos = pos + id_len + tokens_len
+    id_at, tokens_at = id_at + id_len, tokens_at + tokens_len
 end
 if #fenced > 0 then
     return fenced
 end
 for i, key in ipairs(KEYS) do
-    redis.call('XADD', key, '*', field, ARGV[i + 6])
+    redis.call('XADD', key, '*', field, ARGV[i + 8])
     if i <= num_outputs then
         redis.call('EXPIRE', key, ttl_s)
     end
 end
 for _, append in ipairs(appends) do
-    local key, start, tokens = append[1], append[2], append[3]
-    if start == 4294967295 or redis.call('STRLEN', key) == 4 * start then
-        redis.call('APPEND', key, tokens)
+    local key, start, at, num_bytes, renew = append[1], append[2], append[3], append[4], append[5]
+    local before = redis.call('APPEND', key, string.sub(tokens, at, at + num_bytes - 1)) - num_bytes
+    if start ~= 4294967295 and before ~= 4 * start then
+        if before == 0 then
+            redis.call('DEL', key)
+        else
+            redis.call('SET', key, redis.call('GETRANGE', key, 0, before - 1), 'KEEPTTL')
+        end
+    elseif before == 0 or renew == 1 then
         redis.call('EXPIRE', key, ttl_s)
     end
 end
@@ -252,19 +257,76 @@ return fenced
 """
 """`publish_step`. KEYS: the gateways' output streams, then other streams. ARGV: the TTL, how many
 output streams, the payload field, the delivered records' key prefix, the request states' key
-prefix, the records (per row: <I4 id length, <I4 token bytes, <I4 the first token's output
-position or `APPEND_AT_END`, <I4 the placement's epoch, the id, the tokens), then one payload per
-key. Fencing first: if any row's epoch is not its request's current one (the state hash exists
-and holds another epoch, or none: the request ended), nothing is written and those request ids
-are returned. A state hash that is gone altogether (a Redis restart without it) fences nothing.
-A record grows only where its tokens start at its end: a publish repeated after a lost answer
-appends nothing twice, and a record that lost its tail (Redis restarted without it) stays a
-prefix of the output rather than get a hole. The records are one argument, their keys made here,
-because a step touches one record per request and every argument costs the worker microseconds of
-redis-py's Python (a record or state key is only ever used on a single Redis)."""
-RECORD_HEADER = struct.Struct("<IIII")
+prefix, the records as three columns (`DeliveredRecords.columns`), then one payload per key.
+Fencing first: if any row's epoch is not its request's current one (the state hash exists and
+holds another epoch, or none: the request ended), nothing is written and those request ids are
+returned. A state hash that is gone altogether (a Redis restart without it) fences nothing.
+A record grows only where its tokens start at its end: the tokens are appended, and where the
+record's length before was not their start (a publish repeated after a lost answer, or a record
+that lost its tail to a Redis restart) the append is undone, so nothing is appended twice and a
+record stays a prefix of the output rather than get a hole. Appending first makes the usual row
+two commands (the epoch's HGET, the APPEND) where checking the length first made three. A record's
+TTL is set as it is created and renewed only on rows flagged for it (the worker flags a request's
+row once every `RECORD_TTL_RENEW_S`), not on every append. Keys are made here from the ids,
+because every argument costs the worker microseconds of redis-py's Python (a record or state key
+is only ever used on a single Redis)."""
 APPEND_AT_END = 2**32 - 1
 """A record's start position that appends wherever the record ends (a refusal's end marker)."""
+RECORD_TTL_RENEW_S = OUTPUT_TTL_S / 4
+"""How often a running request's delivered record has its TTL renewed: a record expires between
+`OUTPUT_TTL_S - RECORD_TTL_RENEW_S` and `OUTPUT_TTL_S` after its last write."""
+RECORD_COLUMNS = 5
+"""Per row of `DeliveredRecords.columns`' header: id bytes, token bytes, start, epoch, renew TTL."""
+
+
+@dataclass(frozen=True)
+class DeliveredRecords:
+    """Rows to append to requests' delivered records (`Keys.delivered`), column by column, so a step
+    of hundreds of requests is built from its arrays and packed without a Python object a row.
+
+    Row i is request `request_ids[i]`, placed under epoch `epochs[i]`; its `num_tokens[i]` tokens
+    are the next ones of `token_ids` (ending in `OUTPUT_END` for a request that ended), the first at
+    output position `starts[i]` (`APPEND_AT_END`: wherever the record ends).
+    """
+
+    request_ids: list[str]
+    epochs: np.ndarray  # [num_rows] int
+    starts: np.ndarray  # [num_rows] int
+    num_tokens: np.ndarray  # [num_rows] int
+    token_ids: np.ndarray  # [sum(num_tokens)] int32
+    renew_ttl: np.ndarray  # [num_rows] bool: renew the record's TTL (a new record gets one anyway)
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[str, int, int, bytes]]) -> DeliveredRecords:
+        """From (request id, epoch, start, int32 token bytes) rows, every TTL renewed (refusals,
+        reports: rows that are not a step's)."""
+        return cls(
+            request_ids=[row[0] for row in rows],
+            epochs=np.asarray([row[1] for row in rows], np.int64),
+            starts=np.asarray([row[2] for row in rows], np.int64),
+            num_tokens=np.asarray([len(row[3]) // TOKEN_DTYPE.itemsize for row in rows], np.int64),
+            token_ids=np.frombuffer(b"".join(row[3] for row in rows), TOKEN_DTYPE),
+            renew_ttl=np.ones(len(rows), bool),
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def columns(self) -> tuple[bytes, bytes, bytes]:
+        """The script's three arguments: per row `RECORD_COLUMNS` <u4 (id bytes, token bytes, start,
+        epoch, renew TTL), the ids' UTF-8 bytes concatenated, and the rows' int32 tokens."""
+        ids = "".join(self.request_ids).encode()
+        header = np.empty((len(self), RECORD_COLUMNS), "<u4")
+        if len(ids) == sum(map(len, self.request_ids)):  # ASCII ids: a character is a byte
+            header[:, 0] = np.fromiter(map(len, self.request_ids), np.int64, len(self))
+        else:
+            header[:, 0] = [len(request_id.encode()) for request_id in self.request_ids]
+        header[:, 1] = TOKEN_DTYPE.itemsize * self.num_tokens
+        header[:, 2] = self.starts
+        header[:, 3] = self.epochs
+        header[:, 4] = self.renew_ttl
+        return header.tobytes(), ids, self.token_ids.astype(TOKEN_DTYPE, copy=False).tobytes()
+
 
 ADMIT_FUNCTION_LUA = """
 local function admit(state, depth, submit, max_len, owned, gateways, request_id, gateway_id, incarnation)
@@ -467,32 +529,31 @@ class Bus:
     async def publish_step(
         self,
         outputs: Sequence[tuple[str, bytes]],
-        delivered: Sequence[tuple[str, int, int, bytes]] = (),
+        delivered: DeliveredRecords | Sequence[tuple[str, int, int, bytes]] = (),
         messages: Sequence[tuple[str, Message]] = (),
     ) -> list[str]:
         """A worker step's effects on the bus, atomically, in one command: `outputs` (gateway id,
-        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (request id, the
-        placement's epoch, output position of the first token, int32 token bytes; one per row)
-        are appended to the requests' delivered records where they start at the record's end, so
-        a record is always a prefix of what its gateway was sent (all of it but after a Redis
-        restart that lost writes); `messages` (stream, message) are plain XADDs (reports to the
-        scheduler). Returns the ids of fenced requests (rows whose epoch is not the current one):
-        if there are any, nothing was written. Safe to repeat: the gateway drops rows it already
-        has. Output streams and records expire `OUTPUT_TTL_S` after their last write."""
-        if not (outputs or delivered or messages):
+        encoded `OutputBatch`) go to the gateways' output streams; `delivered` (`DeliveredRecords`,
+        or rows of request id, the placement's epoch, output position of the first token, int32
+        token bytes) are appended to the requests' delivered records where they start at the
+        record's end, so a record is always a prefix of what its gateway was sent (all of it but
+        after a Redis restart that lost writes); `messages` (stream, message) are plain XADDs
+        (reports to the scheduler). Returns the ids of fenced requests (rows whose epoch is not the
+        current one): if there are any, nothing was written. Safe to repeat: the gateway drops rows
+        it already has. Output streams expire `OUTPUT_TTL_S` after their last write, records as
+        `RECORD_TTL_RENEW_S` says."""
+        if not isinstance(delivered, DeliveredRecords):
+            delivered = DeliveredRecords.of(delivered)
+        if not (outputs or len(delivered) or messages):
             return []
         keys = [*(self.keys.outputs(gateway) for gateway, _ in outputs), *(s for s, _ in messages)]
-        records = b"".join(
-            RECORD_HEADER.pack(len(rid := request_id.encode()), len(tokens), start, epoch) + rid + tokens
-            for request_id, epoch, start, tokens in delivered
-        )
         args: list[bytes | str | int] = [
             OUTPUT_TTL_S,
             len(outputs),
             PAYLOAD_FIELD,
             self.keys.delivered(""),
             self.keys.request_state(""),
-            records,
+            *delivered.columns(),
             *(payload for _, payload in outputs),
             *(encode(message) for _, message in messages),
         ]

@@ -263,7 +263,7 @@ class OutputBatch(Message):
     def events(self) -> list[TokenEvent]:
         """One event per row, in order (what the gateway hands to each request)."""
         cu = np.frombuffer(self.cu_num_tokens, TOKEN_DTYPE).tolist()
-        token_ids = np.frombuffer(self.token_ids, TOKEN_DTYPE)
+        token_ids = np.frombuffer(self.token_ids, TOKEN_DTYPE).tolist()  # one conversion, sliced per row
         num_output = np.frombuffer(self.num_output_tokens, TOKEN_DTYPE).tolist()
         ends = {end.row: end for end in self.ends}
         logprobs = {row.row: row.logprobs for row in self.logprobs}
@@ -273,7 +273,7 @@ class OutputBatch(Message):
             end = ends.get(row)
             event = TokenEvent(
                 request_id,
-                token_ids[cu[row] : cu[row + 1]].tolist(),
+                token_ids[cu[row] : cu[row + 1]],
                 self.texts[row],
                 logprobs.get(row, []),
                 end is not None,

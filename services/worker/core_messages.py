@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from services.engine.kv_export import KVExport
-from shared.bus import RedisSettings
+from shared.bus import OUTPUT_END, DeliveredRecords, RedisSettings
 from shared.config import EngineConfig
 from shared.protocol import (
     TOKEN_DTYPE,
@@ -274,14 +274,18 @@ class StepBatch:
         """These rows (sorted; default: all) as the bus message for their gateway."""
         cu, token_ids, num_output = self.cu_num_tokens, self.token_ids, self.num_output_tokens
         request_ids, texts = self.request_ids, self.texts
-        renumber = dict(enumerate(range(self.num_rows)))
+        renumber: dict[int, int] | None = None  # a row here -> its row in the message (None: all, unmoved)
         if rows is not None and len(rows) < self.num_rows:
-            lengths = np.diff(cu)
-            token_ids = token_ids[np.repeat(np.isin(np.arange(self.num_rows), rows), lengths)]
-            cu = np.concatenate([[0], np.cumsum(lengths[rows])])
+            token_ids = token_ids[self._token_mask(rows, np.diff(cu))]
+            cu = np.concatenate([[0], np.cumsum(np.diff(cu)[rows])])
             num_output = num_output[rows]
-            request_ids, texts = [request_ids[i] for i in rows], [texts[i] for i in rows]
-            renumber = {int(old): new for new, old in enumerate(rows)}
+            kept = rows.tolist()
+            request_ids, texts = [request_ids[i] for i in kept], [texts[i] for i in kept]
+            renumber = {old: new for new, old in enumerate(kept)} if self._has_row_extras() else {}
+
+        def place(row: int) -> int | None:
+            return row if renumber is None else renumber.get(row)
+
         return OutputBatch.model_construct(
             request_ids=request_ids,
             cu_num_tokens=cu.astype(TOKEN_DTYPE).tobytes(),
@@ -290,29 +294,59 @@ class StepBatch:
             num_output_tokens=num_output.astype(TOKEN_DTYPE).tobytes(),
             ends=[
                 OutputEnd(
-                    row=renumber[end.row],
+                    row=new_row,
                     finish_reason=end.finish_reason,
                     stop_reason=end.stop_reason,
                     spec_stats=end.spec_stats,
                     error=end.error,
                 )
                 for end in self.ends
-                if end.row in renumber and not end.handoff
+                if (new_row := place(end.row)) is not None and not end.handoff
             ],
             logprobs=[
                 RowLogprobs(
-                    row=renumber[row],
+                    row=new_row,
                     logprobs=[TokenLogprob(token_id=t, logprob=lp, top=top) for t, lp, top in entries],
                 )
                 for row, entries in self.logprobs
-                if row in renumber
+                if (new_row := place(row)) is not None
             ],
             prompt_logprobs=[
-                RowPromptLogprobs(row=renumber[row], logprobs=[_prompt_entry(e) for e in entries])
+                RowPromptLogprobs(row=new_row, logprobs=[_prompt_entry(e) for e in entries])
                 for row, entries in self.prompt_logprobs
-                if row in renumber
+                if (new_row := place(row)) is not None
             ],
         )
+
+    def delivered_records(self, rows: np.ndarray | None, renew_ttl: np.ndarray) -> DeliveredRecords:
+        """These rows (sorted; None: all) as appends to their requests' delivered records: each
+        row's new tokens, then `OUTPUT_END` where its request ended here (a hand-off is no end).
+        `renew_ttl`: [num_rows] bool, the rows whose record's TTL is renewed."""
+        cu, token_ids = self.cu_num_tokens, self.token_ids
+        num_tokens = cu[1:] - cu[:-1]  # [num_rows]
+        starts = self.num_output_tokens - num_tokens  # [num_rows]
+        end_rows = [end.row for end in self.ends if not end.handoff]
+        if end_rows:
+            token_ids = np.insert(token_ids, cu[1:][end_rows], OUTPUT_END)
+            num_tokens[end_rows] += 1
+        request_ids, epochs = self.request_ids, np.asarray(self.epochs)
+        if rows is not None and len(rows) < self.num_rows:
+            token_ids = token_ids[self._token_mask(rows, num_tokens)]
+            kept = rows.tolist()
+            request_ids = [request_ids[i] for i in kept]
+            epochs, starts, renew_ttl = epochs[rows], starts[rows], renew_ttl[rows]
+            num_tokens = num_tokens[rows]
+        return DeliveredRecords(request_ids, epochs, starts, num_tokens, token_ids, renew_ttl)
+
+    def _has_row_extras(self) -> bool:
+        """Whether any row has an end or logprobs (else a selection needs no row renumbering)."""
+        return bool(self.ends or self.logprobs or self.prompt_logprobs)
+
+    def _token_mask(self, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """[sum(num_tokens)] bool: the tokens of `rows`, given each row's `num_tokens` [num_rows]."""
+        kept = np.zeros(self.num_rows, bool)
+        kept[rows] = True
+        return np.repeat(kept, num_tokens)
 
 
 def _prompt_entry(

@@ -54,6 +54,7 @@ from shared import trace
 from shared.bus import (
     APPEND_AT_END,
     END_BYTES,
+    RECORD_TTL_RENEW_S,
     TRANSIENT_ERRORS,
     Bus,
     Delivery,
@@ -111,6 +112,8 @@ class Running:
     fenced: bool = False
     """Cancelled, and its rows refused since (the scheduler ended it at once): none is sent any
     more, and its end row, which the abort brings, retires it as any."""
+    record_renewed_at: float = float("-inf")
+    """When (time.monotonic) a publish last renewed its delivered record's TTL."""
 
 
 class Worker:
@@ -456,7 +459,10 @@ class Worker:
     async def _publish_current(self, batch: StepBatch) -> list[str]:
         """Publishes the rows of the current placements here; returns the requests fenced off
         (then nothing was published)."""
+        now = time.monotonic()
         rows_of: dict[str, list[int]] = {}
+        renew_ttl = np.zeros(batch.num_rows, bool)  # [num_rows]
+        renewing: list[Running] = []
         for row, request_id in enumerate(batch.request_ids):
             running = self._current_row(batch, row)
             if running is None or running.fenced:
@@ -465,31 +471,30 @@ class Worker:
                 logger.error("a row of %s, which has no gateway: dropped", request_id)
                 continue
             rows_of.setdefault(running.request.gateway_id, []).append(row)
-        kept = sorted(row for rows in rows_of.values() for row in rows)
-        whole = len(rows_of) == 1 and len(kept) == batch.num_rows
+            if now >= running.record_renewed_at + RECORD_TTL_RENEW_S:
+                renew_ttl[row] = True
+                renewing.append(running)
+        kept = np.asarray(sorted(row for rows in rows_of.values() for row in rows), np.int64)
+        whole = len(kept) == batch.num_rows
         outputs = [
-            (gateway, encode(batch.output_batch(None if whole else np.asarray(rows))))
+            (gateway, encode(batch.output_batch(None if whole and len(rows_of) == 1 else np.asarray(rows))))
             for gateway, rows in rows_of.items()
         ]
-        ended = {end.row: end for end in batch.ends if not end.handoff and end.row in set(kept)}
-        cu = batch.cu_num_tokens.tolist()
-        delivered = [
-            (
-                batch.request_ids[row],
-                batch.epochs[row],
-                int(batch.num_output_tokens[row]) - (cu[row + 1] - cu[row]),
-                batch.token_ids[cu[row] : cu[row + 1]].tobytes() + (END_BYTES if row in ended else b""),
-            )
-            for row in kept
-        ]
+        records = batch.delivered_records(None if whole else kept, renew_ttl)
+        kept_rows = set(kept.tolist())
         reports: list[tuple[str, Message]] = [
             (
                 self.keys.scheduler_replies,
-                self._finished(batch.request_ids[row], batch.epochs[row], end.outcome, end.error),
+                self._finished(batch.request_ids[end.row], batch.epochs[end.row], end.outcome, end.error),
             )
-            for row, end in ended.items()
+            for end in batch.ends
+            if not end.handoff and end.row in kept_rows
         ]
-        return await self.bus.publish_step(outputs, delivered, reports)
+        fenced = await self.bus.publish_step(outputs, records, reports)
+        if not fenced:
+            for running in renewing:
+                running.record_renewed_at = now
+        return fenced
 
     def _current_row(self, batch: StepBatch, row: int) -> Running | None:
         """The request of `row`, if the row belongs to its placement here."""

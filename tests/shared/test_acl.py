@@ -289,6 +289,10 @@ async def test_a_worker_publishes_its_steps_but_cannot_touch_admission_state(bus
     )
     assert fenced == []
     assert await scheduler.delivered_tokens("r1") == ([5], False)
+    await worker.publish_step([], [("r1", epoch, 0, tokens)])  # a repeat: its append is undone
+    assert await scheduler.delivered_tokens("r1") == ([5], False)
+    await worker.publish_step([], [("r2", epoch, 1, tokens)])  # past a lost record: none is made
+    assert await scheduler.delivered_tokens("r2") == ([], False)
     assert await worker.publish_step([("g1", output("r1"))], [("r1", epoch - 1, 1, tokens)]) == ["r1"]
 
     await refused(worker.admit("r2", submit("r2"), 10))

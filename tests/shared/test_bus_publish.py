@@ -3,9 +3,20 @@ admission and release of a request in one round trip each."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from shared.bus import APPEND_AT_END, ENDED_TTL_S, FIRST_EPOCH, OUTPUT_END, OUTPUT_TTL_S, Bus, Placement
+from shared.bus import (
+    APPEND_AT_END,
+    ENDED_TTL_S,
+    FIRST_EPOCH,
+    OUTPUT_END,
+    OUTPUT_TTL_S,
+    Bus,
+    DeliveredRecords,
+    Placement,
+)
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
@@ -79,6 +90,46 @@ async def test_a_record_that_lost_its_tail_stays_a_prefix(bus: Bus) -> None:
     await bus.publish_step([], [("r", 1, 0, tokens(7))])
     await bus.publish_step([], [("r", 1, 3, tokens(10, OUTPUT_END))])
     assert await bus.delivered_tokens("r") == ([7], False)
+
+
+async def test_a_record_lost_altogether_is_not_made_again_by_a_later_row(bus: Bus) -> None:
+    """A record gone with a Redis restart stays gone (a re-dispatch resumes from nothing, and the
+    gateway drops what it already had) rather than start with a hole."""
+    await bus.publish_step([], [("r", 1, 2, tokens(9))])
+    assert not await bus.client.exists(bus.keys.delivered("r"))
+
+
+def step_records(*rows: tuple[str, int, list[int]], renew_ttl: bool) -> DeliveredRecords:
+    """A step's records as a worker builds them: (request id, start, tokens) rows of epoch 1."""
+    records = DeliveredRecords.of([(r, 1, start, tokens(*ids)) for r, start, ids in rows])
+    return replace(records, renew_ttl=np.full(len(rows), renew_ttl))
+
+
+async def test_a_record_gets_its_ttl_as_it_is_made_and_renewed_only_on_flagged_rows(bus: Bus) -> None:
+    key = bus.keys.delivered("r")
+    await bus.publish_step([], step_records(("r", 0, [7]), renew_ttl=False))
+    assert 0 < await bus.client.ttl(key) <= OUTPUT_TTL_S
+    await bus.client.expire(key, 100)
+    await bus.publish_step([], step_records(("r", 1, [8]), renew_ttl=False))
+    assert 0 < await bus.client.ttl(key) <= 100
+    await bus.publish_step([], step_records(("r", 2, [9]), renew_ttl=True))
+    assert 100 < await bus.client.ttl(key) <= OUTPUT_TTL_S
+    await bus.client.expire(key, 100)
+    await bus.publish_step([], step_records(("r", 1, [8, 9]), renew_ttl=True))  # a repeat: undone
+    assert await bus.delivered_tokens("r") == ([7, 8, 9], False)
+    assert 0 < await bus.client.ttl(key) <= 100
+
+
+async def test_a_step_of_many_rows_appends_each_record_once_in_one_call(bus: Bus) -> None:
+    """Columns of 64 rows (two tokens each, every other one ending, one id not ASCII), published
+    twice (a retry after a lost answer): every record holds its row's tokens once."""
+    rows = [
+        (f"r{i}" + ("é" if i == 5 else ""), 0, [i, 1000 + i] + ([OUTPUT_END] * (i % 2))) for i in range(64)
+    ]
+    for _ in range(2):
+        assert await bus.publish_step([], step_records(*rows, renew_ttl=False)) == []
+    for request_id, _, ids in rows:
+        assert await bus.delivered_tokens(request_id) == (ids[:2], len(ids) == 3)
 
 
 async def test_an_end_marker_appended_at_the_end_needs_no_position(bus: Bus) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.worker.core_messages import EngineLoad, RowEnd, StepBatch, concat
+from shared.bus import OUTPUT_END
 from shared.protocol import TOKEN_DTYPE, ErrorInfo, OutputBatch, decode, encode
 
 
@@ -81,3 +82,29 @@ def test_prompt_logprobs_stay_on_their_request_through_selection_concat_and_the_
         4,
         [(8, -0.5)],
     )
+
+
+def test_delivered_records_of_selected_rows_carry_their_tokens_and_end_markers() -> None:
+    batch = step(
+        {"a": [1, 2], "b": [3], "c": [], "d": [4, 5, 6]},
+        ends=[
+            RowEnd(row=2, finish_reason="abort"),
+            RowEnd(row=3, finish_reason="stop"),
+            RowEnd(row=0, handoff=True),
+        ],
+    )
+    renew = np.asarray([True, False, True, False])
+    for rows, expected in (
+        (None, {"a": [1, 2], "b": [3], "c": [OUTPUT_END], "d": [4, 5, 6, OUTPUT_END]}),
+        (np.asarray([0, 2, 3]), {"a": [1, 2], "c": [OUTPUT_END], "d": [4, 5, 6, OUTPUT_END]}),
+    ):
+        records = batch.delivered_records(rows, renew)
+        cu = np.cumsum([0, *records.num_tokens]).tolist()
+        assert {
+            request_id: records.token_ids[cu[i] : cu[i + 1]].tolist()
+            for i, request_id in enumerate(records.request_ids)
+        } == expected
+        # every row here holds its request's first tokens
+        assert records.starts.tolist() == [0] * len(expected)
+        kept = list(range(4)) if rows is None else rows.tolist()
+        assert records.renew_ttl.tolist() == renew[kept].tolist()

@@ -12,7 +12,7 @@ import numpy as np
 from services.worker.core_messages import EngineInfo, EngineLoad, RowEnd, StepBatch
 from services.worker.metrics import WorkerMetrics
 from services.worker.worker import Running, Worker, WorkerOptions
-from shared.bus import Bus
+from shared.bus import OUTPUT_TTL_S, RECORD_TTL_RENEW_S, Bus
 from shared.protocol import (
     PAYLOAD_FIELD,
     TOKEN_DTYPE,
@@ -176,3 +176,18 @@ async def test_a_cancelled_request_s_fenced_rows_go_nowhere_until_its_end_retire
     assert w.requests == {}
     assert not await bus.client.exists(bus.keys.outputs("g"), bus.keys.scheduler_replies)
     assert w.core.aborted == []  # type: ignore[attr-defined]  # the abort was the cancel's, not the fence's
+
+
+async def test_a_running_request_s_record_ttl_is_renewed_once_a_period_not_every_step(bus: Bus) -> None:
+    w = worker(bus)
+    admit(w, "a", "g")
+    key = bus.keys.delivered("a")
+    await w._publish(one_token_step(["a"], 0))
+    assert 0 < await bus.client.ttl(key) <= OUTPUT_TTL_S
+    await bus.client.expire(key, 100)
+    await w._publish(one_token_step(["a"], 1))
+    assert 0 < await bus.client.ttl(key) <= 100
+    w.requests["a"].record_renewed_at -= RECORD_TTL_RENEW_S  # a period has passed
+    await w._publish(one_token_step(["a"], 2))
+    assert 100 < await bus.client.ttl(key) <= OUTPUT_TTL_S
+    assert await bus.delivered_tokens("a") == ([0, 1000, 2000], False)
