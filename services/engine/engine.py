@@ -97,6 +97,39 @@ class InFlight:
     launched ahead, or after a step nothing could run ahead of)."""
 
 
+@dataclass
+class StepCounts:
+    """The engine's landed steps, for benchmarks: how many, how many waited for the host where they
+    could have been launched ahead of the step before (host drafts, a request to admit), the
+    device's idle time before those, and the whole time of the steps that waited and of the rest."""
+
+    num_steps: int = 0
+    num_waited: int = 0
+    host_gap_s: float = 0.0
+    waited_s: float = 0.0
+    other_s: float = 0.0
+
+    def add(self, seconds: float, host_gap_s: float | None) -> None:
+        self.num_steps += 1
+        if host_gap_s is None:
+            self.other_s += seconds
+            return
+        self.num_waited += 1
+        self.host_gap_s += host_gap_s
+        self.waited_s += seconds
+
+    def summary(self) -> dict[str, float]:
+        """Share of steps that waited, their mean host gap and mean time, the others' mean time."""
+        num_other = self.num_steps - self.num_waited
+        return {
+            "num_steps": self.num_steps,
+            "waited_share": self.num_waited / max(self.num_steps, 1),
+            "mean_host_gap_ms": 1e3 * self.host_gap_s / max(self.num_waited, 1),
+            "mean_waited_step_ms": 1e3 * self.waited_s / max(self.num_waited, 1),
+            "mean_other_step_ms": 1e3 * self.other_s / max(num_other, 1),
+        }
+
+
 class RequestError(ValueError):
     """A request the engine refuses, with a message meant for the client."""
 
@@ -201,6 +234,7 @@ class LLMEngine:
         self._idle_since: float | None = None
         """When the device went idle in this `step()` call: the read-back of a landed step that the
         next could have been launched ahead of (None: no such landing in this call)."""
+        self.step_counts = StepCounts()
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         logger.info(
@@ -467,6 +501,7 @@ class LLMEngine:
         landed_s = time.perf_counter()
         seconds = landed_s - max(flight.called_s, self._landed_s)
         self._landed_s = landed_s
+        self.step_counts.add(seconds, flight.host_gap_s)
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
             self.drafter.record_step(
