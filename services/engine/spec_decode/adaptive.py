@@ -858,7 +858,8 @@ class AdaptiveSpeculation:
         """Drafts for requests left at k = 0, idle longest first, while the predicted loss fits in
         PROBE_SHARE of the time until the next probe step, with the shares of the probe steps
         before that probed nothing; the first probe goes regardless unless its loss is priced
-        (`_probe_priced`: then one dearer than a share waits for several). A probe
+        (`_probe_priced`, or the overlap its step would lose, measured apart, exceeds the budget
+        alone: then one dearer than a share waits for several). A probe
         drafts the k that would be best for it if its drafting were worth its fixed costs (one draft
         for a request below `min_acceptance`); its loss is the time it adds (its own cost and any
         longer chain it makes its method run) less the time its expected tokens are worth at the
@@ -880,7 +881,12 @@ class AdaptiveSpeculation:
                 choices.chain_cost_s[method, chain] - choices.chain_cost_s[method, chains[method]]
             )
             loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
-            if loss_s > budget_s and (probed or self._probe_priced(seqs[i].spec.method)):
+            host = seqs[i].spec.method in self.host_methods
+            overlap_loss_s = (choices.lost_overlap_s if host and chains[method] == 0 else 0.0) - gain[
+                k
+            ] / rate
+            priced = probed or self._probe_priced(seqs[i].spec.method) or overlap_loss_s > budget_s
+            if loss_s > budget_s and priced:
                 break
             ks[i] = k
             budget_s -= max(loss_s, 0.0)

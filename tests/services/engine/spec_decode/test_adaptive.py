@@ -843,3 +843,23 @@ def test_a_prompt_backlog_is_paid_back_over_the_requests_remaining_tokens() -> N
             for seq in batch:
                 seq.append_tokens([0] * (128 - to_go))
             assert all(steady(adaptive, batch, 16, backlogs=[backlog] * 16)) is (drafts or not backlog)
+
+
+def test_a_probe_that_would_lose_its_steps_overlap_waits_for_its_share() -> None:
+    """16 suffix requests left at k = 0 and no drafting measured yet: where a probe's step would
+    lose a measured 1.5 ms of overlap against 1.4 ms steps, far beyond a probe step's share of the
+    time, probes wait for the shares of several probe steps (before, the first went on every probe
+    step); where the overlap is cheap, every probe step probes."""
+    for gap_s, most_probed in ((1.5e-3, 2), (20e-6, 8)):
+        adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+        for n in (8, 16, 24):
+            adaptive.record_step(n, n, n, 0, 1.0e-3 + 25e-6 * n)
+            adaptive.record_host_gap(n, gap_s)
+        batch = seqs([0.01] * 16, max_k=8)
+        probe_steps = []
+        for _ in range(8 * PROBE_EVERY_STEPS):
+            ks = adaptive.choose(batch, num_other_tokens=16)
+            if adaptive.step % PROBE_EVERY_STEPS == 1:
+                probe_steps.append(any(ks))
+        assert sum(probe_steps) <= most_probed
+        assert sum(probe_steps) >= (1 if gap_s > 1e-3 else 8)
