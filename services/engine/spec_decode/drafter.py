@@ -305,7 +305,7 @@ class Drafter:
         step's own: with steps launched ahead, the last one planned is the next step's.)"""
         own_s = seconds - self.host_drafting_s - (host_gap_s or 0.0)
         self.adaptive.record_step(num_requests, num_tokens, num_emitted, plan.num_steps, own_s, mixed)
-        if host_gap_s is not None:
+        if host_gap_s is not None and not mixed:  # a step with prefill chunks plans more than decoding
             self.adaptive.record_host_gap(num_requests, host_gap_s)
         host_only = all(m == -1 for m in plan.methods)
         if not mixed and host_only:
