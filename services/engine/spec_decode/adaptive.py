@@ -316,11 +316,11 @@ class DraftCost:
 
 class HostGapModel:
     """The lost overlap, as the engine measures it: the time the device idles between a step's
-    landing and the launch of a next step that waited for the host (host drafts, a request to
-    admit) instead of being launched ahead of that landing, less the host drafting in between
-    (the drafting cost prices that), fitted as fixed_s + per_request_s * R for R requests in the
-    batch. A step launched ahead loses none of it: the host's apply, planning and launch then run
-    while the device works."""
+    landing and the launch of a next decode step that waited for the host (its host drafts, say)
+    instead of being launched ahead of that landing, less the host drafting in between (the
+    drafting cost prices that), fitted as fixed_s + per_request_s * R for R requests in the batch.
+    A step launched ahead loses none of it: the host's apply, planning and launch then run while
+    the device works."""
 
     def __init__(self) -> None:
         self.samples = SampleWindow(1, DRAFT_COST_WINDOW)
@@ -882,10 +882,8 @@ class AdaptiveSpeculation:
             )
             loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
             host = seqs[i].spec.method in self.host_methods
-            overlap_loss_s = (choices.lost_overlap_s if host and chains[method] == 0 else 0.0) - gain[
-                k
-            ] / rate
-            priced = probed or self._probe_priced(seqs[i].spec.method) or overlap_loss_s > budget_s
+            lost_s = choices.lost_overlap_s if host and chains[method] == 0 else 0.0
+            priced = probed or self._probe_priced(seqs[i].spec.method) or lost_s - gain[k] / rate > budget_s
             if loss_s > budget_s and priced:
                 break
             ks[i] = k
