@@ -52,7 +52,7 @@ from benchmarks.hf_baseline import HFBaseline, unavailable_reason
 from benchmarks.methods import BASELINE, max_k, resolve_methods, with_k
 from benchmarks.metrics import SLO, RequestRecord, SpecCounts, run_duration_s, summarize
 from services.engine.args import add_engine_args, engine_config
-from services.engine.engine import LLMEngine
+from services.engine.engine import LLMEngine, StepCounts
 from services.runtime import freeze_start_up
 from shared.config import EngineConfig
 from shared.reference import default_model
@@ -216,7 +216,8 @@ def engine_cell(
     try:
         if opts.warmup_burst:
             run_requests(engines[0], warmup_burst(requests, concurrency), opts.sampling, concurrency)
-        return measure(
+        engines[0].step_counts = StepCounts()
+        measured = measure(
             lambda p: run_requests(
                 engines[0], requests, opts.sampling, concurrency, opts.request_rate, opts.seed, p
             ),
@@ -225,6 +226,14 @@ def engine_cell(
             f"{label} c={concurrency}",
             opts.progress,
         )
+        measured["steps"] = steps = engines[0].step_counts.summary()
+        print(
+            f"steps {label} c={concurrency}: {steps['num_steps']}, "
+            f"{100 * steps['waited_share']:.1f}% waited for the host (mean gap "
+            f"{steps['mean_host_gap_ms']:.2f} ms, step {steps['mean_waited_step_ms']:.2f} ms; "
+            f"others {steps['mean_other_step_ms']:.2f} ms)"
+        )
+        return measured
     finally:
         engines.pop().close()  # stops its other tensor-parallel ranks, if any
         free_memory()

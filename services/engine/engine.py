@@ -91,6 +91,43 @@ class InFlight:
     """A step launched ahead with grammar rows is a `PendingTail` until the step before it lands."""
     called_s: float
     """When the `step()` call that launched it began (`perf_counter`)."""
+    host_gap_s: float | None = None
+    """How long the device idled for the host before this step's launch: from the landing of a step
+    that could have had this one launched ahead of it, less the host drafting in between (None:
+    launched ahead, or after a step nothing could run ahead of)."""
+
+
+@dataclass
+class StepCounts:
+    """The engine's landed steps, for benchmarks: how many, how many waited for the host where they
+    could have been launched ahead of the step before (host drafts, a request to admit), the
+    device's idle time before those, and the whole time of the steps that waited and of the rest."""
+
+    num_steps: int = 0
+    num_waited: int = 0
+    host_gap_s: float = 0.0
+    waited_s: float = 0.0
+    other_s: float = 0.0
+
+    def add(self, seconds: float, host_gap_s: float | None) -> None:
+        self.num_steps += 1
+        if host_gap_s is None:
+            self.other_s += seconds
+            return
+        self.num_waited += 1
+        self.host_gap_s += host_gap_s
+        self.waited_s += seconds
+
+    def summary(self) -> dict[str, float]:
+        """Share of steps that waited, their mean host gap and mean time, the others' mean time."""
+        num_other = self.num_steps - self.num_waited
+        return {
+            "num_steps": self.num_steps,
+            "waited_share": self.num_waited / max(self.num_steps, 1),
+            "mean_host_gap_ms": 1e3 * self.host_gap_s / max(self.num_waited, 1),
+            "mean_waited_step_ms": 1e3 * self.waited_s / max(self.num_waited, 1),
+            "mean_other_step_ms": 1e3 * self.other_s / max(num_other, 1),
+        }
 
 
 class RequestError(ValueError):
@@ -194,6 +231,10 @@ class LLMEngine:
         """A step launched in an earlier call whose result is not applied yet (`_launch_ahead`)."""
         self._landed_s = float("-inf")
         """When the last step landed (`perf_counter`): a step's time runs from there (`_land`)."""
+        self._idle_since: float | None = None
+        """When the device went idle in this `step()` call: the read-back of a landed step that the
+        next could have been launched ahead of (None: no such landing in this call)."""
+        self.step_counts = StepCounts()
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         logger.info(
@@ -414,6 +455,7 @@ class LLMEngine:
         it to land and is planned from the host's state."""
         called_s = time.perf_counter()
         outputs: list[RequestOutput] = []
+        self._idle_since = None
         if self._in_flight is not None:
             landing = self._in_flight
             self._in_flight = self._launch_ahead(landing, called_s)
@@ -427,7 +469,7 @@ class LLMEngine:
             return outputs
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        flight = InFlight(batch, plan, self.runner.launch(batch, plan), called_s)
+        flight = InFlight(batch, plan, self.runner.launch(batch, plan), called_s, self._host_gap_s())
         if self._may_run_ahead(flight):
             self._in_flight = flight
             return outputs + self._hand_over(self._emit(self._take_unemitted()))  # while the device runs it
@@ -445,6 +487,9 @@ class LLMEngine:
         self.drafter.choose_pending()
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
+        # where the device runs asynchronously (not on the CPU, where `launch` computes the step)
+        asynchronous = launched.done is not None and self._may_run_ahead(flight)
+        self._idle_since = time.perf_counter() if asynchronous else None
         ended = all(seq.is_finished for seq in batch.seqs)  # a step ahead of requests that all ended
         handed_off = self._apply(batch, plan, step)
         self._launch_tail()
@@ -456,10 +501,21 @@ class LLMEngine:
         landed_s = time.perf_counter()
         seconds = landed_s - max(flight.called_s, self._landed_s)
         self._landed_s = landed_s
+        self.step_counts.add(seconds, flight.host_gap_s)
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
-            self.drafter.record_step(plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed)
+            self.drafter.record_step(
+                plan, len(batch.seqs), step.num_tokens, num_emitted, seconds, mixed, flight.host_gap_s
+            )
         return outputs
+
+    def _host_gap_s(self) -> float | None:
+        """The device's idle time before a step launched now, since the landing in this call of a
+        step it could have been launched ahead of, less the host drafting in between (which the
+        drafting cost prices); None without such a landing."""
+        if self._idle_since is None:
+            return None
+        return max(0.0, time.perf_counter() - self._idle_since - self.drafter.host_drafting_s)
 
     def _hand_over(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` to `on_outputs` now, if set (then `step()` does not return them), else kept."""

@@ -10,7 +10,7 @@ the chance that a depth's node is accepted after its parent; it costs its nodes 
 
 - the step, fitted apart for decode steps (CUDA graphs on a GPU) and for steps that carry prefill
   chunks (run eagerly, where a drafting model's chain is hundreds of kernel launches): its time
-  less host drafting is fitted as
+  less host drafting and less its host gap (below) is fitted as
       T = step_fixed + per_request_s * R + verify_s * n + per_emitted_s * e + per_chain_step_s * L
   for R requests (the host's work per request: scheduling, bookkeeping), n tokens in the target
   forward (each draft is one more), e tokens emitted (the host's work per output token:
@@ -24,18 +24,27 @@ the chance that a depth's node is accepted after its parent; it costs its nodes 
   look-ups), work per draft, work per new token (suffix decoding takes a step's tokens into its
   per-request indexes inside `propose()`). A fit of the whole step against its tokens sees none of the
   per-request cost, which at high concurrency can exceed what the accepted drafts save.
-  A device method's chain is priced by the step fit's chain slope (per_forward_s).
+  A device method's chain is priced by the step fit's chain slope (per_forward_s);
+- the lost overlap: a step that verifies host drafts cannot be launched ahead of the last step's
+  landing (services/engine/run_ahead.py), so the device idles while the host applies that step,
+  drafts, plans and launches. The engine measures that gap, less the drafting, on every step that
+  waited so (`HostGapModel`: fixed + per request); host drafting pays it once a step, as part of
+  its method's chain cost, but after a step with prefill chunks (which the next step waits for
+  anyway). It is why a few drafting requests can lose at 16 requests where many would not.
 
 *Choice.* The ks maximise the batch's tokens per second
 
     rate(k) = (N + sum_i g_i(k_i)) / (T(n_0) + sum_i c_i(k_i) + sum_m chain_m(L_m))
 
 for N requests and n_0 tokens that are not drafts, where a request drafting k > 0 costs
-c_i(k) = per_request_s + (verify_s + per_draft_s) * k + per_context_token_s * (1 + g_i(k))
+c_i(k) = per_request_s + (verify_s + per_draft_s) * k + per_context_token_s * (1 + g_i(k)) * (1 + b_i / r_i)
 + per_emitted_s * g_i(k), and
 method m, whose longest k is L_m, pays chain_m(L) = fixed_s + per_forward_s * forwards_m(L) once
-(chain_m(0) = 0). A drafting request's drafter catches up next step on the 1 + g tokens it emits;
-the backlog of one that has not drafted for a while is paid once and left out of the choice.
+(chain_m(0) = 0; host-drafted methods add the lost overlap). A drafting request's drafter catches up
+next step on the 1 + g tokens it emits; its backlog b_i (tokens it has not taken in beyond the last
+step's: a prompt suffix decoding's `prepare` has not indexed yet) is paid once, at its next draft,
+and paid back over the r_i output tokens it has left, so its share a step is what the step emits of
+those.
 These per-request and per-method costs make draft-by-draft greedy granting wrong (a first draft
 carries its request's whole cost); Dinkelbach's method solves the ratio exactly: rate(k) >= lambda
 iff sum_i [g_i(k_i) - lambda c_i(k_i)] - lambda sum_m chain_m(L_m) >= lambda T(n_0) - N, and for a
@@ -71,7 +80,9 @@ still solve, and probe the requests idle longest, newcomers among them).
   many requests as its live samples measured, one while it has none, those whose drafts are worth
   most kept. A scale never timed is not trusted: the batch reaches full scale in a few steps where
   drafting is cheap, and where it is dear no step pays for more than twice what was measured (one
-  step drafting for every request at an unknown cost can lose more than a short run gains).
+  step drafting for every request at an unknown cost can lose more than a short run gains). Where
+  the step would lose its overlap, the requests a ramp leaves draft only if they pay for it; probe
+  steps, which pay it anyway, then grow the measured scale.
 - The audit: every AUDIT_EVERY_STEPS steps, where a batch drafts only on the host, the measured
   time per emitted token of its decode steps that verified drafts (their drafting included) is set
   against that of its plain decode steps; where drafting lost, host drafting pauses, for longer
@@ -270,8 +281,9 @@ class StepCost:
 
 
 class StepCostModel:
-    """The step's time less its host drafting against its requests, the tokens in the target
-    forward, the tokens it emitted and the drafting model's chained forwards inside the step."""
+    """The step's time less its host drafting and its host gap against its requests, the tokens in
+    the target forward, the tokens it emitted and the drafting model's chained forwards inside the
+    step."""
 
     def __init__(self, window: int = COST_WINDOW):
         self.samples = SampleWindow(num_terms=4, window=window)
@@ -300,6 +312,26 @@ class DraftCost:
     per_draft_s: float = 0.0
     per_forward_s: float = 0.0
     per_context_token_s: float = 0.0
+
+
+class HostGapModel:
+    """The lost overlap, as the engine measures it: the time the device idles between a step's
+    landing and the launch of a next decode step that waited for the host (its host drafts, say)
+    instead of being launched ahead of that landing, less the host drafting in between (the
+    drafting cost prices that), fitted as fixed_s + per_request_s * R for R requests in the batch.
+    A step launched ahead loses none of it: the host's apply, planning and launch then run while
+    the device works."""
+
+    def __init__(self) -> None:
+        self.samples = SampleWindow(1, DRAFT_COST_WINDOW)
+
+    def record(self, num_requests: int, seconds: float) -> None:
+        self.samples.record(0, (num_requests,), seconds)
+
+    def predict(self, num_requests: float) -> float:
+        """Seconds a step of `num_requests` requests waiting for the host adds; 0 before any sample."""
+        coef = self.samples.fit()
+        return 0.0 if coef is None else coef[0] + coef[1] * num_requests
 
 
 class DraftCostModel:
@@ -376,6 +408,17 @@ class RealizedRate:
         return (float(took_s / plain_would_s), batch) if plain_would_s > 0 else None
 
 
+def _backlog_shares(seqs: list[Sequence], backlogs: list[int] | None) -> np.ndarray:
+    """[num_seqs] each request's backlog (context its drafter has not taken in) over the output
+    tokens it has left: times the tokens a step emits, the backlog's share of that step. A backlog
+    is paid once, at the request's next draft, and drafting then pays it back over the request's
+    remaining steps, so a request close to its end does not start drafting on a long backlog."""
+    if backlogs is None:
+        return np.zeros(len(seqs))
+    remaining = [max(1, seq.params.max_tokens - seq.num_output_tokens) for seq in seqs]
+    return np.array(backlogs, dtype=float) / np.array(remaining, dtype=float)
+
+
 def near_batch(num_requests: np.ndarray | int, batch: float) -> np.ndarray | bool:
     """Whether a batch of `num_requests` is within AUDIT_BATCH_RATIO of `batch`."""
     return (num_requests * AUDIT_BATCH_RATIO >= batch) & (num_requests <= batch * AUDIT_BATCH_RATIO)
@@ -401,6 +444,9 @@ class DraftChoices:
     """N: tokens the step emits without drafts."""
     base_s: float
     """T(n_0): the step's time without drafts."""
+    lost_overlap_s: float = 0.0
+    """What host drafting adds to the step once, whatever its number of requests (in chain_cost_s):
+    the step waits for the host instead of being launched ahead."""
 
     def rate(self, ks: np.ndarray) -> tuple[float, float]:
         """(tokens per second, step seconds) with ks[i] drafts for request i."""
@@ -481,6 +527,7 @@ class AdaptiveSpeculation:
         """Decode steps."""
         self.mixed_cost = StepCostModel()
         """Steps with prefill chunks."""
+        self.host_gap = HostGapModel()
         self.draft_cost: dict[str, DraftCostModel] = {}
         self.step = 0
         self.last_drafted: dict[str, int] = {}
@@ -517,11 +564,16 @@ class AdaptiveSpeculation:
         seconds: float,
         mixed: bool = False,
     ) -> None:
-        """A step's time less its host drafting, with `num_requests` requests, `num_tokens` in the
-        target forward, `num_emitted` output tokens and a drafting model's chain of
-        `num_chain_steps` forwards; `mixed`: it carried prefill chunks."""
+        """A step's time less its host drafting and its host gap, with `num_requests` requests,
+        `num_tokens` in the target forward, `num_emitted` output tokens and a drafting model's chain
+        of `num_chain_steps` forwards; `mixed`: it carried prefill chunks."""
         model = self.mixed_cost if mixed else self.cost
         model.record(num_requests, num_tokens, num_emitted, num_chain_steps, seconds)
+
+    def record_host_gap(self, num_requests: int, seconds: float) -> None:
+        """The device's idle time before a step of `num_requests` requests that waited for the host
+        (`HostGapModel`)."""
+        self.host_gap.record(num_requests, seconds)
 
     def record_drafting(self, method: str, ks: list[int], num_context_tokens: int, seconds: float) -> None:
         """One `propose()` of `method` for requests drafting ks (all > 0), after reading
@@ -542,9 +594,16 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self.last_drafted.pop(request_id, None)
 
-    def choose(self, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False) -> list[int]:
+    def choose(
+        self,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
+    ) -> list[int]:
         """k per sequence; `num_other_tokens` are the batch's tokens that are not drafts; `mixed`:
-        the step that drafts them carries prefill chunks."""
+        the step that drafts them carries prefill chunks; `backlogs`: per sequence, the context
+        tokens its drafter would take in beyond the last step's (`Proposer.backlog`; default none)."""
         self.step += 1
         if not self.enabled:
             return [seq.spec.max_k for seq in seqs]
@@ -560,11 +619,11 @@ class AdaptiveSpeculation:
         elif not probing and self._zero_holds(seqs, batch, mixed):
             ks = [0] * len(seqs)
         else:
-            choices = self._choices(seqs, num_other_tokens, mixed)
+            choices = self._choices(seqs, num_other_tokens, mixed, backlogs)
             trusted = np.array([t for _, _, t in batch])
             max_ks = np.array([k for _, k, _ in batch])
             chosen, rate = choices.best(np.where(trusted, max_ks, 0))
-            chosen = self._ramp(seqs, choices, chosen, rate)
+            chosen = self._paying(seqs, choices, self._ramp(seqs, choices, chosen, rate))
             self._kept = KeptChoice(
                 self.step,
                 batch,
@@ -692,7 +751,13 @@ class AdaptiveSpeculation:
         chained = {m: DraftCost(per_forward_s=fits[1].per_chain_step_s) for m in self.max_forwards}
         return fits[1], {**chained, **fits[2]}
 
-    def _choices(self, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False) -> DraftChoices:
+    def _choices(
+        self,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
+    ) -> DraftChoices:
         """The value and cost matrices, drafts' costs counted DRAFT_COST_MARGIN high."""
         step, fitted = self._fitted(mixed)
         verify_s = step.verify_s
@@ -707,18 +772,22 @@ class AdaptiveSpeculation:
         per_draft_s = verify_s + np.array([c.per_draft_s for c in costs])[method]
         per_context_token_s = np.array([c.per_context_token_s for c in costs])[method]
         draft_tokens = np.stack([self._draft_tokens(m, len(num_drafts)) for m in names])[method]
+        context_tokens = 1.0 + gain + _backlog_shares(seqs, backlogs)[:, None] * (1.0 + gain)
         cost_s = (
             per_request_s[:, None]
             + per_draft_s[:, None] * draft_tokens
-            + per_context_token_s[:, None] * (1.0 + gain)
+            + per_context_token_s[:, None] * context_tokens
             + step.per_emitted_s * gain
         )
         cost_s[:, 0] = 0.0
         cost_s[num_drafts[None, :] > max_ks[:, None]] = np.inf
         forwards = np.minimum(num_drafts[None, :], [[self.max_forwards.get(m, 0)] for m in names])
-        chain_cost_s = (
-            np.array([[c.fixed_s] for c in costs]) + np.array([[c.per_forward_s] for c in costs]) * forwards
-        )
+        # after a mixed step the next one waits for the host anyway
+        lost_overlap_s = 0.0 if mixed else self.host_gap.predict(num_other_tokens)
+        fixed_s = [
+            [c.fixed_s + (lost_overlap_s if m in self.host_methods else 0.0)] for m, c in zip(names, costs)
+        ]
+        chain_cost_s = np.array(fixed_s) + np.array([[c.per_forward_s] for c in costs]) * forwards
         chain_cost_s[:, 0] = 0.0
         return DraftChoices(
             gain=gain,
@@ -729,6 +798,7 @@ class AdaptiveSpeculation:
             base_s=step.fixed_s
             + verify_s * num_other_tokens
             + (step.per_request_s + step.per_emitted_s) * len(seqs),
+            lost_overlap_s=lost_overlap_s,
         )
 
     def _ramp(self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray, rate: float) -> np.ndarray:
@@ -750,6 +820,17 @@ class AdaptiveSpeculation:
                 worst_first = drafting[np.argsort(value[drafting], kind="stable")]
                 ks[worst_first[: len(drafting) - allowed]] = 0
         return ks
+
+    def _paying(self, seqs: list[Sequence], choices: DraftChoices, ks: np.ndarray) -> np.ndarray:
+        """`ks`, or `ks` with no host drafts where those cost more than they bring at the priced
+        rates and their step loses its overlap: the few requests a ramp leaves may not pay for the
+        overlap, lost whatever their number (probe steps then grow the measured scale). Without that
+        cost a ramp's losing step is the price of measuring the next scale."""
+        if choices.lost_overlap_s <= 0:
+            return ks
+        host = np.array([seq.spec.method in self.host_methods for seq in seqs])
+        without_host = np.where(host, 0, ks)
+        return ks if choices.rate(ks)[0] >= choices.rate(without_host)[0] else without_host
 
     def _probe_priced(self, method: str) -> bool:
         """Whether a probe's predicted loss can be trusted: a host-drafted method with
@@ -777,7 +858,8 @@ class AdaptiveSpeculation:
         """Drafts for requests left at k = 0, idle longest first, while the predicted loss fits in
         PROBE_SHARE of the time until the next probe step, with the shares of the probe steps
         before that probed nothing; the first probe goes regardless unless its loss is priced
-        (`_probe_priced`: then one dearer than a share waits for several). A probe
+        (`_probe_priced`, or the overlap its step would lose, measured apart, exceeds the budget
+        alone: then one dearer than a share waits for several). A probe
         drafts the k that would be best for it if its drafting were worth its fixed costs (one draft
         for a request below `min_acceptance`); its loss is the time it adds (its own cost and any
         longer chain it makes its method run) less the time its expected tokens are worth at the
@@ -799,7 +881,10 @@ class AdaptiveSpeculation:
                 choices.chain_cost_s[method, chain] - choices.chain_cost_s[method, chains[method]]
             )
             loss_s = cost_s[k] + longer_chain_s - gain[k] / rate
-            if loss_s > budget_s and (probed or self._probe_priced(seqs[i].spec.method)):
+            host = seqs[i].spec.method in self.host_methods
+            lost_s = choices.lost_overlap_s if host and chains[method] == 0 else 0.0
+            priced = probed or self._probe_priced(seqs[i].spec.method) or lost_s - gain[k] / rate > budget_s
+            if loss_s > budget_s and priced:
                 break
             ks[i] = k
             budget_s -= max(loss_s, 0.0)

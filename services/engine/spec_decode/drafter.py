@@ -182,7 +182,10 @@ class Drafter:
         """(each of `seqs`' k, the longest drafting-model chain they need): `plan`'s choice."""
         drafting = [i for i, seq in enumerate(seqs) if seq.spec.method != "naive"]
         ks = [0] * len(seqs)
-        chosen = self.adaptive.choose([seqs[i] for i in drafting], num_running, mixed=not batch.is_decode)
+        candidates = [seqs[i] for i in drafting]
+        chosen = self.adaptive.choose(
+            candidates, num_running, mixed=not batch.is_decode, backlogs=self._backlogs(candidates)
+        )
         if not any(chosen):
             return ks, 0
         for i, k in zip(drafting, chosen):
@@ -205,6 +208,14 @@ class Drafter:
                 ks[i] = self._reserve_chain(seqs[i], ks[i], num_new[seqs[i].request_id])
         chains = [self._chain_length(seqs[i], ks[i]) for i in chained]
         return ks, max(chains, default=0)
+
+    def _backlogs(self, seqs: list[Sequence]) -> list[int]:
+        """Per request, the tokens its host proposer would index at its next draft beyond the last
+        step's (a prompt `prepare` has not indexed yet); 0 for device methods."""
+        host = self.adaptive.host_methods
+        return [
+            self.proposers[s.spec.method].backlog(s.request_id) if s.spec.method in host else 0 for s in seqs
+        ]
 
     def method_index(self, seq: Sequence) -> int:
         """The request's device proposer in the tail's order; -1 for host-drafted or naive requests."""
@@ -281,17 +292,21 @@ class Drafter:
         num_emitted: int,
         seconds: float,
         mixed: bool,
+        host_gap_s: float | None,
     ) -> None:
         """Books an engine step's time (from the last landing to its own, the engine's `_land`) less
-        its host drafting: its requests, the target forward's tokens, the tokens it emitted and the
-        drafting models' chain (`plan`'s), which runs inside the step; `mixed`: it carried prefill
-        chunks. A decode step of requests that all draft on the host (or not at all) also goes to the
-        audit of host drafting: whole where it verified drafts, less its drafting for the next step
-        where it verified none. (`plan` is the step's own: with steps launched ahead, the last one
-        planned is the next step's.)"""
-        self.adaptive.record_step(
-            num_requests, num_tokens, num_emitted, plan.num_steps, seconds - self.host_drafting_s, mixed
-        )
+        its host drafting and its host gap: its requests, the target forward's tokens, the tokens it
+        emitted and the drafting models' chain (`plan`'s), which runs inside the step; `mixed`: it
+        carried prefill chunks; `host_gap_s`: how long the device idled for the host before its
+        launch where it could have been launched ahead (None: it was, or could not be), booked
+        apart as the overlap a step waiting for the host loses. A decode step of requests that all
+        draft on the host (or not at all) also goes to the audit of host drafting: whole where it
+        verified drafts, less its drafting for the next step where it verified none. (`plan` is the
+        step's own: with steps launched ahead, the last one planned is the next step's.)"""
+        own_s = seconds - self.host_drafting_s - (host_gap_s or 0.0)
+        self.adaptive.record_step(num_requests, num_tokens, num_emitted, plan.num_steps, own_s, mixed)
+        if host_gap_s is not None and not mixed:  # a step with prefill chunks plans more than decoding
+            self.adaptive.record_host_gap(num_requests, host_gap_s)
         host_only = all(m == -1 for m in plan.methods)
         if not mixed and host_only:
             drafted = num_tokens > num_requests

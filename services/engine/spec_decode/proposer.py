@@ -201,3 +201,8 @@ class Proposer:
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted."""
+
+    def backlog(self, request_id: str) -> int:
+        """Tokens of the request this proposer would take in at its next `propose` beyond those of
+        the step before it (a host index's catch-up on tokens it has not seen)."""
+        return 0

@@ -205,6 +205,11 @@ class SuffixProposer(Proposer):
     def forget(self, request_id: str) -> None:
         self.stop_request(request_id)
 
+    def backlog(self, request_id: str) -> int:
+        """Tokens the request's own index has not taken in yet (all of them before it is built)."""
+        state = self._state(request_id)
+        return len(state.token_ids) - (state.index.num_tokens if state.index is not None else 0)
+
     def prepare(self, device_busy: Callable[[], bool]) -> None:
         """Indexes the tokens of requests that joined, oldest first, PREPARE_CHUNK_TOKENS at a time
         while the device is busy: off the step's critical path, and not charged to drafting. An index

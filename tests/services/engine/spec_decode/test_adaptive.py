@@ -29,10 +29,12 @@ from services.engine.spec_decode.adaptive import (
 from shared.sampling_params import SamplingParams
 
 
-def seqs(acceptances: list[float], max_k: int = 5, methods: list[str] | None = None) -> list[Sequence]:
+def seqs(
+    acceptances: list[float], max_k: int = 5, methods: list[str] | None = None, max_tokens: int = 16
+) -> list[Sequence]:
     out = []
     for i, a in enumerate(acceptances):
-        seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(), frozenset())
+        seq = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=max_tokens), frozenset())
         seq.spec.max_k, seq.spec.acceptance = max_k, a
         seq.spec.method = methods[i] if methods else "suffix"
         out.append(seq)
@@ -72,11 +74,16 @@ def with_draft_cost(adaptive: AdaptiveSpeculation, method: str, cost: DraftCost)
     return adaptive
 
 
-def steady(adaptive: AdaptiveSpeculation, batch: list[Sequence], num_other_tokens: int) -> list[int]:
+def steady(
+    adaptive: AdaptiveSpeculation,
+    batch: list[Sequence],
+    num_other_tokens: int,
+    backlogs: list[int] | None = None,
+) -> list[int]:
     """The choice on a step that neither probes nor explores."""
     while (adaptive.step + 1) % PROBE_EVERY_STEPS == 1 or (adaptive.step + 1) % EXPLORE_EVERY_STEPS == 0:
         adaptive.step += 1
-    return adaptive.choose(batch, num_other_tokens)
+    return adaptive.choose(batch, num_other_tokens, backlogs=backlogs)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -523,6 +530,10 @@ def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
     assert drafting[7:] == [64] * 3
 
 
+UNENDING = 1 << 30
+"""max_tokens of a request that runs to the end of a clock."""
+
+
 def run_suffix_clock(
     acceptances: list[float],
     per_request_s: float,
@@ -535,41 +546,59 @@ def run_suffix_clock(
     new_acceptances: list[float] | None = None,
     jitter: float = 0.0,
     sync_s: float = 0.0,
+    prompt_tokens: int = 0,
+    prepared_per_step: int = 0,
+    device_s: tuple[float, float, float] = (1.5e-3, 15e-6, 3e-6),
+    gap_measured: bool = True,
 ) -> float:
     """Output tokens per second of a batch on a synthetic clock, with the controller choosing
-    (`ks` None) or every request drafting `ks`. A step's device time is 1.5 ms + 15 us a request +
-    3 us a token in the forward; a drafting request's host time (suffix look-ups and index
-    updates) is `per_request_s` plus 4 us per token it indexes (those emitted since it last
-    drafted). Each draft is accepted with the request's true acceptance, the first rejection
-    ending the run; the controller starts from the engine's prior and learns from what it drafts.
-    Costs the fits cannot express, in the step's time: `unpriced_s` per drafting request outside
-    the drafter's timer, and `padded_s` per request and row of the longest k (a padded tail). The
+    (`ks` None) or every request drafting `ks`. A step's device time is `device_s`: 1.5 ms + 15 us a
+    request + 3 us a token in the forward by default; a drafting request's host time (suffix
+    look-ups and index updates) is `per_request_s` plus 4 us per token it indexes (those emitted
+    since it last drafted, and its prompt's `prompt_tokens` that `prepare` has not indexed yet:
+    `prepared_per_step` tokens a step, oldest request first, off the step's critical path). Each
+    draft is accepted with the request's true acceptance, the first rejection ending the run; the
+    controller starts from the engine's prior and learns from what it drafts. A step that verifies
+    host drafts is synchronous: it also takes `sync_s`, the host's work between two steps that a
+    step launched ahead overlaps, which the engine measures as the step's host gap (without
+    `gap_measured`, the step fit gets it in the step's time and the controller no backlogs). Costs
+    the fits cannot express, in the step's time: `unpriced_s` per drafting request outside the
+    drafter's timer, and `padded_s` per request and row of the longest k (a padded tail). The
     device's time grows by `drift` of itself a step (contexts growing, another load on the host) and
-    varies by +-`jitter` / 2 of itself. With `lifetime_tokens`, a request that emitted that many
-    tokens is replaced by a new one (learnt from the prior again), whose acceptance is the next of
-    `new_acceptances` in turn; the first requests start part-way through their lifetimes."""
+    varies by +-`jitter` / 2 of itself. With `lifetime_tokens` (each request's max_tokens), a
+    request that emitted that many tokens is replaced by a new one (learnt from the prior again),
+    whose acceptance is the next of `new_acceptances` in turn; the first requests start part-way
+    through their lifetimes unless they have prompts to index (then all start together, as a
+    benchmark's first wave)."""
     rng = random.Random(0)
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
-    batch = seqs(acceptances, max_k=8)
+    lifetime = lifetime_tokens or 0
+    batch = seqs(acceptances, max_k=8, max_tokens=lifetime or UNENDING)
     for seq in batch:
-        seq.spec.acceptance = Sequence("prior", [1], SamplingParams(), frozenset()).spec.acceptance
-    unindexed = [0] * len(batch)
+        seq.spec.acceptance = seqs_prior()
     acceptances = list(acceptances)
     pool, num_started = new_acceptances or acceptances, len(batch)
-    lifetime = lifetime_tokens or 0
-    emitted = [i * lifetime // len(batch) for i in range(len(batch))]
+    emitted = [0 if prompt_tokens else i * lifetime // len(batch) for i in range(len(batch))]
+    backlog = [prompt_tokens] * len(batch)
+    """Per request, the tokens its index has not taken in, but those of the last step."""
+    last = [0] * len(batch)
+    """Per request, the tokens it emitted in the last step (indexed at its next draft)."""
     tokens, seconds = 0, 0.0
     for step in range(num_steps):
-        chosen = adaptive.choose(batch, num_other_tokens=len(batch)) if ks is None else [ks] * len(batch)
+        if ks is None:
+            backlogs = list(backlog) if gap_measured else None
+            chosen = adaptive.choose(batch, num_other_tokens=len(batch), backlogs=backlogs)
+        else:
+            chosen = [ks] * len(batch)
         drafting = [i for i, k in enumerate(chosen) if k]
         host_s = 0.0
         if drafting:
-            num_context_tokens = sum(unindexed[i] for i in drafting)
+            num_context_tokens = sum(backlog[i] + last[i] for i in drafting)
             host_s = per_request_s * len(drafting) + 4e-6 * num_context_tokens
             adaptive.record_drafting("suffix", [chosen[i] for i in drafting], num_context_tokens, host_s)
             seconds += host_s
             for i in drafting:
-                unindexed[i] = 0
+                backlog[i] = last[i] = 0
         num_tokens = len(batch) + sum(chosen)
         num_emitted = 0
         for i, (seq, k) in enumerate(zip(batch, chosen)):
@@ -577,21 +606,34 @@ def run_suffix_clock(
             while num_accepted < k and rng.random() < acceptances[i]:
                 num_accepted += 1
             adaptive.observe(seq, k, num_accepted)
+            seq.append_tokens([0] * (num_accepted + 1))
             num_emitted += num_accepted + 1
-            unindexed[i] += num_accepted + 1
+            backlog[i] += last[i]
+            last[i] = num_accepted + 1
             emitted[i] += num_accepted + 1
-        step_s = (0.0015 + 15e-6 * len(batch) + 3e-6 * num_tokens) * (1 + drift * step)
+        prepared = prepared_per_step
+        for i in range(len(batch)):
+            taken = min(prepared, backlog[i])
+            backlog[i], prepared = backlog[i] - taken, prepared - taken
+        fixed_s, per_seq_s, per_token_s = device_s
+        step_s = (fixed_s + per_seq_s * len(batch) + per_token_s * num_tokens) * (1 + drift * step)
         step_s *= 1 + jitter * (rng.random() - 0.5)
         step_s += unpriced_s * len(drafting) + padded_s * len(batch) * max(chosen)
-        adaptive.record_step(len(batch), num_tokens, num_emitted, 0, step_s)
-        step_s += sync_s if drafting else 0.0
+        gap_s = sync_s if drafting else 0.0  # a step waiting for host drafts
+        adaptive.record_step(
+            len(batch), num_tokens, num_emitted, 0, step_s + (0.0 if gap_measured else gap_s)
+        )
+        if drafting and gap_measured:
+            adaptive.record_host_gap(len(batch), gap_s)
+        step_s += gap_s
         adaptive.record_realized(len(batch), num_emitted, bool(drafting), step_s + host_s)
         tokens, seconds = tokens + num_emitted, seconds + step_s
         for i in [i for i in range(len(batch)) if lifetime_tokens and emitted[i] >= lifetime_tokens]:
             adaptive.forget(batch[i].request_id)
-            (batch[i],) = seqs([0.0], max_k=8)
-            batch[i].request_id, batch[i].spec.acceptance = f"r{num_started}", seqs_prior()
-            acceptances[i], emitted[i], unindexed[i] = pool[num_started % len(pool)], 0, 0
+            (batch[i],) = seqs([seqs_prior()], max_k=8, max_tokens=lifetime)
+            batch[i].request_id = f"r{num_started}"
+            acceptances[i], emitted[i] = pool[num_started % len(pool)], 0
+            backlog[i], last[i] = prompt_tokens, 0
             num_started += 1
     return tokens / seconds
 
@@ -756,3 +798,68 @@ def test_a_kept_choice_of_no_host_drafts_holds_as_requests_come_and_go() -> None
         solved = solves[0]
         adaptive.choose(fresh, num_other_tokens=64)  # a batch of new requests: solved
         assert solves[0] == solved + 1
+
+
+@pytest.mark.parametrize("gap_s", [1.3e-3, 2e-3])
+def test_at_16_requests_host_drafting_pays_for_the_overlap_its_steps_lose(gap_s: float) -> None:
+    """Agentic work at 16 requests as the H100 run of the 1B-cost target measured it: a plain step,
+    launched ahead, takes about 1.4 ms and 8 us more a draft; a step that waits for host drafts loses
+    the overlap, the host's 1.3-2 ms gap between landing and launch (3.4 ms drafting steps measured);
+    40 us of suffix work a drafting request, prompts of 430 tokens that `prepare` indexes 50 a step
+    off the critical path, 96-token requests replaced as they end, acceptance bimodal. With the gap
+    measured apart and priced once a step, and the prompts' backlog priced, the controller keeps at
+    least 0.95x the tokens per second of not drafting (0.98x). With the gap inside the step's time
+    and no backlogs (the rule before), the same clock loses (0.85-0.88x; 0.92x was measured)."""
+    pool = [0.95, 0.9, 0.6, 0.3, 0.05]
+    acceptances = [pool[i % len(pool)] for i in range(16)]
+    clock: dict[str, Any] = dict(
+        num_steps=400,
+        lifetime_tokens=96,
+        new_acceptances=pool,
+        jitter=0.1,
+        sync_s=gap_s,
+        prompt_tokens=430,
+        prepared_per_step=50,
+        device_s=(1.2e-3, 5e-6, 8e-6),
+    )
+    plain = run_suffix_clock(acceptances, 40e-6, ks=0, **clock)
+    priced = run_suffix_clock(acceptances, 40e-6, ks=None, **clock)
+    unpriced = run_suffix_clock(acceptances, 40e-6, ks=None, gap_measured=False, **clock)
+    assert priced >= 0.95 * plain
+    assert unpriced < 0.95 * plain
+
+
+def test_a_prompt_backlog_is_paid_back_over_the_requests_remaining_tokens() -> None:
+    """16 requests of high acceptance whose prompts (430 tokens at 4 us a token) are not indexed yet:
+    with 96 tokens to go their drafts pay the indexing back (its share a step is what the step
+    emits of what is left), with 8 to go they do not, and wait for `prepare`; with no backlog they
+    draft either way."""
+    for to_go, drafts in ((96, True), (8, False)):
+        for backlog in (430, 0):
+            adaptive = with_cost(fixed_s=1.4e-3, per_token_s=8e-6)
+            cost = DraftCost(per_request_s=40e-6, per_context_token_s=4e-6)
+            adaptive = with_draft_cost(adaptive, "suffix", cost)
+            batch = seqs([0.9] * 16, max_k=8, max_tokens=128)
+            for seq in batch:
+                seq.append_tokens([0] * (128 - to_go))
+            assert all(steady(adaptive, batch, 16, backlogs=[backlog] * 16)) is (drafts or not backlog)
+
+
+def test_a_probe_that_would_lose_its_steps_overlap_waits_for_its_share() -> None:
+    """16 suffix requests left at k = 0 and no drafting measured yet: where a probe's step would
+    lose a measured 1.5 ms of overlap against 1.4 ms steps, far beyond a probe step's share of the
+    time, probes wait for the shares of several probe steps (before, the first went on every probe
+    step); where the overlap is cheap, every probe step probes."""
+    for gap_s, most_probed in ((1.5e-3, 2), (20e-6, 8)):
+        adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
+        for n in (8, 16, 24):
+            adaptive.record_step(n, n, n, 0, 1.0e-3 + 25e-6 * n)
+            adaptive.record_host_gap(n, gap_s)
+        batch = seqs([0.01] * 16, max_k=8)
+        probe_steps = []
+        for _ in range(8 * PROBE_EVERY_STEPS):
+            ks = adaptive.choose(batch, num_other_tokens=16)
+            if adaptive.step % PROBE_EVERY_STEPS == 1:
+                probe_steps.append(any(ks))
+        assert sum(probe_steps) <= most_probed
+        assert sum(probe_steps) >= (1 if gap_s > 1e-3 else 8)

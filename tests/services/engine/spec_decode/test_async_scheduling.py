@@ -139,7 +139,11 @@ def test_suffix_requests_left_at_k_0_run_ahead(target, reference, monkeypatch: p
     drafts made are accepted."""
 
     def every_other_stretch(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
         return [seq.spec.max_k if seq.num_output_tokens // 4 % 2 == 0 else 0 for seq in seqs]
 
@@ -429,7 +433,11 @@ def test_grammar_requests_run_ahead_and_return_what_sync_scheduling_does(
     choices = [0]
 
     def every_other_stretch(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
         choices[0] += 1
         return [seq.spec.max_k if choices[0] // 4 % 2 else 0 for seq in seqs]

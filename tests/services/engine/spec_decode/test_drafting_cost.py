@@ -34,9 +34,13 @@ def generate(target: str, method: str, monkeypatch: pytest.MonkeyPatch) -> tuple
     asked = []
 
     def counting_choose(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
-        ks = CHOOSE(self, seqs, num_other_tokens, mixed)
+        ks = CHOOSE(self, seqs, num_other_tokens, mixed, backlogs)
         asked.append(sum(ks))
         return ks
 
@@ -153,9 +157,13 @@ def drafting_share(
     choices: list[int] = []
 
     def counting_choose(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
-        ks = CHOOSE(self, seqs, num_other_tokens, mixed)
+        ks = CHOOSE(self, seqs, num_other_tokens, mixed, backlogs)
         choices.append(sum(ks))
         return ks
 
@@ -292,10 +300,14 @@ def test_host_drafted_steps_choose_their_ks_after_the_launch(
     events: list[str] = []
 
     def logged_choose(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
         events.append("choose")
-        return CHOOSE(self, seqs, num_other_tokens, mixed)
+        return CHOOSE(self, seqs, num_other_tokens, mixed, backlogs)
 
     monkeypatch.setattr(AdaptiveSpeculation, "choose", logged_choose)
     monkeypatch.setattr(StepCostModel, "fit", lambda self: StepCost(0.010))  # drafting pays

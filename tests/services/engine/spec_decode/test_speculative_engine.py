@@ -359,7 +359,13 @@ def record_drafts(engine, seen: dict[tuple[int, ...], list[int]]) -> int:
     return compared
 
 
-def random_ks(rng: random.Random, seqs: list, num_other_tokens: int, mixed: bool = False) -> list[int]:
+def random_ks(
+    rng: random.Random,
+    seqs: list,
+    num_other_tokens: int,
+    mixed: bool = False,
+    backlogs: list[int] | None = None,
+) -> list[int]:
     """A controller that pauses and resumes drafting at random."""
     return [rng.choice([0, 0, 1, 3]) for _ in seqs]
 

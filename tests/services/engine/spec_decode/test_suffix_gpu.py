@@ -47,7 +47,8 @@ def test_suffix_steps_left_at_k_0_run_ahead_on_the_gpu(
     """With CUDA graphs, suffix requests the controller leaves at k = 0 (every other stretch of
     four output tokens) launch their steps ahead of the read-back, completed on the device, and the
     steps that need the host's drafts wait for them: greedy output equals naive's, eight requests at
-    a time."""
+    a time. The steps that waited for host drafts recorded the device's idle time before them (the
+    host gap the controller prices), each step launched ahead none; naive's steps waited less."""
     path = str(make_checkpoint("llama", num_hidden_layers=3))
     generator = torch.Generator().manual_seed(7)
     spans = [torch.randint(3, 384, (8,), generator=generator).tolist() for _ in range(8)]
@@ -58,7 +59,11 @@ def test_suffix_steps_left_at_k_0_run_ahead_on_the_gpu(
     expected = [o.token_ids for o in naive.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     def every_other_stretch(
-        self: AdaptiveSpeculation, seqs: list[Sequence], num_other_tokens: int, mixed: bool = False
+        self: AdaptiveSpeculation,
+        seqs: list[Sequence],
+        num_other_tokens: int,
+        mixed: bool = False,
+        backlogs: list[int] | None = None,
     ) -> list[int]:
         return [seq.spec.max_k if seq.num_output_tokens // 4 % 2 == 0 else 0 for seq in seqs]
 
@@ -77,3 +82,9 @@ def test_suffix_steps_left_at_k_0_run_ahead_on_the_gpu(
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
     assert ahead[0] > 10
+    counts = llm.engine.step_counts
+    assert counts.num_waited > 5 and counts.host_gap_s > 0
+    assert counts.num_waited + ahead[0] <= counts.num_steps
+    assert 0 < llm.engine.drafter.adaptive.host_gap.samples.num_recorded <= counts.num_waited
+    assert naive.engine.step_counts.num_waited < counts.num_waited
+    print("suffix steps:", counts.summary(), "naive steps:", naive.engine.step_counts.summary())
