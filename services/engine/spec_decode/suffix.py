@@ -54,6 +54,9 @@ INSERT_CHUNK_TOKENS = 4
 """Tokens the deferred global index inserts between two looks at whether the device is still busy."""
 PREPARE_CHUNK_TOKENS = 16
 """Tokens `prepare` indexes between two looks at whether the device is still busy."""
+MAX_STARVED_PREPARES = 32
+"""`prepare` calls an output may wait in the deferred global index without the device ever
+outlasting the host's work; after that, one chunk a call goes in on the critical path."""
 
 
 class GlobalIndex(Protocol):
@@ -82,13 +85,17 @@ class DeferredGlobalIndex:
 
     At most `max_cached_requests` outputs wait, the oldest dropped first: the tree keeps only that
     many, so inserting the dropped ones would evict them again before any look-up after the
-    queue's end."""
+    queue's end. Where the device never outlasts the host's work (steps launched ahead of a host
+    that is behind), outputs would wait forever and the tree never grow: after
+    MAX_STARVED_PREPARES windows without an insert, `insert_if_starved` puts one chunk in a call."""
 
     def __init__(self, index: GlobalSuffixIndex) -> None:
         self.index = index
         self._pending: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._inserting: Iterator[None] | None = None
         """The insertion under way: its next chunk (None between insertions)."""
+        self._num_starved = 0
+        """Windows in a row that ended with outputs waiting and none of their tokens inserted."""
 
     def add_sequence(self, seq_id: str, token_ids: list[int]) -> None:
         self._pending.pop(seq_id, None)
@@ -109,9 +116,24 @@ class DeferredGlobalIndex:
         while device_busy() and self.insert_chunk():
             pass
 
+    def insert_if_starved(self) -> None:
+        """Called at the end of each window: inserts one chunk, on the caller's time, where outputs
+        have waited through more than MAX_STARVED_PREPARES windows since one was last inserted in a
+        window's busy time."""
+        if self.num_pending == 0:
+            self._num_starved = 0
+            return
+        self._num_starved += 1
+        if self._num_starved > MAX_STARVED_PREPARES:
+            self._insert_next()
+
     def insert_chunk(self) -> bool:
-        """Inserts the next INSERT_CHUNK_TOKENS tokens of the oldest queued output; False where
-        none waits."""
+        """Inserts the next INSERT_CHUNK_TOKENS tokens of the oldest queued output while the device
+        is busy; False where none waits."""
+        self._num_starved = 0
+        return self._insert_next()
+
+    def _insert_next(self) -> bool:
         if self._inserting is None:
             if not self._pending:
                 return False
@@ -215,16 +237,19 @@ class SuffixProposer(Proposer):
         while the device is busy: off the step's critical path, and not charged to drafting. An index
         begun here is the one the request's first draft would build, so drafts do not change. A
         deferred global index takes in finished outputs in the same window, its chunks alternating
-        with the prompts': neither waits for the other."""
+        with the prompts': neither waits for the other; outputs that no window has room for go in
+        a chunk a call once starved (`DeferredGlobalIndex.insert_if_starved`)."""
         chunks = [self._index_prompt_chunk]
         if isinstance(self.global_index, DeferredGlobalIndex):
             chunks.append(self.global_index.insert_chunk)
-        while chunks:
+        while chunks and device_busy():
             for chunk in list(chunks):
                 if not device_busy():  # a look before each chunk: the device waits for one at most
-                    return
+                    break
                 if not chunk():
                     chunks.remove(chunk)
+        if isinstance(self.global_index, DeferredGlobalIndex):
+            self.global_index.insert_if_starved()
 
     def _index_prompt_chunk(self) -> bool:
         """Indexes the next PREPARE_CHUNK_TOKENS tokens of the oldest request not indexed yet;

@@ -20,7 +20,13 @@ from services.engine.spec_decode.adaptive import (
     StepCost,
     StepCostModel,
 )
-from services.engine.spec_decode.suffix import DeferredGlobalIndex, SuffixConfig, SuffixProposer
+from services.engine.spec_decode.suffix import (
+    INSERT_CHUNK_TOKENS,
+    MAX_STARVED_PREPARES,
+    DeferredGlobalIndex,
+    SuffixConfig,
+    SuffixProposer,
+)
 from services.engine.spec_decode.suffix_automaton import SuffixAutomaton
 from services.engine.spec_decode.suffix_tree import GlobalSuffixIndex, SuffixDraft
 from shared.reference import default_model
@@ -282,6 +288,28 @@ def test_finished_outputs_go_into_the_global_tree_while_the_device_runs(
     assert chunks_in_window and all(chunks_in_window)
     deferred.index_while(lambda: True)  # what the last steps' windows left
     assert len(deferred.index) == len(prompts)
+
+
+def test_outputs_starved_of_device_windows_still_reach_the_global_tree() -> None:
+    """Where the device never outlasts the host's work (no window has busy time), a finished output
+    waits MAX_STARVED_PREPARES windows, then goes in one chunk a window until it is all in; a window
+    with busy time restarts the wait."""
+    deferred = DeferredGlobalIndex(GlobalSuffixIndex())
+    output = list(range(3, 3 + 5 * INSERT_CHUNK_TOKENS))
+    deferred.add_sequence("done", output)
+    for _ in range(MAX_STARVED_PREPARES):
+        deferred.insert_if_starved()
+    assert deferred.num_pending == 1 and len(deferred.index) == 0
+    deferred.insert_if_starved()  # the first starved window: one chunk on the host's time
+    assert deferred.num_pending == 1  # being inserted
+    deferred.insert_chunk()  # a window with busy time: a chunk, and the wait starts again
+    for _ in range(MAX_STARVED_PREPARES):
+        deferred.insert_if_starved()
+    assert deferred.num_pending == 1
+    for _ in range(4):
+        deferred.insert_if_starved()
+    assert deferred.num_pending == 0 and len(deferred.index) == 1
+    assert deferred.speculate_batch([(output[:6], 4)])[0] is not None  # look-ups see it
 
 
 @pytest.mark.parametrize("method", ["suffix", "ngram"])
