@@ -596,10 +596,16 @@ def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme
     )
 
 
-def choose_path(num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool) -> str:
+def choose_path(
+    num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool, tiled_ok: bool = False
+) -> str:
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
-    operands: `mma` (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
-    FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
+    operands: `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py: its `tiled_fits`
+    bounds the rows), `mma` (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8
+    up to FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` +
+    cuBLAS."""
+    if tiled_ok:
+        return "tiled"
     if mma_ok and num_rows <= MMA_MAX_ROWS:
         return "mma"
     if gemv_ok and num_rows <= (FP8_GEMV_MAX_ROWS if scaled_mm_ok else MAX_ROWS):
