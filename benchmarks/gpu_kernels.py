@@ -10,8 +10,9 @@ Measures, on the card it runs on (named in the output):
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
   at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
-  on the bf16 weights (int8 / int4 also with quant_mma off: quant_gemv up to 16 rows, dequantize +
-  cuBLAS past them);
+  on the bf16 weights; int8 / int4 through quant_tiled (the tile layout), and on the same line the
+  older quant_mma (SPECMESH_QUANT_KERNEL=mma) and the paths before it (quant_gemv up to 16 rows,
+  dequantize + cuBLAS past them);
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -50,6 +51,8 @@ from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from kernels.quant_gemm import MAX_ROWS, MMA_ENV
 from kernels.quant_ref import quantize_weight_ref
+from kernels.quant_tiled import KERNEL_ENV
+from kernels.quant_tiled_ref import TiledWeight, repack_tiles
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
@@ -359,8 +362,9 @@ def quant_linear_rows(
 ) -> list[dict[str, Any]]:
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
-    weight copies (>= 256 MiB of bf16) to stream from HBM; int8 / int4 also with quant_mma off
-    (`quant_gemv` up to 16 rows, dequantize + cuBLAS past them)."""
+    weight copies (>= 256 MiB of bf16) to stream from HBM. int8 / int4 run `quant_tiled` on the tile
+    layout, then in the same row the older kernels: `quant_mma` (SPECMESH_QUANT_KERNEL=mma) and the
+    paths before it (`quant_gemv` up to 16 rows, dequantize + cuBLAS past them)."""
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -374,6 +378,9 @@ def quant_linear_rows(
                 scheme: [quantize_weight_ref(w, scheme, 128 if scheme == "int4" else None) for w in weights]
                 for scheme in ("fp8", "int8", "int4")
             }
+            tiled = {
+                scheme: [repack_tiles(q, s, scheme) for q, s in stored[scheme]] for scheme in ("int8", "int4")
+            }
             for num_rows in row_counts:
                 x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
                 row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
@@ -382,16 +389,18 @@ def quant_linear_rows(
                 )
                 row["bf16_us"] = us / copies
                 for scheme, quantized in stored.items():
-                    product = functools.partial(_each_quantized, scheme, x, quantized)
+                    product = functools.partial(_each_quantized, scheme, x, quantized, tiled.get(scheme))
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
-                    if scheme != "fp8":  # quant_mma vs the path it replaced
+                    if scheme != "fp8":  # quant_tiled vs the kernels it replaced
+                        row[f"{scheme}_mma_us"] = 1e3 * _graph_ms_with(product, KERNEL_ENV, "mma") / copies
+                        untiled = functools.partial(_each_quantized, scheme, x, quantized, None)
                         path = "gemv" if num_rows <= MAX_ROWS else "dequantize"
-                        row[f"{scheme}_{path}_us"] = 1e3 * _graph_ms_with(product, MMA_ENV) / copies
+                        row[f"{scheme}_{path}_us"] = 1e3 * _graph_ms_with(untiled, MMA_ENV) / copies
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del weights, stored
+            del weights, stored, tiled
             torch.cuda.empty_cache()
     return rows
 
@@ -400,10 +409,10 @@ def _each_quantized(
     scheme: str,
     x: torch.Tensor,
     stored: list[tuple[torch.Tensor, torch.Tensor]],
-    product: Callable[..., torch.Tensor] = kernels.quant_linear,
+    tiled: list[TiledWeight] | None,
 ) -> None:
-    for qweight, scale in stored:
-        product(x, qweight, scale, scheme)
+    for index, (qweight, scale) in enumerate(stored):
+        kernels.quant_linear(x, qweight, scale, scheme, tiled=tiled[index] if tiled else None)
 
 
 def _each_weight(product: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -770,10 +779,11 @@ def decode_path_rows(copy_gbs: float, parts: list[str] | None = None) -> dict[st
     return out
 
 
-def _graph_ms_with(step: Callable[[], Any], switch: str) -> float:
+def _graph_ms_with(step: Callable[[], Any], switch: str, value: str = "off") -> float:
     """The step's graph time with one kernel switched off (`switch=off`: SPECMESH_SKINNY_GEMM puts
-    every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores)."""
-    os.environ[switch] = "off"
+    every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores) or
+    to another `value` (SPECMESH_QUANT_KERNEL=mma)."""
+    os.environ[switch] = value
     try:
         return graph_time_ms(step)
     finally:
@@ -884,14 +894,18 @@ def summarize(result: dict[str, Any]) -> None:
         print(
             f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:3d} bf16 {row['bf16_us']:7.1f} us "
             + " ".join(
-                f"{s} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
+                f"{s}{'' if s == 'fp8' else ' tiled'} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
                 f"{1 / row[s + '_fraction_of_copy']:4.2f}x the floor)"
                 for s in ("fp8", "int8", "int4")
             )
             + "".join(
                 f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
                 for s in ("int8", "int4")
-                for key, path in (("dequantize", "dequantize + cuBLAS"), ("gemv", "quant_gemv"))
+                for key, path in (
+                    ("mma", "quant_mma"),
+                    ("dequantize", "dequantize + cuBLAS"),
+                    ("gemv", "quant_gemv"),
+                )
                 if f"{s}_{key}_us" in row
             )
         )

@@ -271,7 +271,7 @@ def _cuda_tiled(
     n: int, k: int, scheme: str, group_size: int | None, seed: int
 ) -> tuple[TiledWeight, torch.Tensor]:
     """(the tiled weight on the GPU, its dequantized float64 matrix)."""
-    qweight, scale = (t.cuda() for t in _quantized(n, k, scheme, group_size, seed))
+    qweight, scale = quantize_weight_ref(random_weight(n, k, seed).cuda(), scheme, group_size)
     return repack_tiles(qweight, scale, scheme), dequantize_weight_ref(qweight, scale, scheme, torch.float64)
 
 
