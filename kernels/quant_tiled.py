@@ -132,9 +132,7 @@ def tiled_fits(x: torch.Tensor, tiled: TiledWeight) -> bool:
     )
 
 
-TILED_SOURCE = (
-    _cuda.CONVERSIONS
-    + r"""
+TILED_MACROS = r"""
 #define SCH_INT8 1
 #define SCH_INT4 2
 #if SCHEME == SCH_INT4
@@ -166,6 +164,9 @@ TILED_SOURCE = (
 #endif
 #define NEG_ZERO_X2 0x80008000u
 
+"""
+
+PTX_HELPERS = r"""
 __device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -206,6 +207,11 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
+"""
+"""The inline-PTX primitives the kernels use (tensor-core mma, ldmatrix, cp.async, byte permute,
+paired half-precision fma and conversion): a host test swaps in C++ twins of these alone."""
+
+TILED_KERNELS = r"""
 __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -414,7 +420,8 @@ extern "C" __global__ void quant_tiled_reduce(
     y[e] = from_float(v);
 }
 """
-)
+
+TILED_SOURCE = _cuda.CONVERSIONS + TILED_MACROS + PTX_HELPERS + TILED_KERNELS
 
 
 def kernel_defines(

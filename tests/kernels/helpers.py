@@ -157,6 +157,7 @@ THREADED_SHIM = r"""
 struct Dim3 { unsigned x, y, z; };
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static thread_local Dim3 threadIdx;
 static Dim3 blockIdx, blockDim, gridDim;
@@ -209,18 +210,18 @@ def run_threads_on_host(
     args: Sequence[Any],
     tmp_path: Path,
 ) -> None:
-    """Runs kernel `name` of `source` on the host over a 1-D or 2-D `grid` of `block` threads (at
-    most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper passes
-    `_cuda.launch`. `source` must hold no inline PTX (`asm`)."""
+    """Runs kernel `name` of `source` on the host over a 1-D, 2-D or 3-D `grid` of `block` threads
+    (at most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper
+    passes `_cuda.launch`. `source` must hold no inline PTX (`asm`)."""
     types = _parameter_types(source, name)
     assert len(types) == len(args), f"{name} takes {len(types)} arguments, {len(args)} given"
     casts = ", ".join(f"({t})a[{i}]" for i, t in enumerate(types))
     entry = f"""
-extern "C" void run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {{
+extern "C" void run_grid(int grid_x, int grid_y, int grid_z, int block, const unsigned long long* a) {{
     blockDim = {{(unsigned)block, 1, 1}};
-    gridDim = {{(unsigned)grid_x, (unsigned)grid_y, 1}};
-    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {{
-        blockIdx = {{(unsigned)bx, (unsigned)by, 0}};
+    gridDim = {{(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z}};
+    for (int bz = 0; bz < grid_z; ++bz) for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {{
+        blockIdx = {{(unsigned)bx, (unsigned)by, (unsigned)bz}};
         std::barrier<> bar(block);
         block_barrier = &bar;
         std::vector<std::barrier<>*> warps;
@@ -261,10 +262,11 @@ extern "C" void run_grid(int grid_x, int grid_y, int block, const unsigned long 
         )
         assert result.returncode == 0, result.stderr[-3000:]
     words = [_word(arg) for arg in args]
-    grid_x, grid_y = grid[0], grid[1] if len(grid) > 1 else 1
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     ctypes.CDLL(str(library)).run_grid(
         ctypes.c_int(grid_x),
         ctypes.c_int(grid_y),
+        ctypes.c_int(grid_z),
         ctypes.c_int(block),
         (ctypes.c_ulonglong * len(words))(*words),
     )

@@ -28,7 +28,14 @@ from kernels.quant_tiled_ref import (
     tiled_linear_ref,
     unpack_tiles,
 )
-from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_nvcc, poison_allocator, rel_error
+from tests.kernels.helpers import (
+    assemble_sm90,
+    needs_cuda,
+    needs_gxx,
+    needs_nvcc,
+    poison_allocator,
+    rel_error,
+)
 from tests.kernels.test_quant import _decode_unit, _halves, _mma_m16n8k16, random_weight
 
 TILED_GROUPS = {"int8": [None, 64, 128], "int4": [None, 64, 128, 256]}
@@ -247,6 +254,152 @@ def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torc
         registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, num_rows), tmp_path)
         assert set(registers) == {"quant_tiled", "quant_tiled_reduce"}
         print(f"\nquant_tiled {scheme} {dtype} {num_rows} rows registers: {registers}")
+
+
+HOST_PTX = r"""
+typedef unsigned short scalar_t;
+static inline float to_float(unsigned short h) {
+#if DTYPE == DT_BF16
+    return __uint_as_float((unsigned)h << 16);
+#else
+    _Float16 v; std::memcpy(&v, &h, 2); return (float)v;
+#endif
+}
+static inline unsigned short from_float(float f) {   /* round to nearest even */
+#if DTYPE == DT_BF16
+    const unsigned u = __float_as_uint(f);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
+    const _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h;
+#endif
+}
+static unsigned warp_words[1024][6];
+static const void* warp_pointers[1024];
+static inline void warp_sync() { warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
+static inline unsigned half_of(unsigned r, int h) { return h ? r >> 16 : r & 0xffffu; }
+static inline void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    const int lane = threadIdx.x & 31, base = threadIdx.x - lane, g = lane >> 2, t = lane & 3;
+    for (int r = 0; r < 4; ++r) warp_words[threadIdx.x][r] = a[r];
+    warp_words[threadIdx.x][4] = b0; warp_words[threadIdx.x][5] = b1;
+    warp_sync();
+    for (int c = 0; c < 4; ++c) {   /* D row g + 8 (c >> 1), column 2 t + (c & 1) */
+        const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+        float sum = d[c];
+        for (int k = 0; k < 16; ++k) {
+            const int pair = (k & 7) >> 1, half = k & 1;
+            const unsigned a_reg = warp_words[base + 4 * (row & 7) + pair][(row >> 3) + 2 * (k >> 3)];
+            const unsigned b_reg = warp_words[base + 4 * col + pair][4 + (k >> 3)];
+            sum += to_float(half_of(a_reg, half)) * to_float(half_of(b_reg, half));
+        }
+        d[c] = sum;
+    }
+    warp_sync();
+}
+static inline void ldmatrix_x4(unsigned* r, const void* p) {
+    const int lane = threadIdx.x & 31, base = threadIdx.x - lane;
+    warp_pointers[threadIdx.x] = p;
+    warp_sync();
+    for (int m = 0; m < 4; ++m)
+        std::memcpy(&r[m], (const char*)warp_pointers[base + 8 * m + lane / 4] + 4 * (lane % 4), 4);
+    warp_sync();
+}
+static inline unsigned prmt(unsigned lo, unsigned hi, unsigned selector) {
+    unsigned char bytes[8], out[4];
+    std::memcpy(bytes, &lo, 4); std::memcpy(bytes + 4, &hi, 4);
+    for (int i = 0; i < 4; ++i) out[i] = bytes[(selector >> (4 * i)) & 7];
+    unsigned d; std::memcpy(&d, out, 4); return d;
+}
+static inline unsigned pack_x2(float lo, float hi) { return from_float(lo) | ((unsigned)from_float(hi) << 16); }
+static inline unsigned fma_x2(unsigned a, unsigned b, unsigned c) {   /* exact in float for the kernel's operands */
+    float r[2];
+    for (int h = 0; h < 2; ++h)
+        r[h] = std::fma(to_float(half_of(a, h)), to_float(half_of(b, h)), to_float(half_of(c, h)));
+    return pack_x2(r[0], r[1]);
+}
+static inline void cp_async16(void* dst, const void* src, bool valid) {
+    if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+static inline void cp_async_commit() {}
+template <int N> static inline void cp_async_wait() {}
+"""
+"""C++ twins of quant_tiled's PTX primitives for a host run: mma and ldmatrix as warps meeting at a
+barrier and reading each other's registers as the PTX ISA places fragments, cp.async as a copy
+(completed at once, so waiting is a no-op)."""
+
+
+def _run_tiled_on_host(
+    x: torch.Tensor, tiled: TiledWeight, bias: torch.Tensor | None, num_sms: int, tmp_path
+) -> torch.Tensor:
+    """quant_tiled_cuda's launches (kernel, then the reduce of the K splits) run on the host."""
+    from kernels.quant_tiled import TILED_KERNELS, TILED_MACROS, kernel_defines, tiled_config
+    from tests.kernels.helpers import run_threads_on_host
+
+    config = tiled_config(x.shape[0], tiled, num_sms)
+    defines = kernel_defines(tiled, x.dtype, config, bias is not None)
+    kernels_source = TILED_KERNELS.replace(
+        "extern __shared__ __align__(16) unsigned char smem[];",
+        f"alignas(16) static unsigned char smem[{config.shared_bytes}];",
+    )
+    source = "#define DT_BF16 1\n#define DT_F16 2\n" + TILED_MACROS + HOST_PTX + kernels_source
+    num_rows, n = x.shape[0], tiled.out_features
+    out = torch.full((num_rows, n), float("nan"), dtype=x.dtype)
+    partial = torch.full((config.splits, num_rows, n), float("nan")) if config.splits > 1 else None
+    words = x.view(torch.int16)
+    args = (
+        words,
+        tiled.tiles,
+        tiled.scales,
+        bias.view(torch.int16) if bias is not None else words,
+        out.view(torch.int16),
+        partial,
+    )
+    sizes = (
+        num_rows,
+        n,
+        tiled.in_features,
+        tiled.n_tiles,
+        tiled.k_tiles,
+        tiled.group_tiles,
+        x.stride(0),
+        config.tiles_per_split,
+    )
+    run_threads_on_host(source, "quant_tiled", defines, config.grid, config.threads, args + sizes, tmp_path)
+    if partial is not None:
+        reduce_args = (partial, args[3], args[4], config.splits, num_rows, n)
+        grid = (-(-num_rows * n // 32),)
+        run_threads_on_host(source, "quant_tiled_reduce", defines, grid, 32, reduce_args, tmp_path)
+    return out
+
+
+HOST_CASES = [  # (scheme, out_features, in_features, group_size, rows): every block shape, odd edges, a K split
+    ("int4", 40, 1024, 128, 3),
+    ("int8", 40, 1024, None, 3),
+    ("int4", 17, 200, None, 9),
+    ("int8", 80, 384, 128, 17),
+    ("int4", 70, 256, 64, 40),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_run_on_the_host_matches_reference(dtype: torch.dtype, tmp_path) -> None:
+    """The whole CUDA source (pipeline, warps' tile columns and output tiles, the reduction over
+    warps, the K split and its reduce, bias, row and output edges) run as C++ threads with the
+    PTX primitives' twins: the reference's product within the GPU test's tolerance, every output
+    written. Two SMs make the narrow cases split K."""
+    from kernels.quant_tiled import tiled_config
+
+    generator = torch.Generator().manual_seed(44)
+    splits_seen = set()
+    for scheme, n, k, group_size, num_rows in HOST_CASES:
+        tiled = repack_tiles(*_quantized(n, k, scheme, group_size, seed=n), scheme)
+        x = torch.randn(num_rows, k, generator=generator).to(dtype)
+        bias = torch.randn(n, generator=generator).to(dtype)
+        splits_seen.add(tiled_config(num_rows, tiled, 2).splits)
+        out = _run_tiled_on_host(x, tiled, bias, 2, tmp_path)
+        expected = tiled_linear_ref(x.double(), tiled, bias.double())
+        assert rel_error(out, expected) < TOLERANCE[dtype], f"{scheme} {num_rows}x{k}x{n} g{group_size}"
+    assert max(splits_seen) > 1 and min(splits_seen) == 1
 
 
 # ---- GPU ----
