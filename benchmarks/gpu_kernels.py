@@ -12,7 +12,7 @@ Measures, on the card it runs on (named in the output):
   at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
   on the bf16 weights; int8 / int4 through quant_tiled (the tile layout), and on the same line the
   older quant_mma (SPECMESH_QUANT_KERNEL=mma) and the paths before it (quant_gemv up to 16 rows,
-  dequantize + cuBLAS past them);
+  dequantize + cuBLAS past them); `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -51,7 +51,7 @@ from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from kernels.quant_gemm import MAX_ROWS, MMA_ENV
 from kernels.quant_ref import quantize_weight_ref
-from kernels.quant_tiled import KERNEL_ENV
+from kernels.quant_tiled import KERNEL_ENV, BlockShape, candidate_shapes, quant_tiled_cuda
 from kernels.quant_tiled_ref import TiledWeight, repack_tiles
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
@@ -403,6 +403,45 @@ def quant_linear_rows(
             del weights, stored, tiled
             torch.cuda.empty_cache()
     return rows
+
+
+TILED_SHAPE_MATRICES = (("llama-3.2-1b", "gate_up"), ("qwen2.5-7b", "gate_up"), ("qwen2.5-7b", "down"))
+
+
+def quant_tiled_shape_rows(
+    copy_gbs: float, row_counts: tuple[int, ...] = (1, 16, 64, 256)
+) -> list[dict[str, Any]]:
+    """`quant_tiled`'s time per block shape (`candidate_shapes`, the default first) on a few
+    matrices, int4 in groups of 128 and int8 per channel: which shape `block_shape` should pick."""
+    rows = []
+    for model, name in TILED_SHAPE_MATRICES:
+        n, k = LINEAR_SHAPES[model][name]
+        copies = min(32, -(-256 * 2**20 // (2 * n * k)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for scheme in ("int4", "int8"):
+            stored = [quantize_weight_ref(w, scheme, 128 if scheme == "int4" else None) for w in weights]
+            tiled = [repack_tiles(q, s, scheme) for q, s in stored]
+            num_bytes = sum(t.numel() * t.element_size() for t in stored[0])
+            for num_rows in row_counts:
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = dict(model=model, matrix=name, scheme=scheme, rows=num_rows, shapes={})
+                for shape in candidate_shapes(num_rows):
+                    product = functools.partial(_each_tiled, x, tiled, shape)
+                    us = 1e3 * graph_time_ms(product) / copies
+                    row["shapes"]["x".join(map(str, shape))] = dict(
+                        us=us, floor=us * 1e3 * copy_gbs / num_bytes
+                    )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del stored, tiled
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _each_tiled(x: torch.Tensor, tiled: list[TiledWeight], shape: BlockShape) -> None:
+    for weight in tiled:
+        quant_tiled_cuda(x, weight, shape=shape)
 
 
 def _each_quantized(
@@ -838,6 +877,7 @@ def main() -> None:
         ("fused_layers", fused_layer_rows),
         ("linear", lambda: linear_rows(result["copy_gb_per_s"])),
         ("quant_linear", lambda: quant_linear_rows(result["copy_gb_per_s"])),
+        ("quant_tiled_shapes", lambda: quant_tiled_shape_rows(result["copy_gb_per_s"])),
     ]
     if not args.skip_steps:
         sections += [
@@ -907,6 +947,15 @@ def summarize(result: dict[str, Any]) -> None:
                     ("gemv", "quant_gemv"),
                 )
                 if f"{s}_{key}_us" in row
+            )
+        )
+    for row in (
+        result.get("quant_tiled_shapes", []) if isinstance(result.get("quant_tiled_shapes"), list) else []
+    ):
+        print(
+            f"quant_tiled {row['model']:13s} {row['matrix']:8s} {row['scheme']} rows={row['rows']:3d} MTxKWxNWxTW: "
+            + " ".join(
+                f"{shape} {v['us']:7.1f} us ({v['floor']:4.2f}x)" for shape, v in row["shapes"].items()
             )
         )
     summarize_decode_paths(result.get("decode_paths"))

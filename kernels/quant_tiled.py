@@ -65,10 +65,14 @@ class TiledConfig:
         return 32 * self.k_warps * self.n_warps
 
 
-def block_shape(num_rows: int) -> tuple[int, int, int, int]:
-    """(MT, KW, NW, TW): up to 16 rows, four warps each on one tile column of four output tiles
-    (the weight stream bounds the time); more rows, 2 x 2 warps on two tile columns and two output
-    tiles each, so x's shared tile (8 * MT rows) stays within a few stages."""
+BlockShape = tuple[int, int, int, int]
+"""(MT, KW, NW, TW) of a block (module docstring)."""
+
+
+def block_shape(num_rows: int) -> BlockShape:
+    """Up to 16 rows, four warps each on one tile column of four output tiles (the weight stream
+    bounds the time); more rows, 2 x 2 warps on two tile columns and two output tiles each, so x's
+    shared tile (8 * MT rows) stays within a few stages."""
     if num_rows <= 8:
         return 1, 4, 1, 4
     if num_rows <= 16:
@@ -76,6 +80,17 @@ def block_shape(num_rows: int) -> tuple[int, int, int, int]:
     if num_rows <= 32:
         return 4, 2, 2, 2
     return 8, 2, 2, 2
+
+
+def candidate_shapes(num_rows: int) -> list[BlockShape]:
+    """`block_shape`'s choice first, then the alternatives `benchmarks.gpu_kernels` times beside it
+    (eight warps by outputs or by tile columns; wider warps), all assembled for sm_90 without spills."""
+    row_tiles = block_shape(num_rows)[0]
+    if num_rows <= 16:
+        return [block_shape(num_rows), (row_tiles, 4, 2, 4), (row_tiles, 8, 1, 4)]
+    if num_rows <= 32:
+        return [block_shape(num_rows), (4, 4, 1, 4), (4, 2, 4, 2)]
+    return [block_shape(num_rows), (8, 2, 4, 2), (8, 2, 2, 4)]
 
 
 def shared_bytes(scheme: str, row_tiles: int, k_warps: int, n_warps: int, warp_tiles: int) -> int:
@@ -88,13 +103,15 @@ def shared_bytes(scheme: str, row_tiles: int, k_warps: int, n_warps: int, warp_t
     return max(STAGES * stage, sums)
 
 
-def tiled_config(num_rows: int, tiled: TiledWeight, num_sms: int) -> TiledConfig:
-    """The block shape for `num_rows` rows and a K split that gives about WAVES sets of resident
-    blocks, keeping at least MIN_STAGES_PER_SPLIT stages a split and the partial sums' traffic
-    within PARTIAL_FRACTION of the weight's bytes."""
+def tiled_config(
+    num_rows: int, tiled: TiledWeight, num_sms: int, shape: BlockShape | None = None
+) -> TiledConfig:
+    """The block shape for `num_rows` rows (`shape`, or `block_shape`'s) and a K split that gives
+    about WAVES sets of resident blocks, keeping at least MIN_STAGES_PER_SPLIT stages a split and
+    the partial sums' traffic within PARTIAL_FRACTION of the weight's bytes."""
     if num_rows <= 0:
         raise ValueError(f"quant_tiled needs at least one row, not {num_rows}")
-    row_tiles, k_warps, n_warps, warp_tiles = block_shape(num_rows)
+    row_tiles, k_warps, n_warps, warp_tiles = shape or block_shape(num_rows)
     smem = shared_bytes(tiled.scheme, row_tiles, k_warps, n_warps, warp_tiles)
     row_blocks = -(-num_rows // (8 * row_tiles))
     out_blocks = -(-tiled.n_tiles // (n_warps * warp_tiles))
@@ -445,6 +462,7 @@ def quant_tiled_cuda(
     x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16
     tiled: TiledWeight,
     bias: torch.Tensor | None = None,  # [out_features]
+    shape: BlockShape | None = None,  # None: block_shape(num_rows)
 ) -> torch.Tensor:  # [num_rows, out_features] in x's dtype
     """Same result as `tiled_linear_ref` up to rounding: each weight times its group's scale is
     rounded to x's dtype (as the reference's dequantized weight; int8 in bf16 through float32),
@@ -459,7 +477,7 @@ def quant_tiled_cuda(
     if bias is not None:
         _cuda.check_cuda_tensor("bias", bias, [x.dtype], 1, device)
         _cuda.check(bias.shape[0] == n and bias.is_contiguous(), f"bias has shape {tuple(bias.shape)}")
-    config = tiled_config(num_rows, tiled, _cuda.num_sms(device.index or 0))
+    config = tiled_config(num_rows, tiled, _cuda.num_sms(device.index or 0), shape)
     defines = kernel_defines(tiled, x.dtype, config, bias is not None)
     kernel = _cuda.function(TILED_SOURCE, "quant_tiled", device, **defines)
     _cuda.set_max_dynamic_shared(kernel, config.shared_bytes)

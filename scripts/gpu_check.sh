@@ -27,7 +27,8 @@
 # quant-tests.log (each other CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs
 # vs eager), quant-kernels.json (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at
 # 1-256 rows over the stored bytes' copy time and over cuBLAS bf16's, int8 / int4 through quant_tiled beside
-# quant_mma (SPECMESH_QUANT_KERNEL=mma) and the paths before it), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# quant_mma (SPECMESH_QUANT_KERNEL=mma) and the paths before it; "quant_tiled" lines: each candidate block shape),
+# engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
@@ -392,8 +393,8 @@ if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
-    timeout 480 python3 -m benchmarks.gpu_kernels --only quant_linear --out "$OUT/quant-kernels.json" 2>&1 \
-        | tee "$OUT/quant-kernels.log" | grep "^quant"
+    timeout 480 python3 -m benchmarks.gpu_kernels --only quant_linear quant_tiled_shapes --out "$OUT/quant-kernels.json" 2>&1 \
+        | tee "$OUT/quant-kernels.log" | grep "^quant"  # quant and quant_tiled (block shapes) lines
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" engine "* ]]; then
     for shape in ${QUANT_SHAPES:-llama-3.2-1b qwen2.5-7b}; do

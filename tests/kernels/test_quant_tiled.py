@@ -225,11 +225,11 @@ def test_quantized_layer_repacks_only_on_a_gpu_and_only_what_fits() -> None:
     assert not small_groups.tileable()
 
 
-def _variant_defines(scheme: str, dtype: torch.dtype, num_rows: int) -> dict[str, int]:
+def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> dict[str, int]:
     from kernels.quant_gemm import SCHEME_IDS, decode_constants
-    from kernels.quant_tiled import STAGES, block_shape
+    from kernels.quant_tiled import STAGES
 
-    row_tiles, k_warps, n_warps, warp_tiles = block_shape(num_rows)
+    row_tiles, k_warps, n_warps, warp_tiles = shape
     return dict(
         DTYPE=_cuda.DTYPE_IDS[dtype],
         SCHEME=SCHEME_IDS[scheme],
@@ -247,13 +247,17 @@ def _variant_defines(scheme: str, dtype: torch.dtype, num_rows: int) -> dict[str
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torch.dtype, tmp_path) -> None:
-    """Each block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it."""
-    from kernels.quant_tiled import TILED_SOURCE
+    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it, and in
+    bf16 every candidate shape the benchmark times."""
+    from kernels.quant_tiled import TILED_SOURCE, block_shape, candidate_shapes
 
-    for num_rows in (1, 16, 32, 64):
-        registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, num_rows), tmp_path)
+    shapes = {block_shape(num_rows) for num_rows in (1, 16, 32, 64)}
+    if dtype == torch.bfloat16:
+        shapes |= {shape for num_rows in (1, 16, 32, 64) for shape in candidate_shapes(num_rows)}
+    for shape in sorted(shapes):
+        registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, shape), tmp_path)
         assert set(registers) == {"quant_tiled", "quant_tiled_reduce"}
-        print(f"\nquant_tiled {scheme} {dtype} {num_rows} rows registers: {registers}")
+        print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} registers: {registers}")
 
 
 HOST_PTX = r"""
@@ -328,13 +332,18 @@ barrier and reading each other's registers as the PTX ISA places fragments, cp.a
 
 
 def _run_tiled_on_host(
-    x: torch.Tensor, tiled: TiledWeight, bias: torch.Tensor | None, num_sms: int, tmp_path
+    x: torch.Tensor,
+    tiled: TiledWeight,
+    bias: torch.Tensor | None,
+    num_sms: int,
+    tmp_path,
+    shape: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """quant_tiled_cuda's launches (kernel, then the reduce of the K splits) run on the host."""
     from kernels.quant_tiled import TILED_KERNELS, TILED_MACROS, kernel_defines, tiled_config
     from tests.kernels.helpers import run_threads_on_host
 
-    config = tiled_config(x.shape[0], tiled, num_sms)
+    config = tiled_config(x.shape[0], tiled, num_sms, shape)
     defines = kernel_defines(tiled, x.dtype, config, bias is not None)
     kernels_source = TILED_KERNELS.replace(
         "extern __shared__ __align__(16) unsigned char smem[];",
@@ -402,6 +411,22 @@ def test_kernel_run_on_the_host_matches_reference(dtype: torch.dtype, tmp_path) 
     assert max(splits_seen) > 1 and min(splits_seen) == 1
 
 
+@needs_gxx
+def test_candidate_block_shapes_run_on_the_host_match_reference(tmp_path) -> None:
+    """The benchmark's other block shapes (eight warps by outputs or tile columns, wider warps)."""
+    from kernels.quant_tiled import block_shape, candidate_shapes
+
+    generator = torch.Generator().manual_seed(46)
+    tiled = repack_tiles(*_quantized(150, 1024, "int4", 128, seed=1), "int4")
+    for num_rows in (3, 12, 20, 40):
+        x = torch.randn(num_rows, 1024, generator=generator).to(torch.bfloat16)
+        expected = tiled_linear_ref(x.double(), tiled)
+        for shape in candidate_shapes(num_rows)[1:]:
+            assert shape != block_shape(num_rows)
+            out = _run_tiled_on_host(x, tiled, None, 2, tmp_path, shape)
+            assert rel_error(out, expected) < TOLERANCE[torch.bfloat16], f"{shape} {num_rows} rows"
+
+
 # ---- GPU ----
 
 SHAPES = [  # (out_features, in_features): odd ones, then Llama-1B and Qwen-7B projections
@@ -461,6 +486,26 @@ def test_cuda_quant_tiled_matches_reference(scheme: str, dtype: torch.dtype) -> 
         f"\nquant_tiled {scheme} {dtype}: max relative error vs the dequantized float64 product {worst:.2e}"
     )
     assert not failures, f"{len(failures)} failing cases: " + "; ".join(failures[:12])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_cuda_every_candidate_block_shape_matches_reference(scheme: str) -> None:
+    """The shapes benchmarks.gpu_kernels times beside the default give the reference's product."""
+    from kernels.quant_tiled import candidate_shapes, quant_tiled_cuda
+
+    generator = torch.Generator().manual_seed(45)
+    failures = []
+    for n, k in ((130, 1000), (3072, 2048)):
+        tiled, weight = _cuda_tiled(n, k, scheme, None if scheme == "int8" or k % 128 else 128, n)
+        for num_rows in (1, 16, 32, 100, 256):
+            x = torch.randn(num_rows, k, generator=generator).to("cuda", torch.bfloat16)
+            for shape in candidate_shapes(num_rows):
+                error = rel_error(quant_tiled_cuda(x, tiled, shape=shape), x.double() @ weight.t())
+                if not error < TOLERANCE[torch.bfloat16]:
+                    failures.append(f"{shape} {num_rows}x{k}x{n}: {error:.2e}")
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.gpu
