@@ -28,6 +28,7 @@ scale.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -619,6 +620,7 @@ def _half_bits(value: float, dtype: torch.dtype) -> int:
     return int(torch.tensor(value, dtype=dtype).view(torch.int16).item()) & 0xFFFF
 
 
+@functools.cache
 def decode_constants(scheme: str, dtype: torch.dtype) -> dict[str, int]:
     """The bit patterns `quant_mma` decodes stored values with (-D macros; see decode_unit):
     MAGIC_X2, two halves of `dtype` whose mantissa's lowest bit is worth 1 (2^7 in bf16, 2^10 in fp16),

@@ -421,6 +421,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
             }
 }
 
+"""
+
+TILED_SOURCE = _cuda.CONVERSIONS + TILED_MACROS + PTX_HELPERS + TILED_KERNELS
+
+REDUCE_KERNEL = r"""
 /* y[m, n] = sum over splits of partial[z, m, n] in split order (+ bias[n]), one element a thread */
 extern "C" __global__ void quant_tiled_reduce(
     const float* __restrict__ partial, const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
@@ -438,7 +443,7 @@ extern "C" __global__ void quant_tiled_reduce(
 }
 """
 
-TILED_SOURCE = _cuda.CONVERSIONS + TILED_MACROS + PTX_HELPERS + TILED_KERNELS
+REDUCE_SOURCE = _cuda.CONVERSIONS + REDUCE_KERNEL
 
 
 def kernel_defines(
@@ -498,7 +503,9 @@ def quant_tiled_cuda(
     )
     _cuda.launch(kernel, config.grid, (config.threads,), args + sizes, device, config.shared_bytes)
     if partial is not None:
-        reduce = _cuda.function(TILED_SOURCE, "quant_tiled_reduce", device, **defines)
+        reduce = _cuda.function(
+            REDUCE_SOURCE, "quant_tiled_reduce", device, DTYPE=defines["DTYPE"], HAS_BIAS=defines["HAS_BIAS"]
+        )
         reduce_args = (partial, bias if bias is not None else x, out)
         reduce_sizes = (np.int32(config.splits), np.int32(num_rows), np.int32(n))
         grid = (-(-num_rows * n // REDUCE_THREADS),)

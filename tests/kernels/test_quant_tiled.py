@@ -249,15 +249,17 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
 def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torch.dtype, tmp_path) -> None:
     """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it, and in
     bf16 every candidate shape the benchmark times."""
-    from kernels.quant_tiled import TILED_SOURCE, block_shape, candidate_shapes
+    from kernels.quant_tiled import REDUCE_SOURCE, TILED_SOURCE, block_shape, candidate_shapes
 
     shapes = {block_shape(num_rows) for num_rows in (1, 16, 32, 64)}
     if dtype == torch.bfloat16:
         shapes |= {shape for num_rows in (1, 16, 32, 64) for shape in candidate_shapes(num_rows)}
     for shape in sorted(shapes):
         registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, shape), tmp_path)
-        assert set(registers) == {"quant_tiled", "quant_tiled_reduce"}
+        assert set(registers) == {"quant_tiled"}
         print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} registers: {registers}")
+    defines = {"DTYPE": _cuda.DTYPE_IDS[dtype], "HAS_BIAS": 1}
+    assert set(assemble_sm90(REDUCE_SOURCE, defines, tmp_path)) == {"quant_tiled_reduce"}
 
 
 HOST_PTX = r"""
@@ -340,7 +342,7 @@ def _run_tiled_on_host(
     shape: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """quant_tiled_cuda's launches (kernel, then the reduce of the K splits) run on the host."""
-    from kernels.quant_tiled import TILED_KERNELS, TILED_MACROS, kernel_defines, tiled_config
+    from kernels.quant_tiled import REDUCE_KERNEL, TILED_KERNELS, TILED_MACROS, kernel_defines, tiled_config
     from tests.kernels.helpers import run_threads_on_host
 
     config = tiled_config(x.shape[0], tiled, num_sms, shape)
@@ -376,7 +378,8 @@ def _run_tiled_on_host(
     if partial is not None:
         reduce_args = (partial, args[3], args[4], config.splits, num_rows, n)
         grid = (-(-num_rows * n // 32),)
-        run_threads_on_host(source, "quant_tiled_reduce", defines, grid, 32, reduce_args, tmp_path)
+        reduce_source = "#define DT_BF16 1\n#define DT_F16 2\n" + HOST_PTX + REDUCE_KERNEL
+        run_threads_on_host(reduce_source, "quant_tiled_reduce", defines, grid, 32, reduce_args, tmp_path)
     return out
 
 
