@@ -43,7 +43,10 @@ WAVES = 2
 """Resident block sets the grid should fill (K split) so no SM idles through a short last wave."""
 MIN_STAGES_PER_SPLIT = 2
 PARTIAL_FRACTION = 0.25
-"""Most bytes of float32 partial sums (written and read) a K split may add, over the weight's bytes."""
+"""Most bytes of float32 partial sums (written and read) a K split may add, over the weight's bytes..."""
+PARTIAL_MIN_BYTES = 8 * 2**20
+"""...or this many, whichever is more: a small matrix's partial sums stay in L2, and splitting is
+what spreads its few output blocks over the SMs."""
 REDUCE_THREADS = 256
 
 
@@ -108,7 +111,7 @@ def tiled_config(
 ) -> TiledConfig:
     """The block shape for `num_rows` rows (`shape`, or `block_shape`'s) and a K split that gives
     about WAVES sets of resident blocks, keeping at least MIN_STAGES_PER_SPLIT stages a split and
-    the partial sums' traffic within PARTIAL_FRACTION of the weight's bytes."""
+    the partial sums' traffic within PARTIAL_FRACTION of the weight's bytes (or PARTIAL_MIN_BYTES)."""
     if num_rows <= 0:
         raise ValueError(f"quant_tiled needs at least one row, not {num_rows}")
     row_tiles, k_warps, n_warps, warp_tiles = shape or block_shape(num_rows)
@@ -118,7 +121,8 @@ def tiled_config(
     resident = min(MAX_BLOCKS_PER_SM, MAX_SHARED_BYTES // smem) * num_sms
     num_stages = -(-tiled.k_tiles // k_warps)
     weight_bytes = tiled.out_features * tiled.in_features * BITS[tiled.scheme] // 8
-    by_partials = int(PARTIAL_FRACTION * weight_bytes) // (8 * num_rows * tiled.out_features)
+    partial_budget = max(int(PARTIAL_FRACTION * weight_bytes), PARTIAL_MIN_BYTES)
+    by_partials = partial_budget // (8 * num_rows * tiled.out_features)
     wanted = -(-WAVES * resident // (row_blocks * out_blocks))
     splits = max(1, min(wanted, num_stages // MIN_STAGES_PER_SPLIT, by_partials))
     tiles_per_split = -(-num_stages // splits) * k_warps
