@@ -11,7 +11,8 @@ kw of a stage for output tiles nw * TW .. + TW: each lane reads its A fragments 
 16-byte shared load (two for int8), decodes them to exact bf16 / fp16 integers by bit placement
 (`decode_constants` of kernels/quant_gemm.py), multiplies them by their group's scale and x's
 fragments come from ldmatrix. The KW warps of a block add their sums in shared memory at the end;
-splits of K (grid z) write float32 partial sums that `quant_tiled_reduce` adds in a fixed order.
+splits of K (grid z) write float32 partial sums, which the last split to finish an output tile adds in
+split order (one launch, no reduce kernel).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ PARTIAL_FRACTION = 0.25
 PARTIAL_MIN_BYTES = 8 * 2**20
 """...or this many, whichever is more: a small matrix's partial sums stay in L2, and splitting is
 what spreads its few output blocks over the SMs."""
-REDUCE_THREADS = 256
+MIN_COUNTERS = 1 << 16
+"""Output-tile counters allocated at least (one per row block x output block of a split launch)."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
     const scalar_t* __restrict__ bias,  /* [N]; unused without HAS_BIAS */
     scalar_t* __restrict__ y,           /* [num_rows, N]: written when gridDim.z == 1 */
     float* __restrict__ partial,        /* [gridDim.z, num_rows, N]: written when gridDim.z > 1 */
+    int* __restrict__ counters,         /* [gridDim.y, gridDim.x] when gridDim.z > 1: zero, left zero */
     int num_rows, int N, int K, int n_tiles, int k_tiles, int group_tiles, long long x_stride,
     int tiles_per_split)
 {
@@ -392,62 +395,66 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
 #pragma unroll
             for (int c = 0; c < 4; ++c) sums[(warp * TW * MT * 4 + (i * MT + j) * 4 + c) * 32 + lane] = acc[i][j][c];
     __syncthreads();
-    if (kw != 0) return;
+    if (kw == 0) {
 #pragma unroll
-    for (int o = 1; o < KW; ++o)
+        for (int o = 1; o < KW; ++o)
+#pragma unroll
+            for (int i = 0; i < TW; ++i)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        acc[i][j][c] += sums[((warp + o) * TW * MT * 4 + (i * MT + j) * 4 + c) * 32 + lane];
+    }
+#endif
+    /* The kw = 0 warps hold the block's sums. Accumulator c of tile (i, j): output g (c0, c1) or
+       g + 8 (c2, c3) of output tile i, rows 2t and 2t + 1 of row tile j. */
+    auto each_output = [&](auto&& visit) {
+        if (kw != 0) return;
 #pragma unroll
         for (int i = 0; i < TW; ++i)
 #pragma unroll
             for (int j = 0; j < MT; ++j)
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    acc[i][j][c] += sums[((warp + o) * TW * MT * 4 + (i * MT + j) * 4 + c) * 32 + lane];
-#endif
-    /* c0, c1: output g of the tile, rows 2t and 2t + 1 of the n8 tile; c2, c3: output g + 8 */
-#pragma unroll
-    for (int i = 0; i < TW; ++i)
-#pragma unroll
-        for (int j = 0; j < MT; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int n = (nt0 + nw * TW + i) * 16 + g + 8 * (c >> 1);
-                const int m = m0 + 8 * j + 2 * t + (c & 1);
-                if (m >= num_rows || n >= N) continue;
-                if (gridDim.z == 1) {
-                    float v = acc[i][j][c];
-#if HAS_BIAS
-                    v += to_float(bias[n]);
-#endif
-                    y[(long long)m * N + n] = from_float(v);
-                } else {
-                    partial[((long long)blockIdx.z * num_rows + m) * N + n] = acc[i][j][c];
+                for (int c = 0; c < 4; ++c) {
+                    const int n = (nt0 + nw * TW + i) * 16 + g + 8 * (c >> 1);
+                    const int m = m0 + 8 * j + 2 * t + (c & 1);
+                    if (m < num_rows && n < N) visit(acc[i][j][c], (long long)m * N + n, n);
                 }
-            }
+    };
+    auto write_output = [&](float v, long long at, int n) {
+#if HAS_BIAS
+        v += to_float(bias[n]);
+#endif
+        y[at] = from_float(v);
+    };
+    if (gridDim.z == 1) {
+        each_output(write_output);
+        return;
+    }
+    /* K split: each split writes its partial sums; the block of the output tile to finish last (a
+       counter per tile: zero before, left zero) adds them in split order and writes y. */
+    const long long split_stride = (long long)num_rows * N;
+    each_output([&](float v, long long at, int) { partial[blockIdx.z * split_stride + at] = v; });
+    __threadfence();
+    __syncthreads();
+    __shared__ int last_split;
+    int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) last_split = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!last_split) return;
+    __threadfence();
+    each_output([&](float, long long at, int n) {
+        float v = 0.f;
+        for (int z = 0; z < (int)gridDim.z; ++z) v += __ldcg(partial + z * split_stride + at);
+        write_output(v, at, n);
+    });
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 """
 
 TILED_SOURCE = _cuda.CONVERSIONS + TILED_MACROS + PTX_HELPERS + TILED_KERNELS
-
-REDUCE_KERNEL = r"""
-/* y[m, n] = sum over splits of partial[z, m, n] in split order (+ bias[n]), one element a thread */
-extern "C" __global__ void quant_tiled_reduce(
-    const float* __restrict__ partial, const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
-    int splits, int num_rows, int N)
-{
-    const long long total = (long long)num_rows * N;
-    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= total) return;
-    float v = 0.f;
-    for (int z = 0; z < splits; ++z) v += partial[z * total + e];
-#if HAS_BIAS
-    v += to_float(bias[e % N]);
-#endif
-    y[e] = from_float(v);
-}
-"""
-
-REDUCE_SOURCE = _cuda.CONVERSIONS + REDUCE_KERNEL
 
 
 def kernel_defines(
@@ -465,6 +472,22 @@ def kernel_defines(
         HAS_BIAS=int(has_bias),
         **decode_constants(tiled.scheme, dtype),
     )
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(num_tiles: int, device: torch.device) -> torch.Tensor:
+    """The arrival counters of a K-split launch over `num_tiles` output tiles (row block x output
+    block) on `device`: zero between launches (the kernel leaves them zero), shared by every launch
+    (they run one after another on a stream). A launch over more tiles than they hold replaces them,
+    which a CUDA graph captured before must not outlive; MIN_COUNTERS tiles (over 4M outputs at 64
+    rows) make that moot for real models."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        counters = torch.zeros(max(num_tiles, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def quant_tiled_cuda(
@@ -494,7 +517,8 @@ def quant_tiled_cuda(
     partial = None
     if config.splits > 1:
         partial = torch.empty(config.splits, num_rows, n, dtype=torch.float32, device=device)
-    args = (x, tiled.tiles, tiled.scales, bias if bias is not None else x, out, partial)
+    counters = split_counters(config.grid[0] * config.grid[1], device) if partial is not None else None
+    args = (x, tiled.tiles, tiled.scales, bias if bias is not None else x, out, partial, counters)
     sizes = (
         np.int32(num_rows),
         np.int32(n),
@@ -506,12 +530,4 @@ def quant_tiled_cuda(
         np.int32(config.tiles_per_split),
     )
     _cuda.launch(kernel, config.grid, (config.threads,), args + sizes, device, config.shared_bytes)
-    if partial is not None:
-        reduce = _cuda.function(
-            REDUCE_SOURCE, "quant_tiled_reduce", device, DTYPE=defines["DTYPE"], HAS_BIAS=defines["HAS_BIAS"]
-        )
-        reduce_args = (partial, bias if bias is not None else x, out)
-        reduce_sizes = (np.int32(config.splits), np.int32(num_rows), np.int32(n))
-        grid = (-(-num_rows * n // REDUCE_THREADS),)
-        _cuda.launch(reduce, grid, (REDUCE_THREADS,), reduce_args + reduce_sizes, device)
     return out
