@@ -515,9 +515,10 @@ def test_cuda_every_candidate_block_shape_matches_reference(scheme: str) -> None
 @needs_cuda
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: str) -> None:
-    """Batch 1 on a narrow, deep matrix (K split, partial sums reduced) and 40 / 256 rows: strided x
-    equals contiguous x, and graph replays equal eager calls on the new input."""
-    from kernels.quant_tiled import quant_tiled_cuda, tiled_config
+    """Batch 1 on a narrow, deep matrix (K split, partial sums added by each tile's last split) and
+    40 / 256 rows: strided x equals contiguous x, graph replays equal eager calls on the new input,
+    and the split counters are left zero."""
+    from kernels.quant_tiled import quant_tiled_cuda, split_counters, tiled_config
 
     generator = torch.Generator().manual_seed(41)
     n, k = 2048, 8192
@@ -539,6 +540,7 @@ def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: st
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, quant_tiled_cuda(fresh, tiled)), f"{num_rows} rows"
+        assert not split_counters(1, x.device).any(), "every split launch leaves its counters zero"
 
 
 @pytest.mark.gpu
