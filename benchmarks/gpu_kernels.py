@@ -10,9 +10,9 @@ Measures, on the card it runs on (named in the output):
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
   at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
-  on the bf16 weights; int8 / int4 through quant_tiled (the tile layout), and on the same line the
-  older quant_mma (SPECMESH_QUANT_KERNEL=mma) and the paths before it (quant_gemv up to 16 rows,
-  dequantize + cuBLAS past them); `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
+  on the bf16 weights; int8 / int4 as the engine dispatches them (tile layout loaded), and on the
+  same line each int kernel alone: quant_tiled, quant_mma, quant_gemv up to 16 rows / dequantize +
+  cuBLAS past them; `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -49,9 +49,9 @@ from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
-from kernels.quant_gemm import MAX_ROWS, MMA_ENV
+from kernels.quant_gemm import MAX_ROWS, dequantize_weight_cuda, quant_gemv_cuda, quant_mma_cuda
 from kernels.quant_ref import quantize_weight_ref
-from kernels.quant_tiled import KERNEL_ENV, BlockShape, candidate_shapes, quant_tiled_cuda
+from kernels.quant_tiled import BlockShape, candidate_shapes, quant_tiled_cuda
 from kernels.quant_tiled_ref import TiledWeight, repack_tiles
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
@@ -362,9 +362,9 @@ def quant_linear_rows(
 ) -> list[dict[str, Any]]:
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
-    weight copies (>= 256 MiB of bf16) to stream from HBM. int8 / int4 run `quant_tiled` on the tile
-    layout, then in the same row the older kernels: `quant_mma` (SPECMESH_QUANT_KERNEL=mma) and the
-    paths before it (`quant_gemv` up to 16 rows, dequantize + cuBLAS past them)."""
+    weight copies (>= 256 MiB of bf16) to stream from HBM. int8 / int4 weights have their tile
+    layout, so the dispatch is the engine's; each int kernel is also timed alone on the same line:
+    `quant_tiled`, `quant_mma`, and `quant_gemv` up to 16 rows or dequantize + cuBLAS past them."""
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -393,16 +393,48 @@ def quant_linear_rows(
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
-                    if scheme != "fp8":  # quant_tiled vs the kernels it replaced
-                        row[f"{scheme}_mma_us"] = 1e3 * _graph_ms_with(product, KERNEL_ENV, "mma") / copies
-                        untiled = functools.partial(_each_quantized, scheme, x, quantized, None)
-                        path = "gemv" if num_rows <= MAX_ROWS else "dequantize"
-                        row[f"{scheme}_{path}_us"] = 1e3 * _graph_ms_with(untiled, MMA_ENV) / copies
+                    if scheme != "fp8":
+                        row.update(_int_kernel_times(scheme, x, quantized, tiled[scheme], copies))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del weights, stored, tiled
             torch.cuda.empty_cache()
     return rows
+
+
+def _int_kernel_times(
+    scheme: str,
+    x: torch.Tensor,
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    tiled: list[TiledWeight],
+    copies: int,
+) -> dict[str, float]:
+    """us per matrix of each int8 / int4 kernel alone: quant_tiled, quant_mma, and quant_gemv (up to
+    its MAX_ROWS rows) or dequantize + cuBLAS (past them)."""
+    products: dict[str, Callable[[torch.Tensor, torch.Tensor, TiledWeight], Any]] = {
+        "tiled": lambda q, s, t: quant_tiled_cuda(x, t),
+        "mma": lambda q, s, t: quant_mma_cuda(x, q, s, scheme),
+    }
+    if x.shape[0] <= MAX_ROWS:
+        products["gemv"] = lambda q, s, t: quant_gemv_cuda(x, q, s, scheme)
+    else:
+        products["dequantize"] = lambda q, s, t: torch.nn.functional.linear(
+            x, dequantize_weight_cuda(q, s, scheme, x.dtype)
+        )
+    times = {}
+    for label, product in products.items():
+        each = functools.partial(_each_int, product, stored, tiled)
+        times[f"{scheme}_{label}_us"] = 1e3 * graph_time_ms(each) / copies
+    return times
+
+
+def _each_int(
+    product: Callable[[torch.Tensor, torch.Tensor, TiledWeight], Any],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    tiled: list[TiledWeight],
+) -> None:
+    for (qweight, scale), weight in zip(stored, tiled):
+        product(qweight, scale, weight)
 
 
 TILED_SHAPE_MATRICES = (("llama-3.2-1b", "gate_up"), ("qwen2.5-7b", "gate_up"), ("qwen2.5-7b", "down"))
@@ -818,11 +850,10 @@ def decode_path_rows(copy_gbs: float, parts: list[str] | None = None) -> dict[st
     return out
 
 
-def _graph_ms_with(step: Callable[[], Any], switch: str, value: str = "off") -> float:
+def _graph_ms_with(step: Callable[[], Any], switch: str) -> float:
     """The step's graph time with one kernel switched off (`switch=off`: SPECMESH_SKINNY_GEMM puts
-    every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores) or
-    to another `value` (SPECMESH_QUANT_KERNEL=mma)."""
-    os.environ[switch] = value
+    every matrix product on cuBLAS, SPECMESH_TENSOR_CORE_ATTENTION the attention on CUDA cores)."""
+    os.environ[switch] = "off"
     try:
         return graph_time_ms(step)
     finally:
@@ -934,7 +965,7 @@ def summarize(result: dict[str, Any]) -> None:
         print(
             f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:3d} bf16 {row['bf16_us']:7.1f} us "
             + " ".join(
-                f"{s}{'' if s == 'fp8' else ' tiled'} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
+                f"{s} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
                 f"{1 / row[s + '_fraction_of_copy']:4.2f}x the floor)"
                 for s in ("fp8", "int8", "int4")
             )
@@ -942,6 +973,7 @@ def summarize(result: dict[str, Any]) -> None:
                 f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
                 for s in ("int8", "int4")
                 for key, path in (
+                    ("tiled", "quant_tiled"),
                     ("mma", "quant_mma"),
                     ("dequantize", "dequantize + cuBLAS"),
                     ("gemv", "quant_gemv"),

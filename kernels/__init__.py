@@ -102,12 +102,13 @@ def quant_linear(
     tiled: TiledWeight | None = None,  # the same weight in the tile layout (kernels/quant_tiled_ref.py)
 ) -> torch.Tensor:  # [num_rows, out_features]
     """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py, `choose_path`): int8 / int4
-    in the tile layout through `quant_tiled` (up to 256 bf16 / fp16 rows; SPECMESH_QUANT_KERNEL=mma
-    turns it off), else on tensor cores dequantizing in registers (`quant_mma`, up to 256 rows,
-    groups a multiple of its K step); fp8 (and int8 / int4 groups quant_mma does not take) through
-    the one-row kernel up to 16 rows, fp8 past FP8_GEMV_MAX_ROWS on the FP8 tensor cores with
-    per-token activation scales (bf16, sm_89+); else the weight dequantized for cuBLAS. Elsewhere
-    (CPU, float32) the torch reference `quant_linear_ref`."""
+    in the tile layout through `quant_tiled` at 9-256 bf16 / fp16 rows (SPECMESH_QUANT_KERNEL=mma
+    turns it off), one row through the one-row kernel, else on tensor cores dequantizing in
+    registers (`quant_mma`, up to 256 rows, groups a multiple of its K step); fp8 (and int8 / int4
+    groups quant_mma does not take) through the one-row kernel up to 16 rows, fp8 past
+    FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation scales (bf16, sm_89+); else
+    the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the torch reference
+    `quant_linear_ref`."""
     if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
         from kernels import quant_gemm, quant_tiled
 

@@ -55,6 +55,13 @@ the rows (kernels/NOTES.md, quant_linear on an H200)."""
 MMA_MIN_CAPABILITY = (8, 0)
 MMA_MAX_ROWS = 256
 """Most rows `kernels.quant_linear` gives `quant_mma`; more go to dequantize + cuBLAS."""
+TILED_MIN_ROWS = 9
+"""Fewest rows an int8 / int4 product takes `quant_tiled` with: below, `quant_mma` was faster in sum
+over the 1B / 7B matrices (H100, 4 rows: 141 vs 146 us int4, 190 vs 206 us int8; at 16 rows the
+tiled kernel 186 vs 207 / 237 vs 258 us; BENCHMARKS.md "quant_tiled")."""
+INT_GEMV_MAX_ROWS = 1
+"""int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
+7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""
 MMA_STEP = {"int8": 64, "int4": 128}
 """Input features of one `quant_mma` K step (a quad's four 16-byte chunks): the group size (and so
 the input features) must be a multiple."""
@@ -601,12 +608,14 @@ def choose_path(
     num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool, tiled_ok: bool = False
 ) -> str:
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
-    operands: `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py: its `tiled_fits`
-    bounds the rows), `mma` (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8
-    up to FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` +
-    cuBLAS."""
-    if tiled_ok:
+    operands: `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py, from TILED_MIN_ROWS
+    rows; its `tiled_fits` bounds them), `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma`
+    (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
+    FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
+    if tiled_ok and num_rows >= TILED_MIN_ROWS:
         return "tiled"
+    if mma_ok and gemv_ok and num_rows <= INT_GEMV_MAX_ROWS:
+        return "gemv"
     if mma_ok and num_rows <= MMA_MAX_ROWS:
         return "mma"
     if gemv_ok and num_rows <= (FP8_GEMV_MAX_ROWS if scaled_mm_ok else MAX_ROWS):

@@ -194,13 +194,23 @@ def test_tiled_config_covers_every_tile_once(scheme: str) -> None:
         tiled_config(0, tiled, 132)
 
 
-def test_dispatch_prefers_the_tiled_kernel_and_the_cpu_keeps_the_reference(monkeypatch) -> None:
-    from kernels.quant_gemm import choose_path
+def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(monkeypatch) -> None:
+    from kernels.quant_gemm import TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
 
-    for num_rows in (1, 16, 256):
-        assert choose_path(num_rows, gemv_ok=True, mma_ok=True, scaled_mm_ok=False, tiled_ok=True) == "tiled"
-        assert choose_path(num_rows, gemv_ok=True, mma_ok=True, scaled_mm_ok=False) == "mma"
+    paths = {  # rows: (with the tile layout, without)
+        1: ("gemv", "gemv"),
+        TILED_MIN_ROWS - 1: ("mma", "mma"),
+        TILED_MIN_ROWS: ("tiled", "mma"),
+        256: ("tiled", "mma"),
+    }
+    for num_rows, (tiled_path, untiled_path) in paths.items():
+        gemv_ok = num_rows <= 16
+        assert (
+            choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False, tiled_ok=True)
+            == tiled_path
+        )
+        assert choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False) == untiled_path
     assert kernel_enabled()
     monkeypatch.setenv(KERNEL_ENV, "mma")
     assert not kernel_enabled()
@@ -546,20 +556,25 @@ def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: st
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> None:
-    """`kernels.quant_linear` with a tiled weight: the tiled kernel (bit-identical to calling it),
-    and with SPECMESH_QUANT_KERNEL=mma the older quant_mma; both near the reference, 1..300 rows."""
-    from kernels.quant_gemm import quant_mma_cuda
+    """`kernels.quant_linear` with a tiled weight: from TILED_MIN_ROWS rows the tiled kernel
+    (bit-identical to calling it), and with SPECMESH_QUANT_KERNEL=mma the older quant_mma; fewer
+    rows the one-row kernel or quant_mma; all near the reference, 1..300 rows."""
+    from kernels.quant_gemm import TILED_MIN_ROWS, quant_gemv_cuda, quant_mma_cuda
     from kernels.quant_tiled import KERNEL_ENV, quant_tiled_cuda
 
     generator = torch.Generator().manual_seed(42)
     qweight, scale = (t.cuda() for t in _quantized(4608, 3584, "int4", 128, 5))
     tiled = repack_tiles(qweight, scale, "int4")
-    for num_rows in (1, 16, 64, 256, 300):
+    for num_rows in (1, 4, TILED_MIN_ROWS, 16, 64, 256, 300):
         x = torch.randn(num_rows, 3584, generator=generator).to("cuda", torch.bfloat16)
         out = kernels.quant_linear(x, qweight, scale, "int4", tiled=tiled)
         expected = tiled_linear_ref(x.double(), tiled)
         assert rel_error(out, expected) < 1e-2, f"{num_rows} rows"
-        if num_rows <= 256:
+        if num_rows == 1:
+            assert torch.equal(out, quant_gemv_cuda(x, qweight, scale, "int4"))
+        elif num_rows < TILED_MIN_ROWS:
+            assert torch.equal(out, quant_mma_cuda(x, qweight, scale, "int4"))
+        elif num_rows <= 256:
             assert torch.equal(out, quant_tiled_cuda(x, tiled))
             monkeypatch.setenv(KERNEL_ENV, "mma")
             assert torch.equal(
@@ -589,4 +604,5 @@ def test_cuda_quantized_layer_repacks_at_load_and_matches_reference() -> None:
         assert layer.tiled is not None
         x = torch.randn(5, 1024, generator=generator).to("cuda", torch.bfloat16)
         expected = tiled_linear_ref(x.double(), layer.tiled, layer.bias.double())
-        assert rel_error(layer(x), expected) < 1e-2, scheme
+        with torch.no_grad():  # the bias is a parameter: the reference product tracks its gradient
+            assert rel_error(layer(x), expected.detach()) < 1e-2, scheme
