@@ -207,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_gemv(
     }
 }
 
-/* out[n, k] = q[n, k] * scale[n, k / group_size], one 16-byte chunk per thread */
+/* out[n, k] = q[n, k] * scale[n, k / group_size], one 16-byte chunk per thread, written 8 values
+   (16 bytes) a store */
 extern "C" __global__ void dequantize_weight(
     const unsigned char* __restrict__ w, const float* __restrict__ scale, scalar_t* __restrict__ out,
     int N, int K, int group_size)
@@ -220,9 +221,15 @@ extern "C" __global__ void dequantize_weight(
     float v[VALS];
     decode_chunk(__ldg(reinterpret_cast<const uint4*>(w) + chunk), v);
     const float s = scale[n * (K / group_size) + k / group_size] * DECODE_SCALE;
-    scalar_t* dst = out + n * K + k;
+    uint4* dst = reinterpret_cast<uint4*>(out + n * K + k);
 #pragma unroll
-    for (int i = 0; i < VALS; ++i) dst[i] = from_float(v[i] * s);
+    for (int i = 0; i < VALS / 8; ++i) {
+        unsigned pairs[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            pairs[j] = (unsigned)from_float(v[8 * i + 2 * j] * s) | ((unsigned)from_float(v[8 * i + 2 * j + 1] * s) << 16);
+        dst[i] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    }
 }
 """
 )
