@@ -9,8 +9,8 @@ layout), their scales and x's matching [rows, 64 KW] slice are copied global -> 
 cp.async, STAGES - 1 stages ahead of the one being multiplied. Warp (kw, nw) multiplies tile column
 kw of a stage for output tiles nw * TW .. + TW: each lane reads its A fragments of a tile with one
 16-byte shared load (two for int8), decodes them to exact bf16 / fp16 integers by bit placement
-(`decode_constants` of kernels/quant_gemm.py), multiplies them by their group's scale and x's
-fragments come from ldmatrix. The KW warps of a block add their sums in shared memory at the end;
+(`decode_constants` of kernels/quant_gemm.py), multiplies them by their group's scale, and takes
+x's fragments by ldmatrix. The KW warps of a block add their sums in shared memory at the end;
 splits of K (grid z) write float32 partial sums, which the last split to finish an output tile adds in
 split order (one launch, no reduce kernel).
 """
@@ -29,8 +29,9 @@ from kernels.quant_ref import BITS
 from kernels.quant_tiled_ref import CHUNKS, IN_FEATURES_MULTIPLE, TILE_K, TiledWeight
 
 KERNEL_ENV = "SPECMESH_QUANT_KERNEL"
-"""`mma` runs int8 / int4 products through the older `quant_mma` (kernels/quant_gemm.py) even where
-a layer has its tile layout (A/B timing); anything else, or unset, runs `quant_tiled`."""
+"""`mma` gives the products `quant_tiled` would take (kernels/quant_gemm.py `choose_path`: 9-256
+rows) to the older `quant_mma` even where a layer has its tile layout (A/B timing); anything else,
+or unset, runs `quant_tiled` there."""
 MAX_ROWS = 256
 """Most rows `kernels.quant_linear` gives `quant_tiled`; more go to dequantize + cuBLAS."""
 MIN_CAPABILITY = (8, 0)
