@@ -10,8 +10,9 @@ Measures, on the card it runs on (named in the output):
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
   at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
-  on the bf16 weights (int8 / int4 also with quant_mma off: quant_gemv up to 16 rows, dequantize +
-  cuBLAS past them);
+  on the bf16 weights; int8 / int4 as the engine dispatches them (tile layout loaded), and on the
+  same line each int kernel alone: quant_tiled, quant_mma, quant_gemv up to 16 rows / dequantize +
+  cuBLAS past them; `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -48,8 +49,10 @@ from benchmarks.random_model import SHAPES
 from kernels import _cuda
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
-from kernels.quant_gemm import MAX_ROWS, MMA_ENV
+from kernels.quant_gemm import MAX_ROWS, dequantize_weight_cuda, quant_gemv_cuda, quant_mma_cuda
 from kernels.quant_ref import quantize_weight_ref
+from kernels.quant_tiled import BlockShape, candidate_shapes, quant_tiled_cuda
+from kernels.quant_tiled_ref import TiledWeight, repack_tiles
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
 
@@ -359,8 +362,9 @@ def quant_linear_rows(
 ) -> list[dict[str, Any]]:
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
-    weight copies (>= 256 MiB of bf16) to stream from HBM; int8 / int4 also with quant_mma off
-    (`quant_gemv` up to 16 rows, dequantize + cuBLAS past them)."""
+    weight copies (>= 256 MiB of bf16) to stream from HBM. int8 / int4 weights have their tile
+    layout, so the dispatch is the engine's; each int kernel is also timed alone on the same line:
+    `quant_tiled`, `quant_mma`, and `quant_gemv` up to 16 rows or dequantize + cuBLAS past them."""
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -374,6 +378,9 @@ def quant_linear_rows(
                 scheme: [quantize_weight_ref(w, scheme, 128 if scheme == "int4" else None) for w in weights]
                 for scheme in ("fp8", "int8", "int4")
             }
+            tiled = {
+                scheme: [repack_tiles(q, s, scheme) for q, s in stored[scheme]] for scheme in ("int8", "int4")
+            }
             for num_rows in row_counts:
                 x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
                 row: dict[str, Any] = dict(model=model, matrix=name, n=n, k=k, rows=num_rows)
@@ -382,28 +389,101 @@ def quant_linear_rows(
                 )
                 row["bf16_us"] = us / copies
                 for scheme, quantized in stored.items():
-                    product = functools.partial(_each_quantized, scheme, x, quantized)
+                    product = functools.partial(_each_quantized, scheme, x, quantized, tiled.get(scheme))
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
-                    if scheme != "fp8":  # quant_mma vs the path it replaced
-                        path = "gemv" if num_rows <= MAX_ROWS else "dequantize"
-                        row[f"{scheme}_{path}_us"] = 1e3 * _graph_ms_with(product, MMA_ENV) / copies
+                    if scheme != "fp8":
+                        row.update(_int_kernel_times(scheme, x, quantized, tiled[scheme], copies))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del weights, stored
+            del weights, stored, tiled
             torch.cuda.empty_cache()
     return rows
+
+
+def _int_kernel_times(
+    scheme: str,
+    x: torch.Tensor,
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    tiled: list[TiledWeight],
+    copies: int,
+) -> dict[str, float]:
+    """us per matrix of each int8 / int4 kernel alone: quant_tiled, quant_mma, and quant_gemv (up to
+    its MAX_ROWS rows) or dequantize + cuBLAS (past them)."""
+    products: dict[str, Callable[[torch.Tensor, torch.Tensor, TiledWeight], Any]] = {
+        "tiled": lambda q, s, t: quant_tiled_cuda(x, t),
+        "mma": lambda q, s, t: quant_mma_cuda(x, q, s, scheme),
+    }
+    if x.shape[0] <= MAX_ROWS:
+        products["gemv"] = lambda q, s, t: quant_gemv_cuda(x, q, s, scheme)
+    else:
+        products["dequantize"] = lambda q, s, t: torch.nn.functional.linear(
+            x, dequantize_weight_cuda(q, s, scheme, x.dtype)
+        )
+    times = {}
+    for label, product in products.items():
+        each = functools.partial(_each_int, product, stored, tiled)
+        times[f"{scheme}_{label}_us"] = 1e3 * graph_time_ms(each) / copies
+    return times
+
+
+def _each_int(
+    product: Callable[[torch.Tensor, torch.Tensor, TiledWeight], Any],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    tiled: list[TiledWeight],
+) -> None:
+    for (qweight, scale), weight in zip(stored, tiled):
+        product(qweight, scale, weight)
+
+
+TILED_SHAPE_MATRICES = (("llama-3.2-1b", "gate_up"), ("qwen2.5-7b", "gate_up"), ("qwen2.5-7b", "down"))
+
+
+def quant_tiled_shape_rows(
+    copy_gbs: float, row_counts: tuple[int, ...] = (1, 16, 64, 256)
+) -> list[dict[str, Any]]:
+    """`quant_tiled`'s time per block shape (`candidate_shapes`, the default first) on a few
+    matrices, int4 in groups of 128 and int8 per channel: which shape `block_shape` should pick."""
+    rows = []
+    for model, name in TILED_SHAPE_MATRICES:
+        n, k = LINEAR_SHAPES[model][name]
+        copies = min(32, -(-256 * 2**20 // (2 * n * k)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for scheme in ("int4", "int8"):
+            stored = [quantize_weight_ref(w, scheme, 128 if scheme == "int4" else None) for w in weights]
+            tiled = [repack_tiles(q, s, scheme) for q, s in stored]
+            num_bytes = sum(t.numel() * t.element_size() for t in stored[0])
+            for num_rows in row_counts:
+                x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = dict(model=model, matrix=name, scheme=scheme, rows=num_rows, shapes={})
+                for shape in candidate_shapes(num_rows):
+                    product = functools.partial(_each_tiled, x, tiled, shape)
+                    us = 1e3 * graph_time_ms(product) / copies
+                    row["shapes"]["x".join(map(str, shape))] = dict(
+                        us=us, floor=us * 1e3 * copy_gbs / num_bytes
+                    )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del stored, tiled
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _each_tiled(x: torch.Tensor, tiled: list[TiledWeight], shape: BlockShape) -> None:
+    for weight in tiled:
+        quant_tiled_cuda(x, weight, shape=shape)
 
 
 def _each_quantized(
     scheme: str,
     x: torch.Tensor,
     stored: list[tuple[torch.Tensor, torch.Tensor]],
-    product: Callable[..., torch.Tensor] = kernels.quant_linear,
+    tiled: list[TiledWeight] | None,
 ) -> None:
-    for qweight, scale in stored:
-        product(x, qweight, scale, scheme)
+    for index, (qweight, scale) in enumerate(stored):
+        kernels.quant_linear(x, qweight, scale, scheme, tiled=tiled[index] if tiled else None)
 
 
 def _each_weight(product: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -828,6 +908,7 @@ def main() -> None:
         ("fused_layers", fused_layer_rows),
         ("linear", lambda: linear_rows(result["copy_gb_per_s"])),
         ("quant_linear", lambda: quant_linear_rows(result["copy_gb_per_s"])),
+        ("quant_tiled_shapes", lambda: quant_tiled_shape_rows(result["copy_gb_per_s"])),
     ]
     if not args.skip_steps:
         sections += [
@@ -891,8 +972,22 @@ def summarize(result: dict[str, Any]) -> None:
             + "".join(
                 f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
                 for s in ("int8", "int4")
-                for key, path in (("dequantize", "dequantize + cuBLAS"), ("gemv", "quant_gemv"))
+                for key, path in (
+                    ("tiled", "quant_tiled"),
+                    ("mma", "quant_mma"),
+                    ("dequantize", "dequantize + cuBLAS"),
+                    ("gemv", "quant_gemv"),
+                )
                 if f"{s}_{key}_us" in row
+            )
+        )
+    for row in (
+        result.get("quant_tiled_shapes", []) if isinstance(result.get("quant_tiled_shapes"), list) else []
+    ):
+        print(
+            f"quant_tiled {row['model']:13s} {row['matrix']:8s} {row['scheme']} rows={row['rows']:3d} MTxKWxNWxTW: "
+            + " ".join(
+                f"{shape} {v['us']:7.1f} us ({v['floor']:4.2f}x)" for shape, v in row["shapes"].items()
             )
         )
     summarize_decode_paths(result.get("decode_paths"))

@@ -26,6 +26,7 @@ from kernels.fused_layers_ref import (
 from kernels.ngram_ref import ngram_match_ref
 from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_ref
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
+from kernels.quant_tiled_ref import TiledWeight
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
 from kernels.verify_ref import verify_sample_ref
 
@@ -98,15 +99,18 @@ def quant_linear(
     scheme: str,  # fp8, int8 or int4
     bias: torch.Tensor | None = None,  # [out_features]
     out_dtype: torch.dtype | None = None,  # None: x's dtype
+    tiled: TiledWeight | None = None,  # the same weight in the tile layout (kernels/quant_tiled_ref.py)
 ) -> torch.Tensor:  # [num_rows, out_features]
     """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py, `choose_path`): int8 / int4
-    on tensor cores dequantizing in registers (`quant_mma`, up to 256 bf16 / fp16 rows, groups a
-    multiple of its K step); fp8 (and int8 / int4 groups quant_mma does not take) through the one-row
-    kernel up to 16 rows, fp8 past FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation
-    scales (bf16, sm_89+); else the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the
-    torch reference `quant_linear_ref`."""
+    in the tile layout through `quant_tiled` at 9-256 bf16 / fp16 rows (SPECMESH_QUANT_KERNEL=mma
+    turns it off), one row through the one-row kernel, else on tensor cores dequantizing in
+    registers (`quant_mma`, up to 256 rows, groups a multiple of its K step); fp8 (and int8 / int4
+    groups quant_mma does not take) through the one-row kernel up to 16 rows, fp8 past
+    FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation scales (bf16, sm_89+); else
+    the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the torch reference
+    `quant_linear_ref`."""
     if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
-        from kernels import quant_gemm
+        from kernels import quant_gemm, quant_tiled
 
         scaled_mm_ok = scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1
         path = quant_gemm.choose_path(
@@ -114,8 +118,12 @@ def quant_linear(
             gemv_ok=quant_gemm.gemv_fits(x, qweight, scale, scheme),
             mma_ok=quant_gemm.mma_fits(x, qweight, scale, scheme),
             scaled_mm_ok=scaled_mm_ok,
+            tiled_ok=tiled is not None and quant_tiled.kernel_enabled() and quant_tiled.tiled_fits(x, tiled),
         )
-        if path == "mma":
+        if path == "tiled":
+            assert tiled is not None
+            result = quant_tiled.quant_tiled_cuda(x, tiled, bias)
+        elif path == "mma":
             result = quant_gemm.quant_mma_cuda(x, qweight, scale, scheme, bias)
         elif path == "gemv":
             result = quant_gemm.quant_gemv_cuda(x, qweight, scale, scheme, bias)

@@ -28,6 +28,7 @@ scale.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -54,6 +55,13 @@ the rows (kernels/NOTES.md, quant_linear on an H200)."""
 MMA_MIN_CAPABILITY = (8, 0)
 MMA_MAX_ROWS = 256
 """Most rows `kernels.quant_linear` gives `quant_mma`; more go to dequantize + cuBLAS."""
+TILED_MIN_ROWS = 9
+"""Fewest rows an int8 / int4 product takes `quant_tiled` with: below, `quant_mma` was faster in sum
+over the 1B / 7B matrices (H100, 4 rows: 141 vs 146 us int4, 190 vs 206 us int8; at 16 rows the
+tiled kernel 186 vs 207 / 237 vs 258 us; BENCHMARKS.md "quant_tiled")."""
+INT_GEMV_MAX_ROWS = 1
+"""int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
+7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""
 MMA_STEP = {"int8": 64, "int4": 128}
 """Input features of one `quant_mma` K step (a quad's four 16-byte chunks): the group size (and so
 the input features) must be a multiple."""
@@ -199,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quant_gemv(
     }
 }
 
-/* out[n, k] = q[n, k] * scale[n, k / group_size], one 16-byte chunk per thread */
+/* out[n, k] = q[n, k] * scale[n, k / group_size], one 16-byte chunk per thread, written 8 values
+   (16 bytes) a store */
 extern "C" __global__ void dequantize_weight(
     const unsigned char* __restrict__ w, const float* __restrict__ scale, scalar_t* __restrict__ out,
     int N, int K, int group_size)
@@ -212,9 +221,15 @@ extern "C" __global__ void dequantize_weight(
     float v[VALS];
     decode_chunk(__ldg(reinterpret_cast<const uint4*>(w) + chunk), v);
     const float s = scale[n * (K / group_size) + k / group_size] * DECODE_SCALE;
-    scalar_t* dst = out + n * K + k;
+    uint4* dst = reinterpret_cast<uint4*>(out + n * K + k);
 #pragma unroll
-    for (int i = 0; i < VALS; ++i) dst[i] = from_float(v[i] * s);
+    for (int i = 0; i < VALS / 8; ++i) {
+        unsigned pairs[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            pairs[j] = (unsigned)from_float(v[8 * i + 2 * j] * s) | ((unsigned)from_float(v[8 * i + 2 * j + 1] * s) << 16);
+        dst[i] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    }
 }
 """
 )
@@ -596,10 +611,18 @@ def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme
     )
 
 
-def choose_path(num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool) -> str:
+def choose_path(
+    num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool, tiled_ok: bool = False
+) -> str:
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
-    operands: `mma` (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
+    operands: `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py, from TILED_MIN_ROWS
+    rows; its `tiled_fits` bounds them), `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma`
+    (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
     FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
+    if tiled_ok and num_rows >= TILED_MIN_ROWS:
+        return "tiled"
+    if mma_ok and gemv_ok and num_rows <= INT_GEMV_MAX_ROWS:
+        return "gemv"
     if mma_ok and num_rows <= MMA_MAX_ROWS:
         return "mma"
     if gemv_ok and num_rows <= (FP8_GEMV_MAX_ROWS if scaled_mm_ok else MAX_ROWS):
@@ -613,6 +636,7 @@ def _half_bits(value: float, dtype: torch.dtype) -> int:
     return int(torch.tensor(value, dtype=dtype).view(torch.int16).item()) & 0xFFFF
 
 
+@functools.cache
 def decode_constants(scheme: str, dtype: torch.dtype) -> dict[str, int]:
     """The bit patterns `quant_mma` decodes stored values with (-D macros; see decode_unit):
     MAGIC_X2, two halves of `dtype` whose mantissa's lowest bit is worth 1 (2^7 in bf16, 2^10 in fp16),

@@ -22,10 +22,13 @@
 # splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
 # "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
-# over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tests.log (each
-# CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs vs eager), quant-kernels.json
-# (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at 1-256 rows over the stored
-# bytes' copy time and over cuBLAS bf16's, int8 / int4 beside the paths quant_mma replaced), engine-<shape>-quant-<none|fp8|int8|int4>.json
+# over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tiled-tests.log (quant_tiled
+# vs its reference per scheme x dtype, each failing shape / row count listed with its config; graph replay; dispatch),
+# quant-tests.log (each other CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs
+# vs eager), quant-kernels.json (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at
+# 1-256 rows over the stored bytes' copy time and over cuBLAS bf16's, int8 / int4 as dispatched, then each int
+# kernel alone: quant_tiled, quant_mma, quant_gemv / dequantize; "quant_tiled" lines: each candidate block shape),
+# engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;
 # the draft model's 192 input features hold no int4 groups of 128, so draft_model runs for fp8 / int8 only).
@@ -386,13 +389,16 @@ if [[ " $stages " == *" kvipc "* ]]; then
 fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 -s tests/kernels/test_quant_tiled.py \
+        2>&1 | tee "$OUT/quant-tiled-tests.log" | grep -v "^$" | tail -30
+    status=$((status | PIPESTATUS[0]))
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
         tests/services/engine/test_quantized_gpu.py 2>&1 | tee "$OUT/quant-tests.log" | tail -30
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" kernels "* ]]; then
-    timeout 300 python3 -m benchmarks.gpu_kernels --only quant_linear --out "$OUT/quant-kernels.json" 2>&1 \
-        | tee "$OUT/quant-kernels.log" | grep "^quant"
+    timeout 480 python3 -m benchmarks.gpu_kernels --only quant_linear quant_tiled_shapes --out "$OUT/quant-kernels.json" 2>&1 \
+        | tee "$OUT/quant-kernels.log" | grep "^quant"  # quant and quant_tiled (block shapes) lines
 fi
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" engine "* ]]; then
     for shape in ${QUANT_SHAPES:-llama-3.2-1b qwen2.5-7b}; do

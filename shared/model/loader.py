@@ -42,6 +42,7 @@ from shared.model.quantization import (
     quantize_checkpoint_weight,
     quantize_linears,
     quantized_layers,
+    repack_layers,
     stored_shard,
 )
 
@@ -190,7 +191,8 @@ def load_named_tensors(
     `tp.rank` holds them) from Hugging Face named tensors, stacking q/k/v_proj and gate/up_proj
     into the fused parameters and reading only the rank's slice of each; parameters named in
     `ignored` are neither loaded nor required. Quantized layers take a quantized checkpoint's
-    tensors by name, or quantize an unquantized checkpoint's weights."""
+    tensors by name, or quantize an unquantized checkpoint's weights; on a GPU each int8 / int4 layer
+    then also keeps its weight in its kernel's tile layout (`repack_layers`)."""
     params = dict(module.named_parameters())
     layers = quantized_layers(module)
     loaded: set[str] = set()
@@ -208,6 +210,7 @@ def load_named_tensors(
     missing = sorted(_expected_parts(params) - ignored - loaded)
     if missing:
         raise ModelConfigError(f"checkpoint in {source} is missing weights: {', '.join(missing[:8])}")
+    repack_layers(module)
 
 
 def unfused_state_dict(module: nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -6,7 +6,9 @@ holding its weight as compressed-tensors stores it (kernels/quant_ref.py): `weig
 dtype. A checkpoint already quantized fills them by name; an unquantized one is quantized at load,
 each matrix whole (its scales span whole rows) before the rank's slice of it is taken, so a
 quantized-at-load model equals one loaded from the same weights saved quantized, on any number of
-ranks.
+ranks. Once loaded on a GPU, each int8 / int4 layer also keeps its weight in the tile layout its
+tensor-core kernel reads (`repack_layers`, kernels/quant_tiled_ref.py); the stored tensors stay as
+loaded (saving, sharding and the CPU path read them).
 
 Under tensor parallelism stored weights split along the dims the unquantized ones do
 (shared/model/parallel.py); their scales split with them: by rows with the rows, by input features
@@ -21,6 +23,7 @@ from torch import nn
 
 import kernels
 from kernels.quant_ref import FP8_DTYPE, check_group_size, packed_width, quantize_weight_ref
+from kernels.quant_tiled_ref import TiledWeight, check_tileable, repack_tiles
 from shared.errors import ModelConfigError
 from shared.model.parallel import Shard
 from shared.model.quant_config import QuantScheme
@@ -56,6 +59,7 @@ class QuantizedLinear(nn.Module):
             torch.empty(out_features, num_groups, dtype=torch.float32), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.tiled: TiledWeight | None = None
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -69,8 +73,29 @@ class QuantizedLinear(nn.Module):
         # x: [..., in_features] -> [..., out_features]
         rows = x.reshape(-1, self.in_features)
         bias = self.bias if with_bias else None
-        out = kernels.quant_linear(rows, self.qweight, self.weight_scale, self.scheme.method, bias, out_dtype)
+        out = kernels.quant_linear(
+            rows, self.qweight, self.weight_scale, self.scheme.method, bias, out_dtype, self.tiled
+        )
         return out.view(*x.shape[:-1], self.out_features)
+
+    def tileable(self) -> bool:
+        """True when the weight fits the tile layout: int8 / int4 on a CUDA device, groups of whole
+        tiles or one scale per output (kernels/quant_tiled_ref.py, `check_tileable`)."""
+        if self.scheme.method not in ("int8", "int4") or not self.weight_scale.is_cuda:
+            return False
+        try:
+            check_tileable(self.scheme.method, self.out_features, self.in_features, self.group_size)
+        except ValueError:
+            return False
+        return True
+
+    def repack(self) -> None:
+        """Keeps the loaded weight also in the tile layout (made again if it was made before)."""
+        self.tiled = repack_tiles(self.qweight, self.weight_scale, self.scheme.method)
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.weight_scale.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -95,6 +120,13 @@ def quantize_linears(module: nn.Module, scheme: QuantScheme, source: str) -> Non
             raise ModelConfigError(f"{source}: {name} cannot be quantized as {scheme}: {exc}") from exc
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
+
+
+def repack_layers(module: nn.Module) -> None:
+    """Makes the tile layout of every loaded `QuantizedLinear` of `module` that fits it."""
+    for layer in quantized_layers(module).values():
+        if layer.tileable():
+            layer.repack()
 
 
 def quantized_layers(module: nn.Module) -> dict[str, QuantizedLinear]:

@@ -160,6 +160,7 @@ THREADED_SHIM = r"""
 struct Dim3 { unsigned x, y, z; };
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static thread_local Dim3 threadIdx;
 static Dim3 blockIdx, blockDim, gridDim;
@@ -205,7 +206,7 @@ is `run_threads_on_host`'s choice."""
 
 
 BLOCK_RUN = """
-        blockIdx = {(unsigned)bx, (unsigned)by, 0};
+        blockIdx = {(unsigned)bx, (unsigned)by, (unsigned)bz};
         std::barrier<> bar(block);
         block_barrier = &bar;
         std::vector<std::barrier<>*> warps;
@@ -224,10 +225,10 @@ BLOCK_RUN = """
 """One block of the grid on the host: its threads side by side, then joined."""
 
 SEQUENTIAL_GRID = """
-extern "C" int run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {
+extern "C" int run_grid(int grid_x, int grid_y, int grid_z, int block, const unsigned long long* a) {
     blockDim = {(unsigned)block, 1, 1};
-    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
-    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z};
+    for (int bz = 0; bz < grid_z; ++bz) for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
         BLOCK_RUN
     }
     return 0;
@@ -235,11 +236,11 @@ extern "C" int run_grid(int grid_x, int grid_y, int block, const unsigned long l
 """Blocks one after another, in launch order."""
 
 CONCURRENT_GRID = """
-extern "C" int run_grid(int grid_x, int grid_y, int block, const unsigned long long* a) {
+extern "C" int run_grid(int grid_x, int grid_y, int grid_z, int block, const unsigned long long* a) {
     blockDim = {(unsigned)block, 1, 1};
-    gridDim = {(unsigned)grid_x, (unsigned)grid_y, 1};
+    gridDim = {(unsigned)grid_x, (unsigned)grid_y, (unsigned)grid_z};
     std::vector<pid_t> children;
-    for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
+    for (int bz = 0; bz < grid_z; ++bz) for (int by = 0; by < grid_y; ++by) for (int bx = 0; bx < grid_x; ++bx) {
         const pid_t pid = fork();
         if (pid != 0) { children.push_back(pid); continue; }
         alarm(300);  /* a block that never gets past a barrier fails the run instead of hanging it */
@@ -264,9 +265,9 @@ def run_threads_on_host(
     tmp_path: Path,
     concurrent_blocks: bool = False,
 ) -> None:
-    """Runs kernel `name` of `source` on the host over a 1-D or 2-D `grid` of `block` threads (at
-    most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper passes
-    `_cuda.launch`. `source` must hold no inline PTX (`asm`). Blocks run one after another (so the
+    """Runs kernel `name` of `source` on the host over a 1-D, 2-D or 3-D `grid` of `block` threads
+    (at most 1024), one std::thread per CUDA thread (THREADED_SHIM), with the arguments a wrapper
+    passes `_cuda.launch`. `source` must hold no inline PTX (`asm`). Blocks run one after another (so the
     last block of a last-block-reduces scheme is the last in launch order), or with
     `concurrent_blocks` all at once in forked processes, the tensors of `args` then in shared memory
     (`share_memory_()`) for the blocks' writes to meet."""
@@ -285,10 +286,11 @@ def run_threads_on_host(
         result = subprocess.run([*command, str(source_path)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     words = [_word(arg) for arg in args]
-    grid_x, grid_y = grid[0], grid[1] if len(grid) > 1 else 1
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     failed = ctypes.CDLL(str(library)).run_grid(
         ctypes.c_int(grid_x),
         ctypes.c_int(grid_y),
+        ctypes.c_int(grid_z),
         ctypes.c_int(block),
         (ctypes.c_ulonglong * len(words))(*words),
     )

@@ -360,7 +360,9 @@ def test_quant_mma_takes_int_groups_of_whole_steps_only() -> None:
 def test_dispatch_by_row_count() -> None:
     from kernels.quant_gemm import FP8_GEMV_MAX_ROWS, MAX_ROWS, MMA_MAX_ROWS, choose_path
 
-    for num_rows in (1, MAX_ROWS, MAX_ROWS + 1, MMA_MAX_ROWS):  # int8 / int4 whose groups are whole steps
+    # int8 / int4 whose groups are whole steps: one row on the one-row kernel, then tensor cores
+    assert choose_path(1, gemv_ok=True, mma_ok=True, scaled_mm_ok=False) == "gemv"
+    for num_rows in (2, MAX_ROWS, MAX_ROWS + 1, MMA_MAX_ROWS):
         assert choose_path(num_rows, gemv_ok=num_rows <= MAX_ROWS, mma_ok=True, scaled_mm_ok=False) == "mma"
     assert choose_path(MMA_MAX_ROWS + 1, gemv_ok=False, mma_ok=True, scaled_mm_ok=False) == "dequantize"
     # int4 in groups of 32: the one-row kernel up to MAX_ROWS, then dequantize + cuBLAS

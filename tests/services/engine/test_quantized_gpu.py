@@ -28,6 +28,8 @@ def test_kernels_match_the_reference_of_the_same_quantized_model(make_checkpoint
     path = make_checkpoint("llama", **SHAPE)
     cuda = load_model(path, torch.bfloat16, torch.device("cuda"), 64, quantization=quantization)
     reference = load_model(path, torch.float32, torch.device("cpu"), 64, quantization=quantization)
+    # int8 / int4 layers on the GPU run quant_tiled over the tile layout made at load
+    assert (cuda.layers[0].mlp.gate_up_proj.tiled is not None) == (quantization != "fp8")
     generator = torch.Generator().manual_seed(12)
     for num_rows in (1, 8, 40):
         hidden = torch.randn(num_rows, SHAPE["hidden_size"], generator=generator)
