@@ -6,6 +6,9 @@ query of 16 tokens with the root, the newest accepted token. Nodes are numbered 
 (root 0, then depth 1, depth 2, ...), so every node comes after its parent, and the tree cut at any
 depth is a prefix of the numbering: a request allowed `k` drafting depths (its
 num_speculative_tokens) brings the first `num_nodes(k)` nodes.
+
+With `with_ngram` a request's tree also holds an n-gram branch from the root (`drafted_tree`), so
+its shape is its own: `SpecState.draft_parents` carries it to the step's tree inputs.
 """
 
 from __future__ import annotations
