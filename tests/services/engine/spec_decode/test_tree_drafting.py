@@ -268,7 +268,7 @@ def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str, 
         generated = llm.generate(prompt_token_ids=prompts, sampling_params=tree_params(sampling))
         outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in generated])
         if fake is not None:
-            assert fake.query_lens == [1, 4 + branch, 10 + branch, 16 + branch]
+            assert fake.query_lens == sorted({1, 4, 4 + branch, 10 + branch, 16 + branch})  # 4: chains
             assert fake.chain_lengths == [0, 3]  # depths 1 and 2 replay the tail of depth 3
             assert fake.num_tail_replays > 10
     assert outputs[1] == outputs[0]
@@ -413,7 +413,7 @@ def test_tree_graph_replay_gives_the_eager_tokens(target, method_head, sampling:
             assert graphs is None
             continue
         assert graphs is not None and graphs.trees
-        assert graphs.query_lens == [1, 4 + branch, 10 + branch, 16 + branch, 128]
+        assert graphs.query_lens == sorted({1, 4, 4 + branch, 10 + branch, 16 + branch, 128})  # 4: chains
         assert graphs.num_replays > 10
         if sampling == "logprobs":
             assert graphs.num_replays > graphs.num_tail_replays
