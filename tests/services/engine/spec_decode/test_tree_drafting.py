@@ -1,7 +1,7 @@
-"""Tree drafting end to end on the CPU (`speculative_config.tree`, MTP and EAGLE-3 heads): greedy
-output is the target's, seeded sampling is unchanged by it, trees accept more than chains of the
-same depth, tree steps replayed through the CUDA graphs' static buffers emit the eager tokens, bad
-configs are refused."""
+"""Tree drafting end to end on the CPU (`speculative_config.tree`, MTP and EAGLE-3 heads, with and
+without an n-gram branch): greedy output is the target's, seeded sampling is unchanged by it,
+trees accept more than chains of the same depth, tree steps replayed through the CUDA graphs'
+static buffers emit the eager tokens, bad configs are refused."""
 
 from __future__ import annotations
 
@@ -274,7 +274,8 @@ def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str, 
     assert outputs[1] == outputs[0]
     assert sum(accepted for _, accepted in outputs[1]) > 0
     query_classes = {query_class for _, query_class in keys}
-    assert {4 + branch, 10 + branch, 16 + branch} <= query_classes
+    # with the branch, the 48-token graphs trim a whole 21-token tree beside other requests' (fit_draft_budget)
+    assert ({4 + branch, 10 + branch} if branch else {4, 10, 16}) <= query_classes
 
 
 def test_tree_steps_beside_prefill_chunks_and_logprobs_replay_the_eager_tokens(target, mtp_head) -> None:
