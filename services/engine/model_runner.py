@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import kernels
 from kernels import AttentionMetadata
-from kernels.attention_ref import CAUSAL_MASK, MAX_TREE_NODES, ancestor_masks
+from kernels.attention_ref import CAUSAL_MASK, MAX_TREE_NODES
 from kernels.post_step_ref import LENGTH, STOP
 from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
@@ -37,7 +37,7 @@ from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from services.engine.spec_decode.proposer import ForwardContext, Proposer
-from services.engine.spec_decode.tree import DraftTree, node_depths, tree_shape
+from services.engine.spec_decode.tree import DraftTree, shape_arrays, tree_shape
 from services.engine.tensor_parallel import (
     CompareRows,
     ExportBlocks,
@@ -718,8 +718,7 @@ class ModelRunner:
             earlier = first - int(cu[row])  # the request's query tokens before its tree's root
             if earlier + n > MAX_TREE_NODES:
                 raise ValueError(f"a draft tree after {earlier} other query tokens exceeds {MAX_TREE_NODES}")
-            depths = np.array(node_depths(shape[:n]))
-            masks = np.array(ancestor_masks(shape[:n]), dtype=np.int64)
+            depths, masks = shape_arrays(tuple(shape[:n]))
             tree_mask[first : first + n] = (masks << earlier) | ((1 << earlier) - 1)
             positions[first : first + n] = positions[first] + depths
             row_depths[cu_rows[i] : cu_rows[i] + n] = depths

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.verify_ref import TARGET_MATCH
@@ -105,11 +106,11 @@ def tree_parents(shapes: list[list[int] | None], num_rows: list[int], max_rows: 
     """[num_seqs, max_rows] int64 parent arrays of a step's requests: the first rows of each one's
     tree shape (its parent array, root included; `spec_decode.tree.tree_shape`), or a chain where
     None; -1 at the root and past each request's rows."""
-    parents = torch.full((len(num_rows), max_rows), -1, dtype=torch.long)
-    chain = list(range(-1, max_rows - 1))
+    parents = np.full((len(num_rows), max_rows), -1, dtype=np.int64)
+    chain = np.arange(-1, max_rows - 1)
     for i, (n, shape) in enumerate(zip(num_rows, shapes)):
-        parents[i, :n] = torch.tensor((chain if shape is None else shape)[:n])
-    return parents
+        parents[i, :n] = chain[:n] if shape is None else shape[:n]
+    return torch.from_numpy(parents)
 
 
 def tree_verifiable(seq: Sequence) -> bool:

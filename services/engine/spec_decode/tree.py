@@ -18,6 +18,8 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
 
 if TYPE_CHECKING:
@@ -109,3 +111,10 @@ def node_depths(shape: list[int]) -> list[int]:
     for parent in shape:
         depths.append(depths[parent] + 1 if parent >= 0 else 0)
     return depths
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_arrays(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(each node's depth, its ancestor mask) of a parent array, as int64 arrays; cached, as a
+    server's requests draw few distinct shapes and a step needs them per request."""
+    return np.array(node_depths(list(shape))), np.array(ancestor_masks(list(shape)), dtype=np.int64)
