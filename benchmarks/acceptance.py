@@ -20,7 +20,9 @@ Methods: `ngram`, `suffix` (with a global suffix tree that starts empty for each
 `mtp` (num_model_steps = k, k <= 3), `mtp_ngram` (mtp_strategy with_ngram: m MTP drafts then
 n-gram drafts up to k, m = 1 or 2 < k), `eagle3` (a chain of k EAGLE-3 drafts), `draft_model`, and
 `mtp_tree` / `eagle3_tree` (each shape of `--trees`, e.g. 3,2,1: the head's top-3 at depth 1, top-2
-under each, top-1 under each; k is the tree's depth, --ks does not apply). Runs that share models share one engine
+under each, top-1 under each; k is the tree's depth, --ks does not apply), and `mtp_tree_ngram` /
+`eagle3_tree_ngram` (the same trees with an n-gram branch from the root, with_ngram, sharing
+`--tree-budget` tokens). Runs that share models share one engine
 (each request asks for its method and k by a per-request override), so a workload's prompts are
 prefilled once per engine and then served from the prefix cache. Speculation is lossless at
 temperature 0: every method must produce the same output tokens, and the JSON counts requests
@@ -57,9 +59,27 @@ from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-METHODS = ("ngram", "suffix", "mtp", "mtp_ngram", "eagle3", "draft_model", "mtp_tree", "eagle3_tree")
-TREE_METHODS = {"mtp_tree": "mtp", "eagle3_tree": "eagle3"}
+METHODS = (
+    "ngram",
+    "suffix",
+    "mtp",
+    "mtp_ngram",
+    "eagle3",
+    "draft_model",
+    "mtp_tree",
+    "eagle3_tree",
+    "mtp_tree_ngram",
+    "eagle3_tree_ngram",
+)
+TREE_METHODS = {
+    "mtp_tree": "mtp",
+    "eagle3_tree": "eagle3",
+    "mtp_tree_ngram": "mtp",
+    "eagle3_tree_ngram": "eagle3",
+}
 """Methods that draft a static tree (`--trees`), and the head each one uses."""
+HYBRID_TREE_METHODS = ("mtp_tree_ngram", "eagle3_tree_ngram")
+"""Tree methods with an n-gram branch (with_ngram; `--tree-budget`)."""
 DEFAULT_TREES = ("3,2,1",)
 MAX_MTP_STEPS = 3
 """The MTP head is chained at most this many times (k = num_model_steps <= 3)."""
@@ -80,12 +100,17 @@ class MethodConfig:
     num_model_steps: int | None = None
     """mtp / mtp_ngram: times the MTP head is chained per step."""
     tree: tuple[int, ...] | None = None
-    """mtp_tree / eagle3_tree: children per node at each depth."""
+    """Tree methods: children per node at each depth."""
+    tree_budget: int | None = None
+    """*_tree_ngram: tokens of the tree query shared with the n-gram branch (None: the config's default)."""
 
     @property
     def label(self) -> str:
         if self.tree is not None:
-            return f"{TREE_METHODS[self.method]} tree [{', '.join(map(str, self.tree))}]"
+            label = f"{TREE_METHODS[self.method]} tree [{', '.join(map(str, self.tree))}]"
+            if self.method in HYBRID_TREE_METHODS:
+                label += f" + ngram ({self.spec_fields()['tree_budget']} tokens)"
+            return label
         if self.method == "mtp_ngram":
             return f"mtp+ngram (m={self.num_model_steps})"
         return self.method
@@ -99,8 +124,19 @@ class MethodConfig:
         if self.method == "mtp_ngram":
             return f"mtp_ngram_{self.num_model_steps}"
         if self.tree is not None:
-            return f"{self.method}_{'_'.join(map(str, self.tree))}"
+            key = f"{self.method}_{'_'.join(map(str, self.tree))}"
+            return key if self.tree_budget is None else f"{key}_{self.tree_budget}"
         return self.method
+
+    def spec_fields(self) -> dict[str, Any]:
+        """A tree method's fields of the engine's SpeculativeConfig (its head's too)."""
+        assert self.tree is not None
+        fields: dict[str, Any] = {"method": TREE_METHODS[self.method], "tree": self.tree}
+        fields["model"] = str(reference_dir(MTP_HEAD if fields["method"] == "mtp" else EAGLE3_HEAD))
+        if self.method in HYBRID_TREE_METHODS:
+            fields["with_ngram"] = True
+            fields["tree_budget"] = SpeculativeConfig(**fields, tree_budget=self.tree_budget).tree_budget
+        return fields
 
     def override(self) -> SpeculativeOverride:
         method = self.method if self.engine_key == "model_free" else None  # else: the engine's own
@@ -108,14 +144,20 @@ class MethodConfig:
 
 
 def method_matrix(
-    methods: list[str], ks: list[int], trees: list[tuple[int, ...]] | None = None
+    methods: list[str],
+    ks: list[int],
+    trees: list[tuple[int, ...]] | None = None,
+    tree_budget: int | None = None,
 ) -> list[MethodConfig]:
     """Every (method, k) the issue asks for, restricted to `methods` and `ks`; tree methods at
-    each of `trees`."""
+    each of `trees` (those with an n-gram branch sharing `tree_budget` tokens with it)."""
     configs = []
     for method in methods:
         if method in TREE_METHODS:
-            configs += [MethodConfig(method, len(tree), tree=tree) for tree in trees or []]
+            budget = tree_budget if method in HYBRID_TREE_METHODS else None
+            configs += [
+                MethodConfig(method, len(tree), tree=tree, tree_budget=budget) for tree in trees or []
+            ]
         elif method == "mtp":
             configs += [MethodConfig("mtp", k, k) for k in ks if k <= MAX_MTP_STEPS]
         elif method == "mtp_ngram":
@@ -136,10 +178,8 @@ def engine_speculative_config(key: str, configs: list[MethodConfig]) -> Speculat
     if key == "eagle3":
         return SpeculativeConfig(method="eagle3", model=str(reference_dir(EAGLE3_HEAD)), **common)
     mtp_dir = str(reference_dir(MTP_HEAD))
-    tree = configs[0].tree
-    if tree is not None:
-        head = mtp_dir if configs[0].method == "mtp_tree" else str(reference_dir(EAGLE3_HEAD))
-        return SpeculativeConfig(method=TREE_METHODS[configs[0].method], model=head, tree=tree, **common)
+    if configs[0].tree is not None:
+        return SpeculativeConfig(**configs[0].spec_fields(), **common)
     if key == "mtp":
         return SpeculativeConfig(method="mtp", model=mtp_dir, num_model_steps=max_k, **common)
     steps = configs[0].num_model_steps
@@ -556,7 +596,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--trees",
         nargs="+",
         default=list(DEFAULT_TREES),
-        help="tree shapes of mtp_tree / eagle3_tree: children per depth, comma-separated (3,2,1)",
+        help="tree shapes of the tree methods: children per depth, comma-separated (3,2,1)",
+    )
+    parser.add_argument(
+        "--tree-budget",
+        type=int,
+        help="*_tree_ngram: tokens of the tree query, root included, the n-gram branch gets what the "
+        "head's tree leaves (default: the head's tree and 5 n-gram drafts)",
     )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=16, help="first N requests of each workload")
@@ -590,14 +636,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.trees = [tuple(int(b) for b in shape.split(",")) for shape in args.trees]
     except ValueError:
         parser.error(f"--trees takes comma-separated branching factors such as 3,2,1, not {args.trees}")
-    if not args.from_json and not method_matrix(args.methods, args.ks, args.trees):
+    if not args.from_json and not method_matrix(args.methods, args.ks, args.trees, args.tree_budget):
         parser.error("no method allows these k values (mtp: k <= 3; mtp_ngram: k >= 2)")
     return args
 
 
 def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], list[RunResult]]:
     """Runs the matrix the arguments ask for; returns the report (JSON-ready) and the results."""
-    configs = method_matrix(args.methods, args.ks, args.trees)
+    configs = method_matrix(args.methods, args.ks, args.trees, args.tree_budget)
     options = Options(
         args.workloads,
         args.num_requests,
@@ -631,6 +677,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], 
             "methods": args.methods,
             "ks": args.ks,
             "trees": [list(tree) for tree in args.trees],
+            "tree_budget": args.tree_budget,
         },
         "seconds": time.perf_counter() - started,
         "goal": goal_summary(results),

@@ -50,9 +50,10 @@
 # path for mtp and eagle3, greedy / seeded / beside a logprobs request), tree-attention.json (benchmarks.tree_attention:
 # a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024) and
 # offline-trees.json + trees.log (benchmarks.offline on the 1B-cost widened target with its MTP and EAGLE-3 heads
-# widened too: naive, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), fixed k,
-# code_editing, c = 1 and 16, CUDA graphs; about 6 minutes on an H100). TREES_PARTS (default "tests kernel offline")
-# splits it over calls.
+# widened too: naive, ngram k=5, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), and
+# mtp / eagle3 trees with an n-gram branch sharing a 16-token budget (TREE_NGRAM, default 2,2,1: 10 head drafts and
+# 5 n-gram drafts; TREE_BUDGET, default 16), fixed k, code_editing, c = 1 and 16, CUDA graphs; about 9 minutes on an
+# H100: give the offline part a call of its own). TREES_PARTS (default "tests kernel offline") splits it over calls.
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
 # stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
 # 2,048 train prompts) into specmesh-code-15m-eagle3.tgz (config.json, model.safetensors,
@@ -492,11 +493,13 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
     mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
     eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
     tree=${TREE:-3,2,1}
-    methods="naive mtp3=$mtp,\"num_speculative_tokens\":3} mtp-tree=$mtp,\"tree\":[$tree]}"
+    hybrid=',"tree":['${TREE_NGRAM:-2,2,1}'],"with_ngram":true,"tree_budget":'${TREE_BUDGET:-16}'}'
+    methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3} mtp-tree=$mtp,\"tree\":[$tree]}"
     methods="$methods eagle3-3=$eagle3,\"num_speculative_tokens\":3} eagle3-tree=$eagle3,\"tree\":[$tree]}"
+    methods="$methods mtp-tree-ngram=$mtp$hybrid eagle3-tree-ngram=$eagle3$hybrid"
     # at most 16 requests at a time and graphs up to 512 tokens for every method alike: fewer graphs to capture
     # shellcheck disable=SC2086
-    timeout 300 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+    timeout 480 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
         --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --max-num-seqs 16 \
         --cuda-graph-max-tokens 512 --no-plots --no-progress --methods $methods --out "$OUT/offline-trees.json" 2>&1 \
         | tee "$OUT/trees.log" | grep "^| [a-z]"

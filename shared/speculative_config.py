@@ -25,6 +25,8 @@ TREE_METHODS: tuple[str, ...] = ("mtp", "eagle3")
 MAX_TREE_NODES = 64
 """The most nodes of a draft tree, its root included (kernels.attention_ref.MAX_TREE_NODES: the
 bits of a tree-attention mask; shared/ does not import kernels/)."""
+DEFAULT_NGRAM_BRANCH_TOKENS = 5
+"""A tree's n-gram branch (with_ngram) without a tree_budget: the n-gram method's default k."""
 DEFAULT_NUM_SPECULATIVE_TOKENS = {
     "naive": 0,
     "ngram": 5,
@@ -86,6 +88,13 @@ class SpeculativeConfig(BaseModel):
     the tree's depth (defaults to it; a request's smaller k cuts the tree at that depth), and the
     per-request token budget is the tree's node count (adaptive speculation picks the depth, pricing
     a tree by its nodes)."""
+    with_ngram: bool = False
+    """tree: an n-gram branch beside the head's tree, verified in the same forward: the n-gram
+    drafts (prompt_lookup_min / max) hang from the root, merged into the head's nodes as far as
+    they agree and grafted as a chain where they part, so that no token is drafted twice."""
+    tree_budget: int | None = Field(default=None, ge=2, le=MAX_TREE_NODES)
+    """with_ngram: the most tokens of a request's tree query, its root included; the n-gram
+    branch gets what the head's tree leaves (default: the head's tree and 5 n-gram drafts)."""
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -120,6 +129,15 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("num_model_steps applies to method 'mtp' only")
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError("mtp_strategy applies to method 'mtp' only")
+        if self.with_ngram and self.tree is None:
+            raise ValueError(
+                "with_ngram adds an n-gram branch to a draft tree: set 'tree' (an MTP chain takes "
+                "mtp_strategy: with_ngram)"
+            )
+        if self.tree_budget is not None and not self.with_ngram:
+            raise ValueError(
+                "tree_budget is the budget a draft tree shares with its n-gram branch: set with_ngram"
+            )
         if self.num_model_steps is not None and self.num_model_steps > k:
             raise ValueError(
                 f"num_model_steps ({self.num_model_steps}) cannot exceed num_speculative_tokens ({k})"
@@ -142,29 +160,51 @@ class SpeculativeConfig(BaseModel):
                 f"with a tree, num_speculative_tokens is its depth: {len(tree)} for tree {list(tree)}, "
                 f"not {self.num_speculative_tokens}"
             )
-        if self.mtp_strategy != "default" or self.num_model_steps not in (None, len(tree)):
-            raise ValueError(
-                "tree drafting chains the head to the tree's depth: drop mtp_strategy and num_model_steps"
-            )
+        if self.num_model_steps not in (None, len(tree)):
+            raise ValueError("tree drafting chains the head to the tree's depth: drop num_model_steps")
+        if self.mtp_strategy != "default":
+            raise ValueError("a draft tree takes n-gram drafts as a branch: use with_ngram, not mtp_strategy")
         if self.verify_strategy not in ("rejection", "target_match") or self.accept_policy != "normal":
             raise ValueError(
                 "tree drafting verifies losslessly: verify_strategy rejection or target_match, accept_policy normal"
             )
-        if self.max_num_drafts + 1 > MAX_TREE_NODES:
+        head_tokens = self.head_tree_drafts + 1
+        if head_tokens > MAX_TREE_NODES:
             raise ValueError(
-                f"tree {list(tree)} has {self.max_num_drafts + 1} nodes with its root; at most {MAX_TREE_NODES}"
+                f"tree {list(tree)} has {head_tokens} nodes with its root; at most {MAX_TREE_NODES}"
+            )
+        if self.with_ngram and self.tree_budget is None:
+            object.__setattr__(
+                self, "tree_budget", min(head_tokens + DEFAULT_NGRAM_BRANCH_TOKENS, MAX_TREE_NODES)
+            )
+        if self.tree_budget is not None and self.tree_budget <= head_tokens:
+            raise ValueError(
+                f"tree {list(tree)} takes {head_tokens} of tree_budget {self.tree_budget} tokens (its root "
+                "included), leaving the n-gram branch none: use a smaller tree or a larger tree_budget"
             )
 
     @property
-    def max_num_drafts(self) -> int:
-        """The most drafts one request brings to a step: k, or a tree's nodes past its root."""
-        if self.tree is None:
-            return self.k
+    def head_tree_drafts(self) -> int:
+        """The drafts of the head's tree: its nodes past the root (0 without a tree)."""
         total, width = 0, 1
-        for branching in self.tree:
+        for branching in self.tree or ():
             width *= branching
             total += width
         return total
+
+    @property
+    def ngram_branch_drafts(self) -> int:
+        """The most drafts of a tree's n-gram branch (with_ngram): what the head's tree leaves of
+        tree_budget; 0 without one."""
+        return self.tree_budget - 1 - self.head_tree_drafts if self.tree_budget is not None else 0
+
+    @property
+    def max_num_drafts(self) -> int:
+        """The most drafts one request brings to a step: k, or a tree's nodes past its root (its
+        n-gram branch's included)."""
+        if self.tree is None:
+            return self.k
+        return self.head_tree_drafts + self.ngram_branch_drafts
 
     @property
     def k(self) -> int:

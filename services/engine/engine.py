@@ -620,8 +620,7 @@ class LLMEngine:
             seq.logprobs += [lp for lp in result.logprobs if lp is not None]
         seq.num_computed_tokens = min(num_computed, seq.num_tokens - 1)
         self.drafter.accepted(seq, num_drafts, result.num_accepted)
-        seq.spec.draft_token_ids = result.drafts
-        seq.spec.k = len(result.drafts)
+        self.drafter.take_drafts(seq, result.drafts)
         emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
         if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
             emission.observe(self.outputs)

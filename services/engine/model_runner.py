@@ -37,7 +37,7 @@ from services.engine.sampler import SamplingBatch
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from services.engine.spec_decode.proposer import ForwardContext, Proposer
-from services.engine.spec_decode.tree import DraftTree
+from services.engine.spec_decode.tree import DraftTree, shape_arrays, tree_shape
 from services.engine.tensor_parallel import (
     CompareRows,
     ExportBlocks,
@@ -381,7 +381,10 @@ class ModelRunner:
         chain = 1 + self.spec.k if self.spec.enabled else 1
         if self.tree is None:
             return [chain]
-        return sorted({chain, *(self.tree.num_nodes(depth) for depth in range(1, self.tree.depth + 1))})
+        branch = self.spec.ngram_branch_drafts
+        return sorted(
+            {chain, *(self.tree.num_nodes(depth) + branch for depth in range(1, self.tree.depth + 1))}
+        )
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -658,11 +661,9 @@ class ModelRunner:
         tree_mask = tree_parents = None
         row_depths = row_in_request
         if self.tree is not None:
-            is_tree = [self._verifies_tree(seq) for seq in plan.seqs]
+            shapes = [tree_shape(seq) if self._verifies_tree(seq) else None for seq in plan.seqs]
             row_depths = row_in_request.copy()
-            tree_mask, tree_parents = self._tree_inputs(
-                is_tree, seq_rows, num_rows, cu, positions, row_depths
-            )
+            tree_mask, tree_parents = self._tree_inputs(shapes, seq_rows, num_rows, cu, positions, row_depths)
         return HostStep(
             input_ids=input_ids,
             positions=positions,
@@ -695,7 +696,7 @@ class ModelRunner:
 
     def _tree_inputs(
         self,
-        is_tree: list[bool],
+        shapes: list[list[int] | None],
         seq_rows: np.ndarray,
         num_rows: np.ndarray,
         cu: np.ndarray,
@@ -703,25 +704,26 @@ class ModelRunner:
         row_depths: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The step's tree-attention masks ([num_tokens] int64) and parent arrays ([num_sampled,
-        max_rows] int64); a tree request's nodes move to their root's position + depth in
-        `positions`, and their rows to their depth in `row_depths` (the output position a row
-        samples is the request's output count + depth). Other queries stay causal."""
-        assert self.tree is not None
+        max_rows] int64) from each request's tree shape (its parent array, root included; None:
+        a chain); a tree request's nodes move to their root's position + depth in `positions`,
+        and their rows to their depth in `row_depths` (the output position a row samples is the
+        request's output count + depth). Other queries stay causal."""
         tree_mask = np.full(len(positions), CAUSAL_MASK, dtype=np.int64)
-        depths, masks = np.array(self.tree.depths), np.array(self.tree.masks, dtype=np.int64)
         cu_rows = np.concatenate([[0], np.cumsum(num_rows)])
         for i, (row, n) in enumerate(zip(seq_rows.tolist(), num_rows.tolist())):
-            if not is_tree[i]:
+            shape = shapes[i]
+            if shape is None:
                 continue
             first = int(cu[row + 1]) - n
             earlier = first - int(cu[row])  # the request's query tokens before its tree's root
             if earlier + n > MAX_TREE_NODES:
                 raise ValueError(f"a draft tree after {earlier} other query tokens exceeds {MAX_TREE_NODES}")
-            tree_mask[first : first + n] = (masks[:n] << earlier) | ((1 << earlier) - 1)
-            positions[first : first + n] = positions[first] + depths[:n]
-            row_depths[cu_rows[i] : cu_rows[i] + n] = depths[:n]
+            depths, masks = shape_arrays(tuple(shape[:n]))
+            tree_mask[first : first + n] = (masks << earlier) | ((1 << earlier) - 1)
+            positions[first : first + n] = positions[first] + depths
+            row_depths[cu_rows[i] : cu_rows[i] + n] = depths
         max_rows = int(num_rows.max(initial=1))
-        parents = tree_parents(self.tree, num_rows.tolist(), is_tree, max_rows).numpy()
+        parents = tree_parents(shapes, num_rows.tolist(), max_rows).numpy()
         return tree_mask, parents
 
     def caches(self, name: str) -> list[KVCache]:

@@ -45,6 +45,9 @@ class SpecState:
     """Drafts to ask for next step (adaptive, at most max_k)."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Drafts proposed for the next step; not part of token_ids until verified."""
+    draft_parents: list[int] = field(default_factory=list)
+    """Where the drafts are a tree: each draft's parent node (0: the root, the newest token; draft j
+    is node j + 1), at least as long as draft_token_ids (whose prefix a step may keep)."""
     acceptance: float = 0.7
     """Running estimate of the chance that one draft is accepted."""
     num_refused: int = 0

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.verify_ref import TARGET_MATCH
 from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import sample_each_row
-from services.engine.spec_decode.tree import ROOT, DraftTree
+from services.engine.spec_decode.tree import ROOT
 from shared.model.llama import KVCache
 
 
@@ -101,15 +102,15 @@ def verify_tree(
     return TreeVerdict(token_ids.int(), num_accepted.int(), steps)
 
 
-def tree_parents(tree: DraftTree, num_rows: list[int], is_tree: list[bool], max_rows: int) -> torch.Tensor:
-    """[num_seqs, max_rows] int64 parent arrays of a step's requests: the tree's first nodes where
-    `is_tree`, else a chain; -1 at the root and past each request's rows."""
-    parents = torch.full((len(num_rows), max_rows), -1, dtype=torch.long)
-    chain = torch.arange(-1, max_rows - 1)
-    shape = torch.tensor(tree.parents[:max_rows] + [-1] * (max_rows - len(tree.parents[:max_rows])))
-    for i, (n, tree_like) in enumerate(zip(num_rows, is_tree)):
-        parents[i, :n] = (shape if tree_like else chain)[:n]
-    return parents
+def tree_parents(shapes: list[list[int] | None], num_rows: list[int], max_rows: int) -> torch.Tensor:
+    """[num_seqs, max_rows] int64 parent arrays of a step's requests: the first rows of each one's
+    tree shape (its parent array, root included; `spec_decode.tree.tree_shape`), or a chain where
+    None; -1 at the root and past each request's rows."""
+    parents = np.full((len(num_rows), max_rows), -1, dtype=np.int64)
+    chain = np.arange(-1, max_rows - 1)
+    for i, (n, shape) in enumerate(zip(num_rows, shapes)):
+        parents[i, :n] = chain[:n] if shape is None else shape[:n]
+    return torch.from_numpy(parents)
 
 
 def tree_verifiable(seq: Sequence) -> bool:

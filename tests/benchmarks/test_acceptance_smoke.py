@@ -81,6 +81,18 @@ def test_tree_methods_run_each_tree_at_its_depth() -> None:
     assert spec.method == "mtp" and spec.tree == (3, 2, 1) and spec.max_num_drafts == 15
 
 
+def test_trees_with_an_ngram_branch_share_their_budget() -> None:
+    configs = method_matrix(["eagle3_tree_ngram"], [3], [(3, 2, 1), (2, 2, 1)], tree_budget=18)
+    assert [(c.label, c.k) for c in configs] == [
+        ("eagle3 tree [3, 2, 1] + ngram (18 tokens)", 3),
+        ("eagle3 tree [2, 2, 1] + ngram (18 tokens)", 3),
+    ]
+    spec = engine_speculative_config(configs[1].engine_key, [configs[1]])
+    assert spec.method == "eagle3" and spec.with_ngram and spec.ngram_branch_drafts == 18 - 1 - 10
+    default = method_matrix(["mtp_tree_ngram"], [3], [(2, 2, 1)])[0]
+    assert default.label == "mtp tree [2, 2, 1] + ngram (16 tokens)"
+
+
 def test_bad_tree_shapes_are_refused_on_the_command_line(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--methods", "mtp_tree", "--trees", "3;2"])

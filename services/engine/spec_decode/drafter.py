@@ -29,7 +29,7 @@ from services.engine.spec_decode.suffix import (
     SuffixConfig,
     SuffixProposer,
 )
-from services.engine.spec_decode.tree import DraftTree
+from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths, tree_shape
 from services.engine.tree_verify import tree_verifiable
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
@@ -64,11 +64,13 @@ class Drafter:
         self.own = own_proposer(self.device_methods, config.method)
         self.tree = DraftTree(config.tree) if config.tree else None
         """The server's draft tree (its own method's requests draft it), or None: chains."""
+        self.num_branch = config.ngram_branch_drafts
+        """The most drafts of the tree's n-gram branch (with_ngram), beside its head's nodes."""
         self.chain_steps = {"mtp": config.mtp_steps, "eagle3": config.k, "draft_model": config.k}
         """Per drafting-model method: the most chained forwards (and KV positions) one step writes."""
         tree_tokens: dict[str, list[int]] = {}
         if self.tree is not None:  # a tree's k is its depth; depth k verifies its nodes to there
-            tree_tokens[config.method] = [self.tree.num_nodes(k) - 1 for k in range(config.k + 1)]
+            tree_tokens[config.method] = [self._tree_drafts(k) for k in range(config.k + 1)]
         host_methods = frozenset(m for m, p in self.proposers.items() if not p.on_device)
         self.adaptive = AdaptiveSpeculation(
             config.adaptive, config.adaptive_min_acceptance, self.chain_steps, tree_tokens, host_methods
@@ -134,10 +136,17 @@ class Drafter:
         counts as the rejected one after those verified."""
         seq.spec.record(num_drafts, num_accepted)
         if self._drafts_tree(seq) and num_drafts:  # its acceptance is per depth: the depths it drafted
-            assert self.tree is not None
-            num_drafts = self.tree.depths[num_drafts]
+            num_drafts = max(node_depths(tree_shape(seq)))
         self.adaptive.observe(seq, num_drafts + min(seq.spec.num_refused, 1), num_accepted)
         seq.spec.num_refused = 0
+
+    def take_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """Takes a device proposer's row of drafts for the request's next step: a chain, or where
+        the request drafts the server's tree, that tree (its n-gram branch merged in)."""
+        if self.tree is not None and self._drafts_tree(seq) and drafts:
+            drafts, seq.spec.draft_parents = drafted_tree(self.tree, drafts, self.num_branch)
+        seq.spec.draft_token_ids = drafts
+        seq.spec.k = len(drafts)
 
     def finish(self, seq: Sequence) -> None:
         if seq.spec.method != "naive":
@@ -195,8 +204,7 @@ class Drafter:
             # the step emits at least one token, the next one at least one more
             ks[i] = max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 2))
             if self._drafts_tree(seq):  # k is the tree's depth; the drafts are its nodes to that depth
-                assert self.tree is not None
-                ks[i] = self.tree.num_nodes(ks[i]) - 1 if tree_verifiable(seq) else 0
+                ks[i] = self._tree_drafts(ks[i]) if tree_verifiable(seq) else 0
         if self.max_graph_tokens is not None:  # past the largest CUDA graph a step runs eagerly
             ks = fit_draft_budget(
                 ks, [seq.spec.acceptance for seq in seqs], self.max_graph_tokens - num_running
@@ -314,11 +322,18 @@ class Drafter:
             self.adaptive.record_realized(num_requests, num_emitted, drafted, audited_s)
 
     def _chain_length(self, seq: Sequence, k: int) -> int:
-        """The chained forwards a request's k drafts take: k, or a tree's depth (k nodes)."""
+        """The chained forwards a request's k drafts take: k, or the depth of the head's tree
+        (k drafts less the n-gram branch's; at least depth 1, which also drafts the branch)."""
         if k == 0 or not self._drafts_tree(seq):
             return k
         assert self.tree is not None
-        return self.tree.depths[k]
+        return self.tree.depths[min(max(k - self.num_branch, 1), self.tree.num_nodes() - 1)]
+
+    def _tree_drafts(self, depth: int) -> int:
+        """The drafts of the server's tree cut at `depth`: the head's nodes to there and the n-gram
+        branch's (none at depth 0)."""
+        assert self.tree is not None
+        return self.tree.num_nodes(depth) - 1 + self.num_branch if depth else 0
 
     def _drafts_tree(self, seq: Sequence) -> bool:
         return self.tree is not None and seq.spec.method == self.config.method
@@ -365,15 +380,16 @@ def make_device_proposers(config: SpeculativeConfig, runner: ModelRunner) -> dic
     }
     block_size = runner.block_size
     tree = DraftTree(config.tree) if config.tree else None
+    with_ngram = config.mtp_strategy == "with_ngram" or config.with_ngram
+    ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
+    num_branch = config.ngram_branch_drafts
     if runner.mtp_head is not None:
-        with_ngram = config.mtp_strategy == "with_ngram"
-        ngram = (config.prompt_lookup_min, config.prompt_lookup_max) if with_ngram else None
         proposers["mtp"] = MTPProposer(
-            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram, tree
+            runner.mtp_head, runner.mtp_kv_caches[0], config.mtp_steps, block_size, ngram, tree, num_branch
         )
     if runner.eagle3_head is not None:
         proposers["eagle3"] = Eagle3Proposer(
-            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size, tree
+            runner.eagle3_head, runner.eagle3_kv_caches[0], config.k, block_size, tree, ngram, num_branch
         )
     if runner.draft_model is not None:
         proposers["draft_model"] = DraftModelProposer(runner.draft_model, runner.draft_kv_caches, block_size)

@@ -28,8 +28,11 @@ class Eagle3Proposer(MTPProposer):
         num_steps: int,
         block_size: int,
         tree: DraftTree | None = None,
+        ngram: tuple[int, int] | None = None,
+        num_branch: int = 0,
     ):
-        super().__init__(head, kv_cache, num_steps, block_size, ngram=None, tree=tree)
+        """`ngram`, `num_branch`: the tree's n-gram branch (with_ngram; MTPProposer)."""
+        super().__init__(head, kv_cache, num_steps, block_size, ngram, tree, num_branch)
         self.eagle3_head = head
 
     def _features(self, forward: ForwardContext) -> torch.Tensor:

@@ -18,7 +18,9 @@ drafts the top-k tokens of each node instead of one: depth 1 from its row at the
 position, each deeper level from one forward of the head over the nodes drafted so far (tree
 attention over their ancestors, each node at its parent's position + 1, its KV past the newest
 token), fed with each node's token and its parent's output. After a tree step the head's KV of the
-accepted path is compacted like the target's.
+accepted path is compacted like the target's. With `with_ngram` the n-gram drafts after the newest
+token come first in a request's row, as a branch from the root the host merges into the head's
+tree (services/engine/spec_decode/tree.py, `drafted_tree`).
 """
 
 from __future__ import annotations
@@ -70,15 +72,20 @@ class MTPProposer(Proposer):
         block_size: int,
         ngram: tuple[int, int] | None,
         tree: DraftTree | None = None,
+        num_branch: int = 0,
     ):
         """`ngram`: (prompt_lookup_min, prompt_lookup_max) for with_ngram, else None; `tree`: the
-        static draft tree, else None (chains)."""
+        static draft tree, else None (chains); `num_branch`: the most drafts of the tree's n-gram
+        branch (with `ngram`)."""
+        if num_branch and (ngram is None or tree is None):
+            raise ValueError("an n-gram branch needs a draft tree and the n-gram sizes")
         self.head = head
         self.kv_cache = kv_cache
         self.num_steps = num_steps
         self.block_size = block_size
         self.ngram = ngram
         self.tree = tree
+        self.num_branch = num_branch
         device = kv_cache[0].device
         # on the device once: a CUDA graph's capture cannot copy from the host
         self._node_depths = torch.tensor(tree.depths[1:] if tree else [], dtype=torch.long, device=device)
@@ -132,8 +139,27 @@ class MTPProposer(Proposer):
             levels.append(self._top_k(deepest, tree.branching[depth]))
             inputs.append(deepest.repeat_interleave(tree.branching[depth], dim=1))
         token_ids = torch.cat(levels, dim=1).int()
+        if self.num_branch:
+            token_ids = torch.cat([self._ngram_branch(batch), token_ids], dim=1)
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
         return Drafts(token_ids, num_drafts)
+
+    def _ngram_branch(self, batch: DraftBatch) -> torch.Tensor:
+        """[num_seqs, num_branch] int32 the n-gram drafts after each request's newest token, -1 past
+        its match (the host grafts them onto the head's tree: spec_decode.tree.drafted_tree)."""
+        assert self.ngram is not None
+        inputs, slots = batch.inputs, batch.seq_slots
+        wanted = torch.where(batch.num_wanted > 0, self.num_branch, 0).int()
+        branch_ids, _ = kernels.ngram_match(
+            inputs.token_rows,
+            inputs.num_tokens[slots],
+            self.ngram[0],
+            self.ngram[1],
+            wanted,
+            row_ids=slots,
+            max_k=self.num_branch,
+        )
+        return branch_ids
 
     def _top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """[num_seqs, n * k] the head's k likeliest tokens after each of n nodes ([num_seqs, n, hidden_size])."""

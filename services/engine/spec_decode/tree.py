@@ -6,14 +6,24 @@ query of 16 tokens with the root, the newest accepted token. Nodes are numbered 
 (root 0, then depth 1, depth 2, ...), so every node comes after its parent, and the tree cut at any
 depth is a prefix of the numbering: a request allowed `k` drafting depths (its
 num_speculative_tokens) brings the first `num_nodes(k)` nodes.
+
+With `with_ngram` a request's tree also holds an n-gram branch from the root (`drafted_tree`), so
+its shape is its own: `SpecState.draft_parents` carries it to the step's tree inputs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
+
+if TYPE_CHECKING:
+    from services.engine.sequence import Sequence
 
 ROOT = 0
 """Node number of the root: the newest accepted token, which the verify query starts with."""
@@ -65,3 +75,46 @@ class DraftTree:
     def masks(self) -> list[int]:
         """Each node's ancestor bitmask (itself included): its `AttentionMetadata.tree_mask`."""
         return ancestor_masks(self.parents)
+
+
+def drafted_tree(tree: DraftTree, drafts: list[int], num_branch: int) -> tuple[list[int], list[int]]:
+    """A request's draft tree from its proposer's row: (the drafts in node order past the root,
+    each one's parent node; 0 is the root, draft j is node j + 1).
+
+    The row holds `num_branch` n-gram drafts (-1 past the match; with_ngram) then the head's tree
+    in level order, possibly cut (a prefix of it). The n-gram branch follows the head's nodes
+    while they hold its tokens and is grafted as a chain under the last one it reached, after
+    the head's nodes: no token is drafted twice under one parent, and every node comes after its
+    parent (a prefix of the drafts is a tree too)."""
+    branch = list(itertools.takewhile(lambda token: token >= 0, drafts[:num_branch]))
+    head = drafts[num_branch:]
+    parents = tree.parents[1 : len(head) + 1]
+    child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, head), start=1)}
+    node, num_shared = ROOT, 0
+    while num_shared < len(branch) and (node, branch[num_shared]) in child_of:
+        node = child_of[node, branch[num_shared]]
+        num_shared += 1
+    grafted = branch[num_shared:]
+    first = len(head) + 1  # the grafted chain's first node
+    grafted_parents = [node] + list(range(first, first + len(grafted) - 1)) if grafted else []
+    return head + grafted, parents + grafted_parents
+
+
+def tree_shape(seq: Sequence) -> list[int]:
+    """The parent array (root included, -1 at it) of the tree the request's drafts form."""
+    return [-1] + seq.spec.draft_parents[: len(seq.spec.draft_token_ids)]
+
+
+def node_depths(shape: list[int]) -> list[int]:
+    """Each node's depth, from a parent array in which every node comes after its parent."""
+    depths: list[int] = []
+    for parent in shape:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return depths
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_arrays(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(each node's depth, its ancestor mask) of a parent array, as int64 arrays; cached, as a
+    server's requests draw few distinct shapes and a step needs them per request."""
+    return np.array(node_depths(list(shape))), np.array(ancestor_masks(list(shape)), dtype=np.int64)

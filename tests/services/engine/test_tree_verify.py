@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import pytest
 import torch
 
 from services.engine.input_batch import GatheredParams
-from services.engine.spec_decode.tree import DraftTree
+from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths
 from services.engine.tree_verify import compact_path_kv, target_tokens, tree_parents, verify_tree
 
 
@@ -15,7 +18,7 @@ def test_a_chain_among_trees_verifies_as_a_chain() -> None:
     # the chain: 5, 6 accepted, 7 rejected (the target says 4 after 6); the tree: node 2 (6), its
     # child node 6 (10), then the target's 0
     target_ids = torch.tensor([5, 6, 4, 0] + [6, 0, 10, 0, 0, 0, 0])
-    verdict = verify_tree(target_ids, draft_ids, cu, tree_parents(tree, [4, 7], [False, True], 7))
+    verdict = verify_tree(target_ids, draft_ids, cu, tree_parents([None, tree.parents], [4, 7], 7))
     assert verdict.num_accepted.tolist() == [2, 2]
     assert verdict.token_ids[0, :4].tolist() == [5, 6, 4, -1]
     assert verdict.token_ids[1, :4].tolist() == [6, 10, 0, -1]
@@ -42,7 +45,7 @@ def test_greedy_takes_the_longest_matching_path() -> None:
     targets2 = [10, 5, 0, 0]
     draft_ids, cu = rows_of([nodes, nodes, nodes[:3]])
     target_ids = torch.tensor(targets0 + targets1 + targets2)
-    parents = tree_parents(tree, [10, 10, 4], [True, True, True], 10)
+    parents = tree_parents([tree.parents] * 3, [10, 10, 4], 10)
     verdict = verify_tree(target_ids, draft_ids, cu, parents)
     assert verdict.num_accepted.tolist() == [2, 1, 1]
     assert verdict.path[:, :4].tolist() == [[0, 3, 9, 9], [0, 2, 2, 2], [0, 1, 1, 1]]
@@ -55,22 +58,58 @@ VOCAB = 6
 BRANCHING = (3, 2)
 
 
-def sampled_batch(num_requests: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every request's tree drafted deterministically (top-k of a draft model unlike the target)
-    and the target's logits at its nodes: after token x the target's distribution is after[x].
-    (target_after_root [VOCAB], target_after [VOCAB, VOCAB], draft_ids, logits [num_rows, VOCAB])."""
+class TargetLaw(NamedTuple):
+    """A Markov target: its distribution after the root (`root` [VOCAB]) and after each token
+    (`after` [VOCAB, VOCAB]), and a draft model unlike it (`draft_root`, `draft_after`)."""
+
+    root: torch.Tensor
+    after: torch.Tensor
+    draft_root: torch.Tensor
+    draft_after: torch.Tensor
+
+
+def target_law() -> TargetLaw:
     generator = torch.Generator().manual_seed(0)
     root = torch.softmax(torch.randn(VOCAB, generator=generator) * 1.5, 0)
     after = torch.softmax(torch.randn(VOCAB, VOCAB, generator=generator) * 1.5, 1)
     draft_root = torch.softmax(torch.randn(VOCAB, generator=generator), 0)
     draft_after = torch.softmax(torch.randn(VOCAB, VOCAB, generator=generator), 1)
-    depth1 = draft_root.topk(BRANCHING[0]).indices.tolist()
-    depth2 = [t for x in depth1 for t in draft_after[x].topk(BRANCHING[1]).indices.tolist()]
-    nodes = depth1 + depth2
-    rows = [root] + [after[x] for x in depth1] + [after[x] for x in depth2]
+    return TargetLaw(root, after, draft_root, draft_after)
+
+
+def head_nodes(law: TargetLaw) -> list[int]:
+    """The head's tree in level order: the draft model's top-k (deterministic drafts)."""
+    depth1 = law.draft_root.topk(BRANCHING[0]).indices.tolist()
+    return depth1 + [t for x in depth1 for t in law.draft_after[x].topk(BRANCHING[1]).indices.tolist()]
+
+
+def ngram_branch(name: str, law: TargetLaw) -> list[int]:
+    """The n-gram branch (point-mass drafts) of each sampled test's tree."""
+    first = head_nodes(law)[0]
+    return {
+        "head-tree-alone": [],
+        # beside the head's top-3 at the root, with a child of its own
+        "branch-beside-the-heads-children": [int(law.draft_root.argmin()), 0],
+        # follows the head's first node, then a third child beside its top-2, then one more below
+        "branch-grafted-under-a-head-node": [first, int(law.draft_after[first].argmin()), 1],
+    }[name]
+
+
+NGRAM_BRANCHES = ["head-tree-alone", "branch-beside-the-heads-children", "branch-grafted-under-a-head-node"]
+
+
+def sampled_batch(
+    num_requests: int, branch: list[int]
+) -> tuple[TargetLaw, list[int], torch.Tensor, torch.Tensor]:
+    """Every request's tree: the head's top-k tree with the n-gram `branch` merged in
+    (`drafted_tree`), and the target's logits at its nodes (after token x: law.after[x]).
+    (the law, the tree's parent array with its root, draft_ids, logits [num_rows, VOCAB])."""
+    law = target_law()
+    nodes, parents = drafted_tree(DraftTree(BRANCHING), branch + head_nodes(law), len(branch))
+    rows = [law.root] + [law.after[x] for x in nodes]
     logits = torch.stack(rows).log().repeat(num_requests, 1)
     draft_ids, _ = rows_of([nodes] * num_requests)
-    return root, after, draft_ids, logits
+    return law, [-1, *parents], draft_ids, logits
 
 
 def sampling_params(seeds: torch.Tensor) -> GatheredParams:
@@ -80,35 +119,47 @@ def sampling_params(seeds: torch.Tensor) -> GatheredParams:
     return GatheredParams(floats, ints, seeds)
 
 
-def emitted_pairs(num_requests: int) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+def emitted_pairs(num_requests: int, branch: list[int]) -> tuple[list[tuple[int, int]], TargetLaw]:
     """The first two tokens of each seeded request under tree verification (a second target
-    sample at output position 1 where the step emitted one token), and the target's laws."""
-    tree = DraftTree(BRANCHING)
-    num_nodes = tree.num_nodes()
-    root, after, draft_ids, logits = sampled_batch(num_requests)
+    sample at output position 1 where the step emitted one token), and the target's law."""
+    law, shape, draft_ids, logits = sampled_batch(num_requests, branch)
+    num_nodes = len(shape)
     seeds = torch.arange(num_requests).repeat_interleave(num_nodes) + 1000
-    positions = torch.tensor(tree.depths).repeat(num_requests)
+    positions = torch.tensor(node_depths(shape)).repeat(num_requests)
     targets = target_tokens(logits, sampling_params(seeds), positions)
     cu = torch.arange(num_requests + 1, dtype=torch.int32) * num_nodes
-    parents = tree_parents(tree, [num_nodes] * num_requests, [True] * num_requests, num_nodes)
+    parents = tree_parents([shape] * num_requests, [num_nodes] * num_requests, num_nodes)
     verdict = verify_tree(targets, draft_ids, cu, parents)
     first = verdict.token_ids[:, 0].long()
     # a request that emitted one token samples its second at the next step, after `first`
     next_step = target_tokens(
-        after[first].log(),
+        law.after[first].log(),
         sampling_params(torch.arange(num_requests) + 1000),
         torch.ones(num_requests).long(),
     )
     second = torch.where(verdict.num_accepted >= 1, verdict.token_ids[:, 1].long(), next_step)
-    return list(zip(first.tolist(), second.tolist())), root, after
+    return list(zip(first.tolist(), second.tolist())), law
 
 
-def test_tree_sampling_emits_the_target_distribution() -> None:
+def test_the_ngram_branches_shape_the_trees_they_claim() -> None:
+    """The sampled tests' n-gram branches: a sibling of the head's depth-1 nodes, and a third
+    child under the head's first node, each one more node than it shares with the head."""
+    law = target_law()
+    head = len(head_nodes(law))
+    _, beside, _, _ = sampled_batch(1, ngram_branch("branch-beside-the-heads-children", law))
+    _, grafted, _, _ = sampled_batch(1, ngram_branch("branch-grafted-under-a-head-node", law))
+    assert beside[head + 1 :] == [0, head + 1]
+    assert grafted[head + 1 :] == [1, head + 1]
+
+
+@pytest.mark.parametrize("branch", NGRAM_BRANCHES)
+def test_tree_sampling_emits_the_target_distribution(branch: str) -> None:
     """The joint law of the first two emitted tokens is the target's, p(y1) p(y2 | y1), although
-    the drafts are a different model's top-k."""
+    the drafts are a different model's top-k, with an n-gram branch of point-mass drafts beside
+    them where there is one."""
     num_requests = 10000
-    pairs, root, after = emitted_pairs(num_requests)
-    expected = root[:, None] * after  # [VOCAB, VOCAB]
+    pairs, law = emitted_pairs(num_requests, ngram_branch(branch, target_law()))
+    expected = law.root[:, None] * law.after  # [VOCAB, VOCAB]
     counts = torch.zeros(VOCAB, VOCAB)
     for y1, y2 in pairs:
         counts[y1, y2] += 1
@@ -118,17 +169,18 @@ def test_tree_sampling_emits_the_target_distribution() -> None:
     assert len(tree_first) == VOCAB  # tokens outside the tree are emitted too (recovered)
 
 
-def test_tree_sampling_emits_the_targets_own_samples() -> None:
+@pytest.mark.parametrize("branch", NGRAM_BRANCHES)
+def test_tree_sampling_emits_the_targets_own_samples(branch: str) -> None:
     """Every emitted token is the target's keyed sample at its position: a seeded request's output
     is the one it gets without drafts."""
     num_requests = 500
-    pairs, root, after = emitted_pairs(num_requests)
+    pairs, law = emitted_pairs(num_requests, ngram_branch(branch, target_law()))
     seeds = torch.arange(num_requests) + 1000
     plain_first = target_tokens(
-        root.log().repeat(num_requests, 1), sampling_params(seeds), torch.zeros(num_requests).long()
+        law.root.log().repeat(num_requests, 1), sampling_params(seeds), torch.zeros(num_requests).long()
     )
     plain_second = target_tokens(
-        after[plain_first].log(), sampling_params(seeds), torch.ones(num_requests).long()
+        law.after[plain_first].log(), sampling_params(seeds), torch.ones(num_requests).long()
     )
     assert pairs == list(zip(plain_first.tolist(), plain_second.tolist()))
 

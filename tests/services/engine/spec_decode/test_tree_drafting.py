@@ -1,7 +1,7 @@
-"""Tree drafting end to end on the CPU (`speculative_config.tree`, MTP and EAGLE-3 heads): greedy
-output is the target's, seeded sampling is unchanged by it, trees accept more than chains of the
-same depth, tree steps replayed through the CUDA graphs' static buffers emit the eager tokens, bad
-configs are refused."""
+"""Tree drafting end to end on the CPU (`speculative_config.tree`, MTP and EAGLE-3 heads, with and
+without an n-gram branch): greedy output is the target's, seeded sampling is unchanged by it,
+trees accept more than chains of the same depth, tree steps replayed through the CUDA graphs'
+static buffers emit the eager tokens, bad configs are refused."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.llm import LLM
+from services.engine.spec_decode.mtp import MTPProposer
+from services.engine.spec_decode.proposer import DraftBatch
 from shared.sampling_params import SamplingParams
 from shared.speculative_config import SpeculativeConfig, SpeculativeOverride
 from tests.services.engine.spec_decode.helpers import GREEDY, repetitive_prompts
@@ -49,6 +51,99 @@ def test_tree_drafting_keeps_greedy_output(target, naive_tokens, method_head, lo
     assert all(o.spec_stats["num_draft_tokens"] > 0 for o in tree_outputs)
     if logprobs is not None:
         assert all(o.spec_stats["num_draft_tokens"] == 0 for o in outputs[1::2])
+
+
+def accepted_past(outputs, depth: int) -> int:
+    """Verify steps that accepted more than `depth` drafts."""
+    return sum(sum(o.spec_stats["accepted_per_position"][depth : depth + 1]) for o in outputs)
+
+
+def test_an_ngram_branch_keeps_greedy_output(target, naive_tokens, method_head) -> None:
+    """with_ngram: the n-gram branch, merged into the head's tree and grafted where it parts, is
+    verified in the same forward as the head's nodes."""
+    method, head = method_head
+    llm = head_llm(target, method, head, tree=TREE, with_ngram=True)
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+
+
+def branch_of_the_targets_tokens(llm: LLM, sequences: list[list[int]]) -> None:
+    """Makes the server's n-gram branch an oracle: each request's next tokens in `sequences`
+    (prompt and greedy output), found by the tokens it has."""
+    proposer = llm.engine.drafter.proposers[llm.engine.drafter.config.method]
+    assert isinstance(proposer, MTPProposer)
+
+    def oracle(batch: DraftBatch) -> torch.Tensor:
+        branch = torch.full((len(batch.seq_slots), proposer.num_branch), -1, dtype=torch.int32)
+        for i, slot in enumerate(batch.seq_slots.tolist()):
+            length = int(batch.inputs.num_tokens[slot])
+            row = batch.inputs.token_rows[slot, :length].tolist()
+            full = next((s for s in sequences if s[:length] == row), row)
+            following = full[length : length + proposer.num_branch]
+            branch[i, : len(following)] = torch.tensor(following, dtype=torch.int32)
+        return branch
+
+    proposer._ngram_branch = oracle  # type: ignore[method-assign]
+
+
+def test_a_branch_of_the_targets_own_tokens_is_accepted_past_the_heads_depth(
+    target, naive_tokens, method_head
+) -> None:
+    """Where the branch holds what the target will say, steps accept it past the head's depth 3
+    (its grafted nodes' KV compacted in the target's and the head's caches, the head catching up
+    on them), and the output is still naive's."""
+    method, head = method_head
+    prompts = repetitive_prompts()
+    llm = head_llm(target, method, head, tree=TREE, with_ngram=True, tree_budget=16 + 5)
+    branch_of_the_targets_tokens(llm, [p + t for p, t in zip(prompts, naive_tokens)])
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    steps = sum(o.spec_stats["num_verify_steps"] for o in outputs)
+    assert accepted_past(outputs, len(TREE)) > steps // 2
+    assert mean_accepted(outputs) > len(TREE) + 1
+
+
+def test_seeded_sampling_is_unchanged_by_an_ngram_branch(target, method_head) -> None:
+    """The branch's drafts are point masses beside the head's top-k: the target's keyed sample
+    is matched against every child alike, so a seeded request's tokens are naive's."""
+    method, head = method_head
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=30, ignore_eos=True)
+    prompts = repetitive_prompts(4)
+    naive = LLM(target, device="cpu", max_model_len=192).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    drafted = head_llm(target, method, head, tree=[2, 1], with_ngram=True, tree_budget=12).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in naive]
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in drafted) > 0
+
+
+def test_adaptive_prices_a_tree_with_its_ngram_branch_by_its_tokens(target, naive_tokens, mtp_head) -> None:
+    """A depth's price is the head's nodes to it and the branch's; greedy output stays naive's."""
+    llm = head_llm(target, "mtp", mtp_head, tree=TREE, adaptive=True, with_ngram=True, tree_budget=20)
+    assert llm.engine.drafter.adaptive.tree_tokens["mtp"] == [0, 3 + 4, 9 + 4, 15 + 4]
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
+
+
+def test_the_shipped_model_with_an_eagle3_tree_and_ngram_branch_keeps_greedy_output() -> None:
+    """The reference model and its EAGLE-3 head on code-editing prompts, a 16-token tree with an
+    n-gram branch: the output is naive's."""
+    from benchmarks.workloads import load_workload
+    from shared.reference import EAGLE3_HEAD, reference_dir
+
+    prompts = [r.prompt for r in load_workload("code_editing")[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    naive = LLM(str(reference_dir()), device="cpu", max_model_len=2048).generate(prompts, params)
+    spec = {"method": "eagle3", "model": str(reference_dir(EAGLE3_HEAD)), "adaptive": False}
+    spec |= {"tree": [2, 2, 1], "with_ngram": True, "tree_budget": 16}
+    llm = LLM(str(reference_dir()), device="cpu", max_model_len=2048, speculative_config=spec)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in naive]
+    assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
 
 
 def run_engine(llm: LLM, requests: dict[str, tuple[dict, SamplingParams]]) -> dict[str, list[int]]:
@@ -154,29 +249,33 @@ def tree_params(sampling: str) -> list[SamplingParams]:
     return params
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str) -> None:
+@pytest.mark.parametrize(("sampling", "branch"), [("greedy", 0), ("seeded", 0), ("greedy", 5)])
+def test_tree_steps_replay_the_eager_tokens(target, method_head, sampling: str, branch: int) -> None:
     """Tree steps go through the graphs' static buffers (tree masks and parent arrays among them,
-    padded to buckets, one query class per depth the tree is cut at) and the captured tail (tree
-    verification, the accepted paths' KV compacted in the target's and the head's caches, the
-    next trees drafted): the eager engine's tokens and acceptance."""
+    padded to buckets, one query class per depth the tree is cut at, its n-gram branch's drafts
+    added where it has one) and the captured tail (tree verification, the accepted paths' KV
+    compacted in the target's and the head's caches, the next trees drafted): the eager engine's
+    tokens and acceptance."""
     method, head = method_head
     prompts = repetitive_prompts()
+    extra = {"with_ngram": True, "tree_budget": 16 + branch} if branch else {}
     outputs, keys = [], []
     for graphs in (False, True):
-        llm = head_llm(target, method, head, tree=TREE)
+        llm = head_llm(target, method, head, tree=TREE, **extra)
         fake = with_eager_graphs(llm, max_tokens=48) if graphs else None
         llm.engine.drafter.max_graph_tokens = 48  # drafts trimmed alike with and without graphs
         keys = recorded_keys(fake) if fake is not None else []
         generated = llm.generate(prompt_token_ids=prompts, sampling_params=tree_params(sampling))
         outputs.append([(o.token_ids, o.spec_stats["num_accepted_tokens"]) for o in generated])
         if fake is not None:
-            assert fake.query_lens == [1, 4, 10, 16]
+            assert fake.query_lens == sorted({1, 4, 4 + branch, 10 + branch, 16 + branch})  # 4: chains
             assert fake.chain_lengths == [0, 3]  # depths 1 and 2 replay the tail of depth 3
             assert fake.num_tail_replays > 10
     assert outputs[1] == outputs[0]
     assert sum(accepted for _, accepted in outputs[1]) > 0
-    assert {4, 10, 16} <= {query_class for _, query_class in keys}
+    query_classes = {query_class for _, query_class in keys}
+    # with the branch, the 48-token graphs trim a whole 21-token tree beside other requests' (fit_draft_budget)
+    assert ({4 + branch, 10 + branch} if branch else {4, 10, 16}) <= query_classes
 
 
 def test_tree_steps_beside_prefill_chunks_and_logprobs_replay_the_eager_tokens(target, mtp_head) -> None:
@@ -227,6 +326,17 @@ def test_tree_graphs_refuse_a_step_without_tree_inputs(target, mtp_head) -> None
         ({"method": "mtp", "model": "m", "tree": []}, "at least one depth"),
         ({"method": "mtp", "model": "m", "tree": [2, 0], "adaptive": False}, ">= 1"),
         ({"method": "eagle3", "model": "m", "tree": [8, 4, 2], "adaptive": False}, "at most 64"),
+        ({"method": "mtp", "model": "m", "with_ngram": True}, "set 'tree'"),
+        ({"method": "mtp", "model": "m", "tree": [2, 2], "mtp_strategy": "with_ngram"}, "use with_ngram"),
+        ({"method": "mtp", "model": "m", "tree": [3, 2, 1], "tree_budget": 20}, "set with_ngram"),
+        (
+            {"method": "eagle3", "model": "m", "tree": [3, 2, 1], "with_ngram": True, "tree_budget": 16},
+            "leaving",
+        ),
+        (
+            {"method": "eagle3", "model": "m", "tree": [2], "with_ngram": True, "tree_budget": 65},
+            "less than or equal",
+        ),
     ],
 )
 def test_bad_tree_configs_are_refused(spec: dict, message: str) -> None:
@@ -241,13 +351,24 @@ def test_tree_budget_is_its_node_count() -> None:
     assert config.k == 3 and config.max_num_drafts == 3 + 6 + 6
 
 
+def test_a_tree_with_an_ngram_branch_shares_its_budget() -> None:
+    """The branch gets what the head's tree leaves of tree_budget (default: 5 drafts)."""
+    spec = {"method": "eagle3", "model": "m", "tree": [2, 2, 1], "with_ngram": True}
+    config = SpeculativeConfig.model_validate({**spec, "tree_budget": 16})
+    assert config.k == 3 and config.ngram_branch_drafts == 16 - 1 - (2 + 4 + 4) == 5
+    assert config.max_num_drafts == 15
+    default = SpeculativeConfig.model_validate(spec)
+    assert default.tree_budget == 1 + 10 + 5 and default.ngram_branch_drafts == 5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tree_drafting_on_cuda_keeps_greedy_output(target, method_head) -> None:
+@pytest.mark.parametrize("with_ngram", [False, True], ids=["tree", "tree-with-ngram"])
+def test_tree_drafting_on_cuda_keeps_greedy_output(target, method_head, with_ngram: bool) -> None:
     """The CUDA kernels' tree attention (target and head), fused verify and compaction, eagerly:
-    naive's greedy tokens on the same device, with drafts accepted."""
+    naive's greedy tokens on the same device, with drafts accepted (with an n-gram branch too)."""
     method, head = method_head
-    spec = {"method": method, "model": head, "adaptive": False, "tree": TREE}
+    spec = {"method": method, "model": head, "adaptive": False, "tree": TREE, "with_ngram": with_ngram}
     naive = LLM(target, device="cuda", dtype="float32", max_model_len=192).generate(
         prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY
     )
@@ -259,14 +380,18 @@ def test_tree_drafting_on_cuda_keeps_greedy_output(target, method_head) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("sampling", ["greedy", "seeded", "logprobs"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "logprobs", "with-ngram"])
 def test_tree_graph_replay_gives_the_eager_tokens(target, method_head, sampling: str) -> None:
     """Tree steps replayed from CUDA graphs (the forward with tree masks, the tail with tree
     verification, KV compaction and the next trees' drafting, captured without a host sync) emit
     the eager tree path's tokens, with steps across buckets and every query class of the tree;
-    a request with logprobs sends its steps' tails to the torch verifier after the forward's replay."""
+    a request with logprobs sends its steps' tails to the torch verifier after the forward's replay;
+    an n-gram branch (5 drafts) adds its drafts to every query class."""
     method, head = method_head
+    branch = 5 if sampling == "with-ngram" else 0
     spec = {"method": method, "model": head, "adaptive": False, "tree": TREE}
+    if branch:
+        spec |= {"with_ngram": True, "tree_budget": 16 + branch}
     params = tree_params("seeded" if sampling == "seeded" else "greedy")
     if sampling == "logprobs":
         params[1] = params[1].model_copy(update={"logprobs": 2})
@@ -288,7 +413,8 @@ def test_tree_graph_replay_gives_the_eager_tokens(target, method_head, sampling:
         if eager:
             assert graphs is None
             continue
-        assert graphs is not None and graphs.trees and graphs.query_lens == [1, 4, 10, 16, 128]
+        assert graphs is not None and graphs.trees
+        assert graphs.query_lens == sorted({1, 4, 4 + branch, 10 + branch, 16 + branch, 128})  # 4: chains
         assert graphs.num_replays > 10
         if sampling == "logprobs":
             assert graphs.num_replays > graphs.num_tail_replays
