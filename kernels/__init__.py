@@ -119,6 +119,7 @@ def quant_linear(
             mma_ok=quant_gemm.mma_fits(x, qweight, scale, scheme),
             scaled_mm_ok=scaled_mm_ok,
             tiled_ok=tiled is not None and quant_tiled.kernel_enabled() and quant_tiled.tiled_fits(x, tiled),
+            wide=qweight.shape[0] >= quant_gemm.TILED_MIN_WIDTH * x.shape[1],
         )
         if path == "tiled":
             assert tiled is not None

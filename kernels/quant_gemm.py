@@ -53,12 +53,18 @@ FP8_GEMV_MAX_ROWS = 4
 """fp8 products of more rows go to `_scaled_mm` where it applies: the one-row kernel's time grows with
 the rows (kernels/NOTES.md, quant_linear on an H200)."""
 MMA_MIN_CAPABILITY = (8, 0)
-MMA_MAX_ROWS = 256
-"""Most rows `kernels.quant_linear` gives `quant_mma`; more go to dequantize + cuBLAS."""
-TILED_MIN_ROWS = 9
-"""Fewest rows an int8 / int4 product takes `quant_tiled` with: below, `quant_mma` was faster in sum
-over the 1B / 7B matrices (H100, 4 rows: 141 vs 146 us int4, 190 vs 206 us int8; at 16 rows the
-tiled kernel 186 vs 207 / 237 vs 258 us; BENCHMARKS.md "quant_tiled")."""
+MMA_MAX_ROWS = 64
+"""Most rows `kernels.quant_linear` gives `quant_mma` (where `quant_tiled` does not take them); more
+go to dequantize + cuBLAS, whose 16-byte dequantize made it the fastest past 64 rows on an H100
+(7B matrices at 256 rows, int4: 36-336 us against quant_mma's 66-843 and quant_tiled's 56-491)."""
+TILED_MIN_ROWS = 33
+TILED_MAX_ROWS = 128
+TILED_MIN_WIDTH = 8
+"""`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a wide matrix (at least TILED_MIN_WIDTH
+outputs per input feature, as gate_up): there it led on an H100 (7B gate_up at 64 rows, int4: 158
+us against quant_mma's 316 and dequantize + cuBLAS's 325), while on the other matrices, and at 16 and
+256 rows, quant_mma or dequantize + cuBLAS were faster since its K split is summed by the split's
+last block (BENCHMARKS.md "quant_tiled")."""
 INT_GEMV_MAX_ROWS = 1
 """int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
 7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""
@@ -612,14 +618,21 @@ def mma_fits(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, scheme
 
 
 def choose_path(
-    num_rows: int, *, gemv_ok: bool, mma_ok: bool, scaled_mm_ok: bool, tiled_ok: bool = False
+    num_rows: int,
+    *,
+    gemv_ok: bool,
+    mma_ok: bool,
+    scaled_mm_ok: bool,
+    tiled_ok: bool = False,
+    wide: bool = False,
 ) -> str:
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
-    operands: `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py, from TILED_MIN_ROWS
-    rows; its `tiled_fits` bounds them), `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma`
-    (int8 / int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to
-    FP8_GEMV_MAX_ROWS where `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
-    if tiled_ok and num_rows >= TILED_MIN_ROWS:
+    operands and whether the matrix is `wide` (TILED_MIN_WIDTH outputs or more per input feature):
+    `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py) for TILED_MIN_ROWS-TILED_MAX_ROWS
+    rows of a wide matrix, `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma` (int8 / int4 up
+    to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to FP8_GEMV_MAX_ROWS where
+    `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
+    if tiled_ok and wide and TILED_MIN_ROWS <= num_rows <= TILED_MAX_ROWS:
         return "tiled"
     if mma_ok and gemv_ok and num_rows <= INT_GEMV_MAX_ROWS:
         return "gemv"

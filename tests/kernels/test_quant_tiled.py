@@ -195,22 +195,25 @@ def test_tiled_config_covers_every_tile_once(scheme: str) -> None:
 
 
 def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(monkeypatch) -> None:
-    from kernels.quant_gemm import TILED_MIN_ROWS, choose_path
+    from kernels.quant_gemm import MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
 
-    paths = {  # rows: (with the tile layout, without)
-        1: ("gemv", "gemv"),
-        TILED_MIN_ROWS - 1: ("mma", "mma"),
-        TILED_MIN_ROWS: ("tiled", "mma"),
-        256: ("tiled", "mma"),
+    paths = {  # rows: (a wide matrix with the tile layout, a narrow one, no tile layout)
+        1: ("gemv", "gemv", "gemv"),
+        TILED_MIN_ROWS - 1: ("mma", "mma", "mma"),
+        TILED_MIN_ROWS: ("tiled", "mma", "mma"),
+        MMA_MAX_ROWS: ("tiled", "mma", "mma"),
+        MMA_MAX_ROWS + 1: ("tiled", "dequantize", "dequantize"),
+        TILED_MAX_ROWS: ("tiled", "dequantize", "dequantize"),
+        TILED_MAX_ROWS + 1: ("dequantize", "dequantize", "dequantize"),
     }
-    for num_rows, (tiled_path, untiled_path) in paths.items():
+    for num_rows, expected in paths.items():
         gemv_ok = num_rows <= 16
-        assert (
-            choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False, tiled_ok=True)
-            == tiled_path
+        chosen = tuple(
+            choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False, tiled_ok=tiled, wide=wide)
+            for tiled, wide in ((True, True), (True, False), (False, True))
         )
-        assert choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False) == untiled_path
+        assert chosen == expected, num_rows
     assert kernel_enabled()
     monkeypatch.setenv(KERNEL_ENV, "mma")
     assert not kernel_enabled()
@@ -556,17 +559,28 @@ def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: st
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> None:
-    """`kernels.quant_linear` with a tiled weight: from TILED_MIN_ROWS rows the tiled kernel
-    (bit-identical to calling it), and with SPECMESH_QUANT_KERNEL=mma the older quant_mma; fewer
-    rows the one-row kernel or quant_mma; all near the reference, 1..300 rows."""
-    from kernels.quant_gemm import TILED_MIN_ROWS, quant_gemv_cuda, quant_mma_cuda
+    """`kernels.quant_linear` with the tile layout of a wide matrix: TILED_MIN_ROWS-TILED_MAX_ROWS
+    rows on the tiled kernel (bit-identical to calling it), and with SPECMESH_QUANT_KERNEL=mma on
+    the older quant_mma; one row on the one-row kernel, fewer rows on quant_mma, more rows on
+    dequantize + cuBLAS; all near the reference, 1..300 rows."""
+    from kernels.quant_gemm import (
+        MMA_MAX_ROWS,
+        TILED_MAX_ROWS,
+        TILED_MIN_ROWS,
+        TILED_MIN_WIDTH,
+        quant_gemv_cuda,
+        quant_mma_cuda,
+    )
     from kernels.quant_tiled import KERNEL_ENV, quant_tiled_cuda
 
     generator = torch.Generator().manual_seed(42)
-    qweight, scale = (t.cuda() for t in _quantized(4608, 3584, "int4", 128, 5))
+    in_features = 1024
+    qweight, scale = (
+        t.cuda() for t in _quantized(TILED_MIN_WIDTH * in_features, in_features, "int4", 128, 5)
+    )
     tiled = repack_tiles(qweight, scale, "int4")
-    for num_rows in (1, 4, TILED_MIN_ROWS, 16, 64, 256, 300):
-        x = torch.randn(num_rows, 3584, generator=generator).to("cuda", torch.bfloat16)
+    for num_rows in (1, 4, TILED_MIN_ROWS, MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MAX_ROWS + 1, 300):
+        x = torch.randn(num_rows, in_features, generator=generator).to("cuda", torch.bfloat16)
         out = kernels.quant_linear(x, qweight, scale, "int4", tiled=tiled)
         expected = tiled_linear_ref(x.double(), tiled)
         assert rel_error(out, expected) < 1e-2, f"{num_rows} rows"
@@ -574,14 +588,14 @@ def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> Non
             assert torch.equal(out, quant_gemv_cuda(x, qweight, scale, "int4"))
         elif num_rows < TILED_MIN_ROWS:
             assert torch.equal(out, quant_mma_cuda(x, qweight, scale, "int4"))
-        elif num_rows <= 256:
+        elif num_rows <= TILED_MAX_ROWS:
             assert torch.equal(out, quant_tiled_cuda(x, tiled))
             monkeypatch.setenv(KERNEL_ENV, "mma")
-            assert torch.equal(
-                kernels.quant_linear(x, qweight, scale, "int4", tiled=tiled),
-                quant_mma_cuda(x, qweight, scale, "int4"),
-            )
+            switched = kernels.quant_linear(x, qweight, scale, "int4", tiled=tiled)
             monkeypatch.delenv(KERNEL_ENV)
+            if num_rows <= MMA_MAX_ROWS:
+                assert torch.equal(switched, quant_mma_cuda(x, qweight, scale, "int4"))
+            assert rel_error(switched, expected) < 1e-2, f"{num_rows} rows, switched"
 
 
 @pytest.mark.gpu
