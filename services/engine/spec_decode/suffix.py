@@ -147,6 +147,17 @@ class DeferredGlobalIndex:
         return seq_id in self.index
 
 
+def take_turns(chunks: list[Callable[[], bool]], device_busy: Callable[[], bool]) -> None:
+    """Runs the chunk makers in turn, each until it returns False (nothing left), with a look at
+    `device_busy()` before each chunk: the device waits for one chunk at most."""
+    while chunks:
+        for chunk in list(chunks):
+            if not device_busy():
+                return
+            if not chunk():
+                chunks.remove(chunk)
+
+
 @dataclass(frozen=True)
 class SuffixConfig:
     max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH
@@ -242,12 +253,7 @@ class SuffixProposer(Proposer):
         chunks = [self._index_prompt_chunk]
         if isinstance(self.global_index, DeferredGlobalIndex):
             chunks.append(self.global_index.insert_chunk)
-        while chunks and device_busy():
-            for chunk in list(chunks):
-                if not device_busy():  # a look before each chunk: the device waits for one at most
-                    break
-                if not chunk():
-                    chunks.remove(chunk)
+        take_turns(chunks, device_busy)
         if isinstance(self.global_index, DeferredGlobalIndex):
             self.global_index.insert_if_starved()
 
