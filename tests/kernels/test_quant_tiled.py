@@ -262,13 +262,11 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torch.dtype, tmp_path) -> None:
-    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it, and in
-    bf16 every candidate shape the benchmark times."""
-    from kernels.quant_tiled import TILED_SOURCE, block_shape, candidate_shapes
+    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it (the
+    candidate shapes only the benchmark times are compiled on the GPU it runs on)."""
+    from kernels.quant_tiled import TILED_SOURCE, block_shape
 
     shapes = {block_shape(num_rows) for num_rows in (1, 16, 32, 64)}
-    if dtype == torch.bfloat16:
-        shapes |= {shape for num_rows in (1, 16, 32, 64) for shape in candidate_shapes(num_rows)}
     for shape in sorted(shapes):
         registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, shape), tmp_path)
         assert set(registers) == {"quant_tiled"}
