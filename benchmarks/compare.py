@@ -45,6 +45,52 @@ def add_speedups(cells: list[Cell]) -> list[Cell]:
     return cells
 
 
+def same_outputs(cell: Cell, reference: Cell) -> tuple[int, int]:
+    """(requests whose outputs equal the reference cell's, requests compared): the two cells ran the
+    same requests in the same order, and each finished request keeps a hash of its tokens."""
+    pairs = [
+        (mine.get("output_digest"), theirs.get("output_digest"))
+        for mine, theirs in zip(cell.get("records", []), reference.get("records", []))
+    ]
+    compared = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return sum(a == b for a, b in compared), len(compared)
+
+
+def add_output_identity(cells: list[Cell]) -> list[str]:
+    """Sets `same_outputs_as_naive` ([identical, compared]) on every specmesh cell of a greedy run
+    against the naive cell of its key, and returns a line for each: speculation must not change a
+    greedy output, so anything short of all of them is a bug (or a near-tie in the logits that
+    another kernel path rounds the other way)."""
+    baselines = {cell_key(c): c for c in cells if c["method"] == BASELINE and c.get("backend") != "hf"}
+    lines = []
+    for cell in cells:
+        base = baselines.get(cell_key(cell))
+        if base is None or cell is base or cell.get("backend") == "hf":
+            continue
+        identical, compared = cell["same_outputs_as_naive"] = list(same_outputs(cell, base))
+        lines.append(
+            f"outputs {cell['method']} {cell['workload']} c={cell.get('concurrency')}: "
+            f"identical to naive for {identical} of {compared} requests"
+        )
+    return lines
+
+
+def compare_outputs(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """A line per cell of `result` with a cell of the same method and key in `other` (e.g. the same
+    greedy run under another tensor-parallel size): how many outputs are identical."""
+    theirs = {(c["method"], *cell_key(c)): c for c in other["cells"]}
+    lines = []
+    for cell in result["cells"]:
+        match = theirs.get((cell["method"], *cell_key(cell)))
+        if match is not None:
+            identical, compared = same_outputs(cell, match)
+            lines.append(
+                f"outputs {cell['method']} {cell['workload']} c={cell.get('concurrency')}: "
+                f"identical in both runs for {identical} of {compared} requests"
+            )
+    return lines
+
+
 def _ratio(cell: Cell, base: Cell | None, metric: str, higher_is_better: bool) -> float | None:
     if base is None:
         return None
@@ -225,9 +271,18 @@ def main() -> None:
         "results", type=Path, nargs="+", help="result JSON files of benchmarks.serving / offline"
     )
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--outputs-against",
+        type=Path,
+        help="another offline result of the same requests (greedy): print, per cell, how many outputs "
+        "the two runs share instead of the tables",
+    )
     args = parser.parse_args()
     for path in args.results:
         result = json.loads(path.read_text())
+        if args.outputs_against is not None:
+            print("\n".join(compare_outputs(result, json.loads(args.outputs_against.read_text()))))
+            continue
         print_result(result)
         if not args.no_plots:
             from benchmarks.plots import plot_result

@@ -13,6 +13,7 @@ Terms (as vLLM's `benchmark_serving` and DistServe use them):
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,6 +67,11 @@ class SpecCounts:
         }
 
 
+def token_digest(token_ids: list[int]) -> str:
+    """A short hash of a token sequence (`RequestRecord.output_digest`)."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
 @dataclass
 class RequestRecord:
     """One request as the client saw it; times are `time.perf_counter()` seconds."""
@@ -80,6 +86,9 @@ class RequestRecord:
     num_output_tokens: int = 0
     spec: SpecCounts = field(default_factory=SpecCounts)
     error: str | None = None
+    output_digest: str | None = None
+    """A hash of the output's token ids (offline): greedy runs of different methods, or of one method
+    on different GPU counts, compare their outputs by it (`benchmarks.compare.same_outputs`)."""
 
     @property
     def ok(self) -> bool:
@@ -118,6 +127,7 @@ class RequestRecord:
             "tpot_ms": _ms(self.tpot_s) if self.ok and self.tpot_s is not None else None,
             "e2e_ms": _ms(self.e2e_s) if self.ok else None,
             "itl_ms": [round(_ms(g), 3) for g in self.itls_s] if self.ok else [],
+            "output_digest": self.output_digest,
         }
 
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from benchmarks.client import Sampling, arrival_offsets
 from benchmarks.compare import (
     Cell,
+    add_output_identity,
     add_speedups,
     model_dirs,
     result_header,
@@ -50,7 +51,7 @@ from benchmarks.dataset import (
 )
 from benchmarks.hf_baseline import HFBaseline, unavailable_reason
 from benchmarks.methods import BASELINE, max_k, resolve_methods, with_k
-from benchmarks.metrics import SLO, RequestRecord, SpecCounts, run_duration_s, summarize
+from benchmarks.metrics import SLO, RequestRecord, SpecCounts, run_duration_s, summarize, token_digest
 from services.engine.args import add_engine_args, engine_config
 from services.engine.engine import LLMEngine, StepCounts
 from services.runtime import freeze_start_up
@@ -150,6 +151,7 @@ def _finish(
     record.num_output_tokens = len(token_ids)
     record.num_prompt_tokens = len(prompt_ids)
     record.spec = SpecCounts.from_stats(stats)
+    record.output_digest = token_digest(token_ids)
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -521,9 +523,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for workload in args.workload:
         for concurrency in args.concurrency:
             requests = cell_requests(workload, concurrency, args)
-            cells += method_cells(
+            new_cells = method_cells(
                 base, args.method_configs, requests[0].workload, requests, concurrency, args
             )
+            if args.sampling.temperature == 0:  # greedy: every method's outputs are naive's
+                for line in add_output_identity(new_cells):
+                    print(line)
+            cells += new_cells
             write_result(result(complete=False), args.out, plot=False)
         if args.k_sweep:
             first = args.concurrency[0]

@@ -17,8 +17,8 @@
 # bus GB/s, the shape's per-step all-reduce estimates), engine-tp<n>.json
 # (decode step, random qwen2.5-7b, peer all-reduce on, steps launched ahead: its log line "async scheduling: True
 # (N of M decode steps launched ahead)"; TP=1 rerun in the same call) beside engine-tp<n>-nccl.json (the same with
-# --no-peer-all-reduce) and engine-tp<n>-sync.json (--no-async-scheduling: every step waits for the last's read-back), and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size on the widened
-# 7B-cost target, whose acceptance is the reference model's). TP_PARTS (default "tests allreduce engine offline")
+# --no-peer-all-reduce) and engine-tp<n>-sync.json (--no-async-scheduling: every step waits for the last's read-back), and offline-tp<n>.json (naive / ngram / mtp k=1 speedups under each size, 16 requests, on the widened
+# 7B-cost target, whose acceptance is the reference model's; its "outputs" lines: greedy outputs of each method against naive, and under TP=n against TP=1). TP_PARTS (default "tests allreduce engine offline")
 # splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
 # "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
@@ -365,9 +365,13 @@ if [[ " $stages " == *" tp "* ]]; then
         for n in 1 $sizes; do
             # shellcheck disable=SC2046
             timeout 150 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --tensor-parallel-size "$n" \
-                --workload code_editing --num-requests 8 --max-tokens 128 --concurrency 1 --no-plots --no-progress \
+                --workload code_editing --num-requests 16 --max-tokens 128 --concurrency 1 --no-plots --no-progress \
                 --methods $(offline_methods $dir naive ngram mtp1) \
-                --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep "^| [a-z]"
+                --out "$OUT/offline-tp$n.json" 2>&1 | tee -a "$OUT/tp.log" | grep -E "^\| [a-z]|^outputs "
+        done
+        for n in $sizes; do  # greedy: each method's outputs under TP=n against TP=1's
+            python3 -m benchmarks.compare "$OUT/offline-tp$n.json" --outputs-against "$OUT/offline-tp1.json" \
+                | sed "s/^/TP=$n against TP=1: /" | tee -a "$OUT/tp.log"
         done
     fi
     if grep -l "terminate called" "$OUT"/tp-tests.log "$OUT"/tp.log 2>/dev/null; then  # a rank aborted at exit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.client import Sampling
+from benchmarks.compare import add_output_identity, compare_outputs
 from benchmarks.dataset import BenchRequest, warmup_burst
 from benchmarks.methods import BASELINE, max_k, request_override, resolve_methods, with_k
 from benchmarks.offline import Admission, json_schema_grammar, run_requests, sampling_params
@@ -140,3 +141,33 @@ def test_a_warm_up_burst_fills_the_slots_and_seeds_no_cache_of_the_measured_requ
     assert all(cached_blocks(engine, request) == 0 for request in REQUESTS)
     run_requests(engine, REQUESTS[:1], Sampling(ignore_eos=True), concurrency=1)
     assert cached_blocks(engine, REQUESTS[0]) > 0  # the probe sees a prompt the engine did cache
+
+
+def test_greedy_outputs_are_compared_with_naive_by_their_hashes(ngram_engine: LLMEngine) -> None:
+    naive_engine = LLMEngine(
+        EngineConfig(model=default_model(), device="cpu", max_model_len=512, num_kv_blocks=128)
+    )
+    try:
+        naive = run_requests(naive_engine, REQUESTS, Sampling(ignore_eos=True), concurrency=2)
+    finally:
+        naive_engine.close()
+    ngram = run_requests(ngram_engine, REQUESTS, Sampling(ignore_eos=True), concurrency=2)
+
+    def cell(method: str, records: list) -> dict:
+        return {
+            "method": method,
+            "workload": "code_editing",
+            "concurrency": 2,
+            "records": [r.compact() for r in records],
+        }
+
+    cells = [cell(BASELINE, naive), cell("ngram", ngram)]
+    assert add_output_identity(cells) == [
+        "outputs ngram code_editing c=2: identical to naive for 5 of 5 requests"
+    ]
+    assert cells[1]["same_outputs_as_naive"] == [5, 5]
+    cells[1]["records"][0]["output_digest"] = "0" * 16  # one output differs
+    other = {"cells": [cell("ngram", ngram)]}
+    assert compare_outputs({"cells": cells[1:]}, other) == [
+        "outputs ngram code_editing c=2: identical in both runs for 4 of 5 requests"
+    ]
