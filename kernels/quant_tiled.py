@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import _cuda
+from kernels import _cuda, ptx
 from kernels.quant_gemm import SCHEME_IDS, decode_constants
 from kernels.quant_ref import BITS
 from kernels.quant_tiled_ref import CHUNKS, IN_FEATURES_MULTIPLE, TILE_K, TiledWeight
@@ -178,63 +178,13 @@ TILED_MACROS = r"""
 #define S_STAGE_BYTES (STAGE_TILES * 64)
 #define X_STAGE_BYTES (ROWS * X_PITCH * 2)
 #define STAGE_BYTES (W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES)
-#if DTYPE == DT_BF16
-#define MMA_TYPE "bf16"
-#define FMA_X2 "fma.rn.bf16x2"
-#define CVT_X2 "cvt.rn.bf16x2.f32"
-#else
-#define MMA_TYPE "f16"
-#define FMA_X2 "fma.rn.f16x2"
-#define CVT_X2 "cvt.rn.f16x2.f32"
-#endif
 #define NEG_ZERO_X2 0x80008000u
 
 """
 
-PTX_HELPERS = r"""
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned prmt(unsigned lo, unsigned hi, unsigned selector) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(selector));
-    return d;
-}
-__device__ __forceinline__ unsigned fma_x2(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm(FMA_X2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-/* (lo, hi) floats -> one register of two x-dtype halves, lo in the low half */
-__device__ __forceinline__ unsigned pack_x2(float lo, float hi) {
-    unsigned d;
-    asm(CVT_X2 " %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-/* 16 bytes global -> shared, or 16 zero bytes where !valid (src is then not read) */
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-"""
-"""The inline-PTX primitives the kernels use (tensor-core mma, ldmatrix, cp.async, byte permute,
-paired half-precision fma and conversion): a host test swaps in C++ twins of these alone."""
+PTX_HELPERS = ptx.SHARED_ADDRESS + ptx.CP_ASYNC + ptx.LDMATRIX + ptx.MMA_M16N8K16 + ptx.PRMT + ptx.HALF_PAIRS
+"""The inline-PTX primitives the kernel uses (kernels/ptx.py: tensor-core mma, ldmatrix, cp.async,
+byte permute, paired half-precision fma and conversion): a host test swaps in C++ twins of these alone."""
 
 TILED_KERNELS = r"""
 __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
