@@ -57,14 +57,14 @@ MMA_MAX_ROWS = 64
 """Most rows `kernels.quant_linear` gives `quant_mma` (where `quant_tiled` does not take them); more
 go to dequantize + cuBLAS, whose 16-byte dequantize made it the fastest past 64 rows on an H100
 (7B matrices at 256 rows, int4: 36-336 us against quant_mma's 66-843 and quant_tiled's 56-491)."""
-TILED_MIN_ROWS = 33
+TILED_MIN_ROWS = 16
 TILED_MAX_ROWS = 128
-TILED_MIN_WIDTH = 8
-"""`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a wide matrix (at least TILED_MIN_WIDTH
-outputs per input feature, as gate_up): there it led on an H100 (7B gate_up at 64 rows, int4: 158
-us against quant_mma's 316 and dequantize + cuBLAS's 325), while on the other matrices, and at 16 and
-256 rows, quant_mma or dequantize + cuBLAS were faster since its K split is summed by the split's
-last block (BENCHMARKS.md "quant_tiled")."""
+TILED_MIN_WIDTH = 0
+"""`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a matrix with at least TILED_MIN_WIDTH
+outputs per input feature (0: every matrix; 8: only one as wide as gate_up). Its K split summed by
+a second kernel (kernels/quant_tiled.py `split_reduce`) is what lets it take the small matrices
+again; `benchmarks.gpu_kernels --only quant_linear` prints these thresholds beside every kernel's
+time, to be set from that run."""
 INT_GEMV_MAX_ROWS = 1
 """int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
 7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""
@@ -602,8 +602,8 @@ def choose_path(
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
     operands and whether the matrix is `wide` (TILED_MIN_WIDTH outputs or more per input feature):
     `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py) for TILED_MIN_ROWS-TILED_MAX_ROWS
-    rows of a wide matrix, `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma` (int8 / int4 up
-    to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to FP8_GEMV_MAX_ROWS where
+    rows of a wide enough matrix, `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma` (int8 /
+    int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to FP8_GEMV_MAX_ROWS where
     `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
     if tiled_ok and wide and TILED_MIN_ROWS <= num_rows <= TILED_MAX_ROWS:
         return "tiled"

@@ -31,9 +31,9 @@ from kernels.quant_ref import BITS
 from kernels.quant_tiled_ref import CHUNKS, IN_FEATURES_MULTIPLE, TILE_K, TiledWeight
 
 KERNEL_ENV = "SPECMESH_QUANT_KERNEL"
-"""`mma` gives the products `quant_tiled` would take (kernels/quant_gemm.py `choose_path`: 33-128
-rows of a wide matrix) to the older `quant_mma` even where a layer has its tile layout (A/B timing);
-anything else, or unset, runs `quant_tiled` there."""
+"""`mma` gives the products `quant_tiled` would take (kernels/quant_gemm.py `choose_path`:
+TILED_MIN_ROWS-TILED_MAX_ROWS rows) to the older `quant_mma` even where a layer has its tile layout
+(A/B timing); anything else, or unset, runs `quant_tiled` there."""
 MAX_ROWS = 256
 """Most rows `quant_tiled` takes (`kernels.quant_linear` gives it at most quant_gemm.TILED_MAX_ROWS)."""
 MIN_CAPABILITY = (8, 0)

@@ -223,7 +223,7 @@ def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(m
     from kernels.quant_gemm import MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
 
-    paths = {  # rows: (a wide matrix with the tile layout, a narrow one, no tile layout)
+    paths = {  # rows: (a matrix wide enough (TILED_MIN_WIDTH) with the tile layout, a narrower one, none)
         1: ("gemv", "gemv", "gemv"),
         TILED_MIN_ROWS - 1: ("mma", "mma", "mma"),
         TILED_MIN_ROWS: ("tiled", "mma", "mma"),
@@ -691,7 +691,7 @@ def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: st
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> None:
-    """`kernels.quant_linear` with the tile layout of a wide matrix: TILED_MIN_ROWS-TILED_MAX_ROWS
+    """`kernels.quant_linear` with the tile layout of a wide enough matrix: TILED_MIN_ROWS-TILED_MAX_ROWS
     rows on the tiled kernel (bit-identical to calling it), and with SPECMESH_QUANT_KERNEL=mma on
     the older quant_mma; one row on the one-row kernel, fewer rows on quant_mma, more rows on
     dequantize + cuBLAS; all near the reference, 1..300 rows."""
