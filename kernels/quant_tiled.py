@@ -264,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
     const uint4* __restrict__ tiles,    /* [k_tiles, n_tiles, LANE_CHUNKS] */
     const float* __restrict__ scales,   /* [num_groups, n_tiles, 8, 2] */
     const scalar_t* __restrict__ bias,  /* [N]; unused without HAS_BIAS */
-    scalar_t* __restrict__ y,           /* [num_rows, N]: written when gridDim.z == 1 */
+    scalar_t* __restrict__ y,           /* [num_rows, N]: written unless quant_tiled_reduce adds the splits */
     float* __restrict__ partial,        /* [gridDim.z, num_rows, N]: written when gridDim.z > 1 */
     int* __restrict__ counters,         /* [gridDim.y, gridDim.x]: zero, left zero; null: quant_tiled_reduce adds */
     int num_rows, int N, int K, int n_tiles, int k_tiles, int group_tiles, long long x_stride,

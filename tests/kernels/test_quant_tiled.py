@@ -219,6 +219,25 @@ def test_k_splits_are_added_by_the_last_block_up_to_the_limit_then_by_the_reduce
         tiled_config(16, narrow_deep, 132, reduce="none")
 
 
+def test_the_split_workspace_grows_only_past_its_size_and_keeps_what_it_outgrew(monkeypatch) -> None:
+    """Launches share one buffer; one needing more gets a new one at least twice as large, and the
+    old one stays allocated (a CUDA graph captured on it keeps valid memory)."""
+    from kernels import quant_tiled
+    from kernels.quant_tiled import split_partials
+
+    monkeypatch.setattr(quant_tiled, "_WORKSPACES", {})
+    cpu = torch.device("cpu")
+    first = split_partials(4, 3, 5, cpu)
+    assert first.shape == (4, 3, 5) and first.dtype == torch.float32
+    smaller = split_partials(2, 2, 5, cpu)
+    assert smaller.data_ptr() == first.data_ptr()
+    grown = split_partials(5, 3, 5, cpu)
+    assert grown.data_ptr() != first.data_ptr() and grown.untyped_storage().nbytes() >= 2 * 60 * 4
+    assert split_partials(1, 1, 1, cpu).data_ptr() == grown.data_ptr()
+    kept = quant_tiled._WORKSPACES[cpu, torch.float32]
+    assert [buffer.data_ptr() for buffer in kept] == [first.data_ptr(), grown.data_ptr()]
+
+
 def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(monkeypatch) -> None:
     from kernels.quant_gemm import MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
@@ -650,14 +669,13 @@ def test_cuda_every_candidate_block_shape_matches_reference(scheme: str) -> None
 def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: str) -> None:
     """Batch 1 and 16 on a narrow, deep matrix (K split, partial sums added each way) and 40 / 256
     rows: strided x equals contiguous x, graph replays equal eager calls on the new input (after a
-    larger product has grown the workspace the graph captured), and the split counters are left
+    larger need has replaced the workspace the graph captured), and the split counters are left
     zero."""
-    from kernels.quant_tiled import quant_tiled_cuda, split_counters, tiled_config
+    from kernels.quant_tiled import quant_tiled_cuda, split_counters, split_partials, tiled_config
 
     generator = torch.Generator().manual_seed(41)
     n, k = 2048, 8192
     tiled, _ = _cuda_tiled(n, k, scheme, 128 if scheme == "int4" else None, 7)
-    deep, _ = _cuda_tiled(64, 32768, scheme, 128 if scheme == "int4" else None, 8)
     assert tiled_config(1, tiled, _cuda.num_sms(0)).splits > 1
     cases: list[tuple[int, SplitReduce | None]] = [
         (1, "last_block"),
@@ -677,7 +695,10 @@ def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: st
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = quant_tiled_cuda(static, tiled, reduce=reduce)
-        quant_tiled_cuda(torch.randn(64, 32768, device="cuda", dtype=torch.bfloat16), deep)  # more partials
+        if reduce == "last_block":  # a later product needing more replaces the buffers the graph captured
+            floats = split_partials(1, 1, 1, x.device).untyped_storage().nbytes() // 4
+            split_partials(1, 1, floats + 1, x.device)
+            split_counters(split_counters(1, x.device).numel() + 1, x.device)
         fresh = torch.randn(num_rows, k, generator=generator).to("cuda", torch.bfloat16)
         static.copy_(fresh)
         graph.replay()
