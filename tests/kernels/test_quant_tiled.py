@@ -12,6 +12,8 @@ counts 1..256, group sizes, dtypes, both ways of adding K splits, strided rows a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -524,6 +526,66 @@ def test_both_ways_of_adding_k_splits_run_on_the_host_give_the_same_bits(tmp_pat
         case = f"{scheme} {num_rows}x{k}x{n} g{group_size}"
         assert rel_error(reduced, expected) < TOLERANCE[torch.bfloat16], case
         assert torch.equal(last_block.view(torch.int16), reduced.view(torch.int16)), case
+
+
+@needs_gxx
+def test_the_wrapper_launches_run_on_the_host_match_reference(monkeypatch, tmp_path) -> None:
+    """quant_tiled_cuda itself on CPU tensors, each launch it makes run on the host (the kernel, then
+    the reduce where the rule leaves the split to it): its workspace views, argument order and
+    launch grids give the reference's product, unsplit, split by the rule and split by the last
+    block, with bias and without."""
+    from kernels import quant_tiled
+    from kernels.quant_tiled import REDUCE_KERNEL, TILED_KERNELS, TILED_MACROS, split_counters
+    from tests.kernels.helpers import run_threads_on_host
+
+    sources = {
+        "quant_tiled": HOST_HEADER + TILED_MACROS + HOST_PTX + TILED_KERNELS,
+        "quant_tiled_reduce": HOST_HEADER + HOST_PTX + REDUCE_KERNEL,
+    }
+    launched: list[str] = []
+
+    def launch(
+        kernel: tuple[str, dict[str, int]],
+        grid: tuple[int, ...],
+        block: tuple[int],
+        args: tuple[Any, ...],
+        device: torch.device,
+        shared_mem: int = 0,
+    ) -> None:
+        name, defines = kernel
+        source = sources[name].replace(
+            "extern __shared__ __align__(16) unsigned char smem[];",
+            f"alignas(16) static unsigned char smem[{shared_mem}];",
+        )
+        launched.append(name)
+        run_threads_on_host(source, name, defines, grid, block[0], args, tmp_path)
+
+    monkeypatch.setattr(quant_tiled, "tiled_fits", lambda x, tiled: True)
+    monkeypatch.setattr(_cuda, "num_sms", lambda index: 132)
+    monkeypatch.setattr(_cuda, "function", lambda source, name, device, **defines: (name, defines))
+    monkeypatch.setattr(_cuda, "set_max_dynamic_shared", lambda kernel, num_bytes: None)
+    monkeypatch.setattr(_cuda, "launch", launch)
+    generator = torch.Generator().manual_seed(49)
+    scheme, n, k, group_size, num_rows = SPLIT_CASES[0]
+    qweight, scale = _quantized(n, k, scheme, group_size, seed=k)
+    deep = repack_tiles(qweight, scale, scheme)
+    qweight, scale = _quantized(n, 128, scheme, 64, seed=1)
+    shallow = repack_tiles(qweight, scale, scheme)  # two K tiles: no split
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    cases: list[tuple[TiledWeight, SplitReduce | None, torch.Tensor | None, list[str]]] = [
+        (deep, None, bias, ["quant_tiled", "quant_tiled_reduce"]),
+        (deep, "last_block", None, ["quant_tiled"]),
+        (shallow, None, bias, ["quant_tiled"]),
+    ]
+    for tiled, reduce, b, kernels_run in cases:
+        x = torch.randn(num_rows, tiled.in_features, generator=generator).to(torch.bfloat16)
+        launched.clear()
+        out = quant_tiled.quant_tiled_cuda(x, tiled, b, reduce=reduce)
+        expected = tiled_linear_ref(x.double(), tiled, b.double() if b is not None else None)
+        case = f"{tiled.in_features} features, {reduce}"
+        assert launched == kernels_run, case
+        assert rel_error(out, expected) < TOLERANCE[torch.bfloat16], case
+    assert not split_counters(1, torch.device("cpu")).any()
 
 
 @needs_gxx
