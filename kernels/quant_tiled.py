@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
     const scalar_t* __restrict__ bias,  /* [N]; unused without HAS_BIAS */
     scalar_t* __restrict__ y,           /* [num_rows, N]: written unless quant_tiled_reduce adds the splits */
     float* __restrict__ partial,        /* [gridDim.z, num_rows, N]: written when gridDim.z > 1 */
-    int* __restrict__ counters,         /* [gridDim.y, gridDim.x]: zero, left zero; null: quant_tiled_reduce adds */
+    int* __restrict__ counters,         /* [gridDim.y, gridDim.x] with LAST_BLOCK: zero, left zero */
     int num_rows, int N, int K, int n_tiles, int k_tiles, int group_tiles, long long x_stride,
     int tiles_per_split)
 {
@@ -416,12 +416,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
         each_output(write_output);
         return;
     }
-    /* K split: each split writes its partial sums; without counters quant_tiled_reduce adds them,
-       else the block of the output tile to finish last (a counter per tile: zero before, left zero)
-       adds them in split order and writes y. */
+    /* K split: each split writes its partial sums; quant_tiled_reduce adds them, or with LAST_BLOCK
+       the block of the output tile to finish last (a counter per tile: zero before, left zero) adds
+       them in split order and writes y. Only LAST_BLOCK variants hold that tail: compiled in, it
+       changes how the whole kernel is compiled (sm_90: a third fewer registers). */
     const long long split_stride = (long long)num_rows * N;
     each_output([&](float v, long long at, int) { partial[blockIdx.z * split_stride + at] = v; });
-    if (counters == nullptr) return;
+#if LAST_BLOCK
     __threadfence();
     __syncthreads();
     __shared__ int last_split;
@@ -436,6 +437,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
         write_output(v, at, n);
     });
     if (threadIdx.x == 0) *counter = 0;
+#endif
 }
 
 """
@@ -480,6 +482,7 @@ def kernel_defines(
         TW=config.warp_tiles,
         STAGES=STAGES,
         HAS_BIAS=int(has_bias),
+        LAST_BLOCK=int(config.reduce == "last_block"),
         **decode_constants(tiled.scheme, dtype),
     )
 

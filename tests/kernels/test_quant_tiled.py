@@ -286,7 +286,9 @@ def test_quantized_layer_repacks_only_on_a_gpu_and_only_what_fits() -> None:
     assert not small_groups.tileable()
 
 
-def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> dict[str, int]:
+def _variant_defines(
+    scheme: str, dtype: torch.dtype, shape: tuple[int, int, int, int], last_block: bool = False
+) -> dict[str, int]:
     from kernels.quant_gemm import SCHEME_IDS, decode_constants
     from kernels.quant_tiled import STAGES
 
@@ -300,6 +302,7 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
         TW=warp_tiles,
         STAGES=STAGES,
         HAS_BIAS=1,
+        LAST_BLOCK=int(last_block),
         **decode_constants(scheme, dtype),
     )
 
@@ -308,15 +311,17 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torch.dtype, tmp_path) -> None:
-    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it (the
-    candidate shapes only the benchmark times are compiled on the GPU it runs on)."""
+    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it, and
+    the one-row shape with the last-block sum of a K split (the candidate shapes only the benchmark
+    times are compiled on the GPU it runs on)."""
     from kernels.quant_tiled import TILED_SOURCE, block_shape
 
-    shapes = {block_shape(num_rows) for num_rows in (1, 16, 32, 64)}
-    for shape in sorted(shapes):
-        registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, shape), tmp_path)
+    variants = [(shape, False) for shape in sorted({block_shape(rows) for rows in (1, 16, 32, 64)})]
+    for shape, last_block in [*variants, (block_shape(1), True)]:
+        defines = _variant_defines(scheme, dtype, shape, last_block)
+        registers = assemble_sm90(TILED_SOURCE, defines, tmp_path)
         assert set(registers) == {"quant_tiled"}
-        print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} registers: {registers}")
+        print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} last block {last_block}: {registers}")
 
 
 @needs_nvcc
