@@ -9,10 +9,12 @@ Measures, on the card it runs on (named in the output):
 - the skinny decode matrix kernel against cuBLAS (`F.linear`) on every weight matrix of Llama-3.2-1B
   and Qwen2.5-7B at 1..16 rows (achieved weight-read bandwidth; weights cycled past the L2 cache);
 - the quantized products (`kernels.quant_linear`: fp8 / int8 / int4 weights) on the same matrices
-  at 1 / 4 / 16 / 64 / 256 rows, time over the stored bytes' copy time (the floor) and over cuBLAS
-  on the bf16 weights; int8 / int4 as the engine dispatches them (tile layout loaded), and on the
-  same line each int kernel alone: quant_tiled, quant_mma, quant_gemv up to 16 rows / dequantize +
-  cuBLAS past them; `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
+  at 1-256 rows (`--quant-rows`), time over the stored bytes' copy time (the floor) and over cuBLAS
+  on the bf16 weights; int8 / int4 as the engine dispatches them (tile layout loaded; the kernel
+  named), and on the same line each int kernel alone: quant_tiled (a split product both ways of
+  adding its K splits), quant_mma, quant_gemv up to 16 rows / dequantize + cuBLAS past them; then the
+  dispatch thresholds (`quant_thresholds`) and where the dispatched kernel was not the fastest;
+  `--only quant_tiled_shapes`: quant_tiled per candidate block shape;
 - the fused per-layer kernels (residual add + RMSNorm, SiLU-and-mul, rotary on fused-QKV views) at
   Llama-3.2-1B / Qwen2.5-7B widths, against the plain torch ops they replace, both graph-replayed;
 - the target step (forward + LM head rows + verify/sample) of random-weight Llama-3.2-1B- and
@@ -46,12 +48,12 @@ import torch
 
 import kernels
 from benchmarks.random_model import SHAPES
-from kernels import _cuda
+from kernels import _cuda, quant_gemm, quant_tiled
 from kernels.attention_ref import AttentionMetadata
 from kernels.fused_layers_ref import fused_add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from kernels.quant_gemm import MAX_ROWS, dequantize_weight_cuda, quant_gemv_cuda, quant_mma_cuda
 from kernels.quant_ref import quantize_weight_ref
-from kernels.quant_tiled import BlockShape, candidate_shapes, quant_tiled_cuda
+from kernels.quant_tiled import BlockShape, candidate_shapes, quant_tiled_cuda, tiled_config
 from kernels.quant_tiled_ref import TiledWeight, repack_tiles
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaForCausalLM
@@ -357,14 +359,32 @@ def linear_rows(
     return rows
 
 
-def quant_linear_rows(
-    copy_gbs: float, row_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
-) -> list[dict[str, Any]]:
+QUANT_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+"""Row counts of the quant_linear section: either side of each dispatch threshold (`quant_thresholds`)."""
+
+
+def quant_thresholds() -> dict[str, int]:
+    """The constants `kernels.quant_linear`'s dispatch (quant_gemm `choose_path`) and quant_tiled's K
+    split follow, by kernel: what a quant_linear run's timings set."""
+    return dict(
+        INT_GEMV_MAX_ROWS=quant_gemm.INT_GEMV_MAX_ROWS,
+        FP8_GEMV_MAX_ROWS=quant_gemm.FP8_GEMV_MAX_ROWS,
+        MMA_MAX_ROWS=quant_gemm.MMA_MAX_ROWS,
+        TILED_MIN_ROWS=quant_gemm.TILED_MIN_ROWS,
+        TILED_MAX_ROWS=quant_gemm.TILED_MAX_ROWS,
+        TILED_MIN_WIDTH=quant_gemm.TILED_MIN_WIDTH,
+        LAST_BLOCK_MAX_SPLITS=quant_tiled.LAST_BLOCK_MAX_SPLITS,
+        WAVES=quant_tiled.WAVES,
+    )
+
+
+def quant_linear_rows(copy_gbs: float, row_counts: tuple[int, ...] = QUANT_ROWS) -> list[dict[str, Any]]:
     """Stored bytes (quantized weight + scales) / device time of `kernels.quant_linear` per scheme
     (fp8 and int8 per channel, int4 groups of 128), beside cuBLAS on the bf16 weight, over enough
     weight copies (>= 256 MiB of bf16) to stream from HBM. int8 / int4 weights have their tile
-    layout, so the dispatch is the engine's; each int kernel is also timed alone on the same line:
-    `quant_tiled`, `quant_mma`, and `quant_gemv` up to 16 rows or dequantize + cuBLAS past them."""
+    layout, so the dispatch is the engine's (`{scheme}_path`); each int kernel is also timed alone on
+    the same line: `quant_tiled` (a split product also with each way of adding its splits forced),
+    `quant_mma`, and `quant_gemv` up to 16 rows or dequantize + cuBLAS past them."""
     rows = []
     for model, matrices in LINEAR_SHAPES.items():
         for name, (n, k) in matrices.items():
@@ -393,6 +413,8 @@ def quant_linear_rows(
                     row[f"{scheme}_us"] = 1e3 * graph_time_ms(product) / copies
                     num_bytes = sum(t.numel() * t.element_size() for t in quantized[0])
                     row[f"{scheme}_fraction_of_copy"] = num_bytes / row[f"{scheme}_us"] / 1e3 / copy_gbs
+                    first_tiled = tiled[scheme][0] if scheme in tiled else None
+                    row[f"{scheme}_path"] = kernels.quant_path(x, *quantized[0], scheme, first_tiled)
                     if scheme != "fp8":
                         row.update(_int_kernel_times(scheme, x, quantized, tiled[scheme], copies))
                 rows.append(row)
@@ -408,20 +430,26 @@ def _int_kernel_times(
     stored: list[tuple[torch.Tensor, torch.Tensor]],
     tiled: list[TiledWeight],
     copies: int,
-) -> dict[str, float]:
-    """us per matrix of each int8 / int4 kernel alone: quant_tiled, quant_mma, and quant_gemv (up to
-    its MAX_ROWS rows) or dequantize + cuBLAS (past them)."""
+) -> dict[str, Any]:
+    """us per matrix of each int8 / int4 kernel alone: quant_tiled (`{scheme}_tiled_splits` K splits
+    added as `{scheme}_tiled_reduce` says; a split product also with each way forced:
+    `tiled_last_block`, `tiled_reduce_kernel`), quant_mma, and quant_gemv (up to its MAX_ROWS rows)
+    or dequantize + cuBLAS (past them)."""
+    config = tiled_config(x.shape[0], tiled[0], _cuda.num_sms(x.device.index or 0))
     products: dict[str, Callable[[torch.Tensor, torch.Tensor, TiledWeight], Any]] = {
         "tiled": lambda q, s, t: quant_tiled_cuda(x, t),
         "mma": lambda q, s, t: quant_mma_cuda(x, q, s, scheme),
     }
+    if config.splits > 1:
+        products["tiled_last_block"] = lambda q, s, t: quant_tiled_cuda(x, t, reduce="last_block")
+        products["tiled_reduce_kernel"] = lambda q, s, t: quant_tiled_cuda(x, t, reduce="reduce_kernel")
     if x.shape[0] <= MAX_ROWS:
         products["gemv"] = lambda q, s, t: quant_gemv_cuda(x, q, s, scheme)
     else:
         products["dequantize"] = lambda q, s, t: torch.nn.functional.linear(
             x, dequantize_weight_cuda(q, s, scheme, x.dtype)
         )
-    times = {}
+    times: dict[str, Any] = {f"{scheme}_tiled_splits": config.splits, f"{scheme}_tiled_reduce": config.reduce}
     for label, product in products.items():
         each = functools.partial(_each_int, product, stored, tiled)
         times[f"{scheme}_{label}_us"] = 1e3 * graph_time_ms(each) / copies
@@ -897,8 +925,12 @@ def main() -> None:
     parser.add_argument(
         "--decode-parts", nargs="+", choices=DECODE_PARTS, help="decode_paths: run only these parts"
     )
+    parser.add_argument(
+        "--quant-rows", nargs="+", type=int, default=list(QUANT_ROWS), help="quant_linear: these row counts"
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["quant_thresholds"] = quant_thresholds()
     result["copy_gb_per_s"] = copy_bandwidth_gbs()
     print("card", result["card"], "copy GB/s", round(result["copy_gb_per_s"]), flush=True)
     sections: list[tuple[str, Callable[[], Any]]] = [
@@ -907,7 +939,7 @@ def main() -> None:
         ("verify", verify_rows),
         ("fused_layers", fused_layer_rows),
         ("linear", lambda: linear_rows(result["copy_gb_per_s"])),
-        ("quant_linear", lambda: quant_linear_rows(result["copy_gb_per_s"])),
+        ("quant_linear", lambda: quant_linear_rows(result["copy_gb_per_s"], tuple(args.quant_rows))),
         ("quant_tiled_shapes", lambda: quant_tiled_shape_rows(result["copy_gb_per_s"])),
     ]
     if not args.skip_steps:
@@ -961,26 +993,19 @@ def summarize(result: dict[str, Any]) -> None:
                 for label in ("cublas", "skinny1", "skinny2")
             )
         )
-    for row in result.get("quant_linear", []) if isinstance(result.get("quant_linear"), list) else []:
+    quant_rows = result.get("quant_linear", []) if isinstance(result.get("quant_linear"), list) else []
+    for row in quant_rows:
         print(
             f"quant {row['model']:13s} {row['matrix']:8s} rows={row['rows']:3d} bf16 {row['bf16_us']:7.1f} us "
             + " ".join(
-                f"{s} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} of bf16, "
-                f"{1 / row[s + '_fraction_of_copy']:4.2f}x the floor)"
+                f"{s} {row.get(s + '_path', '?')} {row[s + '_us']:7.1f} us ({row[s + '_us'] / row['bf16_us']:4.2f} "
+                f"of bf16, {1 / row[s + '_fraction_of_copy']:4.2f}x the floor)"
                 for s in ("fp8", "int8", "int4")
             )
-            + "".join(
-                f" | {s} {path} {row[f'{s}_{key}_us']:7.1f} us"
-                for s in ("int8", "int4")
-                for key, path in (
-                    ("tiled", "quant_tiled"),
-                    ("mma", "quant_mma"),
-                    ("dequantize", "dequantize + cuBLAS"),
-                    ("gemv", "quant_gemv"),
-                )
-                if f"{s}_{key}_us" in row
-            )
+            + "".join(f" | {s} {_int_kernel_summary(row, s)}" for s in ("int8", "int4"))
         )
+    if quant_rows:
+        summarize_quant_dispatch(quant_rows, result.get("quant_thresholds", {}))
     for row in (
         result.get("quant_tiled_shapes", []) if isinstance(result.get("quant_tiled_shapes"), list) else []
     ):
@@ -1002,6 +1027,103 @@ def summarize(result: dict[str, Any]) -> None:
             )
             for kernel in row.get("kernels", []):
                 print(f"    {kernel['us']:8.1f} us {kernel['launches']:6.1f}x  {kernel['kernel']}")
+
+
+INT_KERNELS = (
+    ("tiled", "quant_tiled"),
+    ("mma", "quant_mma"),
+    ("dequantize", "dequantize + cuBLAS"),
+    ("gemv", "quant_gemv"),
+)
+"""The int8 / int4 kernels a quant_linear row times alone: (`choose_path`'s name, the kernel's)."""
+
+
+def _int_kernel_summary(row: dict[str, Any], scheme: str) -> str:
+    """Each int kernel's time alone on one quant line; quant_tiled's K split and, where it splits,
+    both ways of adding it."""
+    parts = []
+    for key, name in INT_KERNELS:
+        if f"{scheme}_{key}_us" not in row:
+            continue
+        part = f"{name} {row[f'{scheme}_{key}_us']:7.1f} us"
+        if key == "tiled" and row.get(f"{scheme}_tiled_splits", 1) > 1:
+            part += (
+                f" ({row[f'{scheme}_tiled_splits']} splits, {row[f'{scheme}_tiled_reduce']}: last block "
+                f"{row[f'{scheme}_tiled_last_block_us']:.1f} / reduce kernel {row[f'{scheme}_tiled_reduce_kernel_us']:.1f})"
+            )
+        parts.append(part)
+    return " ".join(parts)
+
+
+def quant_dispatch_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the quant_linear rows disagree with the dispatch: per int scheme and row count, the
+    matrices whose dispatched kernel was slower alone than another int kernel, then the split
+    products whose K split added by the last block beat the reduce kernel (LAST_BLOCK_MAX_SPLITS)."""
+    findings = []
+    for scheme in ("int8", "int4"):
+        for num_rows in sorted({row["rows"] for row in rows}):
+            at_rows = [row for row in rows if row["rows"] == num_rows and f"{scheme}_mma_us" in row]
+            slower = []
+            for row in at_rows:
+                times = {
+                    key: row[f"{scheme}_{key}_us"] for key, _ in INT_KERNELS if f"{scheme}_{key}_us" in row
+                }
+                fastest = min(times, key=times.__getitem__)
+                path = row.get(f"{scheme}_path")
+                if path in times and times[path] > times[fastest]:
+                    slower.append(
+                        f"{row['model']} {row['matrix']} {path} {times[path]:.1f} us vs {fastest} {times[fastest]:.1f}"
+                    )
+            if at_rows:
+                findings.append(
+                    f"quant dispatch {scheme} rows={num_rows:3d}: fastest on {len(at_rows) - len(slower)}/{len(at_rows)}"
+                    + (": slower: " + "; ".join(slower) if slower else "")
+                )
+        wins: dict[int, list[str]] = {}
+        split_products: dict[int, int] = {}
+        for row in rows:
+            splits = row.get(f"{scheme}_tiled_splits", 1)
+            if splits > 1:
+                split_products[splits] = split_products.get(splits, 0) + 1
+                last_block, reduced = (
+                    row[f"{scheme}_tiled_last_block_us"],
+                    row[f"{scheme}_tiled_reduce_kernel_us"],
+                )
+                if last_block < reduced:
+                    wins.setdefault(splits, []).append(
+                        f"{row['model']} {row['matrix']} rows={row['rows']} {last_block:.1f} vs {reduced:.1f} us"
+                    )
+        if split_products:
+            findings.append(
+                f"quant split {scheme}: last block faster / split products, by K splits: "
+                + " ".join(f"{k}: {len(wins.get(k, []))}/{n}" for k, n in sorted(split_products.items()))
+                + "".join(f"; {k} splits: " + ", ".join(wins[k]) for k in sorted(wins))
+            )
+    return findings
+
+
+def summarize_quant_dispatch(rows: list[dict[str, Any]], thresholds: dict[str, int]) -> None:
+    """The dispatch thresholds by kernel, then where this run's timings disagree with them."""
+    by_kernel = {
+        "quant_gemv": ("INT_GEMV_MAX_ROWS", "FP8_GEMV_MAX_ROWS"),
+        "quant_mma": ("MMA_MAX_ROWS",),
+        "quant_tiled": (
+            "TILED_MIN_ROWS",
+            "TILED_MAX_ROWS",
+            "TILED_MIN_WIDTH",
+            "LAST_BLOCK_MAX_SPLITS",
+            "WAVES",
+        ),
+    }
+    print(
+        "quant thresholds: "
+        + " | ".join(
+            f"{kernel} " + " ".join(f"{name}={thresholds.get(name, '?')}" for name in names)
+            for kernel, names in by_kernel.items()
+        )
+    )
+    for line in quant_dispatch_findings(rows):
+        print(line)
 
 
 def summarize_decode_paths(paths: Any) -> None:

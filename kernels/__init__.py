@@ -101,26 +101,18 @@ def quant_linear(
     out_dtype: torch.dtype | None = None,  # None: x's dtype
     tiled: TiledWeight | None = None,  # the same weight in the tile layout (kernels/quant_tiled_ref.py)
 ) -> torch.Tensor:  # [num_rows, out_features]
-    """x @ dequantize(weight).T (+ bias) on CUDA (kernels/quant_gemm.py, `choose_path`): int8 / int4
-    in the tile layout through `quant_tiled` at 9-256 bf16 / fp16 rows (SPECMESH_QUANT_KERNEL=mma
-    turns it off), one row through the one-row kernel, else on tensor cores dequantizing in
-    registers (`quant_mma`, up to 256 rows, groups a multiple of its K step); fp8 (and int8 / int4
-    groups quant_mma does not take) through the one-row kernel up to 16 rows, fp8 past
-    FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation scales (bf16, sm_89+); else
-    the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the torch reference
+    """x @ dequantize(weight).T (+ bias) on CUDA through the kernel `quant_path` names (rows as
+    kernels/quant_gemm.py `choose_path` deals them): int8 / int4 in the tile layout through
+    `quant_tiled` (SPECMESH_QUANT_KERNEL=mma turns it off), one row through the one-row kernel, else
+    on tensor cores dequantizing in registers (`quant_mma`, groups a multiple of its K step); fp8
+    (and int8 / int4 groups quant_mma does not take) through the one-row kernel up to 16 rows, fp8
+    past FP8_GEMV_MAX_ROWS on the FP8 tensor cores with per-token activation scales (bf16, sm_89+);
+    else the weight dequantized for cuBLAS. Elsewhere (CPU, float32) the torch reference
     `quant_linear_ref`."""
     if _cuda.available(x) and x.dtype in (torch.bfloat16, torch.float16):
         from kernels import quant_gemm, quant_tiled
 
-        scaled_mm_ok = scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1
-        path = quant_gemm.choose_path(
-            x.shape[0],
-            gemv_ok=quant_gemm.gemv_fits(x, qweight, scale, scheme),
-            mma_ok=quant_gemm.mma_fits(x, qweight, scale, scheme),
-            scaled_mm_ok=scaled_mm_ok,
-            tiled_ok=tiled is not None and quant_tiled.kernel_enabled() and quant_tiled.tiled_fits(x, tiled),
-            wide=qweight.shape[0] >= quant_gemm.TILED_MIN_WIDTH * x.shape[1],
-        )
+        path = quant_path(x, qweight, scale, scheme, tiled)
         if path == "tiled":
             assert tiled is not None
             result = quant_tiled.quant_tiled_cuda(x, tiled, bias)
@@ -135,6 +127,27 @@ def quant_linear(
             result = F.linear(x, weight, bias)
         return result if out_dtype is None else result.to(out_dtype)
     return quant_linear_ref(x, qweight, scale, scheme, bias, out_dtype)
+
+
+def quant_path(
+    x: torch.Tensor,  # [num_rows, in_features] bf16 / fp16 on CUDA
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    scheme: str,
+    tiled: TiledWeight | None = None,
+) -> str:
+    """The kernel `quant_linear` runs for these CUDA operands (`choose_path`'s names: tiled, gemv,
+    mma, scaled_mm, dequantize)."""
+    from kernels import quant_gemm, quant_tiled
+
+    return quant_gemm.choose_path(
+        x.shape[0],
+        gemv_ok=quant_gemm.gemv_fits(x, qweight, scale, scheme),
+        mma_ok=quant_gemm.mma_fits(x, qweight, scale, scheme),
+        scaled_mm_ok=scheme == "fp8" and quant_gemm.scaled_mm_fits(x, qweight) and scale.shape[1] == 1,
+        tiled_ok=tiled is not None and quant_tiled.kernel_enabled() and quant_tiled.tiled_fits(x, tiled),
+        wide=qweight.shape[0] >= quant_gemm.TILED_MIN_WIDTH * x.shape[1],
+    )
 
 
 def dequantize_weight(
@@ -410,6 +423,7 @@ __all__ = [
     "post_step_update",
     "post_step_update_slots",
     "quant_linear",
+    "quant_path",
     "rotary_embedding",
     "rotary_write_kv",
     "silu_and_mul",

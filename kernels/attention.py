@@ -31,7 +31,7 @@ import os
 import numpy as np
 import torch
 
-from kernels import _cuda
+from kernels import _cuda, ptx
 from kernels.attention_ref import AttentionMetadata, check_tree_mask
 
 BLOCK_N = 64
@@ -68,19 +68,10 @@ SOURCE = (
 #define PV_ROWS (KEY_PARALLEL ? RMAX : (RMAX + ROW_GROUPS - 1) / ROW_GROUPS)
 #define S_STRIDE (BLOCK_N + 1)
 #define NEG_INF (-__int_as_float(0x7f800000))
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+"""
+    + ptx.SHARED_ADDRESS
+    + ptx.CP_ASYNC
+    + r"""
 
 /* Whether the query token with tree mask `mask` sees the key at `pos_k` (already causally visible):
    the cached context always; key j of its own query where bit j is set (past bit 63: CAUSAL, -1). */
@@ -277,9 +268,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
             load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
                       tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
             cp_async_commit();
-            cp_async_wait_one();
+            cp_async_wait<1>();
         } else {
-            cp_async_wait_all();
+            cp_async_wait<0>();
         }
         __syncthreads();
 
@@ -429,25 +420,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_attention(
    rounded to the operand type as FlashAttention-2 does), an online softmax per warp, and the four
    warps' (max, sum, O) merged through shared memory at the end. Two barriers per tile. */
 #if DTYPE != DT_F32
-#if DTYPE == DT_BF16
-#define MMA_TYPE "bf16"
-#else
-#define MMA_TYPE "f16"
-#endif
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
+"""
+    + ptx.MMA_M16N8K16
+    + ptx.LDMATRIX
+    + r"""
 /* two floats -> the operand type, packed low (first) / high (second) */
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return (unsigned)from_float(lo) | ((unsigned)from_float(hi) << 16);
@@ -525,9 +501,9 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
             load_tile(next, next + BLOCK_N * ROW_STRIDE, key_cache, value_cache, table,
                       tile_start + BLOCK_N, s_end, block_size, num_kv_heads, kv_head);
             cp_async_commit();
-            cp_async_wait_one();
+            cp_async_wait<1>();
         } else {
-            cp_async_wait_all();
+            cp_async_wait<0>();
         }
         __syncthreads();
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import _cuda
+from kernels import _cuda, ptx
 from kernels.quant_ref import BITS, FP8_DTYPE, FP8_MAX, MIN_SCALE, SCHEMES
 
 MAX_ROWS = 16
@@ -57,14 +57,14 @@ MMA_MAX_ROWS = 64
 """Most rows `kernels.quant_linear` gives `quant_mma` (where `quant_tiled` does not take them); more
 go to dequantize + cuBLAS, whose 16-byte dequantize made it the fastest past 64 rows on an H100
 (7B matrices at 256 rows, int4: 36-336 us against quant_mma's 66-843 and quant_tiled's 56-491)."""
-TILED_MIN_ROWS = 33
+TILED_MIN_ROWS = 16
 TILED_MAX_ROWS = 128
-TILED_MIN_WIDTH = 8
-"""`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a wide matrix (at least TILED_MIN_WIDTH
-outputs per input feature, as gate_up): there it led on an H100 (7B gate_up at 64 rows, int4: 158
-us against quant_mma's 316 and dequantize + cuBLAS's 325), while on the other matrices, and at 16 and
-256 rows, quant_mma or dequantize + cuBLAS were faster since its K split is summed by the split's
-last block (BENCHMARKS.md "quant_tiled")."""
+TILED_MIN_WIDTH = 0
+"""`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a matrix with at least TILED_MIN_WIDTH
+outputs per input feature (0: every matrix; 8: only one as wide as gate_up). Its K split summed by
+a second kernel (kernels/quant_tiled.py `split_reduce`) is what lets it take the small matrices
+again; `benchmarks.gpu_kernels --only quant_linear` prints these thresholds beside every kernel's
+time, to be set from that run."""
 INT_GEMV_MAX_ROWS = 1
 """int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
 7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""
@@ -266,38 +266,11 @@ MMA_SOURCE = (
 #define ROW_BYTES(K) (K)
 #endif
 #define STEP (4 * VALS)      /* input features of one K step: chunks t = 0..3 of a quad */
-#if DTYPE == DT_BF16
-#define MMA_TYPE "bf16"
-#define FMA_X2 "fma.rn.bf16x2"
-#else
-#define MMA_TYPE "f16"
-#define FMA_X2 "fma.rn.f16x2"
-#endif
-
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-/* bytes of (hi:lo) picked by the selector's nibbles (PTX prmt; CUDA's __byte_perm) */
-__device__ __forceinline__ unsigned prmt(unsigned lo, unsigned hi, unsigned selector) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(selector));
-    return d;
-}
-__device__ __forceinline__ unsigned fma_x2(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm(FMA_X2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-#if SCHEME == SCH_INT8 && DTYPE == DT_BF16
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    unsigned d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-#endif
+"""
+    + ptx.MMA_M16N8K16
+    + ptx.PRMT
+    + ptx.HALF_PAIRS
+    + r"""
 
 /* Unit u of a stored chunk -> pairs p[0..3] of x's dtype holding the weight values q (exact):
    int4 (word w = features 0..7 as nibbles): p[j] = (feature j, feature j + 4), the nibbles at bits
@@ -320,8 +293,8 @@ __device__ __forceinline__ void decode_unit(const uint4& raw, int u, unsigned* p
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             f[i] = __uint_as_float(prmt(w, (unsigned)FLOAT_MAGIC, 0x7540 + i)) - __uint_as_float((unsigned)FLOAT_OFFSET);
-        p[2 * h] = pack_bf16x2(f[0], f[1]);
-        p[2 * h + 1] = pack_bf16x2(f[2], f[3]);
+        p[2 * h] = pack_x2(f[0], f[1]);
+        p[2 * h + 1] = pack_x2(f[2], f[3]);
 #else
         p[2 * h] = fma_x2(prmt(w, (unsigned)MAGIC_X2, 0x7150), (unsigned)ONE_X2, (unsigned)OFFSET_X2);
         p[2 * h + 1] = fma_x2(prmt(w, (unsigned)MAGIC_X2, 0x7352), (unsigned)ONE_X2, (unsigned)OFFSET_X2);
@@ -629,8 +602,8 @@ def choose_path(
     """Which kernel `kernels.quant_linear` runs for `num_rows` rows, given which ones take the
     operands and whether the matrix is `wide` (TILED_MIN_WIDTH outputs or more per input feature):
     `tiled` (int8 / int4 in the tile layout, kernels/quant_tiled.py) for TILED_MIN_ROWS-TILED_MAX_ROWS
-    rows of a wide matrix, `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma` (int8 / int4 up
-    to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to FP8_GEMV_MAX_ROWS where
+    rows of a wide enough matrix, `gemv` for int8 / int4 up to INT_GEMV_MAX_ROWS rows, `mma` (int8 /
+    int4 up to MMA_MAX_ROWS rows), `gemv` (up to MAX_ROWS rows; fp8 up to FP8_GEMV_MAX_ROWS where
     `_scaled_mm` applies), `scaled_mm` (fp8), else `dequantize` + cuBLAS."""
     if tiled_ok and wide and TILED_MIN_ROWS <= num_rows <= TILED_MAX_ROWS:
         return "tiled"

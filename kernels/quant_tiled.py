@@ -10,28 +10,30 @@ cp.async, STAGES - 1 stages ahead of the one being multiplied. Warp (kw, nw) mul
 kw of a stage for output tiles nw * TW .. + TW: each lane reads its A fragments of a tile with one
 16-byte shared load (two for int8), decodes them to exact bf16 / fp16 integers by bit placement
 (`decode_constants` of kernels/quant_gemm.py), multiplies them by their group's scale, and takes
-x's fragments by ldmatrix. The KW warps of a block add their sums in shared memory at the end;
-splits of K (grid z) write float32 partial sums, which the last split to finish an output tile adds in
-split order (one launch, no reduce kernel).
+x's fragments by ldmatrix. The KW warps of a block add their sums in shared memory at the end.
+Splits of K (grid z) write float32 partial sums to a workspace, added in split order either by the
+last split to finish each output tile (one launch) or by `quant_tiled_reduce` (a second, small
+launch): `split_reduce` chooses.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from kernels import _cuda
+from kernels import _cuda, ptx
 from kernels.quant_gemm import SCHEME_IDS, decode_constants
 from kernels.quant_ref import BITS
 from kernels.quant_tiled_ref import CHUNKS, IN_FEATURES_MULTIPLE, TILE_K, TiledWeight
 
 KERNEL_ENV = "SPECMESH_QUANT_KERNEL"
-"""`mma` gives the products `quant_tiled` would take (kernels/quant_gemm.py `choose_path`: 33-128
-rows of a wide matrix) to the older `quant_mma` even where a layer has its tile layout (A/B timing);
-anything else, or unset, runs `quant_tiled` there."""
+"""`mma` gives the products `quant_tiled` would take (kernels/quant_gemm.py `choose_path`:
+TILED_MIN_ROWS-TILED_MAX_ROWS rows) to the older `quant_mma` even where a layer has its tile layout
+(A/B timing); anything else, or unset, runs `quant_tiled` there."""
 MAX_ROWS = 256
 """Most rows `quant_tiled` takes (`kernels.quant_linear` gives it at most quant_gemm.TILED_MAX_ROWS)."""
 MIN_CAPABILITY = (8, 0)
@@ -49,8 +51,18 @@ PARTIAL_FRACTION = 0.25
 PARTIAL_MIN_BYTES = 8 * 2**20
 """...or this many, whichever is more: a small matrix's partial sums stay in L2, and splitting is
 what spreads its few output blocks over the SMs."""
+LAST_BLOCK_MAX_SPLITS = 1
+"""Most K splits the last block of each output tile adds (`split_reduce`); a product split more ways
+leaves the sum to `quant_tiled_reduce`. 1: every split product takes the reduce kernel;
+`benchmarks.gpu_kernels --only quant_linear` times both ways for each split product."""
+REDUCE_THREADS = 256
 MIN_COUNTERS = 1 << 16
 """Output-tile counters allocated at least (one per row block x output block of a split launch)."""
+
+SplitReduce = Literal["none", "last_block", "reduce_kernel"]
+"""How a product's K splits are added: `none` (one split: y written directly), `last_block` (the
+split to finish an output tile last adds them, one launch) or `reduce_kernel` (`quant_tiled_reduce`,
+a second launch over the whole output)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class TiledConfig:
     splits: int
     grid: tuple[int, int, int]  # (row blocks, output blocks, splits)
     shared_bytes: int
+    reduce: SplitReduce
 
     @property
     def threads(self) -> int:
@@ -110,14 +123,32 @@ def shared_bytes(scheme: str, row_tiles: int, k_warps: int, n_warps: int, warp_t
     return max(STAGES * stage, sums)
 
 
+def split_reduce(splits: int) -> SplitReduce:
+    """The rule for adding a product's K splits. A product is split where its output tiles alone
+    leave the SMs short (`tiled_config`), so the fewer its tiles, the more splits; the last block of
+    a tile then adds them all in turn at the end of the launch, while `quant_tiled_reduce` adds every
+    output in parallel for the cost of a second launch: the last block up to LAST_BLOCK_MAX_SPLITS
+    splits, the reduce kernel past them."""
+    if splits == 1:
+        return "none"
+    return "last_block" if splits <= LAST_BLOCK_MAX_SPLITS else "reduce_kernel"
+
+
 def tiled_config(
-    num_rows: int, tiled: TiledWeight, num_sms: int, shape: BlockShape | None = None
+    num_rows: int,
+    tiled: TiledWeight,
+    num_sms: int,
+    shape: BlockShape | None = None,
+    reduce: SplitReduce | None = None,
 ) -> TiledConfig:
-    """The block shape for `num_rows` rows (`shape`, or `block_shape`'s) and a K split that gives
+    """The block shape for `num_rows` rows (`shape`, or `block_shape`'s), a K split that gives
     about WAVES sets of resident blocks, keeping at least MIN_STAGES_PER_SPLIT stages a split and
-    the partial sums' traffic within PARTIAL_FRACTION of the weight's bytes (or PARTIAL_MIN_BYTES)."""
+    the partial sums' traffic within PARTIAL_FRACTION of the weight's bytes (or PARTIAL_MIN_BYTES),
+    and how the splits are added (`reduce` where the product splits, or `split_reduce`'s rule)."""
     if num_rows <= 0:
         raise ValueError(f"quant_tiled needs at least one row, not {num_rows}")
+    if reduce == "none":
+        raise ValueError("quant_tiled: `none` is what an unsplit product gets, not a way to add splits")
     row_tiles, k_warps, n_warps, warp_tiles = shape or block_shape(num_rows)
     smem = shared_bytes(tiled.scheme, row_tiles, k_warps, n_warps, warp_tiles)
     row_blocks = -(-num_rows // (8 * row_tiles))
@@ -132,7 +163,8 @@ def tiled_config(
     tiles_per_split = -(-num_stages // splits) * k_warps
     splits = -(-tiled.k_tiles // tiles_per_split)
     grid = (row_blocks, out_blocks, splits)
-    return TiledConfig(row_tiles, k_warps, n_warps, warp_tiles, tiles_per_split, splits, grid, smem)
+    how = "none" if splits == 1 else reduce or split_reduce(splits)
+    return TiledConfig(row_tiles, k_warps, n_warps, warp_tiles, tiles_per_split, splits, grid, smem, how)
 
 
 def kernel_enabled() -> bool:
@@ -178,63 +210,13 @@ TILED_MACROS = r"""
 #define S_STAGE_BYTES (STAGE_TILES * 64)
 #define X_STAGE_BYTES (ROWS * X_PITCH * 2)
 #define STAGE_BYTES (W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES)
-#if DTYPE == DT_BF16
-#define MMA_TYPE "bf16"
-#define FMA_X2 "fma.rn.bf16x2"
-#define CVT_X2 "cvt.rn.bf16x2.f32"
-#else
-#define MMA_TYPE "f16"
-#define FMA_X2 "fma.rn.f16x2"
-#define CVT_X2 "cvt.rn.f16x2.f32"
-#endif
 #define NEG_ZERO_X2 0x80008000u
 
 """
 
-PTX_HELPERS = r"""
-__device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned prmt(unsigned lo, unsigned hi, unsigned selector) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(selector));
-    return d;
-}
-__device__ __forceinline__ unsigned fma_x2(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm(FMA_X2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-/* (lo, hi) floats -> one register of two x-dtype halves, lo in the low half */
-__device__ __forceinline__ unsigned pack_x2(float lo, float hi) {
-    unsigned d;
-    asm(CVT_X2 " %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-/* 16 bytes global -> shared, or 16 zero bytes where !valid (src is then not read) */
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-"""
-"""The inline-PTX primitives the kernels use (tensor-core mma, ldmatrix, cp.async, byte permute,
-paired half-precision fma and conversion): a host test swaps in C++ twins of these alone."""
+PTX_HELPERS = ptx.SHARED_ADDRESS + ptx.CP_ASYNC + ptx.LDMATRIX + ptx.MMA_M16N8K16 + ptx.PRMT + ptx.HALF_PAIRS
+"""The inline-PTX primitives the kernel uses (kernels/ptx.py: tensor-core mma, ldmatrix, cp.async,
+byte permute, paired half-precision fma and conversion): a host test swaps in C++ twins of these alone."""
 
 TILED_KERNELS = r"""
 __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
@@ -282,9 +264,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
     const uint4* __restrict__ tiles,    /* [k_tiles, n_tiles, LANE_CHUNKS] */
     const float* __restrict__ scales,   /* [num_groups, n_tiles, 8, 2] */
     const scalar_t* __restrict__ bias,  /* [N]; unused without HAS_BIAS */
-    scalar_t* __restrict__ y,           /* [num_rows, N]: written when gridDim.z == 1 */
+    scalar_t* __restrict__ y,           /* [num_rows, N]: written unless quant_tiled_reduce adds the splits */
     float* __restrict__ partial,        /* [gridDim.z, num_rows, N]: written when gridDim.z > 1 */
-    int* __restrict__ counters,         /* [gridDim.y, gridDim.x] when gridDim.z > 1: zero, left zero */
+    int* __restrict__ counters,         /* [gridDim.y, gridDim.x] with LAST_BLOCK: zero, left zero */
     int num_rows, int N, int K, int n_tiles, int k_tiles, int group_tiles, long long x_stride,
     int tiles_per_split)
 {
@@ -434,10 +416,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
         each_output(write_output);
         return;
     }
-    /* K split: each split writes its partial sums; the block of the output tile to finish last (a
-       counter per tile: zero before, left zero) adds them in split order and writes y. */
+    /* K split: each split writes its partial sums; quant_tiled_reduce adds them, or with LAST_BLOCK
+       the block of the output tile to finish last (a counter per tile: zero before, left zero) adds
+       them in split order and writes y. Only LAST_BLOCK variants hold that tail: compiled in, it
+       changes how the whole kernel is compiled (sm_90: a third fewer registers). */
     const long long split_stride = (long long)num_rows * N;
     each_output([&](float v, long long at, int) { partial[blockIdx.z * split_stride + at] = v; });
+#if LAST_BLOCK
     __threadfence();
     __syncthreads();
     __shared__ int last_split;
@@ -452,11 +437,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) quant_tiled(
         write_output(v, at, n);
     });
     if (threadIdx.x == 0) *counter = 0;
+#endif
 }
 
 """
 
 TILED_SOURCE = _cuda.CONVERSIONS + TILED_MACROS + PTX_HELPERS + TILED_KERNELS
+
+REDUCE_KERNEL = r"""
+/* y[m, n] = sum over splits of partial[z, m, n] in split order (+ bias[n]), one element a thread:
+   the same sum, in the same order, as quant_tiled's last block */
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) quant_tiled_reduce(
+    const float* __restrict__ partial,  /* [splits, num_rows, N] */
+    const scalar_t* __restrict__ bias,  /* [N]; unused without HAS_BIAS */
+    scalar_t* __restrict__ y,           /* [num_rows, N] */
+    int splits, int num_rows, int N)
+{
+    const long long total = (long long)num_rows * N;
+    const long long at = (long long)blockIdx.x * REDUCE_THREADS + threadIdx.x;
+    if (at >= total) return;
+    float v = 0.f;
+    for (int z = 0; z < splits; ++z) v += partial[z * total + at];
+#if HAS_BIAS
+    v += to_float(bias[at % N]);
+#endif
+    y[at] = from_float(v);
+}
+"""
+
+REDUCE_SOURCE = _cuda.CONVERSIONS + REDUCE_KERNEL
+"""`quant_tiled_reduce` alone: compiled per dtype and bias, not per block shape."""
 
 
 def kernel_defines(
@@ -472,24 +482,38 @@ def kernel_defines(
         TW=config.warp_tiles,
         STAGES=STAGES,
         HAS_BIAS=int(has_bias),
+        LAST_BLOCK=int(config.reduce == "last_block"),
         **decode_constants(tiled.scheme, dtype),
     )
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_WORKSPACES: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+
+def _workspace(num_elements: int, dtype: torch.dtype, device: torch.device, minimum: int) -> torch.Tensor:
+    """A zeroed buffer of at least `num_elements` of `dtype` on `device`, shared by every launch
+    (they run one after another on torch's stream). Made once and replaced only when a launch needs
+    more, by one at least twice as large; the buffers it replaces stay allocated, so a CUDA graph
+    captured on one keeps reading valid memory."""
+    buffers = _WORKSPACES.setdefault((device, dtype), [])
+    if not buffers or buffers[-1].numel() < num_elements:
+        size = max(num_elements, minimum, 2 * buffers[-1].numel() if buffers else 0)
+        buffers.append(torch.zeros(size, dtype=dtype, device=device))
+    return buffers[-1]
 
 
 def split_counters(num_tiles: int, device: torch.device) -> torch.Tensor:
-    """The arrival counters of a K-split launch over `num_tiles` output tiles (row block x output
-    block) on `device`: zero between launches (the kernel leaves them zero), shared by every launch
-    (they run one after another on a stream). A launch over more tiles than they hold replaces them,
-    which a CUDA graph captured before must not outlive; MIN_COUNTERS tiles (over 4M outputs at 64
-    rows) make that moot for real models."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        counters = torch.zeros(max(num_tiles, MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+    """The arrival counters of a `last_block` launch over `num_tiles` output tiles (row block x
+    output block) on `device`: zero between launches (the kernel leaves them zero)."""
+    return _workspace(num_tiles, torch.int32, device, MIN_COUNTERS)
+
+
+def split_partials(splits: int, num_rows: int, out_features: int, device: torch.device) -> torch.Tensor:
+    """The float32 partial sums of a split launch, [splits, num_rows, out_features]: a view of the
+    device's workspace."""
+    num_floats = splits * num_rows * out_features
+    workspace = _workspace(num_floats, torch.float32, device, 0)
+    return workspace[:num_floats].view(splits, num_rows, out_features)
 
 
 def quant_tiled_cuda(
@@ -497,10 +521,12 @@ def quant_tiled_cuda(
     tiled: TiledWeight,
     bias: torch.Tensor | None = None,  # [out_features]
     shape: BlockShape | None = None,  # None: block_shape(num_rows)
+    reduce: SplitReduce | None = None,  # how K splits are added; None: split_reduce's rule
 ) -> torch.Tensor:  # [num_rows, out_features] in x's dtype
     """Same result as `tiled_linear_ref` up to rounding: each weight times its group's scale is
     rounded to x's dtype (as the reference's dequantized weight; int8 in bf16 through float32),
-    the products summed in float32, one rounding to x's dtype."""
+    the products summed in float32, one rounding to x's dtype. Either way of adding K splits gives
+    the same bits."""
     device = x.device
     _cuda.check(
         tiled_fits(x, tiled),
@@ -511,16 +537,17 @@ def quant_tiled_cuda(
     if bias is not None:
         _cuda.check_cuda_tensor("bias", bias, [x.dtype], 1, device)
         _cuda.check(bias.shape[0] == n and bias.is_contiguous(), f"bias has shape {tuple(bias.shape)}")
-    config = tiled_config(num_rows, tiled, _cuda.num_sms(device.index or 0), shape)
+    config = tiled_config(num_rows, tiled, _cuda.num_sms(device.index or 0), shape, reduce)
     defines = kernel_defines(tiled, x.dtype, config, bias is not None)
     kernel = _cuda.function(TILED_SOURCE, "quant_tiled", device, **defines)
     _cuda.set_max_dynamic_shared(kernel, config.shared_bytes)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=device)
-    partial = None
-    if config.splits > 1:
-        partial = torch.empty(config.splits, num_rows, n, dtype=torch.float32, device=device)
-    counters = split_counters(config.grid[0] * config.grid[1], device) if partial is not None else None
-    args = (x, tiled.tiles, tiled.scales, bias if bias is not None else x, out, partial, counters)
+    partial = split_partials(config.splits, num_rows, n, device) if config.reduce != "none" else None
+    counters = (
+        split_counters(config.grid[0] * config.grid[1], device) if config.reduce == "last_block" else None
+    )
+    bias_arg = bias if bias is not None else x
+    args = (x, tiled.tiles, tiled.scales, bias_arg, out, partial, counters)
     sizes = (
         np.int32(num_rows),
         np.int32(n),
@@ -532,4 +559,22 @@ def quant_tiled_cuda(
         np.int32(config.tiles_per_split),
     )
     _cuda.launch(kernel, config.grid, (config.threads,), args + sizes, device, config.shared_bytes)
+    if config.reduce == "reduce_kernel":
+        assert partial is not None
+        _reduce_splits(partial, bias_arg, out, bias is not None)
     return out
+
+
+def _reduce_splits(
+    partial: torch.Tensor,  # [splits, num_rows, out_features] float32
+    bias: torch.Tensor,  # [out_features], or any tensor without has_bias
+    out: torch.Tensor,  # [num_rows, out_features]
+    has_bias: bool,
+) -> None:
+    """out = the sum of the splits' partial sums (+ bias), by `quant_tiled_reduce`."""
+    splits, num_rows, n = partial.shape
+    defines = dict(DTYPE=_cuda.DTYPE_IDS[out.dtype], HAS_BIAS=int(has_bias), REDUCE_THREADS=REDUCE_THREADS)
+    kernel = _cuda.function(REDUCE_SOURCE, "quant_tiled_reduce", out.device, **defines)
+    grid = (-(-num_rows * n // REDUCE_THREADS),)
+    sizes = (np.int32(splits), np.int32(num_rows), np.int32(n))
+    _cuda.launch(kernel, grid, (REDUCE_THREADS,), (partial, bias, out) + sizes, out.device)

@@ -27,7 +27,9 @@
 # quant-tests.log (each other CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs
 # vs eager), quant-kernels.json (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at
 # 1-256 rows over the stored bytes' copy time and over cuBLAS bf16's, int8 / int4 as dispatched, then each int
-# kernel alone: quant_tiled, quant_mma, quant_gemv / dequantize; "quant_tiled" lines: each candidate block shape),
+# kernel alone: quant_tiled (split products both ways of adding the split), quant_mma, quant_gemv / dequantize;
+# "quant thresholds" / "quant dispatch" / "quant split" lines: the dispatch constants by kernel and where the
+# timings disagree with them; "quant_tiled" lines: each candidate block shape),
 # engine-<shape>-quant-<none|fp8|int8|int4>.json
 # (benchmarks.bench_engine, bf16 first in the same call: decode step vs the floor of the bytes actually read)
 # and offline-<shape>-quant-<...>.json (acceptance and speedups of every method with a quantized widened target;

@@ -4,12 +4,15 @@ kernels/quant_tiled.py).
 On CPU: repacking then unpacking gives back the compressed-tensors integers and scales for every
 shape the layout takes (odd ones padded), weights it cannot take are refused with the rule named,
 one warp tile through the kernel's decoding and the PTX fragment placement multiplies exactly,
-the K split covers every tile once, the dispatch prefers the tiled kernel, and every compiled
-variant assembles for sm_90 without spills. On a GPU: the kernel against the reference over
-shapes, row counts 1..256, group sizes, dtypes, strided rows and CUDA graph replay.
+the K split covers every tile once, the dispatch prefers the tiled kernel, the whole kernel (and
+both ways of adding K splits) runs on the host against the reference, and every compiled variant
+assembles for sm_90 without spills. On a GPU: the kernel against the reference over shapes, row
+counts 1..256, group sizes, dtypes, both ways of adding K splits, strided rows and CUDA graph replay.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ import torch
 import kernels
 from kernels import _cuda
 from kernels.quant_ref import BITS, dequantize_weight_ref, pack_int32, quantize_weight_ref, unpack_int32
+from kernels.quant_tiled import SplitReduce
 from kernels.quant_tiled_ref import (
     CHUNKS,
     TILE_K,
@@ -168,6 +172,7 @@ def test_tiled_config_covers_every_tile_once(scheme: str) -> None:
         MIN_STAGES_PER_SPLIT,
         PARTIAL_FRACTION,
         PARTIAL_MIN_BYTES,
+        split_reduce,
         tiled_config,
     )
 
@@ -186,6 +191,7 @@ def test_tiled_config_covers_every_tile_once(scheme: str) -> None:
             assert config.tiles_per_split % config.k_warps == 0  # whole stages
             assert (splits - 1) * config.tiles_per_split < tiled.k_tiles <= splits * config.tiles_per_split
             assert config.shared_bytes <= MAX_SHARED_BYTES
+            assert config.reduce == split_reduce(splits) and (config.reduce == "none") == (splits == 1)
             if splits > 1:
                 assert config.tiles_per_split >= MIN_STAGES_PER_SPLIT * config.k_warps
                 budget = max(PARTIAL_FRACTION * n * k * BITS[scheme] // 8, PARTIAL_MIN_BYTES)
@@ -194,11 +200,51 @@ def test_tiled_config_covers_every_tile_once(scheme: str) -> None:
         tiled_config(0, tiled, 132)
 
 
+def test_k_splits_are_added_by_the_last_block_up_to_the_limit_then_by_the_reduce_kernel(monkeypatch) -> None:
+    from kernels import quant_tiled
+    from kernels.quant_tiled import split_reduce, tiled_config
+
+    monkeypatch.setattr(quant_tiled, "LAST_BLOCK_MAX_SPLITS", 4)
+    assert [split_reduce(s) for s in (1, 2, 4, 5, 19)] == ["none"] + ["last_block"] * 2 + [
+        "reduce_kernel"
+    ] * 2
+    monkeypatch.setattr(quant_tiled, "LAST_BLOCK_MAX_SPLITS", 1)
+    assert [split_reduce(s) for s in (1, 2, 19)] == ["none", "reduce_kernel", "reduce_kernel"]
+    narrow_deep = TiledWeight(torch.empty(64, 3, 1), torch.empty(1, 3, 8, 2), "int4", 48, 4096, 128)
+    wide = TiledWeight(torch.empty(32, 2368, 1), torch.empty(1, 2368, 8, 2), "int4", 37888, 2048, 128)
+    for num_rows in (16, 33, 64):  # a few output tiles over a deep K: a wide split
+        assert tiled_config(num_rows, narrow_deep, 132).splits > 1
+        forced = tiled_config(num_rows, narrow_deep, 132, reduce="last_block")
+        assert forced.reduce == "last_block" and forced.grid == tiled_config(num_rows, narrow_deep, 132).grid
+    assert tiled_config(64, wide, 132, reduce="last_block").reduce == "none"  # its tiles fill the SMs
+    with pytest.raises(ValueError, match="not a way to add splits"):
+        tiled_config(16, narrow_deep, 132, reduce="none")
+
+
+def test_the_split_workspace_grows_only_past_its_size_and_keeps_what_it_outgrew(monkeypatch) -> None:
+    """Launches share one buffer; one needing more gets a new one at least twice as large, and the
+    old one stays allocated (a CUDA graph captured on it keeps valid memory)."""
+    from kernels import quant_tiled
+    from kernels.quant_tiled import split_partials
+
+    monkeypatch.setattr(quant_tiled, "_WORKSPACES", {})
+    cpu = torch.device("cpu")
+    first = split_partials(4, 3, 5, cpu)
+    assert first.shape == (4, 3, 5) and first.dtype == torch.float32
+    smaller = split_partials(2, 2, 5, cpu)
+    assert smaller.data_ptr() == first.data_ptr()
+    grown = split_partials(5, 3, 5, cpu)
+    assert grown.data_ptr() != first.data_ptr() and grown.untyped_storage().nbytes() >= 2 * 60 * 4
+    assert split_partials(1, 1, 1, cpu).data_ptr() == grown.data_ptr()
+    kept = quant_tiled._WORKSPACES[cpu, torch.float32]
+    assert [buffer.data_ptr() for buffer in kept] == [first.data_ptr(), grown.data_ptr()]
+
+
 def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(monkeypatch) -> None:
     from kernels.quant_gemm import MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
 
-    paths = {  # rows: (a wide matrix with the tile layout, a narrow one, no tile layout)
+    paths = {  # rows: (a matrix wide enough (TILED_MIN_WIDTH) with the tile layout, a narrower one, none)
         1: ("gemv", "gemv", "gemv"),
         TILED_MIN_ROWS - 1: ("mma", "mma", "mma"),
         TILED_MIN_ROWS: ("tiled", "mma", "mma"),
@@ -240,7 +286,9 @@ def test_quantized_layer_repacks_only_on_a_gpu_and_only_what_fits() -> None:
     assert not small_groups.tileable()
 
 
-def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> dict[str, int]:
+def _variant_defines(
+    scheme: str, dtype: torch.dtype, shape: tuple[int, int, int, int], last_block: bool = False
+) -> dict[str, int]:
     from kernels.quant_gemm import SCHEME_IDS, decode_constants
     from kernels.quant_tiled import STAGES
 
@@ -254,6 +302,7 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
         TW=warp_tiles,
         STAGES=STAGES,
         HAS_BIAS=1,
+        LAST_BLOCK=int(last_block),
         **decode_constants(scheme, dtype),
     )
 
@@ -262,15 +311,27 @@ def _variant_defines(scheme: str, dtype: torch.dtype, shape: tuple[int, int, int
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_variant_compiles_for_sm90_without_spills(scheme: str, dtype: torch.dtype, tmp_path) -> None:
-    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it (the
-    candidate shapes only the benchmark times are compiled on the GPU it runs on)."""
+    """Each default block shape (1-8, 9-16, 17-32, 33+ rows) as quant_tiled_cuda compiles it, and
+    the one-row shape with the last-block sum of a K split (the candidate shapes only the benchmark
+    times are compiled on the GPU it runs on)."""
     from kernels.quant_tiled import TILED_SOURCE, block_shape
 
-    shapes = {block_shape(num_rows) for num_rows in (1, 16, 32, 64)}
-    for shape in sorted(shapes):
-        registers = assemble_sm90(TILED_SOURCE, _variant_defines(scheme, dtype, shape), tmp_path)
+    variants = [(shape, False) for shape in sorted({block_shape(rows) for rows in (1, 16, 32, 64)})]
+    for shape, last_block in [*variants, (block_shape(1), True)]:
+        defines = _variant_defines(scheme, dtype, shape, last_block)
+        registers = assemble_sm90(TILED_SOURCE, defines, tmp_path)
         assert set(registers) == {"quant_tiled"}
-        print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} registers: {registers}")
+        print(f"\nquant_tiled {scheme} {dtype} MTxKWxNWxTW {shape} last block {last_block}: {registers}")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_split_reduce_compiles_for_sm90_without_spills(dtype: torch.dtype, tmp_path) -> None:
+    from kernels.quant_tiled import REDUCE_SOURCE, REDUCE_THREADS
+
+    for has_bias in (0, 1):
+        defines = dict(DTYPE=_cuda.DTYPE_IDS[dtype], HAS_BIAS=has_bias, REDUCE_THREADS=REDUCE_THREADS)
+        assert set(assemble_sm90(REDUCE_SOURCE, defines, tmp_path)) == {"quant_tiled_reduce"}
 
 
 HOST_PTX = r"""
@@ -344,6 +405,9 @@ barrier and reading each other's registers as the PTX ISA places fragments, cp.a
 (completed at once, so waiting is a no-op)."""
 
 
+HOST_HEADER = "#define DT_BF16 1\n#define DT_F16 2\n"
+
+
 def _run_tiled_on_host(
     x: torch.Tensor,
     tiled: TiledWeight,
@@ -351,33 +415,30 @@ def _run_tiled_on_host(
     num_sms: int,
     tmp_path,
     shape: tuple[int, int, int, int] | None = None,
+    reduce: SplitReduce | None = None,
 ) -> torch.Tensor:
-    """quant_tiled_cuda's launch run on the host (the last block of each output tile, in launch
-    order, adds the K splits)."""
+    """quant_tiled_cuda's launches run on the host: the kernel, then `quant_tiled_reduce` where the
+    config leaves the K splits to it (`last_block`: the last block of each output tile, in launch
+    order, adds them)."""
     from kernels.quant_tiled import TILED_KERNELS, TILED_MACROS, kernel_defines, tiled_config
     from tests.kernels.helpers import run_threads_on_host
 
-    config = tiled_config(x.shape[0], tiled, num_sms, shape)
+    config = tiled_config(x.shape[0], tiled, num_sms, shape, reduce)
     defines = kernel_defines(tiled, x.dtype, config, bias is not None)
     kernels_source = TILED_KERNELS.replace(
         "extern __shared__ __align__(16) unsigned char smem[];",
         f"alignas(16) static unsigned char smem[{config.shared_bytes}];",
     )
-    source = "#define DT_BF16 1\n#define DT_F16 2\n" + TILED_MACROS + HOST_PTX + kernels_source
+    source = HOST_HEADER + TILED_MACROS + HOST_PTX + kernels_source
     num_rows, n = x.shape[0], tiled.out_features
     out = torch.full((num_rows, n), float("nan"), dtype=x.dtype)
     partial = torch.full((config.splits, num_rows, n), float("nan")) if config.splits > 1 else None
-    counters = torch.zeros(config.grid[0] * config.grid[1], dtype=torch.int32) if config.splits > 1 else None
+    counters = None
+    if config.reduce == "last_block":
+        counters = torch.zeros(config.grid[0] * config.grid[1], dtype=torch.int32)
     words = x.view(torch.int16)
-    args = (
-        words,
-        tiled.tiles,
-        tiled.scales,
-        bias.view(torch.int16) if bias is not None else words,
-        out.view(torch.int16),
-        partial,
-        counters,
-    )
+    bias_words = bias.view(torch.int16) if bias is not None else words
+    args = (words, tiled.tiles, tiled.scales, bias_words, out.view(torch.int16), partial, counters)
     sizes = (
         num_rows,
         n,
@@ -391,7 +452,24 @@ def _run_tiled_on_host(
     run_threads_on_host(source, "quant_tiled", defines, config.grid, config.threads, args + sizes, tmp_path)
     if counters is not None:
         assert not counters.any(), "the last split of each output tile leaves its counter zero"
+    if partial is not None and config.reduce == "reduce_kernel":
+        _reduce_on_host(partial, bias_words, out, bias is not None, tmp_path)
     return out
+
+
+def _reduce_on_host(
+    partial: torch.Tensor, bias_words: torch.Tensor, out: torch.Tensor, has_bias: bool, tmp_path
+) -> None:
+    """`quant_tiled_reduce` run on the host as quant_tiled_cuda launches it."""
+    from kernels.quant_tiled import REDUCE_KERNEL, REDUCE_THREADS
+    from tests.kernels.helpers import run_threads_on_host
+
+    splits, num_rows, n = partial.shape
+    defines = dict(DTYPE=_cuda.DTYPE_IDS[out.dtype], HAS_BIAS=int(has_bias), REDUCE_THREADS=REDUCE_THREADS)
+    grid = (-(-num_rows * n // REDUCE_THREADS),)
+    args = (partial, bias_words, out.view(torch.int16), splits, num_rows, n)
+    source = HOST_HEADER + HOST_PTX + REDUCE_KERNEL
+    run_threads_on_host(source, "quant_tiled_reduce", defines, grid, REDUCE_THREADS, args, tmp_path)
 
 
 HOST_CASES = [  # (scheme, out_features, in_features, group_size, rows): every block shape, odd edges, a K split
@@ -407,9 +485,9 @@ HOST_CASES = [  # (scheme, out_features, in_features, group_size, rows): every b
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_run_on_the_host_matches_reference(dtype: torch.dtype, tmp_path) -> None:
     """The whole CUDA source (pipeline, warps' tile columns and output tiles, the reduction over
-    warps, the K split and its last-block sum, bias, row and output edges) run as C++ threads with the
-    PTX primitives' twins: the reference's product within the GPU test's tolerance, every output
-    written. Two SMs make the narrow cases split K."""
+    warps, the K split and the rule's way of adding it, bias, row and output edges) run as C++
+    threads with the PTX primitives' twins: the reference's product within the GPU test's
+    tolerance, every output written. Two SMs make the narrow cases split K."""
     from kernels.quant_tiled import tiled_config
 
     generator = torch.Generator().manual_seed(44)
@@ -423,6 +501,96 @@ def test_kernel_run_on_the_host_matches_reference(dtype: torch.dtype, tmp_path) 
         expected = tiled_linear_ref(x.double(), tiled, bias.double())
         assert rel_error(out, expected) < TOLERANCE[dtype], f"{scheme} {num_rows}x{k}x{n} g{group_size}"
     assert max(splits_seen) > 1 and min(splits_seen) == 1
+
+
+SPLIT_CASES = [  # (scheme, out_features, in_features, group_size, rows): few output tiles, deep K
+    ("int4", 48, 4096, 128, 16),
+    ("int8", 96, 2048, None, 33),
+    ("int4", 40, 3072, 64, 64),
+]
+"""Products an H100's 132 SMs split wide (8-12 ways): what the reduce kernel is for."""
+
+
+@needs_gxx
+def test_both_ways_of_adding_k_splits_run_on_the_host_give_the_same_bits(tmp_path) -> None:
+    """The split cases, as laid out for 132 SMs, with the splits added by each tile's last block and
+    by quant_tiled_reduce (bias and none): the reference's product within tolerance, and the same
+    bits both ways (the same sum in the same order)."""
+    from kernels.quant_tiled import tiled_config
+
+    generator = torch.Generator().manual_seed(47)
+    for scheme, n, k, group_size, num_rows in SPLIT_CASES:
+        qweight, scale = _quantized(n, k, scheme, group_size, seed=k)
+        tiled = repack_tiles(qweight, scale, scheme)
+        assert tiled_config(num_rows, tiled, 132).splits >= 8
+        x = torch.randn(num_rows, k, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(n, generator=generator).to(torch.bfloat16) if num_rows != 33 else None
+        expected = tiled_linear_ref(x.double(), tiled, bias.double() if bias is not None else None)
+        last_block = _run_tiled_on_host(x, tiled, bias, 132, tmp_path, reduce="last_block")
+        reduced = _run_tiled_on_host(x, tiled, bias, 132, tmp_path, reduce="reduce_kernel")
+        case = f"{scheme} {num_rows}x{k}x{n} g{group_size}"
+        assert rel_error(reduced, expected) < TOLERANCE[torch.bfloat16], case
+        assert torch.equal(last_block.view(torch.int16), reduced.view(torch.int16)), case
+
+
+@needs_gxx
+def test_the_wrapper_launches_run_on_the_host_match_reference(monkeypatch, tmp_path) -> None:
+    """quant_tiled_cuda itself on CPU tensors, each launch it makes run on the host (the kernel, then
+    the reduce where the rule leaves the split to it): its workspace views, argument order and
+    launch grids give the reference's product, unsplit, split by the rule and split by the last
+    block, with bias and without."""
+    from kernels import quant_tiled
+    from kernels.quant_tiled import REDUCE_KERNEL, TILED_KERNELS, TILED_MACROS, split_counters
+    from tests.kernels.helpers import run_threads_on_host
+
+    sources = {
+        "quant_tiled": HOST_HEADER + TILED_MACROS + HOST_PTX + TILED_KERNELS,
+        "quant_tiled_reduce": HOST_HEADER + HOST_PTX + REDUCE_KERNEL,
+    }
+    launched: list[str] = []
+
+    def launch(
+        kernel: tuple[str, dict[str, int]],
+        grid: tuple[int, ...],
+        block: tuple[int],
+        args: tuple[Any, ...],
+        device: torch.device,
+        shared_mem: int = 0,
+    ) -> None:
+        name, defines = kernel
+        source = sources[name].replace(
+            "extern __shared__ __align__(16) unsigned char smem[];",
+            f"alignas(16) static unsigned char smem[{shared_mem}];",
+        )
+        launched.append(name)
+        run_threads_on_host(source, name, defines, grid, block[0], args, tmp_path)
+
+    monkeypatch.setattr(quant_tiled, "tiled_fits", lambda x, tiled: True)
+    monkeypatch.setattr(_cuda, "num_sms", lambda index: 132)
+    monkeypatch.setattr(_cuda, "function", lambda source, name, device, **defines: (name, defines))
+    monkeypatch.setattr(_cuda, "set_max_dynamic_shared", lambda kernel, num_bytes: None)
+    monkeypatch.setattr(_cuda, "launch", launch)
+    generator = torch.Generator().manual_seed(49)
+    scheme, n, k, group_size, num_rows = SPLIT_CASES[0]
+    qweight, scale = _quantized(n, k, scheme, group_size, seed=k)
+    deep = repack_tiles(qweight, scale, scheme)
+    qweight, scale = _quantized(n, 128, scheme, 64, seed=1)
+    shallow = repack_tiles(qweight, scale, scheme)  # two K tiles: no split
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    cases: list[tuple[TiledWeight, SplitReduce | None, torch.Tensor | None, list[str]]] = [
+        (deep, None, bias, ["quant_tiled", "quant_tiled_reduce"]),
+        (deep, "last_block", None, ["quant_tiled"]),
+        (shallow, None, bias, ["quant_tiled"]),
+    ]
+    for tiled, reduce, b, kernels_run in cases:
+        x = torch.randn(num_rows, tiled.in_features, generator=generator).to(torch.bfloat16)
+        launched.clear()
+        out = quant_tiled.quant_tiled_cuda(x, tiled, b, reduce=reduce)
+        expected = tiled_linear_ref(x.double(), tiled, b.double() if b is not None else None)
+        case = f"{tiled.in_features} features, {reduce}"
+        assert launched == kernels_run, case
+        assert rel_error(out, expected) < TOLERANCE[torch.bfloat16], case
+    assert not split_counters(1, torch.device("cpu")).any()
 
 
 @needs_gxx
@@ -443,11 +611,13 @@ def test_candidate_block_shapes_run_on_the_host_match_reference(tmp_path) -> Non
 
 # ---- GPU ----
 
-SHAPES = [  # (out_features, in_features): odd ones, then Llama-1B and Qwen-7B projections
+SHAPES = [  # (out_features, in_features): odd ones, few outputs over a deep K, then Llama-1B and Qwen-7B projections
     (16, 64),
     (17, 200),
     (80, 384),
     (130, 1000),
+    (48, 4096),
+    (256, 14336),
     (1000, 768),
     (3072, 2048),
     (2048, 8192),
@@ -505,6 +675,44 @@ def test_cuda_quant_tiled_matches_reference(scheme: str, dtype: torch.dtype) -> 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_both_ways_of_adding_k_splits_match_reference_and_each_other(
+    scheme: str, dtype: torch.dtype
+) -> None:
+    """Few output tiles over a deep K (the products split widest) at 1-64 rows, with and without
+    bias: the splits added by each tile's last block and by quant_tiled_reduce both give the
+    reference's product, and the same bits (the same sum in the same order)."""
+    from kernels.quant_tiled import quant_tiled_cuda, tiled_config
+
+    generator = torch.Generator().manual_seed(48)
+    failures = []
+    for n, k in ((48, 4096), (256, 14336), (3584, 18944)):
+        group_size = 128 if scheme == "int4" else None
+        tiled, weight = _cuda_tiled(n, k, scheme, group_size, n + k)
+        bias = torch.randn(n, generator=generator).to("cuda", dtype)
+        for num_rows in (1, 16, 17, 32, 33, 64):
+            config = tiled_config(num_rows, tiled, _cuda.num_sms(0))
+            x = torch.randn(num_rows, k, generator=generator).to("cuda", dtype)
+            for b in (None, bias):
+                expected = x.double() @ weight.t() + (b.double() if b is not None else 0)
+                poison_allocator((num_rows, n), dtype, x.device)
+                last_block = quant_tiled_cuda(x, tiled, b, reduce="last_block")
+                poison_allocator((num_rows, n), dtype, x.device)
+                reduced = quant_tiled_cuda(x, tiled, b, reduce="reduce_kernel")
+                torch.cuda.synchronize()
+                case = f"{num_rows}x{k}x{n} {config.grid} bias={b is not None}"
+                for label, out in (("last block", last_block), ("reduce kernel", reduced)):
+                    error = rel_error(out, expected) if not torch.isnan(out).any() else float("nan")
+                    if not error < TOLERANCE[dtype]:
+                        failures.append(f"{label} {case}: {error:.2e}")
+                if not torch.equal(last_block, reduced):
+                    failures.append(f"{case}: the two ways differ")
+    assert not failures, f"{len(failures)} failing cases: " + "; ".join(failures[:12])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_cuda_every_candidate_block_shape_matches_reference(scheme: str) -> None:
     """The shapes benchmarks.gpu_kernels times beside the default give the reference's product."""
     from kernels.quant_tiled import candidate_shapes, quant_tiled_cuda
@@ -526,38 +734,52 @@ def test_cuda_every_candidate_block_shape_matches_reference(scheme: str) -> None
 @needs_cuda
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_cuda_quant_tiled_takes_strided_rows_and_replays_from_a_graph(scheme: str) -> None:
-    """Batch 1 on a narrow, deep matrix (K split, partial sums added by each tile's last split) and
-    40 / 256 rows: strided x equals contiguous x, graph replays equal eager calls on the new input,
-    and the split counters are left zero."""
-    from kernels.quant_tiled import quant_tiled_cuda, split_counters, tiled_config
+    """Batch 1 and 16 on a narrow, deep matrix (K split, partial sums added each way) and 40 / 256
+    rows: strided x equals contiguous x, graph replays equal eager calls on the new input (after a
+    larger need has replaced the workspace the graph captured), and the split counters are left
+    zero."""
+    from kernels.quant_tiled import quant_tiled_cuda, split_counters, split_partials, tiled_config
 
     generator = torch.Generator().manual_seed(41)
     n, k = 2048, 8192
     tiled, _ = _cuda_tiled(n, k, scheme, 128 if scheme == "int4" else None, 7)
     assert tiled_config(1, tiled, _cuda.num_sms(0)).splits > 1
-    for num_rows in (1, 40, 256):
+    cases: list[tuple[int, SplitReduce | None]] = [
+        (1, "last_block"),
+        (1, "reduce_kernel"),
+        (16, "reduce_kernel"),
+        (40, None),
+        (256, None),
+    ]
+    for num_rows, reduce in cases:
         wide = torch.randn(num_rows, k + 512, generator=generator).to("cuda", torch.bfloat16)
         x = wide[:, 256 : 256 + k]
-        eager = quant_tiled_cuda(x, tiled)
-        assert torch.equal(eager, quant_tiled_cuda(x.contiguous(), tiled))
+        eager = quant_tiled_cuda(x, tiled, reduce=reduce)
+        assert torch.equal(eager, quant_tiled_cuda(x.contiguous(), tiled, reduce=reduce))
         static = x.contiguous()
-        quant_tiled_cuda(static, tiled)
+        quant_tiled_cuda(static, tiled, reduce=reduce)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = quant_tiled_cuda(static, tiled)
+            replayed = quant_tiled_cuda(static, tiled, reduce=reduce)
+        if reduce == "last_block":  # a later product needing more replaces the buffers the graph captured
+            floats = split_partials(1, 1, 1, x.device).untyped_storage().nbytes() // 4
+            split_partials(1, 1, floats + 1, x.device)
+            split_counters(split_counters(1, x.device).numel() + 1, x.device)
         fresh = torch.randn(num_rows, k, generator=generator).to("cuda", torch.bfloat16)
         static.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, quant_tiled_cuda(fresh, tiled)), f"{num_rows} rows"
+        assert torch.equal(replayed, quant_tiled_cuda(fresh, tiled, reduce=reduce)), (
+            f"{num_rows} rows {reduce}"
+        )
         assert not split_counters(1, x.device).any(), "every split launch leaves its counters zero"
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> None:
-    """`kernels.quant_linear` with the tile layout of a wide matrix: TILED_MIN_ROWS-TILED_MAX_ROWS
+    """`kernels.quant_linear` with the tile layout of a wide enough matrix: TILED_MIN_ROWS-TILED_MAX_ROWS
     rows on the tiled kernel (bit-identical to calling it), and with SPECMESH_QUANT_KERNEL=mma on
     the older quant_mma; one row on the one-row kernel, fewer rows on quant_mma, more rows on
     dequantize + cuBLAS; all near the reference, 1..300 rows."""
@@ -574,7 +796,7 @@ def test_cuda_quant_linear_runs_tiled_unless_switched_to_mma(monkeypatch) -> Non
     generator = torch.Generator().manual_seed(42)
     in_features = 1024
     qweight, scale = (
-        t.cuda() for t in _quantized(TILED_MIN_WIDTH * in_features, in_features, "int4", 128, 5)
+        t.cuda() for t in _quantized(max(1, TILED_MIN_WIDTH) * in_features, in_features, "int4", 128, 5)
     )
     tiled = repack_tiles(qweight, scale, "int4")
     for num_rows in (1, 4, TILED_MIN_ROWS, MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MAX_ROWS + 1, 300):
