@@ -58,13 +58,15 @@ MMA_MAX_ROWS = 64
 go to dequantize + cuBLAS, whose 16-byte dequantize made it the fastest past 64 rows on an H100
 (7B matrices at 256 rows, int4: 36-336 us against quant_mma's 66-843 and quant_tiled's 56-491)."""
 TILED_MIN_ROWS = 16
-TILED_MAX_ROWS = 128
+TILED_MAX_ROWS = 64
 TILED_MIN_WIDTH = 0
 """`quant_tiled` takes TILED_MIN_ROWS-TILED_MAX_ROWS rows of a matrix with at least TILED_MIN_WIDTH
-outputs per input feature (0: every matrix; 8: only one as wide as gate_up). Its K split summed by
-a second kernel (kernels/quant_tiled.py `split_reduce`) is what lets it take the small matrices
-again; `benchmarks.gpu_kernels --only quant_linear` prints these thresholds beside every kernel's
-time, to be set from that run."""
+outputs per input feature (0: every matrix). Its K split summed by a second kernel
+(kernels/quant_tiled.py `split_reduce`) is what lets it take the small matrices again. Set from
+`benchmarks.gpu_kernels --only quant_linear` on an H200 (1B and 7B matrices): quant_tiled the
+fastest int8 / int4 kernel at 32 and 64 rows on every matrix, at 16 within a few percent of
+quant_mma for int8 (ahead for int4), and at 128 rows behind dequantize + cuBLAS on every int8
+matrix (kernels/NOTES.md)."""
 INT_GEMV_MAX_ROWS = 1
 """int8 / int4 products of this many rows stay on `quant_gemv` (H100, one row, summed over the 1B /
 7B matrices: 132 us int4 against quant_mma's 136 and quant_tiled's 144; int8 149 / 180 / 204)."""

@@ -244,16 +244,15 @@ def test_dispatch_by_rows_with_the_tile_layout_and_the_cpu_keeps_the_reference(m
     from kernels.quant_gemm import MMA_MAX_ROWS, TILED_MAX_ROWS, TILED_MIN_ROWS, choose_path
     from kernels.quant_tiled import KERNEL_ENV, kernel_enabled
 
-    paths = {  # rows: (a matrix wide enough (TILED_MIN_WIDTH) with the tile layout, a narrower one, none)
-        1: ("gemv", "gemv", "gemv"),
-        TILED_MIN_ROWS - 1: ("mma", "mma", "mma"),
-        TILED_MIN_ROWS: ("tiled", "mma", "mma"),
-        MMA_MAX_ROWS: ("tiled", "mma", "mma"),
-        MMA_MAX_ROWS + 1: ("tiled", "dequantize", "dequantize"),
-        TILED_MAX_ROWS: ("tiled", "dequantize", "dequantize"),
-        TILED_MAX_ROWS + 1: ("dequantize", "dequantize", "dequantize"),
-    }
-    for num_rows, expected in paths.items():
+    assert TILED_MIN_ROWS > 1 and TILED_MAX_ROWS <= MMA_MAX_ROWS  # a narrower matrix's rows go to quant_mma
+    paths = [  # rows: (a matrix wide enough (TILED_MIN_WIDTH) with the tile layout, a narrower one, none)
+        (1, ("gemv", "gemv", "gemv")),
+        (TILED_MIN_ROWS - 1, ("mma", "mma", "mma")),
+        (TILED_MIN_ROWS, ("tiled", "mma", "mma")),
+        (TILED_MAX_ROWS, ("tiled", "mma", "mma")),
+        (MMA_MAX_ROWS + 1, ("dequantize", "dequantize", "dequantize")),
+    ]
+    for num_rows, expected in paths:
         gemv_ok = num_rows <= 16
         chosen = tuple(
             choose_path(num_rows, gemv_ok=gemv_ok, mma_ok=True, scaled_mm_ok=False, tiled_ok=tiled, wide=wide)
