@@ -465,7 +465,9 @@ class LLMEngine:
 
     def _stream_start(self, seq: Sequence) -> KVStreamStart:
         dtype = self.runner.kv_caches[0][0].dtype
-        return KVStreamStart(seq.request_id, seq.num_tokens, dtype, self.runner.kv_layer_shapes(seq.num_tokens))
+        return KVStreamStart(
+            seq.request_id, seq.num_tokens, dtype, self.runner.kv_layer_shapes(seq.num_tokens)
+        )
 
     def _export(self, seq: Sequence) -> KVExport:
         """Copies out the KV of a request whose prefill finished here: the target's layers and

@@ -365,7 +365,7 @@ class ModelRunner:
         gives for a request of `num_tokens` tokens, in its order (one rank)."""
         num_blocks = -(-num_tokens // self.block_size)
         return [
-            (cache, index, (num_blocks, *key_cache.shape[1:]))  # type: ignore[misc]
+            (cache, index, (num_blocks, *key_cache.shape[1:]))
             for cache in EXPORTED_CACHES
             for index, (key_cache, _) in enumerate(self.caches(cache))
         ]

@@ -118,8 +118,9 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
         suffix_cache = SuffixCacheOptions(settings, instance_id, args.suffix_cache_deadline_ms / 1000)
     try:
         share_kv = role == "prefill" and args.kv_transport == "ipc"
+        stream_kv = role == "prefill" and args.kv_transport == "tcp" and args.kv_stream_layers
         core = await EngineCoreClient.start(
-            CoreOptions(config, suffix_cache, share_kv), args.worker_log_level
+            CoreOptions(config, suffix_cache, share_kv, stream_kv=stream_kv), args.worker_log_level
         )
     except EngineCoreDied as exc:
         logger.error("the engine could not start: %s", exc)

@@ -53,7 +53,9 @@ class Sink:
             self.log.append(("streamed", message.index))
 
 
-def split_run(prefill: LLMEngine, decode: LLMEngine, sink: Sink, token_ids: list[list[int]]) -> list[list[int]]:
+def split_run(
+    prefill: LLMEngine, decode: LLMEngine, sink: Sink, token_ids: list[list[int]]
+) -> list[list[int]]:
     """Prefill hands every request off through `sink` and its exports; decode runs them to the end."""
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(token_ids):
