@@ -32,8 +32,9 @@ def engine(checkpoint: str, **overrides: object) -> LLMEngine:
     return LLMEngine(EngineConfig(**{**settings, **overrides}))
 
 
-def mixed_tokens(checkpoint: str, token_ids: list[list[int]]) -> list[list[int]]:
-    llm = LLM(checkpoint, device="cpu", max_model_len=256)
+def mixed_tokens(checkpoint: str, token_ids: list[list[int]], **overrides: object) -> list[list[int]]:
+    settings: dict = {"device": "cpu", "max_model_len": 256}
+    llm = LLM(checkpoint, **{**settings, **overrides})
     return [o.token_ids for o in llm.generate(prompt_token_ids=token_ids, sampling_params=PARAMS)]
 
 
@@ -68,7 +69,9 @@ def split_run(
                 decode.import_kv(request_id, "target", layers.index, key, value)
         sink.layers.clear()
         for export in prefill.handoffs:
-            assert export.streamed and export.layers == []  # no drafting model: all of it streamed
+            assert export.streamed == (prefill.runner.kv_stream is not None)
+            for cache, index, key, value in export.layers:  # a whole export's (none streamed here)
+                decode.import_kv(export.request_id, cache, index, key, value)
             decode.activate(export.request_id, export.first_token_id)
             tokens[export.request_id] = [export.first_token_id]
         prefill.handoffs.clear()
@@ -85,6 +88,7 @@ def test_streamed_handoff_gives_the_mixed_engines_greedy_tokens(checkpoint) -> N
     assert split_run(prefill, engine(checkpoint, block_size=4), sink, token_ids) == mixed_tokens(
         checkpoint, token_ids
     )
+    assert prefill.handoffs == [] and sink.layers == []
     assert [start.request_id for start in sink.starts] == ["r0", "r1", "r2"]
     assert {(c, i) for c, i, _ in sink.starts[2].layer_shapes} == {("target", i) for i in range(NUM_LAYERS)}
     key_cache = prefill.runner.kv_caches[0][0]
