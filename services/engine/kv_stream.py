@@ -122,7 +122,7 @@ class LayerStreamer:
             if layers.request_ids:
                 self.sink(layers)
             return
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # its waiter sleeps: the core's step keeps its CPU
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             self._copy(index)
