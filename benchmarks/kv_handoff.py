@@ -13,9 +13,11 @@ Hops, each through the code and the kind of process boundary the mesh uses:
 `--hops prefill` times a whole hand-off as the split mesh does it, once with the KV exported whole
 after the prefill step and once streamed layer by layer while the prefill runs
 (services/engine/kv_stream.py): a real prefill engine (on `--device`, a target of Llama-3.2-1B's
-width with `--num-layers` layers and the KV shape given) runs each prompt alone (`--num-tokens` in one
-step), its KV goes over `TcpKVTransport` to a receiver in this process; *time to last byte* runs from
-the step's call to the receiver's acknowledgement of the whole transfer (its first token id included).
+width with `--num-layers` layers and the KV shape given) runs each prompt alone (`--num-tokens`, in
+chunks of the engine's default step budget, 2048 tokens: a 4k prompt takes two steps, whose first
+chunk's KV streams during the second), its KV goes over `TcpKVTransport` to a receiver in this
+process; *time to last byte* runs from the first step's call to the receiver's acknowledgement of
+the whole transfer (its first token id included).
 The engine steps on a thread of its own, as an engine core runs beside its worker's loop. A warm-up
 request precedes each mode.
 
@@ -61,7 +63,7 @@ from services.kv_transport.ipc import IpcKVTransport
 from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
 from services.worker.channel import AsyncChannel, BlockingChannel
 from services.worker.core_messages import ImportKV, ImportShared, Reply, Shutdown
-from services.worker.worker import kv_header, stream_header
+from services.worker.worker import kv_header, send_target_part, stream_header
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -513,7 +515,6 @@ def prefill_engine(checkpoint: str, shape: KVShape, device: str) -> LLMEngine:
         block_size=shape.block_size,
         num_kv_blocks=4 * (shape.num_blocks + 2),
         max_num_seqs=4,
-        max_num_batched_tokens=shape.num_tokens + 32,
         enable_prefix_caching=False,
     )
     return LLMEngine(config)
@@ -545,8 +546,8 @@ class StreamedSender:
         assert isinstance(start, KVStreamStart)
         async with await self.transport.open(self.address, stream_header(start, 0)) as session:
             while isinstance(item := await self.items.get(), KVLayers):
-                for key, value in zip(item.keys, item.values):
-                    await session.send_layer("target", item.index, key, value)
+                for first_block, key, value in zip(item.first_blocks, item.keys, item.values):
+                    await send_target_part(session, item.index, first_block, key, value)
             assert isinstance(item, KVExport)
             for cache, index, key, value in item.layers:
                 await session.send_layer(cache, index, key, value)

@@ -54,13 +54,16 @@ class KVStreamStart:
 
 @dataclass
 class KVLayers:
-    """One target layer of the requests whose last prefill chunk a step runs, on the host as soon
-    as the step's forward is past it (while it computes the later layers)."""
+    """One target layer of the requests whose prefill chunks a step runs, on the host as soon as
+    the step's forward is past it (while it computes the later layers): for each request the
+    blocks its chunk completed, from `first_blocks`; the whole layer where its prompt ran in one step."""
 
     index: int
     request_ids: list[str]
+    first_blocks: list[int]
+    """Per request, the first of the layer's blocks its key and value hold."""
     keys: list[torch.Tensor]
-    """Per request, [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per request, [num_blocks of the part, block_size, kv_heads, head_dim]."""
     values: list[torch.Tensor]
 
 

@@ -9,8 +9,9 @@ each layer's copy and hands the layer to the sink (the engine core sends it on t
 the CPU a layer is done when the call returns: it is copied and handed over at once.
 
 A request's host buffer fills chunk by chunk: each step copies the blocks its chunk wrote (and any
-before them not copied yet: prefix-cached ones, or all of them again after a preemption), and the
-step of its last chunk hands each layer over whole (the transport carries whole layers).
+before them not copied yet: prefix-cached ones, or all of them again after a preemption), and hands
+over each layer's blocks that the chunk completed and no step handed over yet (the last chunk: the
+rest), so a long prompt's earlier chunks go out while the later ones compute.
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ class HostKV:
     """Tokens the buffer holds once the request's prefill is done."""
     num_copied_tokens: int = 0
     """Tokens whose blocks a step copied (or is copying)."""
+    num_sent_blocks: int = 0
+    """Leading blocks handed over (each layer's)."""
 
 
 @dataclass
 class ChunkCopy:
     """What one step copies of one request: its blocks `block_ids` into its host blocks from
-    `first_block` on; `last`: the step of its last prefill chunk, which hands its layers over."""
+    `first_block` on; then it hands over host blocks `sent` of each layer."""
 
     request_id: str
     host: HostKV
     block_ids: list[int]
     first_block: int
-    last: bool
+    sent: slice
 
 
 class LayerStreamer:
@@ -92,9 +95,10 @@ class LayerStreamer:
         host = self.requests[request_id]
         first_block = min(host.num_copied_tokens, start) // self.block_size
         end_block = -(-end // self.block_size)
-        host.num_copied_tokens = end
-        last = end >= host.num_tokens
-        return ChunkCopy(request_id, host, block_table[first_block:end_block], first_block, last)
+        full_blocks = end_block if end >= host.num_tokens else end // self.block_size
+        sent = slice(host.num_sent_blocks, max(host.num_sent_blocks, full_blocks))
+        host.num_copied_tokens, host.num_sent_blocks = end, sent.stop
+        return ChunkCopy(request_id, host, block_table[first_block:end_block], first_block, sent)
 
     def start_step(self, copies: list[ChunkCopy]) -> None:
         """The copies of the step about to be launched (none: it streams nothing)."""
@@ -131,13 +135,14 @@ class LayerStreamer:
             self._copied.put((done, layers))
 
     def _layers(self, index: int) -> KVLayers:
-        """Layer `index` of the requests whose last chunk the step runs (views of their host buffers)."""
-        last = [copy for copy in self.copies if copy.last]
+        """The blocks of layer `index` the step hands over (views of the requests' host buffers)."""
+        sending = [copy for copy in self.copies if copy.sent.stop > copy.sent.start]
         return KVLayers(
             index,
-            [copy.request_id for copy in last],
-            [copy.host.keys[index] for copy in last],
-            [copy.host.values[index] for copy in last],
+            [copy.request_id for copy in sending],
+            [copy.sent.start for copy in sending],
+            [copy.host.keys[index, copy.sent] for copy in sending],
+            [copy.host.values[index, copy.sent] for copy in sending],
         )
 
     def _copy(self, index: int) -> None:

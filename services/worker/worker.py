@@ -116,9 +116,9 @@ class Running:
     """When (time.monotonic) a publish last renewed its delivered record's TTL."""
 
 
-StreamItem = tuple[str, int, torch.Tensor, torch.Tensor] | KVExport | None
-"""A streamed layer (cache, index, key, value); the request's export, which ends the transfer; or
-None: the request ended here before its hand-off."""
+StreamItem = tuple[int, int, torch.Tensor, torch.Tensor] | KVExport | None
+"""A streamed target layer's part (index, first block, key, value); the request's export, which ends
+the transfer; or None: the request ended here before its hand-off."""
 
 
 @dataclass
@@ -606,9 +606,10 @@ class Worker:
         if isinstance(message, KVStreamStart):
             self._open_stream(message)
             return
-        for request_id, key, value in zip(message.request_ids, message.keys, message.values):
+        parts = zip(message.request_ids, message.first_blocks, message.keys, message.values)
+        for request_id, first_block, key, value in parts:
             if (stream := self.streams.get(request_id)) is not None:
-                stream.items.put_nowait(("target", message.index, key, value))
+                stream.items.put_nowait((message.index, first_block, key, value))
 
     def _open_stream(self, start: KVStreamStart) -> None:
         running = self.requests.get(start.request_id)
@@ -651,7 +652,7 @@ class Worker:
                 while not isinstance(item := await stream.items.get(), KVExport):
                     if item is None:
                         raise KVTransferCancelled("the request ended before its hand-off", request_id)
-                    await session.send_layer(*item)
+                    await send_target_part(session, *item)
                 for cache, index, key, value in item.layers:
                     await session.send_layer(cache, index, key, value)
                 for name, tensor in item.tensors.items():
@@ -774,6 +775,17 @@ class Worker:
         except RedisError as exc:
             return False, f"redis: {exc}"
         return (not self.draining), "draining" if self.draining else "ok"
+
+
+async def send_target_part(
+    session: KVSendSession, index: int, first_block: int, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """A streamed part of target layer `index`: whole (one LAYER frame) where it is all the layer."""
+    spec = session.header.layer_shapes[session.header.layer_position("target", index)]
+    if first_block == 0 and key.shape[0] == spec.num_blocks:
+        await session.send_layer("target", index, key, value)
+    else:
+        await session.send_layer_part("target", index, first_block, key, value)
 
 
 def stream_header(start: KVStreamStart, epoch: int) -> KVHeader:

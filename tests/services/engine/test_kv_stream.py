@@ -4,6 +4,8 @@ fed the streamed layers continues with the mixed engine's greedy tokens, chunked
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -39,19 +41,36 @@ def mixed_tokens(checkpoint: str, token_ids: list[list[int]], **overrides: objec
 
 
 class Sink:
-    """Collects what a prefill engine streams, and notes it among other events (`log`)."""
+    """Collects what a prefill engine streams, and notes it among other events (`log`); puts each
+    request's layers together from their parts (`whole`)."""
 
     def __init__(self, log: list[tuple[str, int]] | None = None) -> None:
         self.starts: list[KVStreamStart] = []
         self.layers: list[KVLayers] = []
         self.log = log if log is not None else []
+        self.parts: dict[tuple[str, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def __call__(self, message: KVStreamMessage) -> None:
         if isinstance(message, KVStreamStart):
             self.starts.append(message)
-        else:
-            self.layers.append(message)
-            self.log.append(("streamed", message.index))
+            return
+        self.layers.append(message)
+        self.log.append(("streamed", message.index))
+        parts = zip(message.request_ids, message.first_blocks, message.keys, message.values)
+        for request_id, first_block, key, value in parts:
+            self.parts.setdefault((request_id, message.index), []).append((first_block, key, value))
+
+    def whole(self, request_id: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(index, key, value) of each of the request's layers, its parts in order and contiguous."""
+        layers = []
+        for (owner, index), parts in sorted(self.parts.items()):
+            if owner != request_id:
+                continue
+            assert [first for first, _, _ in parts] == list(
+                itertools.accumulate([0] + [len(key) for _, key, _ in parts[:-1]])
+            )
+            layers.append((index, torch.cat([k for _, k, _ in parts]), torch.cat([v for _, _, v in parts])))
+        return layers
 
 
 def split_run(
@@ -64,12 +83,11 @@ def split_run(
         prefill.add_request(f"r{i}", prompt_token_ids=prompt, params=PARAMS, handoff=True)
     while prefill.has_unfinished_requests():
         prefill.step()
-        for layers in sink.layers:
-            for request_id, key, value in zip(layers.request_ids, layers.keys, layers.values):
-                decode.import_kv(request_id, "target", layers.index, key, value)
         sink.layers.clear()
         for export in prefill.handoffs:
             assert export.streamed == (prefill.runner.kv_stream is not None)
+            for index, key, value in sink.whole(export.request_id):
+                decode.import_kv(export.request_id, "target", index, key, value)
             for cache, index, key, value in export.layers:  # a whole export's (none streamed here)
                 decode.import_kv(export.request_id, cache, index, key, value)
             decode.activate(export.request_id, export.first_token_id)
@@ -112,34 +130,35 @@ def test_each_layer_is_handed_over_before_the_forward_computes_the_next(checkpoi
     ]
 
 
-def test_a_chunked_prompt_copies_each_chunk_at_its_step_and_hands_over_with_the_last(checkpoint) -> None:
+def test_a_chunked_prompt_hands_over_each_chunk_s_blocks_at_its_step(checkpoint) -> None:
+    """Chunks of 28 tokens in blocks of 8: each step hands over the blocks its chunk completed (a
+    block a chunk ends inside goes with the next), the last step the rest."""
     token_ids = prompts(100)
-    prefill, sink = engine(checkpoint, max_num_batched_tokens=32), Sink()
+    prefill, sink = engine(checkpoint, max_num_batched_tokens=28), Sink()
     assert prefill.stream_kv(sink)
-    streamer = prefill.runner.kv_stream
-    assert streamer is not None
     prefill.add_request("r0", prompt_token_ids=token_ids[0], params=PARAMS, handoff=True)
-    prefill.step()  # tokens 0..31: blocks 0..3, copied now; nothing handed over yet
-    assert len(sink.starts) == 1 and sink.layers == [] and prefill.handoffs == []
+    prefill.step()  # tokens 0..27: blocks 0..2 whole, block 3 half
+    assert len(sink.starts) == 1 and prefill.handoffs == []
+    assert [(layers.index, layers.first_blocks) for layers in sink.layers] == [
+        (i, [0]) for i in range(NUM_LAYERS)
+    ]
     seq = prefill.sequences["r0"]
-    host = streamer.requests["r0"]
     key_cache, value_cache = prefill.runner.kv_caches[1]
-    assert torch.equal(host.keys[1, :4], key_cache[seq.block_table[:4]])
-    assert torch.equal(host.values[1, :4], value_cache[seq.block_table[:4]])
-    prefill.handoffs.clear()
+    assert torch.equal(sink.layers[1].keys[0], key_cache[seq.block_table[:3]])
+    assert torch.equal(sink.layers[1].values[0], value_cache[seq.block_table[:3]])
+    first_blocks = []
+    while not prefill.handoffs:
+        sink.layers.clear()
+        prefill.step()
+        first_blocks.append(sink.layers[0].first_blocks[0])
+    assert first_blocks == [3, 7, 10]  # tokens to 56 (7 blocks), to 84 (10), to 100 (13: the rest)
     decode = engine(checkpoint, block_size=4)
     decode.reserve("r0", token_ids[0], PARAMS)
-    tokens = [1]
-    while prefill.has_unfinished_requests():
-        prefill.step()
-        for layers in sink.layers:
-            decode.import_kv("r0", "target", layers.index, layers.keys[0], layers.values[0])
-        handed_over, sink.layers = len(sink.layers), []
-        for export in prefill.handoffs:
-            assert handed_over == NUM_LAYERS  # every layer whole, with the last chunk's step
-            decode.activate("r0", export.first_token_id)
-            tokens = [export.first_token_id]
-        prefill.handoffs.clear()
+    for index, key, value in sink.whole("r0"):
+        assert key.shape[0] == 13
+        decode.import_kv("r0", "target", index, key, value)
+    tokens = [prefill.handoffs[0].first_token_id]
+    decode.activate("r0", tokens[0])
     while decode.has_unfinished_requests():
         for out in decode.step():
             tokens += out.new_token_ids

@@ -382,6 +382,7 @@ async def test_kv_streamed_by_a_prefill_core_reaches_its_worker_before_the_hand_
         if isinstance(message, KVStreamStart):
             started.append(message.request_id)
             return
+        assert set(message.first_blocks) == {0}  # whole layers: every prompt runs in one step
         for request_id, key, value in zip(message.request_ids, message.keys, message.values):
             streamed.setdefault(request_id, []).append(("target", message.index, key, value))
 

@@ -88,7 +88,7 @@ def start(request_id: str = "r") -> KVStreamStart:
 def layer(index: int, request_id: str = "r") -> KVLayers:
     generator = torch.Generator().manual_seed(index)
     key, value = torch.randn(SHAPE, generator=generator), torch.randn(SHAPE, generator=generator)
-    return KVLayers(index, [request_id], [key], [value])
+    return KVLayers(index, [request_id], [0], [key], [value])
 
 
 def export(request_id: str = "r") -> KVExport:
@@ -211,3 +211,26 @@ async def test_a_dropped_request_ends_its_transfer(prefill, bus) -> None:
     await wait_for(lambda: receiver.errors)
     await settled(worker)
     assert await outcomes(bus) == [] and worker.streams == {}
+
+
+async def test_a_chunked_prompt_s_parts_go_out_at_their_steps_and_arrive_as_whole_layers(
+    prefill, bus
+) -> None:
+    worker, core, receiver = prefill
+    place(worker, await receiver.start("r"))
+    worker._on_kv_stream(start())
+    for index in range(NUM_LAYERS):  # the first chunk's step: blocks 0 and 1 of 3
+        whole = layer(index)
+        worker._on_kv_stream(KVLayers(index, ["r"], [0], [whole.keys[0][:2]], [whole.values[0][:2]]))
+    await asyncio.sleep(0.2)
+    assert receiver.layers == [] and receiver.errors == []  # on the wire, none whole yet
+    for index in range(NUM_LAYERS):  # the last chunk's: block 2
+        whole = layer(index)
+        worker._on_kv_stream(KVLayers(index, ["r"], [2], [whole.keys[0][2:]], [whole.values[0][2:]]))
+    await wait_for(lambda: len(receiver.layers) == NUM_LAYERS)
+    hand_off(worker)
+    await wait_for(lambda: receiver.done)
+    for index, got in enumerate(receiver.layers[:NUM_LAYERS]):
+        assert torch.equal(got.key, layer(index).keys[0]) and torch.equal(got.value, layer(index).values[0])
+    await settled(worker)
+    assert await outcomes(bus) == ["handed_off"]

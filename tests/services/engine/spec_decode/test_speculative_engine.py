@@ -322,7 +322,8 @@ def test_split_prefill_decode_keeps_greedy_output_and_drafts(
         prefill.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY, handoff=True)
     while prefill.has_unfinished_requests():
         prefill.step()
-        for layers in streamed:
+        for layers in streamed:  # whole layers: every prompt runs in one step
+            assert set(layers.first_blocks) == {0}
             for request_id, key, value in zip(layers.request_ids, layers.keys, layers.values):
                 decode.import_kv(request_id, "target", layers.index, key, value)
         streamed.clear()
