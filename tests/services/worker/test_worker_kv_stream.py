@@ -82,7 +82,7 @@ def place(worker: Worker, address: str, request_id: str = "r") -> None:
 
 def start(request_id: str = "r") -> KVStreamStart:
     shapes = [("target", i, SHAPE) for i in range(NUM_LAYERS)] + [("mtp", 0, SHAPE)]
-    return KVStreamStart(request_id, 12, torch.float32, shapes)  # type: ignore[arg-type]
+    return KVStreamStart(request_id, 12, torch.float32, shapes)
 
 
 def layer(index: int, request_id: str = "r") -> KVLayers:
