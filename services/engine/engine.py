@@ -437,9 +437,9 @@ class LLMEngine:
 
     def stream_kv(self, sink: Callable[[KVStreamMessage], None]) -> bool:
         """From now on the KV of requests to hand off streams to `sink` as their prefill runs: a
-        `KVStreamStart` as a request's first chunk is launched, then each target layer of its last
-        chunk (`KVLayers`) as the forward passes it; its `KVExport` (in `handoffs`, `streamed`) then
-        carries only its drafting model's layers. False where the runner cannot stream (tensor
+        `KVStreamStart` as a request's first chunk is launched, then at each of its chunks' steps
+        the target layers' blocks the chunk completed (`KVLayers`) as the forward passes each layer;
+        its `KVExport` (in `handoffs`, `streamed`) then carries only its drafting model's layers. False where the runner cannot stream (tensor
         parallelism): exports stay whole."""
         if not self.runner.stream_kv(sink):
             return False

@@ -55,7 +55,7 @@ class ChunkCopy:
 
 class LayerStreamer:
     """Copies the KV of requests to hand off to the host layer by layer as a step's forward passes
-    each layer, and hands each layer of their last chunk to `sink` (from a thread of its own on a
+    each layer, and hands the blocks each chunk completed to `sink` (from a thread of its own on a
     GPU, once the layer's copy is done)."""
 
     def __init__(self, caches: list[KVCache], block_size: int, sink: Callable[[KVLayers], None]):
@@ -91,7 +91,8 @@ class LayerStreamer:
     def chunk(self, request_id: str, block_table: list[int], start: int, end: int) -> ChunkCopy:
         """The copy of a step computing the request's tokens [start, end): the blocks from the one
         holding the first token not copied yet (or `start`'s, where the chunk goes back: after a
-        preemption) through the one holding token `end - 1`; the last chunk ends at its last token."""
+        preemption) through the one holding token `end - 1`. It hands over the blocks the chunk
+        completed that no chunk handed over yet (the last chunk: all the rest)."""
         host = self.requests[request_id]
         first_block = min(host.num_copied_tokens, start) // self.block_size
         end_block = -(-end // self.block_size)

@@ -6,7 +6,7 @@ the others' effects come back in step batches.
 core -> worker: `EngineInfo` once, then at least one `StepBatch` a step (the last step's outputs as
 soon as they are made, during the step; and after commands that produced outputs while idle), and
 `Reply`s; on a prefill core that streams KV, a `KVStreamStart` as a request to hand off starts its
-prefill and a `KVLayers` per target layer of a step's last chunks, during the step, each before the
+prefill and a `KVLayers` per target layer of a step's chunks of them, during the step, each before the
 `StepBatch` that hands the request off.
 
 A `StepBatch` is columnar: row i is one request's delta, its new tokens are
