@@ -10,6 +10,17 @@ Hops, each through the code and the kind of process boundary the mesh uses:
 - end-to-end: sender process -> receiver -> channel -> a consumer process that imports into a real
   engine, as the decode worker forwards it (`Worker._on_kv_layer`, `_on_kv_done`).
 
+`--hops prefill` times a whole hand-off as the split mesh does it, once with the KV exported whole
+after the prefill step and once streamed layer by layer while the prefill runs
+(services/engine/kv_stream.py): a real prefill engine (on `--device`, a target of Llama-3.2-1B's
+width with `--num-layers` layers and the KV shape given) runs each prompt alone (`--num-tokens`, in
+chunks of the engine's default step budget, 2048 tokens: a 4k prompt takes two steps, whose first
+chunk's KV streams during the second), its KV goes over `TcpKVTransport` to a receiver in this
+process; *time to last byte* runs from the first step's call to the receiver's acknowledgement of
+the whole transfer (its first token id included).
+The engine steps on a thread of its own, as an engine core runs beside its worker's loop. A warm-up
+request precedes each mode.
+
 `--transport ipc` runs the wire and end-to-end hops through the ipc transport instead: the sender puts
 each request's KV in a shared buffer (`SharedBuffers`, on `--device`) and sends its handle; the
 receiver (wire) or the consumer process (end-to-end, as `ImportShared` reaches the decode engine core)
@@ -23,6 +34,7 @@ the hop.
 
     python -m benchmarks.kv_handoff --num-requests 16
     python -m benchmarks.kv_handoff --hops wire end-to-end --transport tcp ipc
+    python -m benchmarks.kv_handoff --hops prefill --num-tokens 2000 --num-requests 8 --device cuda
 """
 
 from __future__ import annotations
@@ -44,12 +56,14 @@ import torch
 
 from benchmarks.random_model import write_random_checkpoint
 from services.engine.engine import LLMEngine
+from services.engine.kv_export import KVExport, KVLayers, KVStreamMessage, KVStreamStart
 from services.kv_transport import KVHeader, TcpKVTransport
 from services.kv_transport.base import DTYPES, LayerShape, ReceivedLayer, ReceivedTransfer
 from services.kv_transport.ipc import IpcKVTransport
 from services.kv_transport.ipc_buffer import SharedBuffers, SharedKV, open_shared
 from services.worker.channel import AsyncChannel, BlockingChannel
 from services.worker.core_messages import ImportKV, ImportShared, Reply, Shutdown
+from services.worker.worker import kv_header, send_target_part, stream_header
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -472,6 +486,149 @@ async def end_to_end(
     )
 
 
+# ---- the prefill hand-off, whole and streamed ----------------------------------------------------------
+
+
+def write_prefill_checkpoint(shape: KVShape, out_dir: Path) -> str:
+    """A target of Llama-3.2-1B's width (4 query heads per KV head, an MLP 4x the hidden size) over the
+    KV shape given: a prefill whose compute the streamed copies can hide under."""
+    hidden_size = 4 * shape.num_kv_heads * shape.head_dim
+    overrides = {
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": 4 * shape.num_kv_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "hidden_size": hidden_size,
+        "intermediate_size": 4 * hidden_size,
+        "vocab_size": 512,
+    }
+    return str(
+        write_random_checkpoint("llama-tiny", out_dir / "prefill", DTYPES[shape.dtype], overrides=overrides)
+    )
+
+
+def prefill_engine(checkpoint: str, shape: KVShape, device: str) -> LLMEngine:
+    config = EngineConfig(
+        model=checkpoint,
+        device=device,
+        dtype=shape.dtype,  # type: ignore[arg-type]
+        max_model_len=shape.num_tokens + 32,
+        block_size=shape.block_size,
+        num_kv_blocks=4 * (shape.num_blocks + 2),
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config)
+
+
+@dataclass
+class PrefillResult(HopResult):
+    """`layer_latencies_s` holds each hand-off's time to last byte."""
+
+    prefill_steps_s: list[float] = field(default_factory=list)
+
+
+class StreamedSender:
+    """A prefill worker's side of one hand-off: the transfer opens at the `KVStreamStart`, each
+    streamed layer goes as it comes, the export ends it (`Worker._stream_kv`)."""
+
+    def __init__(self, transport: TcpKVTransport, address: str) -> None:
+        self.transport = transport
+        self.address = address
+        self.items: asyncio.Queue[KVStreamMessage | KVExport] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+
+    def sink(self, message: KVStreamMessage) -> None:
+        """`LLMEngine.stream_kv`'s sink, called on the engine's threads."""
+        self.loop.call_soon_threadsafe(self.items.put_nowait, message)
+
+    async def send(self) -> None:
+        start = await self.items.get()
+        assert isinstance(start, KVStreamStart)
+        async with await self.transport.open(self.address, stream_header(start, 0)) as session:
+            while isinstance(item := await self.items.get(), KVLayers):
+                for first_block, key, value in zip(item.first_blocks, item.keys, item.values):
+                    await send_target_part(session, item.index, first_block, key, value)
+            assert isinstance(item, KVExport)
+            for cache, index, key, value in item.layers:
+                await session.send_layer(cache, index, key, value)
+            await session.close(extras={"first_token_id": item.first_token_id})
+
+
+async def send_whole(transport: TcpKVTransport, address: str, export: KVExport) -> None:
+    async with await transport.open(address, kv_header(export, 0)) as session:
+        for cache, index, key, value in export.layers:
+            await session.send_layer(cache, index, key, value)
+        await session.close(extras={"first_token_id": export.first_token_id})
+
+
+async def hand_off_one(
+    engine: LLMEngine, request_id: str, prompt: list[int], sender: StreamedSender
+) -> tuple[float, float]:
+    """One request prefilled and handed off; (time to last byte, the prefill steps' time), seconds.
+    Where the engine streams, `sender` takes its KV as it comes; else the export goes whole."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    streams = engine.runner.kv_stream is not None
+    sending = asyncio.create_task(sender.send()) if streams else None
+    started = time.perf_counter()
+    engine.add_request(request_id, prompt_token_ids=prompt, params=params, handoff=True)
+    while not engine.handoffs:
+        await asyncio.to_thread(engine.step)
+    stepped = time.perf_counter() - started
+    export = engine.handoffs.pop()
+    if sending is not None:
+        sender.items.put_nowait(export)
+        await sending
+    else:
+        await send_whole(sender.transport, sender.address, export)
+    return time.perf_counter() - started, stepped
+
+
+async def prefill_hop(checkpoint: str, shape: KVShape, num_requests: int, device: str) -> list[PrefillResult]:
+    """Time to last byte of `num_requests` hand-offs, one at a time, whole then streamed."""
+    engine = prefill_engine(checkpoint, shape, device)
+    receiver = TcpKVTransport(secret=SECRET)
+    address = await receiver.start("127.0.0.1", 0, advertise_host="127.0.0.1")
+    sender = StreamedSender(TcpKVTransport(secret=SECRET), address)
+    prompt = [(7 * i) % 97 + 3 for i in range(shape.num_tokens)]
+    results = []
+    try:
+        for mode in ("whole", "streamed"):
+            if mode == "streamed":
+                assert engine.stream_kv(sender.sink)
+            times, steps = [], []
+            for i in range(num_requests + 1):  # the first: warm-up
+                request_id = f"{mode}-{i}"
+                receiver.expect(request_id, lambda _: None, lambda _: None, lambda _: None, timeout_s=600)
+                ttlb, stepped = await hand_off_one(engine, request_id, prompt, sender)
+                times += [ttlb] if i else []
+                steps += [stepped] if i else []
+                while engine.has_unfinished_requests():
+                    engine.step()
+            num_bytes = 2 * shape.layer_bytes * shape.num_layers * num_requests
+            results.append(PrefillResult(f"prefill {mode}", num_bytes, sum(times), times, steps))
+    finally:
+        await sender.transport.close()
+        await receiver.close()
+        engine.close()
+    return results
+
+
+def prefill_summary(results: list[PrefillResult]) -> dict[str, Any]:
+    """Per mode the time to last byte (mean, p50) and the prefill steps' mean; streamed / whole."""
+    summary: dict[str, Any] = {}
+    for result in results:
+        times = result.layer_latencies_s
+        summary[result.hop] = {
+            "ttlb_ms_mean": round(1e3 * statistics.mean(times), 2),
+            "ttlb_ms_p50": round(1e3 * statistics.median(times), 2),
+            "prefill_step_ms_mean": round(1e3 * statistics.mean(result.prefill_steps_s), 2),
+        }
+    if {"prefill whole", "prefill streamed"} <= summary.keys():
+        whole, streamed = summary["prefill whole"], summary["prefill streamed"]
+        summary["ttlb streamed / whole"] = round(streamed["ttlb_ms_p50"] / whole["ttlb_ms_p50"], 3)
+    return summary
+
+
 # ---- main ----------------------------------------------------------------------------------------------
 
 
@@ -489,6 +646,9 @@ async def run(args: argparse.Namespace, shape: KVShape, checkpoint: str) -> list
         results.append(
             await end_to_end(checkpoint, shape, args.num_requests, args.concurrency, args.core_threads, setup)
         )
+    if "prefill" in hops:
+        prefill_checkpoint = write_prefill_checkpoint(shape, Path(checkpoint).parent)
+        results += await prefill_hop(prefill_checkpoint, shape, args.num_requests, args.device)
     return results
 
 
@@ -518,7 +678,7 @@ def main() -> None:
         "--core-threads", type=int, default=1, help="torch threads of the consumer (0: torch's default)"
     )
     parser.add_argument("--hops", nargs="+", default=["wire", "channel", "import", "end-to-end"],
-                        choices=["wire", "channel", "import", "end-to-end"])  # fmt: skip
+                        choices=["wire", "channel", "import", "end-to-end", "prefill"])  # fmt: skip
     parser.add_argument(
         "--transport", nargs="+", default=["tcp"], choices=["tcp", "ipc"],
         help="KV transports of the wire and end-to-end hops (several: each, in this order)",
@@ -551,8 +711,9 @@ def main() -> None:
         "shape": asdict(shape),
         "num_requests": args.num_requests,
         "device": args.device,
-        "hops": [result.summary() for result in results],
+        "hops": [result.summary() for result in results if not isinstance(result, PrefillResult)],
         "ratios": ratios(results),
+        "prefill_handoff": prefill_summary([r for r in results if isinstance(r, PrefillResult)]),
     }
     print(json.dumps(report, indent=1))
     if args.json:

@@ -46,7 +46,10 @@
 # measures the fill, the per-step mask cost and the speedups with a schema in one call.
 # kvipc: the ipc KV transport: kvipc-tests.log (tests/services/kv_transport/test_ipc_gpu.py: KV opened by handle
 # in another process, same GPU and across two where present; two engine cores handing KV over in device memory)
-# and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call).
+# and kv-handoff-cuda-<300|4096>.json (benchmarks.kv_handoff --device cuda, tcp and ipc in the same call);
+# tests/services/engine/test_kv_stream_gpu.py (layer-streamed export = whole export, greedy) in kvipc-tests.log,
+# and kv-stream-cuda-<2000|4096>.json (benchmarks.kv_handoff --hops prefill: time to last byte of a real
+# prefill's hand-off, KV whole after the step vs streamed layer by layer, "ttlb streamed / whole").
 # trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
 # tree drafting on CUDA = naive greedy for mtp and eagle3, tree steps replayed from CUDA graphs = the eager tree
 # path for mtp and eagle3, greedy / seeded / beside a logprobs request), tree-attention.json (benchmarks.tree_attention:
@@ -385,13 +388,21 @@ if [[ " $stages " == *" kvipc "* ]]; then
     # the ipc KV transport: two processes on one GPU (and across two where present), then the hand-off
     # benchmark with tcp and ipc in the same call (a 300-token and a 4k-token request, 1B-cost KV)
     timeout 400 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 \
-        tests/services/kv_transport/test_ipc_gpu.py 2>&1 | tee "$OUT/kvipc-tests.log" | tail -12
+        tests/services/kv_transport/test_ipc_gpu.py tests/services/engine/test_kv_stream_gpu.py 2>&1 \
+        | tee "$OUT/kvipc-tests.log" | tail -12
     status=$((status | PIPESTATUS[0]))
     for tokens in 300 4096; do
         requests=$([ $tokens = 300 ] && echo 64 || echo 16)
         timeout 300 python3 -m benchmarks.kv_handoff --device cuda --hops wire end-to-end --transport tcp ipc \
             --num-tokens $tokens --num-requests $requests --json "$OUT/kv-handoff-cuda-$tokens.json" 2>&1 \
             | tee "$OUT/kv-handoff-cuda-$tokens.log" | tail -8
+    done
+    # a real prefill (Llama-3.2-1B's width, 16 layers) handed off whole, then streamed layer by layer
+    for tokens in 2000 4096; do
+        timeout 300 python3 -m benchmarks.kv_handoff --device cuda --hops prefill --num-tokens $tokens \
+            --num-requests 16 --json "$OUT/kv-stream-cuda-$tokens.json" 2>&1 \
+            | tee "$OUT/kv-stream-cuda-$tokens.log" | tail -14
+        status=$((status | PIPESTATUS[0]))
     done
 fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "

@@ -50,6 +50,20 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         help="prefill -> decode KV hand-off: tcp (host memory, any hosts), or ipc (the KV stays in device "
         "memory between workers on one host; TCP where the peer is elsewhere or cannot open it)",
     )
+    group.add_argument(
+        "--kv-stream-layers",
+        dest="kv_stream_layers",
+        action="store_true",
+        default=True,
+        help="prefill workers with --kv-transport tcp send each layer's KV as the prompt's forward "
+        "passes it, overlapping the copy and the send with the later layers (the default)",
+    )
+    group.add_argument(
+        "--no-kv-stream-layers",
+        dest="kv_stream_layers",
+        action="store_false",
+        help="send a prompt's KV whole after its prefill step",
+    )
     group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--num-kv-blocks", type=int, help="fixed KV-cache size in blocks")

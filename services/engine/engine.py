@@ -45,8 +45,15 @@ import torch
 
 from services.engine.block_manager import BlockManager
 from services.engine.grammar import GrammarCompiler, GrammarState
-from services.engine.kv_export import KVExport
-from services.engine.model_runner import LaunchedStep, ModelRunner, PendingTail, SeqResult, StepOutput
+from services.engine.kv_export import KVExport, KVStreamMessage, KVStreamStart
+from services.engine.model_runner import (
+    EXPORTED_CACHES,
+    LaunchedStep,
+    ModelRunner,
+    PendingTail,
+    SeqResult,
+    StepOutput,
+)
 from services.engine.output_processor import OutputProcessor
 from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -220,6 +227,9 @@ class LLMEngine:
         self.allocate_export: Callable[[int], torch.Tensor] | None = None
         """Prefill side: where exported KV goes. None: copied to the host; else gathered on the device
         into the uint8 buffer this gives for a number of bytes (one another process can open)."""
+        self._kv_sink: Callable[[KVStreamMessage], None] | None = None
+        """Prefill side: where the KV of requests to hand off streams as their prefill runs
+        (`stream_kv`); None: it is exported whole after it."""
         self._unemitted: list[Emission] = []
         """Tokens the last step appended to requests, whose outputs the next call produces."""
         self.on_outputs: Callable[[list[RequestOutput]], None] | None = None
@@ -425,11 +435,51 @@ class LLMEngine:
 
     # ---- split deployment: the prefill side -------------------------------------------------------------
 
+    def stream_kv(self, sink: Callable[[KVStreamMessage], None]) -> bool:
+        """From now on the KV of requests to hand off streams to `sink` as their prefill runs: a
+        `KVStreamStart` as a request's first chunk is launched, then at each of its chunks' steps
+        the target layers' blocks the chunk completed (`KVLayers`) as the forward passes each layer;
+        its `KVExport` (in `handoffs`, `streamed`) then carries only its drafting model's layers. False where the runner cannot stream (tensor
+        parallelism): exports stay whole."""
+        if not self.runner.stream_kv(sink):
+            return False
+        self._kv_sink = sink
+        return True
+
+    def _stream_chunks(self, batch: ScheduledBatch) -> None:
+        """The step's copies of the KV its prefill chunks of requests to hand off write (a request's
+        first chunk announces its transfer first)."""
+        streamer = self.runner.kv_stream
+        if streamer is None or self._kv_sink is None:
+            return
+        copies = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            if not seq.handoff or start >= seq.num_tokens:
+                continue
+            if seq.request_id not in streamer.requests:
+                streamer.open(seq.request_id, seq.num_tokens)
+                self._kv_sink(self._stream_start(seq))
+            copies.append(streamer.chunk(seq.request_id, seq.block_table, start, start + num_new))
+        streamer.start_step(copies)
+
+    def _stream_start(self, seq: Sequence) -> KVStreamStart:
+        dtype = self.runner.kv_caches[0][0].dtype
+        return KVStreamStart(
+            seq.request_id, seq.num_tokens, dtype, self.runner.kv_layer_shapes(seq.num_tokens)
+        )
+
     def _export(self, seq: Sequence) -> KVExport:
         """Copies out the KV of a request whose prefill finished here: the target's layers and
         those of its drafting model (the MTP head or the draft model), which caught up on the prompt."""
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
         block_ids = seq.block_table[:num_blocks]
+        streamer = self.runner.kv_stream
+        if streamer is not None and seq.request_id in streamer.requests:  # the target's layers went ahead
+            layers = self.runner.export_blocks(block_ids, EXPORTED_CACHES[1:])
+            return KVExport(
+                seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {}, streamed=True
+            )
         if self.allocate_export is None:
             layers = self.runner.export_blocks(block_ids)
             return KVExport(seq.request_id, seq.num_computed_tokens, seq.token_ids[-1], layers, {})
@@ -469,6 +519,7 @@ class LLMEngine:
             return outputs
         self._update_slots(batch)
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
+        self._stream_chunks(batch)
         flight = InFlight(batch, plan, self.runner.launch(batch, plan), called_s, self._host_gap_s())
         if self._may_run_ahead(flight):
             self._in_flight = flight
@@ -487,6 +538,8 @@ class LLMEngine:
         self.drafter.choose_pending()
         self.drafter.prepare_on_host(launched.running)
         step = launched.result()
+        if self.runner.kv_stream is not None:
+            self.runner.kv_stream.finish_step()  # every layer the step streams is handed over
         # where the device runs asynchronously (not on the CPU, where `launch` computes the step)
         asynchronous = launched.done is not None and self._may_run_ahead(flight)
         self._idle_since = time.perf_counter() if asynchronous else None
@@ -667,6 +720,8 @@ class LLMEngine:
         """Frees a finished request's blocks, slot and drafting state (full blocks stay cached)."""
         assert seq.finish_reason is not None
         self.reserved.pop(seq.request_id, None)
+        if self.runner.kv_stream is not None:
+            self.runner.kv_stream.forget(seq.request_id)
         self.inputs.remove(seq.request_id)
         self.scheduler.finish(seq, seq.finish_reason)
         self.drafter.finish(seq)

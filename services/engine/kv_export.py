@@ -1,4 +1,5 @@
-"""What a prefill instance hands a decode instance: a request's KV, ready to send."""
+"""What a prefill instance hands a decode instance: a request's KV, whole after its prefill
+(`KVExport`) or streamed layer by layer while its prefill runs (`KVStreamStart`, `KVLayers`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,38 @@ class KVExport:
     head_dim] (views of it)."""
     shared: SharedKV | None = None
     """The handle of `buffer`, which the worker sends instead of the bytes (`layers` is then empty)."""
+    streamed: bool = False
+    """The target's layers went ahead as the prefill computed them (`KVLayers`): `layers` holds
+    only the drafting model's, which its catch-up after the forward wrote."""
+
+
+@dataclass
+class KVStreamStart:
+    """A request to hand off starts its prefill and its KV streams: what its transfer carries (the
+    transfer's header), sent before any of its layers."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens whose KV the transfer carries (the prompt, plus any resumed output)."""
+    dtype: torch.dtype
+    layer_shapes: list[tuple[str, int, tuple[int, int, int, int]]]
+    """(cache name, layer index, [num_blocks, block_size, kv_heads, head_dim]) of every layer the
+    transfer carries: the target's, streamed as the prefill computes them, then its drafting model's."""
+
+
+@dataclass
+class KVLayers:
+    """One target layer of the requests whose prefill chunks a step runs, on the host as soon as
+    the step's forward is past it (while it computes the later layers): for each request the
+    blocks its chunk completed, from `first_blocks`; the whole layer where its prompt ran in one step."""
+
+    index: int
+    request_ids: list[str]
+    first_blocks: list[int]
+    """Per request, the first of the layer's blocks its key and value hold."""
+    keys: list[torch.Tensor]
+    """Per request, [num_blocks of the part, block_size, kv_heads, head_dim]."""
+    values: list[torch.Tensor]
+
+
+KVStreamMessage = KVStreamStart | KVLayers

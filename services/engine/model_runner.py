@@ -30,6 +30,8 @@ from kernels.verify_ref import POLICIES, STRATEGIES
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.grammar import StepMasks, allocate_bitmask
 from services.engine.input_batch import InputBatch
+from services.engine.kv_export import KVLayers
+from services.engine.kv_stream import LayerStreamer
 from services.engine.prompt_logprobs import PromptRows, PromptScores, score_prompt_rows
 from services.engine.rejection_sampler import RejectionSampler, VerifyRequest
 from services.engine.run_ahead import ahead_step
@@ -75,6 +77,8 @@ WARM_UP_QUERY_LEN = 512
 past it every query takes the widest tile already compiled."""
 
 
+EXPORTED_CACHES = ("target", "mtp", "eagle3", "draft")
+"""The caches a hand-off exports, in the order their layers go."""
 FINISH_REASONS = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}
 """The post-step update's finish codes (kernels/post_step_ref.py) that end a request."""
 
@@ -258,6 +262,8 @@ class ModelRunner:
         self.step_masks = StepMasks(model_config.vocab_size, self.device)
         self.tail: VerifyAndUpdate | None = None
         self.graphs: DecodeGraphs | None = None
+        self.kv_stream: LayerStreamer | None = None
+        """Where the KV of requests to hand off streams as their prefill runs (`stream_kv`)."""
         self.num_steps_ahead = 0
         """Steps launched ahead (`launch_ahead`) so far: a benchmark's check that they ran."""
         sleeps = config.async_scheduling and self.can_run_ahead  # else every step waits for the host
@@ -339,9 +345,30 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.kv_stream is not None:
+            self.kv_stream.close()
         self.ranks.close()
         self.step_masks.close()
         atexit.unregister(self.close)
+
+    def stream_kv(self, sink: Callable[[KVLayers], None]) -> bool:
+        """Streams the KV of requests to hand off layer by layer to `sink` as their prefill runs
+        (services/engine/kv_stream.py); False where it cannot (several ranks: each holds only its
+        heads, which the whole export gathers)."""
+        if self.tp.size > 1:
+            return False
+        self.kv_stream = LayerStreamer(self.kv_caches, self.block_size, sink)
+        return True
+
+    def kv_layer_shapes(self, num_tokens: int) -> list[tuple[str, int, tuple[int, int, int, int]]]:
+        """(cache, layer, [num_blocks, block_size, kv_heads, head_dim]) of every layer `export_blocks`
+        gives for a request of `num_tokens` tokens, in its order (one rank)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        return [
+            (cache, index, (num_blocks, *key_cache.shape[1:]))
+            for cache in EXPORTED_CACHES
+            for index, (key_cache, _) in enumerate(self.caches(cache))
+        ]
 
     def _use_graphs(self) -> bool:
         return (
@@ -483,7 +510,8 @@ class ModelRunner:
         """Queues the step's target forward and LM head. A step launched ahead is completed on the
         device first (by the forward's graph where one replays it)."""
         key = None
-        if self.graphs is not None:
+        streams = self.kv_stream is not None and self.kv_stream.active  # layer by layer: eagerly
+        if self.graphs is not None and not streams:
             key = self.graphs.lookup(step.num_tokens, int(step.query_lens.max()))
         if key is not None and fused:
             assert self.graphs is not None
@@ -527,10 +555,12 @@ class ModelRunner:
         """The target over the step's tokens, eagerly: its final hidden states and, for the
         EAGLE-3 head, the streams entering its layers, in the same pass."""
         args = (forward.input_ids, forward.positions, self.kv_caches, forward.meta)
+        streamer = self.kv_stream
+        after_layer = streamer.after_layer if streamer is not None and streamer.active else None
         if not self.aux_layers:
-            forward.hidden = self.model(*args)
+            forward.hidden = self.model(*args, after_layer=after_layer)
             return
-        forward.hidden, forward.aux_hidden = self.model.forward_with_aux(*args, self.aux_layers)
+        forward.hidden, forward.aux_hidden = self.model.forward_with_aux(*args, self.aux_layers, after_layer)
 
     def _copy_masks(self, step: HostStep, plan: StepPlan, out: torch.Tensor) -> None:
         """The grammar masks of the step's rows into `out` ([>= num_rows, num_words] on the device),
@@ -820,15 +850,17 @@ class ModelRunner:
         return on_device[0::2], on_device[1::2]
 
     @torch.inference_mode()
-    def export_blocks(self, block_ids: list[int]) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
-        """(cache, layer, key, value) of every layer of every cache for blocks `block_ids`, each
+    def export_blocks(
+        self, block_ids: list[int], caches: tuple[str, ...] = EXPORTED_CACHES
+    ) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+        """(cache, layer, key, value) of every layer of `caches` for blocks `block_ids`, each
         [num_blocks, block_size, num_kv_heads, head_dim] with every head, on the host: one copy from
         the device per cache, not one per tensor (on rank 0; the other ranks send theirs and get an
         empty list)."""
         self.ranks.send(ExportBlocks(block_ids))
         blocks = torch.tensor(block_ids, device=self.device)
         layers = []
-        for cache in ("target", "mtp", "eagle3", "draft"):
+        for cache in caches:
             if not self.caches(cache):
                 continue
             local = self._stacked(cache, blocks)

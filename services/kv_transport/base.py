@@ -405,6 +405,14 @@ class KVSendSession(ABC):
         the transport, so `key` and `value` may be reused afterwards. The TCP transport copies GPU tensors
         to the host first, synchronously; a caller that must not stall passes host (pinned) tensors."""
 
+    async def send_layer_part(
+        self, cache: str, index: int, first_block: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Send blocks [first_block, first_block + len(key)) of one layer's K and V; a layer's parts
+        cover its blocks once each, and the receiver delivers it once they all came (a chunked
+        prefill sends each chunk's blocks as its step ends)."""
+        raise NotImplementedError(f"the {type(self).__name__} sends whole layers only")
+
     @abstractmethod
     async def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Send one of the header's named extra tensors."""

@@ -51,6 +51,7 @@ from services.kv_transport.connection import LINGER_S, Connection, Pool, join_ad
 from services.kv_transport.tcp_sender import TcpSendSession
 from services.kv_transport.tls import TlsFiles
 from services.kv_transport.wire import (
+    PART,
     POSITION,
     PREFIX,
     FrameKind,
@@ -475,6 +476,7 @@ class TcpKVTransport(KVTransport):
         """Read the frames after the header, deliver the layers, then call `on_done`."""
         delivery = _LayerDelivery(expected.on_layer, self.delivery_depth)
         received_layers: set[int] = set()
+        parts: dict[int, _PartLayer] = {}
         tensors: dict[str, torch.Tensor] = {}
         reader = connection.reader
         try:
@@ -485,8 +487,15 @@ class TcpKVTransport(KVTransport):
                 kind, length = frame
                 if kind == FrameKind.LAYER:
                     layer = await self._read_layer(reader, header, length, received_layers)
+                    if header.layer_position(layer.cache, layer.index) in parts:
+                        raise KVIntegrityError(f"layer {layer.cache}[{layer.index}] sent whole and in parts")
                     stats.num_layers += 1
                     await delivery.put(layer)
+                elif kind == FrameKind.LAYER_PART:
+                    whole = await self._read_layer_part(reader, header, length, received_layers, parts)
+                    if whole is not None:
+                        stats.num_layers += 1
+                        await delivery.put(whole)
                 elif kind == FrameKind.TENSOR:
                     name, tensor = await self._read_tensor(reader, header, length, tensors)
                     tensors[name] = tensor
@@ -534,6 +543,48 @@ class TcpKVTransport(KVTransport):
         await reader.finish()
         received.add(position)
         return ReceivedLayer(header.request_id, spec.cache, spec.index, key, value)
+
+    async def _read_layer_part(
+        self,
+        reader: FrameReader,
+        header: KVHeader,
+        length: int,
+        received: set[int],
+        parts: dict[int, _PartLayer],
+    ) -> ReceivedLayer | None:
+        """Reads a part of a layer into the layer's tensors; returns the layer once it is whole."""
+        position, first_block, num_blocks = PART.unpack(await reader.read_bytes(PART.size))
+        position = _read_position(POSITION.pack(position), header.layer_shapes, received, "layer")
+        spec = header.layer_shapes[position]
+        block_bytes = spec.num_bytes(header.dtype) // max(spec.num_blocks, 1)
+        if length != PART.size + 2 * num_blocks * block_bytes:
+            raise KVIntegrityError(
+                f"layer {spec.cache}[{spec.index}] part frame has {length - PART.size} bytes, "
+                f"expected {2 * num_blocks * block_bytes} for K and V of {num_blocks} blocks"
+            )
+        layer = parts.get(position)
+        if layer is None:
+            layer = parts[position] = _PartLayer(
+                empty_tensor(header.dtype, spec.shape, self.pin_memory),
+                empty_tensor(header.dtype, spec.shape, self.pin_memory),
+                [False] * spec.num_blocks,
+            )
+        blocks = range(first_block, first_block + num_blocks)
+        if blocks.stop > spec.num_blocks or any(layer.received[b] for b in blocks):
+            raise KVIntegrityError(
+                f"layer {spec.cache}[{spec.index}] part of blocks [{blocks.start}, {blocks.stop}) overlaps "
+                f"what came or passes its {spec.num_blocks} blocks"
+            )
+        for _, data in (layer.key, layer.value):
+            await reader.read_into(data[first_block * block_bytes : blocks.stop * block_bytes])
+        await reader.finish()
+        for block in blocks:
+            layer.received[block] = True
+        if not all(layer.received):
+            return None
+        del parts[position]
+        received.add(position)
+        return ReceivedLayer(header.request_id, spec.cache, spec.index, layer.key[0], layer.value[0])
 
     async def _read_tensor(
         self, reader: FrameReader, header: KVHeader, length: int, received: dict[str, torch.Tensor]
@@ -721,6 +772,15 @@ class TcpKVTransport(KVTransport):
         self.stats.send_seconds += session.stats.seconds
         if not self._pool.give(session.address, reusable):
             reusable.abort()
+
+
+@dataclass
+class _PartLayer:
+    """A layer arriving in parts: its K and V (each a tensor and its bytes) and the blocks come."""
+
+    key: tuple[torch.Tensor, memoryview]
+    value: tuple[torch.Tensor, memoryview]
+    received: list[bool]
 
 
 def _read_position(data: bytes, specs: list[Any], received: set[int], what: str) -> int:

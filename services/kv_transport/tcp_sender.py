@@ -21,7 +21,15 @@ from services.kv_transport.base import (
     TransferStats,
 )
 from services.kv_transport.connection import LINGER_S, Connection
-from services.kv_transport.wire import POSITION, FrameKind, error_from_payload, pack, tensor_bytes, unpack
+from services.kv_transport.wire import (
+    PART,
+    POSITION,
+    FrameKind,
+    error_from_payload,
+    pack,
+    tensor_bytes,
+    unpack,
+)
 
 
 class TcpSendSession(KVSendSession):
@@ -49,6 +57,8 @@ class TcpSendSession(KVSendSession):
         self._connection = connection
         self._lock = asyncio.Lock()
         self._sent_layers: set[int] = set()
+        self._sent_blocks: dict[int, int] = {}
+        """Blocks sent of each layer sent in parts and not complete yet."""
         self._sent_tensors: set[int] = set()
         self._error: KVTransferError | None = None
         self._closed = False
@@ -69,6 +79,32 @@ class TcpSendSession(KVSendSession):
         await self._send(FrameKind.LAYER, [POSITION.pack(position), tensor_bytes(key), tensor_bytes(value)])
         self._sent_layers.add(position)
         self.stats.num_layers += 1
+
+    async def send_layer_part(
+        self, cache: str, index: int, first_block: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        # key, value: [num_blocks of the part, block_size, num_kv_heads, head_dim]
+        position = self._position(self.header.layer_position, cache, index)
+        if position in self._sent_layers:
+            raise ValueError(f"layer {cache}[{index}] of {self.header.request_id!r} already sent")
+        spec = self.header.layer_shapes[position]
+        num_blocks = int(key.shape[0]) if key.dim() else 0
+        if first_block < 0 or first_block + num_blocks > spec.num_blocks:
+            raise ValueError(
+                f"blocks [{first_block}, {first_block + num_blocks}) of layer {cache}[{index}] are out of "
+                f"its {spec.num_blocks}"
+            )
+        shape = (num_blocks, *spec.shape[1:])
+        for what, tensor in (("key", key), ("value", value)):
+            self._check_tensor(f"layer {cache}[{index}] {what} part", tensor, shape, self.header.dtype)
+        header = PART.pack(position, first_block, num_blocks)
+        await self._send(FrameKind.LAYER_PART, [header, tensor_bytes(key), tensor_bytes(value)])
+        sent = self._sent_blocks.get(position, 0) + num_blocks
+        self._sent_blocks[position] = sent
+        if sent >= spec.num_blocks:
+            del self._sent_blocks[position]
+            self._sent_layers.add(position)
+            self.stats.num_layers += 1
 
     async def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         position = self._position(self.header.tensor_position, name)

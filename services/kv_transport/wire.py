@@ -15,6 +15,10 @@ Sender -> receiver, in order (layers and tensors in any order, each exactly once
 
     HEADER  b"SMKV" | version: u16 | msgpack(KVHeader.model_dump())
     LAYER   position: u32 (index into header.layer_shapes) | K bytes | V bytes   (one frame per layer)
+    LAYER_PART  position: u32 | first_block: u32 | num_blocks: u32 | K bytes | V bytes
+            (blocks [first_block, first_block + num_blocks) of a layer: a layer sent in parts, as a
+            chunked prefill computes them; its parts cover its blocks once each, and it counts as
+            received, and is delivered, once the last arrives)
     TENSOR  position: u32 (index into header.tensors) | tensor bytes
     END     msgpack({"extras": {...}})
     ABORT   msgpack({"message": str})              (the sender gives up; the connection closes)
@@ -35,8 +39,8 @@ PROOF: raw nonces and HMACs as payloads) before its first HEADER.
 After ACK the connection may carry the next transfer, starting again with HEADER. Tensor bytes are
 the tensor's memory in native (little-endian on every supported host) byte order, C-contiguous; the
 receiver reads them straight into a new tensor's memory (`empty_tensor`), verifying as it goes.
-Control frames (everything but LAYER and TENSOR) are at most `MAX_CONTROL_FRAME_BYTES`; LAYER and
-TENSOR frames must have exactly the size the header implies.
+Control frames (everything but LAYER, LAYER_PART and TENSOR) are at most `MAX_CONTROL_FRAME_BYTES`;
+LAYER, LAYER_PART and TENSOR frames must have exactly the size the header implies.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ MAX_CONTROL_FRAME_BYTES = 1 << 20
 PREFIX = struct.Struct("!BQ")
 TRAILER = struct.Struct("!I")
 POSITION = struct.Struct("!I")
+PART = struct.Struct("!III")
+"""A LAYER_PART frame's position, first block and number of blocks."""
 PREAMBLE = struct.Struct("!4sH")
 
 
@@ -80,6 +86,7 @@ class FrameKind(IntEnum):
     END = 4
     ABORT = 5
     SHARED = 6
+    LAYER_PART = 7
     ACCEPT = 16
     ACK = 17
     ERROR = 18
@@ -90,7 +97,7 @@ class FrameKind(IntEnum):
     PROOF = 34
 
 
-CONTROL_KINDS = frozenset(FrameKind) - {FrameKind.LAYER, FrameKind.TENSOR}
+CONTROL_KINDS = frozenset(FrameKind) - {FrameKind.LAYER, FrameKind.LAYER_PART, FrameKind.TENSOR}
 
 
 # ---- payloads ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import io
 import pickle
 import socket
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -76,19 +77,22 @@ def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
 
 
 class BlockingChannel:
-    """The engine-core end: blocking sends and receives (its own thread does nothing else)."""
+    """The engine-core end: blocking sends and receives. Frames are sent whole, one at a time: the
+    core's KV-stream thread sends beside its step loop."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.sock.setblocking(True)
+        self._send_lock = threading.Lock()
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def send(self, obj: Any) -> None:
         parts = [p for p in pack(obj) if p.nbytes]
-        while parts:
-            parts = _after(parts, self.sock.sendmsg(parts[:MAX_IOV]))
+        with self._send_lock:
+            while parts:
+                parts = _after(parts, self.sock.sendmsg(parts[:MAX_IOV]))
 
     def recv(self) -> Any:
         body_len, num_buffers = HEADER.unpack(self._read(HEADER.size))

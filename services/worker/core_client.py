@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import services
+from services.engine.kv_export import KVLayers, KVStreamMessage, KVStreamStart
 from services.kv_transport.ipc_buffer import SharedKV
 from services.worker.channel import AsyncChannel, ChannelClosed
 from services.worker.core_messages import (
@@ -65,6 +66,9 @@ class EngineCoreClient:
         self.exit_code: int | None = None
         self._calls: dict[int, asyncio.Future[Reply]] = {}
         self._call_ids = itertools.count()
+        self.on_kv_stream: Callable[[KVStreamMessage], None] = _unexpected_stream
+        """Prefill role: where the KV the core streams goes (called on the reader's task, in the
+        channel's order: before the step batch that hands its request off)."""
         self._reader = asyncio.create_task(self._read(), name="engine-core-reader")
         self._stopping = False
 
@@ -227,6 +231,8 @@ class EngineCoreClient:
                         trace_step(message, self.pid)
                     self.load = message.load
                     self.batches.put_nowait(message)
+                elif isinstance(message, KVStreamStart | KVLayers):
+                    self.on_kv_stream(message)
                 elif isinstance(message, Reply):
                     future = self._calls.get(message.call_id)
                     if future is not None and not future.done():
@@ -249,6 +255,10 @@ class EngineCoreClient:
                 if not future.done():
                     future.set_exception(EngineCoreDied(f"the engine core exited with code {self.exit_code}"))
             self.died.set()
+
+
+def _unexpected_stream(message: KVStreamMessage) -> None:
+    logger.error("streamed KV of %s, which nobody takes here: dropped", type(message).__name__)
 
 
 def trace_step(batch: StepBatch, core_pid: int) -> None:

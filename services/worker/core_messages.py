@@ -5,7 +5,9 @@ worker -> core: commands (`AddRequest`, `Abort`, `Reserve`, `ImportKV`, `ImportS
 the others' effects come back in step batches.
 core -> worker: `EngineInfo` once, then at least one `StepBatch` a step (the last step's outputs as
 soon as they are made, during the step; and after commands that produced outputs while idle), and
-`Reply`s.
+`Reply`s; on a prefill core that streams KV, a `KVStreamStart` as a request to hand off starts its
+prefill and a `KVLayers` per target layer of a step's chunks of them, during the step, each before the
+`StepBatch` that hands the request off.
 
 A `StepBatch` is columnar: row i is one request's delta, its new tokens are
 `token_ids[cu_num_tokens[i]:cu_num_tokens[i + 1]]`; the arrays cross the channel without per-token
@@ -60,6 +62,9 @@ class CoreOptions:
     ipc KV transport), not copies on the host."""
     share_timeout_s: float = 120.0
     """A shared export not released by then is freed anyway (its transfer is long dead)."""
+    stream_kv: bool = False
+    """Prefill role: stream the KV of requests to hand off layer by layer as their prefill runs
+    (`KVStreamStart`, `KVLayers`), not whole after it (the bytes transports; not with `share_kv`)."""
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class EngineCore:
         channel: BlockingChannel,
         suffix_index: Any = None,
         shared: SharedBuffers | None = None,
+        stream_kv: bool = False,
     ):
         self.engine = engine
         self.channel = channel
@@ -180,6 +181,8 @@ class EngineCore:
         """Prefill role with the ipc transport: exports gathered on the device, held until released."""
         if shared is not None:
             engine.allocate_export = shared.allocate
+        elif stream_kv and not engine.stream_kv(channel.send):
+            logger.warning("KV goes whole after each prefill: layers do not stream under tensor parallelism")
         engine.on_outputs = self._send_outputs
         self.rows = RowBuilder()
         self.poller = select.poll()
@@ -523,7 +526,7 @@ def serve(channel: BlockingChannel) -> int:
         )
     )
     shared = SharedBuffers(engine.runner.device, options.share_timeout_s) if options.share_kv else None
-    core = EngineCore(engine, channel, suffix.index if suffix else None, shared)
+    core = EngineCore(engine, channel, suffix.index if suffix else None, shared, options.stream_kv)
     try:
         core.run()
     except ChannelClosed:

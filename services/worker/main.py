@@ -106,6 +106,16 @@ def kv_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> bytes | N
     return secret.encode() if secret else None
 
 
+def kv_export_options(role: str, kv_transport: str, stream_layers: bool) -> dict[str, bool]:
+    """How a prefill core exports KV (`CoreOptions`): shared by handle (ipc), streamed layer by layer
+    as the prefill runs (tcp, unless --no-kv-stream-layers), else whole after it."""
+    prefill = role == "prefill"
+    return {
+        "share_kv": prefill and kv_transport == "ipc",
+        "stream_kv": prefill and kv_transport == "tcp" and stream_layers,
+    }
+
+
 async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> int:
     """Starts the engine core, then serves the bus until SIGTERM (0) or the core's death (1)."""
     stop = stop_event_on_signals()
@@ -117,9 +127,9 @@ async def run_worker(args: argparse.Namespace, role: str, instance_id: str) -> i
     if not args.no_suffix_cache and role != "prefill":  # the shared suffix cache serves decoding
         suffix_cache = SuffixCacheOptions(settings, instance_id, args.suffix_cache_deadline_ms / 1000)
     try:
-        share_kv = role == "prefill" and args.kv_transport == "ipc"
+        export = kv_export_options(role, args.kv_transport, args.kv_stream_layers)
         core = await EngineCoreClient.start(
-            CoreOptions(config, suffix_cache, share_kv), args.worker_log_level
+            CoreOptions(config, suffix_cache, **export), args.worker_log_level
         )
     except EngineCoreDied as exc:
         logger.error("the engine could not start: %s", exc)

@@ -75,7 +75,8 @@ class WorkerMetrics:
         ).labels(**labels)
         self.kv_handoffs = counter(
             "specmesh_worker_kv_handoffs_total",
-            "Requests' KV handed to decode instances, by path: shared (device memory, by handle) or bytes",
+            "Requests' KV handed to decode instances, by path: shared (device memory, by handle), bytes (whole "
+            "after the prefill step) or streamed (layer by layer as the prefill runs)",
             "path",
         )
         self.kv_transfer_seconds = histogram(

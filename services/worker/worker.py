@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from redis.exceptions import RedisError
 
-from services.engine.kv_export import KVExport
+from services.engine.kv_export import KVExport, KVStreamMessage, KVStreamStart
 from services.kv_transport import (
     KVExpectation,
     KVHeader,
@@ -116,6 +116,21 @@ class Running:
     """When (time.monotonic) a publish last renewed its delivered record's TTL."""
 
 
+StreamItem = tuple[int, int, torch.Tensor, torch.Tensor] | KVExport | None
+"""A streamed target layer's part (index, first block, key, value); the request's export, which ends
+the transfer; or None: the request ended here before its hand-off."""
+
+
+@dataclass
+class KVStream:
+    """Prefill role: a request's transfer, open while its prefill runs (`Worker._stream_kv`)."""
+
+    epoch: int
+    items: asyncio.Queue[StreamItem]
+    exported: bool = False
+    """Its export came: the request left the engine, handed off."""
+
+
 class Worker:
     def __init__(self, core: EngineCoreClient, bus: Bus, options: WorkerOptions, metrics: WorkerMetrics):
         self.core = core
@@ -130,6 +145,9 @@ class Worker:
         """Prefill role: request id -> the decode instance's KV address."""
         self.bytes_to: set[str] = set()
         """Prefill role: decode instances shared KV could not go to (said once in the log)."""
+        self.streams: dict[str, KVStream] = {}
+        """Prefill role, KV streamed by the core: each request's transfer under way."""
+        core.on_kv_stream = self._on_kv_stream
         self.received_kv: dict[str, list[tuple[str, int, torch.Tensor, torch.Tensor]]] = {}
         """Decode role: the layers of each transfer under way, handed to the core in one command at
         its end (one command per request, not per layer, between the core's steps)."""
@@ -423,6 +441,7 @@ class Worker:
         for request_id in request_ids:  # first, so rows already stepped for them are not published
             self.requests.pop(request_id, None)
             self.handoff_targets.pop(request_id, None)
+            self._end_stream(request_id)
             self._stop_receiving(request_id)
         for request_id in request_ids:
             await self.core.abort(request_id, emit=False)
@@ -512,10 +531,13 @@ class Worker:
                 handing_off[batch.request_ids[end.row]] = running
                 continue
             self.requests.pop(batch.request_ids[end.row])
+            self._end_stream(batch.request_ids[end.row])
             if end.error is None:
                 self.metrics.observe_finished(end, int(batch.num_output_tokens[end.row]))
         for handoff in batch.handoffs:  # the first token is out: the decode instance may continue now
-            if handoff.request_id in handing_off:
+            if handoff.request_id in handing_off and handoff.streamed:
+                self._end_stream(handoff.request_id, handoff, handing_off[handoff.request_id].epoch)
+            elif handoff.request_id in handing_off:
                 self._spawn(self._hand_off(handoff, handing_off[handoff.request_id].epoch))
             elif handoff.shared is not None:  # dropped here meanwhile: its buffer goes now
                 self._spawn(self._release_shared(handoff))
@@ -576,6 +598,86 @@ class Worker:
         for name, tensor in handoff.tensors.items():
             await session.send_tensor(name, tensor)
         return "bytes"
+
+    # ---- streamed KV (prefill role) ----------------------------------------------------------------------
+
+    def _on_kv_stream(self, message: KVStreamMessage) -> None:
+        """A request's transfer opens as its prefill starts; each target layer goes as it comes."""
+        if isinstance(message, KVStreamStart):
+            self._open_stream(message)
+            return
+        parts = zip(message.request_ids, message.first_blocks, message.keys, message.values)
+        for request_id, first_block, key, value in parts:
+            if (stream := self.streams.get(request_id)) is not None:
+                stream.items.put_nowait((message.index, first_block, key, value))
+
+    def _open_stream(self, start: KVStreamStart) -> None:
+        running = self.requests.get(start.request_id)
+        address = self.handoff_targets.get(start.request_id)
+        if running is None or address is None or self.transport is None:
+            return  # dropped meanwhile (or no decode instance: its hand-off fails)
+        self._end_stream(start.request_id)  # an earlier placement's, if one is left
+        stream = KVStream(running.epoch, asyncio.Queue())
+        self.streams[start.request_id] = stream
+        self._spawn(self._stream_kv(start, stream, address))
+
+    def _end_stream(self, request_id: str, export: KVExport | None = None, epoch: int = 0) -> None:
+        """Ends the request's transfer: with its export (handed off under placement `epoch`: the
+        request leaves this worker), or silently (None: it ended here)."""
+        stream = self.streams.pop(request_id, None)
+        if export is None:
+            if stream is not None:
+                stream.items.put_nowait(None)
+            return
+        self.requests.pop(request_id, None)
+        self.handoff_targets.pop(request_id, None)
+        if stream is None or stream.epoch != epoch:  # its transfer failed already, or never opened
+            if stream is not None:
+                stream.items.put_nowait(None)
+            self._spawn(self._report(request_id, epoch, "failed", "no KV transfer open for the request"))
+            return
+        stream.exported = True
+        stream.items.put_nowait(export)
+
+    async def _stream_kv(self, start: KVStreamStart, stream: KVStream, address: str) -> None:
+        """Opens the request's transfer at once and sends each layer as it comes, then what its
+        export adds (the drafting model's layers) and the first token at close. A transfer that
+        fails fails the request: stopped in the core if its prefill still runs."""
+        assert self.transport is not None
+        request_id, started = start.request_id, time.perf_counter()
+        header = stream_header(start, stream.epoch)
+        try:
+            session = await self.transport.open(address, header)
+            async with session:
+                while not isinstance(item := await stream.items.get(), KVExport):
+                    if item is None:
+                        raise KVTransferCancelled("the request ended before its hand-off", request_id)
+                    await send_target_part(session, *item)
+                for cache, index, key, value in item.layers:
+                    await session.send_layer(cache, index, key, value)
+                for name, tensor in item.tensors.items():
+                    await session.send_tensor(name, tensor)
+                await session.close(extras={"first_token_id": item.first_token_id})
+        except KVTransferError as exc:
+            await self._fail_stream(request_id, stream, exc)
+            return
+        self.metrics.kv_sent_bytes.inc(header.num_bytes)
+        self.metrics.kv_handoffs.labels(**self.metrics.labels, path="streamed").inc()
+        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
+        await self._report(request_id, stream.epoch, "handed_off")
+
+    async def _fail_stream(self, request_id: str, stream: KVStream, error: KVTransferError) -> None:
+        """A failed transfer: nothing to say where the request ended here; else it fails, stopped
+        in the core first where its prefill still runs (its rows are no longer published)."""
+        if not stream.exported and self.streams.get(request_id) is not stream:
+            return  # it ended here (its end row went out), or was dropped
+        if not stream.exported:
+            del self.streams[request_id]
+            self.requests.pop(request_id, None)
+            self.handoff_targets.pop(request_id, None)
+            with contextlib.suppress(EngineCoreDied):
+                await self.core.abort(request_id, emit=False)
+        await self._report(request_id, stream.epoch, "failed", f"KV handoff failed: {error}")
 
     async def _release_shared(self, handoff: KVExport) -> None:
         """Frees the engine core's buffer of a shared export (its deadline frees it if this cannot)."""
@@ -673,6 +775,29 @@ class Worker:
         except RedisError as exc:
             return False, f"redis: {exc}"
         return (not self.draining), "draining" if self.draining else "ok"
+
+
+async def send_target_part(
+    session: KVSendSession, index: int, first_block: int, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """A streamed part of target layer `index`: whole (one LAYER frame) where it is all the layer."""
+    spec = session.header.layer_shapes[session.header.layer_position("target", index)]
+    if first_block == 0 and key.shape[0] == spec.num_blocks:
+        await session.send_layer("target", index, key, value)
+    else:
+        await session.send_layer_part("target", index, first_block, key, value)
+
+
+def stream_header(start: KVStreamStart, epoch: int) -> KVHeader:
+    """The header of a transfer the core streams: every layer it will carry, known as prefill starts."""
+    return KVHeader(
+        request_id=start.request_id,
+        extras={"epoch": epoch},
+        num_tokens=start.num_tokens,
+        block_size=start.layer_shapes[0][2][1],
+        dtype=dtype_name(start.dtype),
+        layer_shapes=[LayerShape(cache=c, index=i, shape=shape) for c, i, shape in start.layer_shapes],
+    )
 
 
 def kv_header(handoff: KVExport, epoch: int) -> KVHeader:

@@ -23,6 +23,7 @@ the q/k head norms; attention-logit soft-capping has no CUDA kernel and is refus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -353,11 +354,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        """`after_layer(i)`, where given, runs once layer i is queued (its KV written, on the CPU)."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
         return self.norm.add_and_norm(hidden, residual)[0]
 
     def forward_with_aux(
@@ -367,6 +372,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         aux_layers: tuple[int, ...],
+        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the residual stream entering each layer of `aux_layers` (layer 0's is the
         embedding), concatenated: [num_tokens, len(aux_layers) * hidden_size]. What an EAGLE-3
@@ -378,6 +384,8 @@ class LlamaForCausalLM(nn.Module):
             if index in aux_layers:
                 streams[index] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
         aux = torch.cat([streams[index] for index in aux_layers], dim=-1)
         return self.norm.add_and_norm(hidden, residual)[0], aux
 

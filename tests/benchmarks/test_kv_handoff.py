@@ -52,3 +52,15 @@ def test_the_ipc_transport_moves_every_request_by_handle_beside_tcp(tmp_path: Pa
 def test_a_size_below_one_is_refused_by_name() -> None:
     done = run("--num-requests", "0")
     assert done.returncode == 2 and "--num-requests must be at least 1" in done.stderr
+
+
+def test_the_prefill_hop_times_a_whole_and_a_streamed_hand_off(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    done = run("--num-requests", "2", "--num-layers", "2", "--num-tokens", "40", "--num-kv-heads", "2",
+               "--head-dim", "16", "--dtype", "float32", "--hops", "prefill", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    prefill = report["prefill_handoff"]
+    assert set(prefill) == {"prefill whole", "prefill streamed", "ttlb streamed / whole"}
+    for mode in ("prefill whole", "prefill streamed"):
+        assert 0 < prefill[mode]["prefill_step_ms_mean"] <= prefill[mode]["ttlb_ms_mean"]

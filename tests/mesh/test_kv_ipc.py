@@ -76,7 +76,7 @@ def test_ipc_handoff_gives_the_tcp_paths_greedy_tokens(tmp_path, mesh_model, met
         start_workers(mesh, mesh_model, spec, "tcp")
         mesh.gateway_port = mesh.start_gateway(mesh_model, "--served-model-name", "tiny")  # type: ignore[attr-defined]
         over_tcp = completions(mesh)
-        assert handoffs(mesh, "prefill-tcp", "bytes") == len(PROMPTS)
+        assert handoffs(mesh, "prefill-tcp", "streamed") == len(PROMPTS)  # --kv-stream-layers: the default
         stop_workers(mesh, "tcp")
 
         start_workers(mesh, mesh_model, spec, "ipc")

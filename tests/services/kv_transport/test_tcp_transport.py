@@ -35,6 +35,7 @@ from services.kv_transport import (
 from services.kv_transport.connection import split_address
 from services.kv_transport.wire import (
     MAGIC,
+    PART,
     POSITION,
     PREAMBLE,
     PREFIX,
@@ -298,6 +299,55 @@ async def test_on_layer_for_layer_0_runs_before_the_last_layer_is_sent(
     assert receiving.errors == [] and receiving.done is not None
     assert events.index("stored 0") < events.index("sent 1") < events.index("sent 3")
     assert [e for e in events if e.startswith("stored")] == [f"stored {i}" for i in range(4)]
+
+
+async def test_a_layer_sent_in_parts_arrives_whole_once_its_last_part_came(
+    receiver: TcpKVTransport, sender: TcpKVTransport
+) -> None:
+    """A chunked prefill's layers: each chunk's blocks as its step ends, the parts in any order,
+    another layer whole in between; each is delivered once complete, bit for bit."""
+    header = make_header(num_target_layers=2, target_shape=(5, 4, 2, 8), with_draft_and_mtp=False, tensors=[])
+    layers, _ = random_payload(header)
+    receiving = Receiving().expect(receiver, "req-1")
+    session = await sender.open(address_of(receiver), header)
+    key, value = layers[("target", 0)]
+    await session.send_layer_part("target", 0, 2, key[2:4], value[2:4])
+    await session.send_layer("target", 1, *layers[("target", 1)])
+    await session.send_layer_part("target", 0, 0, key[:2], value[:2])
+    await asyncio.sleep(0.05)
+    assert [layer.index for layer in receiving.layers] == [1]  # layer 0 waits for its last block
+    await session.send_layer_part("target", 0, 4, key[4:], value[4:])
+    await session.close(extras={"num_cached_tokens": 4})
+    await receiving.wait()
+    assert_received_exactly(receiving, header, {k: layers[k] for k in [("target", 1), ("target", 0)]}, {})
+
+
+async def test_parts_that_overlap_or_leave_a_gap_fail_the_transfer(
+    receiver: TcpKVTransport, sender: TcpKVTransport
+) -> None:
+    shape = (4, 4, 2, 8)
+    header = make_header(num_target_layers=1, target_shape=shape, with_draft_and_mtp=False, tensors=[])
+    layers, _ = random_payload(header)
+    key, value = layers[("target", 0)]
+    Receiving().expect(receiver, "req-0")
+    session = await sender.open(address_of(receiver), header.model_copy(update={"request_id": "req-0"}))
+    await session.send_layer_part("target", 0, 0, key[:3], value[:3])
+    with pytest.raises(ValueError, match="not sent: target\\[0\\]"):
+        await session.close()  # block 3 never went
+    with pytest.raises(ValueError, match="out of its 4"):
+        await session.send_layer_part("target", 0, 3, key[:2], value[:2])
+    await session.abort()
+    receiving = Receiving().expect(receiver, "req-1")
+    async with raw_connection(address_of(receiver)) as (reader, writer):
+        writer.write(encode_frame(FrameKind.HEADER, encode_header(header)))
+        assert (await read_answer(reader))[0] == FrameKind.ACCEPT
+        for first_block in (0, 1):  # blocks 0-1, then 1-2: block 1 twice
+            part = (PART.pack(0, first_block, 2), tensor_bytes(key[:2]), tensor_bytes(value[:2]))
+            writer.write(encode_frame(FrameKind.LAYER_PART, *part))
+        kind, payload = await read_answer(reader)
+    await receiving.wait()
+    assert kind == FrameKind.ERROR and "overlaps" in str(error_from_payload(payload))
+    assert len(receiving.errors) == 1 and isinstance(receiving.errors[0], KVIntegrityError)
 
 
 async def test_connection_is_reused_for_the_next_transfer(

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from services.engine.engine import LLMEngine
+from services.engine.kv_export import KVStreamMessage, KVStreamStart
 from services.engine.llm import LLM
 from services.worker import engine_core
 from services.worker.channel import BlockingChannel
@@ -364,3 +365,46 @@ def test_step_batches_carry_the_suffix_cache_s_counters_about_once_a_second(
         loads.append(core._load().suffix_cache)
     assert loads[0] == {"num_answered": 1} and loads[1:50] == [{}] * 49
     assert loads[50] == {"num_answered": 2}
+
+
+async def test_kv_streamed_by_a_prefill_core_reaches_its_worker_before_the_hand_off(model: str) -> None:
+    """A prefill core that streams KV: each request's `KVStreamStart`, then every target layer,
+    reach the client before the step batch that hands the request off; fed to a decode core with
+    the export's (here empty) rest, its tokens continue the offline run exactly."""
+    expected = LLM(model, device="cpu").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    options = CoreOptions(EngineConfig(model=model, device="cpu"), stream_kv=True)
+    prefill = await EngineCoreClient.start(options)
+    decode = await EngineCoreClient.start(CoreOptions(EngineConfig(model=model, device="cpu", block_size=4)))
+    streamed: dict[str, list[tuple[str, int, Any, Any]]] = {}
+    started: list[str] = []
+
+    def on_kv_stream(message: KVStreamMessage) -> None:
+        if isinstance(message, KVStreamStart):
+            started.append(message.request_id)
+            return
+        assert set(message.first_blocks) == {0}  # whole layers: every prompt runs in one step
+        for request_id, key, value in zip(message.request_ids, message.keys, message.values):
+            streamed.setdefault(request_id, []).append(("target", message.index, key, value))
+
+    prefill.on_kv_stream = on_kv_stream
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            assert (await (await decode.reserve(request(f"r{i}", prompt), epoch=1))).error is None
+            await prefill.add_request(request(f"r{i}", prompt), epoch=1, handoff=True)
+        num_handed = 0
+        while num_handed < len(PROMPTS):
+            for batch in await asyncio.wait_for(prefill.next_batches(), 60):
+                for handoff in batch.handoffs:
+                    assert handoff.streamed and handoff.layers == []
+                    layers = streamed.pop(handoff.request_id)
+                    assert [index for _, index, _, _ in layers] == list(range(len(layers)))
+                    await decode.import_kv(handoff.request_id, layers)
+                    await decode.activate(handoff.request_id, handoff.first_token_id)
+                num_handed += len(batch.handoffs)
+        tokens, _, _ = await run_to_end(decode, len(PROMPTS))
+    finally:
+        await decode.shutdown()
+        await prefill.shutdown()
+    assert sorted(started) == [f"r{i}" for i in range(len(PROMPTS))]
+    for i, want in enumerate(expected):
+        assert want.token_ids[:1] + tokens[f"r{i}"] == want.token_ids

@@ -289,14 +289,18 @@ def test_verification_scores_only_the_last_token_and_drafts(target) -> None:
     assert step.draft_ids.tolist() == [d for s in batch.seqs for d in s.spec.draft_token_ids + [-1]]
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+@pytest.mark.parametrize(
+    ("method", "stream"), [("mtp", False), ("draft_model", False), ("mtp", True), ("draft_model", True)]
+)
 def test_split_prefill_decode_keeps_greedy_output_and_drafts(
-    target, naive_tokens, mtp_head, method: str
+    target, naive_tokens, mtp_head, method: str, stream: bool
 ) -> None:
     """The prefill instance hands over the drafting model's KV with the target's, so the decode
     instance drafts as a mixed one would: the MTP head what it drafts after the same tokens, the
-    target as its own draft model only drafts that are accepted."""
+    target as its own draft model only drafts that are accepted. Streamed (`stream`), the target's
+    layers go as the prefill computes them and the drafting model's with the export."""
     from services.engine.engine import LLMEngine
+    from services.engine.kv_export import KVLayers
     from shared.config import EngineConfig
 
     spec = {**DRAFTING[method](mtp_head, target), "adaptive": False}
@@ -310,13 +314,22 @@ def test_split_prefill_decode_keeps_greedy_output_and_drafts(
         record_drafts(mixed, mixed_drafts)
     prefill, decode = LLMEngine(config), LLMEngine(config)
     tokens: dict[str, list[int]] = {}
+    streamed: list[KVLayers] = []
+    if stream:
+        assert prefill.stream_kv(lambda m: streamed.append(m) if isinstance(m, KVLayers) else None)
     for i, prompt in enumerate(repetitive_prompts()):
         decode.reserve(f"r{i}", prompt, GREEDY)
         prefill.add_request(f"r{i}", prompt_token_ids=prompt, params=GREEDY, handoff=True)
     while prefill.has_unfinished_requests():
         prefill.step()
+        for layers in streamed:  # whole layers: every prompt runs in one step
+            assert set(layers.first_blocks) == {0}
+            for request_id, key, value in zip(layers.request_ids, layers.keys, layers.values):
+                decode.import_kv(request_id, "target", layers.index, key, value)
+        streamed.clear()
         for export in prefill.handoffs:
-            assert {cache for cache, *_ in export.layers} == {"target", DRAFT_CACHE[method]}
+            caches = {DRAFT_CACHE[method]} if stream else {"target", DRAFT_CACHE[method]}
+            assert {cache for cache, *_ in export.layers} == caches and export.streamed == stream
             for cache, index, key, value in export.layers:
                 decode.import_kv(export.request_id, cache, index, key, value)
             decode.activate(export.request_id, export.first_token_id)
