@@ -28,8 +28,9 @@ not run ahead (`_drafts_ahead`).
 Steps that need the host wait for the step in flight and take the path above: prefill chunks,
 requests joining (admitted, resumed, activated) or preempted, grammar requests with drafts, the
 torch verifier (penalties, logit bias, logprobs, min_tokens not reached yet), drafts made on the
-host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), draft trees,
-a short KV cache or a request near max_model_len. Under tensor parallelism every rank launches the
+host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), a short KV
+cache or a request near max_model_len. Draft trees run ahead like chains: the tail that drafts
+them keeps their parents on the device, and the step ahead lays its trees out from them. Under tensor parallelism every rank launches the
 same steps ahead, each completing them from its own input batch (a grammar step's masks included:
 rank 0 fills them when it launches the tail and sends them, the others receive them before theirs).
 """
@@ -620,7 +621,7 @@ class LLMEngine:
             seq.logprobs += [lp for lp in result.logprobs if lp is not None]
         seq.num_computed_tokens = min(num_computed, seq.num_tokens - 1)
         self.drafter.accepted(seq, num_drafts, result.num_accepted)
-        self.drafter.take_drafts(seq, result.drafts)
+        self.drafter.take_drafts(seq, result.drafts, result.draft_parents)
         emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
         if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
             emission.observe(self.outputs)
