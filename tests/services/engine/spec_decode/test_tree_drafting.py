@@ -22,9 +22,11 @@ from tests.services.engine.test_cuda_graph import with_eager_graphs
 TREE = [3, 2, 1]
 
 
-def head_llm(target: str, method: str, head: str, **spec) -> LLM:
+def head_llm(target: str, method: str, head: str, async_scheduling: bool = True, **spec) -> LLM:
     spec = {"method": method, "model": head, "adaptive": False, **spec}
-    return LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
+    return LLM(
+        target, device="cpu", max_model_len=192, speculative_config=spec, async_scheduling=async_scheduling
+    )
 
 
 @pytest.fixture(params=["mtp", "eagle3"])
@@ -177,6 +179,54 @@ def test_grammar_requests_beside_trees_keep_their_tokens(target, naive_tokens, m
     tokens = run_engine(head_llm(target, "mtp", mtp_head, tree=TREE), {**requests, **plain})
     assert [tokens[f"json-{i}"] for i in range(2)] == [naive[f"json-{i}"] for i in range(2)]
     assert [tokens[f"plain-{i}"] for i in range(len(plain))] == naive_tokens
+
+
+def tree_query_lens(llm: LLM) -> list[int]:
+    """The query lengths of the requests of every step the engine launches ahead from now on."""
+    runner = llm.engine.runner
+    query_lens: list[int] = []
+    launch_ahead = runner.launch_ahead
+
+    def recorded(batch, plan):
+        query_lens.extend(batch.num_new_tokens)
+        return launch_ahead(batch, plan)
+
+    runner.launch_ahead = recorded  # type: ignore[method-assign]
+    return query_lens
+
+
+@pytest.mark.parametrize("branch", [0, 5], ids=["tree", "tree-with-ngram"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_tree_steps_run_ahead_and_return_what_sync_steps_do(
+    target, naive_tokens, method_head, branch: int, graphs: bool
+) -> None:
+    """Asynchronous scheduling launches tree steps ahead (their trees laid out on the device from
+    the drafts' parents the step before kept: kernels/run_ahead_ref.py), through the graphs' static
+    buffers too: each request's tokens are the synchronous engine's, and naive's. (Its drafts may
+    differ near its end: a step ahead is planned before the step in flight lands.) Six requests of
+    different lengths, some cutting the tree."""
+    method, head = method_head
+    extra = {"with_ngram": True, "tree_budget": 16 + branch} if branch else {}
+    params = tree_params("greedy")
+    outputs, query_lens = [], []
+    for async_scheduling in (False, True):
+        llm = head_llm(target, method, head, async_scheduling, tree=TREE, **extra)
+        if graphs:
+            with_eager_graphs(llm, max_tokens=48)
+        llm.engine.drafter.max_graph_tokens = 48  # drafts trimmed alike with and without graphs
+        query_lens = tree_query_lens(llm)
+        generated = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+        outputs.append([(o.token_ids, o.spec_stats) for o in generated])
+        assert bool(query_lens) == async_scheduling
+        engine = llm.engine
+        num_steps = engine.step_counts.num_steps
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    naive = [tokens[: p.max_tokens] for tokens, p in zip(naive_tokens, params)]
+    assert [tokens for tokens, _ in outputs[1]] == [tokens for tokens, _ in outputs[0]] == naive
+    assert sum(stats["num_accepted_tokens"] for _, stats in outputs[1]) > 0
+    trees = {1 + 3 + branch, 1 + 9 + branch, 1 + 15 + branch}  # queries of a tree cut at depth 1, 2, 3
+    assert set(query_lens) & trees, set(query_lens)
+    assert engine.runner.num_steps_ahead > num_steps // 3  # of the engine's steps, prefill's included
 
 
 def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
