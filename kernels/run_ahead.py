@@ -85,7 +85,11 @@ extern "C" __global__ void fill_ahead(
 """
 
 
-DEFINES = {"PLACEHOLDER_TOKEN_ID": PLACEHOLDER_TOKEN_ID, "NO_DRAFT": NO_DRAFT, "MAX_TREE_NODES": MAX_TREE_NODES}
+DEFINES = {
+    "PLACEHOLDER_TOKEN_ID": PLACEHOLDER_TOKEN_ID,
+    "NO_DRAFT": NO_DRAFT,
+    "MAX_TREE_NODES": MAX_TREE_NODES,
+}
 """The -D macros the kernel is compiled with."""
 
 
@@ -258,7 +262,8 @@ def _check_trees(
         return
     _cuda.check_cuda_tensor("tree_mask", tree_mask, [torch.int64], 1, device)
     _cuda.check(
-        tree_mask.is_contiguous() and tree_mask.shape[0] >= num_tokens, "tree_mask must be contiguous [>= num_tokens]"
+        tree_mask.is_contiguous() and tree_mask.shape[0] >= num_tokens,
+        "tree_mask must be contiguous [>= num_tokens]",
     )
     _cuda.check_cuda_tensor("draft_parents", slots.draft_parents, [torch.int32], 2, device)
     _cuda.check(slots.draft_parents.stride(1) == 1, "draft_parents rows must be contiguous")

@@ -96,22 +96,27 @@ class InFlight:
     """How long the device idled for the host before this step's launch: from the landing of a step
     that could have had this one launched ahead of it, less the host drafting in between (None:
     launched ahead, or after a step nothing could run ahead of)."""
+    ahead: bool = False
+    """Launched ahead of the step before it (`_launch_ahead`)."""
 
 
 @dataclass
 class StepCounts:
-    """The engine's landed steps, for benchmarks: how many, how many waited for the host where they
-    could have been launched ahead of the step before (host drafts, a request to admit), the
-    device's idle time before those, and the whole time of the steps that waited and of the rest."""
+    """The engine's landed steps, for benchmarks: how many, how many were launched ahead, how many
+    waited for the host where they could have been launched ahead of the step before (host drafts,
+    a request to admit), the device's idle time before those, and the whole time of the steps that
+    waited and of the rest."""
 
     num_steps: int = 0
+    num_ahead: int = 0
     num_waited: int = 0
     host_gap_s: float = 0.0
     waited_s: float = 0.0
     other_s: float = 0.0
 
-    def add(self, seconds: float, host_gap_s: float | None) -> None:
+    def add(self, seconds: float, host_gap_s: float | None, ahead: bool = False) -> None:
         self.num_steps += 1
+        self.num_ahead += ahead
         if host_gap_s is None:
             self.other_s += seconds
             return
@@ -120,10 +125,12 @@ class StepCounts:
         self.waited_s += seconds
 
     def summary(self) -> dict[str, float]:
-        """Share of steps that waited, their mean host gap and mean time, the others' mean time."""
+        """Share of steps launched ahead and of those that waited, the waiting ones' mean host gap
+        and mean time, the others' mean time."""
         num_other = self.num_steps - self.num_waited
         return {
             "num_steps": self.num_steps,
+            "ahead_share": self.num_ahead / max(self.num_steps, 1),
             "waited_share": self.num_waited / max(self.num_steps, 1),
             "mean_host_gap_ms": 1e3 * self.host_gap_s / max(self.num_waited, 1),
             "mean_waited_step_ms": 1e3 * self.waited_s / max(self.num_waited, 1),
@@ -502,7 +509,7 @@ class LLMEngine:
         landed_s = time.perf_counter()
         seconds = landed_s - max(flight.called_s, self._landed_s)
         self._landed_s = landed_s
-        self.step_counts.add(seconds, flight.host_gap_s)
+        self.step_counts.add(seconds, flight.host_gap_s, flight.ahead)
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
             self.drafter.record_step(
@@ -560,7 +567,7 @@ class LLMEngine:
         if batch is None:
             return None
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s)
+        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s, ahead=True)
 
     def _drafts_ahead(self, seq: Sequence, num_drafts: int) -> bool:
         """Whether the request's next step, verifying `num_drafts` drafts, may be launched ahead: the

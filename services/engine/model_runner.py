@@ -451,7 +451,9 @@ class ModelRunner:
         with grammar rows launches only its forward: its masks need the tokens of the step in
         flight, so its tail waits for `launch_tail`, once that step has landed."""
         self.num_steps_ahead += 1
-        step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len, self.tree is not None)
+        step = ahead_step(
+            batch, plan, self.inputs, self.block_size, self.max_model_len, self.tree is not None
+        )
         self._send_step(step, plan, fused=True)
         pending = self._run_forward(step, plan, fused=True)
         return pending if step.has_grammar else self.launch_tail(pending)
@@ -622,7 +624,9 @@ class ModelRunner:
             token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
             num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
             assert t.tree_path is not None
-            chain = torch.minimum(torch.arange(t.tree_path.shape[1], device=self.device), num_accepted[:, None])
+            chain = torch.minimum(
+                torch.arange(t.tree_path.shape[1], device=self.device), num_accepted[:, None]
+            )
             t.tree_path = torch.where(on_host[:, None], chain.long(), t.tree_path)
         self.tail.compact_trees(t, num_accepted)
         return self.tail.update_and_draft(token_ids, num_accepted, t, plan), logprobs

@@ -300,7 +300,9 @@ def test_cuda_source_run_on_the_host_matches_reference(
     rng = random.Random(200 + block_size * 10 + padding)
     for num_seqs in SIZES:
         expected = random_case(num_seqs, rng, block_size, padding, trees)
-        case = Case(**{**vars(expected), **{name: getattr(expected, name).clone() for name in expected.written_names}})
+        case = Case(
+            **{**vars(expected), **{name: getattr(expected, name).clone() for name in expected.written_names}}
+        )
         count = torch.tensor([expected.num_tokens], dtype=I32) if padding else None
         fill_ahead_ref(*expected.args(count))
         grid, args = launch_arguments(*case.args(count))

@@ -145,7 +145,9 @@ class MTPProposer(Proposer):
         if self.num_branch:
             token_ids = torch.cat([self._ngram_branch(batch), token_ids], dim=1)
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
-        token_ids, parents, num_drafts = drafted_trees(self._head_parents, token_ids, num_drafts, self.num_branch)
+        token_ids, parents, num_drafts = drafted_trees(
+            self._head_parents, token_ids, num_drafts, self.num_branch
+        )
         return Drafts(token_ids, num_drafts, parents=parents)
 
     def _ngram_branch(self, batch: DraftBatch) -> torch.Tensor:

@@ -55,6 +55,29 @@ def test_tree_drafting_keeps_greedy_output(target, naive_tokens, method_head, lo
         assert all(o.spec_stats["num_draft_tokens"] == 0 for o in outputs[1::2])
 
 
+def test_the_torch_verifier_sees_only_the_requests_the_tree_rule_cannot_verify(
+    target, naive_tokens, mtp_head
+) -> None:
+    """A tree step beside requests with logprobs: the torch `RejectionSampler` gets those requests
+    and their logit rows only, never a request that verifies a tree; greedy output stays naive's."""
+    llm = head_llm(target, "mtp", mtp_head, tree=TREE, with_ngram=True)
+    runner = llm.engine.runner
+    verifier = runner.verifier
+    seen: list[tuple[int, list[bool]]] = []
+
+    def recorded(logits: torch.Tensor, batch, requests):
+        seen.append((logits.shape[0], [r.params.logprobs is not None for r in requests]))
+        assert logits.shape[0] == sum(r.num_rows for r in requests)
+        return verifier(logits, batch, requests)
+
+    runner.verifier = recorded  # type: ignore[assignment]
+    params = [GREEDY.model_copy(update={"logprobs": 2 if i % 3 == 0 else None}) for i in range(6)]
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert len(seen) > 10 and all(all(with_logprobs) for _, with_logprobs in seen)
+    assert sum(o.spec_stats["num_draft_tokens"] for i, o in enumerate(outputs) if i % 3) > 0
+
+
 def accepted_past(outputs, depth: int) -> int:
     """Verify steps that accepted more than `depth` drafts."""
     return sum(sum(o.spec_stats["accepted_per_position"][depth : depth + 1]) for o in outputs)
@@ -219,14 +242,14 @@ def test_tree_steps_run_ahead_and_return_what_sync_steps_do(
         outputs.append([(o.token_ids, o.spec_stats) for o in generated])
         assert bool(query_lens) == async_scheduling
         engine = llm.engine
-        num_steps = engine.step_counts.num_steps
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     naive = [tokens[: p.max_tokens] for tokens, p in zip(naive_tokens, params)]
     assert [tokens for tokens, _ in outputs[1]] == [tokens for tokens, _ in outputs[0]] == naive
     assert sum(stats["num_accepted_tokens"] for _, stats in outputs[1]) > 0
     trees = {1 + 3 + branch, 1 + 9 + branch, 1 + 15 + branch}  # queries of a tree cut at depth 1, 2, 3
     assert set(query_lens) & trees, set(query_lens)
-    assert engine.runner.num_steps_ahead > num_steps // 3  # of the engine's steps, prefill's included
+    counts = engine.step_counts  # N of M steps launched ahead (the prefill steps and a few after them wait)
+    assert counts.num_ahead > counts.num_steps * 2 // 3, (counts.num_ahead, counts.num_steps)
 
 
 def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
