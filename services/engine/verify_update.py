@@ -222,7 +222,8 @@ class VerifyAndUpdate:
         self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts.int()
         columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
         packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
-        if drafts.parents is not None:
+        if self.trees:
+            assert drafts.parents is not None
             self.inputs.draft_parents[t.seq_slots] = drafts.parents
             packed.append(drafts.parents)
         return torch.cat(packed, dim=1)
