@@ -246,6 +246,41 @@ def test_a_chain_laid_out_as_a_tree_is_the_chains_step() -> None:
         assert parents[:query_len] == list(range(-1, query_len - 1))
 
 
+def test_trees_are_laid_out_as_the_host_lays_them_out() -> None:
+    """Where every request brings exactly the drafts its slot holds (no placeholders), the tree
+    masks, positions, rows' output positions and parent arrays are those the host builds from the
+    same parents for a step it prepares (`spec_decode.tree.shape_arrays`, `tree_verify.tree_parents`)."""
+    from services.engine.spec_decode.tree import shape_arrays
+    from services.engine.tree_verify import tree_parents
+
+    rng = random.Random(11)
+    for num_seqs in SIZES:
+        case = random_case(num_seqs, rng, 4, trees=True)
+        starts = case.query_start_loc.tolist()
+        slots = case.token_slots[case.query_start_loc[:num_seqs].long()].tolist()
+        for request, slot in enumerate(slots):  # valid trees, as many drafts as the query has places
+            query_len = starts[request + 1] - starts[request]
+            case.slots.num_drafts[slot] = query_len - 1
+            case.slots.draft_parents[slot] = torch.tensor([rng.randrange(j + 1) for j in range(5)])
+        assert case.tree_mask is not None and case.tree_parents is not None
+        case.tree_parents.fill_(-1)  # as the host leaves them (run_ahead.ahead_step)
+        fill_ahead_ref(*case.args(None))
+        shapes = [
+            [-1, *case.slots.draft_parents[slot, : starts[r + 1] - starts[r] - 1].tolist()]
+            for r, slot in enumerate(slots)
+        ]
+        for request, (slot, shape) in enumerate(zip(slots, shapes)):
+            depths, masks = shape_arrays(tuple(shape))
+            tokens = slice(starts[request], starts[request + 1])
+            newest = int(case.slots.num_tokens[slot]) - 1
+            assert case.tree_mask[tokens].tolist() == masks.tolist()
+            assert case.positions[tokens].tolist() == (newest + depths).tolist()
+            assert case.row_positions[tokens].tolist() == (int(case.slots.num_output[slot]) + depths).tolist()
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        host = tree_parents([*shapes], query_lens, case.tree_parents.shape[1])
+        assert torch.equal(case.tree_parents, host)
+
+
 def test_reference_cases_cover_every_rule() -> None:
     """The random steps above reach each rule: drafts, placeholders, bonus rows, no-KV positions
     and positions in a request's second block or later."""

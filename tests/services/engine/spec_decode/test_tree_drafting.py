@@ -22,11 +22,9 @@ from tests.services.engine.test_cuda_graph import with_eager_graphs
 TREE = [3, 2, 1]
 
 
-def head_llm(target: str, method: str, head: str, async_scheduling: bool = True, **spec) -> LLM:
+def head_llm(target: str, method: str, head: str, **spec) -> LLM:
     spec = {"method": method, "model": head, "adaptive": False, **spec}
-    return LLM(
-        target, device="cpu", max_model_len=192, speculative_config=spec, async_scheduling=async_scheduling
-    )
+    return LLM(target, device="cpu", max_model_len=192, speculative_config=spec)
 
 
 @pytest.fixture(params=["mtp", "eagle3"])
@@ -233,7 +231,14 @@ def test_tree_steps_run_ahead_and_return_what_sync_steps_do(
     params = tree_params("greedy")
     outputs, query_lens = [], []
     for async_scheduling in (False, True):
-        llm = head_llm(target, method, head, async_scheduling, tree=TREE, **extra)
+        spec = {"method": method, "model": head, "adaptive": False, "tree": TREE, **extra}
+        llm = LLM(
+            target,
+            device="cpu",
+            max_model_len=192,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+        )
         if graphs:
             with_eager_graphs(llm, max_tokens=48)
         llm.engine.drafter.max_graph_tokens = 48  # drafts trimmed alike with and without graphs
