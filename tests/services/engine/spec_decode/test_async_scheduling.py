@@ -391,13 +391,13 @@ def test_tree_steps_ahead_on_the_gpu_return_what_sync_steps_do(
     params = []
     for i, prompt in enumerate(prompts):
         fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
-        fields |= [
+        ending: list[dict] = [
             {},
             {"stop_token_ids": [prompt[-1]]},
             {"ignore_eos": False},
             {"temperature": 0.8, "seed": i},
-        ][i % 4]
-        params.append(SamplingParams(**fields))
+        ]
+        params.append(SamplingParams(**(fields | ending[i % 4])))
     kernel_launches = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
     seen: list[tuple[int, int]] = []
 
