@@ -231,6 +231,7 @@ def engine_cell(
         measured["steps"] = steps = engines[0].step_counts.summary()
         print(
             f"steps {label} c={concurrency}: {steps['num_steps']}, "
+            f"{100 * steps['ahead_share']:.1f}% launched ahead, "
             f"{100 * steps['waited_share']:.1f}% waited for the host (mean gap "
             f"{steps['mean_host_gap_ms']:.2f} ms, step {steps['mean_waited_step_ms']:.2f} ms; "
             f"others {steps['mean_other_step_ms']:.2f} ms)"

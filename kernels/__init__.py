@@ -386,6 +386,8 @@ def fill_ahead(
     row_positions: torch.Tensor,
     draft_ids: torch.Tensor,
     block_size: int,
+    tree_mask: torch.Tensor | None = None,
+    tree_parents: torch.Tensor | None = None,
 ) -> None:
     """See `fill_ahead_ref` for the arguments; one launch on CUDA, which a CUDA graph can capture."""
     fill = fill_ahead_ref
@@ -405,6 +407,8 @@ def fill_ahead(
         row_positions,
         draft_ids,
         block_size,
+        tree_mask,
+        tree_parents,
     )
 
 

@@ -16,6 +16,19 @@ counted from the query's first token):
 - its row samples output position: the request's output count + j;
 - the request's context length is its newest token's position + its query length.
 
+Where the step verifies draft trees (a server that drafts them: `tree_mask` given), token j is node
+j of the request's tree, whose parent is the slot's `draft_parents[j - 1]` (j <= the drafts found)
+or node j - 1 (a placeholder: they hang in a chain under the last draft found; a chain's parents are
+j - 1 throughout); a parent outside [0, j - 1] is read as its nearest end. Then:
+
+- its *depth* is its number of ancestors, the root excluded; its position is the newest token's +
+  its depth, while its KV slot stays that of the newest token's position + j;
+- its row samples output position: the request's output count + its depth;
+- its tree mask has bit a set for itself and each ancestor a, the root included
+  (kernels/attention_ref.py: a query holds at most MAX_TREE_NODES tokens);
+- the request's parent array (`tree_parents`, as far as it is wide) holds node j's parent, -1 at
+  the root.
+
 Every written value depends only on what is read, so completing a step twice gives the same step.
 """
 
@@ -24,6 +37,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from kernels.attention_ref import MAX_TREE_NODES
 
 PLACEHOLDER_TOKEN_ID = 0
 """The input id of a query position that has no draft (any id the vocabulary has)."""
@@ -39,6 +54,7 @@ class SlotState(Protocol):
     num_output: torch.Tensor  # [num_slots] int32 output tokens of each request
     drafts: torch.Tensor  # [num_slots, width] int32 the drafts proposed for the next step
     num_drafts: torch.Tensor  # [num_slots] int32 drafts found (the rest of the row is not)
+    draft_parents: torch.Tensor  # [num_slots, width] int32 each draft's parent node (read for trees only)
 
 
 def fill_ahead_ref(
@@ -55,9 +71,11 @@ def fill_ahead_ref(
     row_positions: torch.Tensor,  # [>= num_tokens] int64 output position each row samples, written
     draft_ids: torch.Tensor,  # [>= num_tokens] int32 the draft each row checks, written
     block_size: int,
+    tree_mask: torch.Tensor | None = None,  # [>= num_tokens] int64 each token's tree mask, written
+    tree_parents: torch.Tensor | None = None,  # [num_seqs, width] int64 each request's parents, written
 ) -> None:
     """Completes the step's leading tokens in place (the module docstring's rules); every token
-    is a logit row, in the same order."""
+    is a logit row, in the same order. With `tree_mask` the tokens are laid out as trees."""
     num_tokens = capacity(input_ids, request_of_token, row_positions, draft_ids)
     if num_filled is not None:
         num_tokens = min(int(num_filled[0]), num_tokens)
@@ -69,8 +87,14 @@ def fill_ahead_ref(
     query_len = query_start_loc[request + 1].long() - first
     offset = torch.arange(num_tokens, device=input_ids.device) - first
     newest = slots.num_tokens[token_slots].long() - 1
-    position = newest + offset
     found = torch.minimum(slots.num_drafts[token_slots].long(), query_len - 1)
+    depth = offset
+    if tree_mask is not None:
+        depth, tree_mask[:num_tokens], parent = _tree_layout(slots.draft_parents[token_slots], offset, found)
+        if tree_parents is not None:
+            inside = offset < tree_parents.shape[1]
+            tree_parents[request[inside], offset[inside]] = parent[inside]
+    kv_position = newest + offset
     width = slots.drafts.shape[1]
     checked = slots.drafts[token_slots, offset.clamp(0, width - 1)].long()  # draft j
     before = slots.drafts[token_slots, (offset - 1).clamp(0, width - 1)].long()  # draft j - 1
@@ -78,12 +102,37 @@ def fill_ahead_ref(
     input_ids[:num_tokens] = torch.where(
         offset == 0, newest_id, torch.where(offset <= found, before, PLACEHOLDER_TOKEN_ID)
     )
-    positions[:num_tokens] = position
-    slot_mapping[:num_tokens] = _kv_slots(block_tables, request, position, block_size)
-    row_positions[:num_tokens] = slots.num_output[token_slots].long() + offset
+    positions[:num_tokens] = newest + depth
+    slot_mapping[:num_tokens] = _kv_slots(block_tables, request, kv_position, block_size)
+    row_positions[:num_tokens] = slots.num_output[token_slots].long() + depth
     draft_ids[:num_tokens] = torch.where(offset < found, checked, NO_DRAFT).to(draft_ids.dtype)
     starts = offset == 0  # one token per request
-    seq_lens[request[starts]] = (position + query_len)[starts].to(seq_lens.dtype)
+    seq_lens[request[starts]] = (kv_position + query_len)[starts].to(seq_lens.dtype)
+
+
+def _tree_layout(
+    draft_parents: torch.Tensor,  # [num_tokens, width] int32 the slot's parents of each token's request
+    offset: torch.Tensor,  # [num_tokens] int64 each token's node
+    found: torch.Tensor,  # [num_tokens] int64 drafts found by its request
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(depth, tree mask, parent: -1 at the root) of each token's node, walking up to the root."""
+    width = draft_parents.shape[1]
+
+    def parent_of(node: torch.Tensor) -> torch.Tensor:  # of nodes >= 1
+        stored = draft_parents.gather(1, (node - 1).clamp(0, width - 1)[:, None])[:, 0].long()
+        return torch.minimum(torch.where(node <= found, stored, node - 1).clamp(min=0), node - 1)
+
+    parent = torch.where(offset > 0, parent_of(offset), -1)
+    node, depth = offset.clone(), torch.zeros_like(offset)
+    mask = torch.ones_like(offset)
+    one = torch.ones_like(offset)
+    while bool((node > 0).any()):
+        up = node > 0
+        bit = torch.bitwise_left_shift(one, node.clamp(0, MAX_TREE_NODES - 1))
+        mask |= torch.where(up & (node < MAX_TREE_NODES), bit, 0)
+        depth += up.long()
+        node = torch.where(up, parent_of(node), node)
+    return depth, mask, parent
 
 
 def capacity(

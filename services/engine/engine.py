@@ -28,8 +28,9 @@ not run ahead (`_drafts_ahead`).
 Steps that need the host wait for the step in flight and take the path above: prefill chunks,
 requests joining (admitted, resumed, activated) or preempted, grammar requests with drafts, the
 torch verifier (penalties, logit bias, logprobs, min_tokens not reached yet), drafts made on the
-host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), draft trees,
-a short KV cache or a request near max_model_len. Under tensor parallelism every rank launches the
+host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), a short KV
+cache or a request near max_model_len. Draft trees run ahead like chains: the tail that drafts
+them keeps their parents on the device, and the step ahead lays its trees out from them. Under tensor parallelism every rank launches the
 same steps ahead, each completing them from its own input batch (a grammar step's masks included:
 rank 0 fills them when it launches the tail and sends them, the others receive them before theirs).
 """
@@ -102,22 +103,27 @@ class InFlight:
     """How long the device idled for the host before this step's launch: from the landing of a step
     that could have had this one launched ahead of it, less the host drafting in between (None:
     launched ahead, or after a step nothing could run ahead of)."""
+    ahead: bool = False
+    """Launched ahead of the step before it (`_launch_ahead`)."""
 
 
 @dataclass
 class StepCounts:
-    """The engine's landed steps, for benchmarks: how many, how many waited for the host where they
-    could have been launched ahead of the step before (host drafts, a request to admit), the
-    device's idle time before those, and the whole time of the steps that waited and of the rest."""
+    """The engine's landed steps, for benchmarks: how many, how many were launched ahead, how many
+    waited for the host where they could have been launched ahead of the step before (host drafts,
+    a request to admit), the device's idle time before those, and the whole time of the steps that
+    waited and of the rest."""
 
     num_steps: int = 0
+    num_ahead: int = 0
     num_waited: int = 0
     host_gap_s: float = 0.0
     waited_s: float = 0.0
     other_s: float = 0.0
 
-    def add(self, seconds: float, host_gap_s: float | None) -> None:
+    def add(self, seconds: float, host_gap_s: float | None, ahead: bool = False) -> None:
         self.num_steps += 1
+        self.num_ahead += ahead
         if host_gap_s is None:
             self.other_s += seconds
             return
@@ -126,10 +132,12 @@ class StepCounts:
         self.waited_s += seconds
 
     def summary(self) -> dict[str, float]:
-        """Share of steps that waited, their mean host gap and mean time, the others' mean time."""
+        """Share of steps launched ahead and of those that waited, the waiting ones' mean host gap
+        and mean time, the others' mean time."""
         num_other = self.num_steps - self.num_waited
         return {
             "num_steps": self.num_steps,
+            "ahead_share": self.num_ahead / max(self.num_steps, 1),
             "waited_share": self.num_waited / max(self.num_steps, 1),
             "mean_host_gap_ms": 1e3 * self.host_gap_s / max(self.num_waited, 1),
             "mean_waited_step_ms": 1e3 * self.waited_s / max(self.num_waited, 1),
@@ -554,7 +562,7 @@ class LLMEngine:
         landed_s = time.perf_counter()
         seconds = landed_s - max(flight.called_s, self._landed_s)
         self._landed_s = landed_s
-        self.step_counts.add(seconds, flight.host_gap_s)
+        self.step_counts.add(seconds, flight.host_gap_s, flight.ahead)
         mixed = not step.is_decode  # prefill chunks: another cost regime
         if not ended:
             self.drafter.record_step(
@@ -612,7 +620,7 @@ class LLMEngine:
         if batch is None:
             return None
         plan = self.drafter.plan(batch, num_running=len(self.scheduler.running))
-        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s)
+        return InFlight(batch, plan, self.runner.launch_ahead(batch, plan), called_s, ahead=True)
 
     def _drafts_ahead(self, seq: Sequence, num_drafts: int) -> bool:
         """Whether the request's next step, verifying `num_drafts` drafts, may be launched ahead: the
@@ -673,7 +681,7 @@ class LLMEngine:
             seq.logprobs += [lp for lp in result.logprobs if lp is not None]
         seq.num_computed_tokens = min(num_computed, seq.num_tokens - 1)
         self.drafter.accepted(seq, num_drafts, result.num_accepted)
-        self.drafter.take_drafts(seq, result.drafts)
+        self.drafter.take_drafts(seq, result.drafts, result.draft_parents)
         emission = Emission(seq, len(result.token_ids), result.finish_reason, result.stop_token_id)
         if seq.handoff:  # its text now: a stop string must end it here, not after the hand-off
             emission.observe(self.outputs)

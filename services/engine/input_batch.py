@@ -7,7 +7,7 @@ is preempted (vLLM v1's `InputBatch` does the same). Per slot the device holds:
   head and the draft model read their next input from), appended on the device by the post-step
   update, never re-sent;
 - the sampling parameters and stop conditions the fused verify and post-step kernels read;
-- the drafts proposed for the request's next step.
+- the drafts proposed for the request's next step (and, where they are trees, their parents).
 
 The host writes a slot only when a request joins (its tokens and parameters); a step then names
 its requests by slot, so the per-step host work is independent of the requests' lengths and
@@ -204,6 +204,10 @@ class InputBatch:
         """The drafts each request's last step proposed for its next, -1 past `num_drafts` (the
         tail writes them: a step launched ahead reads them here, services/engine/run_ahead.py)."""
         self.num_drafts = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.draft_parents = torch.zeros(rows, max(max_num_drafts, 1), dtype=torch.int32, device=device)
+        """Where a server drafts trees: each draft's parent node (0: the root, draft j is node j + 1;
+        a chain's draft j hangs from node j), beside `drafts` (a step launched ahead lays its tree
+        out from them: kernels/run_ahead_ref.py)."""
         self.host = SlotParams.empty(rows)
         self.fused_from = np.zeros(rows, np.int64)
         """Per slot, `fused_from` of its request (on the host only: rank 0 decides how a step verifies)."""

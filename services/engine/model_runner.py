@@ -97,20 +97,26 @@ class SeqResult(NamedTuple):
     """The stop id that ended the request (None for an EOS, max_tokens or running)."""
     drafts: list[int]
     """The next step's drafts from a device proposer."""
+    draft_parents: list[int]
+    """Each draft's parent node where the server drafts trees (empty otherwise)."""
     logprobs: tuple[TokenLogprobs | None, ...] = ()
     """Per kept token, when the request asked for them."""
 
     @classmethod
-    def unpack(cls, row: list[int], max_rows: int) -> SeqResult:
-        """One row of the tail's packed result (verify_update's columns)."""
+    def unpack(cls, row: list[int], max_rows: int, tree_width: int = 0) -> SeqResult:
+        """One row of the tail's packed result (verify_update's columns); `tree_width`: the drafts'
+        columns where their parents follow them (0: no parents)."""
         drafts_at = TOKENS + max_rows
+        parents_at = drafts_at + tree_width
         stop_token_id = row[STOP_TOKEN]
+        num_drafts = row[NUM_DRAFTS]
         return cls(
             row[TOKENS : TOKENS + row[KEPT]],
             row[ACCEPTED],
             FINISH_REASONS.get(row[FINISH]),
             stop_token_id if stop_token_id >= 0 else None,
-            row[drafts_at : drafts_at + row[NUM_DRAFTS]],
+            row[drafts_at : drafts_at + num_drafts],
+            row[parents_at : parents_at + num_drafts] if tree_width else [],
         )
 
 
@@ -129,10 +135,12 @@ class LaunchedStep:
     prompt: tuple[PromptRows, PromptScores] | None = None
     """The step's scored prompt rows, when a request asked for prompt logprobs."""
     device_only: bool = False
-    """A decode step the fused kernels verified whole (no tree or prompt rows): the next step of
-    its requests can be launched before this one's result is read (`launch_ahead`). Grammar rows
-    do not stop it: the next step's masks are filled once this one lands, before that step's tail
-    is launched (`launch_tail`)."""
+    """A decode step the fused kernels verified whole (no prompt rows): the next step of its
+    requests can be launched before this one's result is read (`launch_ahead`). Grammar rows do
+    not stop it: the next step's masks are filled once this one lands, before that step's tail is
+    launched (`launch_tail`); nor do draft trees: their parents stay on the device beside them."""
+    tree_width: int = 0
+    """Where the packed result carries the drafts' parents: the drafts' columns (0: none)."""
 
     def running(self) -> bool:
         """Whether the device is still at the step (never on the CPU, where `launch` ran it)."""
@@ -141,7 +149,7 @@ class LaunchedStep:
     def result(self) -> StepOutput:
         if self.done is not None:
             self.done.synchronize()
-        results = [SeqResult.unpack(row, self.max_rows) for row in self.packed.tolist()]
+        results = [SeqResult.unpack(row, self.max_rows, self.tree_width) for row in self.packed.tolist()]
         if self.logprobs:
             results = [
                 result._replace(logprobs=tuple(token_logprobs[: len(result.token_ids)]))
@@ -324,6 +332,7 @@ class ModelRunner:
             self.max_num_drafts,
             self.kv_caches,
             self.block_size,
+            trees=self.tree is not None,
         )
         if self._use_graphs():
             self.graphs = self._capture_graphs(self.chain_lengths(), [None] if own is None else [None, own])
@@ -453,14 +462,13 @@ class ModelRunner:
         fused = self._fusable(step)
         self._send_step(step, plan, fused)
         packed, logprobs, prompt = self._run(step, plan, fused)
-        device_only = fused and step.is_decode and step.tree_parents is None
-        return self._read_back(packed, step, logprobs, prompt, device_only)
+        return self._read_back(packed, step, logprobs, prompt, device_only=fused and step.is_decode)
 
     @property
     def can_run_ahead(self) -> bool:
-        """Whether decode steps may be launched ahead here (chains of drafts: a tree step reads its
-        requests' trees on the host)."""
-        return self.tree is None
+        """Whether decode steps may be launched ahead here: always (a step's drafts, chains or
+        trees with their parents, stay on the device for the next)."""
+        return True
 
     @torch.inference_mode()
     def launch_ahead(self, batch: ScheduledBatch, plan: StepPlan) -> LaunchedStep | PendingTail:
@@ -470,7 +478,9 @@ class ModelRunner:
         with grammar rows launches only its forward: its masks need the tokens of the step in
         flight, so its tail waits for `launch_tail`, once that step has landed."""
         self.num_steps_ahead += 1
-        step = ahead_step(batch, plan, self.inputs, self.block_size, self.max_model_len)
+        step = ahead_step(
+            batch, plan, self.inputs, self.block_size, self.max_model_len, self.tree is not None
+        )
         self._send_step(step, plan, fused=True)
         pending = self._run_forward(step, plan, fused=True)
         return pending if step.has_grammar else self.launch_tail(pending)
@@ -480,7 +490,7 @@ class ModelRunner:
         """The tail of a step whose forward is queued: its grammar masks filled from the host's
         grammar states now (while the forward runs) and copied in, then verify, update and draft."""
         packed, logprobs, prompt = self._run_tail(pending)
-        device_only = pending.fused and pending.step.is_decode and pending.step.tree_parents is None
+        device_only = pending.fused and pending.step.is_decode
         return self._read_back(packed, pending.step, logprobs, prompt, device_only)
 
     def _send_step(self, step: HostStep, plan: StepPlan, fused: bool) -> None:
@@ -597,10 +607,12 @@ class ModelRunner:
             packed, done = self._results[0].read(packed)
         elif self.graphs is not None:  # a graph's output, which the next step may overwrite unread
             packed = packed.clone()
-        max_rows = packed.shape[1] - TOKENS - max(self.max_num_drafts, 1)  # a graph's query class
+        assert self.tail is not None
+        max_rows = self.tail.max_rows(packed.shape[1])  # a graph's query class
         scored = None if prompt is None or step.prompt_rows is None else (step.prompt_rows, prompt)
+        tree_width = self.tail.draft_width if self.tail.trees else 0
         return LaunchedStep(
-            packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored, device_only
+            packed, done, max_rows, step.num_tokens, step.is_decode, logprobs, scored, device_only, tree_width
         )
 
     def _fusable(self, step: HostStep) -> bool:
@@ -626,37 +638,64 @@ class ModelRunner:
         self, logits: torch.Tensor, t: StepTensors, plan: StepPlan
     ) -> tuple[torch.Tensor, list[list[TokenLogprobs | None]]]:
         """The tail of a step that verifies draft trees beside requests the fused kernel cannot
-        verify (services/engine/tree_verify.py): those bring no tree (`tree_verifiable`), and every
-        request without a tree takes the torch `RejectionSampler`'s result; then the target KV of
-        each accepted path is compacted, the requests updated and drafted."""
+        verify (services/engine/tree_verify.py): the tree rule verifies every request it can (trees,
+        and chains without a grammar: no mask is filled on this path), the torch `RejectionSampler`
+        only the others (`_verified_on_host`), which bring no tree (`tree_verifiable`); then the
+        target KV of each accepted path is compacted, the requests updated and drafted."""
         assert self.tail is not None and t.tree_parents is not None
         token_ids, num_accepted = self.tail.verify_trees(logits, t)
-        host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan)
-        # the torch sampler's result is right for every request without a tree (chains, grammars)
-        on_host = torch.tensor([not self._verifies_tree(seq) for seq in plan.seqs], device=self.device)
-        token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
-        num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
-        assert t.tree_path is not None
-        chain = torch.minimum(torch.arange(t.tree_path.shape[1], device=self.device), num_accepted[:, None])
-        t.tree_path = torch.where(on_host[:, None], chain.long(), t.tree_path)
+        chosen = [i for i, seq in enumerate(plan.seqs) if self._verified_on_host(seq)]
+        logprobs: list[list[TokenLogprobs | None]] = []
+        if chosen:
+            host_ids, host_accepted, logprobs = self._verify_on_host(logits, t, plan, chosen)
+            on_host = torch.zeros(len(plan.seqs), dtype=torch.bool)
+            on_host[chosen] = True
+            on_host = on_host.to(self.device)
+            token_ids = torch.where(on_host[:, None], torch.from_numpy(host_ids).to(self.device), token_ids)
+            num_accepted = torch.where(on_host, torch.from_numpy(host_accepted).to(self.device), num_accepted)
+            assert t.tree_path is not None
+            chain = torch.minimum(
+                torch.arange(t.tree_path.shape[1], device=self.device), num_accepted[:, None]
+            )
+            t.tree_path = torch.where(on_host[:, None], chain.long(), t.tree_path)
         self.tail.compact_trees(t, num_accepted)
         return self.tail.update_and_draft(token_ids, num_accepted, t, plan), logprobs
 
+    def _verified_on_host(self, seq: Sequence) -> bool:
+        """Whether a request of a tree step the fused kernel cannot verify whole needs the torch
+        `RejectionSampler`: it brings no tree, and it follows a grammar or its rows need what the
+        fused kernel lacks (penalties, logit bias, logprobs, min_tokens suppression)."""
+        if self._verifies_tree(seq):
+            return False
+        fused_from = self.inputs.fused_from[self.inputs.slot_of[seq.request_id]]
+        return seq.grammar is not None or seq.num_output_tokens < fused_from
+
     def _verify_on_host(
-        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan
+        self, logits: torch.Tensor, t: StepTensors, plan: StepPlan, chosen: list[int] | None = None
     ) -> tuple[np.ndarray, np.ndarray, list[list[TokenLogprobs | None]]]:
-        """The torch `RejectionSampler` over the plan's requests (rank 0, which has them):
-        (token_ids [num_seqs, max_rows] int32 -1 padded, num_accepted [num_seqs] int32, logprobs)."""
+        """The torch `RejectionSampler` over the plan's requests (rank 0, which has them), or over
+        those `chosen` (their indices) only: (token_ids [num_seqs, max_rows] int32 -1 padded,
+        num_accepted [num_seqs] int32, logprobs), nothing for the requests not chosen."""
+        seqs = plan.seqs if chosen is None else [plan.seqs[i] for i in chosen]
+        if chosen is not None:  # their logit rows: each request brings 1 + its drafts (row_batch's)
+            num_rows = np.array([1 + len(seq.spec.draft_token_ids) for seq in plan.seqs], dtype=np.int64)
+            starts = np.cumsum(num_rows) - num_rows
+            rows = np.concatenate([np.arange(starts[i], starts[i] + num_rows[i]) for i in chosen])
+            logits = logits.index_select(0, torch.from_numpy(rows).to(logits.device))
         results = self.verifier(
             logits,
-            row_batch(plan.seqs, self.model_config.vocab_size, self.step_masks),
-            [verify_request(seq) for seq in plan.seqs],
+            row_batch(seqs, self.model_config.vocab_size, self.step_masks),
+            [verify_request(seq) for seq in seqs],
         )
-        token_ids = np.full((len(results), t.max_rows), -1, dtype=np.int32)
-        for row, result in zip(token_ids, results):
-            row[: len(result.token_ids)] = result.token_ids
-        num_accepted = np.array([r.num_accepted for r in results], dtype=np.int32)
-        return token_ids, num_accepted, [r.logprobs for r in results]
+        indices = range(len(plan.seqs)) if chosen is None else chosen
+        token_ids = np.full((len(plan.seqs), t.max_rows), -1, dtype=np.int32)
+        num_accepted = np.zeros(len(plan.seqs), dtype=np.int32)
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in plan.seqs]
+        for i, result in zip(indices, results):
+            token_ids[i, : len(result.token_ids)] = result.token_ids
+            num_accepted[i] = result.num_accepted
+            logprobs[i] = result.logprobs
+        return token_ids, num_accepted, logprobs
 
     def prepare(self, batch: ScheduledBatch, plan: StepPlan) -> HostStep:
         """The step's host inputs: every scheduled token for the forward, and for each request of

@@ -17,6 +17,12 @@ is rolled back by length like a rejected draft's. The greedy and seeded tokens a
 step without them: a row's token depends only on the target's logits there and the row's output
 position (kernels/verify_ref.py).
 
+On a server that drafts trees the same kernel lays each request's tree out from the parents its
+drafts were kept with (`InputBatch.draft_parents`; a chain's are j - 1): each token's tree mask,
+its position at the root's + its depth, its row's output position by depth and the request's
+parent array. Placeholders hang in a chain under the last draft found; their token matches no
+target's, so the tree rule never accepts them (services/engine/tree_verify.py).
+
 A step with grammar rows is launched ahead in two parts: its forward before the step in flight
 lands, its tail (verify with the masks) after, once the host has advanced each grammar by the
 tokens that step kept and filled the masks while the forward runs (`ModelRunner.launch_tail`). Only
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.attention_ref import CAUSAL_MASK
 from kernels.run_ahead_ref import NO_DRAFT, PLACEHOLDER_TOKEN_ID
 from services.engine.cuda_graph import HostStep
 from services.engine.input_batch import InputBatch
@@ -35,12 +42,18 @@ from services.engine.verify_update import StepPlan
 
 
 def ahead_step(
-    batch: ScheduledBatch, plan: StepPlan, inputs: InputBatch, block_size: int, max_model_len: int
+    batch: ScheduledBatch,
+    plan: StepPlan,
+    inputs: InputBatch,
+    block_size: int,
+    max_model_len: int,
+    trees: bool = False,
 ) -> HostStep:
     """The host's part of a step launched ahead: each request brings `batch.num_new_tokens` query
     tokens (its newest token, then its drafts' places), every one a logit row. What the device
     completes (the tokens' ids, positions, KV slots, row positions and drafts, the context
-    lengths) holds placeholders here; the context lengths hold the query lengths."""
+    lengths; with `trees`, the tree masks and parent arrays) holds placeholders here; the context
+    lengths hold the query lengths."""
     seqs = batch.seqs
     lens = np.array(batch.num_new_tokens, dtype=np.int64)
     cu = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -75,5 +88,7 @@ def ahead_step(
         num_wanted=np.array(plan.num_wanted, dtype=np.int32),
         # every position the step writes lies in its requests' blocks
         max_seq_len=min(tables.shape[1] * block_size + inputs.max_num_drafts + 1, max_model_len),
+        tree_mask=np.full(num_tokens, CAUSAL_MASK, dtype=np.int64) if trees else None,
+        tree_parents=np.full((len(seqs), int(lens.max(initial=1))), -1, dtype=np.int64) if trees else None,
         ahead=True,
     )

@@ -11,7 +11,8 @@ largest graph, CPU) calls it eagerly, so both paths keep the same tokens and sto
    reached), so no token past a stop is kept;
 3. drafting: each device proposer drafts the next step of its own requests that are still running,
    after the tokens just kept (services/engine/spec_decode/); the drafts are also kept by slot
-   (`InputBatch.drafts`), where a step launched before this one's read-back finds them;
+   (`InputBatch.drafts`, and where the server drafts trees their parents, `draft_parents`), where a
+   step launched before this one's read-back finds them;
 4. one packed int32 tensor per request (the `Column`s below), the step's only device-to-host read.
 
 Grammar requests verify here too: their rows are marked in `masked_rows` and the kernel applies the
@@ -75,7 +76,8 @@ class StepTensors:
         last step's tail left in `slots`: its tokens' ids, positions and KV slots, its rows'
         output positions and drafts, its requests' context lengths (`kernels.fill_ahead`: one
         launch). `num_filled`: [1] int32 on the device, how many leading tokens are the step's
-        (0: a step the host described whole, left as it is); None: every token."""
+        (0: a step the host described whole, left as it is); None: every token. Where the step
+        verifies draft trees, their masks and parent arrays too, from the drafts' parents."""
         forward, meta = self.forward, self.forward.meta
         kernels.fill_ahead(
             num_filled,
@@ -91,6 +93,8 @@ class StepTensors:
             self.row_positions,
             self.draft_ids,
             block_size,
+            meta.tree_mask if self.tree_parents is not None else None,
+            self.tree_parents,
         )
         if not kernels.cuda_available(forward.positions):
             meta.seq_lens_cpu = meta.seq_lens.tolist()  # the attention's torch twin reads them on the host
@@ -123,9 +127,12 @@ class VerifyAndUpdate:
         max_num_drafts: int,
         target_caches: list[KVCache] | None = None,
         block_size: int = 1,
+        trees: bool = False,
     ):
         """`proposers`: the device proposers, indexed by `StepTensors.seq_methods`; `target_caches`:
-        the target's KV caches (paged in `block_size` blocks), where steps verify draft trees."""
+        the target's KV caches (paged in `block_size` blocks), where steps verify draft trees;
+        `trees`: the server drafts trees, whose drafts' parents are kept by slot and packed after
+        the drafts."""
         self.inputs = inputs
         self.proposers = proposers
         self.strategy = strategy
@@ -133,10 +140,20 @@ class VerifyAndUpdate:
         self.max_num_drafts = max_num_drafts
         self.target_caches = target_caches or []
         self.block_size = block_size
+        self.trees = trees
+
+    @property
+    def draft_width(self) -> int:
+        """Columns of the drafts in the packed result (their parents follow them where `trees`)."""
+        return max(self.max_num_drafts, 1)
 
     def width(self, max_rows: int) -> int:
         """Columns of the packed result of a step whose requests bring at most `max_rows` rows."""
-        return TOKENS + max_rows + max(self.max_num_drafts, 1)
+        return TOKENS + max_rows + self.draft_width * (2 if self.trees else 1)
+
+    def max_rows(self, width: int) -> int:
+        """The `max_rows` of a packed result `width` columns wide (`width`'s inverse)."""
+        return width - TOKENS - self.draft_width * (2 if self.trees else 1)
 
     def __call__(self, logits: torch.Tensor, t: StepTensors, plan: StepPlan) -> torch.Tensor:
         """[num_seqs, width(max_rows)] int32; `logits` [num_rows, vocab_size] float32."""
@@ -205,6 +222,10 @@ class VerifyAndUpdate:
         self.inputs.num_drafts[t.seq_slots] = drafts.num_drafts.int()
         columns = [num_accepted, num_kept, finish, stop_token, drafts.num_drafts]
         packed = [torch.stack(columns, dim=1), token_ids, drafts.token_ids]
+        if self.trees:
+            assert drafts.parents is not None
+            self.inputs.draft_parents[t.seq_slots] = drafts.parents
+            packed.append(drafts.parents)
         return torch.cat(packed, dim=1)
 
     def update(
@@ -243,9 +264,12 @@ class VerifyAndUpdate:
         room = (params.max_tokens - num_output - 1).clamp(min=0)
         sampling = DraftSampling.of(params, num_output)
         wanted = torch.where(finish == RUNNING, torch.minimum(t.num_wanted, room), 0)
-        width = max(self.max_num_drafts, 1)
+        width = self.draft_width
         token_ids = torch.full((len(slots), width), -1, dtype=torch.int32, device=slots.device)
         num_drafts = torch.zeros_like(wanted)
+        parents = None
+        if self.trees:  # a chain's draft j hangs from node j
+            parents = torch.arange(width, dtype=torch.int32, device=slots.device).repeat(len(slots), 1)
         chosen = range(len(self.proposers)) if plan.only is None else [plan.only]
         for index in chosen:
             proposer = self.proposers[index]
@@ -268,4 +292,7 @@ class VerifyAndUpdate:
             found = drafts.token_ids[:, :width]
             token_ids[:, : found.shape[1]] = torch.where(mine[:, None], found, token_ids[:, : found.shape[1]])
             num_drafts = torch.where(mine, drafts.num_drafts, num_drafts)
-        return Drafts(token_ids, num_drafts)
+            if parents is not None and drafts.parents is not None:
+                found = drafts.parents[:, :width]
+                parents[:, : found.shape[1]] = torch.where(mine[:, None], found, parents[:, : found.shape[1]])
+        return Drafts(token_ids, num_drafts, parents=parents)

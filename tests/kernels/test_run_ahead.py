@@ -1,5 +1,6 @@
 """Completion of a step launched ahead: the reference against the rules token by token, the CUDA
-kernel against the reference bit for bit (eagerly and replayed from a CUDA graph)."""
+kernel against the reference bit for bit (eagerly and replayed from a CUDA graph); with chains of
+drafts and with draft trees (each token's tree mask, depth and parent from its slot's parents)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Slots:
     num_output: torch.Tensor
     drafts: torch.Tensor
     num_drafts: torch.Tensor
+    draft_parents: torch.Tensor
 
     def to(self, device: str) -> Slots:
         return Slots(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -50,8 +52,15 @@ class Case:
     row_positions: torch.Tensor
     draft_ids: torch.Tensor
     block_size: int
+    tree_mask: torch.Tensor | None = None  # [capacity] int64, where the step verifies trees
+    tree_parents: torch.Tensor | None = None  # [num_seqs + padding, width + 1] int64
 
-    WRITTEN = ("input_ids", "positions", "slot_mapping", "seq_lens", "row_positions", "draft_ids")
+    CHAIN = ("input_ids", "positions", "slot_mapping", "seq_lens", "row_positions", "draft_ids")
+
+    @property
+    def written_names(self) -> tuple[str, ...]:
+        """What the fill writes: the chain's tensors, and the tree's where it lays trees out."""
+        return self.CHAIN + (("tree_mask", "tree_parents") if self.tree_mask is not None else ())
 
     def to(self, device: str) -> Case:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -76,13 +85,28 @@ class Case:
             self.row_positions,
             self.draft_ids,
             self.block_size,
+            self.tree_mask,
+            self.tree_parents,
         )
 
     def written(self) -> list[torch.Tensor]:
-        return [getattr(self, name).cpu() for name in self.WRITTEN]
+        return [getattr(self, name).cpu() for name in self.written_names]
 
 
-def random_case(num_seqs: int, rng: random.Random, block_size: int, padding: int = 0) -> Case:
+def random_parents(width: int, rng: random.Random) -> list[int]:
+    """A slot's draft parents: a random tree (draft j under a node before it), a chain, or a row
+    with parents outside [0, j] (read as their nearest end)."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return list(range(width))
+    if kind == 1:
+        return [rng.randrange(-3, width + 3) for _ in range(width)]
+    return [rng.randrange(j + 1) for j in range(width)]
+
+
+def random_case(
+    num_seqs: int, rng: random.Random, block_size: int, padding: int = 0, trees: bool = False
+) -> Case:
     """`num_seqs` requests in distinct slots of a larger batch, each with a random length, output
     count and drafts found (0 to the width), asking for 0 to `width` drafts (placeholders where it
     found fewer); contexts cross block boundaries; in half the cases the block tables are one
@@ -101,6 +125,7 @@ def random_case(num_seqs: int, rng: random.Random, block_size: int, padding: int
         num_output=torch.tensor([rng.randrange(0, n + 1) for n in lengths], dtype=I32),
         drafts=drafts,
         num_drafts=torch.tensor(num_drafts, dtype=I32),
+        draft_parents=torch.tensor([random_parents(width, rng) for _ in range(num_slots)], dtype=I32),
     )
     chosen = rng.sample(range(num_slots - 1), num_seqs)
     query_lens = [1 + rng.randrange(0, width + 1) for _ in chosen] + [1] * padding
@@ -129,13 +154,30 @@ def random_case(num_seqs: int, rng: random.Random, block_size: int, padding: int
         row_positions=torch.full((total,), UNSET, dtype=I64),
         draft_ids=torch.full((total,), UNSET, dtype=I32),
         block_size=block_size,
+        tree_mask=torch.full((total,), UNSET, dtype=I64) if trees else None,
+        tree_parents=torch.full((len(query_lens), width + 1), UNSET, dtype=I64) if trees else None,
     )
 
 
-def expected_fill(case: Case) -> list[list[int]]:
+def tree_node(parents: list[int], found: int, j: int) -> tuple[int, int, int]:
+    """(depth, tree mask, parent) of node j by the rules: its parent is the slot's parents[j - 1]
+    (a draft found) or j - 1 (a placeholder), clamped to [0, j - 1]."""
+
+    def parent_of(node: int) -> int:
+        return min(max(parents[node - 1] if node <= found else node - 1, 0), node - 1)
+
+    depth, mask, node = 0, 1, j
+    while node > 0:
+        mask |= 1 << node
+        node, depth = parent_of(node), depth + 1
+    mask = mask - (1 << 64) if mask >= 1 << 63 else mask  # as an int64
+    return depth, mask, parent_of(j) if j else -1
+
+
+def expected_fill(case: Case) -> list[list]:
     """The written tensors by the rules of kernels/run_ahead_ref.py, token by token in Python."""
-    out = [getattr(case, name).tolist() for name in Case.WRITTEN]
-    input_ids, positions, slot_mapping, seq_lens, row_positions, draft_ids = out
+    out = [getattr(case, name).tolist() for name in case.written_names]
+    input_ids, positions, slot_mapping, seq_lens, row_positions, draft_ids = out[:6]
     s, starts = case.slots, case.query_start_loc.tolist()
     for i in range(case.num_tokens):
         slot, request = int(case.token_slots[i]), int(case.request_of_token[i])
@@ -148,11 +190,17 @@ def expected_fill(case: Case) -> list[list[int]]:
             seq_lens[request] = newest + query_len
         else:
             input_ids[i] = int(s.drafts[slot, j - 1]) if j <= found else PLACEHOLDER_TOKEN_ID
-        positions[i] = newest + j
-        block, table = positions[i] // case.block_size, case.block_tables[request].tolist()
+        depth = j
+        if case.tree_mask is not None:
+            depth, out[6][i], parent = tree_node(s.draft_parents[slot].tolist(), found, j)
+            if j < len(out[7][request]):
+                out[7][request][j] = parent
+        positions[i] = newest + depth
+        kv_position = newest + j
+        block, table = kv_position // case.block_size, case.block_tables[request].tolist()
         inside = block < len(table)
-        slot_mapping[i] = table[block] * case.block_size + positions[i] % case.block_size if inside else -1
-        row_positions[i] = int(s.num_output[slot]) + j
+        slot_mapping[i] = table[block] * case.block_size + kv_position % case.block_size if inside else -1
+        row_positions[i] = int(s.num_output[slot]) + depth
         draft_ids[i] = int(s.drafts[slot, j]) if j < found else NO_DRAFT
     return out
 
@@ -161,19 +209,76 @@ SIZES = (1, 2, 7, 16, 33, 64)
 """Requests per step: batch 1 to 64."""
 
 
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("padding", [0, 5])
-def test_reference_follows_the_rules(block_size: int, padding: int) -> None:
+def test_reference_follows_the_rules(block_size: int, padding: int, trees: bool) -> None:
     """Property over random steps (mixed draft counts, placeholders, block boundaries, a table too
-    narrow): each written value is what the rules give for its token; padding past the step's
-    tokens and requests is left as it was."""
+    narrow; trees, chains and bad parents in the slots): each written value is what the rules give
+    for its token; padding past the step's tokens and requests is left as it was."""
     rng = random.Random(block_size * 10 + padding)
     for num_seqs in SIZES:
-        case = random_case(num_seqs, rng, block_size, padding)
+        case = random_case(num_seqs, rng, block_size, padding, trees)
         expected = expected_fill(case)
         num_filled = torch.tensor([case.num_tokens], dtype=I32) if padding else None
         fill_ahead_ref(*case.args(num_filled))
         assert [t.tolist() for t in case.written()] == expected
+
+
+def test_a_chain_laid_out_as_a_tree_is_the_chains_step() -> None:
+    """Slots whose parents are chains give, laid out as trees, the chain's step: the same
+    positions and rows, each token's mask its causal prefix, parents j - 1."""
+    rng = random.Random(3)
+    chains = random_case(16, rng, 4)
+    chains.slots.draft_parents = torch.arange(5, dtype=I32).repeat(chains.slots.draft_parents.shape[0], 1)
+    trees = Case(**{**vars(chains), **{name: getattr(chains, name).clone() for name in Case.CHAIN}})
+    trees.tree_mask = torch.full_like(chains.input_ids, UNSET)
+    trees.tree_parents = torch.full((chains.block_tables.shape[0], 6), UNSET, dtype=I64)
+    fill_ahead_ref(*chains.args(None))
+    fill_ahead_ref(*trees.args(None))
+    for name in Case.CHAIN:
+        assert torch.equal(getattr(trees, name), getattr(chains, name)), name
+    offsets = torch.arange(chains.num_tokens) - chains.query_start_loc[chains.request_of_token.long()]
+    assert torch.equal(trees.tree_mask, (1 << (offsets + 1)) - 1)
+    starts = chains.query_start_loc.tolist()
+    for request, parents in enumerate(trees.tree_parents.tolist()):
+        query_len = starts[request + 1] - starts[request]
+        assert parents[:query_len] == list(range(-1, query_len - 1))
+
+
+def test_trees_are_laid_out_as_the_host_lays_them_out() -> None:
+    """Where every request brings exactly the drafts its slot holds (no placeholders), the tree
+    masks, positions, rows' output positions and parent arrays are those the host builds from the
+    same parents for a step it prepares (`spec_decode.tree.shape_arrays`, `tree_verify.tree_parents`)."""
+    from services.engine.spec_decode.tree import shape_arrays
+    from services.engine.tree_verify import tree_parents
+
+    rng = random.Random(11)
+    for num_seqs in SIZES:
+        case = random_case(num_seqs, rng, 4, trees=True)
+        starts = case.query_start_loc.tolist()
+        slots = case.token_slots[case.query_start_loc[:num_seqs].long()].tolist()
+        for request, slot in enumerate(slots):  # valid trees, as many drafts as the query has places
+            query_len = starts[request + 1] - starts[request]
+            case.slots.num_drafts[slot] = query_len - 1
+            case.slots.draft_parents[slot] = torch.tensor([rng.randrange(j + 1) for j in range(5)])
+        assert case.tree_mask is not None and case.tree_parents is not None
+        case.tree_parents.fill_(-1)  # as the host leaves them (run_ahead.ahead_step)
+        fill_ahead_ref(*case.args(None))
+        shapes = [
+            [-1, *case.slots.draft_parents[slot, : starts[r + 1] - starts[r] - 1].tolist()]
+            for r, slot in enumerate(slots)
+        ]
+        for request, (slot, shape) in enumerate(zip(slots, shapes)):
+            depths, masks = shape_arrays(tuple(shape))
+            tokens = slice(starts[request], starts[request + 1])
+            newest = int(case.slots.num_tokens[slot]) - 1
+            assert case.tree_mask[tokens].tolist() == masks.tolist()
+            assert case.positions[tokens].tolist() == (newest + depths).tolist()
+            assert case.row_positions[tokens].tolist() == (int(case.slots.num_output[slot]) + depths).tolist()
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        host = tree_parents([*shapes], query_lens, case.tree_parents.shape[1])
+        assert torch.equal(case.tree_parents, host)
 
 
 def test_reference_cases_cover_every_rule() -> None:
@@ -219,52 +324,59 @@ def test_cuda_source_assembles_for_sm90(tmp_path) -> None:
 
 
 @needs_gxx
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("padding", [0, 5])
-def test_cuda_source_run_on_the_host_matches_reference(block_size: int, padding: int, tmp_path) -> None:
+def test_cuda_source_run_on_the_host_matches_reference(
+    block_size: int, padding: int, trees: bool, tmp_path
+) -> None:
     """Without a GPU: the kernel's CUDA source, built for the host by g++ and run thread by thread
     with the launch arguments the wrapper builds, writes what the reference writes, bit for bit."""
     rng = random.Random(200 + block_size * 10 + padding)
     for num_seqs in SIZES:
-        expected = random_case(num_seqs, rng, block_size, padding)
-        case = Case(**{**vars(expected), **{name: getattr(expected, name).clone() for name in Case.WRITTEN}})
+        expected = random_case(num_seqs, rng, block_size, padding, trees)
+        case = Case(
+            **{**vars(expected), **{name: getattr(expected, name).clone() for name in expected.written_names}}
+        )
         count = torch.tensor([expected.num_tokens], dtype=I32) if padding else None
         fill_ahead_ref(*expected.args(count))
         grid, args = launch_arguments(*case.args(count))
         run_on_host(SOURCE, "fill_ahead", DEFINES, grid, (THREADS,), args, tmp_path)
-        for name, got, want in zip(Case.WRITTEN, case.written(), expected.written()):
+        for name, got, want in zip(case.written_names, case.written(), expected.written()):
             assert torch.equal(got, want), (num_seqs, name)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("padding", [0, 5])
-def test_cuda_fill_matches_reference(block_size: int, padding: int) -> None:
+def test_cuda_fill_matches_reference(block_size: int, padding: int, trees: bool) -> None:
     from kernels.run_ahead import fill_ahead_cuda
 
     rng = random.Random(100 + block_size * 10 + padding)
     for num_seqs in SIZES:
         for _ in range(3):
-            cpu = random_case(num_seqs, rng, block_size, padding)
+            cpu = random_case(num_seqs, rng, block_size, padding, trees)
             gpu = cpu.to("cuda")
             count = torch.tensor([cpu.num_tokens], dtype=I32) if padding else None
             fill_ahead_ref(*cpu.args(count))
             fill_ahead_cuda(*gpu.args(None if count is None else count.cuda()))
-            for name, got, want in zip(Case.WRITTEN, gpu.written(), cpu.written()):
+            for name, got, want in zip(cpu.written_names, gpu.written(), cpu.written()):
                 assert torch.equal(got, want), (num_seqs, name)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_fill_replayed_from_a_graph_completes_each_step_copied_in() -> None:
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_cuda_fill_replayed_from_a_graph_completes_each_step_copied_in(trees: bool) -> None:
     """Captured once over a padded bucket's static tensors, the fill completes whatever step and
     slot state are copied in before each replay (the count read on the device) as the reference
     does on the same tensors; a count of 0 leaves the step."""
     from kernels.run_ahead import fill_ahead_cuda
 
     rng = random.Random(7)
-    host = random_case(64, rng, 4, padding=8)  # the bucket, large enough for every step below
+    host = random_case(64, rng, 4, padding=8, trees=trees)  # the bucket, large enough for every step below
     host.block_tables = torch.zeros(host.block_tables.shape[0], 64, dtype=I32)
     bucket = host.to("cuda")
     count = torch.zeros(1, dtype=I32, device="cuda")
@@ -274,20 +386,20 @@ def test_cuda_fill_replayed_from_a_graph_completes_each_step_copied_in() -> None
     with torch.cuda.graph(graph):
         fill_ahead_cuda(*bucket.args(count))
     for num_seqs in (1, 5, 16, 40, 0):
-        step = random_case(max(num_seqs, 1), rng, 4)
+        step = random_case(max(num_seqs, 1), rng, 4, trees=trees)
         _copy_into(host, step)
         _copy_into(bucket, host)
         filled = step.num_tokens if num_seqs else 0
         count.fill_(filled)
         graph.replay()
         fill_ahead_ref(*host.args(torch.tensor([filled], dtype=I32)))
-        for name, got, want in zip(Case.WRITTEN, bucket.written(), host.written()):
+        for name, got, want in zip(host.written_names, bucket.written(), host.written()):
             assert torch.equal(got, want), (num_seqs, name)
 
 
 def _copy_into(target: Case, source: Case) -> None:
     """`source`'s tensors into the leading entries of `target`'s (block tables zero padded)."""
-    for name in ("token_slots", "request_of_token", "query_start_loc", *Case.WRITTEN):
+    for name in ("token_slots", "request_of_token", "query_start_loc", *source.written_names):
         values = getattr(source, name)
         getattr(target, name)[: len(values)].copy_(values)
     tables = target.block_tables

@@ -29,7 +29,7 @@ from services.engine.spec_decode.suffix import (
     SuffixConfig,
     SuffixProposer,
 )
-from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths, tree_shape
+from services.engine.spec_decode.tree import DraftTree, node_depths, tree_shape
 from services.engine.tree_verify import tree_verifiable
 from services.engine.verify_update import StepPlan
 from shared.sampling_params import SamplingParams
@@ -140,11 +140,12 @@ class Drafter:
         self.adaptive.observe(seq, num_drafts + min(seq.spec.num_refused, 1), num_accepted)
         seq.spec.num_refused = 0
 
-    def take_drafts(self, seq: Sequence, drafts: list[int]) -> None:
-        """Takes a device proposer's row of drafts for the request's next step: a chain, or where
-        the request drafts the server's tree, that tree (its n-gram branch merged in)."""
-        if self.tree is not None and self._drafts_tree(seq) and drafts:
-            drafts, seq.spec.draft_parents = drafted_tree(self.tree, drafts, self.num_branch)
+    def take_drafts(self, seq: Sequence, drafts: list[int], parents: list[int]) -> None:
+        """Takes a device proposer's drafts for the request's next step: a chain, or where the
+        request drafts the server's tree, that tree (its n-gram branch merged in on the device)
+        with each draft's parent."""
+        if self._drafts_tree(seq) and drafts:
+            seq.spec.draft_parents = parents
         seq.spec.draft_token_ids = drafts
         seq.spec.k = len(drafts)
 
@@ -232,15 +233,18 @@ class Drafter:
     def drafts_on_device(self, seq: Sequence, num_wanted: int) -> bool:
         """Whether the request's `num_wanted` drafts for its next step need nothing of the host:
         none are wanted (naive requests; host-drafted ones the controller left at k = 0, which
-        then cost what naive requests cost) or they are a chain a device proposer makes in the
-        step's tail. Its next step can then be launched ahead."""
-        if num_wanted == 0:
-            return True
-        return seq.spec.method in self._device_index and not self._drafts_tree(seq)
+        then cost what naive requests cost) or a device proposer makes them in the step's tail (a
+        chain, or a tree whose parents stay on the device beside it). Its next step can then be
+        launched ahead."""
+        return num_wanted == 0 or seq.spec.method in self._device_index
 
     def max_lookahead(self, seq: Sequence) -> int:
         """The most KV positions past a step's newest token the request's drafting-model chain
-        writes (0 without one)."""
+        writes (0 without one); a head drafting the server's tree writes each node above its
+        last depth one position past the newest token (`_reserve_chain`)."""
+        if self._drafts_tree(seq):
+            assert self.tree is not None
+            return max(seq.spec.max_k, self.tree.num_nodes(self.tree.depth - 1) - 1)
         return seq.spec.max_k if seq.spec.method in self.chain_steps else 0
 
     def prepare_on_host(self, device_busy: Callable[[], bool]) -> None:

@@ -19,8 +19,9 @@ position, each deeper level from one forward of the head over the nodes drafted 
 attention over their ancestors, each node at its parent's position + 1, its KV past the newest
 token), fed with each node's token and its parent's output. After a tree step the head's KV of the
 accepted path is compacted like the target's. With `with_ngram` the n-gram drafts after the newest
-token come first in a request's row, as a branch from the root the host merges into the head's
-tree (services/engine/spec_decode/tree.py, `drafted_tree`).
+token are a branch from the root, merged into the head's tree on the device where it parts from
+the head's nodes (services/engine/spec_decode/tree.py, `drafted_trees`): the drafts come with their
+parents.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import kernels
 from kernels import AttentionMetadata
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
-from services.engine.spec_decode.tree import DraftTree
+from services.engine.spec_decode.tree import DraftTree, drafted_trees
 from shared.model.config import ModelConfig
 from shared.model.llama import KVCache
 
@@ -94,6 +95,8 @@ class MTPProposer(Proposer):
             [m >> 1 for m in tree.masks[1:]] if tree else [], dtype=torch.long, device=device
         )
         """Each node's ancestor mask among the nodes past the root."""
+        self._head_parents = torch.tensor(tree.parents[1:] if tree else [], dtype=torch.long, device=device)
+        """Each node's parent (level order, past the root)."""
 
     def propose(self, batch: DraftBatch) -> Drafts:
         head_hidden = self._catch_up(batch)
@@ -125,7 +128,7 @@ class MTPProposer(Proposer):
 
     def _draft_tree(self, batch: DraftBatch, head_hidden: torch.Tensor, tree: DraftTree) -> Drafts:
         """The tree's nodes past its root in level order, [num_seqs, num_nodes - 1], each node the
-        head's top-k after its parent."""
+        head's top-k after its parent, with the n-gram branch grafted after them (with_ngram)."""
         forward, rows = batch.forward, batch.newest_rows
         assert forward is not None
         newest = forward.positions.index_select(0, rows)  # the last accepted position
@@ -142,11 +145,14 @@ class MTPProposer(Proposer):
         if self.num_branch:
             token_ids = torch.cat([self._ngram_branch(batch), token_ids], dim=1)
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
-        return Drafts(token_ids, num_drafts)
+        token_ids, parents, num_drafts = drafted_trees(
+            self._head_parents, token_ids, num_drafts, self.num_branch
+        )
+        return Drafts(token_ids, num_drafts, parents=parents)
 
     def _ngram_branch(self, batch: DraftBatch) -> torch.Tensor:
         """[num_seqs, num_branch] int32 the n-gram drafts after each request's newest token, -1 past
-        its match (the host grafts them onto the head's tree: spec_decode.tree.drafted_tree)."""
+        its match (grafted onto the head's tree: spec_decode.tree.drafted_trees)."""
         assert self.ngram is not None
         inputs, slots = batch.inputs, batch.seq_slots
         wanted = torch.where(batch.num_wanted > 0, self.num_branch, 0).int()

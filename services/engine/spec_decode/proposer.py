@@ -166,6 +166,9 @@ class Drafts:
     num_drafts: torch.Tensor  # [num_seqs] int32
     num_context_tokens: int = 0
     """Tokens a host proposer took in that it had not seen (index updates): its cost grows with them."""
+    parents: torch.Tensor | None = None  # [num_seqs, width] int32
+    """Where the drafts are trees: each draft's parent node (0: the root, the newest token; draft j
+    is node j + 1); None: chains (draft j's parent is node j)."""
 
     @classmethod
     def none(cls, num_seqs: int, device: torch.device) -> Drafts:

@@ -7,8 +7,11 @@ query of 16 tokens with the root, the newest accepted token. Nodes are numbered 
 depth is a prefix of the numbering: a request allowed `k` drafting depths (its
 num_speculative_tokens) brings the first `num_nodes(k)` nodes.
 
-With `with_ngram` a request's tree also holds an n-gram branch from the root (`drafted_tree`), so
-its shape is its own: `SpecState.draft_parents` carries it to the step's tree inputs.
+With `with_ngram` a request's tree also holds an n-gram branch from the root, so its shape is its
+own: the step's tail grafts the branch on the device (`drafted_trees`, whose host reference is
+`drafted_tree`) and keeps each draft's parent beside it (`InputBatch.draft_parents`), where a step
+launched ahead builds its tree inputs from; `SpecState.draft_parents` carries it to a step the
+host prepares.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
 
@@ -98,6 +102,56 @@ def drafted_tree(tree: DraftTree, drafts: list[int], num_branch: int) -> tuple[l
     first = len(head) + 1  # the grafted chain's first node
     grafted_parents = [node] + list(range(first, first + len(grafted) - 1)) if grafted else []
     return head + grafted, parents + grafted_parents
+
+
+def drafted_trees(
+    head_parents: torch.Tensor,  # [>= num_head_nodes] int64 the head's tree's parent of node m + 1
+    drafts: torch.Tensor,  # [num_seqs, num_branch + num_head_nodes] int32 proposers' rows
+    num_drafts: torch.Tensor,  # [num_seqs] int32 how much of each row was drafted (a prefix)
+    num_branch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`drafted_tree` over a batch of rows, on the device with fixed shapes and no host read (a
+    CUDA graph's tail captures it): (token_ids [num_seqs, width] int32, -1 past each tree; parents
+    [num_seqs, width] int32, each draft's parent node; num_drafts [num_seqs] int32). Where a head
+    node repeats a token under one parent, the branch follows the last of them, as the host does."""
+    num_seqs, width = drafts.shape
+    num_head_nodes = width - num_branch
+    device = drafts.device
+    columns = torch.arange(width, device=device)
+    head_parents = head_parents[:num_head_nodes].to(device=device, dtype=torch.int32)
+    num_head = (num_drafts - num_branch).clamp(min=0)
+    if num_branch == 0:
+        parents = torch.cat([head_parents, columns[num_head_nodes:].int()])
+        cut = torch.where(columns[None, :] < num_drafts[:, None], drafts, -1)
+        return cut, parents.expand(num_seqs, width), num_drafts
+    branch = drafts[:, :num_branch]
+    head = drafts[:, num_branch:]
+    valid = (branch >= 0) & (columns[None, :num_branch] < num_drafts[:, None])
+    valid = valid.int().cumprod(dim=1).bool()  # the branch stops at its first -1
+    present = columns[None, :num_head_nodes] < num_head[:, None]
+    node = torch.zeros(num_seqs, dtype=torch.int32, device=device)  # the root
+    following = torch.ones(num_seqs, dtype=torch.bool, device=device)
+    num_shared = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    for s in range(num_branch):
+        child = present & (head_parents[None, :] == node[:, None]) & (head == branch[:, s : s + 1])
+        child &= (following & valid[:, s])[:, None]
+        found = child.any(dim=1)
+        last = num_head_nodes - 1 - child.flip(1).int().argmax(dim=1)
+        node = torch.where(found, last.int() + 1, node)
+        num_shared += found.int()
+        following &= found
+    num_grafted = valid.sum(dim=1).int() - num_shared
+    total = num_head + num_grafted
+    grafted = columns[None, :] - num_head[:, None]  # index into the grafted chain
+    from_branch = branch.gather(1, (num_shared[:, None] + grafted).clamp(0, num_branch - 1).long())
+    is_head = columns[None, :] < num_head[:, None]
+    is_grafted = ~is_head & (columns[None, :] < total[:, None])
+    head_ids = torch.nn.functional.pad(head, (0, num_branch), value=-1)
+    token_ids = torch.where(is_head, head_ids, torch.where(is_grafted, from_branch, -1))
+    head_parent = torch.nn.functional.pad(head_parents, (0, num_branch))[None, :]
+    chained = torch.where(grafted == 0, node[:, None], columns[None, :].int())
+    parents = torch.where(is_head, head_parent, chained)
+    return token_ids.int(), parents.int(), total.int()
 
 
 def tree_shape(seq: Sequence) -> list[int]:

@@ -5,6 +5,7 @@ of host-drafted requests that draft nothing run ahead too, and so do steps with 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -365,6 +366,75 @@ def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, metho
         assert (ahead[0] > 10) == async_scheduling
         llm.close()
     assert_alike(*outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+@pytest.mark.parametrize("with_ngram", [False, True], ids=["tree", "tree-with-ngram"])
+def test_tree_steps_ahead_on_the_gpu_return_what_sync_steps_do(
+    make_checkpoint, method: str, with_ngram: bool
+) -> None:
+    """Draft trees on a GPU with CUDA graphs: tree steps are launched ahead, each launch its inputs'
+    copy and the two graphs (the forward's first kernel lays the trees out from the drafts'
+    parents), and greedy, stop ids, EOS, max_tokens and seeded requests end as without
+    asynchronous scheduling."""
+    from tests.services.engine.spec_decode.helpers import eagle3_head_for
+    from tests.services.engine.test_cuda_graph import mtp_head_for
+
+    path = str(make_checkpoint("llama", num_hidden_layers=2))
+    head = {"mtp": mtp_head_for, "eagle3": eagle3_head_for}[method](path)
+    spec: dict = {"method": method, "model": str(head), "adaptive": False, "tree": [3, 2, 1]}
+    if with_ngram:
+        spec |= {"with_ngram": True, "tree_budget": 16 + 5}
+    prompts = repetitive_prompts(12, seed=5)
+    params = []
+    for i, prompt in enumerate(prompts):
+        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
+        ending: list[dict] = [
+            {},
+            {"stop_token_ids": [prompt[-1]]},
+            {"ignore_eos": False},
+            {"temperature": 0.8, "seed": i},
+        ]
+        params.append(SamplingParams(**(fields | ending[i % 4])))
+    kernel_launches = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+    seen: list[tuple[int, int]] = []
+
+    def profiled(run: Callable[[], Any]) -> Any:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as profiler:
+            result = run()
+            torch.cuda.synchronize()
+        names = [event.name for event in profiler.events()]
+        seen.append((sum(name in kernel_launches for name in names), names.count("cudaGraphLaunch")))
+        return result
+
+    def profiled_launch(launch_ahead: Callable[..., Any], *args: Any) -> Any:
+        return profiled(lambda: launch_ahead(*args))
+
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+            cuda_graph_max_tokens=128,
+            max_num_seqs=8,
+        )
+        ahead = count_ahead(llm.engine)
+        runner = llm.engine.runner
+        runner.launch_ahead = functools.partial(profiled_launch, runner.launch_ahead)  # type: ignore[method-assign]
+        outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert runner.graphs is not None and runner.graphs.trees
+        assert (ahead[0] > 10) == async_scheduling
+        llm.close()
+    assert_alike(*outputs)
+    assert len(seen) > 10 and all(launched == (0, 2) for launched in seen), seen
 
 
 # ---- grammar requests: the forward launched ahead, the tail once the step before has landed ------

@@ -1,11 +1,14 @@
 """The static shape of a draft tree (level order, parents, depths, ancestor masks, bad shapes) and the
-n-gram branch merged into it (`drafted_tree`)."""
+n-gram branch merged into it (`drafted_tree`, and its batched device twin `drafted_trees`)."""
 
 from __future__ import annotations
 
-import pytest
+import random
 
-from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths
+import pytest
+import torch
+
+from services.engine.spec_decode.tree import DraftTree, drafted_tree, drafted_trees, node_depths
 
 
 def test_tree_shape_in_level_order() -> None:
@@ -66,3 +69,38 @@ def test_a_branch_beside_a_cut_tree_and_any_prefix_of_the_drafts_is_a_tree() -> 
     for cut in range(len(parents) + 1):
         assert all(parent <= node for node, parent in enumerate(parents[:cut]))
     assert len({(p, t) for p, t in zip(parents, drafts)}) == len(drafts)
+
+
+def random_rows(tree: DraftTree, num_branch: int, num_seqs: int, rng: random.Random) -> list[list[int]]:
+    """Proposers' rows over a small vocabulary (so the branch often follows the head's nodes, and
+    a parent may hold one token twice): a branch -1 padded past a random match, the head's tree."""
+    vocab = 4
+    rows = []
+    for _ in range(num_seqs):
+        matched = rng.randrange(num_branch + 1)
+        branch = [rng.randrange(vocab) for _ in range(matched)] + [-1] * (num_branch - matched)
+        rows.append(branch + [rng.randrange(vocab) for _ in range(tree.num_nodes() - 1)])
+    return rows
+
+
+@pytest.mark.parametrize("branching", [(2, 2), (3, 2, 1), (1, 1, 1), (4,), (2, 1, 2, 1)])
+@pytest.mark.parametrize("num_branch", [0, 1, 3, 5])
+def test_the_device_graft_is_the_hosts(branching: tuple[int, ...], num_branch: int) -> None:
+    """Property over random rows, each cut at a random prefix (a request's k, the room before its
+    max_tokens): `drafted_trees` gives `drafted_tree`'s drafts and parents, row by row."""
+    tree = DraftTree(branching)
+    rng = random.Random(hash((branching, num_branch)) % 1000)
+    for num_seqs in (1, 7, 40):
+        rows = random_rows(tree, num_branch, num_seqs, rng)
+        cuts = [rng.randrange(len(rows[0]) + 1) for _ in rows]
+        parents = torch.tensor(tree.parents[1:], dtype=torch.long)
+        token_ids, got_parents, num_drafts = drafted_trees(
+            parents, torch.tensor(rows, dtype=torch.int32), torch.tensor(cuts, dtype=torch.int32), num_branch
+        )
+        for i, (row, cut) in enumerate(zip(rows, cuts)):
+            drafts, want_parents = drafted_tree(tree, row[:cut], num_branch)
+            n = int(num_drafts[i])
+            assert token_ids[i, :n].tolist() == drafts, (row, cut)
+            assert got_parents[i, :n].tolist() == want_parents, (row, cut)
+            assert (token_ids[i, n:] == -1).all()
+            assert all(0 <= p <= j for j, p in enumerate(got_parents[i].tolist()))  # a tree at every prefix

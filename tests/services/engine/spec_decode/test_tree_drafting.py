@@ -53,6 +53,29 @@ def test_tree_drafting_keeps_greedy_output(target, naive_tokens, method_head, lo
         assert all(o.spec_stats["num_draft_tokens"] == 0 for o in outputs[1::2])
 
 
+def test_the_torch_verifier_sees_only_the_requests_the_tree_rule_cannot_verify(
+    target, naive_tokens, mtp_head
+) -> None:
+    """A tree step beside requests with logprobs: the torch `RejectionSampler` gets those requests
+    and their logit rows only, never a request that verifies a tree; greedy output stays naive's."""
+    llm = head_llm(target, "mtp", mtp_head, tree=TREE, with_ngram=True)
+    runner = llm.engine.runner
+    verifier = runner.verifier
+    seen: list[tuple[int, list[bool]]] = []
+
+    def recorded(logits: torch.Tensor, batch, requests):
+        seen.append((logits.shape[0], [r.params.logprobs is not None for r in requests]))
+        assert logits.shape[0] == sum(r.num_rows for r in requests)
+        return verifier(logits, batch, requests)
+
+    runner.verifier = recorded  # type: ignore[assignment]
+    params = [GREEDY.model_copy(update={"logprobs": 2 if i % 3 == 0 else None}) for i in range(6)]
+    outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+    assert [o.token_ids for o in outputs] == naive_tokens
+    assert len(seen) > 10 and all(all(with_logprobs) for _, with_logprobs in seen)
+    assert sum(o.spec_stats["num_draft_tokens"] for i, o in enumerate(outputs) if i % 3) > 0
+
+
 def accepted_past(outputs, depth: int) -> int:
     """Verify steps that accepted more than `depth` drafts."""
     return sum(sum(o.spec_stats["accepted_per_position"][depth : depth + 1]) for o in outputs)
@@ -177,6 +200,61 @@ def test_grammar_requests_beside_trees_keep_their_tokens(target, naive_tokens, m
     tokens = run_engine(head_llm(target, "mtp", mtp_head, tree=TREE), {**requests, **plain})
     assert [tokens[f"json-{i}"] for i in range(2)] == [naive[f"json-{i}"] for i in range(2)]
     assert [tokens[f"plain-{i}"] for i in range(len(plain))] == naive_tokens
+
+
+def tree_query_lens(llm: LLM) -> list[int]:
+    """The query lengths of the requests of every step the engine launches ahead from now on."""
+    runner = llm.engine.runner
+    query_lens: list[int] = []
+    launch_ahead = runner.launch_ahead
+
+    def recorded(batch, plan):
+        query_lens.extend(batch.num_new_tokens)
+        return launch_ahead(batch, plan)
+
+    runner.launch_ahead = recorded  # type: ignore[method-assign]
+    return query_lens
+
+
+@pytest.mark.parametrize("branch", [0, 5], ids=["tree", "tree-with-ngram"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_tree_steps_run_ahead_and_return_what_sync_steps_do(
+    target, naive_tokens, method_head, branch: int, graphs: bool
+) -> None:
+    """Asynchronous scheduling launches tree steps ahead (their trees laid out on the device from
+    the drafts' parents the step before kept: kernels/run_ahead_ref.py), through the graphs' static
+    buffers too: each request's tokens are the synchronous engine's, and naive's. (Its drafts may
+    differ near its end: a step ahead is planned before the step in flight lands.) Six requests of
+    different lengths, some cutting the tree."""
+    method, head = method_head
+    extra = {"with_ngram": True, "tree_budget": 16 + branch} if branch else {}
+    params = tree_params("greedy")
+    outputs, query_lens = [], []
+    for async_scheduling in (False, True):
+        spec = {"method": method, "model": head, "adaptive": False, "tree": TREE, **extra}
+        llm = LLM(
+            target,
+            device="cpu",
+            max_model_len=192,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+        )
+        if graphs:
+            with_eager_graphs(llm, max_tokens=48)
+        llm.engine.drafter.max_graph_tokens = 48  # drafts trimmed alike with and without graphs
+        query_lens = tree_query_lens(llm)
+        generated = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=params)
+        outputs.append([(o.token_ids, o.spec_stats) for o in generated])
+        assert bool(query_lens) == async_scheduling
+        engine = llm.engine
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    naive = [tokens[: p.max_tokens] for tokens, p in zip(naive_tokens, params)]
+    assert [tokens for tokens, _ in outputs[1]] == [tokens for tokens, _ in outputs[0]] == naive
+    assert sum(stats["num_accepted_tokens"] for _, stats in outputs[1]) > 0
+    trees = {1 + 3 + branch, 1 + 9 + branch, 1 + 15 + branch}  # queries of a tree cut at depth 1, 2, 3
+    assert set(query_lens) & trees, set(query_lens)
+    counts = engine.step_counts  # N of M steps launched ahead (the prefill steps and a few after them wait)
+    assert counts.num_ahead > counts.num_steps * 2 // 3, (counts.num_ahead, counts.num_steps)
 
 
 def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
