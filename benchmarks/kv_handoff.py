@@ -313,6 +313,7 @@ def write_checkpoint(shape: KVShape, out_dir: Path) -> str:
         "hidden_size": shape.num_kv_heads * shape.head_dim,
         "intermediate_size": 256,
         "vocab_size": 512,
+        "max_position_embeddings": max(4096, shape.num_tokens + 32),  # the engine's max_model_len below
     }
     return str(write_random_checkpoint("llama-tiny", out_dir, DTYPES[shape.dtype], overrides=overrides))
 

@@ -54,15 +54,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = Fals
         "--kv-stream-layers",
         dest="kv_stream_layers",
         action="store_true",
-        default=True,
+        default=False,
         help="prefill workers with --kv-transport tcp send each layer's KV as the prompt's forward "
-        "passes it, overlapping the copy and the send with the later layers (the default)",
+        "passes it, overlapping the copy and the send with the later layers (off by default: on a GPU "
+        "it shortened a 2000-token prompt's hand-off but lengthened short prompts' TTFT; BENCHMARKS.md)",
     )
     group.add_argument(
         "--no-kv-stream-layers",
         dest="kv_stream_layers",
         action="store_false",
-        help="send a prompt's KV whole after its prefill step",
+        help="send a prompt's KV whole after its prefill step (the default)",
     )
     group.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

@@ -108,7 +108,7 @@ def kv_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> bytes | N
 
 def kv_export_options(role: str, kv_transport: str, stream_layers: bool) -> dict[str, bool]:
     """How a prefill core exports KV (`CoreOptions`): shared by handle (ipc), streamed layer by layer
-    as the prefill runs (tcp, unless --no-kv-stream-layers), else whole after it."""
+    as the prefill runs (tcp with --kv-stream-layers), else whole after it."""
     prefill = role == "prefill"
     return {
         "share_kv": prefill and kv_transport == "ipc",

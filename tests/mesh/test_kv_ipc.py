@@ -32,6 +32,8 @@ def speculative_config(method: str, model: str) -> str:
 def start_workers(mesh: LocalMesh, model: str, spec: str, transport: str) -> None:
     for role in ("prefill", "decode"):
         flags = ("--model", model, "--speculative-config", spec, "--kv-transport", transport)
+        if transport == "tcp":
+            flags += ("--kv-stream-layers",)
         mesh.start_role(
             f"{role}-{transport}", role, "--instance-id", f"{role}-{transport}", *flags, *WORKER_FLAGS
         )
@@ -76,7 +78,7 @@ def test_ipc_handoff_gives_the_tcp_paths_greedy_tokens(tmp_path, mesh_model, met
         start_workers(mesh, mesh_model, spec, "tcp")
         mesh.gateway_port = mesh.start_gateway(mesh_model, "--served-model-name", "tiny")  # type: ignore[attr-defined]
         over_tcp = completions(mesh)
-        assert handoffs(mesh, "prefill-tcp", "streamed") == len(PROMPTS)  # --kv-stream-layers: the default
+        assert handoffs(mesh, "prefill-tcp", "streamed") == len(PROMPTS)  # --kv-stream-layers
         stop_workers(mesh, "tcp")
 
         start_workers(mesh, mesh_model, spec, "ipc")

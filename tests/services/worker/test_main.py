@@ -19,13 +19,13 @@ def parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("flags", "export"),
     [
-        ((), {"share_kv": False, "stream_kv": True}),
+        ((), {"share_kv": False, "stream_kv": False}),
         (("--kv-stream-layers",), {"share_kv": False, "stream_kv": True}),
         (("--no-kv-stream-layers",), {"share_kv": False, "stream_kv": False}),
         (("--kv-transport", "ipc"), {"share_kv": True, "stream_kv": False}),
     ],
 )
-def test_a_prefill_worker_streams_kv_over_tcp_unless_told_not_to(flags, export) -> None:
+def test_a_prefill_worker_streams_kv_over_tcp_when_told_to(flags, export) -> None:
     args = parse("prefill", *flags)
     assert kv_export_options("prefill", args.kv_transport, args.kv_stream_layers) == export
 
