@@ -30,9 +30,10 @@ requests joining (admitted, resumed, activated) or preempted, grammar requests w
 torch verifier (penalties, logit bias, logprobs, min_tokens not reached yet), drafts made on the
 host (suffix decoding's, where a request drafts at all: one left at k = 0 runs ahead), a short KV
 cache or a request near max_model_len. Draft trees run ahead like chains: the tail that drafts
-them keeps their parents on the device, and the step ahead lays its trees out from them. Under tensor parallelism every rank launches the
-same steps ahead, each completing them from its own input batch (a grammar step's masks included:
-rank 0 fills them when it launches the tail and sends them, the others receive them before theirs).
+them keeps their parents on the device, and the step ahead lays its trees out from them. Under
+tensor parallelism every rank launches the same steps ahead, each completing them from its own
+input batch (a grammar step's masks included: rank 0 fills them when it launches the tail and
+sends them, the others receive them before theirs).
 """
 
 from __future__ import annotations
