@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,10 @@ async def time_worker_and_redis(num_rows: int, num_gateways: int, steps: int, po
     settings = RedisSettings(port=port, topic=f"bench-{uuid.uuid4().hex[:8]}")
     client = await connect(settings)
     bus = Bus(client, settings.keys)
-    worker = Worker(None, bus, WorkerOptions("bench", "mixed", "bench", 5.0), WorkerMetrics("bench", "mixed"))  # type: ignore[arg-type]
+    no_core = types.SimpleNamespace()  # the publish path never calls the engine core
+    worker = Worker(
+        no_core, bus, WorkerOptions("bench", "mixed", "bench", 5.0), WorkerMetrics("bench", "mixed")
+    )  # type: ignore[arg-type]
     ids = request_ids(num_rows)
     for i, request_id in enumerate(ids):
         request = GenerateRequest(

@@ -108,6 +108,7 @@ NON_DEFAULT_ENGINE_FLAGS = {
     "peer_all_reduce": ["--no-peer-all-reduce"],
     "max_model_len": ["--max-model-len", "777"],
     "kv_transport": ["--kv-transport", "ipc"],
+    "kv_stream_layers": ["--kv-stream-layers"],
     "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "99"],
     "gpu_memory_utilization": ["--gpu-memory-utilization", "0.5"],
