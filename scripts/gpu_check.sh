@@ -22,7 +22,7 @@
 # splits it over calls: the tests alone take about 3 minutes, the random 7B model about 1. A rank that prints
 # "terminate called" (an abort at exit) in tp-tests.log or tp.log fails the stage.
 # quant: quantized weights (QUANT_PARTS, default "tests kernels engine spec", QUANT_SHAPES, QUANT_METHODS: split it
-# over calls, e.g. QUANT_PARTS="tests kernels", then engine per shape, then spec): quant-tiled-tests.log (quant_tiled
+# over calls, e.g. QUANT_PARTS=tests alone (quant_tiled's tests take most of a call), then kernels, then engine per shape, then spec): quant-tiled-tests.log (quant_tiled
 # vs its reference per scheme x dtype, each failing shape / row count listed with its config; graph replay; dispatch),
 # quant-tests.log (each other CUDA kernel vs its torch reference, each failing case listed; quantized engine graphs
 # vs eager), quant-kernels.json (benchmarks.gpu_kernels; its log's "quant" lines: each scheme's time per matrix at
@@ -407,7 +407,8 @@ if [[ " $stages " == *" kvipc "* ]]; then
 fi
 quant_parts=" ${QUANT_PARTS:-tests kernels engine spec} "
 if [[ " $stages " == *" quant "* && "$quant_parts" == *" tests "* ]]; then
-    timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 -s tests/kernels/test_quant_tiled.py \
+    # quant_tiled's tests alone fill most of a call (every scheme x dtype x shape x row count, both split reduces)
+    timeout 540 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 -s tests/kernels/test_quant_tiled.py \
         2>&1 | tee "$OUT/quant-tiled-tests.log" | grep -v "^$" | tail -30
     status=$((status | PIPESTATUS[0]))
     timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu --durations=8 tests/kernels/test_quant.py \
