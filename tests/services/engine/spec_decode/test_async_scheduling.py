@@ -5,7 +5,6 @@ of host-drafted requests that draft nothing run ahead too, and so do steps with 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -287,36 +286,59 @@ def test_a_step_ahead_is_completed_inside_its_forward_graph(target, methods, mon
     assert steps.count("complete") == steps.count("ahead") + steps.count("copy")
 
 
+KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+
+
+def profiled(run: Callable[[], Any], seen: list[tuple[int, int]]) -> Any:
+    """`run()`, noting in `seen` what it launched on the GPU: (kernels launched on their own, CUDA
+    graphs launched)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as profiler:
+        result = run()
+        torch.cuda.synchronize()
+    names = [event.name for event in profiler.events()]
+    seen.append((sum(name in KERNEL_LAUNCHES for name in names), names.count("cudaGraphLaunch")))
+    return result
+
+
+def profile_launches_ahead(llm: LLM, seen: list[tuple[int, int]]) -> None:
+    """Every step the engine launches ahead notes what it launched in `seen` (`profiled`)."""
+    runner = llm.engine.runner
+    launch_ahead = runner.launch_ahead
+    runner.launch_ahead = lambda *args: profiled(lambda: launch_ahead(*args), seen)  # type: ignore[method-assign]
+
+
+def ending_params(prompts: list[list[int]]) -> list[SamplingParams]:
+    """Per prompt in turn: greedy to max_tokens, a stop id (its last token), EOS, seeded sampling."""
+    params = []
+    for i, prompt in enumerate(prompts):
+        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
+        endings: list[dict] = [
+            {},
+            {"stop_token_ids": [prompt[-1]]},
+            {"ignore_eos": False},
+            {"temperature": 0.8, "seed": i},
+        ]
+        params.append(SamplingParams(**(fields | endings[i % 4])))
+    return params
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_step_ahead_launches_only_its_two_graphs_on_the_gpu(make_checkpoint) -> None:
     """On a GPU the launch of a step ahead is its inputs' copy, the forward graph (which completes
     it), the tail graph and the result's copy: no kernel launched on its own."""
-    from torch.profiler import ProfilerActivity, profile
-
-    kernel_launches = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
     seen: list[tuple[int, int]] = []
-
-    def profiled(run: Callable[[], Any]) -> Any:
-        """`run()`, noting the kernels and graphs it launched in `seen`."""
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as profiler:
-            result = run()
-            torch.cuda.synchronize()
-        names = [event.name for event in profiler.events()]
-        seen.append((sum(name in kernel_launches for name in names), names.count("cudaGraphLaunch")))
-        return result
-
-    profiled(lambda: torch.ones(3, device="cuda").add_(1))
+    profiled(lambda: torch.ones(3, device="cuda").add_(1), seen)
     assert seen.pop()[0] >= 1  # the profiler sees a launch
     path = str(make_checkpoint("llama", num_hidden_layers=2))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, speculative_config=spec)
-    runner = llm.engine.runner
-    launch_ahead = runner.launch_ahead
-    runner.launch_ahead = lambda *args: profiled(lambda: launch_ahead(*args))  # type: ignore[method-assign]
+    profile_launches_ahead(llm, seen)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm.generate(prompt_token_ids=repetitive_prompts(5, seed=3), sampling_params=params)
-    assert runner.graphs is not None
+    assert llm.engine.runner.graphs is not None
     llm.close()
     assert len(seen) > 5 and all(launched == (0, 2) for launched in seen), seen
 
@@ -339,16 +361,7 @@ def test_steps_ahead_on_the_gpu_return_what_sync_steps_do(make_checkpoint, metho
     if method in models:
         spec["model"] = str(models[method](path))
     prompts = repetitive_prompts(21, seed=5)
-    params = []
-    for i, prompt in enumerate(prompts):
-        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
-        fields |= [
-            {},
-            {"stop_token_ids": [prompt[-1]]},
-            {"ignore_eos": False},
-            {"temperature": 0.8, "seed": i},
-        ][i % 4]
-        params.append(SamplingParams(**fields))
+    params = ending_params(prompts)
     outputs = []
     for async_scheduling in (False, True):
         llm = LLM(
@@ -388,32 +401,8 @@ def test_tree_steps_ahead_on_the_gpu_return_what_sync_steps_do(
     if with_ngram:
         spec |= {"with_ngram": True, "tree_budget": 16 + 5}
     prompts = repetitive_prompts(12, seed=5)
-    params = []
-    for i, prompt in enumerate(prompts):
-        fields: dict = {"temperature": 0.0, "max_tokens": 8 + 3 * i, "ignore_eos": True}
-        ending: list[dict] = [
-            {},
-            {"stop_token_ids": [prompt[-1]]},
-            {"ignore_eos": False},
-            {"temperature": 0.8, "seed": i},
-        ]
-        params.append(SamplingParams(**(fields | ending[i % 4])))
-    kernel_launches = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+    params = ending_params(prompts)
     seen: list[tuple[int, int]] = []
-
-    def profiled(run: Callable[[], Any]) -> Any:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as profiler:
-            result = run()
-            torch.cuda.synchronize()
-        names = [event.name for event in profiler.events()]
-        seen.append((sum(name in kernel_launches for name in names), names.count("cudaGraphLaunch")))
-        return result
-
-    def profiled_launch(launch_ahead: Callable[..., Any], *args: Any) -> Any:
-        return profiled(lambda: launch_ahead(*args))
-
     outputs = []
     for async_scheduling in (False, True):
         llm = LLM(
@@ -427,10 +416,10 @@ def test_tree_steps_ahead_on_the_gpu_return_what_sync_steps_do(
             max_num_seqs=8,
         )
         ahead = count_ahead(llm.engine)
-        runner = llm.engine.runner
-        runner.launch_ahead = functools.partial(profiled_launch, runner.launch_ahead)  # type: ignore[method-assign]
+        profile_launches_ahead(llm, seen)
         outputs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
-        assert runner.graphs is not None and runner.graphs.trees
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.trees
         assert (ahead[0] > 10) == async_scheduling
         llm.close()
     assert_alike(*outputs)
