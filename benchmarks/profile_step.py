@@ -13,6 +13,10 @@ thread instead, which a shared machine's other work does not inflate (the wait t
 Each run's first line after the summary, `engine.step less runner._run`, is the step's host work
 on the CPU (where `runner._run` is the forward itself): what a suffix batch at k = 0
 (`--pause-host-drafting`) costs beside naive's.
+
+With `--kernels` (a GPU), the device's side instead: the kernels the steps ran (those replayed from
+CUDA graphs included), each with its device time and launches per step, heaviest first, and the
+device's busy time per step against the step's wall time.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=35)
     parser.add_argument("--phases", action="store_true", help="time each phase of a step instead")
     parser.add_argument(
+        "--kernels", action="store_true", help="the device time of each kernel per step instead (a GPU)"
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="with --phases: each phase's CPU time on this thread instead of its wall time (on a shared "
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.phases:
             clock = time.thread_time if args.cpu_time else time.perf_counter
             print_phases(label, llm, prompts, params, args.concurrency, clock)
+        elif args.kernels:
+            print_kernels(label, llm, prompts, params, args.concurrency, args.rows)
         else:
             profile(llm, prompts, params, args.concurrency, args.rows)
         llm.close()
@@ -188,6 +197,40 @@ def print_phases(
     for name, total in sorted(totals.items(), key=lambda item: -item[1]):
         if not name.startswith("#"):
             print(f"  {name:28s} {total / num_steps * 1e6:9.1f} us a step")
+
+
+def print_kernels(
+    label: str, llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int, rows: int
+) -> None:
+    """Device time and launches per step of the `rows` heaviest kernels, by the CUDA profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as device_profile
+
+    engine = llm.engine
+    counts: dict[str, float] = collections.defaultdict(float)
+    engine.step = timed(engine.step, "engine.step", counts)  # type: ignore[method-assign]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with device_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        num_tokens = generate(llm, prompts, params, concurrency)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del engine.step
+    num_steps = max(int(counts["#engine.step"]), 1)
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += event.device_time_total
+            kernels[event.name][1] += 1
+    busy_us = sum(total for total, _ in kernels.values())
+    print(
+        f"{label or 'method'}: {num_steps} steps, {num_tokens / num_steps:.2f} tokens a step, "
+        f"{seconds / num_steps * 1e3:.3f} ms a step (profiled), device busy "
+        f"{busy_us / num_steps:.1f} us a step in {sum(n for _, n in kernels.values()) / num_steps:.0f} kernels"
+    )
+    heaviest = sorted(kernels.items(), key=lambda item: -item[1][0])[:rows]
+    for name, (total_us, launches) in heaviest:
+        print(f"  {total_us / num_steps:9.1f} us {launches / num_steps:6.1f}x  {name[:110]}")
 
 
 def timed(

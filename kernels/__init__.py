@@ -28,6 +28,7 @@ from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_r
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.quant_tiled_ref import TiledWeight
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
+from kernels.tree_ref import compact_path_kv_ref, top_k_ids_ref, verify_tree_ref
 from kernels.verify_ref import verify_sample_ref
 
 POST_STEP_SLOTS_ENV = "SPECMESH_POST_STEP_SLOTS"
@@ -412,9 +413,54 @@ def fill_ahead(
     )
 
 
+def verify_tree(
+    target_ids: torch.Tensor,
+    draft_ids: torch.Tensor,
+    cu_num_rows: torch.Tensor,
+    parents: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `verify_tree_ref`: (token_ids, num_accepted, path); one launch on CUDA."""
+    if _cuda.available(target_ids):
+        from kernels.tree import verify_tree_cuda
+
+        return verify_tree_cuda(target_ids, draft_ids, cu_num_rows, parents)
+    return verify_tree_ref(target_ids, draft_ids, cu_num_rows, parents)
+
+
+def compact_path_kv(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+    root_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """See `compact_path_kv_ref`; on CUDA one launch for every layer of `caches` (allocated as one
+    tensor, as the engine does), for paths up to 32 deep."""
+    if _cuda.available(path):
+        from kernels.tree import MAX_PATH_DEPTH, compact_path_kv_cuda
+
+        if path.shape[1] - 1 <= MAX_PATH_DEPTH:
+            compact_path_kv_cuda(caches, path, num_accepted, root_positions, block_tables, block_size)
+            return
+    compact_path_kv_ref(caches, path, num_accepted, root_positions, block_tables, block_size)
+
+
+def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """See `top_k_ids_ref`: [num_rows, k] int64 columns of each row's k largest logits; one launch on
+    CUDA for k up to 16 (torch's top-k beyond)."""
+    if _cuda.available(logits):
+        from kernels.tree import MAX_TOP_K, top_k_ids_cuda
+
+        if k <= MAX_TOP_K and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            return top_k_ids_cuda(logits, k)
+    return top_k_ids_ref(logits, k)
+
+
 __all__ = [
     "compiled_variants",
     "AttentionMetadata",
+    "compact_path_kv",
     "append_attention",
     "cuda_available",
     "dequantize_weight",
@@ -431,6 +477,8 @@ __all__ = [
     "rotary_embedding",
     "rotary_write_kv",
     "silu_and_mul",
+    "top_k_ids",
     "verify_sample",
+    "verify_tree",
     "write_kv",
 ]

@@ -22,9 +22,9 @@ of the last accepted node is emitted (the *recovered* token, or the *bonus* toke
   the children is therefore that rule, and every emitted token is the target's own sample at its
   position, as in chain verification: a seeded request's output does not depend on the tree.
 
-*Compaction*: the query wrote node `n`'s KV at the slot of position `root + n`; the accepted path's
-node at depth `d` belongs at position `root + d`. Its KV is moved there (at most depth entries
-per request), so the next step sees a plain cache, as after a chain.
+*Compaction* (`kernels.compact_path_kv`): the query wrote node `n`'s KV at the slot of position
+`root + n`; the accepted path's node at depth `d` belongs at position `root + d`. Its KV is moved
+there (at most depth entries per request), so the next step sees a plain cache, as after a chain.
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
 from kernels.verify_ref import TARGET_MATCH
 from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import sample_each_row
-from services.engine.spec_decode.tree import ROOT
-from shared.model.llama import KVCache
 
 
 @dataclass
@@ -74,32 +73,8 @@ def verify_tree(
     parents: torch.Tensor,  # [num_seqs, max_rows] int64: each request's parent array (a chain: j - 1), -1 past its rows
 ) -> TreeVerdict:
     """The accepted path of every request (the module docstring's rule), on the device; token_ids
-    and path are `max_rows` wide."""
-    device = target_ids.device
-    num_nodes = parents.shape[1]
-    starts = cu_num_rows[:-1].long()
-    num_rows = (cu_num_rows[1:] - cu_num_rows[:-1]).long()
-    nodes = torch.arange(num_nodes, device=device)
-    rows = (starts[:, None] + nodes).clamp(max=target_ids.shape[0] - 1)  # [num_seqs, num_nodes]
-    present = (nodes < num_rows[:, None]) & (nodes != ROOT)
-    targets = target_ids[rows]
-    node_ids = torch.where(present, draft_ids.long()[(rows - 1).clamp(min=0)], -1)
-    matches = present & (node_ids == targets.gather(1, parents.clamp(min=0)))  # [num_seqs, num_nodes]
-    current = torch.zeros_like(num_rows)
-    path = [current]
-    for _ in range(num_nodes - 1):
-        children = (parents == current[:, None]) & matches
-        found = children.any(dim=1)
-        current = torch.where(found, children.int().argmax(dim=1), current)
-        path.append(current)
-    steps = torch.stack(path, dim=1)  # [num_seqs, num_nodes]
-    num_accepted = (steps[:, 1:] != steps[:, :-1]).sum(dim=1)
-    path_ids = torch.nn.functional.pad(node_ids.gather(1, steps[:, 1:]), (0, 1), value=-1)
-    last = targets.gather(1, current[:, None])
-    columns = nodes[None, :]
-    token_ids = torch.where(columns < num_accepted[:, None], path_ids, -1)
-    token_ids = torch.where(columns == num_accepted[:, None], last, token_ids)
-    return TreeVerdict(token_ids.int(), num_accepted.int(), steps)
+    and path are `max_rows` wide (`kernels.verify_tree`: one launch on CUDA)."""
+    return TreeVerdict(*kernels.verify_tree(target_ids, draft_ids, cu_num_rows, parents))
 
 
 def tree_parents(shapes: list[list[int] | None], num_rows: list[int], max_rows: int) -> torch.Tensor:
@@ -121,42 +96,3 @@ def tree_verifiable(seq: Sequence) -> bool:
     suppressing = seq.num_output_tokens < p.min_tokens
     changed = p.has_penalties or bool(p.logit_bias) or p.logprobs is not None
     return not (changed or suppressing or seq.grammar is not None) and InputBatch.fits(seq)
-
-
-def compact_path_kv(
-    caches: list[KVCache],
-    path: torch.Tensor,  # [num_seqs, max_rows] int64 (TreeVerdict.path)
-    num_accepted: torch.Tensor,  # [num_seqs] int32
-    root_positions: torch.Tensor,  # [num_seqs] int64: each request's root position
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    block_size: int,
-) -> None:
-    """Moves the KV of each accepted path's node at depth d from position root + node to root + d,
-    in every layer of `caches`; every entry is read before any is written.
-
-    Fixed shapes and no host synchronisation, so that a CUDA graph's tail captures it: every
-    (request, depth) pair copies one entry. A pair with nothing to move repeats the first pair that
-    moves (the same source and destination, so the repeated writes agree), or, where no pair moves,
-    copies the first pair's destination onto itself."""
-    if path.shape[1] < 2:
-        return
-    depths = torch.arange(1, path.shape[1], device=path.device)[None, :]
-    moved = ((depths <= num_accepted[:, None].long()) & (path[:, 1:] != depths)).flatten()
-    roots = root_positions[:, None].long()
-    sources = _slots(roots + path[:, 1:], block_tables, block_size).flatten()
-    destinations = _slots(roots + depths, block_tables, block_size).flatten()
-    first = moved.int().argmax(dim=0, keepdim=True)  # the first pair that moves; 0 where none does
-    first_source = torch.where(moved[first], sources[first], destinations[first])
-    sources = torch.where(moved, sources, first_source)
-    destinations = torch.where(moved, destinations, destinations[first])
-    for key_cache, value_cache in caches:
-        for cache in (key_cache, value_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[destinations] = flat[sources]
-
-
-def _slots(positions: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` ([num_seqs, n] int64) under each request's block table (`tables`
-    [num_seqs, max_blocks]); positions past a table read its last entry (pairs that move nothing)."""
-    blocks = tables.gather(1, (positions // block_size).clamp(0, tables.shape[1] - 1)).long()
-    return blocks * block_size + positions % block_size

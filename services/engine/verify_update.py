@@ -38,7 +38,7 @@ from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
-from services.engine.tree_verify import compact_path_kv, target_tokens, verify_tree
+from services.engine.tree_verify import target_tokens, verify_tree
 from shared.model.llama import KVCache
 
 ACCEPTED, KEPT, FINISH, STOP_TOKEN, NUM_DRAFTS, TOKENS = range(6)
@@ -209,7 +209,7 @@ class VerifyAndUpdate:
         root_rows = (ends - num_rows).long().clamp(0, forward.positions.shape[0] - 1)
         roots = forward.positions.index_select(0, root_rows)
         tables = forward.meta.block_tables.index_select(0, t.seq_rows)
-        compact_path_kv(self.target_caches, t.tree_path, num_accepted, roots, tables, self.block_size)
+        kernels.compact_path_kv(self.target_caches, t.tree_path, num_accepted, roots, tables, self.block_size)
 
     def update_and_draft(
         self, token_ids: torch.Tensor, num_accepted: torch.Tensor, t: StepTensors, plan: StepPlan

@@ -170,7 +170,7 @@ class MTPProposer(Proposer):
     def _top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """[num_seqs, n * k] the head's k likeliest tokens after each of n nodes ([num_seqs, n, hidden_size])."""
         logits = self.head.logits(hidden.flatten(0, 1))
-        return logits.topk(k, dim=-1).indices.view(hidden.shape[0], -1)
+        return kernels.top_k_ids(logits, k).view(hidden.shape[0], -1)
 
     def _tree_forward(
         self,

@@ -20,7 +20,6 @@ from kernels import AttentionMetadata
 from services.engine.input_batch import InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
-from services.engine.tree_verify import compact_path_kv
 from shared.model.llama import KVCache
 
 
@@ -117,7 +116,9 @@ class DraftBatch:
         assert self.forward is not None and self.tree_path is not None and self.num_accepted is not None
         root_rows = self.root_rows.clamp(0, self.forward.positions.shape[0] - 1)  # padding: moves nothing
         root_positions = self.forward.positions.index_select(0, root_rows)
-        compact_path_kv(caches, self.tree_path, self.num_accepted, root_positions, self._tables, block_size)
+        kernels.compact_path_kv(
+            caches, self.tree_path, self.num_accepted, root_positions, self._tables, block_size
+        )
 
     @functools.cached_property
     def _tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] each request's block table

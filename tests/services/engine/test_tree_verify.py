@@ -9,7 +9,8 @@ import torch
 
 from services.engine.input_batch import GatheredParams
 from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths
-from services.engine.tree_verify import compact_path_kv, target_tokens, tree_parents, verify_tree
+from kernels import compact_path_kv
+from services.engine.tree_verify import target_tokens, tree_parents, verify_tree
 
 
 def test_a_chain_among_trees_verifies_as_a_chain() -> None:

@@ -1,0 +1,296 @@
+"""CUDA twins of kernels/tree_ref.py: a draft tree's verification walk, the compaction of its
+accepted path's KV, and the top-k of each row that drafts a tree's level; each one launch where the
+references run tens of small torch ops.
+
+- `verify_tree`: one thread per request walks down its tree (at most max_rows nodes), taking at
+  each node its first child whose token equals the node's target token.
+- `compact_path_kv`: one thread block per (request, cache plane), one thread per 16 bytes of a
+  cache row; each thread reads its chunk of every entry the path moves before writing any, so the
+  moves of one request (whose sources and destinations may overlap) never read a moved entry. The
+  planes (key and value of every layer) are one launch where they lie at a fixed stride, as the
+  engine allocates them (one tensor [num_layers, 2, ...]), else one launch per plane.
+- `top_k_ids`: one thread block per row; each thread keeps the K best of its columns in
+  registers, then K rounds of a block-wide arg-max take the best of the threads' heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels import _cuda
+
+VERIFY_THREADS = 128
+TOP_K_THREADS = 256
+MAX_TOP_K = 16
+"""Largest k of `top_k_ids` (each thread keeps k candidates in registers)."""
+MAX_PATH_DEPTH = 32
+"""Deepest accepted path `compact_path_kv` moves (each thread holds a chunk per depth)."""
+
+VERIFY_SOURCE = r"""
+extern "C" __global__ void verify_tree(
+    const long long* __restrict__ target_ids, int total_rows, const int* __restrict__ draft_ids,
+    const int* __restrict__ cu_num_rows, const long long* __restrict__ parents, int num_nodes, int num_seqs,
+    int* __restrict__ token_ids, int* __restrict__ num_accepted, long long* __restrict__ path)
+{
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= num_seqs) return;
+    const int start = cu_num_rows[s];
+    const int n = min(cu_num_rows[s + 1] - start, num_nodes);
+    const long long* par = parents + (long long)s * num_nodes;
+    long long* steps = path + (long long)s * num_nodes;
+    int* out = token_ids + (long long)s * num_nodes;
+    int current = 0, accepted = 0;
+    bool walking = true;
+    steps[0] = 0;
+    for (int d = 1; d < num_nodes; ++d) {
+        if (walking) {
+            const long long target = target_ids[min(start + current, total_rows - 1)];
+            int found = -1;
+            for (int j = 1; j < n && found < 0; ++j)
+                if (par[j] == current && (long long)draft_ids[max(min(start + j, total_rows - 1) - 1, 0)] == target)
+                    found = j;
+            if (found >= 0) {
+                out[accepted++] = (int)target;
+                current = found;
+            } else {
+                walking = false;
+            }
+        }
+        steps[d] = current;
+    }
+    out[accepted] = (int)target_ids[min(start + current, total_rows - 1)];
+    for (int c = accepted + 1; c < num_nodes; ++c) out[c] = -1;
+    num_accepted[s] = accepted;
+}
+"""
+
+COMPACT_SOURCE = r"""
+/* The cache slot of `position` under request s's block table (past the table: its last entry). */
+__device__ __forceinline__ long long slot_of(
+    long long position, const int* table, int max_blocks, int block_size)
+{
+    const long long block = table[min(position / block_size, (long long)max_blocks - 1)];
+    return block * block_size + position % block_size;
+}
+
+extern "C" __global__ void compact_path_kv(
+    char* __restrict__ planes, long long plane_stride, const long long* __restrict__ path, int path_width,
+    const int* __restrict__ num_accepted, const long long* __restrict__ roots, const int* __restrict__ tables,
+    int max_blocks, int block_size, long long row_bytes, int row_chunks, int num_seqs)
+{
+    const int s = blockIdx.x % num_seqs;  /* blocks: request-major within each plane */
+    const int accepted = min(num_accepted[s], DEPTH);
+    if (accepted <= 0) return;
+    char* cache = planes + (long long)(blockIdx.x / num_seqs) * plane_stride;
+    const long long* nodes = path + (long long)s * path_width;
+    const int* table = tables + (long long)s * max_blocks;
+    const long long root = roots[s];
+    for (int chunk = threadIdx.x; chunk < row_chunks; chunk += blockDim.x) {
+        uint4 held[DEPTH];
+#pragma unroll
+        for (int d = 1; d <= DEPTH; ++d) {
+            const long long node = d <= accepted ? nodes[d] : d;
+            if (node != d) {
+                const long long slot = slot_of(root + node, table, max_blocks, block_size);
+                held[d - 1] = *reinterpret_cast<const uint4*>(cache + slot * row_bytes + chunk * 16LL);
+            }
+        }
+#pragma unroll
+        for (int d = 1; d <= DEPTH; ++d) {
+            const long long node = d <= accepted ? nodes[d] : d;
+            if (node != d) {
+                const long long slot = slot_of(root + d, table, max_blocks, block_size);
+                *reinterpret_cast<uint4*>(cache + slot * row_bytes + chunk * 16LL) = held[d - 1];
+            }
+        }
+    }
+}
+"""
+
+TOP_K_SOURCE = r"""
+/* a before b: a larger value, or an equal one at a lower column */
+__device__ __forceinline__ bool before(float av, int ac, float bv, int bc)
+{
+    return av > bv || (av == bv && ac < bc);
+}
+
+extern "C" __global__ void top_k_ids(
+    const float* __restrict__ logits, long long row_stride, int vocab, long long* __restrict__ out)
+{
+    __shared__ float warp_value[32];
+    __shared__ int warp_column[32];
+    __shared__ int winner;
+    const float* row = logits + blockIdx.x * row_stride;
+    float value[K];
+    int column[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) { value[i] = -__int_as_float(0x7f800000); column[i] = 0x7fffffff; }
+    for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+        float v = row[c];
+        int cc = c;
+        if (!before(v, cc, value[K - 1], column[K - 1])) continue;
+#pragma unroll
+        for (int i = 0; i < K; ++i) {  /* insertion: carry the displaced entry down */
+            if (before(v, cc, value[i], column[i])) {
+                const float tv = value[i]; const int tc = column[i];
+                value[i] = v; column[i] = cc; v = tv; cc = tc;
+            }
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int round = 0; round < K; ++round) {
+        float v = value[0];
+        int c = column[0];
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float ov = __shfl_down_sync(0xffffffff, v, offset);
+            const int oc = __shfl_down_sync(0xffffffff, c, offset);
+            if (before(ov, oc, v, c)) { v = ov; c = oc; }
+        }
+        if (lane == 0) { warp_value[warp] = v; warp_column[warp] = c; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float bv = warp_value[0];
+            int bc = warp_column[0];
+            for (int w = 1; w < num_warps; ++w)
+                if (before(warp_value[w], warp_column[w], bv, bc)) { bv = warp_value[w]; bc = warp_column[w]; }
+            winner = bc;
+            out[(long long)blockIdx.x * K + round] = bc;
+        }
+        __syncthreads();
+        if (column[0] == winner) {  /* the owner of the winning column moves on to its next best */
+#pragma unroll
+            for (int i = 0; i + 1 < K; ++i) { value[i] = value[i + 1]; column[i] = column[i + 1]; }
+            value[K - 1] = -__int_as_float(0x7f800000);
+            column[K - 1] = 0x7fffffff;
+        }
+        __syncthreads();
+    }
+}
+"""
+
+
+def verify_tree_cuda(
+    target_ids: torch.Tensor, draft_ids: torch.Tensor, cu_num_rows: torch.Tensor, parents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `verify_tree_ref`."""
+    device = target_ids.device
+    target_ids = target_ids.long().contiguous()
+    draft_ids = draft_ids.int().contiguous()
+    cu_num_rows = cu_num_rows.int().contiguous()
+    parents = parents.long().contiguous()
+    _cuda.check_cuda_tensor("target_ids", target_ids, [torch.int64], 1, device)
+    _cuda.check_cuda_tensor("draft_ids", draft_ids, [torch.int32], 1, device)
+    _cuda.check_cuda_tensor("cu_num_rows", cu_num_rows, [torch.int32], 1, device)
+    _cuda.check_cuda_tensor("parents", parents, [torch.int64], 2, device)
+    num_seqs, num_nodes = parents.shape
+    _cuda.check(cu_num_rows.shape[0] == num_seqs + 1, "cu_num_rows must hold num_seqs + 1 offsets")
+    _cuda.check(draft_ids.shape == target_ids.shape, "draft_ids and target_ids must have one entry a row")
+    token_ids = torch.empty(num_seqs, num_nodes, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(num_seqs, dtype=torch.int32, device=device)
+    path = torch.empty(num_seqs, num_nodes, dtype=torch.int64, device=device)
+    if num_seqs == 0 or num_nodes == 0 or target_ids.shape[0] == 0:
+        return token_ids.fill_(-1), num_accepted.zero_(), path.zero_()
+    kernel = _cuda.function(VERIFY_SOURCE, "verify_tree", device)
+    i32 = np.int32
+    _cuda.launch(
+        kernel,
+        (-(-num_seqs // VERIFY_THREADS),),
+        (VERIFY_THREADS,),
+        (
+            target_ids,
+            i32(target_ids.shape[0]),
+            draft_ids,
+            cu_num_rows,
+            parents,
+            i32(num_nodes),
+            i32(num_seqs),
+            token_ids,
+            num_accepted,
+            path,
+        ),
+        device,
+    )
+    return token_ids, num_accepted, path
+
+
+def compact_path_kv_cuda(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+    root_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Same contract as `compact_path_kv_ref`."""
+    if path.shape[1] < 2 or not caches:
+        return
+    planes = [cache for pair in caches for cache in pair]
+    first = planes[0]
+    device = first.device
+    for plane in planes:
+        _cuda.check_cuda_tensor("cache", plane, list(_cuda.DTYPE_IDS), first.dim(), device)
+        _cuda.check(
+            plane.shape == first.shape and plane.dtype == first.dtype and plane.is_contiguous(),
+            "every KV cache must be contiguous, of one shape and dtype",
+        )
+    row_bytes = first[0, 0].numel() * first.element_size()
+    _cuda.check(row_bytes % 16 == 0, f"a cache row of {row_bytes} bytes is not whole 16-byte chunks")
+    depth = path.shape[1] - 1
+    _cuda.check(depth <= MAX_PATH_DEPTH, f"paths deeper than {MAX_PATH_DEPTH} are not supported")
+    path = path.long().contiguous()
+    num_accepted = num_accepted.int().contiguous()
+    roots = root_positions.long().contiguous()
+    tables = block_tables.int().contiguous()
+    num_seqs = path.shape[0]
+    if num_seqs == 0:
+        return
+    stride = planes[1].data_ptr() - first.data_ptr()
+    uniform = stride > 0 and all(p.data_ptr() == first.data_ptr() + i * stride for i, p in enumerate(planes))
+    launches = [(first, len(planes), stride)] if uniform else [(p, 1, 0) for p in planes]
+    row_chunks = row_bytes // 16
+    kernel = _cuda.function(COMPACT_SOURCE, "compact_path_kv", device, DEPTH=depth)
+    i32, i64 = np.int32, np.int64
+    for base, num_planes, plane_stride in launches:
+        _cuda.launch(
+            kernel,
+            (num_seqs * num_planes,),
+            (min(row_chunks, 256),),
+            (
+                base,
+                i64(plane_stride),
+                path,
+                i32(path.shape[1]),
+                num_accepted,
+                roots,
+                tables,
+                i32(tables.shape[1]),
+                i32(block_size),
+                i64(row_bytes),
+                i32(row_chunks),
+                i32(num_seqs),
+            ),
+            device,
+        )
+
+
+def top_k_ids_cuda(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Same contract as `top_k_ids_ref`."""
+    device = logits.device
+    _cuda.check_cuda_tensor("logits", logits, [torch.float32], 2, device)
+    _cuda.check(logits.stride(1) == 1, "logits rows must be contiguous")
+    _cuda.check(0 < k <= MAX_TOP_K, f"k must be in 1..{MAX_TOP_K}")
+    num_rows, vocab = logits.shape
+    _cuda.check(k <= vocab, f"k {k} is larger than the vocabulary ({vocab})")
+    out = torch.empty(num_rows, k, dtype=torch.int64, device=device)
+    if num_rows == 0:
+        return out
+    kernel = _cuda.function(TOP_K_SOURCE, "top_k_ids", device, K=k)
+    _cuda.launch(
+        kernel,
+        (num_rows,),
+        (TOP_K_THREADS,),
+        (logits, np.int64(logits.stride(0)), np.int32(vocab), out),
+        device,
+    )
+    return out

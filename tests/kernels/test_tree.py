@@ -1,0 +1,161 @@
+"""Draft-tree kernels (kernels/tree.py) against their torch references: the verification walk,
+the accepted path's KV compaction and the small top-k; on the host through g++ where the kernel's
+threads never meet, on the GPU for all three."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.tree_ref import compact_path_kv_ref, top_k_ids_ref, verify_tree_ref
+from tests.kernels.helpers import needs_cuda, needs_gxx, run_on_host
+
+UINT4 = "struct uint4 { unsigned int x, y, z, w; };\n"
+"""What the compaction kernel needs of CUDA's vector types to compile as C++."""
+
+
+def random_trees(
+    num_seqs: int, max_rows: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target_ids, draft_ids, cu_num_rows, parents) of random trees over a 3-token vocabulary (so
+    drafts often match), some chains, some requests of one row, one of none (a graph's padding)."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, rng.randrange(1, max_rows + 1), max_rows]) for _ in range(num_seqs)]
+    sizes[0] = max_rows
+    parents = torch.full((num_seqs, max_rows), -1, dtype=torch.int64)
+    draft_ids: list[int] = []
+    for i, n in enumerate(sizes):
+        chain = rng.random() < 0.3
+        for j in range(1, n):
+            parents[i, j] = j - 1 if chain else rng.randrange(j)
+        draft_ids += [rng.randrange(3) for _ in range(n - 1)] + ([-1] if n else [])
+    cu = torch.tensor([0, *np.cumsum(sizes)], dtype=torch.int32)
+    target_ids = torch.tensor([rng.randrange(3) for _ in draft_ids], dtype=torch.int64)
+    return target_ids, torch.tensor(draft_ids, dtype=torch.int32), cu, parents
+
+
+def random_compaction(
+    num_seqs: int, depth: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(stack [layers, 2, blocks, block_size, heads, head_dim], path, num_accepted, roots, tables)
+    with each request in blocks of its own and random accepted paths (nodes after their depth)."""
+    rng = random.Random(seed)
+    block_size, blocks_each, num_layers, heads, head_dim = 4, 16, 3, 2, 16
+    stack = torch.randn(num_layers, 2, num_seqs * blocks_each, block_size, heads, head_dim).to(dtype)
+    order = torch.randperm(num_seqs * blocks_each, generator=torch.Generator().manual_seed(seed))
+    tables = order.view(num_seqs, blocks_each).int()
+    path = torch.zeros(num_seqs, depth + 1, dtype=torch.int64)
+    num_accepted = torch.zeros(num_seqs, dtype=torch.int32)
+    for i in range(num_seqs):
+        accepted = rng.randrange(depth + 1)
+        node = 0
+        for d in range(1, depth + 1):
+            if d <= accepted:
+                node = rng.randrange(max(node + 1, d), max(node + 1, d) + 3)
+            path[i, d] = node
+        num_accepted[i] = accepted
+    roots = torch.tensor(
+        [rng.randrange(0, block_size * blocks_each - 3 * depth - 1) for _ in range(num_seqs)]
+    )
+    return (t.to(device) for t in (stack, path, num_accepted, roots, tables))  # type: ignore[return-value]
+
+
+def test_top_k_reference_takes_the_lower_column_of_equal_values() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0], [5.0, -1.0, 5.0, 7.0, 0.0]])
+    assert top_k_ids_ref(logits, 3).tolist() == [[1, 3, 4], [3, 0, 2]]
+
+
+@needs_gxx
+@pytest.mark.parametrize("max_rows", [1, 5, 17])
+def test_verify_walk_on_the_host_matches_reference(max_rows: int, tmp_path) -> None:
+    from kernels.tree import VERIFY_SOURCE, VERIFY_THREADS
+
+    for seed in range(4):
+        target_ids, draft_ids, cu, parents = random_trees(9, max_rows, seed)
+        num_seqs = parents.shape[0]
+        token_ids = torch.full((num_seqs, max_rows), -7, dtype=torch.int32)
+        num_accepted = torch.full((num_seqs,), -7, dtype=torch.int32)
+        path = torch.full((num_seqs, max_rows), -7, dtype=torch.int64)
+        args = (
+            target_ids, np.int32(target_ids.shape[0]), draft_ids, cu, parents, np.int32(max_rows),
+            np.int32(num_seqs), token_ids, num_accepted, path,
+        )  # fmt: skip
+        run_on_host(VERIFY_SOURCE, "verify_tree", {}, (1,), (VERIFY_THREADS,), args, tmp_path)
+        want = verify_tree_ref(target_ids, draft_ids, cu, parents)
+        assert torch.equal(token_ids, want[0]) and torch.equal(num_accepted, want[1])
+        assert torch.equal(path, want[2])
+        assert max_rows == 1 or int(num_accepted.max()) > 0  # the walk went somewhere
+
+
+@needs_gxx
+@pytest.mark.parametrize("depth", [1, 4])
+def test_compaction_on_the_host_matches_reference(depth: int, tmp_path) -> None:
+    from kernels.tree import COMPACT_SOURCE
+
+    stack, path, num_accepted, roots, tables = random_compaction(5, depth, seed=depth)
+    expected = stack.clone()
+    compact_path_kv_ref([(layer[0], layer[1]) for layer in expected], path, num_accepted, roots, tables, 4)
+    num_seqs, num_planes = path.shape[0], stack.shape[0] * 2
+    row_bytes = stack[0, 0, 0, 0].numel() * stack.element_size()
+    args = (
+        stack, np.int64(stack[0, 1].data_ptr() - stack[0, 0].data_ptr()), path, np.int32(path.shape[1]),
+        num_accepted, roots, tables, np.int32(tables.shape[1]), np.int32(4), np.int64(row_bytes),
+        np.int32(row_bytes // 16), np.int32(num_seqs),
+    )  # fmt: skip
+    grid, block = (num_seqs * num_planes,), (row_bytes // 16,)
+    run_on_host(UINT4 + COMPACT_SOURCE, "compact_path_kv", {"DEPTH": depth}, grid, block, args, tmp_path)
+    assert int((num_accepted > 0).sum()) > 1
+    assert torch.equal(stack, expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("max_rows", [1, 6, 17, 33])
+def test_verify_walk_on_the_gpu_matches_reference(max_rows: int) -> None:
+    from kernels.tree import verify_tree_cuda
+
+    for seed in range(3):
+        inputs = [t.cuda() for t in random_trees(200, max_rows, seed)]
+        got = verify_tree_cuda(*inputs)
+        want = verify_tree_ref(*inputs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_compaction_on_the_gpu_matches_reference(dtype: torch.dtype, stacked: bool) -> None:
+    from kernels.tree import compact_path_kv_cuda
+
+    for depth in (1, 3, 16):
+        stack, path, num_accepted, roots, tables = random_compaction(37, depth, depth, dtype, "cuda")
+        if stacked:  # the engine's layout: one tensor, one launch
+            caches = [(layer[0], layer[1]) for layer in stack]
+        else:  # planes allocated apart: one launch each
+            caches = [(layer[0].clone(), layer[1].clone()) for layer in stack]
+        expected = [(k.clone(), v.clone()) for k, v in caches]
+        compact_path_kv_ref(expected, path, num_accepted, roots, tables, 4)
+        compact_path_kv_cuda(caches, path, num_accepted, roots, tables, 4)
+        for (k, v), (k_want, v_want) in zip(caches, expected):
+            assert torch.equal(k, k_want) and torch.equal(v, v_want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab", [5, 8192, 151_936])
+def test_top_k_on_the_gpu_matches_reference(vocab: int) -> None:
+    from kernels.tree import MAX_TOP_K, top_k_ids_cuda
+
+    generator = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = torch.randn(70, vocab, device="cuda", generator=generator)
+    logits[1] = 0.0  # every value equal: the lowest columns
+    logits[2, : vocab // 2] = logits[2, vocab // 2 :: 1][: vocab // 2]  # pairs of equal values
+    for k in (1, 2, 3, min(MAX_TOP_K, vocab)):
+        assert torch.equal(top_k_ids_cuda(logits, k), top_k_ids_ref(logits, k))
+    strided = logits[:, : vocab - 1] if vocab > 5 else logits
+    assert torch.equal(top_k_ids_cuda(strided, 2), top_k_ids_ref(strided, 2))
