@@ -28,7 +28,7 @@ from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_r
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.quant_tiled_ref import TiledWeight
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
-from kernels.tree_ref import compact_path_kv_ref, top_k_ids_ref, verify_tree_ref
+from kernels.tree_ref import compact_path_kv_ref, graft_trees_ref, top_k_ids_ref, verify_tree_ref
 from kernels.verify_ref import verify_sample_ref
 
 POST_STEP_SLOTS_ENV = "SPECMESH_POST_STEP_SLOTS"
@@ -446,6 +446,17 @@ def compact_path_kv(
     compact_path_kv_ref(caches, path, num_accepted, root_positions, block_tables, block_size)
 
 
+def graft_trees(
+    head_parents: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, num_branch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `graft_trees_ref`: (token_ids, parents, num_drafts); one launch on CUDA."""
+    if _cuda.available(drafts):
+        from kernels.tree import graft_trees_cuda
+
+        return graft_trees_cuda(head_parents, drafts, num_drafts, num_branch)
+    return graft_trees_ref(head_parents, drafts, num_drafts, num_branch)
+
+
 def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     """See `top_k_ids_ref`: [num_rows, k] int64 columns of each row's k largest logits; one launch on
     CUDA for k up to 16 (torch's top-k beyond)."""
@@ -468,6 +479,7 @@ __all__ = [
     "fill_ahead",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "graft_trees",
     "linear",
     "ngram_match",
     "post_step_update",

@@ -1,6 +1,6 @@
 """CUDA twins of kernels/tree_ref.py: a draft tree's verification walk, the compaction of its
-accepted path's KV, and the top-k of each row that drafts a tree's level; each one launch where the
-references run tens of small torch ops.
+accepted path's KV, the graft of an n-gram branch onto a head's tree, and the top-k of each row
+that drafts a tree's level; each one launch where the references run tens of small torch ops.
 
 - `verify_tree`: one thread per request walks down its tree (at most max_rows nodes), taking at
   each node its first child whose token equals the node's target token.
@@ -9,6 +9,8 @@ references run tens of small torch ops.
   moves of one request (whose sources and destinations may overlap) never read a moved entry. The
   planes (key and value of every layer) are one launch where they lie at a fixed stride, as the
   engine allocates them (one tensor [num_layers, 2, ...]), else one launch per plane.
+- `graft_trees`: one thread per request follows the head's nodes with its n-gram branch and
+  lays out the grafted tree.
 - `top_k_ids`: one thread block per row; each thread keeps the K best of its columns in
   registers, then K rounds of a block-wide arg-max take the best of the threads' heads.
 """
@@ -105,6 +107,51 @@ extern "C" __global__ void compact_path_kv(
             }
         }
     }
+}
+"""
+
+GRAFT_SOURCE = r"""
+extern "C" __global__ void graft_trees(
+    const long long* __restrict__ head_parents, const int* __restrict__ drafts, long long row_stride, int width,
+    int num_branch, const int* __restrict__ num_drafts, int num_seqs, int* __restrict__ token_ids,
+    int* __restrict__ parents, int* __restrict__ num_nodes)
+{
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= num_seqs) return;
+    const int* branch = drafts + (long long)s * row_stride;
+    const int* head = branch + num_branch;
+    const int num_head_nodes = width - num_branch;
+    const int drafted = num_drafts[s];
+    int* out = token_ids + (long long)s * width;
+    int* out_parents = parents + (long long)s * width;
+    if (num_branch == 0) {
+        for (int c = 0; c < width; ++c) {
+            out[c] = c < drafted ? head[c] : -1;
+            out_parents[c] = c < num_head_nodes ? (int)head_parents[c] : c;
+        }
+        num_nodes[s] = drafted;
+        return;
+    }
+    const int num_head = max(drafted - num_branch, 0);
+    int num_valid = 0;  /* the branch up to its first -1, within the row's drafts */
+    while (num_valid < num_branch && num_valid < drafted && branch[num_valid] >= 0) ++num_valid;
+    int node = 0, num_shared = 0;
+    for (; num_shared < num_valid; ++num_shared) {  /* follow the head's nodes while they hold the branch */
+        int last = -1;
+        for (int m = 0; m < num_head; ++m)
+            if (head_parents[m] == node && head[m] == branch[num_shared]) last = m;
+        if (last < 0) break;
+        node = last + 1;
+    }
+    const int total = num_head + num_valid - num_shared;
+    for (int c = 0; c < width; ++c) {
+        const int grafted = c - num_head;  /* index into the grafted chain */
+        const bool is_head = c < num_head;
+        const int from_branch = branch[min(max(num_shared + grafted, 0), num_branch - 1)];
+        out[c] = is_head ? (c < num_head_nodes ? head[c] : -1) : (c < total ? from_branch : -1);
+        out_parents[c] = is_head ? (c < num_head_nodes ? (int)head_parents[c] : 0) : (grafted == 0 ? node : c);
+    }
+    num_nodes[s] = total;
 }
 """
 
@@ -272,6 +319,47 @@ def compact_path_kv_cuda(
             ),
             device,
         )
+
+
+def graft_trees_cuda(
+    head_parents: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, num_branch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `graft_trees_ref`."""
+    device = drafts.device
+    drafts = drafts.int()
+    _cuda.check_cuda_tensor("drafts", drafts, [torch.int32], 2, device)
+    _cuda.check(drafts.stride(1) == 1, "drafts rows must be contiguous")
+    num_seqs, width = drafts.shape
+    _cuda.check(0 <= num_branch <= width, f"num_branch {num_branch} must be within the rows' {width} columns")
+    _cuda.check(head_parents.shape[0] >= width - num_branch, "head_parents must cover the head's nodes")
+    head_parents = head_parents.to(device=device, dtype=torch.int64).contiguous()
+    num_drafts = num_drafts.int().contiguous()
+    token_ids = torch.empty(num_seqs, width, dtype=torch.int32, device=device)
+    parents = torch.empty(num_seqs, width, dtype=torch.int32, device=device)
+    num_nodes = torch.empty(num_seqs, dtype=torch.int32, device=device)
+    if num_seqs == 0:
+        return token_ids, parents, num_nodes
+    kernel = _cuda.function(GRAFT_SOURCE, "graft_trees", device)
+    i32 = np.int32
+    _cuda.launch(
+        kernel,
+        (-(-num_seqs // VERIFY_THREADS),),
+        (VERIFY_THREADS,),
+        (
+            head_parents,
+            drafts,
+            np.int64(drafts.stride(0)),
+            i32(width),
+            i32(num_branch),
+            num_drafts,
+            i32(num_seqs),
+            token_ids,
+            parents,
+            num_nodes,
+        ),
+        device,
+    )
+    return token_ids, parents, num_nodes
 
 
 def top_k_ids_cuda(logits: torch.Tensor, k: int) -> torch.Tensor:

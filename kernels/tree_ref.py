@@ -94,3 +94,56 @@ def top_k_ids_ref(logits: torch.Tensor, k: int) -> torch.Tensor:  # [num_rows, k
     """The columns of each row's k largest entries of `logits` ([num_rows, vocab] float32), largest
     first; of equal values the lower column first (a stable descending sort)."""
     return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+def graft_trees_ref(
+    head_parents: torch.Tensor,  # [>= num_head_nodes] int64 the head's tree's parent of node m + 1
+    drafts: torch.Tensor,  # [num_seqs, num_branch + num_head_nodes] int32 proposers' rows
+    num_drafts: torch.Tensor,  # [num_seqs] int32 how much of each row was drafted (a prefix)
+    num_branch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's draft tree from its proposers' row (services/engine/spec_decode/tree.py,
+    `drafted_tree`, is the host's rule): the row holds `num_branch` n-gram drafts (-1 past the
+    match) then the head's tree in level order, cut at `num_drafts`; the n-gram branch follows the
+    head's nodes while they hold its tokens (the last such child where a token repeats under one
+    parent) and is grafted as a chain under the last one it reached, after the head's nodes.
+    (token_ids [num_seqs, width] int32, -1 past each tree; parents [num_seqs, width] int32, each
+    draft's parent node; num_drafts [num_seqs] int32)."""
+    num_seqs, width = drafts.shape
+    num_head_nodes = width - num_branch
+    device = drafts.device
+    columns = torch.arange(width, device=device)
+    head_parents = head_parents[:num_head_nodes].to(device=device, dtype=torch.int32)
+    num_head = (num_drafts - num_branch).clamp(min=0)
+    if num_branch == 0:
+        parents = torch.cat([head_parents, columns[num_head_nodes:].int()])
+        cut = torch.where(columns[None, :] < num_drafts[:, None], drafts, -1)
+        return cut, parents.expand(num_seqs, width), num_drafts
+    branch = drafts[:, :num_branch]
+    head = drafts[:, num_branch:]
+    valid = (branch >= 0) & (columns[None, :num_branch] < num_drafts[:, None])
+    valid = valid.int().cumprod(dim=1).bool()  # the branch stops at its first -1
+    present = columns[None, :num_head_nodes] < num_head[:, None]
+    node = torch.zeros(num_seqs, dtype=torch.int32, device=device)  # the root
+    following = torch.ones(num_seqs, dtype=torch.bool, device=device)
+    num_shared = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    for s in range(num_branch):
+        child = present & (head_parents[None, :] == node[:, None]) & (head == branch[:, s : s + 1])
+        child &= (following & valid[:, s])[:, None]
+        found = child.any(dim=1)
+        last = num_head_nodes - 1 - child.flip(1).int().argmax(dim=1)
+        node = torch.where(found, last.int() + 1, node)
+        num_shared += found.int()
+        following &= found
+    num_grafted = valid.sum(dim=1).int() - num_shared
+    total = num_head + num_grafted
+    grafted = columns[None, :] - num_head[:, None]  # index into the grafted chain
+    from_branch = branch.gather(1, (num_shared[:, None] + grafted).clamp(0, num_branch - 1).long())
+    is_head = columns[None, :] < num_head[:, None]
+    is_grafted = ~is_head & (columns[None, :] < total[:, None])
+    head_ids = torch.nn.functional.pad(head, (0, num_branch), value=-1)
+    token_ids = torch.where(is_head, head_ids, torch.where(is_grafted, from_branch, -1))
+    head_parent = torch.nn.functional.pad(head_parents, (0, num_branch))[None, :]
+    chained = torch.where(grafted == 0, node[:, None], columns[None, :].int())
+    parents = torch.where(is_head, head_parent, chained)
+    return token_ids.int(), parents.int(), total.int()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.tree_ref import compact_path_kv_ref, top_k_ids_ref, verify_tree_ref
+from kernels.tree_ref import compact_path_kv_ref, graft_trees_ref, top_k_ids_ref, verify_tree_ref
 from tests.kernels.helpers import needs_cuda, needs_gxx, run_on_host
 
 UINT4 = "struct uint4 { unsigned int x, y, z, w; };\n"
@@ -159,3 +159,53 @@ def test_top_k_on_the_gpu_matches_reference(vocab: int) -> None:
         assert torch.equal(top_k_ids_cuda(logits, k), top_k_ids_ref(logits, k))
     strided = logits[:, : vocab - 1] if vocab > 5 else logits
     assert torch.equal(top_k_ids_cuda(strided, 2), top_k_ids_ref(strided, 2))
+
+
+def random_graft_rows(
+    num_seqs: int, num_branch: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(head_parents, drafts, num_drafts) of a [2, 2, 1] head's tree with an n-gram branch over a
+    3-token vocabulary (so the branch often follows the head's nodes), rows cut at random."""
+    from services.engine.spec_decode.tree import DraftTree
+
+    rng = random.Random(seed)
+    tree = DraftTree((2, 2, 1))
+    rows = []
+    for _ in range(num_seqs):
+        matched = rng.randrange(num_branch + 1)
+        branch = [rng.randrange(3) for _ in range(matched)] + [-1] * (num_branch - matched)
+        rows.append(branch + [rng.randrange(3) for _ in range(tree.num_nodes() - 1)])
+    cuts = [rng.randrange(len(rows[0]) + 1) for _ in rows]
+    head_parents = torch.tensor(tree.parents[1:], dtype=torch.int64)
+    return head_parents, torch.tensor(rows, dtype=torch.int32), torch.tensor(cuts, dtype=torch.int32)
+
+
+@needs_gxx
+@pytest.mark.parametrize("num_branch", [0, 1, 5])
+def test_graft_on_the_host_matches_reference(num_branch: int, tmp_path) -> None:
+    from kernels.tree import GRAFT_SOURCE, VERIFY_THREADS
+
+    head_parents, drafts, num_drafts = random_graft_rows(40, num_branch, seed=num_branch)
+    num_seqs, width = drafts.shape
+    token_ids, parents = (torch.full((num_seqs, width), -7, dtype=torch.int32) for _ in range(2))
+    num_nodes = torch.full((num_seqs,), -7, dtype=torch.int32)
+    args = (
+        head_parents, drafts, np.int64(width), np.int32(width), np.int32(num_branch), num_drafts,
+        np.int32(num_seqs), token_ids, parents, num_nodes,
+    )  # fmt: skip
+    run_on_host(GRAFT_SOURCE, "graft_trees", {}, (1,), (VERIFY_THREADS,), args, tmp_path)
+    for got, want in zip(
+        (token_ids, parents, num_nodes), graft_trees_ref(head_parents, drafts, num_drafts, num_branch)
+    ):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_branch", [0, 1, 5])
+def test_graft_on_the_gpu_matches_reference(num_branch: int) -> None:
+    from kernels.tree import graft_trees_cuda
+
+    inputs = [t.cuda() for t in random_graft_rows(300, num_branch, seed=num_branch)]
+    for got, want in zip(graft_trees_cuda(*inputs, num_branch), graft_trees_ref(*inputs, num_branch)):
+        assert torch.equal(got, want)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import kernels
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
 
 if TYPE_CHECKING:
@@ -113,45 +114,9 @@ def drafted_trees(
     """`drafted_tree` over a batch of rows, on the device with fixed shapes and no host read (a
     CUDA graph's tail captures it): (token_ids [num_seqs, width] int32, -1 past each tree; parents
     [num_seqs, width] int32, each draft's parent node; num_drafts [num_seqs] int32). Where a head
-    node repeats a token under one parent, the branch follows the last of them, as the host does."""
-    num_seqs, width = drafts.shape
-    num_head_nodes = width - num_branch
-    device = drafts.device
-    columns = torch.arange(width, device=device)
-    head_parents = head_parents[:num_head_nodes].to(device=device, dtype=torch.int32)
-    num_head = (num_drafts - num_branch).clamp(min=0)
-    if num_branch == 0:
-        parents = torch.cat([head_parents, columns[num_head_nodes:].int()])
-        cut = torch.where(columns[None, :] < num_drafts[:, None], drafts, -1)
-        return cut, parents.expand(num_seqs, width), num_drafts
-    branch = drafts[:, :num_branch]
-    head = drafts[:, num_branch:]
-    valid = (branch >= 0) & (columns[None, :num_branch] < num_drafts[:, None])
-    valid = valid.int().cumprod(dim=1).bool()  # the branch stops at its first -1
-    present = columns[None, :num_head_nodes] < num_head[:, None]
-    node = torch.zeros(num_seqs, dtype=torch.int32, device=device)  # the root
-    following = torch.ones(num_seqs, dtype=torch.bool, device=device)
-    num_shared = torch.zeros(num_seqs, dtype=torch.int32, device=device)
-    for s in range(num_branch):
-        child = present & (head_parents[None, :] == node[:, None]) & (head == branch[:, s : s + 1])
-        child &= (following & valid[:, s])[:, None]
-        found = child.any(dim=1)
-        last = num_head_nodes - 1 - child.flip(1).int().argmax(dim=1)
-        node = torch.where(found, last.int() + 1, node)
-        num_shared += found.int()
-        following &= found
-    num_grafted = valid.sum(dim=1).int() - num_shared
-    total = num_head + num_grafted
-    grafted = columns[None, :] - num_head[:, None]  # index into the grafted chain
-    from_branch = branch.gather(1, (num_shared[:, None] + grafted).clamp(0, num_branch - 1).long())
-    is_head = columns[None, :] < num_head[:, None]
-    is_grafted = ~is_head & (columns[None, :] < total[:, None])
-    head_ids = torch.nn.functional.pad(head, (0, num_branch), value=-1)
-    token_ids = torch.where(is_head, head_ids, torch.where(is_grafted, from_branch, -1))
-    head_parent = torch.nn.functional.pad(head_parents, (0, num_branch))[None, :]
-    chained = torch.where(grafted == 0, node[:, None], columns[None, :].int())
-    parents = torch.where(is_head, head_parent, chained)
-    return token_ids.int(), parents.int(), total.int()
+    node repeats a token under one parent, the branch follows the last of them, as the host does
+    (`kernels.graft_trees`: one launch on CUDA)."""
+    return kernels.graft_trees(head_parents, drafts, num_drafts, num_branch)
 
 
 def tree_shape(seq: Sequence) -> list[int]:

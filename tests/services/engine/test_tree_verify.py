@@ -7,9 +7,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from kernels import compact_path_kv
 from services.engine.input_batch import GatheredParams
 from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths
-from kernels import compact_path_kv
 from services.engine.tree_verify import target_tokens, tree_parents, verify_tree
 
 
