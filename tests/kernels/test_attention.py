@@ -538,3 +538,48 @@ def test_cuda_attention_min_split_keys_under_a_graph_bound(
                 torch.cuda.synchronize()
                 error = rel_error(out, ref)
                 assert error < TOLERANCE[dtype], f"min keys {min_keys}, splits {splits}: {error:.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [0, 2, 5])
+def test_tensor_core_splits_merge_themselves_as_the_merge_kernel_does(case: int, monkeypatch) -> None:
+    """The last split of each tile merges the others (kernels/attention.py, split_counts): the same
+    output as the merge_splits kernel, launch after launch (the counts go back to zero) and
+    replayed from a CUDA graph."""
+    from kernels import attention
+
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, window = CASES[case]
+    generator = torch.Generator().manual_seed(3000 + case)
+    query, key_cache, value_cache, meta = make_batch(
+        query_lens,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        "cuda",
+        generator,
+    )
+    scale = 1 / math.sqrt(head_dim)
+
+    def run(splits: int) -> torch.Tensor:
+        return attention.append_attention_cuda(
+            query, key_cache, value_cache, meta, scale, window, num_splits=splits, tensor_cores=True
+        )
+
+    for splits in (3, 64):
+        monkeypatch.setenv(attention.MERGE_KERNEL_ENV, "on")
+        expected = run(splits)
+        monkeypatch.delenv(attention.MERGE_KERNEL_ENV)
+        for _ in range(3):
+            assert torch.equal(run(splits), expected), f"splits={splits}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run(splits)
+        for _ in range(3):
+            replayed.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, expected), f"splits={splits}, replayed"
