@@ -14,8 +14,6 @@ Two variants of the block's arithmetic. For bf16 / fp16 with head_dim <= 128 and
 `append_attention_mma` (tensor cores): the block's query rows form one m16 tile and its four warps
 split every key tile, computing Q K^T and P V with mma.sync and merging their softmax states at the
 end — verify rows (1 + k tokens x the group) cost about what one decode row costs (kernels/NOTES.md).
-Its context splits merge themselves: the last block of a tile to finish (a counter per tile and kv
-head) reads the others' partial outputs back and writes the output, so no second kernel runs.
 Otherwise (float32, wider heads or groups) `append_attention` on CUDA cores: scores one thread per
 key, softmax one warp per row, P V one thread per head_dim chunk.
 
@@ -437,8 +435,8 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
     const int* __restrict__ tile_starts, const long long* __restrict__ tree_mask,
     scalar_t* __restrict__ out, float* __restrict__ part_out,
-    float* __restrict__ part_ml, int* __restrict__ split_counts, int num_seqs, int num_tokens, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int tile_tokens, int num_splits, int max_query_len,
+    float* __restrict__ part_ml, int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
+    int block_size, int max_blocks, int tile_tokens, int num_splits, int max_query_len,
     float scale_log2, int sliding_window, int min_split_keys)
 {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -625,45 +623,6 @@ extern "C" __global__ void __launch_bounds__(128) append_attention_mma(
             if (d == 0) { part_ml[base * 2] = m; part_ml[base * 2 + 1] = l; }
         }
     }
-    if (w.splits == 1 || split_counts == nullptr) return;
-    /* The last of the tile's splits to finish merges them (no merge_splits launch): every block
-       publishes its partials, then takes a ticket; the one holding the last ticket reads them all
-       back from L2 and resets the count for the next launch. */
-    __shared__ int merging;
-    __shared__ float row_max[16], row_inv[16];
-    __threadfence();
-    __syncthreads();
-    int* count = split_counts + (long long)blockIdx.x * gridDim.y + kv_head;
-    if (tid == 0) merging = atomicAdd(count, 1) == w.splits - 1;
-    __syncthreads();
-    if (!merging) return;
-    __threadfence();
-    const long long stride = (long long)num_tokens * num_heads;
-    if (tid < rows) {
-        const long long row = (q_begin + t0 + tid / group) * (long long)num_heads + kv_head * group + tid % group;
-        float m = NEG_INF, total = 0.f;
-        for (int j = 0; j < w.splits; ++j) m = fmaxf(m, __ldcg(part_ml + (j * stride + row) * 2));
-        for (int j = 0; j < w.splits; ++j) {
-            const float l = __ldcg(part_ml + (j * stride + row) * 2 + 1);
-            if (l > 0.f) total += exp2f(__ldcg(part_ml + (j * stride + row) * 2) - m) * l;
-        }
-        row_max[tid] = m;
-        row_inv[tid] = total > 0.f ? 1.f / total : 0.f;
-    }
-    __syncthreads();
-    for (int e = tid; e < rows * HEAD_DIM; e += 128) {
-        const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
-        const long long row = (q_begin + t0 + r / group) * (long long)num_heads + kv_head * group + r % group;
-        float o = 0.f;
-        for (int j = 0; j < w.splits; ++j) {
-            const float l = __ldcg(part_ml + (j * stride + row) * 2 + 1);
-            if (l > 0.f)
-                o += exp2f(__ldcg(part_ml + (j * stride + row) * 2) - row_max[r])
-                     * __ldcg(part_out + (j * stride + row) * HEAD_DIM + d);
-        }
-        out[row * HEAD_DIM + d] = from_float(o * row_inv[r]);
-    }
-    if (tid == 0) *count = 0;
 }
 #endif
 
@@ -919,8 +878,6 @@ def _launch_attention(
         part_ml = torch.empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=device)
     else:
         part_out = part_ml = out  # unused
-    # the tensor-core kernel merges its splits itself where it has the counts to (split_counts)
-    counts = split_counts(num_tiles * num_kv_heads, device) if tensor_cores and num_splits > 1 else None
     i32 = np.int32
     _cuda.launch(
         kernel,
@@ -938,7 +895,6 @@ def _launch_attention(
             out,
             part_out,
             part_ml,
-            *((counts,) if tensor_cores else ()),
             i32(num_seqs),
             i32(num_tokens),
             i32(num_heads),
@@ -955,7 +911,7 @@ def _launch_attention(
         device,
         shared_mem=smem,
     )
-    if num_splits > 1 and counts is None:
+    if num_splits > 1:
         merge = _cuda.function(
             SOURCE,
             "merge_splits",
@@ -987,33 +943,6 @@ def _launch_attention(
             ),
             device,
         )
-
-
-SPLIT_COUNTS_MIN = 1 << 16
-"""Counters allocated at once per device for the tensor-core kernel's split merge."""
-MERGE_KERNEL_ENV = "SPECMESH_ATTN_MERGE_KERNEL"
-"""Set to `on` to merge context splits with the separate merge_splits kernel everywhere (A/B timing)."""
-_split_counts: dict[int, torch.Tensor] = {}
-
-
-def split_counts(num_blocks: int, device: torch.device) -> torch.Tensor | None:
-    """Zeroed int32 counters, one per (query tile, kv head), through which the tensor-core kernel's
-    last split of a tile merges the others (each launch leaves them zero). One buffer per device,
-    shared by the launches there (and the CUDA graphs captured with them), which an engine issues
-    one after another; two threads launching attention on one device on two streams at once
-    would share counts. None (the merge_splits kernel then runs) where MERGE_KERNEL_ENV asks for
-    it, or where a CUDA graph is being captured and the buffer is missing or too small: memory
-    first zeroed inside a capture would be zeroed only when the graph replays."""
-    if os.environ.get(MERGE_KERNEL_ENV, "").lower() == "on":
-        return None
-    key = device.index or 0
-    counts = _split_counts.get(key)
-    if counts is None or counts.numel() < num_blocks:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        counts = torch.zeros(max(num_blocks, SPLIT_COUNTS_MIN), dtype=torch.int32, device=device)
-        _split_counts[key] = counts
-    return counts
 
 
 def min_split_keys() -> int:
