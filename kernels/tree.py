@@ -156,9 +156,12 @@ extern "C" __global__ void graft_trees(
 """
 
 TOP_K_SOURCE = r"""
-/* a before b: a larger value, or an equal one at a lower column */
+/* a before b: a larger value, or an equal one at a lower column; NaN above every number (as
+   torch's sort puts it) */
 __device__ __forceinline__ bool before(float av, int ac, float bv, int bc)
 {
+    const bool a_nan = av != av, b_nan = bv != bv;
+    if (a_nan || b_nan) return a_nan && (!b_nan || ac < bc);
     return av > bv || (av == bv && ac < bc);
 }
 

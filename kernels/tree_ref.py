@@ -92,7 +92,8 @@ def _slots(positions: torch.Tensor, tables: torch.Tensor, block_size: int) -> to
 
 def top_k_ids_ref(logits: torch.Tensor, k: int) -> torch.Tensor:  # [num_rows, k] int64
     """The columns of each row's k largest entries of `logits` ([num_rows, vocab] float32), largest
-    first; of equal values the lower column first (a stable descending sort)."""
+    first; of equal values the lower column first, NaN above every number (a stable descending
+    sort)."""
     return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
 
 

@@ -4,6 +4,7 @@ threads never meet, on the GPU for all three."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -66,6 +67,7 @@ def random_compaction(
 def test_top_k_reference_takes_the_lower_column_of_equal_values() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0], [5.0, -1.0, 5.0, 7.0, 0.0]])
     assert top_k_ids_ref(logits, 3).tolist() == [[1, 3, 4], [3, 0, 2]]
+    assert top_k_ids_ref(torch.tensor([[1.0, math.nan, 3.0, math.nan]]), 3).tolist() == [[1, 3, 2]]
 
 
 @needs_gxx
@@ -155,6 +157,7 @@ def test_top_k_on_the_gpu_matches_reference(vocab: int) -> None:
     logits = torch.randn(70, vocab, device="cuda", generator=generator)
     logits[1] = 0.0  # every value equal: the lowest columns
     logits[2, : vocab // 2] = logits[2, vocab // 2 :: 1][: vocab // 2]  # pairs of equal values
+    logits[3, 1::2] = float("nan")  # a broken row: NaN first, as torch sorts it
     for k in (1, 2, 3, min(MAX_TOP_K, vocab)):
         assert torch.equal(top_k_ids_cuda(logits, k), top_k_ids_ref(logits, k))
     strided = logits[:, : vocab - 1] if vocab > 5 else logits
