@@ -53,7 +53,9 @@
 # trees: tree verification: trees-tests.log (the CUDA attention kernel with draft-tree masks vs its torch twin,
 # tree drafting on CUDA = naive greedy for mtp and eagle3, tree steps replayed from CUDA graphs = the eager tree
 # path for mtp and eagle3, greedy / seeded / beside a logprobs request), tree-attention.json (benchmarks.tree_attention:
-# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024) and
+# a [3, 2, 1] tree's 16 query tokens vs a chain of 16, batch 1 / 16 / 64, 1B-shaped heads, context 1024),
+# tree-kernels.log (benchmarks.profile_step --kernels: each kernel's device time and launches per step, naive
+# against eagle3 tree + n-gram at c=1 on the widened target) and
 # offline-trees.json + trees.log (benchmarks.offline on the 1B-cost widened target with its MTP and EAGLE-3 heads
 # widened too: naive, ngram k=5, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), and
 # mtp / eagle3 trees with an n-gram branch sharing a 16-token budget (TREE_NGRAM, default 2,2,1: 10 head drafts and
@@ -505,11 +507,19 @@ fi
 if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
     timeout 60 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
 fi
+trees_dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
+if [[ " $stages " == *" trees "* && ( "$trees_parts" == *" kernel "* || "$trees_parts" == *" offline "* ) ]]; then
+    widen llama-3.2-1b $trees_dir --eagle3 models/specmesh-code-15m-eagle3
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
+    hybrid='{"method":"eagle3","model":"'$trees_dir/eagle3'","adaptive":false,"tree":[2,2,1],"with_ngram":true,"tree_budget":16}'
+    timeout 150 python3 -m benchmarks.profile_step --device cuda --model $trees_dir/target --dtype bfloat16 --kernels \
+        --rows 40 --num-requests 4 --methods naive "eagle3-tree-ngram=$hybrid" > "$OUT/tree-kernels.log" 2>&1
+    grep -E "^[a-z0-9-]+: " "$OUT/tree-kernels.log"
+fi
 if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
-    dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
-    widen llama-3.2-1b $dir --eagle3 models/specmesh-code-15m-eagle3
-    mtp='{"method":"mtp","model":"'$dir/mtp'","adaptive":false'
-    eagle3='{"method":"eagle3","model":"'$dir/eagle3'","adaptive":false'
+    mtp='{"method":"mtp","model":"'$trees_dir/mtp'","adaptive":false'
+    eagle3='{"method":"eagle3","model":"'$trees_dir/eagle3'","adaptive":false'
     tree=${TREE:-3,2,1}
     hybrid=',"tree":['${TREE_NGRAM:-2,2,1}'],"with_ngram":true,"tree_budget":'${TREE_BUDGET:-16}'}'
     methods="naive ngram mtp3=$mtp,\"num_speculative_tokens\":3} mtp-tree=$mtp,\"tree\":[$tree]}"
@@ -517,11 +527,11 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
     methods="$methods mtp-tree-ngram=$mtp$hybrid eagle3-tree-ngram=$eagle3$hybrid"
     # at most 16 requests at a time and graphs up to 512 tokens for every method alike: fewer graphs to capture
     # shellcheck disable=SC2086
-    timeout 480 python3 -m benchmarks.offline --model $dir/target --dtype bfloat16 --workload code_editing \
+    timeout 480 python3 -m benchmarks.offline --model $trees_dir/target --dtype bfloat16 --workload code_editing \
         --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --max-num-seqs 16 \
         --cuda-graph-max-tokens 512 --no-plots --no-progress --methods $methods --out "$OUT/offline-trees.json" 2>&1 \
         | tee "$OUT/trees.log" | grep "^| [a-z]"
-    rm -rf $dir
+    rm -rf $trees_dir
 fi
 if [[ " $stages " == *" eagle3train "* ]]; then
     head=/tmp/eagle3-head/specmesh-code-15m-eagle3  # comes back as one archive: $OUT returns at most 8 files
