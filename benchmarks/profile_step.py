@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
     )
     args = parser.parse_args(argv)
+    if args.kernels and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--kernels profiles a GPU's kernels: it needs a CUDA device (--device cuda)")
     requests = load_requests(args.workload, args.num_requests + 1)
     params = SamplingParams(
         temperature=args.temperature,

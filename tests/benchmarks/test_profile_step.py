@@ -23,3 +23,11 @@ def test_phases_are_timed_for_each_method(capsys: pytest.CaptureFixture[str], cl
     phases = {line.split()[0] for line in out.splitlines() if line.endswith("us a step")}
     assert {"engine.step", "result(wait)", "runner.launch", "drafter.plan", "scheduler.schedule"} <= phases
     assert not hasattr(model_runner.LaunchedStep.result, "__wrapped__")  # the timing is undone
+
+
+def test_kernels_without_a_gpu_is_refused_with_a_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kernels reads the CUDA profiler: on a CPU it says why it cannot run, before loading a model."""
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.main(["--device", "cpu", "--kernels"])
+    assert exit_info.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
