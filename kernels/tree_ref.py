@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 ROOT = 0
-"""A tree's root node: the request's newest token before the step (row 0 of its query)."""
+"""Node number of a tree's root: the newest accepted token, which the verify query starts with."""
 
 
 def verify_tree_ref(

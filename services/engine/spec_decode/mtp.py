@@ -20,8 +20,7 @@ attention over their ancestors, each node at its parent's position + 1, its KV p
 token), fed with each node's token and its parent's output. After a tree step the head's KV of the
 accepted path is compacted like the target's. With `with_ngram` the n-gram drafts after the newest
 token are a branch from the root, merged into the head's tree on the device where it parts from
-the head's nodes (services/engine/spec_decode/tree.py, `drafted_trees`): the drafts come with their
-parents.
+the head's nodes (`kernels.graft_trees`): the drafts come with their parents.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 import kernels
 from kernels import AttentionMetadata
 from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
-from services.engine.spec_decode.tree import DraftTree, drafted_trees
+from services.engine.spec_decode.tree import DraftTree
 from shared.model.config import ModelConfig
 from shared.model.llama import KVCache
 
@@ -145,14 +144,14 @@ class MTPProposer(Proposer):
         if self.num_branch:
             token_ids = torch.cat([self._ngram_branch(batch), token_ids], dim=1)
         num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
-        token_ids, parents, num_drafts = drafted_trees(
+        token_ids, parents, num_drafts = kernels.graft_trees(
             self._head_parents, token_ids, num_drafts, self.num_branch
         )
         return Drafts(token_ids, num_drafts, parents=parents)
 
     def _ngram_branch(self, batch: DraftBatch) -> torch.Tensor:
         """[num_seqs, num_branch] int32 the n-gram drafts after each request's newest token, -1 past
-        its match (grafted onto the head's tree: spec_decode.tree.drafted_trees)."""
+        its match (grafted onto the head's tree: kernels.graft_trees)."""
         assert self.ngram is not None
         inputs, slots = batch.inputs, batch.seq_slots
         wanted = torch.where(batch.num_wanted > 0, self.num_branch, 0).int()

@@ -8,7 +8,7 @@ depth is a prefix of the numbering: a request allowed `k` drafting depths (its
 num_speculative_tokens) brings the first `num_nodes(k)` nodes.
 
 With `with_ngram` a request's tree also holds an n-gram branch from the root, so its shape is its
-own: the step's tail grafts the branch on the device (`drafted_trees`, whose host reference is
+own: the step's tail grafts the branch on the device (`kernels.graft_trees`, whose host reference is
 `drafted_tree`) and keeps each draft's parent beside it (`InputBatch.draft_parents`), where a step
 launched ahead builds its tree inputs from; `SpecState.draft_parents` carries it to a step the
 host prepares.
@@ -22,16 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-import kernels
 from kernels.attention_ref import MAX_TREE_NODES, ancestor_masks
+from kernels.tree_ref import ROOT
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
-
-ROOT = 0
-"""Node number of the root: the newest accepted token, which the verify query starts with."""
 
 
 @dataclass(frozen=True)
@@ -103,20 +99,6 @@ def drafted_tree(tree: DraftTree, drafts: list[int], num_branch: int) -> tuple[l
     first = len(head) + 1  # the grafted chain's first node
     grafted_parents = [node] + list(range(first, first + len(grafted) - 1)) if grafted else []
     return head + grafted, parents + grafted_parents
-
-
-def drafted_trees(
-    head_parents: torch.Tensor,  # [>= num_head_nodes] int64 the head's tree's parent of node m + 1
-    drafts: torch.Tensor,  # [num_seqs, num_branch + num_head_nodes] int32 proposers' rows
-    num_drafts: torch.Tensor,  # [num_seqs] int32 how much of each row was drafted (a prefix)
-    num_branch: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`drafted_tree` over a batch of rows, on the device with fixed shapes and no host read (a
-    CUDA graph's tail captures it): (token_ids [num_seqs, width] int32, -1 past each tree; parents
-    [num_seqs, width] int32, each draft's parent node; num_drafts [num_seqs] int32). Where a head
-    node repeats a token under one parent, the branch follows the last of them, as the host does
-    (`kernels.graft_trees`: one launch on CUDA)."""
-    return kernels.graft_trees(head_parents, drafts, num_drafts, num_branch)
 
 
 def tree_shape(seq: Sequence) -> list[int]:

@@ -1,5 +1,5 @@
 """The static shape of a draft tree (level order, parents, depths, ancestor masks, bad shapes) and the
-n-gram branch merged into it (`drafted_tree`, and its batched device twin `drafted_trees`)."""
+n-gram branch merged into it (`drafted_tree`, and its batched device twin `kernels.graft_trees`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from services.engine.spec_decode.tree import DraftTree, drafted_tree, drafted_trees, node_depths
+from kernels import graft_trees
+from services.engine.spec_decode.tree import DraftTree, drafted_tree, node_depths
 
 
 def test_tree_shape_in_level_order() -> None:
@@ -87,14 +88,14 @@ def random_rows(tree: DraftTree, num_branch: int, num_seqs: int, rng: random.Ran
 @pytest.mark.parametrize("num_branch", [0, 1, 3, 5])
 def test_the_device_graft_is_the_hosts(branching: tuple[int, ...], num_branch: int) -> None:
     """Property over random rows, each cut at a random prefix (a request's k, the room before its
-    max_tokens): `drafted_trees` gives `drafted_tree`'s drafts and parents, row by row."""
+    max_tokens): `graft_trees` gives `drafted_tree`'s drafts and parents, row by row."""
     tree = DraftTree(branching)
     rng = random.Random(hash((branching, num_branch)) % 1000)
     for num_seqs in (1, 7, 40):
         rows = random_rows(tree, num_branch, num_seqs, rng)
         cuts = [rng.randrange(len(rows[0]) + 1) for _ in rows]
         parents = torch.tensor(tree.parents[1:], dtype=torch.long)
-        token_ids, got_parents, num_drafts = drafted_trees(
+        token_ids, got_parents, num_drafts = graft_trees(
             parents, torch.tensor(rows, dtype=torch.int32), torch.tensor(cuts, dtype=torch.int32), num_branch
         )
         for i, (row, cut) in enumerate(zip(rows, cuts)):
