@@ -28,7 +28,14 @@ from kernels.post_step_ref import post_step_update_ref, post_step_update_slots_r
 from kernels.quant_ref import dequantize_weight_ref, quant_linear_ref
 from kernels.quant_tiled_ref import TiledWeight
 from kernels.run_ahead_ref import SlotState, fill_ahead_ref
-from kernels.tree_ref import compact_path_kv_ref, graft_trees_ref, top_k_ids_ref, verify_tree_ref
+from kernels.tree_ref import (
+    TreeForwardInputs,
+    compact_path_kv_ref,
+    graft_trees_ref,
+    top_k_ids_ref,
+    tree_forward_inputs_ref,
+    verify_tree_ref,
+)
 from kernels.verify_ref import verify_sample_ref
 
 POST_STEP_SLOTS_ENV = "SPECMESH_POST_STEP_SLOTS"
@@ -468,6 +475,27 @@ def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     return top_k_ids_ref(logits, k)
 
 
+def tree_forward_inputs(
+    positions: torch.Tensor,
+    newest_rows: torch.Tensor,
+    num_wanted: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    node_depths: torch.Tensor,
+    node_masks: torch.Tensor,
+    num_nodes: int,
+    block_size: int,
+) -> TreeForwardInputs:
+    """See `tree_forward_inputs_ref`: a head's forward inputs over a tree's first `num_nodes`
+    nodes; one launch on CUDA."""
+    args = (positions, newest_rows, num_wanted, block_tables, seq_rows, node_depths, node_masks)
+    if _cuda.available(positions):
+        from kernels.tree import tree_forward_inputs_cuda
+
+        return tree_forward_inputs_cuda(*args, num_nodes, block_size)
+    return tree_forward_inputs_ref(*args, num_nodes, block_size)
+
+
 __all__ = [
     "compiled_variants",
     "AttentionMetadata",
@@ -490,6 +518,8 @@ __all__ = [
     "rotary_write_kv",
     "silu_and_mul",
     "top_k_ids",
+    "tree_forward_inputs",
+    "TreeForwardInputs",
     "verify_sample",
     "verify_tree",
     "write_kv",

@@ -1,6 +1,7 @@
 """CUDA twins of kernels/tree_ref.py: a draft tree's verification walk, the compaction of its
-accepted path's KV, the graft of an n-gram branch onto a head's tree, and the top-k of each row
-that drafts a tree's level; each one launch where the references run tens of small torch ops.
+accepted path's KV, the graft of an n-gram branch onto a head's tree, the top-k of each row that
+drafts a tree's level, and the inputs of a head's forward over a tree's nodes; each one launch
+where the references run tens of small torch ops.
 
 - `verify_tree`: one thread per request walks down its tree (at most max_rows nodes), taking at
   each node its first child whose token equals the node's target token.
@@ -13,6 +14,8 @@ that drafts a tree's level; each one launch where the references run tens of sma
   lays out the grafted tree.
 - `top_k_ids`: one thread block per row; each thread keeps the K best of its columns in
   registers, then K rounds of a block-wide arg-max take the best of the threads' heads.
+- `tree_forward_inputs`: one thread block per request, its threads over the request's nodes and
+  its padded block table's columns.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import numpy as np
 import torch
 
 from kernels import _cuda
+from kernels.tree_ref import TreeForwardInputs
 
 VERIFY_THREADS = 128
 TOP_K_THREADS = 256
+TREE_INPUT_THREADS = 128
 MAX_TOP_K = 16
 """Largest k of `top_k_ids` (each thread keeps k candidates in registers)."""
 MAX_PATH_DEPTH = 32
@@ -219,6 +224,38 @@ extern "C" __global__ void top_k_ids(
 }
 """
 
+TREE_INPUT_SOURCE = r"""
+extern "C" __global__ void tree_forward_inputs(
+    const long long* __restrict__ positions, const long long* __restrict__ newest_rows,
+    const int* __restrict__ num_wanted, const int* __restrict__ block_tables, long long table_stride,
+    int max_blocks, const long long* __restrict__ seq_rows, const long long* __restrict__ node_depths,
+    const long long* __restrict__ node_masks, int num_nodes, int block_size, int num_seqs, int width,
+    long long* __restrict__ node_positions, long long* __restrict__ slot_mapping, int* __restrict__ seq_lens,
+    int* __restrict__ query_start_loc, int* __restrict__ tables, long long* __restrict__ tree_mask)
+{
+    const int s = blockIdx.x;
+    const bool drafting = num_wanted[s] > 0;
+    const long long base = drafting ? positions[newest_rows[s]] : 0;  /* the root's position */
+    const int* table = block_tables + seq_rows[s] * table_stride;
+    int* padded = tables + (long long)s * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) padded[c] = c < max_blocks ? table[c] : 0;
+    for (int m = threadIdx.x; m < num_nodes; m += blockDim.x) {
+        const long long i = (long long)s * num_nodes + m;
+        const long long kv = base + m + 1;
+        const long long column = min(kv / block_size, (long long)width - 1);
+        const long long block = column < max_blocks ? table[column] : 0;
+        node_positions[i] = base + node_depths[m];
+        slot_mapping[i] = drafting ? block * block_size + kv % block_size : -1;
+        tree_mask[i] = node_masks[m];
+    }
+    if (threadIdx.x == 0) {
+        seq_lens[s] = (int)(base + 1 + num_nodes);
+        query_start_loc[s] = s * num_nodes;
+        if (s == num_seqs - 1) query_start_loc[num_seqs] = num_seqs * num_nodes;
+    }
+}
+"""
+
 
 def verify_tree_cuda(
     target_ids: torch.Tensor, draft_ids: torch.Tensor, cu_num_rows: torch.Tensor, parents: torch.Tensor
@@ -385,3 +422,74 @@ def top_k_ids_cuda(logits: torch.Tensor, k: int) -> torch.Tensor:
         device,
     )
     return out
+
+
+def tree_forward_inputs_cuda(
+    positions: torch.Tensor,
+    newest_rows: torch.Tensor,
+    num_wanted: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    node_depths: torch.Tensor,
+    node_masks: torch.Tensor,
+    num_nodes: int,
+    block_size: int,
+) -> TreeForwardInputs:
+    """Same contract as `tree_forward_inputs_ref`."""
+    device = positions.device
+    for name, tensor, dtype in (
+        ("positions", positions, torch.int64),
+        ("newest_rows", newest_rows, torch.int64),
+        ("num_wanted", num_wanted, torch.int32),
+        ("seq_rows", seq_rows, torch.int64),
+        ("node_depths", node_depths, torch.int64),
+        ("node_masks", node_masks, torch.int64),
+    ):
+        _cuda.check_cuda_tensor(name, tensor, [dtype], 1, device)
+        _cuda.check(tensor.is_contiguous(), f"{name} must be contiguous")
+    _cuda.check_cuda_tensor("block_tables", block_tables, [torch.int32], 2, device)
+    _cuda.check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    num_seqs = newest_rows.shape[0]
+    _cuda.check(num_wanted.shape[0] == num_seqs and seq_rows.shape[0] == num_seqs, "one entry a request")
+    _cuda.check(
+        0 < num_nodes <= min(node_depths.shape[0], node_masks.shape[0]),
+        "the nodes must have depths and masks",
+    )
+    max_blocks = block_tables.shape[1]
+    width = max_blocks - (-num_nodes // block_size) + 1
+    inputs = TreeForwardInputs(
+        positions=torch.empty(num_seqs * num_nodes, dtype=torch.int64, device=device),
+        slot_mapping=torch.empty(num_seqs * num_nodes, dtype=torch.int64, device=device),
+        seq_lens=torch.empty(num_seqs, dtype=torch.int32, device=device),
+        query_start_loc=torch.empty(num_seqs + 1, dtype=torch.int32, device=device),
+        block_tables=torch.empty(num_seqs, width, dtype=torch.int32, device=device),
+        tree_mask=torch.empty(num_seqs * num_nodes, dtype=torch.int64, device=device),
+    )
+    if num_seqs == 0:
+        inputs.query_start_loc.zero_()
+        return inputs
+    kernel = _cuda.function(TREE_INPUT_SOURCE, "tree_forward_inputs", device)
+    i32 = np.int32
+    _cuda.launch(
+        kernel,
+        (num_seqs,),
+        (TREE_INPUT_THREADS,),
+        (
+            positions,
+            newest_rows,
+            num_wanted,
+            block_tables,
+            np.int64(block_tables.stride(0)),
+            i32(max_blocks),
+            seq_rows,
+            node_depths,
+            node_masks,
+            i32(num_nodes),
+            i32(block_size),
+            i32(num_seqs),
+            i32(width),
+            *inputs,
+        ),
+        device,
+    )
+    return inputs

@@ -1,12 +1,15 @@
-"""Torch references of a draft tree's verification walk, its KV compaction and the small top-k
-that drafts a tree's levels (services/engine/tree_verify.py says what the rule and the compaction
-are; kernels/tree.py holds their CUDA twins).
+"""Torch references of a draft tree's verification walk, its KV compaction, the small top-k
+that drafts a tree's levels and the inputs of a drafting head's forward over a tree's nodes
+(services/engine/tree_verify.py says what the rule and the compaction are; kernels/tree.py holds
+their CUDA twins).
 
 Every function here keeps fixed shapes and reads nothing back to the host, so that a CUDA graph's
 tail can capture it as it is.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -148,3 +151,52 @@ def graft_trees_ref(
     chained = torch.where(grafted == 0, node[:, None], columns[None, :].int())
     parents = torch.where(is_head, head_parent, chained)
     return token_ids.int(), parents.int(), total.int()
+
+
+class TreeForwardInputs(NamedTuple):
+    """What a drafting head's forward over the nodes of a tree drafted so far reads besides its
+    tokens and hidden states (the fields of its `AttentionMetadata` that change with the step)."""
+
+    positions: torch.Tensor  # [num_seqs * num_nodes] int64: node m at the root's position + its depth
+    slot_mapping: torch.Tensor  # [num_seqs * num_nodes] int64: node m's KV at the root + m + 1; -1: none
+    seq_lens: torch.Tensor  # [num_seqs] int32: the root's position + 1 + num_nodes
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: num_nodes rows per request
+    block_tables: torch.Tensor  # [num_seqs, max_blocks + num_nodes / block_size + 1] int32, padded with 0
+    tree_mask: torch.Tensor  # [num_seqs * num_nodes] int64: each node's ancestor mask among the nodes
+
+
+def tree_forward_inputs_ref(
+    positions: torch.Tensor,  # [num_tokens] int64 the step's forward's positions
+    newest_rows: torch.Tensor,  # [num_seqs] int64 the row of each request's last accepted position
+    num_wanted: torch.Tensor,  # [num_seqs] int32 drafts each request wants (0: it drafts nothing)
+    block_tables: torch.Tensor,  # [num_step_seqs, max_blocks] int32 the step's block tables
+    seq_rows: torch.Tensor,  # [num_seqs] int64 each request's row of `block_tables`
+    node_depths: torch.Tensor,  # [>= num_nodes] int64 each node's depth past the root (level order)
+    node_masks: torch.Tensor,  # [>= num_nodes] int64 each node's ancestor mask among the nodes
+    num_nodes: int,
+    block_size: int,
+) -> TreeForwardInputs:
+    """The inputs of a head's forward over the first `num_nodes` nodes past each request's root
+    (its last accepted position, `positions[newest_rows]`): node m at the root's position + its
+    depth, its KV at the root's position + m + 1, the request's context ending after the nodes.
+    Requests that draft nothing write no KV and sit at position 0; their padded block tables keep
+    their rows in range (a KV position past a padded table reads its last column)."""
+    device = positions.device
+    num_seqs = newest_rows.shape[0]
+    drafting = num_wanted > 0
+    base = torch.where(drafting, positions.index_select(0, newest_rows), 0)
+    node_positions = base[:, None] + node_depths[:num_nodes]  # [num_seqs, num_nodes]
+    kv_positions = base[:, None] + torch.arange(1, num_nodes + 1, device=device)
+    extra = -(-num_nodes // block_size) + 1
+    tables = torch.nn.functional.pad(block_tables.index_select(0, seq_rows), (0, extra))
+    columns = (kv_positions // block_size).clamp(max=tables.shape[1] - 1)
+    blocks = tables.gather(1, columns).long()
+    slots = torch.where(drafting[:, None], blocks * block_size + kv_positions % block_size, -1)
+    return TreeForwardInputs(
+        positions=node_positions.flatten(),
+        slot_mapping=slots.flatten(),
+        seq_lens=(base + 1 + num_nodes).int(),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * num_nodes,
+        block_tables=tables,
+        tree_mask=node_masks[:num_nodes].repeat(num_seqs),
+    )

@@ -1,18 +1,27 @@
 """Draft-tree kernels (kernels/tree.py) against their torch references: the verification walk,
-the accepted path's KV compaction and the small top-k; on the host through g++ where the kernel's
-threads never meet, on the GPU for all three."""
+the accepted path's KV compaction, the small top-k, the n-gram graft and a head's forward inputs
+over a tree's nodes; on the host through g++ where the kernel's threads never meet, on the GPU
+for all of them."""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
-from kernels.tree_ref import compact_path_kv_ref, graft_trees_ref, top_k_ids_ref, verify_tree_ref
-from tests.kernels.helpers import needs_cuda, needs_gxx, run_on_host
+from kernels.tree_ref import (
+    TreeForwardInputs,
+    compact_path_kv_ref,
+    graft_trees_ref,
+    top_k_ids_ref,
+    tree_forward_inputs_ref,
+    verify_tree_ref,
+)
+from tests.kernels.helpers import assemble_sm90, needs_cuda, needs_gxx, needs_nvcc, run_on_host
 
 UINT4 = "struct uint4 { unsigned int x, y, z, w; };\n"
 """What the compaction kernel needs of CUDA's vector types to compile as C++."""
@@ -212,3 +221,174 @@ def test_graft_on_the_gpu_matches_reference(num_branch: int) -> None:
     inputs = [t.cuda() for t in random_graft_rows(300, num_branch, seed=num_branch)]
     for got, want in zip(graft_trees_cuda(*inputs, num_branch), graft_trees_ref(*inputs, num_branch)):
         assert torch.equal(got, want)
+
+
+class TreeForwardArgs(NamedTuple):
+    """The tensors `tree_forward_inputs` reads, in its order."""
+
+    positions: torch.Tensor
+    newest_rows: torch.Tensor
+    num_wanted: torch.Tensor
+    block_tables: torch.Tensor
+    seq_rows: torch.Tensor
+    node_depths: torch.Tensor
+    node_masks: torch.Tensor
+
+
+def random_tree_forward(
+    num_seqs: int, branching: tuple[int, ...], seed: int, device: str = "cpu"
+) -> tuple[TreeForwardArgs, int]:
+    """(the kernel's tensors, num_head_nodes): a step of more sequences than requests (the block
+    tables' rows picked by `seq_rows`), some requests drafting nothing, roots anywhere their
+    blocks leave room for the tree's nodes."""
+    from services.engine.spec_decode.tree import DraftTree
+
+    rng = random.Random(seed)
+    tree = DraftTree(branching)
+    num_head_nodes = tree.num_nodes() - 1
+    block_size, num_step_seqs = 4, num_seqs + 3
+    max_blocks = num_head_nodes // block_size + 6
+    num_tokens = 3 * num_step_seqs
+    rows = torch.tensor(rng.sample(range(num_step_seqs), num_seqs))
+    tables = torch.randint(1, 500, (num_step_seqs, max_blocks), generator=torch.Generator().manual_seed(seed))
+    positions = torch.tensor(
+        [rng.randrange(block_size * max_blocks - num_head_nodes - 1) for _ in range(num_tokens)]
+    )
+    newest_rows = torch.tensor([rng.randrange(num_tokens) for _ in range(num_seqs)])
+    num_wanted = torch.tensor([rng.choice([0, 0, 1, 5]) for _ in range(num_seqs)], dtype=torch.int32)
+    depths = torch.tensor(tree.depths[1:])
+    masks = torch.tensor([m >> 1 for m in tree.masks[1:]])
+    args = TreeForwardArgs(positions, newest_rows, num_wanted, tables.int(), rows, depths, masks)
+    return TreeForwardArgs._make(t.to(device) for t in args), num_head_nodes
+
+
+def old_tree_forward_inputs(args: TreeForwardArgs, num_nodes: int, block_size: int) -> TreeForwardInputs:
+    """MTPProposer._tree_forward's torch ops before the fused kernel, as they were."""
+    positions, newest_rows, num_wanted, block_tables, seq_rows, node_depths, node_masks = args
+    newest = positions.index_select(0, newest_rows)
+    num_seqs = newest.shape[0]
+    drafting = num_wanted > 0
+    base = torch.where(drafting, newest, 0)
+    depths, masks = node_depths[:num_nodes], node_masks[:num_nodes]
+    node_positions = base[:, None] + depths
+    kv_positions = base[:, None] + torch.arange(1, num_nodes + 1)
+    extra = -(-num_nodes // block_size) + 1
+    tables = torch.nn.functional.pad(block_tables[seq_rows], (0, extra))
+    blocks = tables.gather(1, kv_positions // block_size).long()
+    slots = torch.where(drafting[:, None], blocks * block_size + kv_positions % block_size, -1)
+    seq_lens = (base + 1 + num_nodes).int()
+    return TreeForwardInputs(
+        node_positions.flatten(),
+        slots.flatten(),
+        seq_lens,
+        torch.arange(num_seqs + 1, dtype=torch.int32) * num_nodes,
+        tables,
+        masks.repeat(num_seqs),
+    )
+
+
+def assert_same_inputs(got: TreeForwardInputs, want: TreeForwardInputs) -> None:
+    for name, g, w in zip(TreeForwardInputs._fields, got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 2, 1), (1, 1, 1, 1, 1, 1), (4, 4, 2)])
+def test_tree_forward_inputs_reference_matches_the_proposers_old_formulas(branching: tuple[int, ...]) -> None:
+    for seed in range(5):
+        inputs, num_head_nodes = random_tree_forward(11, branching, seed)
+        for num_nodes in range(1, num_head_nodes + 1):
+            want = old_tree_forward_inputs(inputs, num_nodes, 4)
+            assert_same_inputs(tree_forward_inputs_ref(*inputs, num_nodes, 4), want)
+
+
+def run_tree_forward_inputs_on_host(
+    inputs: TreeForwardArgs, num_nodes: int, block_size: int, tmp_path
+) -> TreeForwardInputs:
+    from kernels.tree import TREE_INPUT_SOURCE, TREE_INPUT_THREADS
+
+    positions, newest_rows, num_wanted, tables, seq_rows, depths, masks = inputs
+    num_seqs, max_blocks = newest_rows.shape[0], tables.shape[1]
+    width = max_blocks - (-num_nodes // block_size) + 1
+    out = TreeForwardInputs(
+        torch.full((num_seqs * num_nodes,), -7, dtype=torch.int64),
+        torch.full((num_seqs * num_nodes,), -7, dtype=torch.int64),
+        torch.full((num_seqs,), -7, dtype=torch.int32),
+        torch.full((num_seqs + 1,), -7, dtype=torch.int32),
+        torch.full((num_seqs, width), -7, dtype=torch.int32),
+        torch.full((num_seqs * num_nodes,), -7, dtype=torch.int64),
+    )
+    args = (
+        positions, newest_rows, num_wanted, tables, np.int64(tables.stride(0)), np.int32(max_blocks), seq_rows,
+        depths, masks, np.int32(num_nodes), np.int32(block_size), np.int32(num_seqs), np.int32(width), *out,
+    )  # fmt: skip
+    grid, block = (num_seqs,), (TREE_INPUT_THREADS,)
+    run_on_host(TREE_INPUT_SOURCE, "tree_forward_inputs", {}, grid, block, args, tmp_path)
+    return out
+
+
+@needs_gxx
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 2, 1)])
+def test_tree_forward_inputs_on_the_host_match_reference(branching: tuple[int, ...], tmp_path) -> None:
+    for seed in range(3):
+        inputs, num_head_nodes = random_tree_forward(9, branching, seed)
+        assert int((inputs.num_wanted == 0).sum()) > 0 and int((inputs.num_wanted > 0).sum()) > 0
+        for num_nodes in (1, num_head_nodes // 2, num_head_nodes):
+            got = run_tree_forward_inputs_on_host(inputs, num_nodes, 4, tmp_path)
+            assert_same_inputs(got, tree_forward_inputs_ref(*inputs, num_nodes, 4))
+
+
+@needs_gxx
+def test_tree_forward_inputs_on_the_host_read_strided_block_tables(tmp_path) -> None:
+    """The step's block tables may be a view of wider static buffers (a CUDA graph's)."""
+    inputs, num_head_nodes = random_tree_forward(6, (3, 2, 1), seed=7)
+    tables = inputs.block_tables
+    strided = inputs._replace(block_tables=torch.nn.functional.pad(tables, (0, 5))[:, : tables.shape[1]])
+    assert not strided.block_tables.is_contiguous()
+    got = run_tree_forward_inputs_on_host(strided, num_head_nodes, 4, tmp_path)
+    assert_same_inputs(got, tree_forward_inputs_ref(*inputs, num_head_nodes, 4))
+
+
+@needs_nvcc
+def test_tree_forward_inputs_assemble_for_sm90_without_spills(tmp_path) -> None:
+    from kernels.tree import TREE_INPUT_SOURCE
+
+    assert assemble_sm90(TREE_INPUT_SOURCE, {}, tmp_path)["tree_forward_inputs"] <= 64
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 2, 1), (4, 4, 2)])
+def test_tree_forward_inputs_on_the_gpu_match_reference(branching: tuple[int, ...]) -> None:
+    from kernels.tree import tree_forward_inputs_cuda
+
+    for seed in range(3):
+        inputs, num_head_nodes = random_tree_forward(150, branching, seed, "cuda")
+        for num_nodes in range(1, num_head_nodes + 1):
+            got = tree_forward_inputs_cuda(*inputs, num_nodes, 4)
+            assert_same_inputs(got, tree_forward_inputs_ref(*inputs, num_nodes, 4))
+    tables = inputs.block_tables
+    strided = inputs._replace(block_tables=torch.nn.functional.pad(tables, (0, 3))[:, : tables.shape[1]])
+    assert_same_inputs(
+        tree_forward_inputs_cuda(*strided, num_head_nodes, 4),
+        tree_forward_inputs_ref(*inputs, num_head_nodes, 4),
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_tree_forward_inputs_replay_from_a_cuda_graph() -> None:
+    """Captured once, replayed with new roots and wanted counts: no host read, no host data."""
+    from kernels.tree import tree_forward_inputs_cuda
+
+    inputs, num_head_nodes = random_tree_forward(40, (3, 2, 1), 0, "cuda")
+    static = TreeForwardArgs._make(t.clone() for t in inputs)
+    tree_forward_inputs_cuda(*static, num_head_nodes, 4)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tree_forward_inputs_cuda(*static, num_head_nodes, 4)
+    for seed in range(1, 4):
+        fresh, _ = random_tree_forward(40, (3, 2, 1), seed, "cuda")
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        assert_same_inputs(captured, tree_forward_inputs_ref(*fresh, num_head_nodes, 4))

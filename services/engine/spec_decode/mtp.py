@@ -128,15 +128,13 @@ class MTPProposer(Proposer):
     def _draft_tree(self, batch: DraftBatch, head_hidden: torch.Tensor, tree: DraftTree) -> Drafts:
         """The tree's nodes past its root in level order, [num_seqs, num_nodes - 1], each node the
         head's top-k after its parent, with the n-gram branch grafted after them (with_ngram)."""
-        forward, rows = batch.forward, batch.newest_rows
-        assert forward is not None
-        newest = forward.positions.index_select(0, rows)  # the last accepted position
+        rows = batch.newest_rows
         parent_hidden = head_hidden.index_select(0, rows)[:, None, :]  # [num_seqs, 1, hidden_size]
         levels = [self._top_k(parent_hidden, tree.branching[0])]
         inputs = [parent_hidden.repeat_interleave(tree.branching[0], dim=1)]
         for depth in range(1, tree.depth):
             token_ids, hidden = torch.cat(levels, dim=1), torch.cat(inputs, dim=1)
-            out = self._tree_forward(batch, token_ids, hidden, newest)
+            out = self._tree_forward(batch, token_ids, hidden)
             deepest = out[:, -levels[-1].shape[1] :]  # the nodes at `depth`
             levels.append(self._top_k(deepest, tree.branching[depth]))
             inputs.append(deepest.repeat_interleave(tree.branching[depth], dim=1))
@@ -176,38 +174,38 @@ class MTPProposer(Proposer):
         batch: DraftBatch,
         token_ids: torch.Tensor,  # [num_seqs, num_nodes] the nodes drafted so far, root excluded
         hidden: torch.Tensor,  # [num_seqs, num_nodes, hidden_size] each node's parent's output
-        newest: torch.Tensor,  # [num_seqs] int64 the last accepted position
     ) -> torch.Tensor:  # [num_seqs, num_nodes, hidden_size]
-        """The head over the nodes drafted so far: node m at position newest + its depth, its KV at
-        newest + m, seeing the head's cache and its own ancestors. Requests that draft nothing
-        write no KV and sit at position 0 (their rows are not used)."""
-        assert batch.forward is not None
+        """The head over the nodes drafted so far: node m at the last accepted position + its
+        depth, its KV at that position + m + 1, seeing the head's cache and its own ancestors.
+        Requests that draft nothing write no KV and sit at position 0 (their rows are not used)."""
+        forward = batch.forward
+        assert forward is not None
         num_seqs, num_nodes = token_ids.shape
-        device = token_ids.device
-        drafting = batch.num_wanted > 0
-        base = torch.where(drafting, newest, 0)
-        depths, masks = self._node_depths[:num_nodes], self._node_masks[:num_nodes]
-        positions = base[:, None] + depths  # [num_seqs, num_nodes]
-        kv_positions = base[:, None] + torch.arange(1, num_nodes + 1, device=device)
-        extra = -(-num_nodes // self.block_size) + 1  # requests that draft nothing read past their blocks
-        tables = torch.nn.functional.pad(batch.forward.meta.block_tables[batch.seq_rows], (0, extra))
-        blocks = tables.gather(1, kv_positions // self.block_size).long()
-        slots = torch.where(drafting[:, None], blocks * self.block_size + kv_positions % self.block_size, -1)
-        seq_lens = (base + 1 + num_nodes).int()
+        inputs = kernels.tree_forward_inputs(
+            forward.positions,
+            batch.newest_rows,
+            batch.num_wanted,
+            forward.meta.block_tables,
+            batch.seq_rows,
+            self._node_depths,
+            self._node_masks,
+            num_nodes,
+            self.block_size,
+        )
         on_host = not kernels.cuda_available(token_ids)  # the torch twin reads lengths on the host
         meta = AttentionMetadata(
-            slot_mapping=slots.flatten(),
-            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * num_nodes,
-            seq_lens=seq_lens,
-            block_tables=tables,
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
             query_lens_cpu=[num_nodes] * num_seqs,
-            seq_lens_cpu=seq_lens.tolist() if on_host else [num_nodes] * num_seqs,
+            seq_lens_cpu=inputs.seq_lens.tolist() if on_host else [num_nodes] * num_seqs,
             max_query_len=num_nodes,
-            max_seq_len=batch.forward.max_seq_len + num_nodes + 1,
-            tree_mask=masks.repeat(num_seqs),
+            max_seq_len=forward.max_seq_len + num_nodes + 1,
+            tree_mask=inputs.tree_mask,
         )
         out = self.head(
-            token_ids.flatten().long(), positions.flatten(), hidden.flatten(0, 1), self.kv_cache, meta
+            token_ids.flatten().long(), inputs.positions, hidden.flatten(0, 1), self.kv_cache, meta
         )
         return out.view(num_seqs, num_nodes, -1)
 
