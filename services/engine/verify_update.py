@@ -141,6 +141,12 @@ class VerifyAndUpdate:
         self.target_caches = target_caches or []
         self.block_size = block_size
         self.trees = trees
+        width, device = self.draft_width, inputs.device
+        # on the device once: a CUDA graph's capture cannot copy from the host
+        self._no_drafts = torch.full((width,), -1, dtype=torch.int32, device=device)
+        """A request's drafts where no proposer drafts for it."""
+        self._chain_parents = torch.arange(width, dtype=torch.int32, device=device)
+        """A chain's parents: draft j hangs from node j."""
 
     @property
     def draft_width(self) -> int:
@@ -264,12 +270,10 @@ class VerifyAndUpdate:
         room = (params.max_tokens - num_output - 1).clamp(min=0)
         sampling = DraftSampling.of(params, num_output)
         wanted = torch.where(finish == RUNNING, torch.minimum(t.num_wanted, room), 0)
-        width = self.draft_width
-        token_ids = torch.full((len(slots), width), -1, dtype=torch.int32, device=slots.device)
-        num_drafts = torch.zeros_like(wanted)
-        parents = None
-        if self.trees:  # a chain's draft j hangs from node j
-            parents = torch.arange(width, dtype=torch.int32, device=slots.device).repeat(len(slots), 1)
+        num_seqs = len(slots)
+        token_ids = self._no_drafts.expand(num_seqs, -1)
+        num_drafts: torch.Tensor | None = None
+        parents = self._chain_parents.expand(num_seqs, -1) if self.trees else None
         chosen = range(len(self.proposers)) if plan.only is None else [plan.only]
         for index in chosen:
             proposer = self.proposers[index]
@@ -289,10 +293,28 @@ class VerifyAndUpdate:
                 tree_path=t.tree_path,
             )
             drafts = proposer.propose(batch)
-            found = drafts.token_ids[:, :width]
-            token_ids[:, : found.shape[1]] = torch.where(mine[:, None], found, token_ids[:, : found.shape[1]])
-            num_drafts = torch.where(mine, drafts.num_drafts, num_drafts)
+            token_ids = _merged(mine, drafts.token_ids, token_ids, self._no_drafts)
+            if num_drafts is None:
+                num_drafts = torch.where(mine, drafts.num_drafts, 0)
+            else:
+                num_drafts = torch.where(mine, drafts.num_drafts, num_drafts)
             if parents is not None and drafts.parents is not None:
-                found = drafts.parents[:, :width]
-                parents[:, : found.shape[1]] = torch.where(mine[:, None], found, parents[:, : found.shape[1]])
+                parents = _merged(mine, drafts.parents, parents, self._chain_parents)
+        if num_drafts is None:
+            num_drafts = torch.zeros_like(wanted)
         return Drafts(token_ids, num_drafts, parents=parents)
+
+
+def _merged(
+    mine: torch.Tensor,  # [num_seqs] bool the requests a proposer drafted for
+    found: torch.Tensor,  # [num_seqs, found width] what it drafted (tokens or parents)
+    others: torch.Tensor,  # [num_seqs, width] int32 what the other requests keep
+    defaults: torch.Tensor,  # [width] int32 a request's columns where nothing is drafted
+) -> torch.Tensor:  # [num_seqs, width] int32
+    """`found` on the rows of `mine` (its columns past `width` cut, those it lacks `defaults`),
+    `others` elsewhere."""
+    width = defaults.shape[0]
+    found = found[:, :width].int()
+    if found.shape[1] < width:
+        found = torch.cat([found, defaults[found.shape[1] :].expand(found.shape[0], -1)], dim=1)
+    return torch.where(mine[:, None], found, others)

@@ -128,20 +128,20 @@ class MTPProposer(Proposer):
     def _draft_tree(self, batch: DraftBatch, head_hidden: torch.Tensor, tree: DraftTree) -> Drafts:
         """The tree's nodes past its root in level order, [num_seqs, num_nodes - 1], each node the
         head's top-k after its parent, with the n-gram branch grafted after them (with_ngram)."""
-        rows = batch.newest_rows
-        parent_hidden = head_hidden.index_select(0, rows)[:, None, :]  # [num_seqs, 1, hidden_size]
-        levels = [self._top_k(parent_hidden, tree.branching[0])]
-        inputs = [parent_hidden.repeat_interleave(tree.branching[0], dim=1)]
-        for depth in range(1, tree.depth):
-            token_ids, hidden = torch.cat(levels, dim=1), torch.cat(inputs, dim=1)
-            out = self._tree_forward(batch, token_ids, hidden)
-            deepest = out[:, -levels[-1].shape[1] :]  # the nodes at `depth`
-            levels.append(self._top_k(deepest, tree.branching[depth]))
-            inputs.append(deepest.repeat_interleave(tree.branching[depth], dim=1))
-        token_ids = torch.cat(levels, dim=1).int()
-        if self.num_branch:
-            token_ids = torch.cat([self._ngram_branch(batch), token_ids], dim=1)
-        num_drafts = torch.minimum(batch.num_wanted, torch.full_like(batch.num_wanted, token_ids.shape[1]))
+        root = head_hidden.index_select(0, batch.newest_rows)
+        deepest = root[:, None, :]  # [num_seqs, 1, hidden_size] the nodes at depth 0: the root
+        levels: list[torch.Tensor] = []  # [num_seqs, level width] each depth's nodes
+        inputs: list[torch.Tensor] = []  # [num_seqs, level width, hidden_size] their parents' outputs
+        for depth, branching in enumerate(tree.branching):
+            if depth:
+                out = self._tree_forward(batch, _joined(levels), _joined(inputs))
+                deepest = out[:, -levels[-1].shape[1] :]  # the nodes at `depth`
+            levels.append(self._top_k(deepest, branching))
+            if depth + 1 < tree.depth:  # the next forward's inputs
+                inputs.append(deepest.repeat_interleave(branching, dim=1))
+        branch = [self._ngram_branch(batch)] if self.num_branch else []
+        token_ids = torch.cat(branch + levels, dim=1).int()
+        num_drafts = batch.num_wanted.clamp(max=token_ids.shape[1])
         token_ids, parents, num_drafts = kernels.graft_trees(
             self._head_parents, token_ids, num_drafts, self.num_branch
         )
@@ -244,3 +244,8 @@ class MTPProposer(Proposer):
         )
         num_extra = torch.where(num_drafts == token_ids.shape[1], num_extra, 0)  # only after a full chain
         return Drafts(torch.cat([token_ids, extra_ids], dim=1), num_drafts + num_extra)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` joined along dim 1 (one tensor as it is: no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
