@@ -27,6 +27,7 @@ path compacted), on the device as well, so their tail is captured too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,7 @@ from kernels.run_ahead_ref import SlotState
 from services.engine.input_batch import GatheredParams, InputBatch
 from services.engine.sequence import Sequence
 from services.engine.spec_decode.draft_sampling import DraftSampling
-from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer
+from services.engine.spec_decode.proposer import DraftBatch, Drafts, ForwardContext, Proposer, StepRoots
 from services.engine.tree_verify import target_tokens, verify_tree
 from shared.model.llama import KVCache
 
@@ -68,6 +69,11 @@ class StepTensors:
     tree_parents: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (HostStep.tree_parents)
     tree_path: torch.Tensor | None = None  # [num_seqs, max_rows] int64 (TreeVerdict.path)
     """Where the step verifies draft trees: each request's accepted path, once verified."""
+
+    @functools.cached_property
+    def roots(self) -> StepRoots:
+        """Each request's root row, position and block table (computed once a step, on first use)."""
+        return StepRoots(self.forward, self.seq_rows, self.cu_num_rows)
 
     def complete_ahead(
         self, slots: SlotState, block_size: int, num_filled: torch.Tensor | None = None
@@ -208,14 +214,10 @@ class VerifyAndUpdate:
         """Moves the target KV of each request's accepted path (`t.tree_path`, the first
         `num_accepted` depths) into the positions after its root, as a chain would have left it."""
         assert t.tree_path is not None
-        forward = t.forward
-        ends = forward.meta.query_start_loc[1:].index_select(0, t.seq_rows)
-        num_rows = t.cu_num_rows[1:] - t.cu_num_rows[:-1]
-        # a graph's padding requests may bring no row at the end of the step: clamped, they move nothing
-        root_rows = (ends - num_rows).long().clamp(0, forward.positions.shape[0] - 1)
-        roots = forward.positions.index_select(0, root_rows)
-        tables = forward.meta.block_tables.index_select(0, t.seq_rows)
-        kernels.compact_path_kv(self.target_caches, t.tree_path, num_accepted, roots, tables, self.block_size)
+        roots = t.roots
+        kernels.compact_path_kv(
+            self.target_caches, t.tree_path, num_accepted, roots.positions, roots.tables, self.block_size
+        )
 
     def update_and_draft(
         self, token_ids: torch.Tensor, num_accepted: torch.Tensor, t: StepTensors, plan: StepPlan
@@ -291,6 +293,7 @@ class VerifyAndUpdate:
                 num_accepted=num_accepted,
                 cu_num_rows=t.cu_num_rows,
                 tree_path=t.tree_path,
+                roots=t.roots,
             )
             drafts = proposer.propose(batch)
             token_ids = _merged(mine, drafts.token_ids, token_ids, self._no_drafts)

@@ -39,6 +39,36 @@ class ForwardContext:
     (only when the eagle3 method is loaded)."""
 
 
+class StepRoots:
+    """Where each request of a step starts in its forward: the row of its root (its newest token
+    before the step, which its drafts hang from), the root's position and the request's block
+    table; each computed on first use, once a step (the target's and the drafting heads' tree KV
+    compactions share them)."""
+
+    def __init__(self, forward: ForwardContext, seq_rows: torch.Tensor, cu_num_rows: torch.Tensor):
+        self.forward = forward
+        self.seq_rows = seq_rows  # [num_seqs] int64
+        self.cu_num_rows = cu_num_rows  # [num_seqs + 1] int32
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """[num_seqs] int64 the row of the forward holding each request's first logit row: its
+        newest token before the step (unclamped)."""
+        ends = self.forward.meta.query_start_loc[1:].index_select(0, self.seq_rows)
+        return (ends - (self.cu_num_rows[1:] - self.cu_num_rows[:-1])).long()
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """[num_seqs] int64 each root's position; a graph's padding requests may bring no row at the
+        end of the step: their rows clamped, they read a position in range (and move nothing)."""
+        rows = self.rows.clamp(0, self.forward.positions.shape[0] - 1)
+        return self.forward.positions.index_select(0, rows)
+
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] int32 each request's block table
+        return self.forward.meta.block_tables[self.seq_rows]
+
+
 @dataclass
 class DraftBatch:
     """The requests that got a token this step, seen after the post-step update: each one's token
@@ -65,6 +95,8 @@ class DraftBatch:
     tree_path: torch.Tensor | None = None
     """[num_seqs, max_rows] int64 the row (tree node) each request accepted at each depth, where
     the step verified draft trees (services/engine/tree_verify.py); None: chains."""
+    roots: StepRoots | None = None
+    """The step's roots as its tail computed them (device proposers; None: from `forward`)."""
 
     @classmethod
     def on_host(cls, inputs: InputBatch, seqs: list[Sequence], num_wanted: list[int]) -> DraftBatch:
@@ -98,32 +130,24 @@ class DraftBatch:
         forward, num_accepted = self.forward, self.num_accepted
         assert forward is not None and num_accepted is not None
         newest = num_accepted if self.tree_path is None else self.tree_path[:, -1]
-        rows = self.root_rows + newest
+        rows = self._roots.rows + newest
         return rows.clamp_(0, forward.positions.shape[0] - 1)
 
     @functools.cached_property
-    def root_rows(self) -> torch.Tensor:
-        """[num_seqs] int64 the row of the step's forward holding each request's first logit row:
-        its newest token before the step, the root of its drafts (unclamped)."""
-        forward, cu_num_rows = self.forward, self.cu_num_rows
-        assert forward is not None and cu_num_rows is not None
-        ends = forward.meta.query_start_loc[1:].index_select(0, self.seq_rows)
-        return (ends - (cu_num_rows[1:] - cu_num_rows[:-1])).long()
+    def _roots(self) -> StepRoots:
+        if self.roots is not None:
+            return self.roots
+        assert self.forward is not None and self.cu_num_rows is not None
+        return StepRoots(self.forward, self.seq_rows, self.cu_num_rows)
 
     def compact_tree_kv(self, caches: list[KVCache], block_size: int) -> None:
         """Moves the KV the step's forward wrote for each request's accepted tree path into
         consecutive positions after its root, in `caches` (a drafting head's caches)."""
-        assert self.forward is not None and self.tree_path is not None and self.num_accepted is not None
-        root_rows = self.root_rows.clamp(0, self.forward.positions.shape[0] - 1)  # padding: moves nothing
-        root_positions = self.forward.positions.index_select(0, root_rows)
+        assert self.tree_path is not None and self.num_accepted is not None
+        roots = self._roots
         kernels.compact_path_kv(
-            caches, self.tree_path, self.num_accepted, root_positions, self._tables, block_size
+            caches, self.tree_path, self.num_accepted, roots.positions, roots.tables, block_size
         )
-
-    @functools.cached_property
-    def _tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] each request's block table
-        assert self.forward is not None
-        return self.forward.meta.block_tables[self.seq_rows]
 
     def chain_inputs(
         self, first: torch.Tensor, first_step: int, num_forwards: int, block_size: int
@@ -134,7 +158,7 @@ class DraftBatch:
         not reach that far) sit at position 0 in forward j, write no KV and attend to one key:
         their rows are not used."""
         assert self.forward is not None
-        tables = self._tables
+        tables = self._roots.tables
         offsets = torch.arange(num_forwards, device=first.device)[:, None]
         drafting = self.num_wanted[None, :] > offsets + first_step
         positions = torch.where(drafting, first[None, :] + offsets, 0)  # [num_forwards, num_seqs]
