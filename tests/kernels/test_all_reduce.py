@@ -11,6 +11,7 @@ times with new inputs between eager calls. Run by `scripts/gpu_check.sh tp`.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,14 +142,17 @@ Check = Callable[[int, int, torch.device], None]
 
 
 def run_ranks(num_ranks: int, check: Check) -> None:
-    """`check(rank, num_ranks, device)` in one process per GPU, joined by NCCL."""
-    mp.spawn(_rank, args=(num_ranks, free_port(), check), nprocs=num_ranks, join=True)
+    """`check(rank, num_ranks, device)` in one process per GPU, joined by NCCL. They meet in a file,
+    not on a port: a free port picked here can be taken before the first rank listens on it."""
+    with tempfile.TemporaryDirectory() as folder:
+        store = Path(folder, "rendezvous")
+        mp.spawn(_rank, args=(num_ranks, str(store), check), nprocs=num_ranks, join=True)
 
 
-def _rank(rank: int, num_ranks: int, port: int, check: Check) -> None:
+def _rank(rank: int, num_ranks: int, store: str, check: Check) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=num_ranks)
     try:
         check(rank, num_ranks, device)
     finally:
@@ -233,8 +237,9 @@ def open_peer(device: torch.device) -> PeerAllReduce:
 
 def message_sizes(num_ranks: int, dtype: torch.dtype) -> list[int]:
     """Element counts from one 16-byte vector to the two-shot limit: decode rows of a 7B model, odd
-    vector counts (a block's last threads idle), sizes spanning several passes of the grid, each
-    kernel's limit and the first two-shot size past one shot's."""
+    vector counts (a block's last threads idle), an odd count spanning several passes of the grid
+    (one shot takes it over every number of ranks: below its limit), each kernel's limit and the
+    first two-shot size past one shot's."""
     per_vector = 16 // dtype.itemsize
     one_shot = one_shot_max_bytes(num_ranks) // dtype.itemsize
     return [
@@ -244,7 +249,7 @@ def message_sizes(num_ranks: int, dtype: torch.dtype) -> list[int]:
         HIDDEN,
         16 * HIDDEN,
         64 * HIDDEN,
-        40001 * per_vector,
+        (one_shot // per_vector - 1) * per_vector,
         one_shot,
         one_shot + num_ranks * per_vector,
         3 * one_shot + num_ranks * per_vector * 5,
@@ -254,8 +259,10 @@ def message_sizes(num_ranks: int, dtype: torch.dtype) -> list[int]:
 
 def shot_choices(num_elements: int, dtype: torch.dtype, num_ranks: int) -> list[int | None]:
     """The size's own choice, and each kernel forced where it can run."""
-    num_vecs = num_elements * dtype.itemsize // 16
-    return [None, 1, *([2] if num_vecs % num_ranks == 0 else [])]
+    num_bytes = num_elements * dtype.itemsize
+    one_shot = [1] if num_bytes <= one_shot_max_bytes(num_ranks) else []
+    two_shots = [2] if (num_bytes // 16) % num_ranks == 0 and num_bytes <= TWO_SHOT_MAX_BYTES else []
+    return [None, *one_shot, *two_shots]
 
 
 def _matches_reference_and_nccl(rank: int, num_ranks: int, device: torch.device) -> None:
