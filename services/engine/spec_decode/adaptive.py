@@ -64,7 +64,13 @@ what a plain batch does, instead of a solve on every step a request joins or lea
 still solve, and probe the requests idle longest, newcomers among them).
 
 *Exploration*: the estimates only see what is tried.
-- Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes.
+- Every EXPLORE_EVERY_STEPS-th step nobody drafts, so the step fit always sees two sizes; so does
+  the first decode step after one that drafted while the fit holds no plain decode step (a server's
+  first steps, or a batch that drafted ever since): without one a step's cost cannot be told apart
+  from its drafts', and drafting would look free for the EXPLORE_EVERY_STEPS steps until the next.
+- The fits are redone every REFIT_EVERY_STEPS steps, and sooner while their samples are few: each
+  time a model's samples have doubled since its fit, so the first steps' choices rest on what the
+  first steps measured.
 - Every PROBE_EVERY_STEPS steps, requests left at k = 0 (acceptance below `min_acceptance`, or
   drafting not worth it) draft anyway, those idle longest first, as many as the predicted loss
   allows within PROBE_SHARE of the time until the next probe (at least one, unless a host-drafted
@@ -287,11 +293,26 @@ class StepCostModel:
 
     def __init__(self, window: int = COST_WINDOW):
         self.samples = SampleWindow(num_terms=4, window=window)
+        self.last_drafted = 0
+        self.last_plain = 0
+        """The number (from 1) of the last sample with drafts, and without (0: none yet)."""
 
     def record(
         self, num_requests: int, num_tokens: int, num_emitted: int, num_chain_steps: int, seconds: float
     ) -> None:
         self.samples.record(0, (num_requests, num_tokens, num_emitted, num_chain_steps), seconds)
+        if num_tokens > num_requests:
+            self.last_drafted = self.samples.num_recorded
+        else:
+            self.last_plain = self.samples.num_recorded
+
+    def lacks_plain_step(self) -> bool:
+        """Whether the live samples hold a step with drafts but none without: the drafts' cost is then
+        not told apart from the step's."""
+        window = len(self.samples.rows)
+        recorded = self.samples.num_recorded
+        plain_live = self.last_plain > 0 and recorded - self.last_plain < window
+        return self.last_drafted > 0 and not plain_live
 
     def fit(self) -> StepCost:
         """A slope stays 0 until its count has varied."""
@@ -532,8 +553,9 @@ class AdaptiveSpeculation:
         self.step = 0
         self.last_drafted: dict[str, int] = {}
         """Per request: the last step it drafted (probes go to the requests idle longest)."""
-        self._fits: dict[bool, tuple[int, StepCost, dict[str, DraftCost]]] = {}
-        """Per kind of step (mixed or not): (step fitted at, step cost fit, drafting cost fit per method)."""
+        self._fits: dict[bool, tuple[int, int, StepCost, dict[str, DraftCost]]] = {}
+        """Per kind of step (mixed or not): (step fitted at, its step samples then, step cost fit,
+        drafting cost fit per method)."""
         self._kept: KeptChoice | None = None
         self._unspent_probe_s = 0.0
         """The probe shares of the probe steps since the last that probed (PROBE_SHARE)."""
@@ -609,9 +631,10 @@ class AdaptiveSpeculation:
             return [seq.spec.max_k for seq in seqs]
         if self.step % AUDIT_EVERY_STEPS == AUDIT_EVERY_STEPS // 2:
             self._audit()
-        if self.step % EXPLORE_EVERY_STEPS == 0 or not seqs or self._all_paused(seqs):
+        if self._exploring(mixed) or not seqs or self._all_paused(seqs):
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
+        self._fitted(mixed)  # refitted where due: a kept choice holds only under the fit in force
         batch = [(seq.request_id, seq.spec.max_k, seq.spec.acceptance >= self.min_acceptance) for seq in seqs]
         if not probing and self._still_holds(seqs, batch, num_other_tokens, mixed):
             assert self._kept is not None
@@ -643,6 +666,11 @@ class AdaptiveSpeculation:
             if k > 0:
                 self.last_drafted[seq.request_id] = self.step
         return list(ks)
+
+    def _exploring(self, mixed: bool) -> bool:
+        """Whether nobody drafts this step, so that the decode step fit sees a step without drafts
+        (the module docstring's *Exploration*)."""
+        return self.step % EXPLORE_EVERY_STEPS == 0 or (not mixed and self.cost.lacks_plain_step())
 
     def pause(self, num_steps: int, batch: float | None) -> None:
         """Stops host drafting for the next `num_steps` steps of batches within AUDIT_BATCH_RATIO of
@@ -736,20 +764,23 @@ class AdaptiveSpeculation:
 
     def _fits_of(self, mixed: bool) -> tuple[StepCost, dict[str, DraftCost]]:
         """The step fit of one kind of step, with each method's drafting cost."""
+        model = self.mixed_cost if mixed else self.cost
+        num_samples = model.samples.num_recorded
         fits = self._fits.get(mixed)
         if (
             fits is None
             or self.step - fits[0] >= REFIT_EVERY_STEPS
-            or fits[2].keys() != self.draft_cost.keys()
+            or num_samples >= max(2 * fits[1], fits[1] + 1)
+            or fits[3].keys() != self.draft_cost.keys()
         ):
-            step_cost = (self.mixed_cost if mixed else self.cost).fit()
             fits = self._fits[mixed] = (
                 self.step,
-                step_cost,
+                num_samples,
+                model.fit(),
                 {m: c.fit(self.step) for m, c in self.draft_cost.items()},
             )
-        chained = {m: DraftCost(per_forward_s=fits[1].per_chain_step_s) for m in self.max_forwards}
-        return fits[1], {**chained, **fits[2]}
+        chained = {m: DraftCost(per_forward_s=fits[2].per_chain_step_s) for m in self.max_forwards}
+        return fits[2], {**chained, **fits[3]}
 
     def _choices(
         self,

@@ -493,6 +493,37 @@ def test_a_step_without_drafts_now_and_then_keeps_the_cost_slope_measurable() ->
     assert all(k == [5, 5] for k in ks[:-1])
 
 
+def tree_depths_of_a_fresh_server(num_requests: int, num_steps: int) -> list[int]:
+    """Each step's deepest tree on a new server's first decode steps (no samples, no fits yet): an
+    eagle3 tree of 8 / 12 / 16 drafts to depth 1 / 2 / 3, acceptance 0.85, and a GPU's step: 2.2 ms
+    up to 192 tokens in the forward (reading the weights), then 5.5 us a token (compute-bound)."""
+    adaptive = AdaptiveSpeculation(
+        enabled=True, min_acceptance=0.2, max_forwards={"eagle3": 3}, tree_tokens={"eagle3": [0, 8, 12, 16]}
+    )
+    batch = seqs([0.85] * num_requests, max_k=3, methods=["eagle3"] * num_requests)
+    depths = []
+    for _ in range(num_steps):
+        ks = adaptive.choose(batch, num_other_tokens=num_requests)
+        num_tokens = num_requests + sum([0, 8, 12, 16][k] for k in ks)
+        num_emitted = round(sum(expected_tokens(0.85, k) for k in ks))
+        seconds = 2.2e-3 + 5.5e-6 * max(0, num_tokens - 192)
+        adaptive.record_step(num_requests, num_tokens, num_emitted, max(ks), seconds)
+        depths.append(max(ks))
+    return depths
+
+
+def test_a_fresh_server_learns_within_two_steps_that_a_tree_loses_at_64_requests() -> None:
+    """Full trees for 64 requests cost 7.1 ms a step for 3.4 tokens each, against 2.2 ms for one:
+    the first step drafts them (the fits know nothing yet), the next drafts nothing, so the step fit
+    sees a step without drafts, and from the third on the trees stop (rather than after
+    EXPLORE_EVERY_STEPS steps of losing). One request's trees, nearly free, lose only that one step."""
+    crowded = tree_depths_of_a_fresh_server(64, EXPLORE_EVERY_STEPS - 1)
+    assert crowded[:2] == [3, 0]
+    assert sum(crowded[2:]) <= 1  # the probe step's one request
+    alone = tree_depths_of_a_fresh_server(1, EXPLORE_EVERY_STEPS - 1)
+    assert alone == [3, 0] + [3] * (EXPLORE_EVERY_STEPS - 3)
+
+
 def test_a_chain_dear_in_steps_with_prefill_runs_only_in_decode_steps() -> None:
     """The MTP chain costs 0.1 ms a forward in a decode step (CUDA graphs) and 5 ms in a step that
     carries prefill chunks (run eagerly): requests draft after decode steps, not after mixed ones."""
@@ -515,7 +546,8 @@ def test_a_chain_dear_in_steps_with_prefill_runs_only_in_decode_steps() -> None:
 def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
     """Before any drafting of a host method was timed, one request drafts; each step then at most
     doubles the most requests a timed call drafted for, so cheap drafting reaches the whole batch
-    in a few steps and no step drafts at a scale four times what was measured."""
+    in a few steps and no step drafts at a scale four times what was measured. (The second step
+    drafts nothing: the step fit's first step without drafts.)"""
     adaptive = AdaptiveSpeculation(enabled=True, min_acceptance=0.05, host_methods=frozenset({"suffix"}))
     batch = seqs([0.8] * 64)
     drafting = []
@@ -526,8 +558,8 @@ def test_an_unmeasured_host_method_ramps_up_from_one_request() -> None:
             adaptive.record_drafting("suffix", [k for k in ks if k], 0, 1e-6 * num_drafting)
         adaptive.record_step(64, 64 + sum(ks), 64, 0, 0.010 + 1e-6 * (64 + sum(ks)))
         drafting.append(num_drafting)
-    assert drafting[:7] == [1, 2, 4, 8, 16, 32, 64]
-    assert drafting[7:] == [64] * 3
+    assert drafting[:8] == [1, 0, 2, 4, 8, 16, 32, 64]
+    assert drafting[8:] == [64] * 2
 
 
 UNENDING = 1 << 30
@@ -809,7 +841,8 @@ def test_at_16_requests_host_drafting_pays_for_the_overlap_its_steps_lose(gap_s:
     off the critical path, 96-token requests replaced as they end, acceptance bimodal. With the gap
     measured apart and priced once a step, and the prompts' backlog priced, the controller keeps at
     least 0.95x the tokens per second of not drafting (0.98x). With the gap inside the step's time
-    and no backlogs (the rule before), the same clock loses (0.85-0.88x; 0.92x was measured)."""
+    and no backlogs (the rule before), the same clock keeps less (0.96-0.97x; 0.85-0.88x before the
+    fits were redone as their first samples doubled, 0.92x measured on the H100)."""
     pool = [0.95, 0.9, 0.6, 0.3, 0.05]
     acceptances = [pool[i % len(pool)] for i in range(16)]
     clock: dict[str, Any] = dict(
@@ -826,7 +859,7 @@ def test_at_16_requests_host_drafting_pays_for_the_overlap_its_steps_lose(gap_s:
     priced = run_suffix_clock(acceptances, 40e-6, ks=None, **clock)
     unpriced = run_suffix_clock(acceptances, 40e-6, ks=None, gap_measured=False, **clock)
     assert priced >= 0.95 * plain
-    assert unpriced < 0.95 * plain
+    assert unpriced < priced
 
 
 def test_a_prompt_backlog_is_paid_back_over_the_requests_remaining_tokens() -> None:
