@@ -12,6 +12,7 @@ import torch
 
 from services.engine.cuda_graph import DecodeGraphs, HostStep
 from services.engine.llm import LLM
+from services.engine.spec_decode.adaptive import StepCost
 from services.engine.spec_decode.mtp import MTPProposer
 from services.engine.spec_decode.proposer import DraftBatch
 from shared.sampling_params import SamplingParams
@@ -143,10 +144,13 @@ def test_seeded_sampling_is_unchanged_by_an_ngram_branch(target, method_head) ->
     assert sum(o.spec_stats["num_accepted_tokens"] for o in drafted) > 0
 
 
-def test_adaptive_prices_a_tree_with_its_ngram_branch_by_its_tokens(target, naive_tokens, mtp_head) -> None:
+def test_adaptive_prices_a_tree_with_its_ngram_branch_by_its_tokens(
+    target, naive_tokens, mtp_head, monkeypatch
+) -> None:
     """A depth's price is the head's nodes to it and the branch's; greedy output stays naive's."""
     llm = head_llm(target, "mtp", mtp_head, tree=TREE, adaptive=True, with_ngram=True, tree_budget=20)
     assert llm.engine.drafter.adaptive.tree_tokens["mtp"] == [0, 3 + 4, 9 + 4, 15 + 4]
+    with_a_gpus_step_cost(llm, monkeypatch)
     outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == naive_tokens
     assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
@@ -257,9 +261,18 @@ def test_tree_steps_run_ahead_and_return_what_sync_steps_do(
     assert counts.num_ahead > counts.num_steps * 2 // 3, (counts.num_ahead, counts.num_steps)
 
 
-def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head) -> None:
+def with_a_gpus_step_cost(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> LLM:
+    """`llm` with its controller fitting a GPU's step, where drafts are nearly free (on this CPU a
+    step's time grows with every token, and the controller soon stops drafting)."""
+    step_cost = llm.engine.drafter.adaptive.cost
+    monkeypatch.setattr(step_cost, "fit", lambda: StepCost(fixed_s=2e-3, verify_s=1e-7))
+    return llm
+
+
+def test_adaptive_tree_drafting_keeps_greedy_output(target, naive_tokens, mtp_head, monkeypatch) -> None:
     """Adaptive speculation picks each request's depth (pricing a tree by its nodes)."""
     llm = head_llm(target, "mtp", mtp_head, tree=TREE, adaptive=True)
+    with_a_gpus_step_cost(llm, monkeypatch)
     outputs = llm.generate(prompt_token_ids=repetitive_prompts(), sampling_params=GREEDY)
     assert [o.token_ids for o in outputs] == naive_tokens
     assert sum(o.spec_stats["num_accepted_tokens"] for o in outputs) > 0
