@@ -73,11 +73,12 @@ def step_outputs(ids: list[str], step: int) -> list[RequestOutput]:
         RequestOutput(
             request_id=request_id,
             prompt_token_ids=prompt,
-            token_ids=list(range(step + 1)),
+            num_output_tokens=step + 1,
             text=TEXT * (step + 1),
             new_token_ids=[step],
             new_text=TEXT,
             finished=False,
+            all_token_ids=[*prompt, *range(step + 1)],
             metrics={"arrival_time": 0.0, "num_preemptions": 0.0, "ttft_s": 0.05},
         )
         for request_id in ids

@@ -156,19 +156,26 @@ class CapacityError(RequestError):
 
 @dataclass
 class RequestOutput:
-    """What a request produced so far. `new_*` fields hold only this step's delta (for streaming)."""
+    """What a request produced so far. `new_*` fields hold only this step's delta (for streaming).
+
+    The output's tokens and logprobs so far (`token_ids`, `logprobs`) are read on access from the
+    request's own lists, as far as they reached at this step (later steps only extend them): copying
+    them into every step's output would make each step cost in proportion to the output's length,
+    a quadratic cost over a long generation, on the engine's critical path."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    num_output_tokens: int
     text: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs | None] | None = None
-    """One per output token so far (`Sequence.logprobs`), when the request asked for them."""
+    all_token_ids: list[int] = field(default_factory=list, repr=False)
+    """The request's tokens, its prompt first (`Sequence.token_ids`)."""
+    all_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    """One per output token (`Sequence.logprobs`), when the request asked for them."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Per prompt position (None at 0), complete from the first output on; None when not asked
     for, or when the prompt ran elsewhere (a resumed request, the decode side of a hand-off)."""
@@ -176,6 +183,24 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     spec_stats: dict[str, object] = field(default_factory=dict)
     """Draft and accepted tokens, mean accepted length (bonus included), per-position acceptance."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output tokens so far."""
+        start = len(self.prompt_token_ids)
+        return self.all_token_ids[start : start + self.num_output_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None] | None:
+        """One per output token so far, when the request asked for them."""
+        return None if self.all_logprobs is None else self.all_logprobs[: self.num_output_tokens]
+
+    @property
+    def new_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """This step's: one per new token, when the request asked for them."""
+        if self.all_logprobs is None:
+            return None
+        return self.all_logprobs[self.num_output_tokens - len(self.new_token_ids) : self.num_output_tokens]
 
 
 def reblock(cache_blocks: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
@@ -750,15 +775,15 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+            num_output_tokens=seq.num_output_tokens,
             text=self.outputs.text(seq.request_id),
             new_token_ids=new_token_ids,
             new_text=self.outputs.take_delta(seq),
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            # a copy: the next step appends to the sequence's list before this output is read
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            all_token_ids=seq.token_ids,
+            all_logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
             metrics=metrics,

@@ -101,13 +101,14 @@ class RowBuilder:
         self.num_new_tokens.append(len(new))
         self.token_ids += new
         self.texts.append(output.new_text)
-        self.num_output_tokens.append(len(output.token_ids))
+        self.num_output_tokens.append(output.num_output_tokens)
         self.epochs.append(epoch)
-        if output.logprobs is not None and new:  # new tokens were sampled here: none is None
-            new_logprobs = [lp for lp in output.logprobs[-len(new) :] if lp is not None]
-            entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in new_logprobs]
+        new_logprobs = output.new_logprobs
+        if new_logprobs is not None and new:  # new tokens were sampled here: none is None
+            sampled = [lp for lp in new_logprobs if lp is not None]
+            entries = [(lp.token_id, lp.logprob, list(lp.top.items())) for lp in sampled]
             self.logprobs.append((row, entries))
-        if output.prompt_logprobs is not None and new and len(output.token_ids) == len(new):  # first row
+        if output.prompt_logprobs is not None and new and output.num_output_tokens == len(new):  # first row
             prompt = [
                 None if lp is None else (lp.token_id, lp.logprob, lp.rank, list(lp.top.items()))
                 for lp in output.prompt_logprobs

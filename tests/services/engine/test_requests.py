@@ -115,6 +115,32 @@ def test_streamed_deltas_add_up_to_the_text(llm: LLM) -> None:
     assert "".join(deltas) == final.text
 
 
+def test_each_steps_output_keeps_what_it_had_while_later_steps_run(llm: LLM) -> None:
+    """A streamed output read after later steps still holds its own step's tokens and logprobs (the
+    whole output so far, and this step's new part), though it reads them from the request's lists,
+    which the later steps extend."""
+    engine = llm.engine
+    engine.add_request(
+        "kept",
+        prompt_token_ids=random_prompts(1)[0],
+        params=SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True),
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and len(final.token_ids) == 12
+    emitted = 0
+    for out in outputs:
+        new = len(out.new_token_ids)
+        assert out.token_ids == final.token_ids[: emitted + new]
+        assert out.new_token_ids == final.token_ids[emitted : emitted + new]
+        assert out.logprobs == final.logprobs[: emitted + new]
+        assert out.new_logprobs == final.logprobs[emitted : emitted + new]
+        emitted += new
+    assert emitted == 12
+
+
 def test_logprobs_per_token(llm: LLM) -> None:
     out = llm.generate(
         prompt_token_ids=random_prompts(1),
