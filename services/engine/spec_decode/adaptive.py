@@ -120,11 +120,12 @@ COST_WINDOW = 256
 DRAFT_COST_WINDOW = 64
 DRAFT_COST_MAX_AGE_STEPS = 256
 EXPLORE_EVERY_STEPS = 32
-REFIT_EVERY_STEPS = 32
-"""The cost models are refitted at most this often: a fit is a least-squares solve per model, too
-dear to redo on every step of a fast GPU decode (~0.1 ms each on the host)."""
 """Every this many steps nobody drafts: a step of another size, so the cost slope stays measurable
 even when a busy server otherwise runs the same number of tokens every step."""
+REFIT_EVERY_STEPS = 32
+"""The cost models are refitted this often, and otherwise only while their samples are few (each
+time they double): a fit is a least-squares solve per model, too dear to redo on every step of a
+fast GPU decode (~0.1 ms each on the host)."""
 KEEP_CHOICE_STEPS = 16
 """A solved choice is kept for at most this many steps while its batch, its fits and its requests'
 acceptance hold (solving costs ~0.2 ms of host time, as much as a draft's verification at batch 1)."""
