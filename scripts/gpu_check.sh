@@ -60,7 +60,11 @@
 # widened too: naive, ngram k=5, mtp chain k=3, mtp tree, eagle3 chain k=3, eagle3 tree (TREE, default 3,2,1), and
 # mtp / eagle3 trees with an n-gram branch sharing a 16-token budget (TREE_NGRAM, default 2,2,1: 10 head drafts and
 # 5 n-gram drafts; TREE_BUDGET, default 16), fixed k, code_editing, c = 1 and 16, CUDA graphs; about 9 minutes on an
-# H100: give the offline part a call of its own). TREES_PARTS (default "tests kernel offline") splits it over calls.
+# H100: give the offline part a call of its own), and with the part c64 (not in the default) trees-c64.log +
+# offline-trees-c64.json (64 requests at once after a warm-up burst: naive, ngram, eagle3 and mtp trees with the
+# n-gram branch under adaptive speculation, the eagle3 one with k fixed too) and kernels-c64.log / phases-c64.log
+# (profile_step --kernels and --phases over the same 64 requests: where a step's device and host time go).
+# TREES_PARTS (default "tests kernel offline") splits it over calls.
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
 # stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
 # 2,048 train prompts) into specmesh-code-15m-eagle3.tgz (config.json, model.safetensors,
@@ -508,7 +512,7 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
     timeout 60 python3 -m benchmarks.tree_attention --out "$OUT/tree-attention.json" 2>&1 | tail -4
 fi
 trees_dir=/tmp/widened-trees-llama-3.2-1b  # with the EAGLE-3 head, which the other stages' widened targets lack
-if [[ " $stages " == *" trees "* && ( "$trees_parts" == *" kernel "* || "$trees_parts" == *" offline "* ) ]]; then
+if [[ " $stages " == *" trees "* && ( "$trees_parts" == *" kernel "* || "$trees_parts" == *" offline "* || "$trees_parts" == *" c64 "* ) ]]; then
     widen llama-3.2-1b $trees_dir --eagle3 models/specmesh-code-15m-eagle3
 fi
 if [[ " $stages " == *" trees "* && "$trees_parts" == *" kernel "* ]]; then
@@ -531,6 +535,25 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" offline "* ]]; then
         --concurrency 1 16 --num-requests 12 --requests-per-slot 1 --max-tokens 128 --max-num-seqs 16 \
         --cuda-graph-max-tokens 512 --no-plots --no-progress --methods $methods --out "$OUT/offline-trees.json" 2>&1 \
         | tee "$OUT/trees.log" | grep "^| [a-z]"
+fi
+if [[ " $stages " == *" trees "* && "$trees_parts" == *" c64 "* ]]; then
+    mtp='{"method":"mtp","model":"'$trees_dir/mtp'"'
+    eagle3='{"method":"eagle3","model":"'$trees_dir/eagle3'"'
+    hybrid=',"tree":['${TREE_NGRAM:-2,2,1}'],"with_ngram":true,"tree_budget":'${TREE_BUDGET:-16}'}'
+    methods=(naive ngram "eagle3-tree-ngram=$eagle3$hybrid" "eagle3-tree-ngram-fixed=$eagle3,\"adaptive\":false$hybrid"
+             "mtp-tree-ngram=$mtp$hybrid")
+    timeout 330 python3 -m benchmarks.offline --model $trees_dir/target --dtype bfloat16 --workload code_editing \
+        --num-requests 64 --requests-per-slot 1 --max-tokens 128 --concurrency 64 --cuda-graph-max-tokens 1024 \
+        --warmup-burst --no-plots --no-progress --methods "${methods[@]}" --out "$OUT/offline-trees-c64.json" 2>&1 \
+        | tee "$OUT/trees-c64.log" | grep -E "^\| [a-z]|^steps "
+    profiled=(naive ngram "${methods[4]}" "${methods[2]}")
+    for mode in kernels phases; do
+        timeout 200 python3 -m benchmarks.profile_step --device cuda --model $trees_dir/target --dtype bfloat16 \
+            --$mode --num-requests 64 --concurrency 64 --methods "${profiled[@]}" > "$OUT/$mode-c64.log" 2>&1
+        grep -E "^[a-z0-9-]+: " "$OUT/$mode-c64.log"
+    done
+fi
+if [[ " $stages " == *" trees "* ]]; then
     rm -rf $trees_dir
 fi
 if [[ " $stages " == *" eagle3train "* ]]; then
