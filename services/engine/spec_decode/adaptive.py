@@ -635,7 +635,9 @@ class AdaptiveSpeculation:
         if self._exploring(mixed) or not seqs or self._all_paused(seqs):
             return [0] * len(seqs)
         probing = self.step % PROBE_EVERY_STEPS == 1
-        self._fitted(mixed)  # refitted where due: a kept choice holds only under the fit in force
+        # refitted where due: a kept choice holds only under the fits in force
+        for kind in (False, True) if mixed else (False,):
+            self._fits_in_force(kind)
         batch = [(seq.request_id, seq.spec.max_k, seq.spec.acceptance >= self.min_acceptance) for seq in seqs]
         if not probing and self._still_holds(seqs, batch, num_other_tokens, mixed):
             assert self._kept is not None
@@ -751,12 +753,11 @@ class AdaptiveSpeculation:
         return remaining > KEEP_ZERO_SHARE * len(kept.batch)
 
     def _fitted(self, mixed: bool = False) -> tuple[StepCost, dict[str, DraftCost]]:
-        """The decode step's cost and each method's drafting cost, refitted every REFIT_EVERY_STEPS
-        steps or when a method has samples but no fit yet. A drafting model's chain runs inside
-        the step that drafts: its cost per forward is that kind of step's chain slope. The rest is
-        the decode step's: drafts are verified in the steps to come, and a mixed step's prefill
-        work is no reason to spend more on drafting there (it would be judged against a rate that
-        the prefill, not the decoding, holds down)."""
+        """The decode step's cost and each method's drafting cost (`_fits_in_force`). A drafting
+        model's chain runs inside the step that drafts: its cost per forward is that kind of step's
+        chain slope. The rest is the decode step's: drafts are verified in the steps to come, and a
+        mixed step's prefill work is no reason to spend more on drafting there (it would be judged
+        against a rate that the prefill, not the decoding, holds down)."""
         decode, fitted = self._fits_of(mixed=False)
         if mixed:
             chain_s = self._fits_of(mixed=True)[0].per_chain_step_s
@@ -765,6 +766,13 @@ class AdaptiveSpeculation:
 
     def _fits_of(self, mixed: bool) -> tuple[StepCost, dict[str, DraftCost]]:
         """The step fit of one kind of step, with each method's drafting cost."""
+        _, _, step_cost, drafting = self._fits_in_force(mixed)
+        chained = {m: DraftCost(per_forward_s=step_cost.per_chain_step_s) for m in self.max_forwards}
+        return step_cost, {**chained, **drafting}
+
+    def _fits_in_force(self, mixed: bool) -> tuple[int, int, StepCost, dict[str, DraftCost]]:
+        """The cached fits of one kind of step (`_fits`), redone where due: every REFIT_EVERY_STEPS
+        steps, each time its step samples doubled, or when a method has samples but no fit yet."""
         model = self.mixed_cost if mixed else self.cost
         num_samples = model.samples.num_recorded
         fits = self._fits.get(mixed)
@@ -780,8 +788,7 @@ class AdaptiveSpeculation:
                 model.fit(),
                 {m: c.fit(self.step) for m, c in self.draft_cost.items()},
             )
-        chained = {m: DraftCost(per_forward_s=fits[2].per_chain_step_s) for m in self.max_forwards}
-        return fits[2], {**chained, **fits[3]}
+        return fits
 
     def _choices(
         self,
