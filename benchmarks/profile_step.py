@@ -17,6 +17,12 @@ on the CPU (where `runner._run` is the forward itself): what a suffix batch at k
 With `--kernels` (a GPU), the device's side instead: the kernels the steps ran (those replayed from
 CUDA graphs included), each with its device time and launches per step, heaviest first, and the
 device's busy time per step against the step's wall time.
+
+With `--timeline PATH`, the steps one by one instead (JSON lines, one file per method: PATH with the
+method's label before the suffix): each `step()` call's start and wall time, its wait for the device,
+and the steps it launched (prefill tokens, decode rows, drafts, launched ahead or not); then each
+request's arrival and first token. The summary splits the run at the last step with prefill tokens:
+where a burst's time to first token goes, step by step, against naive's.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import argparse
 import collections
 import cProfile
 import functools
+import json
 import pstats
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,6 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --phases: each phase's CPU time on this thread instead of its wall time (on a shared "
         "machine what it would take alone; a wait for the device is then not counted)",
+    )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="PATH",
+        help="each step's times and launches as JSON lines instead (PATH gets each method's label)",
     )
     parser.add_argument(
         "--no-async-scheduling",
@@ -125,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
             print_phases(label, llm, prompts, params, args.concurrency, clock)
         elif args.kernels:
             print_kernels(label, llm, prompts, params, args.concurrency, args.rows)
+        elif args.timeline:
+            path = args.timeline.with_name(f"{args.timeline.stem}-{label or 'method'}{args.timeline.suffix}")
+            write_timeline(label, llm, prompts, params, args.concurrency, path)
         else:
             profile(llm, prompts, params, args.concurrency, args.rows)
         llm.close()
@@ -233,6 +250,92 @@ def print_kernels(
     heaviest = sorted(kernels.items(), key=lambda item: -item[1][0])[:rows]
     for name, (total_us, launches) in heaviest:
         print(f"  {total_us / num_steps:9.1f} us {launches / num_steps:6.1f}x  {name[:110]}")
+
+
+def write_timeline(
+    label: str, llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int, path: Path
+) -> None:
+    """Each `step()` call of the run as a JSON line in `path` (its start and wall time from the run's
+    start, its wait for the device, the steps it launched), then each request's first token; prints
+    the time before and after the last step with prefill tokens, and the steps' mean times. A burst
+    of the same shapes runs first, untimed."""
+    engine, runner = llm.engine, llm.engine.runner
+    steps: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+
+    def launched(function: Callable[..., Any], ahead: bool) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(batch: Any, plan: Any) -> Any:
+            prefill = sum(
+                n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_uncomputed_tokens > 1
+            )
+            current.setdefault("launched", []).append(
+                {
+                    "ahead": ahead,
+                    "seqs": len(batch.seqs),
+                    "tokens": sum(batch.num_new_tokens),
+                    "prefill_tokens": prefill,
+                    "drafts": sum(plan.num_wanted),
+                }
+            )
+            return function(batch, plan)
+
+        return wrapper
+
+    original_result = model_runner.LaunchedStep.result
+
+    def result(self: model_runner.LaunchedStep) -> Any:
+        started = time.perf_counter()
+        if self.done is not None:
+            self.done.synchronize()
+        current["wait_ms"] = current.get("wait_ms", 0.0) + (time.perf_counter() - started) * 1e3
+        return original_result(self)
+
+    original_step = engine.step
+
+    def step() -> Any:
+        current.clear()
+        started = time.perf_counter()
+        try:
+            return original_step()
+        finally:
+            ended = time.perf_counter()
+            steps.append({"start_ms": (started - t0) * 1e3, "wall_ms": (ended - started) * 1e3, **current})
+
+    runner.launch = launched(runner.launch, ahead=False)  # type: ignore[method-assign]
+    runner.launch_ahead = launched(runner.launch_ahead, ahead=True)  # type: ignore[method-assign]
+    model_runner.LaunchedStep.result = result  # type: ignore[method-assign]
+    # the burst's shapes' one-time costs first, on prompts that seed no prefix cache the run uses
+    llm.generate(
+        prompts=[f"# warm-up {i}\n{p}" for i, p in enumerate(prompts[:concurrency])], sampling_params=params
+    )
+    t0 = time.perf_counter()
+    engine.step = step  # type: ignore[method-assign]
+    try:
+        outputs = llm.generate(prompts=prompts[:concurrency], sampling_params=params)
+    finally:
+        model_runner.LaunchedStep.result = original_result  # type: ignore[method-assign]
+        for name in ("launch", "launch_ahead"):
+            delattr(runner, name)
+        del engine.step
+    ttfts = sorted(o.metrics.get("ttft_s", 0.0) * 1e3 for o in outputs)
+    with path.open("w") as handle:
+        for record in steps:
+            handle.write(json.dumps(record) + "\n")
+        handle.write(json.dumps({"ttft_ms": ttfts}) + "\n")
+    last_prefill = max(
+        (i for i, s in enumerate(steps) if any(x["prefill_tokens"] for x in s.get("launched", []))),
+        default=-1,
+    )
+    before, after = steps[: last_prefill + 1], steps[last_prefill + 1 :]
+    end_ms = steps[-1]["start_ms"] + steps[-1]["wall_ms"] if steps else 0.0
+    prefill_end_ms = before[-1]["start_ms"] + before[-1]["wall_ms"] if before else 0.0
+    print(
+        f"{label or 'method'}: {len(steps)} steps in {end_ms:.1f} ms; TTFT p50 {ttfts[len(ttfts) // 2]:.1f} ms, "
+        f"max {ttfts[-1]:.1f} ms; {len(before)} steps to the last prefill ({prefill_end_ms:.1f} ms, "
+        f"{sum(s.get('wait_ms', 0.0) for s in before):.1f} ms of it waiting), then {len(after)} steps of "
+        f"{(end_ms - prefill_end_ms) / max(len(after), 1):.3f} ms ({path})"
+    )
 
 
 def timed(

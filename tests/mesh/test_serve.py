@@ -74,6 +74,17 @@ class Served:
     def output(self) -> str:
         return self.stdout.read_text(errors="replace")
 
+    def log_tails(self, num_lines: int = 25) -> str:
+        """The last lines of serve's output and of each role's log: what a failed assertion shows."""
+        tails = [f"== serve\n{_tail(self.output(), num_lines)}"]
+        for log in sorted(self.log_dir.glob("*.log")):
+            tails.append(f"== {log.name}\n{_tail(log.read_text(errors='replace'), num_lines)}")
+        return "\n".join(tails)
+
+
+def _tail(text: str, num_lines: int) -> str:
+    return "\n".join(text.splitlines()[-num_lines:])
+
 
 @pytest.fixture(scope="module")
 def offline(mesh_model: str) -> Iterator[LLM]:
@@ -222,8 +233,13 @@ def test_redis_killed_and_down_5_s_under_16_streams_ends_none_normally_with_othe
                 )
         assert f"redis exited with code -9; restarting it in {REDIS_DOWN_S:g} s" in mesh.output()
         wait_until_healthy(mesh)  # 503 until the worker has registered again with the new Redis
-        after = asyncio.run(one_stream(mesh, LOAD_PROMPTS[0], LOAD_MAX_TOKENS))
-        assert after.done and after.text == expected_under_load[LOAD_PROMPTS[0]], after
+        try:
+            after = asyncio.run(one_stream(mesh, LOAD_PROMPTS[0], LOAD_MAX_TOKENS))
+        except TimeoutError:
+            pytest.fail(f"the request after the outage hung\n{mesh.log_tails()}")
+        assert after.done and after.text == expected_under_load[LOAD_PROMPTS[0]], (
+            f"{after}\n{mesh.log_tails()}"
+        )
     errors = [o.error for o in outcomes if o.error]
     print(f"{num_open} open at the kill; {sum(o.done for o in outcomes)} whole, errors {errors}")
 
