@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> None:
         "batch's host cost beside naive's",
     )
     parser.add_argument(
+        "--no-drafts",
+        action="store_true",
+        help="every request drafts nothing (k = 0) after the warm-up: what a drafting method's step "
+        "costs beside naive's where the controller has stopped it",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         help="methods to run one after another, naive first (benchmarks.offline's names or label={json})",
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(prompts=[requests[0].prompt], sampling_params=params)  # warm-up
         if args.pause_host_drafting:
             llm.engine.drafter.adaptive.pause(num_steps=2**62, batch=None)
+        if args.no_drafts:
+            llm.engine.drafter.adaptive.choose = lambda seqs, *_, **__: [0] * len(seqs)  # type: ignore[method-assign]
         if args.phases:
             clock = time.thread_time if args.cpu_time else time.perf_counter
             print_phases(label, llm, prompts, params, args.concurrency, clock)
