@@ -37,6 +37,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.redis_connection import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,30 @@ async def retry_transient(op: Callable[[], Awaitable[T]], what: str, deadline_s:
             delay_s = min(2 * delay_s, MAX_BACKOFF_S)
 
 
+class LoopDied(RuntimeError):
+    """One of a process's long-running loops ended while the process was not stopping."""
+
+
+async def until_stopped_or_dead(
+    stop: asyncio.Event, loops: Iterable[asyncio.Task[Any]]
+) -> asyncio.Task[Any] | None:
+    """Waits until `stop` is set or one of `loops` (tasks meant to run until the process stops)
+    ends; returns the loop that ended first (logged with what it died of), or None once stopped.
+    A process whose loop died must stop with an error, for its supervisor to start it again: run
+    on without it, it would look alive to the mesh (its heartbeat, its lease) while doing none of
+    that loop's work."""
+    loops = list(loops)
+    stopped = asyncio.create_task(stop.wait(), name="stop")
+    done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
+    await stop_tasks([stopped])
+    dead = next((loop for loop in loops if loop in done), None)
+    if dead is None or stop.is_set():
+        return None
+    error = None if dead.cancelled() else dead.exception()
+    logger.error("%s ended%s: stopping", dead.get_name(), f" ({error!r})" if error else "", exc_info=error)
+    return dead
+
+
 RECANCEL_EVERY_S = 0.5
 
 
@@ -155,7 +180,7 @@ async def connect(settings: RedisSettings, attempts: int = 30, delay_s: float = 
     more on a new one at once: after a Redis restart every pooled connection is broken, and each
     would otherwise fail one command. Longer outages are for `retry_transient` and the callers'
     own loops. Wrong credentials fail at once, naming the user."""
-    connection_class = trace.CountingConnection if trace.ENABLED else aioredis.Connection
+    connection_class = trace.CountingConnection if trace.ENABLED else Connection
     pool = aioredis.BlockingConnectionPool(
         connection_class=connection_class,
         host=settings.host,

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from redis.asyncio.connection import Connection
+from shared.redis_connection import Connection
 
 TRACE_ENV = "SPECMESH_TRACE_HOPS"
 ENABLED = os.environ.get(TRACE_ENV) == "1"

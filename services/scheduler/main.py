@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import uuid
 from typing import Any
@@ -17,7 +18,9 @@ from services.runtime import (
 )
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SchedulerOptions, SplitwiseScheduler
-from shared.bus import Bus, connect
+from shared.bus import Bus, LoopDied, connect
+
+logger = logging.getLogger(__name__)
 
 
 def add_scheduler_parser(subparsers: Any) -> None:
@@ -44,7 +47,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     import uvloop
 
     setup_logging(args.scheduler_log_level, "scheduler")
-    uvloop.run(run_scheduler(args))
+    try:
+        uvloop.run(run_scheduler(args))
+    except LoopDied as exc:  # its supervisor (serve, Kubernetes) starts it again
+        logger.error("%s: exiting", exc)
+        return 1
     return 0
 
 

@@ -38,12 +38,14 @@ from shared.bus import (
     Admission,
     Bus,
     Delivery,
+    LoopDied,
     Placement,
     as_bytes,
     as_text,
     reraise_if_cancelled,
     retry_transient,
     stop_tasks,
+    until_stopped_or_dead,
 )
 from shared.keys import SCHEDULER_GROUP
 from shared.protocol import (
@@ -151,14 +153,14 @@ class SplitwiseScheduler:
             await self.bus.ensure_group(stream, SCHEDULER_GROUP)
         await self.registry.refresh(self.bus)
         loops = [
-            asyncio.create_task(self._consume(self.keys.requests, stop)),
-            asyncio.create_task(self._consume(self.keys.scheduler_replies, stop)),
-            asyncio.create_task(self._watch(stop)),
-            asyncio.create_task(self._follow_reservations(stop)),
-            asyncio.create_task(self._keep_lease(stop)),
+            asyncio.create_task(self._consume(self.keys.requests, stop), name="requests"),
+            asyncio.create_task(self._consume(self.keys.scheduler_replies, stop), name="replies"),
+            asyncio.create_task(self._watch(stop), name="watch"),
+            asyncio.create_task(self._follow_reservations(stop), name="reservations"),
+            asyncio.create_task(self._keep_lease(stop), name="lease"),
         ]
         logger.info("scheduler ready", extra={"consumer": self.options.consumer})
-        await stop.wait()
+        dead = await until_stopped_or_dead(stop, loops)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=5)
         await stop_tasks(loops)
@@ -166,6 +168,8 @@ class SplitwiseScheduler:
             await self.bus.forget_scheduler(self.options.consumer)
         except RedisError as exc:
             logger.warning("could not give up the lease", extra={"error": str(exc)})
+        if dead is not None:
+            raise LoopDied(f"the scheduler's {dead.get_name()} loop died")
 
     async def _hold_lease(self) -> None:
         await self.bus.hold_lease(self.keys.scheduler_lease(self.options.consumer), self.options.ttl_s)

@@ -61,6 +61,7 @@ from shared.bus import (
     reraise_if_cancelled,
     retry_transient,
     stop_tasks,
+    until_stopped_or_dead,
 )
 from shared.keys import WORKER_GROUP
 from shared.protocol import (
@@ -172,18 +173,25 @@ class Worker:
         await self.bus.ensure_group(self.inbox, WORKER_GROUP)
         await self._heartbeat()
         tasks = [
-            asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._receive_loop(stop)),
-            asyncio.create_task(self._emit_loop()),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._receive_loop(stop), name="receive"),
+            asyncio.create_task(self._emit_loop(), name="emit"),
         ]
         logger.info(
             "worker ready",
             extra={"instance": self.options.instance_id, "role": self.options.role, "kv": self.kv_address},
         )
-        stopped, died = asyncio.create_task(stop.wait()), asyncio.create_task(self.core.died.wait())
-        await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
-        await stop_tasks([stopped, died])
-        if self.core.alive:
+        core_died = asyncio.create_task(self.core.died.wait(), name="engine core")
+        dead = await until_stopped_or_dead(stop, [core_died, *tasks])
+        await stop_tasks([core_died])
+        if dead is not None and dead is not core_died:
+            logger.error(
+                "leaving the mesh without its %s loop; the scheduler re-dispatches this instance's "
+                "%d request(s)",
+                dead.get_name(),
+                len(self.requests),
+            )
+        elif self.core.alive:
             await self._drain()
         else:
             logger.error(
@@ -194,7 +202,7 @@ class Worker:
             )
         await stop_tasks(tasks)
         await self.close()
-        return 0 if stop.is_set() and self.core.exit_code in (None, 0) else 1
+        return 0 if dead is None and self.core.exit_code in (None, 0) else 1
 
     async def _drain(self) -> None:
         """SIGTERM: take no more work, finish what is running (bounded), leave the registry."""

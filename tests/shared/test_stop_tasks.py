@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared.bus import stop_tasks
+from shared.bus import stop_tasks, until_stopped_or_dead
 
 
 async def test_a_task_that_swallowed_its_cancel_is_cancelled_again() -> None:
@@ -69,3 +69,25 @@ async def test_failures_of_stopped_tasks_are_logged_not_raised(caplog: pytest.Lo
         await stop_tasks(tasks)
     assert tasks[1].cancelled()
     assert "broken" in caplog.text and "the loop died earlier" in caplog.text
+
+
+async def test_until_stopped_or_dead_names_the_loop_that_died_and_nothing_once_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A process's loop that ends while the process is not stopping is returned (and logged with
+    what it died of), so that the process exits for its supervisor instead of running on without
+    it; once `stop` is set, nothing is."""
+
+    async def dies() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("the handler is closed")
+
+    stop = asyncio.Event()
+    forever = asyncio.create_task(asyncio.sleep(60), name="forever")
+    dying = asyncio.create_task(dies(), name="requests")
+    with caplog.at_level(logging.ERROR, logger="shared.bus"):
+        assert await asyncio.wait_for(until_stopped_or_dead(stop, [forever, dying]), 5) is dying
+    assert "requests ended (RuntimeError('the handler is closed'))" in caplog.text
+    stop.set()
+    assert await asyncio.wait_for(until_stopped_or_dead(stop, [forever]), 5) is None
+    await stop_tasks([forever])
