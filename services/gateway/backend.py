@@ -261,10 +261,18 @@ class RedisBackend:
             logger.warning("could not cancel %s (%s): %s", request_id, reason, exc)
 
     async def health(self) -> tuple[bool, str]:
+        """Unhealthy too once a background loop has stopped: without its output reader the gateway
+        answers nothing, without its liveness the scheduler aborts its requests, without its probe
+        this answer goes stale."""
         if self._client is None:
             return False, "not started"
-        if self._reader is None or self._reader.done():
-            return False, "the output reader has stopped"
+        for task, what in (
+            (self._reader, "the output reader"),
+            (self._liveness, "the liveness renewal"),
+            (self._health_probe, "the health probe"),
+        ):
+            if task is None or task.done():
+                return False, f"{what} has stopped"
         return self._health
 
     async def check_health(self) -> tuple[bool, str]:

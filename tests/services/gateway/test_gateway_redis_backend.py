@@ -325,6 +325,21 @@ async def test_health_needs_a_live_worker_heartbeat(backend: RedisBackend, bus: 
     assert await backend.health() == (True, "1 live worker(s)")  # the background probe's answer
 
 
+async def test_a_stopped_background_loop_is_unhealthy(backend: RedisBackend, bus: Bus) -> None:
+    """A gateway whose liveness renewal died would have its requests aborted by the scheduler, and
+    one whose probe died would answer a stale health: either is unhealthy, naming the loop."""
+    await bus.client.sadd(bus.keys.instances, "w1")
+    await bus.client.set(bus.keys.heartbeat("w1"), b"x", ex=10)
+    backend._health = await backend.check_health()
+    assert (await backend.health())[0]
+    for task, what in ((backend._health_probe, "health probe"), (backend._liveness, "liveness renewal")):
+        assert task is not None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ok, reason = await backend.health()
+        assert not ok and what in reason
+
+
 async def test_redis_gone_is_unhealthy_and_503(redis_server: Callable[[], Any]) -> None:
     """Health says so within a probe's interval, and a submit is retried (briefly here), then 503."""
     server, settings = redis_server()
