@@ -61,9 +61,11 @@
 # mtp / eagle3 trees with an n-gram branch sharing a 16-token budget (TREE_NGRAM, default 2,2,1: 10 head drafts and
 # 5 n-gram drafts; TREE_BUDGET, default 16), fixed k, code_editing, c = 1 and 16, CUDA graphs; about 9 minutes on an
 # H100: give the offline part a call of its own), and with the part c64 (not in the default) trees-c64.log +
-# offline-trees-c64.json (64 requests at once after a warm-up burst: naive, ngram, eagle3 and mtp trees with the
-# n-gram branch under adaptive speculation, the eagle3 one with k fixed too) and kernels-c64.log / phases-c64.log
-# (profile_step --kernels and --phases over the same 64 requests: where a step's device and host time go).
+# offline-trees-c64.json (64 requests at once after a warm-up burst: naive, ngram, mtp and eagle3 trees with the
+# n-gram branch under adaptive speculation, three interleaved repeats, the median kept: the host's speed drifts by
+# a third between runs, as much as the methods differ; about 3 minutes on an H200) and kernels-c64.log /
+# phases-c64.log (profile_step --kernels and --phases over the same 64 requests: where a step's device and host
+# time go).
 # TREES_PARTS (default "tests kernel offline") splits it over calls.
 # eagle3train (about 8 minutes on an H100): trains the EAGLE-3 head of specmesh-code-15m on this interpreter's
 # stdlib and site-packages (the reference split; a quarter of the steps on the base's greedy continuations of
@@ -540,13 +542,12 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" c64 "* ]]; then
     mtp='{"method":"mtp","model":"'$trees_dir/mtp'"'
     eagle3='{"method":"eagle3","model":"'$trees_dir/eagle3'"'
     hybrid=',"tree":['${TREE_NGRAM:-2,2,1}'],"with_ngram":true,"tree_budget":'${TREE_BUDGET:-16}'}'
-    methods=(naive ngram "eagle3-tree-ngram=$eagle3$hybrid" "eagle3-tree-ngram-fixed=$eagle3,\"adaptive\":false$hybrid"
-             "mtp-tree-ngram=$mtp$hybrid")
-    timeout 330 python3 -m benchmarks.offline --model $trees_dir/target --dtype bfloat16 --workload code_editing \
+    methods=(naive ngram "mtp-tree-ngram=$mtp$hybrid" "eagle3-tree-ngram=$eagle3$hybrid")
+    timeout 560 python3 -m benchmarks.offline --model $trees_dir/target --dtype bfloat16 --workload code_editing \
         --num-requests 64 --requests-per-slot 1 --max-tokens 128 --concurrency 64 --cuda-graph-max-tokens 1024 \
-        --warmup-burst --no-plots --no-progress --methods "${methods[@]}" --out "$OUT/offline-trees-c64.json" 2>&1 \
-        | tee "$OUT/trees-c64.log" | grep -E "^\| [a-z]|^steps "
-    profiled=(naive ngram "${methods[4]}" "${methods[2]}")
+        --warmup-burst --repeats 3 --no-plots --no-progress --methods "${methods[@]}" \
+        --out "$OUT/offline-trees-c64.json" 2>&1 | tee "$OUT/trees-c64.log" | grep -E "^\| [a-z]|^steps "
+    profiled=("${methods[@]}")
     for mode in kernels phases; do
         timeout 200 python3 -m benchmarks.profile_step --device cuda --model $trees_dir/target --dtype bfloat16 \
             --$mode --num-requests 64 --concurrency 64 --methods "${profiled[@]}" > "$OUT/$mode-c64.log" 2>&1
