@@ -160,7 +160,8 @@ class Worker:
     # ---- life cycle -------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Serves until `stop` (drains, returns 0) or until the engine core dies (returns 1)."""
+        """Serves until `stop` (drains, returns 0) or until the engine core or one of the worker's loops
+        dies (leaves the mesh, returns 1)."""
         if self.options.role in ("prefill", "decode"):
             options: dict[str, Any] = {"secret": self.options.kv_secret, "tls": self.options.kv_tls}
             if self.options.kv_transport == "ipc" and self.options.role == "decode":
