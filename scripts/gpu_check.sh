@@ -547,10 +547,9 @@ if [[ " $stages " == *" trees "* && "$trees_parts" == *" c64 "* ]]; then
         --num-requests 64 --requests-per-slot 1 --max-tokens 128 --concurrency 64 --cuda-graph-max-tokens 1024 \
         --warmup-burst --repeats 3 --no-plots --no-progress --methods "${methods[@]}" \
         --out "$OUT/offline-trees-c64.json" 2>&1 | tee "$OUT/trees-c64.log" | grep -E "^\| [a-z]|^steps "
-    profiled=("${methods[@]}")
     for mode in kernels phases; do
         timeout 200 python3 -m benchmarks.profile_step --device cuda --model $trees_dir/target --dtype bfloat16 \
-            --$mode --num-requests 64 --concurrency 64 --methods "${profiled[@]}" > "$OUT/$mode-c64.log" 2>&1
+            --$mode --num-requests 64 --concurrency 64 --methods "${methods[@]}" > "$OUT/$mode-c64.log" 2>&1
         grep -E "^[a-z0-9-]+: " "$OUT/$mode-c64.log"
     done
 fi
